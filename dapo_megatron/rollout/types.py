@@ -1,0 +1,81 @@
+"""Plain data records that travel between the rollout engine, the buffer and the actor.
+
+They hold python lists, not tensors: a rollout is variable-length by nature and is
+all-gathered across ranks as pickled objects (``torch.distributed.all_gather_object``),
+then packed into tensors only when the actor builds its micro-batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class Sample:
+    """One response to one prompt.
+
+    Attributes:
+        prompt_ids: chat-templated prompt token ids, length P.
+        response_ids: generated token ids, length R (R may be 0), EOS included when
+            the engine stopped on it.
+        rollout_logprobs: per-token logprob of ``response_ids`` under the engine's
+            sampling distribution (after temperature / top-p / top-k), length R, nats.
+        finish_reason: ``"stop"`` (EOS or a stop token) or ``"length"`` (hit
+            ``max_new_tokens``: truncated).
+        group_id: index of the prompt group this sample belongs to (unique per step).
+        prompt_index: row index of the prompt in its dataset (for reports and resume).
+        data_source, ground_truth, extra_info: grading inputs (DAPO schema).
+        reward: final scalar reward (score + overlong shaping), filled by the buffer.
+        score: grader score before shaping, filled by the buffer.
+        acc: grader accuracy (raw, unshaped), filled by the buffer.
+        overlong_penalty: the soft overlong term added to ``score`` (<= 0).
+        pred: the answer the grader extracted (for logs), or None.
+        advantage: group-relative advantage, filled by the trainer.
+        old_logprobs: actor logprobs of ``response_ids`` before the update, length R.
+        loss_mask_zero: True when overlong filtering removes this sample from the loss.
+    """
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_logprobs: list[float]
+    finish_reason: str
+    group_id: int = -1
+    prompt_index: int = -1
+    data_source: str = ""
+    ground_truth: str = ""
+    extra_info: Optional[dict[str, Any]] = None
+    reward: float = 0.0
+    score: float = 0.0
+    acc: bool = False
+    overlong_penalty: float = 0.0
+    pred: Optional[str] = None
+    advantage: float = 0.0
+    old_logprobs: Optional[list[float]] = None
+    loss_mask_zero: bool = False
+
+    @property
+    def response_length(self) -> int:
+        """Number of generated tokens |y| (the length Eq. 13 of the DAPO paper uses)."""
+        return len(self.response_ids)
+
+    @property
+    def total_length(self) -> int:
+        """Prompt plus response tokens: the sequence length the actor trains on."""
+        return len(self.prompt_ids) + len(self.response_ids)
+
+    @property
+    def truncated(self) -> bool:
+        return self.finish_reason == "length"
+
+
+@dataclass
+class Group:
+    """The G responses sampled for one prompt (a GRPO/DAPO group)."""
+
+    group_id: int
+    samples: list[Sample] = field(default_factory=list)
+
+    @property
+    def accs(self) -> list[bool]:
+        return [s.acc for s in self.samples]
