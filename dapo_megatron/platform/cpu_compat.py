@@ -1,0 +1,148 @@
+"""Run megatron-core on CPU processes (gloo) when CUDA is absent.
+
+megatron-core assumes a CUDA device in a handful of places. This module patches
+exactly those, and nothing else, so that the same actor code runs on a 2-core
+laptop (tests, the CPU quick start) and on H100s (where :func:`activate` is a
+no-op). The list was measured with megatron-core 0.16.1 (DESIGN.md §5):
+
+1. ``torch.cuda.current_device()`` returns ``"cpu"``: Megatron passes it as the
+   ``device=`` of new tensors (buffers, RoPE, grad buffers).
+2. ``torch.cuda.get_rng_state`` / ``set_rng_state`` / ``manual_seed`` map to the
+   CPU generator (``manual_seed_all`` is a no-op: ``torch.manual_seed`` calls it); ``torch.cuda.synchronize`` and
+   ``torch.cuda.empty_cache`` are no-ops. Megatron's RNG tracker
+   (``tensor_parallel.random``) keeps "CUDA" states for the data-parallel and
+   model-parallel streams; on CPU those become CPU generator states, so
+   ``get_cuda_rng_tracker().fork()`` still switches streams.
+3. The private ``tensor_parallel.random._get_cuda_rng_state`` /
+   ``_set_cuda_rng_state`` read and write the CPU generator.
+4. A :class:`torch.overrides.TorchFunctionMode` (:class:`_CudaToCpuMode`) rewrites
+   ``device="cuda"`` (or ``torch.device("cuda", i)``) in tensor factory calls and
+   ``.to()`` to CPU, makes ``Tensor.cuda()`` return the tensor itself, and makes
+   ``Tensor.type()`` report CPU float tensors as ``torch.cuda.FloatTensor`` (and
+   bf16/fp16 likewise): Megatron's optimizers assert on that string.
+
+Nothing here changes numerics: the patched functions only choose the device or
+RNG that megatron-core would have used on a GPU. ``activate()`` is idempotent
+and returns False (doing nothing) when CUDA is available.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_ACTIVE = False
+_LOCK = threading.Lock()
+_MODE: "_CudaToCpuMode | None" = None
+
+_TYPE_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+    torch.float16: "torch.cuda.HalfTensor",
+}
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return False
+
+
+def _cpu_device(device):
+    """Map a CUDA device spec (str, torch.device or a bare int index) to CPU."""
+    if _is_cuda(device) or (isinstance(device, int) and not isinstance(device, bool)):
+        return torch.device("cpu")
+    return device
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA placements to CPU inside every torch function call."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if "device" in kwargs:
+            kwargs["device"] = _cpu_device(kwargs["device"])
+        name = getattr(func, "__name__", "")
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            dtype = args[0].dtype
+            if dtype in _TYPE_NAMES:
+                return _TYPE_NAMES[dtype]
+        if name == "to" and args and isinstance(args[0], torch.Tensor) and len(args) > 1:
+            if _is_cuda(args[1]) or (isinstance(args[1], int) and not isinstance(args[1], bool)):
+                args = (args[0], torch.device("cpu"), *args[2:])
+        return func(*args, **kwargs)
+
+
+def _patch_torch_cuda() -> None:
+    cuda = torch.cuda
+    cuda.current_device = lambda: "cpu"
+    cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    cuda.set_rng_state = lambda new_state, device="cuda": torch.set_rng_state(new_state)
+    # torch.manual_seed itself calls torch.cuda.manual_seed_all: seed the CPU generator
+    # directly and make the "all devices" variant a no-op to avoid recursion.
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    cuda.manual_seed_all = lambda seed: None
+    cuda.random.get_rng_state = cuda.get_rng_state
+    cuda.random.set_rng_state = cuda.set_rng_state
+    cuda.synchronize = lambda device=None: None
+    cuda.empty_cache = lambda: None
+
+
+def _patch_megatron_rng() -> None:
+    try:
+        from megatron.core.tensor_parallel import random as mrandom
+    except ImportError:  # megatron-core not installed: nothing to patch
+        return
+    mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: (
+        torch.get_rng_state()
+    )
+    mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: (
+        torch.set_rng_state(new_state)
+    )
+
+    class _QuietForkWarning(logging.Filter):
+        # On CPU the "CUDA" stream and the CPU generator are the same generator, so the
+        # tracker's "CPU RNG state changed within GPU RNG context" check always fires.
+        def filter(self, record: logging.LogRecord) -> bool:
+            return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+    logging.getLogger(mrandom.__name__).addFilter(_QuietForkWarning())
+
+
+def activate(force: bool = False) -> bool:
+    """Install the CPU compatibility layer if CUDA is absent.
+
+    Args:
+        force: install even when CUDA is available (tests only).
+
+    Returns:
+        True if the layer is active after the call, False when CUDA is available
+        and nothing was changed.
+
+    Must be called before megatron-core builds models or optimizers, once per
+    process (``dapo_megatron.platform.init_distributed`` does it).
+    """
+    global _ACTIVE, _MODE
+    with _LOCK:
+        if _ACTIVE:
+            return True
+        if torch.cuda.is_available() and not force:
+            return False
+        _patch_torch_cuda()
+        _patch_megatron_rng()
+        _MODE = _CudaToCpuMode()
+        _MODE.__enter__()
+        _ACTIVE = True
+        return True
+
+
+def is_active() -> bool:
+    """Whether :func:`activate` installed the layer in this process."""
+    return _ACTIVE
