@@ -1,1 +1,55 @@
+"""Prompt data: DAPO-schema datasets, the arithmetic default task, the DALI prompt stream.
 
+* :mod:`~dapo_megatron.data.dataset`: ``DataConfig``, ``PromptRecord``,
+  ``DatasetError``, ``load_prompt_dataset`` (parquet/jsonl, validation,
+  chat template, length filter), ``resolve_data_files``.
+* :mod:`~dapo_megatron.data.arithmetic`: ``ArithmeticConfig``,
+  ``write_arithmetic_dataset`` (the embedded default task).
+* :mod:`~dapo_megatron.data.gsm8k`: GSM8K -> DAPO schema (``tools/prepare_gsm8k.py``).
+* :mod:`~dapo_megatron.data.stream`: ``PromptStream`` (DP-sharded, per-epoch
+  shuffled, exactly resumable; NVIDIA DALI CPU pipeline, imported lazily).
+"""
+
+_EXPORTS = {
+    "ArithmeticConfig": "arithmetic",
+    "write_arithmetic_dataset": "arithmetic",
+    "DataConfig": "dataset",
+    "DatasetError": "dataset",
+    "DatasetStats": "dataset",
+    "PromptDataset": "dataset",
+    "PromptRecord": "dataset",
+    "load_from_config": "dataset",
+    "load_prompt_dataset": "dataset",
+    "read_dapo_rows": "dataset",
+    "resolve_data_files": "dataset",
+    "write_dapo_rows": "dataset",
+    "PromptStream": "stream",
+}
+
+
+def __getattr__(name):
+    # Lazy exports: `python -m dapo_megatron.data.arithmetic` must not find the
+    # module pre-imported by this package (runpy warning), and importing the
+    # package should not pull in pyarrow/numpy until needed.
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(f"dapo_megatron.data.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'dapo_megatron.data' has no attribute {name!r}")
+
+
+__all__ = [
+    "ArithmeticConfig",
+    "DataConfig",
+    "DatasetError",
+    "DatasetStats",
+    "PromptDataset",
+    "PromptRecord",
+    "PromptStream",
+    "load_from_config",
+    "load_prompt_dataset",
+    "read_dapo_rows",
+    "resolve_data_files",
+    "write_arithmetic_dataset",
+    "write_dapo_rows",
+]
