@@ -1,0 +1,376 @@
+"""The rollout-engine interface: sampling parameters, outputs and weight-sync bookkeeping.
+
+An engine turns chat-templated prompt token ids into sampled responses with the per-token
+logprobs of its sampling distribution, accepts new weights by Hugging Face parameter name
+after every training step, and in colocated mode frees its accelerator memory while the
+actor trains (``sleep``) and takes it back for generation (``wake_up``).
+
+Implementations: :class:`dapo_megatron.rollout.hf_engine.HFEngine` (transformers, CPU
+default) and :class:`dapo_megatron.rollout.sglang_engine.SGLangEngine` /
+``SGLangServerEngine`` (GPU).
+
+Names follow verl's ``actor_rollout_ref.rollout`` and SGLang's sampling params.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, NamedTuple, Optional, Sequence
+
+import torch
+
+from dapo_megatron.rollout.types import Group, Sample
+
+FINISH_REASONS = ("stop", "length")
+
+
+@dataclass
+class SamplingParams:
+    """Sampling parameters of one ``generate`` call (SGLang / verl names).
+
+    Attributes:
+        n: responses per prompt (G, verl ``rollout.n``), >= 1.
+        temperature: logits are divided by it, > 0. (Greedy decoding: ``top_k=1``.)
+        top_p: nucleus mass in (0, 1]; 1.0 disables it.
+        top_k: keep the k most likely tokens; -1 disables it (0 is rejected, as in SGLang
+            it would be ambiguous).
+        max_new_tokens: generation budget per response, >= 1. A response that reaches it
+            without a stop token finishes with ``"length"`` (truncated).
+        stop_token_ids: extra token ids that end a response (the engine always also stops
+            on the model's EOS ids). The stop token is kept in the response.
+        seed: seed of the sampler's random generator. The same prompts, params and weights
+            give the same responses. ``None``: draw from the global RNG (not reproducible).
+
+    Raises:
+        ValueError: on any out-of-range field, naming it.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 64
+    stop_token_ids: tuple[int, ...] = ()
+    seed: Optional[int] = 0
+
+    def __post_init__(self):
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"SamplingParams.n must be an int >= 1 (responses per prompt), got {self.n!r}")
+        if not (isinstance(self.temperature, (int, float)) and self.temperature > 0):
+            raise ValueError(f"SamplingParams.temperature must be > 0, got {self.temperature!r}; "
+                             "for greedy decoding use top_k=1")
+        if not (isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0):
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1] (1.0 = off), got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or (self.top_k < 1 and self.top_k != -1):
+            raise ValueError(f"SamplingParams.top_k must be -1 (off) or an int >= 1, got {self.top_k!r}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
+        ids = tuple(self.stop_token_ids)
+        if any(not isinstance(t, int) or t < 0 for t in ids):
+            raise ValueError(f"SamplingParams.stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
+        self.stop_token_ids = ids
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"SamplingParams.seed must be an int or None, got {self.seed!r}")
+
+    @property
+    def filters_distribution(self) -> bool:
+        """True when top-p / top-k truncate the distribution, so the rollout logprobs are
+        not those of ``log_softmax(logits / temperature)`` that the actor computes."""
+        return self.top_p < 1.0 or self.top_k > 0
+
+
+class Completion(NamedTuple):
+    """One sampled response.
+
+    Attributes:
+        response_ids: generated token ids, length R (the stop token included when the
+            response ended on one; no padding).
+        logprobs: logprob (nats) of each token of ``response_ids`` under the engine's
+            sampling distribution, length R.
+        finish_reason: ``"stop"`` (EOS / stop token) or ``"length"`` (hit max_new_tokens).
+    """
+
+    response_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+#: ``generate``'s result: for each prompt, in input order, its ``n`` completions.
+GenerationOutput = list[list[Completion]]
+
+
+def validate_prompt_ids(prompt_ids: Sequence[Sequence[int]], vocab_size: Optional[int] = None) -> None:
+    """Check ``generate``'s ``prompt_ids`` argument: a non-empty list of non-empty int lists.
+
+    Raises:
+        ValueError: naming the offending prompt index and the fix.
+    """
+    if isinstance(prompt_ids, torch.Tensor) or not isinstance(prompt_ids, (list, tuple)) or not prompt_ids:
+        raise ValueError("prompt_ids must be a non-empty list of token-id lists (one per prompt, no padding)")
+    for i, p in enumerate(prompt_ids):
+        if isinstance(p, (str, bytes)) or not isinstance(p, (list, tuple)) or len(p) == 0:
+            raise ValueError(f"prompt_ids[{i}] must be a non-empty list of token ids, got {type(p).__name__} "
+                             f"of length {len(p) if hasattr(p, '__len__') else '?'}; tokenize (and chat-template) first")
+        bad = [t for t in p if not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size)]
+        if bad:
+            raise ValueError(f"prompt_ids[{i}] holds invalid token ids {bad[:5]} "
+                             f"(need ints in [0, {vocab_size if vocab_size is not None else 'vocab_size'}))")
+
+
+def completions_to_group(
+    group_id: int,
+    prompt_ids: list[int],
+    completions: Sequence[Completion],
+    *,
+    prompt_index: int = -1,
+    data_source: str = "",
+    ground_truth: str = "",
+    extra_info: Optional[dict[str, Any]] = None,
+) -> Group:
+    """Wrap one prompt's completions into an ungraded :class:`Group` of :class:`Sample`.
+
+    The grading fields (data_source, ground_truth, extra_info) come from the prompt's
+    dataset row (DAPO schema) and are copied into every sample.
+    """
+    samples = [
+        Sample(prompt_ids=list(prompt_ids), response_ids=list(c.response_ids), rollout_logprobs=list(c.logprobs),
+               finish_reason=c.finish_reason, group_id=group_id, prompt_index=prompt_index,
+               data_source=data_source, ground_truth=ground_truth,
+               extra_info=dict(extra_info) if extra_info is not None else None)
+        for c in completions
+    ]
+    return Group(group_id=group_id, samples=samples)
+
+
+@dataclass
+class ParamSpec:
+    """Shape and dtype of one engine parameter (the receiving side of a weight sync)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+class WeightSyncTracker:
+    """Checks one weight sync against the engine's parameter list.
+
+    A sync is ``begin(version)``, any number of ``check_and_mark(name, tensor)`` (in any
+    number of buckets), then ``finish()``. It catches the silent failures other stacks
+    shipped: a tensor whose name matches no engine parameter (mapping bug; many engines'
+    ``load_weights`` skip unknown names silently), a shape mismatch (TP shard sent instead
+    of the full tensor, vocab padding rows kept), and an engine parameter that the sync
+    never touched (a layer dropped by the PP gather).
+
+    Tied parameters: ``aliases`` maps an alias name to the canonical name of the same
+    storage (``{"lm_head.weight": "model.embed_tokens.weight"}`` for tied embeddings).
+    Sending either name updates the canonical parameter; the alias is never reported as
+    "never updated" on its own.
+
+    Args:
+        specs: canonical parameter name → :class:`ParamSpec` (full, unsharded HF shapes).
+        aliases: alias name → canonical name; every target must be in ``specs``.
+    """
+
+    def __init__(self, specs: Mapping[str, ParamSpec], aliases: Optional[Mapping[str, str]] = None):
+        self.specs = dict(specs)
+        self.aliases = dict(aliases or {})
+        for alias, target in self.aliases.items():
+            if target not in self.specs:
+                raise ValueError(f"alias {alias!r} points to {target!r}, which is not an engine parameter")
+        self._updated: Optional[set[str]] = None
+        self.version: Optional[int] = None
+
+    @property
+    def in_progress(self) -> bool:
+        return self._updated is not None
+
+    def begin(self, version: int) -> None:
+        """Start the sync of weight ``version`` (an int >= 0). A sync left unfinished is discarded."""
+        if not isinstance(version, int) or version < 0:
+            raise ValueError(f"weight version must be an int >= 0, got {version!r}")
+        self._updated = set()
+        self.version = version
+
+    def resolve(self, name: str) -> str:
+        """Canonical engine parameter name for ``name`` (alias → target)."""
+        return self.aliases.get(name, name)
+
+    def check_and_mark(self, name: str, tensor: torch.Tensor) -> str:
+        """Validate one incoming tensor and record it as updated; returns the canonical name.
+
+        Raises:
+            RuntimeError: no sync in progress (call ``begin`` first).
+            KeyError: ``name`` matches no engine parameter (with close names as a hint).
+            ValueError: ``tensor``'s shape differs from the engine parameter's.
+        """
+        if self._updated is None:
+            raise RuntimeError("update_weights: no weight sync in progress; call begin(version) first")
+        canonical = self.resolve(name)
+        spec = self.specs.get(canonical)
+        if spec is None:
+            tail = name.rsplit(".", 2)[-2:]
+            hints = [n for n in self.specs if n.endswith(".".join(tail))][:3]
+            raise KeyError(f"update_weights: tensor {name!r} matches no engine parameter"
+                           + (f" (similar: {hints})" if hints else "")
+                           + "; check the Megatron→HF name mapping")
+        if tuple(tensor.shape) != tuple(spec.shape):
+            raise ValueError(f"update_weights: tensor {name!r} has shape {tuple(tensor.shape)} but the engine "
+                             f"parameter {canonical!r} has shape {tuple(spec.shape)} (a TP shard or padded vocab "
+                             "rows sent instead of the full HF tensor?)")
+        self._updated.add(canonical)
+        return canonical
+
+    def abort(self) -> None:
+        """Discard the sync in progress (after an error); the next ``begin`` starts afresh."""
+        self._updated = None
+
+    def missing(self) -> list[str]:
+        """Canonical names not updated so far in this sync (sorted)."""
+        if self._updated is None:
+            return []
+        return sorted(set(self.specs) - self._updated)
+
+    def finish(self) -> int:
+        """End the sync; returns its version.
+
+        Raises:
+            RuntimeError: no sync in progress, or engine parameters never updated (named).
+        """
+        if self._updated is None:
+            raise RuntimeError("finish_weight_update: no weight sync in progress")
+        missing = self.missing()
+        self._updated = None
+        if missing:
+            shown = ", ".join(missing[:10]) + (f" ... (+{len(missing) - 10} more)" if len(missing) > 10 else "")
+            raise RuntimeError(f"weight sync to version {self.version} left {len(missing)} engine parameter(s) "
+                               f"never updated: {shown}")
+        return self.version
+
+
+def _validated_named_tensor(item: Any) -> tuple[str, torch.Tensor]:
+    if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
+            and isinstance(item[1], torch.Tensor)):
+        raise ValueError("update_weights: named_tensors must yield (hf_name: str, tensor: torch.Tensor) pairs, "
+                         f"got {type(item).__name__}")
+    return item
+
+
+class RolloutEngine(abc.ABC):
+    """Abstract rollout engine.
+
+    Subclasses implement :meth:`generate`, :meth:`sleep`, :meth:`wake_up`,
+    :meth:`_param_specs` (parameter list of the receiving model) and :meth:`_load_bucket`
+    (copy a list of validated full tensors into the engine). The weight-sync protocol
+    is shared:
+
+    ``update_weights(named_tensors, version)`` validates every tensor (unknown name or
+    wrong shape → error naming it), loads them in size-bounded buckets, and by default
+    (``finish=True``) ends the sync: every engine parameter must have been updated
+    (error naming the ones that were not), then ``weight_version`` becomes ``version``.
+    A sync may also be split over several calls with ``finish=False`` (e.g. one per PP
+    stage) followed by :meth:`finish_weight_update`.
+    """
+
+    #: bucket size used by ``update_weights`` (bytes); engines may override.
+    update_bucket_bytes: int = 512 * 2**20
+
+    def __init__(self):
+        self._weight_version = 0
+        self._tracker: Optional[WeightSyncTracker] = None
+
+    # ---- generation ---------------------------------------------------------------
+    @abc.abstractmethod
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> GenerationOutput:
+        """Sample ``params.n`` responses for each prompt.
+
+        Args:
+            prompt_ids: one list of chat-templated token ids per prompt (no padding).
+            params: sampling parameters.
+
+        Returns:
+            ``outputs[i][j]``: the j-th :class:`Completion` of prompt i.
+        """
+
+    @abc.abstractmethod
+    def sleep(self) -> None:
+        """Free accelerator memory (weights and KV cache) while the actor trains (colocated mode)."""
+
+    @abc.abstractmethod
+    def wake_up(self) -> None:
+        """Take memory back before generating; weights are those of the last sync."""
+
+    # ---- weight sync --------------------------------------------------------------
+    @property
+    def weight_version(self) -> int:
+        """Version of the weights the engine generates with (0 = as loaded)."""
+        return self._weight_version
+
+    @abc.abstractmethod
+    def _param_specs(self) -> tuple[dict[str, ParamSpec], dict[str, str]]:
+        """``(specs, aliases)`` of the engine model, see :class:`WeightSyncTracker`."""
+
+    @abc.abstractmethod
+    def _load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        """Copy validated full tensors (canonical or alias HF names) into the engine."""
+
+    def _on_sync_finished(self) -> None:
+        """Hook after a complete sync (e.g. flush a prefix cache)."""
+
+    def _weight_tracker(self) -> WeightSyncTracker:
+        if self._tracker is None:
+            specs, aliases = self._param_specs()
+            self._tracker = WeightSyncTracker(specs, aliases)
+        return self._tracker
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *,
+                       finish: bool = True) -> None:
+        """Load new weights by HF parameter name.
+
+        Args:
+            named_tensors: ``(hf_name, full_tensor)`` pairs (any dtype: cast to the engine's),
+                consumed lazily and loaded in buckets of ``update_bucket_bytes``.
+            version: weight version (trainer step) these tensors belong to, int >= 0.
+            finish: end the sync after this call (checks that every parameter was updated).
+                With False, more calls for the same version follow, then
+                :meth:`finish_weight_update`.
+
+        Raises:
+            KeyError: a name matches no engine parameter. ValueError: a shape differs.
+            RuntimeError: (at finish) engine parameters never updated; or a partial sync
+                of a different version is in progress.
+            On any error the buckets before the offending tensor are already loaded (as in
+            SGLang): call :meth:`abort_weight_update` and re-send the full set.
+        """
+        from dapo_megatron.rollout.buckets import iter_buckets
+
+        tracker = self._weight_tracker()
+        if tracker.in_progress and tracker.version != version:
+            raise RuntimeError(f"update_weights(version={version}) while the sync of version {tracker.version} "
+                               "is unfinished; call finish_weight_update() first")
+        if not tracker.in_progress:
+            tracker.begin(version)
+
+        def checked():
+            for item in named_tensors:
+                name, tensor = _validated_named_tensor(item)
+                tracker.check_and_mark(name, tensor)
+                yield name, tensor
+
+        for bucket in iter_buckets(checked(), self.update_bucket_bytes):
+            self._load_bucket(bucket)
+        if finish:
+            self.finish_weight_update()
+
+    def abort_weight_update(self) -> None:
+        """Discard an unfinished sync after an error. The engine's weights are then partly
+        updated: re-send the full set before generating again."""
+        if self._tracker is not None:
+            self._tracker.abort()
+
+    def finish_weight_update(self) -> int:
+        """End the current sync: raise ``RuntimeError`` naming every engine parameter that was
+        never updated; otherwise set and return ``weight_version``."""
+        version = self._weight_tracker().finish()
+        self._on_sync_finished()
+        self._weight_version = version
+        return version
