@@ -1,0 +1,331 @@
+"""Rollout buffer with DAPO dynamic sampling (arXiv 2503.14476, Sec. 3.2, Algorithm 1).
+
+One training step needs exactly ``train_batch_size`` (N) prompt groups of ``n`` (G)
+responses whose accuracies are not all equal: a group where every response is right (or
+every one is wrong) has zero advantage for all its tokens and only dilutes the gradient.
+:meth:`RolloutBuffer.collect` therefore
+
+1. starts from the surplus groups kept at the previous step (used first),
+2. calls ``generate_batch()`` for one generation batch of ungraded groups at a time,
+3. grades every response through the reward pool (text from ``decode``),
+4. shapes the reward: ``reward = score + soft overlong penalty`` (paper Eq. 13),
+5. keeps a group iff ``max(metric) - min(metric) > 0`` over its responses, on the RAW
+   accuracy by default (not on the length-shaped reward, and not ``std != 0`` on floats),
+6. stops as soon as N groups are kept, returns exactly N and carries the rest over,
+7. after ``max_num_gen_batches`` generation batches without reaching N: raises a
+   ``RuntimeError`` naming the knob (``on_cap="error"``), or returns the < N groups kept
+   so far with ``rollout/hit_cap = 1`` (``on_cap="train_on_kept"``).
+
+Single-process and deterministic: the same generation batches and grades give the same
+output. In a DP run the integration layer all-gathers the groups so that every rank runs
+this same logic on the same data and then takes its share (``dp_split.split_for_dp``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol, Sequence
+
+import torch
+
+from dapo_megatron.algorithms.overlong import OverlongConfig
+from dapo_megatron.rollout.types import Group, Sample
+
+FILTER_METRICS = ("acc", "score", "reward")
+ON_CAP = ("error", "train_on_kept")
+
+
+class RewardPoolLike(Protocol):
+    """What the buffer needs of ``dapo_megatron.rewards.RewardPool``."""
+
+    def grade(self, requests: Sequence[tuple[str, str, str, Optional[dict]]]) -> list[dict]:
+        """``(data_source, solution_str, ground_truth, extra_info)`` per response →
+        ``{"score": float, "acc": bool, "pred": str | None}`` per response, same order."""
+
+
+@dataclass
+class BufferConfig:
+    """Dynamic-sampling settings (verl ``data`` / ``actor_rollout_ref.rollout`` / ``algorithm.filter_groups``
+    names where they exist).
+
+    Attributes:
+        train_batch_size: N, prompt groups per training step (verl ``data.train_batch_size``).
+        n: G, responses per prompt (verl ``rollout.n``); >= 2 when ``filter_groups``
+            (a single response can never have mixed accuracy).
+        gen_batch_size: prompts per generation batch (verl ``data.gen_batch_size``); a
+            ``generate_batch()`` call may return at most this many groups.
+        max_num_gen_batches: cap on generation batches per step, >= 1 (verl's 0 =
+            "unlimited" is NOT accepted: with too hard or too easy data it loops forever).
+        filter_groups: dynamic sampling on (verl ``algorithm.filter_groups.enable``);
+            off keeps every group (GRPO ablation).
+        filter_metric: ``"acc"`` (raw accuracy, default and recommended), ``"score"``
+            (grader score before shaping) or ``"reward"`` (shaped reward).
+        on_cap: ``"error"`` or ``"train_on_kept"`` (see the module docstring).
+        overlong: soft overlong punishment settings (``max_response_length`` should be
+            the rollout ``max_new_tokens``).
+        overlong_filter: mask truncated responses (finish_reason "length") out of the
+            loss: sets ``Sample.loss_mask_zero`` (they still count for their group's
+            advantage statistics).
+    """
+
+    train_batch_size: int = 512
+    n: int = 16
+    gen_batch_size: int = 512
+    max_num_gen_batches: int = 10
+    filter_groups: bool = True
+    filter_metric: str = "acc"
+    on_cap: str = "error"
+    overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    overlong_filter: bool = False
+
+    def validate(self) -> "BufferConfig":
+        """Raise ``ValueError`` naming the bad field; returns self."""
+        for name in ("train_batch_size", "n", "gen_batch_size", "max_num_gen_batches"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                hint = " (0 = unlimited is not supported: it can loop forever)" if name == "max_num_gen_batches" else ""
+                raise ValueError(f"BufferConfig.{name} must be an int >= 1, got {v!r}{hint}")
+        if self.filter_groups and self.n < 2:
+            raise ValueError(f"BufferConfig.n={self.n}: dynamic sampling (filter_groups) needs n >= 2 responses "
+                             "per prompt, else every group has constant accuracy and is dropped")
+        if self.filter_metric not in FILTER_METRICS:
+            raise ValueError(f"BufferConfig.filter_metric={self.filter_metric!r} must be one of {FILTER_METRICS}")
+        if self.on_cap not in ON_CAP:
+            raise ValueError(f"BufferConfig.on_cap={self.on_cap!r} must be one of {ON_CAP}")
+        if not isinstance(self.overlong, OverlongConfig):
+            raise ValueError("BufferConfig.overlong must be a dapo_megatron.algorithms.OverlongConfig")
+        if self.overlong.enable:
+            self.overlong.validate()
+        return self
+
+
+def _sample_to_dict(s: Sample) -> dict:
+    return dataclasses.asdict(s)
+
+
+def _group_to_dict(g: Group) -> dict:
+    return {"group_id": g.group_id, "samples": [_sample_to_dict(s) for s in g.samples]}
+
+
+def _group_from_dict(d: dict) -> Group:
+    return Group(group_id=int(d["group_id"]), samples=[Sample(**s) for s in d["samples"]])
+
+
+class RolloutBuffer:
+    """Dynamic-sampling buffer; see the module docstring.
+
+    Args:
+        config: :class:`BufferConfig` (validated here).
+        reward_pool: object with ``grade(requests) -> list[dict]`` (``RewardPool``).
+        decode: token ids → response text for grading (tokenizer ``decode`` with
+            ``skip_special_tokens=True``).
+    """
+
+    def __init__(self, config: BufferConfig, reward_pool: RewardPoolLike, decode: Callable[[list[int]], str]):
+        self.config = config.validate()
+        self.reward_pool = reward_pool
+        self.decode = decode
+        self._surplus: list[Group] = []
+
+    # ---- state ----------------------------------------------------------------------
+    @property
+    def surplus(self) -> list[Group]:
+        """Kept groups waiting for the next step (graded and shaped), oldest first."""
+        return list(self._surplus)
+
+    def state_dict(self) -> dict:
+        """Plain python (lists, dicts, numbers, strings): the surplus groups, for checkpoints."""
+        return {"surplus": [_group_to_dict(g) for g in self._surplus]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the surplus written by :meth:`state_dict`."""
+        if not isinstance(state, dict) or "surplus" not in state:
+            raise ValueError("RolloutBuffer.load_state_dict: expected a dict with key 'surplus' (from state_dict())")
+        self._surplus = [_group_from_dict(d) for d in state["surplus"]]
+
+    # ---- grading ----------------------------------------------------------------------
+    def _check_batch(self, groups: Any, batch_index: int) -> list[Group]:
+        cfg = self.config
+        if not isinstance(groups, list) or not groups or not all(isinstance(g, Group) for g in groups):
+            raise ValueError(f"generate_batch() call {batch_index} must return a non-empty list of Group")
+        if len(groups) > cfg.gen_batch_size:
+            raise ValueError(f"generate_batch() call {batch_index} returned {len(groups)} groups, more than "
+                             f"BufferConfig.gen_batch_size={cfg.gen_batch_size}")
+        for g in groups:
+            if len(g.samples) != cfg.n:
+                raise ValueError(f"group {g.group_id} of generation batch {batch_index} has {len(g.samples)} "
+                                 f"responses; BufferConfig.n={cfg.n} requires exactly n per prompt")
+        return groups
+
+    def grade(self, groups: list[Group]) -> None:
+        """Grade and shape every sample of ``groups`` in place (one ``reward_pool.grade`` call):
+        sets ``score``, ``acc``, ``pred``, ``overlong_penalty``, ``reward``, ``loss_mask_zero``."""
+        samples = [s for g in groups for s in g.samples]
+        requests = [(s.data_source, self.decode(s.response_ids), s.ground_truth, s.extra_info) for s in samples]
+        results = self.reward_pool.grade(requests)
+        if len(results) != len(samples):
+            raise RuntimeError(f"reward_pool.grade returned {len(results)} results for {len(samples)} requests")
+        lengths = torch.tensor([s.response_length for s in samples], dtype=torch.long)
+        penalty = self.config.overlong.penalty(lengths).tolist()
+        for s, r, p in zip(samples, results, penalty):
+            s.score = float(r["score"])
+            s.acc = bool(r["acc"])
+            s.pred = r.get("pred")
+            s.overlong_penalty = float(p)
+            s.reward = s.score + s.overlong_penalty
+            s.loss_mask_zero = bool(self.config.overlong_filter and s.truncated)
+
+    def _metric_values(self, g: Group) -> list[float]:
+        m = self.config.filter_metric
+        if m == "acc":
+            return [float(s.acc) for s in g.samples]
+        if m == "score":
+            return [s.score for s in g.samples]
+        return [s.reward for s in g.samples]
+
+    def keep_group(self, g: Group) -> bool:
+        """Dynamic-sampling rule: ``max(metric) - min(metric) > 0`` over the group's responses."""
+        if not self.config.filter_groups:
+            return True
+        vals = self._metric_values(g)
+        return max(vals) - min(vals) > 0
+
+    # ---- the step -------------------------------------------------------------------
+    def collect(self, generate_batch: Callable[[], list[Group]]) -> tuple[list[Group], dict[str, float]]:
+        """Gather the groups of one training step.
+
+        Args:
+            generate_batch: returns the ungraded groups (``n`` samples each, at most
+                ``gen_batch_size`` groups) of the next generation batch.
+
+        Returns:
+            ``(groups, metrics)``: exactly ``train_batch_size`` graded groups (fewer only with
+            ``on_cap="train_on_kept"`` at the cap, then ``metrics["rollout/hit_cap"] == 1``;
+            possibly 0 — the trainer must skip such a step), surplus from the previous step
+            first, renumbered ``group_id = 0..len-1`` (samples too) so ids are unique per step.
+            ``metrics``: see :meth:`_metrics`.
+
+        Raises:
+            RuntimeError: ``max_num_gen_batches`` generation batches did not yield
+                ``train_batch_size`` kept groups and ``on_cap == "error"`` (the groups kept
+                so far stay in the surplus).
+            ValueError: a generation batch of the wrong shape.
+        """
+        cfg = self.config
+        kept: list[Group] = list(self._surplus)
+        surplus_in = len(kept)
+        self._surplus = []
+        generated: list[Sample] = []
+        dropped_correct = dropped_wrong = dropped_other = 0
+        num_batches = 0
+        hit_cap = False
+        while len(kept) < cfg.train_batch_size:
+            if num_batches >= cfg.max_num_gen_batches:
+                hit_cap = True
+                if cfg.on_cap == "error":
+                    self._surplus = kept
+                    raise RuntimeError(
+                        f"dynamic sampling kept {len(kept)} of train_batch_size={cfg.train_batch_size} prompt groups "
+                        f"after max_num_gen_batches={cfg.max_num_gen_batches} generation batches "
+                        f"(dropped {dropped_correct} all-correct, {dropped_wrong} all-wrong, {dropped_other} other "
+                        "constant groups). Raise max_num_gen_batches or gen_batch_size, use data of suitable "
+                        "difficulty, or set on_cap='train_on_kept'.")
+                break
+            groups = self._check_batch(generate_batch(), num_batches)
+            num_batches += 1
+            self.grade(groups)
+            for g in groups:
+                generated.extend(g.samples)
+                if self.keep_group(g):
+                    kept.append(g)
+                elif all(g.accs):
+                    dropped_correct += 1
+                elif not any(g.accs):
+                    dropped_wrong += 1
+                else:
+                    dropped_other += 1
+        out, self._surplus = kept[:cfg.train_batch_size], kept[cfg.train_batch_size:]
+        for i, g in enumerate(out):
+            g.group_id = i
+            for s in g.samples:
+                s.group_id = i
+        metrics = self._metrics(out, generated, num_batches=num_batches, surplus_in=surplus_in,
+                                dropped=(dropped_correct, dropped_wrong, dropped_other), hit_cap=hit_cap)
+        return out, metrics
+
+    def _metrics(self, out: list[Group], generated: list[Sample], *, num_batches: int, surplus_in: int,
+                 dropped: tuple[int, int, int], hit_cap: bool) -> dict[str, float]:
+        """Per-step metrics.
+
+        Over the generation batches of this step (``generated``): ``rollout/gen_tokens``
+        (response tokens generated), ``reward/{score,acc,reward,overlong_penalty}_mean``
+        (the policy's unfiltered performance), ``rollout/dropped_*``.
+        Over the returned training groups (``out``, including carried surplus):
+        ``rollout/kept_groups``, ``rollout/truncation_ratio``,
+        ``rollout/response_length_{mean,max}``, ``rollout/kept_acc_mean``.
+        ``rollout/gen_tokens_per_kept_token`` = gen_tokens / response tokens of ``out``
+        (the over-generation cost of dynamic sampling; carried surplus makes it < 1 at
+        times, averaged over steps it is the true cost). NaN where undefined.
+        """
+        train = [s for g in out for s in g.samples]
+        kept_tokens = sum(s.response_length for s in train)
+        gen_tokens = sum(s.response_length for s in generated)
+
+        def mean(xs):
+            xs = list(xs)
+            return float(sum(xs) / len(xs)) if xs else math.nan
+
+        return {
+            "rollout/gen_tokens": float(gen_tokens),
+            "rollout/num_gen_batches": float(num_batches),
+            "rollout/kept_groups": float(len(out)),
+            "rollout/dropped_all_correct": float(dropped[0]),
+            "rollout/dropped_all_wrong": float(dropped[1]),
+            "rollout/dropped_other": float(dropped[2]),
+            "rollout/surplus_in": float(surplus_in),
+            "rollout/surplus_out": float(len(self._surplus)),
+            "rollout/hit_cap": float(hit_cap),
+            "rollout/gen_tokens_per_kept_token": gen_tokens / kept_tokens if kept_tokens else math.nan,
+            "rollout/truncation_ratio": mean(s.truncated for s in train),
+            "rollout/response_length_mean": mean(s.response_length for s in train),
+            "rollout/response_length_max": float(max((s.response_length for s in train), default=0)),
+            "rollout/kept_acc_mean": mean(s.acc for s in train),
+            "reward/score_mean": mean(s.score for s in generated),
+            "reward/acc_mean": mean(s.acc for s in generated),
+            "reward/reward_mean": mean(s.reward for s in generated),
+            "reward/overlong_penalty_mean": mean(s.overlong_penalty for s in generated),
+        }
+
+
+def logprob_mismatch_metrics(samples: Sequence[Sample]) -> dict[str, float]:
+    """Rollout-vs-actor logprob mismatch over all response tokens of ``samples``.
+
+    ``|Sample.rollout_logprobs - Sample.old_logprobs|`` per token (nats), pooled over all
+    tokens. Samples whose ``old_logprobs`` is None (not recomputed) are skipped; samples
+    masked out of the loss (``loss_mask_zero``) are included. With top-p/top-k sampling the rollout logprobs
+    are those of the truncated distribution, so a non-zero mismatch is expected.
+
+    Returns:
+        ``{"rollout/logprob_diff_mean": mean over tokens, "rollout/logprob_diff_max": max}``.
+
+    Raises:
+        ValueError: a sample's two logprob lists differ in length (naming its index), or
+            no sample has ``old_logprobs``.
+    """
+    diffs = []
+    for i, s in enumerate(samples):
+        if s.old_logprobs is None:
+            continue
+        if len(s.old_logprobs) != len(s.rollout_logprobs):
+            raise ValueError(f"samples[{i}]: old_logprobs has {len(s.old_logprobs)} entries but rollout_logprobs "
+                             f"has {len(s.rollout_logprobs)} (both must cover response_ids)")
+        diffs.append(torch.tensor(s.rollout_logprobs, dtype=torch.float64)
+                     - torch.tensor(s.old_logprobs, dtype=torch.float64))
+    if not diffs:
+        raise ValueError("logprob_mismatch_metrics: no sample has old_logprobs; compute actor logprobs first")
+    d = torch.cat(diffs).abs()
+    if d.numel() == 0:
+        return {"rollout/logprob_diff_mean": 0.0, "rollout/logprob_diff_max": 0.0}
+    return {"rollout/logprob_diff_mean": float(d.mean()), "rollout/logprob_diff_max": float(d.max())}

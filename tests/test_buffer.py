@@ -1,0 +1,212 @@
+"""RolloutBuffer dynamic sampling with scripted responses and a small real grader.
+
+Responses are token-id lists; ``decode`` writes them as text ("5 7") and the grader marks
+a response correct iff its last number equals the ground truth. A group pattern such as
+"CWWW" means: first response correct, the other three wrong.
+"""
+
+import io
+import math
+
+import pytest
+import torch
+
+from dapo_megatron.algorithms.overlong import OverlongConfig
+from dapo_megatron.rollout.buffer import BufferConfig, RolloutBuffer, logprob_mismatch_metrics
+from dapo_megatron.rollout.types import Group, Sample
+
+GT = "7"
+
+
+def decode(ids):
+    return " ".join(str(t) for t in ids)
+
+
+class LastNumberGrader:
+    """Grades 'text' against the ground truth on its last whitespace-separated token."""
+
+    def __init__(self):
+        self.num_requests = 0
+
+    def grade(self, requests):
+        out = []
+        for data_source, text, gt, extra in requests:
+            pred = text.split()[-1] if text.split() else None
+            acc = pred == gt
+            out.append({"score": 1.0 if acc else -1.0, "acc": acc, "pred": pred})
+        self.num_requests += len(requests)
+        return out
+
+
+def make_group(prompt_index, pattern, lengths=None, reasons=None):
+    samples = []
+    for j, c in enumerate(pattern):
+        L = lengths[j] if lengths else 2
+        resp = [5] * (L - 1) + [7 if c == "C" else 8]
+        samples.append(Sample(prompt_ids=[1, 2, 3], response_ids=resp, rollout_logprobs=[-0.5] * L,
+                              finish_reason=reasons[j] if reasons else "stop", group_id=prompt_index,
+                              prompt_index=prompt_index, data_source="scripted", ground_truth=GT))
+    return Group(group_id=prompt_index, samples=samples)
+
+
+class Script:
+    """generate_batch() that returns pre-written generation batches in order."""
+
+    def __init__(self, batches):
+        self.batches = batches
+        self.calls = 0
+        self.next_index = 0
+
+    def __call__(self):
+        assert self.calls < len(self.batches), "buffer asked for more generation batches than scripted"
+        batch = []
+        for pattern in self.batches[self.calls]:
+            if isinstance(pattern, Group):
+                batch.append(pattern)
+            else:
+                batch.append(make_group(self.next_index, pattern))
+            self.next_index += 1
+        self.calls += 1
+        return batch
+
+
+def make_buffer(**kw):
+    cfg = dict(train_batch_size=2, n=4, gen_batch_size=4, max_num_gen_batches=4,
+               overlong=OverlongConfig(enable=False))
+    cfg.update(kw)
+    return RolloutBuffer(BufferConfig(**cfg), LastNumberGrader(), decode)
+
+
+def check_shape(groups, n):
+    assert all(len(g.samples) == n for g in groups)
+    assert [g.group_id for g in groups] == list(range(len(groups)))
+    assert all(s.group_id == g.group_id for g in groups for s in g.samples)
+
+
+def test_all_correct_and_all_wrong_groups_dropped():
+    buf = make_buffer()
+    script = Script([["CCCC", "WWWW", "CWCW", "WWWC"]])
+    out, m = buf.collect(script)
+    assert [g.samples[0].prompt_index for g in out] == [2, 3]
+    check_shape(out, 4)
+    assert m["rollout/dropped_all_correct"] == 1 and m["rollout/dropped_all_wrong"] == 1
+    assert m["rollout/kept_groups"] == 2 and m["rollout/num_gen_batches"] == 1 and script.calls == 1
+    assert [s.acc for s in out[0].samples] == [True, False, True, False]
+    assert [s.score for s in out[1].samples] == [-1.0, -1.0, -1.0, 1.0]
+    assert m["reward/acc_mean"] == pytest.approx((4 + 0 + 2 + 1) / 16)
+    assert m["rollout/gen_tokens"] == 16 * 2 and m["rollout/gen_tokens_per_kept_token"] == pytest.approx(32 / 16)
+
+
+def test_over_generates_then_carries_surplus_first():
+    buf = make_buffer()
+    script = Script([["CCCC", "CWWW"], ["WWWW", "WWWW"], ["CCWW", "WCWC"], ["WCCC", "CCCC"]])
+    out, m = buf.collect(script)
+    assert [g.samples[0].prompt_index for g in out] == [1, 4]
+    assert m["rollout/num_gen_batches"] == 3 and m["rollout/surplus_out"] == 1
+    assert [g.samples[0].prompt_index for g in buf.surplus] == [5]
+    out2, m2 = buf.collect(script)
+    assert [g.samples[0].prompt_index for g in out2] == [5, 6], "surplus must be used first"
+    assert m2["rollout/surplus_in"] == 1 and m2["rollout/num_gen_batches"] == 1 and m2["rollout/surplus_out"] == 0
+    check_shape(out2, 4)
+    assert script.calls == 4
+
+
+def test_cap_reached_raises_naming_the_knob():
+    buf = make_buffer(max_num_gen_batches=3)
+    script = Script([["WWWW", "CWWW"], ["CCCC", "WWWW"], ["WWWW", "WWWW"], ["CWCW", "CWCW"]])
+    with pytest.raises(RuntimeError, match=r"max_num_gen_batches=3.*kept 1 of train_batch_size=2|"
+                                           r"kept 1 of train_batch_size=2.*max_num_gen_batches=3"):
+        buf.collect(script)
+    assert script.calls == 3, "must stop at the cap, not loop on"
+    assert [g.samples[0].prompt_index for g in buf.surplus] == [1], "kept groups are not thrown away"
+
+
+def test_cap_train_on_kept_returns_fewer_and_says_so():
+    buf = make_buffer(max_num_gen_batches=2, on_cap="train_on_kept", train_batch_size=3)
+    out, m = buf.collect(Script([["WWWW", "CWWW"], ["CCCC", "CCWW"]]))
+    assert len(out) == 2 and m["rollout/hit_cap"] == 1.0 and m["rollout/kept_groups"] == 2
+    check_shape(out, 4)
+    out, m = make_buffer(max_num_gen_batches=1, on_cap="train_on_kept").collect(Script([["WWWW", "CCCC"]]))
+    assert out == [] and m["rollout/hit_cap"] == 1.0 and math.isnan(m["rollout/response_length_mean"])
+
+
+def test_filter_on_raw_accuracy_not_on_shaped_reward():
+    ol = OverlongConfig(enable=True, max_response_length=8, overlong_buffer_len=4)
+    lengths = [2, 5, 8, 3]  # Eq. 13 with L_max 8, L_cache 4: penalties 0, -0.25, -1, 0
+    group = make_group(0, "CCCC", lengths=lengths)
+    mixed = make_group(1, "CWCW")
+    buf = make_buffer(train_batch_size=1, overlong=ol, max_num_gen_batches=2)
+    out, m = buf.collect(Script([[group, mixed]]))
+    assert [g.samples[0].prompt_index for g in out] == [1] and m["rollout/dropped_all_correct"] == 1
+    assert [s.overlong_penalty for s in group.samples] == [0.0, -0.25, -1.0, 0.0]
+    assert [s.reward for s in group.samples] == [1.0, 0.75, 0.0, 1.0]
+    # filtering on the shaped reward would have kept the all-correct group
+    group2 = make_group(0, "CCCC", lengths=lengths)
+    out, _ = make_buffer(train_batch_size=1, overlong=ol, filter_metric="reward").collect(Script([[group2]]))
+    assert out[0].samples[0].prompt_index == 0
+
+
+def test_truncated_responses_and_overlong_filter():
+    reasons = ["length", "stop", "length", "stop"]
+    g = make_group(0, "CWWW", lengths=[6, 3, 6, 2], reasons=reasons)
+    g2 = make_group(1, "CCWC", lengths=[2, 2, 2, 2])
+    buf = make_buffer(overlong_filter=True)
+    out, m = buf.collect(Script([[g, g2]]))
+    assert [s.loss_mask_zero for s in out[0].samples] == [True, False, True, False]
+    assert not any(s.loss_mask_zero for s in out[1].samples)
+    assert m["rollout/truncation_ratio"] == pytest.approx(2 / 8)
+    assert m["rollout/response_length_mean"] == pytest.approx((6 + 3 + 6 + 2 + 8) / 8)
+    assert m["rollout/response_length_max"] == 6
+    out, _ = make_buffer().collect(Script([[make_group(0, "CWWW", lengths=[6, 3, 6, 2], reasons=reasons), g2]]))
+    assert not any(s.loss_mask_zero for s in out[0].samples), "overlong_filter off masks nothing"
+
+
+def test_state_dict_roundtrip_and_determinism():
+    batches = [["CWWW", "CCWW", "CCCW", "WWWW"], ["CWCW", "WWWC", "CCCC", "CWWW"]]
+    a = make_buffer()
+    script_a = Script(batches)
+    a.collect(script_a)
+    blob = io.BytesIO()
+    torch.save(a.state_dict(), blob)
+    blob.seek(0)
+    b = make_buffer()
+    b.load_state_dict(torch.load(blob, weights_only=True))  # plain python types only
+    script_b = Script(batches[1:])
+    script_b.next_index = script_a.next_index
+    out_a, m_a = a.collect(script_a)
+    out_b, m_b = b.collect(script_b)
+    assert out_a == out_b and m_a == m_b
+    assert [g.samples[0].prompt_index for g in out_a] == [2, 4]
+
+
+def test_filter_groups_off_keeps_everything():
+    out, m = make_buffer(filter_groups=False).collect(Script([["CCCC", "WWWW"]]))
+    assert [g.samples[0].prompt_index for g in out] == [0, 1] and m["rollout/dropped_all_wrong"] == 0
+
+
+@pytest.mark.parametrize("kw,field", [(dict(max_num_gen_batches=0), "max_num_gen_batches"),
+                                      (dict(n=1), "BufferConfig.n"), (dict(filter_metric="std"), "filter_metric"),
+                                      (dict(on_cap="skip"), "on_cap"), (dict(train_batch_size=0), "train_batch_size")])
+def test_config_validation(kw, field):
+    with pytest.raises(ValueError, match=field):
+        make_buffer(**kw)
+
+
+def test_bad_generation_batch_rejected():
+    with pytest.raises(ValueError, match="BufferConfig.n=4"):
+        make_buffer().collect(Script([[make_group(0, "CWC")]]))
+    with pytest.raises(ValueError, match="gen_batch_size=1"):
+        make_buffer(gen_batch_size=1).collect(Script([["CWCW", "CWCW"]]))
+
+
+def test_logprob_mismatch_metrics():
+    a = Sample([1], [4, 5], [-1.0, -2.0], "stop", old_logprobs=[-1.5, -2.0])
+    b = Sample([1], [6], [-0.1], "stop", old_logprobs=[-0.4])
+    c = Sample([1], [6], [-9.0], "stop")  # no actor logprobs: skipped
+    m = logprob_mismatch_metrics([a, b, c])
+    assert m["rollout/logprob_diff_mean"] == pytest.approx((0.5 + 0.0 + 0.3) / 3)
+    assert m["rollout/logprob_diff_max"] == pytest.approx(0.5)
+    with pytest.raises(ValueError, match=r"samples\[0\]"):
+        logprob_mismatch_metrics([Sample([1], [4], [-1.0], "stop", old_logprobs=[-1.0, -2.0])])
+    with pytest.raises(ValueError, match="old_logprobs"):
+        logprob_mismatch_metrics([c])
