@@ -1,1 +1,29 @@
+"""HF config → megatron-core TransformerConfig + layer spec + GPTModel (local on CPU, TE/FP8 on GPU)."""
 
+from .builder import build_gpt_model, layer_spec, load_hf_config
+from .config import (
+    ModelConfig,
+    check_hf_config,
+    gpt_rope_kwargs,
+    head_dim,
+    hf_to_transformer_config,
+    padded_vocab_size,
+    resolve_transformer_impl,
+    rope_parameters,
+    validate_fp8,
+)
+
+__all__ = [
+    "ModelConfig",
+    "build_gpt_model",
+    "check_hf_config",
+    "gpt_rope_kwargs",
+    "head_dim",
+    "hf_to_transformer_config",
+    "layer_spec",
+    "load_hf_config",
+    "padded_vocab_size",
+    "resolve_transformer_impl",
+    "rope_parameters",
+    "validate_fp8",
+]

@@ -1,0 +1,120 @@
+"""Build a megatron-core ``GPTModel`` from an HF config on the current parallel state."""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from .config import (
+    ModelConfig,
+    check_hf_config,
+    gpt_rope_kwargs,
+    hf_to_transformer_config,
+    padded_vocab_size,
+    resolve_transformer_impl,
+)
+
+
+def load_hf_config(path: str, gguf_file: Optional[str] = None):
+    """Read an HF ``PretrainedConfig`` from a model directory (config.json) or a GGUF file.
+
+    Args:
+        path: directory with config.json, or with the GGUF file named by ``gguf_file``.
+        gguf_file: GGUF file name inside ``path``.
+
+    Raises:
+        FileNotFoundError: ``path`` (or the GGUF file) does not exist.
+        ValueError: the config's model_type is not supported (see ``check_hf_config``).
+    """
+    from transformers import AutoConfig
+
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"HF model directory {path!r} does not exist")
+    if gguf_file is not None and not os.path.isfile(os.path.join(path, gguf_file)):
+        raise FileNotFoundError(f"gguf_file {gguf_file!r} not found in {path!r}")
+    cfg = AutoConfig.from_pretrained(path, gguf_file=gguf_file) if gguf_file else AutoConfig.from_pretrained(path)
+    check_hf_config(cfg)
+    return cfg
+
+
+def layer_spec(hf_config, model_cfg: ModelConfig):
+    """The megatron-core transformer layer spec for this model: local or Transformer Engine.
+
+    With the local spec the pre-attention / pre-MLP RMSNorms are separate modules
+    (``input_layernorm``, ``pre_mlp_layernorm``); with the TE spec they are fused into
+    ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``. The bridge
+    handles both parameter name sets.
+    """
+    qk_norm = check_hf_config(hf_config) == "qwen3"
+    if resolve_transformer_impl(model_cfg) == "transformer_engine":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    return get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
+
+
+def build_gpt_model(
+    hf_config,
+    model_cfg: Optional[ModelConfig] = None,
+    *,
+    pre_process: Optional[bool] = None,
+    post_process: Optional[bool] = None,
+    vp_stage: Optional[int] = None,
+):
+    """Build the ``GPTModel`` (this rank's TP shard of this rank's PP stage).
+
+    Megatron's parallel state must be initialised
+    (:func:`dapo_megatron.platform.init_distributed`). Weights are randomly initialised
+    (``init_method_std`` = HF ``initializer_range``); load real ones with
+    :func:`dapo_megatron.bridge.load_hf_weights` or
+    :func:`dapo_megatron.bridge.load_model_checkpoint`.
+
+    Args:
+        hf_config: HF LlamaConfig / Qwen2Config / Qwen3Config.
+        model_cfg: dtype, vocab padding, spec and FP8 choices; ``ModelConfig()`` if None.
+        pre_process / post_process: whether this stage holds the embedding / the final
+            norm and output layer; default from the PP rank (first / last stage).
+        vp_stage: virtual pipeline stage index (None without interleaving).
+
+    Returns:
+        ``megatron.core.models.gpt.GPTModel`` with ``vocab_size`` =
+        :func:`padded_vocab_size` (real vocab padded to ``make_vocab_size_divisible_by × TP``),
+        ``share_embeddings_and_output_weights`` = ``hf_config.tie_word_embeddings`` (with
+        PP > 1 megatron-core keeps a copy on the last stage, synchronised through the
+        embedding group), RoPE from :func:`gpt_rope_kwargs`. The HF config is attached
+        as ``model.hf_config`` and the real vocab size as ``model.real_vocab_size``.
+
+    Raises:
+        ValueError: see :func:`hf_to_transformer_config`.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    from dapo_megatron.platform import ParallelConfig
+
+    model_cfg = model_cfg or ModelConfig()
+    tp = ps.get_tensor_model_parallel_world_size()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    config = hf_to_transformer_config(hf_config, ParallelConfig(tp, pp), model_cfg)
+    if pre_process is None:
+        pre_process = ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    if post_process is None:
+        post_process = ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(hf_config, model_cfg),
+        vocab_size=padded_vocab_size(hf_config.vocab_size, model_cfg.make_vocab_size_divisible_by, tp),
+        max_sequence_length=hf_config.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        position_embedding_type="rope",
+        vp_stage=vp_stage,
+        **gpt_rope_kwargs(hf_config),
+    )
+    model.hf_config = hf_config
+    model.real_vocab_size = hf_config.vocab_size
+    model.model_cfg = model_cfg
+    return model
