@@ -1,0 +1,127 @@
+"""split_for_dp: token-balanced DP ranks, token-budget micro-batches, equal micro-batch counts."""
+
+import itertools
+import warnings
+
+import pytest
+
+from dapo_megatron.algorithms.overlong import OverlongConfig
+from dapo_megatron.rollout.buffer import BufferConfig, RolloutBuffer
+from dapo_megatron.rollout.dp_split import padding_stats, split_for_dp
+from dapo_megatron.rollout.types import Group, Sample
+
+
+def samples_of(lengths, prompt_len=2):
+    return [Sample(prompt_ids=[1] * prompt_len, response_ids=[5] * (L - prompt_len), rollout_logprobs=[0.0] * (L - prompt_len),
+                   finish_reason="stop") for L in lengths]
+
+
+def check_plan(plan, lengths, dp_size, budget):
+    assert len(plan) == dp_size
+    counts = {len(mbs) for mbs in plan}
+    assert len(counts) == 1, f"unequal micro-batch counts per rank: {[len(m) for m in plan]}"
+    flat = [i for mbs in plan for mb in mbs for i in mb]
+    assert sorted(flat) == list(range(len(lengths))), "every sample exactly once"
+    for mbs in plan:
+        for mb in mbs:
+            assert mb, "empty micro-batch"
+            assert sum(lengths[i] for i in mb) <= budget or len(mb) == 1
+
+
+def rank_tokens(plan, lengths):
+    return [sum(lengths[i] for mb in mbs for i in mb) for mbs in plan]
+
+
+def test_odd_number_of_kept_prompts_over_two_ranks():
+    # the buffer keeps 3 prompts × 3 responses = 9 samples: an odd count over 2 DP ranks
+    class Grader:
+        def grade(self, reqs):
+            return [{"score": float(t == g), "acc": t == g, "pred": t} for _, t, g, _ in reqs]
+
+    def batch():
+        groups = []
+        for p, (pattern, lens) in enumerate([("ywy", (3, 9, 4)), ("yyw", (12, 2, 7)), ("wyy", (5, 5, 30))]):
+            groups.append(Group(p, [Sample([1, 2], [0] * (L - 1) + [ord(c)], [0.0] * L, "stop", prompt_index=p,
+                                           ground_truth="y") for c, L in zip(pattern, lens)]))
+        return groups
+
+    buf = RolloutBuffer(BufferConfig(train_batch_size=3, n=3, gen_batch_size=3, max_num_gen_batches=1,
+                                     overlong=OverlongConfig(enable=False)), Grader(), lambda ids: chr(ids[-1]))
+    groups, _ = buf.collect(batch)
+    samples = [s for g in groups for s in g.samples]
+    assert len(samples) == 9
+    lengths = [s.total_length for s in samples]
+    plan = split_for_dp(samples, 2, max_tokens_per_micro_batch=16)
+    check_plan(plan, lengths, 2, 16)
+    sizes = sorted(sum(len(mb) for mb in mbs) for mbs in plan)
+    assert sum(sizes) == 9 and sizes[0] >= 1
+    tokens = rank_tokens(plan, lengths)
+    best = min(abs(2 * sum(lengths[i] for i in c) - sum(lengths))
+               for k in range(10) for c in itertools.combinations(range(9), k))
+    assert abs(tokens[0] - tokens[1]) <= max(best, max(lengths))  # LPT: within one sample of the optimum gap
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_balance_close_to_optimal(seed):
+    import random
+
+    rng = random.Random(seed)
+    lengths = [rng.choice([3, 5, 40, 200, 700]) + rng.randint(0, 9) for _ in range(10)]
+    for dp in (2, 3):
+        plan = split_for_dp(samples_of(lengths), dp, max_tokens_per_micro_batch=800)
+        check_plan(plan, lengths, dp, 800)
+        # brute-force optimal makespan over all assignments of 10 samples to dp ranks
+        opt = min(max(sum(L for L, r in zip(lengths, assign) if r == k) for k in range(dp))
+                  for assign in itertools.product(range(dp), repeat=len(lengths)))
+        assert max(rank_tokens(plan, lengths)) <= (4 / 3) * opt  # Graham's LPT bound
+
+
+def test_wildly_uneven_lengths():
+    lengths = [1000] + [10] * 20 + [900]
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        plan = split_for_dp(samples_of(lengths), 2, max_tokens_per_micro_batch=950)
+    assert any("more than max_tokens_per_micro_batch=950" in str(x.message) for x in w)
+    check_plan(plan, lengths, 2, 950)
+    assert rank_tokens(plan, lengths) == [1050, 1050]  # total 2100: a perfect split exists and is found
+    # a rank holding only the one long sample cannot be cut into the 5 micro-batches the other needs
+    with pytest.raises(ValueError, match=r"DP rank \d holds 1 samples but every rank needs 5 micro-batches"):
+        split_for_dp(samples_of([1000] + [10] * 20), 2, max_tokens_per_micro_batch=40)
+
+
+def test_budget_edges():
+    lengths = [4, 4, 4, 4]
+    plan = split_for_dp(samples_of(lengths), 1, max_tokens_per_micro_batch=8)
+    assert plan == [[[0, 1], [2, 3]]]  # exactly at the budget: two per micro-batch
+    assert split_for_dp(samples_of(lengths), 1, max_tokens_per_micro_batch=7) == [[[0], [1], [2], [3]]]
+    assert split_for_dp(samples_of(lengths), 1, max_tokens_per_micro_batch=10**6) == [[[0, 1, 2, 3]]]
+    # equalising counts: rank 1 must split its single micro-batch to match rank 0's two
+    lengths = [9, 9, 3, 3, 3, 3, 3, 3]
+    plan = split_for_dp(samples_of(lengths), 2, max_tokens_per_micro_batch=10)
+    check_plan(plan, lengths, 2, 10)
+    with pytest.raises(ValueError, match="max_tokens_per_micro_batch"):
+        split_for_dp(samples_of(lengths), 2, max_tokens_per_micro_batch=0)
+    with pytest.raises(ValueError, match="cannot split 2 samples over dp_size=3"):
+        split_for_dp(samples_of([4, 4]), 3, 8)
+
+
+def test_deterministic():
+    lengths = [7, 3, 7, 3, 12, 1, 1, 5, 5, 9, 2]
+    a = split_for_dp(samples_of(lengths), 2, 12)
+    b = split_for_dp(samples_of(lengths), 2, 12)
+    assert a == b
+    check_plan(a, lengths, 2, 12)
+
+
+def test_padding_stats_hand_computed():
+    samples = samples_of([3, 5, 4])
+    plan = [[[0, 1], [2]]]
+    st = padding_stats(samples, plan)
+    assert st["padding/real_tokens"] == 12
+    assert st["padding/padded_tokens"] == 2 * 5 + 4 and st["padding/padded_share"] == pytest.approx(2 / 14)
+    assert st["padding/packed_tokens"] == 12 and st["padding/packed_share"] == 0.0
+    st = padding_stats(samples, plan, packed_sequence_multiple=4, pad_to_multiple=8)
+    # padded: max lengths rounded to 8 → 2*8 + 8; packed: [4+8]→16, [4]→8
+    assert st["padding/padded_tokens"] == 24 and st["padding/packed_tokens"] == 24
+    st2 = padding_stats(samples_of([6, 2, 4, 4]), [[[0]], [[1, 2, 3]]])
+    assert st2["dp/token_imbalance"] == pytest.approx(10 / 8)
