@@ -1,0 +1,313 @@
+"""Experiment tracking over MLflow, plus a rank-0 progress bar.
+
+Default (embedded): a local sqlite store in the run directory,
+``sqlite:///<run_dir>/mlflow.db`` with artifacts under ``<run_dir>/mlartifacts``;
+view it with ``mlflow ui --backend-store-uri sqlite:///<run_dir>/mlflow.db``.
+Any tracking URI (``http://host:5000``, ``databricks``, ...) can be set with
+``TrackingConfig.tracking_uri``.
+
+Robustness: only rank 0 logs. Every metric row is always appended to
+``<run_dir>/metrics.jsonl`` (``{"step": int, "time": unix s, <key>: float}``)
+so a run keeps its numbers even if MLflow fails. If the tracking server cannot
+be reached (at start or later) training continues: one warning is logged and
+from then on metrics go to the JSONL file only (texts to ``<run_dir>/texts/``).
+To keep MLflow from blocking training, ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` and
+``MLFLOW_HTTP_REQUEST_TIMEOUT`` are set (unless already set by the user) from
+the config before the client is created.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+logger = logging.getLogger(__name__)
+
+MAX_PARAM_VALUE_CHARS = 6000  # MLflow's limit on a param value
+MLFLOW_BATCH_LIMIT = 100  # params per log_batch call
+
+
+@dataclass
+class TrackingConfig:
+    """Tracking settings (``trainer.tracking.*``).
+
+    Attributes:
+        tracking_uri: MLflow tracking URI; ``None`` means ``sqlite:///<run_dir>/mlflow.db``.
+        experiment_name: MLflow experiment (created if missing).
+        run_name: MLflow run name; ``None`` lets MLflow choose.
+        use_mlflow: ``False`` writes only the JSONL file.
+        http_max_retries: value for ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` (HTTP URIs).
+        http_timeout_s: value for ``MLFLOW_HTTP_REQUEST_TIMEOUT`` in seconds.
+        metrics_file: JSONL file name inside the run directory.
+    """
+
+    tracking_uri: str | None = None
+    experiment_name: str = "dapo"
+    run_name: str | None = None
+    use_mlflow: bool = True
+    http_max_retries: int = 0
+    http_timeout_s: int = 5
+    metrics_file: str = "metrics.jsonl"
+
+
+def flatten_dict(d: Mapping[str, Any], prefix: str = "", sep: str = ".") -> dict[str, Any]:
+    """``{"a": {"b": 1}, "c": [1, 2]} -> {"a.b": 1, "c": [1, 2]}``; dataclasses become dicts."""
+    out: dict[str, Any] = {}
+    if dataclasses.is_dataclass(d) and not isinstance(d, type):
+        d = dataclasses.asdict(d)
+    for key, value in d.items():
+        name = f"{prefix}{sep}{key}" if prefix else str(key)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            value = dataclasses.asdict(value)
+        if isinstance(value, Mapping):
+            out.update(flatten_dict(value, name, sep))
+        else:
+            out[name] = value
+    return out
+
+
+def _default_rank() -> int:
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank()
+    except ImportError:  # pragma: no cover
+        pass
+    return int(os.environ.get("RANK", "0"))
+
+
+def _to_float(key: str, value: Any) -> float:
+    if hasattr(value, "item"):  # torch / numpy scalars
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"log_metrics: metric '{key}' must be a number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+class Tracker:
+    """Log params, metrics and texts of one training run (rank 0 only).
+
+    Args:
+        run_dir: the run directory (created); holds ``metrics.jsonl`` and, by
+            default, the MLflow sqlite store and artifacts.
+        config: :class:`TrackingConfig`.
+        rank: global rank; ``None`` reads ``torch.distributed`` or ``$RANK``.
+            Ranks other than 0 do nothing.
+
+    Attributes:
+        mlflow_active: whether metrics still go to MLflow.
+        run_id: MLflow run id (``None`` without MLflow).
+    """
+
+    def __init__(self, run_dir: str, config: TrackingConfig | None = None, rank: int | None = None):
+        self.config = config or TrackingConfig()
+        self.run_dir = os.path.abspath(run_dir)
+        self.rank = _default_rank() if rank is None else rank
+        self.enabled = self.rank == 0
+        self.mlflow_active = False
+        self.run_id: str | None = None
+        self._client = None
+        self._jsonl = None
+        if not self.enabled:
+            return
+        os.makedirs(self.run_dir, exist_ok=True)
+        self.metrics_path = os.path.join(self.run_dir, self.config.metrics_file)
+        self._jsonl = open(self.metrics_path, "a", encoding="utf-8")
+        if self.config.use_mlflow:
+            self._start_mlflow()
+
+    @property
+    def tracking_uri(self) -> str:
+        """The MLflow tracking URI in use (the sqlite default if unset)."""
+        return self.config.tracking_uri or f"sqlite:///{os.path.join(self.run_dir, 'mlflow.db')}"
+
+    def _start_mlflow(self) -> None:
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(self.config.http_max_retries))
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(self.config.http_timeout_s))
+        try:
+            from mlflow.tracking import MlflowClient
+
+            client = MlflowClient(tracking_uri=self.tracking_uri)
+            exp = client.get_experiment_by_name(self.config.experiment_name)
+            if exp is not None:
+                exp_id = exp.experiment_id
+            elif self.config.tracking_uri is None:
+                artifacts = "file://" + os.path.join(self.run_dir, "mlartifacts")
+                exp_id = client.create_experiment(self.config.experiment_name, artifact_location=artifacts)
+            else:
+                exp_id = client.create_experiment(self.config.experiment_name)
+            run = client.create_run(exp_id, run_name=self.config.run_name)
+        except Exception as exc:  # unreachable server, bad URI, DB error: never stop training
+            self._disable_mlflow(exc)
+            return
+        self._client = client
+        self.run_id = run.info.run_id
+        self.mlflow_active = True
+
+    def _disable_mlflow(self, exc: BaseException) -> None:
+        logger.warning(
+            "MLflow tracking at %s failed (%s: %s); continuing, metrics go to %s only",
+            self.tracking_uri,
+            type(exc).__name__,
+            str(exc).splitlines()[0][:300] if str(exc) else "",
+            self.metrics_path,
+        )
+        self.mlflow_active = False
+        self._client = None
+
+    # ------------------------------------------------------------------ logging
+
+    def log_params(self, params: Mapping[str, Any]) -> None:
+        """Log a (nested) dict or dataclass of hyper-parameters, flattened to ``a.b.c`` keys.
+
+        Values are stored as strings (truncated to MLflow's 6000 characters) and
+        also written to ``<run_dir>/params.json``.
+        """
+        if not self.enabled:
+            return
+        flat = {k: v if isinstance(v, (int, float, bool, type(None))) else str(v) for k, v in flatten_dict(params).items()}
+        path = os.path.join(self.run_dir, "params.json")
+        existing = {}
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                existing = json.load(f)
+        existing.update(flat)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(existing, f, indent=1, sort_keys=True)
+        if not self.mlflow_active:
+            return
+        from mlflow.entities import Param
+
+        items = [Param(k, str(v)[:MAX_PARAM_VALUE_CHARS]) for k, v in flat.items()]
+        try:
+            for i in range(0, len(items), MLFLOW_BATCH_LIMIT):
+                self._client.log_batch(self.run_id, params=items[i : i + MLFLOW_BATCH_LIMIT])
+        except Exception as exc:
+            self._disable_mlflow(exc)
+
+    def log_metrics(self, metrics: Mapping[str, Any], step: int) -> None:
+        """Log scalar metrics at a training step.
+
+        Args:
+            metrics: ``{name: number}`` (python/numpy/torch scalars). NaN/inf are
+                kept in the JSONL file (as ``NaN``/``Infinity``) and passed to MLflow.
+            step: the global training step (int >= 0).
+
+        Raises:
+            TypeError: a value is not a number (names the metric).
+            ValueError: ``step`` is negative.
+        """
+        if not self.enabled:
+            return
+        if int(step) != step or step < 0:
+            raise ValueError(f"log_metrics: step must be an int >= 0, got {step!r}")
+        values = {str(k): _to_float(str(k), v) for k, v in metrics.items()}
+        now = time.time()
+        self._jsonl.write(json.dumps({"step": int(step), "time": now, **values}) + "\n")
+        self._jsonl.flush()
+        if not self.mlflow_active or not values:
+            return
+        from mlflow.entities import Metric
+
+        ts = int(now * 1000)
+        items = [Metric(k, v, ts, int(step)) for k, v in values.items()]
+        try:
+            for i in range(0, len(items), MLFLOW_BATCH_LIMIT * 10):  # MLflow allows 1000 metrics per batch
+                self._client.log_batch(self.run_id, metrics=items[i : i + MLFLOW_BATCH_LIMIT * 10])
+        except Exception as exc:
+            self._disable_mlflow(exc)
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        """Store a text artifact (e.g. sample generations) at ``artifact_file``
+        (relative path such as ``"samples/step_10.txt"``). Without MLflow it is
+        written to ``<run_dir>/texts/<artifact_file>``.
+
+        Raises:
+            ValueError: ``artifact_file`` is absolute or leaves the directory.
+        """
+        if not self.enabled:
+            return
+        norm = os.path.normpath(artifact_file)
+        if os.path.isabs(norm) or norm.startswith(".."):
+            raise ValueError(f"log_text: artifact_file must be a relative path inside the run, got {artifact_file!r}")
+        if self.mlflow_active:
+            try:
+                self._client.log_text(self.run_id, text, norm)
+                return
+            except Exception as exc:
+                self._disable_mlflow(exc)
+        path = os.path.join(self.run_dir, "texts", norm)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        """End the MLflow run (``status`` ``"FINISHED"``/``"FAILED"``/``"KILLED"``) and close the JSONL file.
+        Safe to call twice."""
+        if not self.enabled:
+            return
+        if self.mlflow_active:
+            try:
+                self._client.set_terminated(self.run_id, status=status)
+            except Exception as exc:
+                self._disable_mlflow(exc)
+            self.mlflow_active = False
+        if self._jsonl is not None and not self._jsonl.closed:
+            self._jsonl.close()
+
+    def __enter__(self) -> "Tracker":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.finish("FAILED" if exc_type is not None else "FINISHED")
+
+
+class ProgressBar:
+    """A tqdm progress bar over training steps, on rank 0 only (silent elsewhere).
+
+    Args:
+        total: number of steps.
+        rank: global rank; ``None`` reads ``torch.distributed`` or ``$RANK``.
+        keys: metric names to show (default: all given, up to 4).
+        desc: bar label.
+
+    ``update(step, metrics)`` moves the bar to ``step`` (1-based count of
+    finished steps) and shows the chosen metrics.
+    """
+
+    def __init__(self, total: int, rank: int | None = None, keys: tuple[str, ...] | None = None, desc: str = "train"):
+        self.rank = _default_rank() if rank is None else rank
+        self.keys = keys
+        self._bar = None
+        if self.rank == 0:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total, desc=desc, dynamic_ncols=True)
+
+    def update(self, step: int, metrics: Mapping[str, Any] | None = None) -> None:
+        """Set the bar to ``step`` steps done and show ``metrics`` (no-op off rank 0)."""
+        if self._bar is None:
+            return
+        if metrics:
+            keys = self.keys or tuple(list(metrics)[:4])
+            shown = {}
+            for k in keys:
+                if k in metrics:
+                    v = metrics[k]
+                    v = v.item() if hasattr(v, "item") else v
+                    shown[k.split("/")[-1]] = f"{v:.4g}" if isinstance(v, float) and math.isfinite(v) else v
+            self._bar.set_postfix(shown, refresh=False)
+        self._bar.update(max(0, step - self._bar.n))
+
+    def close(self) -> None:
+        """Close the bar (no-op off rank 0)."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
