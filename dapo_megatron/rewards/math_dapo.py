@@ -1,0 +1,121 @@
+"""DAPO-Math grader: the last ``Answer:`` line, normalised, compared exactly.
+
+Follows the reward of the DAPO paper (arXiv 2503.14476, Sec. 4.1, "+1 if
+correct, -1 otherwise") and verl's ``reward_score/math_dapo.py``
+(``normalize_final_answer``, Minerva-style, Lewkowycz et al. 2022), with these
+deliberate differences from verl:
+
+- the whole response is searched (verl keeps only the last 300 characters, which
+  can cut the answer line off);
+- ``\\boxed{}`` is unwrapped brace-balanced; thousands separators ``8,000`` and
+  ``9{,}500`` are removed; ``\\text{...}`` units after a number are dropped;
+- two answers that are both plain numbers (``0.5``, ``1/2``, ``\\frac{1}{2}``)
+  are compared by exact value as well as by string.
+
+Runs in the calling process without a timeout; grade model text through
+:func:`dapo_megatron.rewards.compute_score` or :class:`~dapo_megatron.rewards.RewardPool`.
+"""
+
+from __future__ import annotations
+
+import re
+
+from dapo_megatron.rewards.text import (
+    last_boxed_content,
+    parse_exact_number,
+    remove_thousands_separators,
+    strip_latex_command_groups,
+)
+
+ANSWER_PATTERN = re.compile(r"(?i)answer\s*:[ \t*]*([^\n]*)")
+
+# verl's REMOVED_EXPRESSIONS units list (Minerva), matched as whole words after a number
+_UNIT_WORDS = (
+    "square", "ways", "integers", "dollars", "dollar", "mph", "inches", "inch", "hours", "hour", "km", "units",
+    "unit", "sue", "points", "feet", "foot", "minutes", "minute", "digits", "cents", "cent", "degrees", "degree",
+    "cm", "gm", "pounds", "meters", "meter", "meals", "edges", "students", "childrentickets", "multiples",
+    "seconds", "second", "days", "day", "years", "year", "miles", "mile", "m", "s", "kg", "g",
+)
+_TRAILING_UNIT_RE = re.compile(r"^(.*?\d)\s*(?:(?:%s)\b\.?\s*)+$" % "|".join(_UNIT_WORDS), re.IGNORECASE)
+
+_REMOVED = (
+    "\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "~", "{,}", "^{\\circ}", "^\\circ", "\\circ",
+    "\\%", "%", "\\$", "\\displaystyle", "\\ldots", "\\dots",
+)
+
+
+def extract_answer_line(solution_str: str) -> str | None:
+    """Text after the last ``Answer:`` (case-insensitive) up to the end of its line,
+    or None when there is no such line or it is empty."""
+    matches = ANSWER_PATTERN.findall(solution_str)
+    if not matches:
+        return None
+    answer = matches[-1].strip()
+    return answer or None
+
+
+def normalize_final_answer(answer: str) -> str:
+    """Canonical string of a final answer (verl/Minerva ``normalize_final_answer`` rules).
+
+    ``"$\\boxed{9{,}500}$ dollars."`` -> ``"9500"``, ``"x = \\dfrac{1}{2}"`` -> ``"\\frac{1}{2}"``.
+    """
+    s = answer.strip()
+    # the first $...$ math span holds the answer ("$5$ apples" -> "5"), as in verl
+    m = re.search(r"\$+([^$]+)\$+", s)
+    if m:
+        s = m.group(1)
+    s = s.replace("\\(", "").replace("\\)", "").replace("\\[", "").replace("\\]", "")
+    boxed = last_boxed_content(s)
+    if boxed is not None:
+        s = boxed
+    s = s.strip().strip("*").strip()
+    s = s.rstrip(".").strip()
+    s = strip_latex_command_groups(s, ("text", "textbf", "textrm", "mathrm", "mbox", "mathbf", "overline"))
+    for expr in _REMOVED:
+        s = s.replace(expr, "")
+    s = s.replace("$", "")
+    s = s.split("=")[-1]
+    s = s.replace("dfrac", "frac").replace("tfrac", "frac")
+    # shorthand TeX: \frac12 -> \frac{1}{2}, \frac1{2} -> \frac{1}{2}, \sqrt2 -> \sqrt{2}
+    s = re.sub(r"\\frac\s*(\d)\s*(\d)", r"\\frac{\1}{\2}", s)
+    s = re.sub(r"\\frac\s*(\d)\s*\{", r"\\frac{\1}{", s)
+    s = re.sub(r"\\sqrt\s*(\d)", r"\\sqrt{\1}", s)
+    s = s.strip().rstrip(".").strip()
+    unit = _TRAILING_UNIT_RE.match(s)
+    if unit:
+        s = unit.group(1)
+    s = re.sub(r"\s+", "", s)
+    while len(s) >= 2 and s[0] == "{" and s[-1] == "}" and _outer_braces_wrap(s):
+        s = s[1:-1]
+    s = remove_thousands_separators(s)
+    return s
+
+
+def _outer_braces_wrap(s: str) -> bool:
+    depth = 0
+    for i, c in enumerate(s):
+        depth += c == "{"
+        depth -= c == "}"
+        if depth == 0 and i < len(s) - 1:
+            return False
+    return depth == 0
+
+
+def answers_match(pred: str, gold: str) -> bool:
+    """Normalised strings equal, or both exact numbers with the same value."""
+    if pred == gold:
+        return True
+    a, b = parse_exact_number(pred), parse_exact_number(gold)
+    return a is not None and b is not None and a == b
+
+
+def grade(solution_str: str, ground_truth: str) -> dict:
+    """Grade one response in this process (no timeout). Returns
+    ``{"score": +1.0/-1.0, "acc": bool, "pred": normalised answer or None}``."""
+    gold = normalize_final_answer(ground_truth)
+    if not gold:
+        raise ValueError(f"ground_truth={ground_truth!r} normalises to an empty answer")
+    answer = extract_answer_line(solution_str)
+    pred = normalize_final_answer(answer) if answer is not None else None
+    acc = bool(pred) and answers_match(pred, gold)
+    return {"score": 1.0 if acc else -1.0, "acc": acc, "pred": pred or None}
