@@ -1,0 +1,317 @@
+"""Turn a micro-batch of rollout :class:`~dapo_megatron.rollout.types.Sample` s into model inputs.
+
+Two layouts, one :class:`PackedBatch`:
+
+- **Packed (THD)**, the default: the ``n`` sequences ``prompt + response`` are
+  concatenated into one row of ``T = sum_i (P_i + R_i)`` tokens (plus tail padding,
+  see ``pad_to_multiple_of``). ``position_ids`` restart at 0 for every sequence and
+  ``cu_seqlens = [0, L_0, L_0 + L_1, ...]`` (int32, ``[n + 1]``). Attention must not
+  cross sequences:
+
+  * on GPU with the Transformer Engine spec, pass :attr:`PackedBatch.packed_seq_params`
+    (``megatron.core.packed_seq_params.PackedSeqParams(qkv_format="thd", ...)``);
+  * on CPU with the local spec, megatron-core 0.16.1's ``DotProductAttention``
+    asserts ``packed_seq_params is None``; its softmax (``FusedScaleMaskSoftmax``
+    torch path) uses a given ``attention_mask`` *instead of* the causal one, applying
+    ``masked_fill(mask, -10000)`` with **True = masked**. So we pass a block-diagonal
+    causal ``attention_mask [1, 1, T, T]`` bool. ``exp(-10000 - max)`` is exactly 0 in
+    fp32/bf16, so the result equals running each sequence alone (tested).
+
+- **Padded (BSHD)**: ``[n, S]`` right-padded rows (``S = max L_i``, rounded up to
+  ``pad_to_multiple_of``) with a causal + key-padding ``attention_mask [n, 1, S, S]``.
+
+Labels are next tokens. The logprob of response token ``j`` of sample ``i`` comes
+from the logits at position ``P_i + j - 1`` of that sequence (the position of the
+token *before* it), so ``labels[start_i + P_i + j - 1] = response_ids[j]`` and
+``response_mask`` is True exactly there. Every other label position holds token id
+0 (a valid id; those positions are masked out of every loss).
+
+Sequence parallelism (Megatron ``sequence_parallel=True``) splits the sequence
+dimension across TP ranks, so ``T`` must be a multiple of TP: pass
+``pad_to_multiple_of=TP`` (the actor does). Padding tokens (id 0) form their own
+causal block, have ``position_ids`` 0.., and are never in ``response_mask``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from dapo_megatron.rollout.types import Sample
+
+
+@dataclass
+class PackedBatch:
+    """Model inputs for one micro-batch plus the bookkeeping to map per-token values back.
+
+    Attributes:
+        layout: ``"thd"`` (packed, one row) or ``"bshd"`` (padded rows).
+        input_ids: int64 ``[B, T]`` (``B = 1`` for thd, ``n`` for bshd).
+        position_ids: int64 ``[B, T]``, 0 at the start of every sequence.
+        labels: int64 ``[B, T]``, next-token ids at response label positions, 0 elsewhere.
+        response_mask: bool ``[B, T]``, True at the label positions of response tokens
+            (all samples, including overlong-filtered ones: logprobs are needed for them).
+        loss_mask: bool ``[B, T]``, ``response_mask`` minus the samples with
+            ``loss_mask_zero`` (overlong filtering): the tokens that enter the loss.
+        attention_mask: bool ``[B, 1, T, T]``, True = masked (Megatron convention), or
+            None when the caller uses ``packed_seq_params`` instead.
+        cu_seqlens: int32 ``[n + 1]`` sequence boundaries of the samples in the packed
+            row (thd; excludes tail padding). For bshd: ``[0, L_0, L_0 + L_1, ...]`` too.
+        seq_lens, prompt_lens, response_lens: per-sample ``L_i``, ``P_i``, ``R_i``.
+        rows, offsets: sample ``i`` lives at ``[rows[i], offsets[i] : offsets[i] + L_i]``.
+        num_padding: padding tokens added (thd: at the tail; bshd: in total).
+    """
+
+    layout: str
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    labels: torch.Tensor
+    response_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    attention_mask: Optional[torch.Tensor]
+    cu_seqlens: torch.Tensor
+    seq_lens: list[int]
+    prompt_lens: list[int]
+    response_lens: list[int]
+    rows: list[int]
+    offsets: list[int]
+    num_padding: int = 0
+    _label_slices: list[tuple[int, int, int]] = field(default_factory=list, repr=False)
+
+    @property
+    def num_samples(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        """``B * T``: tokens the model processes, padding included."""
+        return self.input_ids.numel()
+
+    @property
+    def num_loss_tokens(self) -> int:
+        """Response tokens that enter the loss (``loss_mask.sum()``)."""
+        return int(self.loss_mask.sum())
+
+    @property
+    def packed_seq_params(self):
+        """``PackedSeqParams(qkv_format="thd")`` for TE attention (thd only).
+
+        The tail padding, if any, is an extra segment so that ``cu_seqlens[-1] == T``.
+        """
+        if self.layout != "thd":
+            raise ValueError("packed_seq_params exists only for layout='thd'; bshd uses attention_mask")
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = self.cu_seqlens
+        if self.num_padding:
+            cu = torch.cat([cu, cu.new_tensor([int(cu[-1]) + self.num_padding])])
+        cu = cu.to(self.input_ids.device)
+        max_len = int((cu[1:] - cu[:-1]).max())
+        return PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len, max_seqlen_kv=max_len
+        )
+
+    def unpack(self, values: torch.Tensor) -> list[torch.Tensor]:
+        """Per-token values at label positions ``[B, T]`` -> list of per-sample ``[R_i]``.
+
+        ``values[b, t]`` is the value for the label at ``t`` (e.g. a logprob from
+        :func:`~dapo_megatron.actor.logprobs.vocab_parallel_logprobs`); the result
+        ``[i][j]`` belongs to response token ``j`` of sample ``i``. Views, no copy.
+
+        Raises:
+            ValueError: ``values`` does not have the batch's ``[B, T]`` shape.
+        """
+        if tuple(values.shape[:2]) != tuple(self.input_ids.shape):
+            raise ValueError(
+                f"values shape {tuple(values.shape)} must start with the batch shape {tuple(self.input_ids.shape)}"
+            )
+        return [values[r, a:b] for r, a, b in self._label_slices]
+
+    def scatter_per_sample(self, per_sample: Sequence, *, dtype=torch.float32, fill: float = 0.0) -> torch.Tensor:
+        """Inverse of :meth:`unpack`: per-sample ``[R_i]`` values -> ``[B, T]`` at label positions.
+
+        Used for advantages (broadcast a scalar per sample with ``[A_i] * R_i``), old
+        and rollout logprobs. Positions that are not response labels hold ``fill``.
+
+        Args:
+            per_sample: ``n`` sequences (tensor or list of floats) of length ``R_i``.
+            dtype: output dtype (default float32).
+
+        Raises:
+            ValueError: wrong number of samples or a length that differs from ``R_i``.
+        """
+        if len(per_sample) != self.num_samples:
+            raise ValueError(f"scatter_per_sample got {len(per_sample)} samples, the batch holds {self.num_samples}")
+        out = torch.full(self.input_ids.shape, fill, dtype=dtype, device=self.input_ids.device)
+        for i, ((r, a, b), vals) in enumerate(zip(self._label_slices, per_sample)):
+            vals = torch.as_tensor(vals, dtype=dtype, device=out.device)
+            if vals.shape != (b - a,):
+                raise ValueError(
+                    f"sample {i}: got {tuple(vals.shape)} values, expected [{b - a}] (one per response token)"
+                )
+            out[r, a:b] = vals
+        return out
+
+
+def _validate(samples: Sequence[Sample]) -> None:
+    if len(samples) == 0:
+        raise ValueError("a micro-batch needs at least one Sample")
+    for i, s in enumerate(samples):
+        if len(s.prompt_ids) == 0:
+            raise ValueError(
+                f"sample {i} has an empty prompt_ids: the first response token needs a preceding position"
+            )
+
+
+def _causal_block(mask: torch.Tensor, row: int, a: int, b: int) -> None:
+    """Unmask the causal lower triangle of block [a, b) (mask is True = masked)."""
+    n = b - a
+    mask[row, 0, a:b, a:b] = ~torch.tril(torch.ones(n, n, dtype=torch.bool, device=mask.device))
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def pack_samples(
+    samples: Sequence[Sample],
+    *,
+    layout: str = "thd",
+    pad_to_multiple_of: int = 1,
+    build_attention_mask: bool = True,
+    device: torch.device | str = "cpu",
+) -> PackedBatch:
+    """Build the model inputs of one micro-batch.
+
+    Args:
+        samples: the micro-batch; every ``prompt_ids`` non-empty.
+        layout: ``"thd"`` (one packed row) or ``"bshd"`` (right-padded rows).
+        pad_to_multiple_of: round ``T`` (thd) / ``S`` (bshd) up to this multiple
+            (the TP size when sequence parallelism is on).
+        build_attention_mask: build the bool mask (CPU / local spec). Set False on GPU
+            with the TE spec and pass :attr:`PackedBatch.packed_seq_params` instead
+            (an ``[T, T]`` mask is quadratic in memory).
+        device: where the tensors live.
+
+    Returns:
+        A :class:`PackedBatch`.
+
+    Raises:
+        ValueError: empty micro-batch, empty prompt, unknown layout, bad multiple.
+    """
+    _validate(samples)
+    if layout not in ("thd", "bshd"):
+        raise ValueError(f"layout={layout!r} must be 'thd' (packed) or 'bshd' (padded)")
+    if pad_to_multiple_of < 1:
+        raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of} must be >= 1 (TP size with sequence parallel)")
+    seqs = [list(s.prompt_ids) + list(s.response_ids) for s in samples]
+    lens = [len(x) for x in seqs]
+    plens = [len(s.prompt_ids) for s in samples]
+    rlens = [len(s.response_ids) for s in samples]
+    n = len(samples)
+
+    if layout == "thd":
+        total = sum(lens)
+        T = _round_up(total, pad_to_multiple_of)
+        B, rows = 1, [0] * n
+        offsets = [0]
+        for L in lens[:-1]:
+            offsets.append(offsets[-1] + L)
+        num_padding = T - total
+    else:
+        T = _round_up(max(lens), pad_to_multiple_of)
+        B, rows, offsets = n, list(range(n)), [0] * n
+        num_padding = n * T - sum(lens)
+
+    input_ids = torch.zeros(B, T, dtype=torch.long)
+    position_ids = torch.zeros(B, T, dtype=torch.long)
+    labels = torch.zeros(B, T, dtype=torch.long)
+    response_mask = torch.zeros(B, T, dtype=torch.bool)
+    loss_mask = torch.zeros(B, T, dtype=torch.bool)
+    mask = torch.ones(B, 1, T, T, dtype=torch.bool) if build_attention_mask else None
+    label_slices = []
+    for i, (seq, r, off) in enumerate(zip(seqs, rows, offsets)):
+        L, P, R = lens[i], plens[i], rlens[i]
+        input_ids[r, off:off + L] = torch.tensor(seq, dtype=torch.long)
+        position_ids[r, off:off + L] = torch.arange(L)
+        a, b = off + P - 1, off + P - 1 + R
+        if R:
+            labels[r, a:b] = torch.tensor(samples[i].response_ids, dtype=torch.long)
+            response_mask[r, a:b] = True
+            if not samples[i].loss_mask_zero:
+                loss_mask[r, a:b] = True
+        label_slices.append((r, a, b))
+        if mask is not None:
+            _causal_block(mask, r, off, off + L)
+    # padding: its own causal block(s), so no row of the softmax is fully masked
+    if layout == "thd" and num_padding:
+        position_ids[0, T - num_padding:] = torch.arange(num_padding)
+        if mask is not None:
+            _causal_block(mask, 0, T - num_padding, T)
+    if layout == "bshd" and mask is not None:
+        for r, L in enumerate(lens):
+            if L < T:
+                _causal_block(mask, r, L, T)
+
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32)
+    dev = torch.device(device)
+    return PackedBatch(
+        layout=layout,
+        input_ids=input_ids.to(dev),
+        position_ids=position_ids.to(dev),
+        labels=labels.to(dev),
+        response_mask=response_mask.to(dev),
+        loss_mask=loss_mask.to(dev),
+        attention_mask=mask.to(dev) if mask is not None else None,
+        cu_seqlens=cu.to(dev),
+        seq_lens=lens,
+        prompt_lens=plens,
+        response_lens=rlens,
+        rows=rows,
+        offsets=offsets,
+        num_padding=num_padding,
+        _label_slices=label_slices,
+    )
+
+
+def split_by_token_budget(samples: Sequence[Sample], max_token_len: int) -> list[list[Sample]]:
+    """Cut a mini-batch into micro-batches of at most ``max_token_len`` tokens each.
+
+    verl's ``ppo_max_token_len_per_gpu`` (dynamic batch size): samples are taken in
+    order and a new micro-batch starts when the next sample would overflow the
+    budget. Order is kept, so the result is deterministic and identical on every
+    rank of a model-parallel group. A sample longer than the budget is an error
+    (it could never fit).
+
+    Args:
+        samples: the mini-batch shard of this DP rank.
+        max_token_len: token budget (prompt + response tokens) per micro-batch.
+
+    Returns:
+        List of micro-batches (lists of Sample), none empty.
+
+    Raises:
+        ValueError: ``max_token_len < 1`` or a sample has more tokens than the budget.
+    """
+    if max_token_len < 1:
+        raise ValueError(f"ppo_max_token_len_per_gpu={max_token_len} must be >= 1")
+    out: list[list[Sample]] = []
+    cur: list[Sample] = []
+    used = 0
+    for i, s in enumerate(samples):
+        L = s.total_length
+        if L > max_token_len:
+            raise ValueError(
+                f"sample {i} has {L} tokens (prompt {len(s.prompt_ids)} + response {len(s.response_ids)}) > "
+                f"ppo_max_token_len_per_gpu={max_token_len}; raise it to at least the max prompt + response length"
+            )
+        if cur and used + L > max_token_len:
+            out.append(cur)
+            cur, used = [], 0
+        cur.append(s)
+        used += L
+    if cur:
+        out.append(cur)
+    return out
