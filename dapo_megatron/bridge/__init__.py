@@ -1,1 +1,54 @@
+"""Megatron ⇄ HF weights: one mapping table (:mod:`.mapping`), TP/PP gather/scatter,
+bucketed streaming (:func:`iter_hf_weights`) and model-only distributed checkpoints."""
 
+from .dist_ckpt import (
+    check_config_fits,
+    load_checkpoint_hf_config,
+    load_model_checkpoint,
+    read_checkpoint_meta,
+    save_model_checkpoint,
+)
+from .mapping import (
+    FAMILY_RULES,
+    ModelLayout,
+    Rule,
+    canonical_megatron_name,
+    expected_hf_names,
+    hf_to_megatron_shard,
+    megatron_to_hf,
+)
+from .sources import SafetensorsSource, load_gguf_state_dict, open_hf_source
+from .weights import (
+    LoadReport,
+    export_hf_state_dict,
+    iter_hf_weights,
+    load_hf_weights,
+    local_parameters,
+    model_layout,
+    unwrap_model,
+)
+
+__all__ = [
+    "FAMILY_RULES",
+    "LoadReport",
+    "ModelLayout",
+    "Rule",
+    "SafetensorsSource",
+    "canonical_megatron_name",
+    "check_config_fits",
+    "expected_hf_names",
+    "export_hf_state_dict",
+    "hf_to_megatron_shard",
+    "iter_hf_weights",
+    "load_checkpoint_hf_config",
+    "load_gguf_state_dict",
+    "load_hf_weights",
+    "load_model_checkpoint",
+    "local_parameters",
+    "megatron_to_hf",
+    "model_layout",
+    "open_hf_source",
+    "read_checkpoint_meta",
+    "save_model_checkpoint",
+    "unwrap_model",
+]

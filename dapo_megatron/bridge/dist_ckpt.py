@@ -1,0 +1,180 @@
+"""Model-only Megatron distributed checkpoints (torch_dist) that reload at any TP/PP.
+
+Layout of a checkpoint directory::
+
+    ckpt_dir/
+      metadata.json, common.pt, __*.distcp   megatron.core.dist_checkpointing (torch_dist)
+      config.json                            the HF config (the model's architecture)
+      tokenizer files                        when a tokenizer was given (export needs only the dir)
+      dapo_megatron.json                     padded vocab, TP/PP of the save, format version
+
+The save is atomic: everything is written to ``<ckpt_dir>.tmp`` and renamed at the end,
+so a crashed save never leaves a directory that looks complete.
+
+Trainer checkpoints (optimizer, RNG, data position) are ``dapo_megatron.checkpointing``'s
+job; these helpers cover the model weights for the conversion tools.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .weights import _as_list, unwrap_model
+
+META_FILE = "dapo_megatron.json"
+FORMAT_VERSION = 1
+# HF config fields that must agree between a checkpoint and the model it loads into.
+ARCH_FIELDS = (
+    "model_type", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings", "rms_norm_eps",
+    "hidden_act", "attention_bias",
+)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def model_sharded_state_dict(model_chunks) -> dict:
+    """``{"model": sd}`` for one chunk, ``{"model0": sd0, "model1": ...}`` for virtual PP."""
+    chunks = [unwrap_model(c) for c in _as_list(model_chunks)]
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict()}
+    return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+
+
+def save_model_checkpoint(model_chunks, ckpt_dir: str, hf_config, tokenizer=None) -> None:
+    """Save the model as a torch_dist distributed checkpoint plus its HF config (collective).
+
+    Every rank calls it. The launching script must have an ``if __name__ == "__main__":``
+    guard (torch_dist's writer may start worker processes; DESIGN.md §5).
+
+    Args:
+        model_chunks: model (chunks) from ``build_gpt_model``.
+        ckpt_dir: target directory; replaced atomically if it exists.
+        hf_config: the HF config the model was built from (written as config.json).
+        tokenizer: optional HF tokenizer, saved next to the weights.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    ckpt_dir = os.path.abspath(ckpt_dir)
+    tmp = ckpt_dir + ".tmp"
+    if _rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier()
+    dist_checkpointing.save(model_sharded_state_dict(model_chunks), tmp, sharded_strategy=("torch_dist", 1))
+    _barrier()
+    if _rank() == 0:
+        hf_config.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        model = unwrap_model(_as_list(model_chunks)[0])
+        meta = {
+            "format_version": FORMAT_VERSION,
+            "padded_vocab_size": model.vocab_size,
+            "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+            "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+            "num_model_chunks": len(_as_list(model_chunks)),
+        }
+        with open(os.path.join(tmp, META_FILE), "w") as f:
+            json.dump(meta, f, indent=2)
+        if os.path.exists(ckpt_dir):
+            old = ckpt_dir + ".old"
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(ckpt_dir, old)
+            os.rename(tmp, ckpt_dir)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, ckpt_dir)
+    _barrier()
+
+
+def read_checkpoint_meta(ckpt_dir: str) -> dict:
+    """The ``dapo_megatron.json`` of a checkpoint.
+
+    Raises:
+        FileNotFoundError: not a checkpoint written by :func:`save_model_checkpoint`.
+    """
+    path = os.path.join(ckpt_dir, META_FILE)
+    if not os.path.isfile(path) or not os.path.isfile(os.path.join(ckpt_dir, "metadata.json")):
+        raise FileNotFoundError(
+            f"{ckpt_dir!r} is not a dapo-megatron model checkpoint (no {META_FILE} / metadata.json); "
+            "write one with tools/convert_hf_to_megatron.py"
+        )
+    with open(path) as f:
+        return json.load(f)
+
+
+def load_checkpoint_hf_config(ckpt_dir: str):
+    """The HF config stored in a checkpoint directory (config.json)."""
+    from transformers import AutoConfig
+
+    read_checkpoint_meta(ckpt_dir)
+    return AutoConfig.from_pretrained(ckpt_dir)
+
+
+def check_config_fits(model_hf_config, ckpt_hf_config, where: str = "checkpoint") -> None:
+    """Raise ValueError naming the first architecture field that differs."""
+    for name in ARCH_FIELDS:
+        a, b = getattr(model_hf_config, name, None), getattr(ckpt_hf_config, name, None)
+        if name == "head_dim":
+            a = a or model_hf_config.hidden_size // model_hf_config.num_attention_heads
+            b = b or ckpt_hf_config.hidden_size // ckpt_hf_config.num_attention_heads
+        if name == "num_key_value_heads":
+            a = a or model_hf_config.num_attention_heads
+            b = b or ckpt_hf_config.num_attention_heads
+        if a != b:
+            raise ValueError(f"hf_config.{name}={a!r} does not fit the {where} ({name}={b!r})")
+    from dapo_megatron.models.config import rope_parameters
+
+    ra, rb = rope_parameters(model_hf_config), rope_parameters(ckpt_hf_config)
+    if ra != rb:
+        raise ValueError(f"hf_config.rope_parameters={ra} does not fit the {where} ({rb})")
+
+
+def load_model_checkpoint(model_chunks, ckpt_dir: str, strict: bool = True) -> None:
+    """Load a :func:`save_model_checkpoint` directory into the model, at any TP/PP (collective).
+
+    Args:
+        model_chunks: model (chunks) from ``build_gpt_model`` on the current parallel state.
+        ckpt_dir: checkpoint directory.
+        strict: every tensor of the model must be in the checkpoint and vice versa
+            (``StrictHandling.RAISE_ALL``), and ``load_state_dict(strict=True)``.
+
+    Raises:
+        FileNotFoundError: not a checkpoint. ValueError: the model's HF config or padded
+        vocab does not fit the checkpoint (naming the field). Errors of
+        ``dist_checkpointing.load`` (naming the missing / unexpected / mis-shaped key).
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    meta = read_checkpoint_meta(ckpt_dir)
+    chunks = _as_list(model_chunks)
+    model = unwrap_model(chunks[0])
+    check_config_fits(model.hf_config, load_checkpoint_hf_config(ckpt_dir), where=f"checkpoint {ckpt_dir}")
+    if meta["padded_vocab_size"] != model.vocab_size:
+        raise ValueError(
+            f"padded vocab size {model.vocab_size} does not fit the checkpoint ({meta['padded_vocab_size']}): "
+            "set model.make_vocab_size_divisible_by so that make_vocab_size_divisible_by × TP pads "
+            "to the same size, or re-import from HF"
+        )
+    sharded = model_sharded_state_dict(chunks)
+    handling = StrictHandling.RAISE_ALL if strict else StrictHandling.LOG_ALL
+    state = dist_checkpointing.load(sharded, ckpt_dir, strict=handling)
+    for i, chunk in enumerate(chunks):
+        key = "model" if len(chunks) == 1 else f"model{i}"
+        unwrap_model(chunk).load_state_dict(state[key], strict=strict)

@@ -1,0 +1,375 @@
+"""The one HF ⇄ Megatron parameter table (import, export and live weight sync all use it).
+
+Each supported family has one ordered table of :class:`Rule` s. A rule names one
+megatron-core ``GPTModel`` parameter (local-spec name, ``{layer}`` = global 0-based layer
+index), the HF tensor(s) it is made of, and how it is laid out across tensor-parallel
+ranks:
+
+==============  ============================================================================
+split           Megatron layout on TP rank r of T
+==============  ============================================================================
+replicated      the HF tensor itself (RMSNorm weights, q/k norm)
+column          rows ``r·n/T … (r+1)·n/T`` of the HF tensor (output dim split)
+row             columns ``r·n/T …`` (input dim split: ``o_proj``, ``down_proj``)
+vocab           embedding / lm_head rows zero-padded to the padded vocab, then row-split
+qkv             per query group g: [q heads of g; k_g; v_g] (``heads/groups × head_dim``,
+                ``head_dim``, ``head_dim`` rows), T splits on whole groups (GQA-safe)
+gate_up         ``[gate_r; up_r]``: each rank holds its slice of gate then its slice of up
+==============  ============================================================================
+
+Transformer Engine layer specs fuse the pre-attention and pre-MLP RMSNorms into the
+following linear layer; their parameter names (``linear_qkv.layer_norm_weight``,
+``linear_fc1.layer_norm_weight``) are mapped to the local names by
+:func:`canonical_megatron_name`.
+
+Sources: Megatron-LM ``tools/checkpoint`` loaders/savers (llama/qwen QKV interleave,
+SwiGLU fusion), megatron-core ``ColumnParallelLinear`` / ``RowParallelLinear`` /
+``VocabParallelEmbedding`` partitioning, transformers ``LlamaForCausalLM`` /
+``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` parameter names.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+SPLITS = ("replicated", "column", "row", "vocab", "qkv", "gate_up")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One Megatron parameter ⇄ HF tensor(s) correspondence.
+
+    Attributes:
+        megatron: local-spec Megatron name; ``{layer}`` is the global layer index.
+        hf: HF names (``{layer}`` likewise); several for fused tensors, in fusion order.
+        split: how the Megatron tensor is sharded across TP (see module docstring).
+    """
+
+    megatron: str
+    hf: tuple[str, ...]
+    split: str
+
+
+_L = "decoder.layers.{layer}."
+_H = "model.layers.{layer}."
+
+_LLAMA = (
+    Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"),
+    Rule(_L + "input_layernorm.weight", (_H + "input_layernorm.weight",), "replicated"),
+    Rule(_L + "self_attention.linear_qkv.weight",
+         (_H + "self_attn.q_proj.weight", _H + "self_attn.k_proj.weight", _H + "self_attn.v_proj.weight"), "qkv"),
+    Rule(_L + "self_attention.linear_proj.weight", (_H + "self_attn.o_proj.weight",), "row"),
+    Rule(_L + "pre_mlp_layernorm.weight", (_H + "post_attention_layernorm.weight",), "replicated"),
+    Rule(_L + "mlp.linear_fc1.weight", (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"), "gate_up"),
+    Rule(_L + "mlp.linear_fc2.weight", (_H + "mlp.down_proj.weight",), "row"),
+    Rule("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"),
+    Rule("output_layer.weight", ("lm_head.weight",), "vocab"),
+)
+_QKV_BIAS = Rule(_L + "self_attention.linear_qkv.bias",
+                 (_H + "self_attn.q_proj.bias", _H + "self_attn.k_proj.bias", _H + "self_attn.v_proj.bias"), "qkv")
+_Q_NORM = Rule(_L + "self_attention.q_layernorm.weight", (_H + "self_attn.q_norm.weight",), "replicated")
+_K_NORM = Rule(_L + "self_attention.k_layernorm.weight", (_H + "self_attn.k_norm.weight",), "replicated")
+
+
+def _insert_after(rules: tuple, after: str, new: Sequence[Rule]) -> tuple:
+    out = []
+    for r in rules:
+        out.append(r)
+        if r.megatron == after:
+            out.extend(new)
+    return tuple(out)
+
+
+# The table: one ordered rule list per HF model_type. The order is the export order.
+FAMILY_RULES: dict[str, tuple[Rule, ...]] = {
+    "llama": _LLAMA,
+    "qwen2": _insert_after(_LLAMA, _L + "self_attention.linear_qkv.weight", [_QKV_BIAS]),
+    "qwen3": _insert_after(_LLAMA, _L + "self_attention.linear_qkv.weight", [_Q_NORM, _K_NORM]),
+}
+
+# Transformer Engine spec names → local spec names (fused RMSNorm into the next linear).
+TE_NAME_ALIASES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+
+
+@dataclass(frozen=True)
+class ModelLayout:
+    """The shape facts the mapping needs (from the HF config and the padded vocab).
+
+    Attributes:
+        model_type: "llama" | "qwen2" | "qwen3".
+        num_layers, hidden_size, ffn_hidden_size: as in HF config.
+        num_attention_heads, num_query_groups, head_dim: attention geometry (GQA).
+        vocab_size: the real (HF) vocabulary; padded_vocab_size: Megatron rows (≥ vocab_size).
+        tie_word_embeddings: lm_head shares the embedding matrix.
+        qkv_bias: q/k/v projections have a bias (qwen2, or attention_bias=True).
+    """
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    head_dim: int
+    vocab_size: int
+    padded_vocab_size: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+
+    @classmethod
+    def from_hf_config(cls, hf_config, padded_vocab_size: Optional[int] = None) -> "ModelLayout":
+        """Layout of an HF config; ``padded_vocab_size`` defaults to the real vocab."""
+        from dapo_megatron.models.config import check_hf_config, head_dim
+
+        model_type = check_hf_config(hf_config)
+        groups = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+        vocab = hf_config.vocab_size
+        padded = padded_vocab_size or vocab
+        if padded < vocab:
+            raise ValueError(f"padded_vocab_size={padded} is smaller than hf_config.vocab_size={vocab}")
+        return cls(
+            model_type=model_type,
+            num_layers=hf_config.num_hidden_layers,
+            hidden_size=hf_config.hidden_size,
+            ffn_hidden_size=hf_config.intermediate_size,
+            num_attention_heads=hf_config.num_attention_heads,
+            num_query_groups=groups,
+            head_dim=head_dim(hf_config),
+            vocab_size=vocab,
+            padded_vocab_size=padded,
+            tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+        )
+
+    def rules(self) -> tuple[Rule, ...]:
+        """The family's rules (qkv bias added for llama with attention_bias=True)."""
+        rules = FAMILY_RULES[self.model_type]
+        if self.qkv_bias and self.model_type != "qwen2":
+            rules = _insert_after(rules, _L + "self_attention.linear_qkv.weight", [_QKV_BIAS])
+        return rules
+
+
+def canonical_megatron_name(name: str) -> str:
+    """Strip wrapper prefixes (``module.``) and map TE fused-norm names to local names."""
+    while name.startswith("module."):
+        name = name[len("module."):]
+    for te_suffix, local_suffix in TE_NAME_ALIASES.items():
+        if name.endswith(te_suffix):
+            return name[: -len(te_suffix)] + local_suffix
+    return name
+
+
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+def match_rule(layout: ModelLayout, megatron_name: str) -> tuple[Rule, Optional[int]]:
+    """The rule and global layer index of a canonical Megatron name (global layer numbers).
+
+    Raises:
+        KeyError: the name matches no rule of this family (naming it).
+    """
+    m = _LAYER_RE.match(megatron_name)
+    layer, key = (int(m.group(1)), _L + m.group(2)) if m else (None, megatron_name)
+    for rule in layout.rules():
+        if rule.megatron == key:
+            if layer is not None and not 0 <= layer < layout.num_layers:
+                raise KeyError(f"Megatron parameter {megatron_name!r}: layer {layer} is outside "
+                               f"0..{layout.num_layers - 1}")
+            return rule, layer
+    raise KeyError(f"Megatron parameter {megatron_name!r} matches no {layout.model_type} mapping rule")
+
+
+def hf_names_of(rule: Rule, layer: Optional[int]) -> list[str]:
+    """HF tensor names of a rule at a layer."""
+    return [n.format(layer=layer) for n in rule.hf]
+
+
+def megatron_name_of(rule: Rule, layer: Optional[int]) -> str:
+    """Global Megatron name of a rule at a layer."""
+    return rule.megatron.format(layer=layer)
+
+
+def exported_entries(layout: ModelLayout) -> list[tuple[Rule, Optional[int]]]:
+    """(rule, layer) pairs in export order; the output layer is absent when embeddings are tied."""
+    rules = layout.rules()
+    by_name = {r.megatron: r for r in rules}
+    out: list[tuple[Rule, Optional[int]]] = [(by_name["embedding.word_embeddings.weight"], None)]
+    layer_rules = [r for r in rules if r.megatron.startswith(_L)]
+    for layer in range(layout.num_layers):
+        out.extend((r, layer) for r in layer_rules)
+    out.append((by_name["decoder.final_layernorm.weight"], None))
+    if not layout.tie_word_embeddings:
+        out.append((by_name["output_layer.weight"], None))
+    return out
+
+
+def expected_hf_names(layout: ModelLayout) -> list[str]:
+    """Every HF tensor name a full checkpoint of this layout has, in export order."""
+    return [n for rule, layer in exported_entries(layout) for n in hf_names_of(rule, layer)]
+
+
+def hf_shapes(layout: ModelLayout, rule: Rule) -> list[tuple[int, ...]]:
+    """Full HF shapes of a rule's tensors (same order as ``rule.hf``)."""
+    H, hd = layout.hidden_size, layout.head_dim
+    q, kv = layout.num_attention_heads * hd, layout.num_query_groups * hd
+    name = rule.megatron
+    if rule.split == "vocab":
+        return [(layout.vocab_size, H)]
+    if name.endswith("linear_qkv.weight"):
+        return [(q, H), (kv, H), (kv, H)]
+    if name.endswith("linear_qkv.bias"):
+        return [(q,), (kv,), (kv,)]
+    if name.endswith("linear_proj.weight"):
+        return [(H, q)]
+    if name.endswith("linear_fc1.weight"):
+        return [(layout.ffn_hidden_size, H)] * 2
+    if name.endswith("linear_fc2.weight"):
+        return [(H, layout.ffn_hidden_size)]
+    if name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
+        return [(hd,)]
+    return [(H,)]  # input / pre-MLP / final RMSNorm
+
+
+def _check_tp(rule: Rule, layout: ModelLayout, tp_rank: int, tp_size: int) -> None:
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank={tp_rank} outside 0..{tp_size - 1}")
+    if rule.split == "qkv" and layout.num_query_groups % tp_size:
+        raise ValueError(f"num_query_groups={layout.num_query_groups} is not divisible by TP={tp_size}")
+    if rule.split == "vocab" and layout.padded_vocab_size % tp_size:
+        raise ValueError(f"padded_vocab_size={layout.padded_vocab_size} is not divisible by TP={tp_size}")
+
+
+def _qkv_full(layout: ModelLayout, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """HF q, k, v → Megatron's per-group interleaved [groups·(hpg+2)·hd, ...] tensor."""
+    g, hd = layout.num_query_groups, layout.head_dim
+    hpg = layout.num_attention_heads // g
+    tail = q.shape[1:]
+    fused = torch.cat(
+        [q.reshape(g, hpg * hd, *tail), k.reshape(g, hd, *tail), v.reshape(g, hd, *tail)], dim=1
+    )
+    return fused.reshape(g * (hpg + 2) * hd, *tail)
+
+
+def hf_to_megatron_shard(
+    layout: ModelLayout,
+    megatron_name: str,
+    hf_tensors: Sequence[torch.Tensor],
+    tp_rank: int = 0,
+    tp_size: int = 1,
+) -> torch.Tensor:
+    """Build TP rank ``tp_rank``'s shard of a Megatron parameter from full HF tensors.
+
+    Args:
+        layout: model geometry (:class:`ModelLayout`).
+        megatron_name: canonical Megatron name with the GLOBAL layer index.
+        hf_tensors: the rule's HF tensors in ``rule.hf`` order, full (unsharded) shapes.
+        tp_rank, tp_size: this rank's TP coordinate.
+
+    Returns:
+        The shard, same dtype as the inputs (a new tensor, never a view of them).
+
+    Raises:
+        KeyError: unknown name. ValueError: wrong number/shape of HF tensors (naming the
+        HF tensor), or a layout TP cannot split.
+    """
+    rule, layer = match_rule(layout, megatron_name)
+    names = hf_names_of(rule, layer)
+    if len(hf_tensors) != len(names):
+        raise ValueError(f"{megatron_name}: expected {len(names)} HF tensors {names}, got {len(hf_tensors)}")
+    for name, t, shape in zip(names, hf_tensors, hf_shapes(layout, rule)):
+        if tuple(t.shape) != shape:
+            raise ValueError(f"HF tensor {name!r} has shape {tuple(t.shape)}, expected {shape} for this config")
+    _check_tp(rule, layout, tp_rank, tp_size)
+    split = rule.split
+    if split == "replicated":
+        return hf_tensors[0].clone()
+    if split == "column":
+        return hf_tensors[0].chunk(tp_size, dim=0)[tp_rank].clone()
+    if split == "row":
+        return hf_tensors[0].chunk(tp_size, dim=1)[tp_rank].contiguous()
+    if split == "vocab":
+        t = hf_tensors[0]
+        pad = layout.padded_vocab_size - t.shape[0]
+        if pad:
+            t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])], dim=0)
+        return t.chunk(tp_size, dim=0)[tp_rank].clone()
+    if split == "qkv":
+        return _qkv_full(layout, *hf_tensors).chunk(tp_size, dim=0)[tp_rank].clone()
+    if split == "gate_up":
+        gate, up = (t.chunk(tp_size, dim=0)[tp_rank] for t in hf_tensors)
+        return torch.cat([gate, up], dim=0)
+    raise AssertionError(split)
+
+
+def megatron_shard_shape(layout: ModelLayout, megatron_name: str, tp_size: int = 1) -> tuple[int, ...]:
+    """Shape of one TP shard of a Megatron parameter (for strict checks)."""
+    rule, _ = match_rule(layout, megatron_name)
+    shapes = hf_shapes(layout, rule)
+    if rule.split == "replicated":
+        return shapes[0]
+    if rule.split == "row":
+        return (shapes[0][0], shapes[0][1] // tp_size)
+    if rule.split == "vocab":
+        return (layout.padded_vocab_size // tp_size, shapes[0][1])
+    rows = sum(s[0] for s in shapes) // tp_size
+    return (rows, *shapes[0][1:])
+
+
+def megatron_to_hf(
+    layout: ModelLayout, megatron_name: str, shards: Sequence[torch.Tensor]
+) -> list[tuple[str, torch.Tensor]]:
+    """HF tensors of one Megatron parameter from its TP shards.
+
+    Args:
+        layout: model geometry.
+        megatron_name: canonical Megatron name with the GLOBAL layer index.
+        shards: the parameter's TP shards in TP-rank order (one tensor for replicated
+            parameters or TP=1; several replicated copies are accepted and the first used).
+
+    Returns:
+        ``[(hf_name, full_tensor), ...]`` in ``rule.hf`` order; vocab padding rows removed.
+        Tensors may be views of a concatenation of ``shards``, never of ``shards`` themselves.
+
+    Raises:
+        KeyError: unknown name. ValueError: shard shapes that do not fit the layout.
+    """
+    rule, layer = match_rule(layout, megatron_name)
+    names = hf_names_of(rule, layer)
+    tp = len(shards)
+    if rule.split == "replicated":
+        return [(names[0], shards[0].clone())]
+    want = megatron_shard_shape(layout, megatron_name, tp)
+    for r, s in enumerate(shards):
+        if tuple(s.shape) != want:
+            raise ValueError(f"{megatron_name}: TP shard {r} of {tp} has shape {tuple(s.shape)}, expected {want}")
+    if rule.split == "column":
+        return [(names[0], torch.cat(list(shards), dim=0))]
+    if rule.split == "row":
+        return [(names[0], torch.cat(list(shards), dim=1))]
+    if rule.split == "vocab":
+        return [(names[0], torch.cat(list(shards), dim=0)[: layout.vocab_size])]
+    if rule.split == "gate_up":
+        halves = [s.chunk(2, dim=0) for s in shards]
+        gate = torch.cat([h[0] for h in halves], dim=0)
+        up = torch.cat([h[1] for h in halves], dim=0)
+        return [(names[0], gate), (names[1], up)]
+    if rule.split == "qkv":
+        g, hd = layout.num_query_groups, layout.head_dim
+        hpg = layout.num_attention_heads // g
+        full = torch.cat(list(shards), dim=0)
+        tail = full.shape[1:]
+        grouped = full.reshape(g, (hpg + 2) * hd, *tail)
+        q, k, v = grouped.split([hpg * hd, hd, hd], dim=1)
+        return [
+            (names[0], q.reshape(g * hpg * hd, *tail)),
+            (names[1], k.reshape(g * hd, *tail)),
+            (names[2], v.reshape(g * hd, *tail)),
+        ]
+    raise AssertionError(rule.split)
