@@ -7,8 +7,8 @@ Any tracking URI (``http://host:5000``, ``databricks``, ...) can be set with
 ``TrackingConfig.tracking_uri``.
 
 Robustness: only rank 0 logs. Every metric row is always appended to
-``<run_dir>/metrics.jsonl`` (``{"step": int, "time": unix s, <key>: float}``)
-so a run keeps its numbers even if MLflow fails. If the tracking server cannot
+``<run_dir>/metrics.jsonl`` (``{"step": int, "time": unix s, <key>: float}``;
+appended, so a resumed run adds rows after the old ones) so a run keeps its numbers even if MLflow fails. If the tracking server cannot
 be reached (at start or later) training continues: one warning is logged and
 from then on metrics go to the JSONL file only (texts to ``<run_dir>/texts/``).
 To keep MLflow from blocking training, ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` and
@@ -41,6 +41,8 @@ class TrackingConfig:
         tracking_uri: MLflow tracking URI; ``None`` means ``sqlite:///<run_dir>/mlflow.db``.
         experiment_name: MLflow experiment (created if missing).
         run_name: MLflow run name; ``None`` lets MLflow choose.
+        run_id: continue this existing MLflow run (store ``Tracker.run_id`` in the
+            trainer checkpoint and pass it back on resume); ``None`` starts a new run.
         use_mlflow: ``False`` writes only the JSONL file.
         http_max_retries: value for ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` (HTTP URIs).
         http_timeout_s: value for ``MLFLOW_HTTP_REQUEST_TIMEOUT`` in seconds.
@@ -50,6 +52,7 @@ class TrackingConfig:
     tracking_uri: str | None = None
     experiment_name: str = "dapo"
     run_name: str | None = None
+    run_id: str | None = None
     use_mlflow: bool = True
     http_max_retries: int = 0
     http_timeout_s: int = 5
@@ -135,6 +138,11 @@ class Tracker:
             from mlflow.tracking import MlflowClient
 
             client = MlflowClient(tracking_uri=self.tracking_uri)
+            if self.config.run_id is not None:
+                run = client.get_run(self.config.run_id)  # raises if it does not exist
+                client.update_run(run.info.run_id, status="RUNNING")
+                self._client, self.run_id, self.mlflow_active = client, run.info.run_id, True
+                return
             exp = client.get_experiment_by_name(self.config.experiment_name)
             if exp is not None:
                 exp_id = exp.experiment_id

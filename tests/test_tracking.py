@@ -75,6 +75,23 @@ def test_sqlite_default_roundtrip(tmp_path):
     assert [(r["step"], r["loss"], r["reward/mean"]) for r in rows] == [(0, 0.5, -0.25), (1, 0.25, 0.125)]
 
 
+def test_resume_continues_the_same_run(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    first = Tracker(str(tmp_path), TrackingConfig(), rank=0)
+    first.log_metrics({"loss": 3.0}, 0)
+    first.finish()
+    again = Tracker(str(tmp_path), TrackingConfig(run_id=first.run_id), rank=0)
+    assert again.run_id == first.run_id
+    again.log_metrics({"loss": 2.0}, 1)
+    again.finish()
+    client = MlflowClient(tracking_uri=again.tracking_uri)
+    hist = sorted(client.get_metric_history(first.run_id, "loss"), key=lambda m: m.step)
+    assert [(m.step, m.value) for m in hist] == [(0, 3.0), (1, 2.0)]
+    assert client.get_run(first.run_id).info.status == "FINISHED"
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1]
+
+
 def test_unreachable_server_falls_back_to_jsonl(tmp_path, caplog, monkeypatch):
     monkeypatch.delenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", raising=False)
     monkeypatch.delenv("MLFLOW_HTTP_REQUEST_TIMEOUT", raising=False)

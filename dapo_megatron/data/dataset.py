@@ -393,6 +393,7 @@ def load_prompt_dataset(
     """
     if max_prompt_length <= 0:
         raise ValueError(f"max_prompt_length must be > 0 tokens, got {max_prompt_length}")
+    paths = [os.fspath(paths)] if isinstance(paths, (str, os.PathLike)) else [os.fspath(p) for p in paths]
     rows, stats = read_dapo_rows(paths, prompt_key, skip_invalid_rows)
     records: list[PromptRecord] = []
     for path, i, row in rows:
@@ -424,7 +425,7 @@ def load_prompt_dataset(
         )
     if not records:
         raise DatasetError(
-            ", ".join(paths if isinstance(paths, (list, tuple)) else [os.fspath(paths)]),
+            ", ".join(paths),
             None,
             None,
             f"no prompts left ({stats.num_rows} read, {stats.num_invalid} invalid, "
