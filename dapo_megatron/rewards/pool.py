@@ -199,6 +199,16 @@ class RewardPool:
                 raise RuntimeError("RewardPool is closed")
             return self._run(checked)
 
+    def wait_ready(self) -> None:
+        """Block until every worker has imported and warmed up its graders (the first
+        :meth:`grade` call does this implicitly). Raises RuntimeError if a worker dies
+        or does not start within ``startup_timeout_s``."""
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("RewardPool is closed")
+            while not all(w.ready for w in self._workers):
+                self._run([])
+
     def close(self) -> None:
         """Stop all workers (idempotent)."""
         with self._lock:
@@ -239,7 +249,10 @@ class RewardPool:
     def _run(self, requests: list[tuple[str, str, str]]) -> list[dict]:
         results: list[dict | None] = [None] * len(requests)
         pending = collections.deque(range(len(requests)))
-        while pending or any(w.task is not None for w in self._workers):
+        # with no requests, one pass waits for worker start-up messages (wait_ready)
+        first_pass = True
+        while first_pass or pending or any(w.task is not None for w in self._workers):
+            first_pass = False
             # hand out work to idle, ready workers
             for worker in self._workers:
                 if pending and worker.ready and worker.task is None:
@@ -255,7 +268,11 @@ class RewardPool:
             now = time.monotonic()
             waits = [w.deadline - now for w in self._workers if w.task is not None]
             waits += [w.started_at + self.startup_timeout_s - now for w in self._workers if not w.ready]
-            wait_s = max(0.0, min(waits)) if waits else None
+            if not waits:  # nothing in flight and every worker ready
+                if pending:
+                    raise RuntimeError("RewardPool has no workers")
+                break
+            wait_s = max(0.0, min(waits))
             ready_conns = mp_connection.wait([w.conn for w in self._workers], timeout=wait_s)
             for worker in list(self._workers):
                 if worker.conn not in ready_conns:

@@ -1,0 +1,85 @@
+"""Grading throughput on 1,000 answers: RewardPool vs grading in-process.
+
+Prints answers/s for each grader run in this process (no sandbox) and through a
+RewardPool, and their ratio (the cost of process isolation, measured in the same
+run). Responses are synthetic by default; with ``--data DIR`` (containing
+gsm8k_train.jsonl and aime-2024.parquet) real ground truths are used.
+
+    python3 benchmarks/bench_rewards.py [--num 1000] [--workers 2] [--data ../shared/data]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import random
+import time
+
+from dapo_megatron.rewards import RewardPool
+from dapo_megatron.rewards.registry import grade_in_process, normalize_request, warmup
+
+
+def _requests(num: int, data: pathlib.Path | None, seed: int = 0) -> dict[str, list[tuple]]:
+    rng = random.Random(seed)
+    gsm8k_answers, aime_answers = [], []
+    if data is not None and (data / "gsm8k_train.jsonl").exists():
+        with open(data / "gsm8k_train.jsonl") as f:
+            gsm8k_answers = [json.loads(line)["answer"] for _, line in zip(range(num), f)]
+    if data is not None and (data / "aime-2024.parquet").exists():
+        import pandas as pd
+
+        aime_answers = [r["ground_truth"] for r in pd.read_parquet(data / "aime-2024.parquet")["reward_model"]]
+    filler = "Let me work through this step by step. " * 20  # ~800 characters of reasoning
+    out: dict[str, list[tuple]] = {"math_dapo": [], "math": [], "openai/gsm8k": [], "arithmetic": []}
+    for i in range(num):
+        right = rng.random() < 0.5
+        a, b = rng.randint(1, 999), rng.randint(1, 999)
+        gt = str(a + b)
+        guess = gt if right else str(a + b + 1)
+        aime_gt = aime_answers[i % len(aime_answers)] if aime_answers else gt
+        out["math_dapo"].append(("math_dapo", f"{filler}\nAnswer: {aime_gt if right else guess + '1'}", aime_gt, None))
+        p, q = rng.randint(1, 50), rng.randint(2, 50)
+        boxed = f"\\frac{{{p}}}{{{q}}}" if right else f"\\frac{{{p + 1}}}{{{q}}}"
+        out["math"].append(("math", f"{filler} so the answer is $\\boxed{{{boxed}}}$.", f"\\frac{{{p}}}{{{q}}}", None))
+        gsm_gt = gsm8k_answers[i % len(gsm8k_answers)] if gsm8k_answers else gt
+        gsm_number = gsm_gt.rsplit("####", 1)[-1].strip().replace(",", "")
+        gsm_guess = gsm_number if right else gsm_number + "1"
+        out["openai/gsm8k"].append(("openai/gsm8k", f"{filler}\n#### {gsm_guess}", gsm_gt, None))
+        out["arithmetic"].append(("arithmetic", f"{a} + {b} = {guess}", gt, None))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num", type=int, default=1000, help="answers per data source")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--timeout-s", type=float, default=5.0)
+    parser.add_argument("--data", type=pathlib.Path, default=None)
+    args = parser.parse_args()
+
+    batches = _requests(args.num, args.data)
+    warmup()
+    print(f"{'data_source':<14} {'in-process/s':>13} {'pool/s':>10} {'pool/in-process':>16} {'acc':>6}")
+    with RewardPool(num_workers=args.workers, timeout_s=args.timeout_s) as pool:
+        pool.wait_ready()
+        for source, requests in batches.items():
+            start = time.perf_counter()
+            local = [grade_in_process(*normalize_request(*r)[:3]) for r in requests]
+            t_local = time.perf_counter() - start
+            start = time.perf_counter()
+            pooled = pool.grade(requests)
+            t_pool = time.perf_counter() - start
+            assert [r["acc"] for r in pooled] == [r["acc"] for r in local], "pool and in-process disagree"
+            acc = sum(r["acc"] for r in pooled) / len(pooled)
+            rate_local, rate_pool = len(requests) / t_local, len(requests) / t_pool
+            print(f"{source:<14} {rate_local:>13.0f} {rate_pool:>10.0f} {rate_pool / rate_local:>16.2f} {acc:>6.2f}")
+        mixed = [r for group in zip(*batches.values()) for r in group][: args.num]
+        start = time.perf_counter()
+        pool.grade(mixed)
+        t_mixed = time.perf_counter() - start
+        print(f"mixed {len(mixed)} answers through the pool ({args.workers} workers): {len(mixed) / t_mixed:.0f} answers/s")
+
+
+if __name__ == "__main__":
+    main()
