@@ -65,7 +65,8 @@ def agg_loss(
             - ``"seq-mean-token-sum"``: sum over tokens, mean over sequences (all rows).
             - ``"seq-mean-token-sum-norm"`` (Dr. GRPO, Liu et al. 2025): token sum of
               each sequence divided by the constant ``response_len``, mean over
-              sequences, i.e. ``sum(loss * mask) / (batch * response_len)``.
+              sequences, i.e. ``sum(loss * mask) / (batch * response_len)`` (as in the
+              Dr. GRPO reference code; verl's variant omits the division by ``batch``).
             The three ``seq-*`` modes average over the *local* sequences; a caller
             that splits a mini-batch must weight each micro-batch by its share of
             sequences. ``global_num_tokens`` is ignored by them.
@@ -158,6 +159,12 @@ def compute_policy_loss(
         rollout_log_prob: float ``[batch, response_len]`` logprobs reported by the
             rollout engine; with ``tis_cap`` turns on truncated importance sampling.
         tis_cap: truncation ``C > 0`` of the TIS weight; needs ``rollout_log_prob``.
+
+    DP note: with ``token-mean`` and ``global_num_tokens`` the per-rank losses are
+    meant to have their gradients *summed* over DP ranks and micro-batches.
+    Megatron DDP averages gradients over DP (and Megatron's pipeline schedules
+    divide by the number of micro-batches unless ``calculate_per_token_loss``),
+    so a caller on Megatron multiplies the loss by those factors (verl does the same).
 
     Returns:
         ``(loss, metrics)``: ``loss`` is a 0-dim tensor in ``log_prob.dtype``.
