@@ -84,6 +84,18 @@ def test_several_hung_items_in_one_batch(pool):
     assert pool.grade([]) == []
 
 
+def test_worker_killed_from_outside_is_replaced_and_item_retried(pool):
+    pool.wait_ready()
+    restarts = pool.num_restarts
+    victim = pool._workers[0].process.pid
+    os.kill(victim, 9)  # e.g. the OOM killer
+    time.sleep(0.2)
+    results = pool.grade([("arithmetic", str(i), str(i), None) for i in range(6)])
+    assert [r["acc"] for r in results] == [True] * 6  # nothing scored -1 for the dead worker
+    assert pool.num_restarts == restarts + 1
+    assert victim not in {w.process.pid for w in pool._workers}
+
+
 @pytest.mark.parametrize(
     "template",
     [

@@ -197,7 +197,7 @@ class RewardPool:
         with self._lock:
             if self._closed:
                 raise RuntimeError("RewardPool is closed")
-            return self._run(checked)
+            return self._run_or_reset(checked)
 
     def wait_ready(self) -> None:
         """Block until every worker has imported and warmed up its graders (the first
@@ -207,7 +207,7 @@ class RewardPool:
             if self._closed:
                 raise RuntimeError("RewardPool is closed")
             while not all(w.ready for w in self._workers):
-                self._run([])
+                self._run_or_reset([])
 
     def close(self) -> None:
         """Stop all workers (idempotent)."""
@@ -246,9 +246,23 @@ class RewardPool:
         worker.task = None
         worker.deadline = float("inf")
 
+    def _run_or_reset(self, requests: list[tuple[str, str, str]]) -> list[dict]:
+        try:
+            return self._run(requests)
+        except BaseException:
+            # interrupted (KeyboardInterrupt, start-up failure): workers still busy with
+            # this batch would answer into the next one, so replace them
+            for worker in list(self._workers):
+                if worker.task is not None:
+                    worker.task = None
+                    worker.deadline = float("inf")
+                    self._replace(worker)
+            raise
+
     def _run(self, requests: list[tuple[str, str, str]]) -> list[dict]:
         results: list[dict | None] = [None] * len(requests)
         pending = collections.deque(range(len(requests)))
+        attempts = [0] * len(requests)  # an item whose worker dies is retried once
         # with no requests, one pass waits for worker start-up messages (wait_ready)
         first_pass = True
         while first_pass or pending or any(w.task is not None for w in self._workers):
@@ -264,6 +278,7 @@ class RewardPool:
                         self._replace(worker)
                         continue
                     worker.task = index
+                    attempts[index] += 1
                     worker.deadline = time.monotonic() + self.timeout_s
             now = time.monotonic()
             waits = [w.deadline - now for w in self._workers if w.task is not None]
@@ -281,8 +296,13 @@ class RewardPool:
                     message = worker.conn.recv()
                 except (EOFError, OSError):
                     if worker.task is not None:
+                        worker.process.join(timeout=1)
                         code = worker.process.exitcode
-                        self._finish(worker, results, _error_result(f"grader worker died (exit code {code})"))
+                        if attempts[worker.task] < 2:  # the worker may have died before this item
+                            pending.appendleft(worker.task)
+                            worker.task = None
+                        else:
+                            self._finish(worker, results, _error_result(f"grader worker died (exit code {code})"))
                     elif not worker.ready:
                         raise RuntimeError(
                             f"reward worker failed to start (exit code {worker.process.exitcode}); "
