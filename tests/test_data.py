@@ -304,10 +304,13 @@ def test_aime_with_smollm2_chat_template_and_filter():
     tok = _smollm2_tokenizer()
     rows, _ = read_dapo_rows(path)
     # independent length: render the template to text, then tokenize the text
-    lengths = []
+    by_content = {}
     for _, _, r in rows:
-        text = tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False)
-        lengths.append(len(tok(text, add_special_tokens=False)["input_ids"]))
+        content = r["prompt"][0]["content"]
+        if content not in by_content:
+            text = tok.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False)
+            by_content[content] = len(tok(text, add_special_tokens=False)["input_ids"])
+    lengths = [by_content[r["prompt"][0]["content"]] for _, _, r in rows]
     limit = sorted(lengths)[len(lengths) // 2]
     ds = load_prompt_dataset(path, tok, max_prompt_length=limit)
     assert len(ds) == sum(n <= limit for n in lengths)

@@ -396,9 +396,15 @@ def load_prompt_dataset(
     paths = [os.fspath(paths)] if isinstance(paths, (str, os.PathLike)) else [os.fspath(p) for p in paths]
     rows, stats = read_dapo_rows(paths, prompt_key, skip_invalid_rows)
     records: list[PromptRecord] = []
+    # DAPO-Math-17k repeats each prompt 100x (1.79M rows) and AIME 2024 32x:
+    # render + tokenize each distinct conversation once.
+    cache: dict[tuple, list[int]] = {}
     for path, i, row in rows:
         messages = [{"role": m["role"], "content": m["content"]} for m in row[prompt_key]]
-        ids = chat_template_ids(tokenizer, messages)
+        key = tuple((m["role"], m["content"]) for m in messages)
+        if key not in cache:
+            cache[key] = chat_template_ids(tokenizer, messages)
+        ids = list(cache[key])
         if len(ids) > max_prompt_length:
             stats.num_overlong += 1
             if len(stats.overlong_examples) < MAX_REPORTED_INDICES:
