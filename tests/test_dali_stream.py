@@ -126,3 +126,12 @@ def test_epoch_permutation_properties():
     assert p0.dtype == np.int64 and sorted(p0.tolist()) == list(range(100))
     assert not np.array_equal(p0, p1)
     assert np.array_equal(p0, epoch_permutation(100, 0, 0))
+
+
+def test_missing_dali_gives_install_hint(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "nvidia.dali", None)  # makes `import nvidia.dali` fail
+    s = PromptStream(make_dataset(4), 2)
+    with pytest.raises(ImportError, match="pip install nvidia-dali-cuda120"):
+        s.next_batch()

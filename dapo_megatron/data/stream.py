@@ -47,7 +47,7 @@ def _import_dali():
     try:
         from nvidia.dali import fn, types
         from nvidia.dali.pipeline import Pipeline
-    except ImportError as exc:  # pragma: no cover - depends on the environment
+    except ImportError as exc:
         raise ImportError(
             "PromptStream needs NVIDIA DALI: pip install nvidia-dali-cuda120 "
             "(its CPU-only pipelines are used; no GPU needed)"
