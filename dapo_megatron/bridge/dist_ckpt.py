@@ -6,7 +6,7 @@ Layout of a checkpoint directory::
       metadata.json, common.pt, __*.distcp   megatron.core.dist_checkpointing (torch_dist)
       config.json                            the HF config (the model's architecture)
       tokenizer files                        when a tokenizer was given (export needs only the dir)
-      dapo_megatron.json                     padded vocab, TP/PP of the save, format version
+      dapo_megatron.json                     padded vocab, TP/PP, params dtype of the save, format version
 
 The save is atomic: everything is written to ``<ckpt_dir>.tmp`` and renamed at the end,
 so a crashed save never leaves a directory that looks complete.
@@ -89,6 +89,10 @@ def save_model_checkpoint(model_chunks, ckpt_dir: str, hf_config, tokenizer=None
             "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
             "num_model_chunks": len(_as_list(model_chunks)),
         }
+        model_cfg = getattr(model, "model_cfg", None)
+        if model_cfg is not None:
+            meta["params_dtype"] = model_cfg.params_dtype
+            meta["make_vocab_size_divisible_by"] = model_cfg.make_vocab_size_divisible_by
         with open(os.path.join(tmp, META_FILE), "w") as f:
             json.dump(meta, f, indent=2)
         if os.path.exists(ckpt_dir):
