@@ -32,7 +32,7 @@ def tiny_gpt_config(tp=1, pp=1, num_layers=2, sequence_parallel=False):
         normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
         add_bias_linear=False, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         sequence_parallel=sequence_parallel, use_cpu_initialization=True, hidden_dropout=0.0,
-        attention_dropout=0.0, init_method_std=0.2, params_dtype=torch.float32,
+        attention_dropout=0.0, init_method_std=0.05, params_dtype=torch.float32, pipeline_dtype=torch.float32,
     )
 
 

@@ -1,0 +1,572 @@
+"""The Megatron actor: logprob recomputation and DAPO policy updates under TP / PP / DP.
+
+One class, :class:`MegatronActor`, owns the Megatron-wrapped model chunks (DDP),
+the distributed optimizer and the LR scheduler. Every forward and backward runs
+through ``megatron.core.pipeline_parallel.get_forward_backward_func()``, so the
+same code serves PP = 1 and the 1F1B pipeline schedule.
+
+Loss scaling (DESIGN.md §6, "loss normalisation that changes with micro-batch
+count or DP size"). DAPO's token-level loss of a mini-batch is
+``sum over all valid tokens / N`` with ``N`` the valid-token count of the whole
+mini-batch (all micro-batches, all DP ranks). megatron-core 0.16.1 would rescale
+that in two places, and both are switched off here:
+
+1. ``schedules.forward_step_calc_loss``: when the loss function returns
+   ``(loss, num_tokens, reduced)`` and ``config.calculate_per_token_loss`` is False,
+   the loss is divided by ``num_tokens`` and by ``num_microbatches``. We set
+   ``calculate_per_token_loss = True``: the loss is back-propagated as returned.
+2. ``DistributedDataParallel``: without ``calculate_per_token_loss`` the grad buffers
+   are pre-scaled by ``1 / DP`` (or averaged in the collective), i.e. gradients are
+   *averaged* over DP. With it, ``gradient_scaling_factor = 1``: gradients are
+   *summed* over DP (``average_in_collective`` must stay False).
+3. ``finalize_model_grads(model, num_tokens)`` would then divide the gradients by
+   the all-reduced token count returned by the loss function; we install a
+   ``finalize_model_grads_func`` that passes ``num_tokens=None``, because our loss
+   is already divided by the global ``N``.
+
+So each micro-batch back-propagates ``sum(loss_t over its tokens) / N`` and
+gradients are summed over micro-batches (accumulation) and DP ranks (reduce-scatter):
+the total is exactly ``sum over all tokens / N`` however the mini-batch is cut.
+
+Sources: verl ``MegatronPPOActor`` (config names, token-mean with a global token
+count), megatron-core 0.16.1 ``pipeline_parallel/schedules.py`` and
+``distributed/`` (scaling rules above), ``training/training.py`` (DDP / optimizer /
+scheduler wiring).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from dapo_megatron.rollout.types import Sample
+
+from .logprobs import vocab_parallel_logprobs_and_entropy
+from .packing import PackedBatch, pack_samples
+
+SUPPORTED_LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean")
+
+
+@dataclass
+class OptimConfig:
+    """AdamW (Megatron ``optimizer="adam"``, decoupled weight decay) and LR schedule.
+
+    Attributes:
+        lr: peak learning rate (DAPO: 1e-6).
+        lr_warmup_steps: linear warm-up length in optimizer steps (Megatron's
+            ``OptimizerParamScheduler`` counts optimizer updates; DAPO's 20 rollout
+            steps with 16 updates each are 320 here).
+        lr_warmup_init: LR at step 0 of the warm-up (Megatron ``lr_warmup_init``).
+        lr_decay_style: ``"constant"`` (DAPO), ``"linear"``, ``"cosine"`` or
+            ``"inverse-square-root"`` after the warm-up.
+        min_lr: floor of the decay styles other than constant.
+        weight_decay: decoupled weight decay (not applied to biases and norms).
+        betas: Adam (beta1, beta2).
+        eps: Adam epsilon.
+        clip_grad: max global grad norm (0 disables clipping; the norm is still logged).
+    """
+
+    lr: float = 1e-6
+    lr_warmup_steps: int = 0
+    lr_warmup_init: float = 0.0
+    lr_decay_style: str = "constant"
+    min_lr: float = 0.0
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+
+    def validate(self, total_steps: int) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"actor.optim.lr={self.lr} must be > 0")
+        if self.lr_decay_style not in ("constant", "linear", "cosine", "inverse-square-root"):
+            raise ValueError(
+                f"actor.optim.lr_decay_style={self.lr_decay_style!r} must be constant, linear, cosine or "
+                "inverse-square-root"
+            )
+        if not 0 <= self.lr_warmup_init <= self.lr:
+            raise ValueError(f"actor.optim.lr_warmup_init={self.lr_warmup_init} must be in [0, lr={self.lr}]")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"actor.optim.min_lr={self.min_lr} must be in [0, lr={self.lr}]")
+        if self.lr_warmup_steps < 0 or total_steps <= self.lr_warmup_steps:
+            raise ValueError(
+                f"total_steps={total_steps} optimizer steps must exceed actor.optim.lr_warmup_steps="
+                f"{self.lr_warmup_steps} (>= 0); count optimizer updates, not rollout steps"
+            )
+        if self.weight_decay < 0 or self.clip_grad < 0 or self.eps <= 0:
+            raise ValueError("actor.optim.weight_decay and clip_grad must be >= 0 and eps > 0")
+        if not all(0 <= b < 1 for b in self.betas) or len(self.betas) != 2:
+            raise ValueError(f"actor.optim.betas={self.betas} must be two numbers in [0, 1)")
+
+
+@dataclass
+class ActorConfig:
+    """Policy-update settings (verl ``actor_rollout_ref.actor`` names).
+
+    Attributes:
+        ppo_mini_batch_size: prompts per mini-batch (one optimizer step each); a
+            mini-batch holds ``ppo_mini_batch_size × n`` responses. Used by the
+            trainer to cut the rollout batch; the actor trains one mini-batch per call.
+        ppo_epochs: passes over the rollout batch (trainer loop).
+        ppo_max_token_len_per_gpu: token budget (prompt + response) of one
+            micro-batch on one GPU (:func:`~dapo_megatron.actor.packing.split_by_token_budget`).
+        clip_ratio_low, clip_ratio_high: DAPO decoupled clip (0.2, 0.28).
+        clip_ratio_c: dual-clip constant (> 1) or None.
+        loss_agg_mode: ``"token-mean"`` (DAPO) or ``"seq-mean-token-mean"`` (GRPO
+            ablation; each micro-batch weighted by its share of sequences).
+        entropy_coeff: entropy bonus weight (0: entropy is logged only, no gradient).
+        tis_cap: truncated importance sampling cap against ``Sample.rollout_logprobs``, or None.
+        use_packed_seq_params: pass ``PackedSeqParams(qkv_format="thd")`` to the model
+            (TE attention on GPU) instead of a block-diagonal mask. None: auto (CUDA available).
+    """
+
+    ppo_mini_batch_size: int = 32
+    ppo_epochs: int = 1
+    ppo_max_token_len_per_gpu: int = 16384
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.28
+    clip_ratio_c: Optional[float] = None
+    loss_agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    tis_cap: Optional[float] = None
+    use_packed_seq_params: Optional[bool] = None
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+    def validate(self) -> None:
+        if self.ppo_mini_batch_size < 1 or self.ppo_epochs < 1 or self.ppo_max_token_len_per_gpu < 1:
+            raise ValueError("actor.ppo_mini_batch_size, ppo_epochs and ppo_max_token_len_per_gpu must be >= 1")
+        if self.loss_agg_mode not in SUPPORTED_LOSS_AGG_MODES:
+            raise ValueError(
+                f"actor.loss_agg_mode={self.loss_agg_mode!r} is not one of {SUPPORTED_LOSS_AGG_MODES} "
+                "(the modes whose micro-batch split can be made exact)"
+            )
+
+
+class _MicroBatch:
+    """A packed micro-batch plus its per-token training targets ([B, T] like the inputs)."""
+
+    def __init__(self, samples: Sequence[Sample], pad_to: int, build_mask: bool, device, with_targets: bool,
+                 use_tis: bool):
+        self.samples = list(samples)
+        self.batch: PackedBatch = pack_samples(
+            samples, pad_to_multiple_of=pad_to, build_attention_mask=build_mask, device=device
+        )
+        if not with_targets:
+            return
+        for i, s in enumerate(samples):
+            if s.old_logprobs is None or len(s.old_logprobs) != len(s.response_ids):
+                raise ValueError(
+                    f"sample {i}: old_logprobs must hold one value per response token (got "
+                    f"{None if s.old_logprobs is None else len(s.old_logprobs)}, need {len(s.response_ids)}); "
+                    "call MegatronActor.compute_logprobs first and store the result in Sample.old_logprobs"
+                )
+            if use_tis and len(s.rollout_logprobs) != len(s.response_ids):
+                raise ValueError(f"sample {i}: rollout_logprobs has {len(s.rollout_logprobs)} values, need "
+                                 f"{len(s.response_ids)} (tis_cap is set)")
+            if not math.isfinite(s.advantage):
+                raise ValueError(f"sample {i}: advantage={s.advantage} is not finite")
+        b = self.batch
+        self.old_logprobs = b.scatter_per_sample([s.old_logprobs for s in samples])
+        self.advantages = b.scatter_per_sample([[s.advantage] * len(s.response_ids) for s in samples])
+        self.rollout_logprobs = (
+            b.scatter_per_sample([s.rollout_logprobs for s in samples]) if use_tis else None
+        )
+        self.num_loss_tokens = b.num_loss_tokens
+        self.num_loss_seqs = sum(1 for s in samples if len(s.response_ids) and not s.loss_mask_zero)
+
+
+def _per_sample_padded(batch: PackedBatch, values: torch.Tensor) -> torch.Tensor:
+    """[B, T] values at label positions -> [n, R_max] right-padded (differentiable)."""
+    per = batch.unpack(values)
+    r_max = max((x.numel() for x in per), default=0)
+    return torch.stack([torch.nn.functional.pad(x, (0, r_max - x.numel())) for x in per])
+
+
+_SUM_KEYS = ("loss", "pg_loss", "pg_clipfrac_lower", "pg_clipfrac_upper", "ppo_kl", "entropy", "num_tokens")
+
+
+class MegatronActor:
+    """DAPO actor over Megatron model chunks (TP / PP / DP, distributed optimizer).
+
+    Args:
+        model_chunks: this rank's model: a ``GPTModel`` (or a one-element list); PP
+            stages each pass their own stage. Virtual pipeline (several chunks) is not
+            supported. Weights must be loaded *before* construction (DDP copies them
+            into its contiguous buffers and the optimizer shards them).
+        actor_cfg: :class:`ActorConfig`.
+        total_steps: optimizer steps of the whole run (the LR schedule's horizon).
+        vocab_size: real tokenizer vocabulary; logits columns beyond it (Megatron's
+            vocab padding) are excluded from the softmax. None: no padding.
+
+    Side effects on the shared ``TransformerConfig`` (``model.config``):
+    ``calculate_per_token_loss=True`` (see module docstring), ``variable_seq_lengths=True``
+    and ``pipeline_dtype`` (PP), ``finalize_model_grads_func``, ``no_sync_func``,
+    ``grad_scale_func``.
+
+    Attributes exposed for checkpointing: ``model_chunks`` (DDP-wrapped),
+    ``optimizer`` (Megatron ``DistributedOptimizer``), ``scheduler``
+    (``OptimizerParamScheduler``).
+
+    Every rank of the model-parallel (TP × PP) group must pass the same
+    micro-batches to each call; DP ranks pass their own shard of the mini-batch.
+    """
+
+    def __init__(self, model_chunks, actor_cfg: ActorConfig, total_steps: int, *, vocab_size: Optional[int] = None):
+        from megatron.core import parallel_state as ps
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+        if len(chunks) != 1:
+            raise ValueError(
+                f"got {len(chunks)} model chunks: virtual pipeline parallelism is not supported; pass this "
+                "rank's single pipeline stage"
+            )
+        actor_cfg.validate()
+        actor_cfg.optim.validate(total_steps)
+        self.cfg = actor_cfg
+        self.vocab_size = vocab_size
+        config = chunks[0].config
+        self.config = config
+        self.pp_size = ps.get_pipeline_model_parallel_world_size()
+        self.tp_size = ps.get_tensor_model_parallel_world_size()
+        self.dp_group = ps.get_data_parallel_group()
+        self.pp_group = ps.get_pipeline_model_parallel_group()
+
+        # (1)-(3) of the module docstring: no 1/num_microbatches, no 1/DP, no 1/num_tokens
+        config.calculate_per_token_loss = True
+        if self.pp_size > 1:
+            config.variable_seq_lengths = True  # packed micro-batches have different lengths
+            if config.pipeline_dtype is None:
+                config.pipeline_dtype = config.params_dtype
+
+        ddp_config = DistributedDataParallelConfig(
+            use_distributed_optimizer=True,
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            overlap_param_gather=False,
+            average_in_collective=False,
+            check_for_nan_in_grad=False,  # a NaN step is skipped by the optimizer instead
+        )
+        self.model_chunks = [
+            DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=(i > 0))
+            for i, chunk in enumerate(chunks)
+        ]
+        o = actor_cfg.optim
+        opt_config = OptimizerConfig(
+            optimizer="adam",
+            lr=o.lr,
+            min_lr=o.min_lr,
+            weight_decay=o.weight_decay,
+            adam_beta1=o.betas[0],
+            adam_beta2=o.betas[1],
+            adam_eps=o.eps,
+            clip_grad=o.clip_grad,
+            bf16=config.bf16,
+            fp16=config.fp16,
+            params_dtype=config.params_dtype,
+            use_distributed_optimizer=True,
+            # constant scale 1 (exact no-op on values) gives Megatron's found-inf check: a step
+            # whose gradients hold NaN/inf is skipped and reported (fp16 keeps the dynamic scaler)
+            loss_scale=None if config.fp16 else 1.0,
+        )
+        self.optimizer = get_megatron_optimizer(opt_config, self.model_chunks)
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer,
+            init_lr=o.lr_warmup_init,
+            max_lr=o.lr,
+            min_lr=o.min_lr,
+            lr_warmup_steps=o.lr_warmup_steps,
+            lr_decay_steps=total_steps,
+            lr_decay_style=o.lr_decay_style,
+            start_wd=o.weight_decay,
+            end_wd=o.weight_decay,
+            wd_incr_steps=total_steps,
+            wd_incr_style="constant",
+        )
+
+        def _finalize(model, num_tokens, pg_collection=None, force_all_reduce=False):
+            # the loss is already divided by the global token count: do not divide again
+            finalize_model_grads(model, None, pg_collection=pg_collection, force_all_reduce=force_all_reduce)
+
+        config.finalize_model_grads_func = _finalize
+        config.no_sync_func = self.model_chunks[0].no_sync
+        config.grad_scale_func = self.optimizer.scale_loss
+
+        use_thd = actor_cfg.use_packed_seq_params
+        self.use_packed_seq_params = torch.cuda.is_available() if use_thd is None else bool(use_thd)
+        self.pad_to = self.tp_size if config.sequence_parallel else 1
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else (
+            torch.device("cpu"))
+
+    # ------------------------------------------------------------------ helpers
+    def _make_micro_batches(self, micro_batches, with_targets: bool) -> list[_MicroBatch]:
+        if len(micro_batches) == 0 or any(len(mb) == 0 for mb in micro_batches):
+            raise ValueError("micro_batches must be a non-empty list of non-empty lists of Sample")
+        return [
+            _MicroBatch(mb, self.pad_to, not self.use_packed_seq_params, self.device, with_targets,
+                        self.cfg.tis_cap is not None)
+            for mb in micro_batches
+        ]
+
+    def _forward(self, model, mb: _MicroBatch):
+        b = mb.batch
+        psp = b.packed_seq_params if self.use_packed_seq_params else None
+        return model(b.input_ids, b.position_ids, b.attention_mask, packed_seq_params=psp)
+
+    def _run_schedule(self, mbs: list[_MicroBatch], forward_step, forward_only: bool):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iter(mbs),
+            model=self.model_chunks,
+            num_microbatches=len(mbs),
+            seq_length=max(mb.batch.input_ids.shape[1] for mb in mbs),
+            micro_batch_size=max(mb.batch.input_ids.shape[0] for mb in mbs),
+            forward_only=forward_only,
+        )
+
+    def _is_last_stage(self) -> bool:
+        from megatron.core import parallel_state as ps
+
+        return ps.is_pipeline_last_stage()
+
+    def _broadcast_from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
+        if self.pp_size > 1:
+            from megatron.core import parallel_state as ps
+
+            dist.broadcast(t, src=ps.get_pipeline_model_parallel_last_rank(), group=self.pp_group)
+        return t
+
+    # ------------------------------------------------------------------ public API
+    @torch.no_grad()
+    def compute_logprobs(
+        self, micro_batches: Sequence[Sequence[Sample]], temperature: float = 1.0, *, return_entropy: bool = False
+    ):
+        """Logprobs of every sample's response tokens under the current weights (no grad).
+
+        Runs ``forward_only`` through Megatron's forward-backward schedule; the last
+        PP stage computes them and broadcasts to the whole PP group, so every rank
+        returns them.
+
+        Args:
+            micro_batches: list of micro-batches (lists of Sample), e.g. from
+                :func:`~dapo_megatron.actor.packing.split_by_token_budget`.
+            temperature: the rollout's sampling temperature (logits are divided by it).
+            return_entropy: also return per-token entropies.
+
+        Returns:
+            ``list[Tensor[R_i]]`` float32 CPU logprobs (nats) in the order of the
+            flattened micro-batches; with ``return_entropy``, a tuple
+            ``(logprobs, entropies)`` of two such lists.
+        """
+        mbs = self._make_micro_batches(micro_batches, with_targets=False)
+        for m in self.model_chunks:
+            m.eval()
+
+        def loss_func(mb: _MicroBatch, output_tensor):
+            lp, ent = vocab_parallel_logprobs_and_entropy(
+                output_tensor, mb.batch.labels, vocab_size=self.vocab_size, temperature=temperature
+            )
+            zero = output_tensor.new_zeros(())
+            return zero, torch.tensor(0, dtype=torch.int), {"logprobs": lp, "entropy": ent}
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            return self._forward(model, mb), partial(loss_func, mb)
+
+        outs = self._run_schedule(mbs, forward_step, forward_only=True)
+        counts = [sum(mb.batch.response_lens) for mb in mbs]
+        total = sum(counts)
+        flat = torch.zeros(2, total, dtype=torch.float32, device=self.device)
+        if self._is_last_stage():
+            lps, ents = [], []
+            for mb, out in zip(mbs, outs):
+                lps.extend(mb.batch.unpack(out["logprobs"]))
+                ents.extend(mb.batch.unpack(out["entropy"]))
+            if total:
+                flat[0] = torch.cat(lps).float()
+                flat[1] = torch.cat(ents).float()
+        self._broadcast_from_last_stage(flat)
+        sizes = [r for mb in mbs for r in mb.batch.response_lens]
+        flat = flat.cpu()
+        logprobs = list(torch.split(flat[0], sizes))
+        if return_entropy:
+            return logprobs, list(torch.split(flat[1], sizes))
+        return logprobs
+
+    def count_loss_tokens(self, micro_batches: Sequence[Sequence[Sample]]) -> tuple[int, int]:
+        """Global (all DP ranks) number of loss tokens and loss sequences of a mini-batch.
+
+        Overlong-filtered samples (``loss_mask_zero``) and empty responses count 0.
+        A collective over the DP group: every rank must call it.
+
+        Returns:
+            ``(global_num_tokens, global_num_seqs)``.
+        """
+        local = torch.zeros(2, dtype=torch.float64)
+        for mb in micro_batches:
+            for s in mb:
+                if not s.loss_mask_zero and len(s.response_ids):
+                    local[0] += len(s.response_ids)
+                    local[1] += 1
+        if dist.is_initialized():
+            dist.all_reduce(local, group=self.dp_group)
+        return int(local[0]), int(local[1])
+
+    def forward_backward(
+        self, micro_batches: Sequence[Sequence[Sample]], temperature: float = 1.0,
+        global_num_tokens: Optional[int] = None,
+    ) -> dict[str, float]:
+        """Accumulate the DAPO policy-gradient of one mini-batch into the DDP grad buffers.
+
+        Zeroes the grad buffers, runs every micro-batch through the schedule and
+        finishes the DP grad sync (reduce-scatter). Does not step the optimizer
+        (see :meth:`train_mini_batch`).
+
+        Args:
+            micro_batches: this DP rank's micro-batches of the mini-batch. Samples need
+                ``advantage`` and ``old_logprobs`` (and ``rollout_logprobs`` with ``tis_cap``).
+            temperature: the rollout's sampling temperature.
+            global_num_tokens: valid loss tokens of the whole mini-batch over all
+                micro-batches and DP ranks. None: computed with :meth:`count_loss_tokens`;
+                when given it is checked against that count.
+
+        Returns:
+            metrics over the whole mini-batch (identical on all ranks): ``loss`` (incl.
+            entropy bonus), ``pg_loss``, ``pg_clipfrac_lower``, ``pg_clipfrac_upper``,
+            ``ppo_kl``, ``entropy`` (token means), ``ratio_min``, ``ratio_max``,
+            ``num_tokens``, ``num_micro_batches``.
+
+        Raises:
+            ValueError: missing ``old_logprobs``, a ``global_num_tokens`` that differs
+                from the count of the samples, empty micro-batches.
+        """
+        mbs = self._make_micro_batches(micro_batches, with_targets=True)
+        n_tok, n_seq = self.count_loss_tokens(micro_batches)
+        if global_num_tokens is not None and int(global_num_tokens) != n_tok:
+            raise ValueError(
+                f"global_num_tokens={global_num_tokens} but the mini-batch holds {n_tok} loss tokens over all "
+                "micro-batches and DP ranks (overlong-filtered samples count 0); pass None to let the actor count"
+            )
+        for m in self.model_chunks:
+            m.train()
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        cfg = self.cfg
+        mode = cfg.loss_agg_mode
+        from dapo_megatron.algorithms.policy_loss import agg_loss, compute_policy_loss
+
+        def loss_func(mb: _MicroBatch, output_tensor):
+            b = mb.batch
+            lp, ent = vocab_parallel_logprobs_and_entropy(
+                output_tensor, b.labels, vocab_size=self.vocab_size, temperature=temperature
+            )
+            if mode == "token-mean":
+                # [B, T] tensors directly: sum(loss * mask) / N is layout-free
+                views = (lp, mb.old_logprobs, mb.advantages, b.loss_mask,
+                         mb.rollout_logprobs, ent)
+                weight, kwargs = 1.0, {"global_num_tokens": max(n_tok, 1)}
+            else:  # seq-mean-token-mean: per-sample rows, weighted by the share of sequences
+                views = tuple(
+                    None if t is None else _per_sample_padded(b, t)
+                    for t in (lp, mb.old_logprobs, mb.advantages, b.loss_mask.float(), mb.rollout_logprobs, ent)
+                )
+                weight, kwargs = mb.num_loss_seqs / max(n_seq, 1), {}
+            lp_v, old_v, adv_v, mask_v, roll_v, ent_v = views
+            pg_loss, m = compute_policy_loss(
+                lp_v, old_v, adv_v, mask_v,
+                clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
+                clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=mode, rollout_log_prob=roll_v,
+                tis_cap=cfg.tis_cap, **kwargs,
+            )
+            ent_term = agg_loss(ent_v if cfg.entropy_coeff else ent_v.detach(), mask_v, mode, **kwargs)
+            pg_loss = pg_loss * weight
+            ent_term = ent_term * weight
+            loss = pg_loss - cfg.entropy_coeff * ent_term if cfg.entropy_coeff else pg_loss
+            n_local = float(mb.num_loss_tokens)
+            share = n_local / max(n_tok, 1)  # token share of this micro-batch in the mini-batch
+            reduced = {
+                "loss": loss.detach().float(),
+                "pg_loss": pg_loss.detach().float(),
+                "pg_clipfrac_lower": m["pg_clipfrac_lower"] * share,
+                "pg_clipfrac_upper": m["pg_clipfrac_upper"] * share,
+                "ppo_kl": m["ppo_kl"] * share,
+                "entropy": (ent.detach().float() * b.loss_mask).sum() / max(n_tok, 1),
+                "num_tokens": torch.tensor(n_local),
+                "ratio_min": m["ratio_min"] if n_local else torch.tensor(float("inf")),
+                "ratio_max": m["ratio_max"] if n_local else torch.tensor(float("-inf")),
+            }
+            return loss, torch.tensor(int(n_local), dtype=torch.int), reduced
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            return self._forward(model, mb), partial(loss_func, mb)
+
+        outs = self._run_schedule(mbs, forward_step, forward_only=False)
+
+        sums = torch.zeros(len(_SUM_KEYS), dtype=torch.float64, device=self.device)
+        mins = torch.full((1,), float("inf"), dtype=torch.float64, device=self.device)
+        maxs = torch.full((1,), float("-inf"), dtype=torch.float64, device=self.device)
+        if self._is_last_stage():
+            for out in outs:
+                sums += torch.stack([out[k].double().reshape(()) for k in _SUM_KEYS]).to(sums.device)
+                mins = torch.minimum(mins, out["ratio_min"].double().reshape(1).to(mins.device))
+                maxs = torch.maximum(maxs, out["ratio_max"].double().reshape(1).to(maxs.device))
+        if dist.is_initialized():
+            # non-last PP stages contribute zeros / +-inf; DP ranks hold disjoint shards
+            for group in ([self.pp_group] if self.pp_size > 1 else []) + [self.dp_group]:
+                dist.all_reduce(sums, group=group)
+                dist.all_reduce(mins, op=dist.ReduceOp.MIN, group=group)
+                dist.all_reduce(maxs, op=dist.ReduceOp.MAX, group=group)
+        metrics = {k: float(v) for k, v in zip(_SUM_KEYS, sums.tolist())}
+        metrics["ratio_min"] = float(mins) if math.isfinite(float(mins)) else 1.0
+        metrics["ratio_max"] = float(maxs) if math.isfinite(float(maxs)) else 1.0
+        metrics["num_micro_batches"] = float(len(mbs))
+        return metrics
+
+    def optimizer_step(self) -> dict[str, float]:
+        """Clip, step the distributed optimizer, then the LR scheduler (only on success).
+
+        Returns:
+            ``grad_norm`` (global, before clipping; NaN when the step was skipped),
+            ``lr`` (the LR used by this step), ``skipped`` (1.0 when the gradients held
+            NaN/inf: Megatron's found-inf check, weights and scheduler untouched).
+        """
+        lr = self.optimizer.param_groups[0]["lr"]
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            if grad_norm is None or self.cfg.optim.clip_grad == 0:
+                grad_norm = self.optimizer.get_grad_norm()
+            self.scheduler.step(increment=1)
+        return {
+            "grad_norm": float(grad_norm) if ok else float("nan"),
+            "lr": float(lr),
+            "skipped": 0.0 if ok else 1.0,
+        }
+
+    def train_mini_batch(
+        self, micro_batches: Sequence[Sequence[Sample]], temperature: float = 1.0,
+        global_num_tokens: Optional[int] = None,
+    ) -> dict[str, float]:
+        """One optimizer step on one mini-batch: :meth:`forward_backward` + :meth:`optimizer_step`.
+
+        A mini-batch without any loss token (all samples overlong-filtered) is not
+        stepped (``skipped = 1``): Adam would still move weights with zero gradients.
+
+        Returns:
+            the union of both methods' metrics.
+        """
+        metrics = self.forward_backward(micro_batches, temperature, global_num_tokens)
+        if metrics["num_tokens"] == 0:
+            lr = self.optimizer.param_groups[0]["lr"]
+            return {**metrics, "grad_norm": 0.0, "lr": float(lr), "skipped": 1.0}
+        return {**metrics, **self.optimizer_step()}
