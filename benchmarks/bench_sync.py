@@ -1,0 +1,99 @@
+"""Full weight sync from a TP=2 Megatron actor into HFEngine: sync GB/s vs memcpy GB/s.
+
+Both ranks of a TP=2 world (2 gloo processes on CPU) build the same Llama-shaped actor
+and an HFEngine each, then time ``engine.update_weights(iter_hf_weights(actor))``: the
+TP all-gather, the Megatron → HF layout conversion (QKV de-interleave, gate/up split,
+vocab trim), the bucketing and the engine's checked copy. The reference is a plain
+``copy_`` of the same bytes (one tensor per HF parameter) measured in the same run.
+The last line is the ratio, higher is better (1.0 = as fast as memcpy).
+
+    python benchmarks/bench_sync.py [--hidden 512 --layers 8 --bucket-mb 64 --repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+
+def _worker(args: argparse.Namespace, out_path: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from dapo_megatron.bridge import iter_hf_weights
+    from dapo_megatron.models import ModelConfig, build_gpt_model
+    from dapo_megatron.platform import ParallelConfig, init_distributed
+    from dapo_megatron.rollout.hf_engine import HFEngine
+
+    init_distributed(ParallelConfig(2, 1), seed=0)
+    hf_config = LlamaConfig(
+        vocab_size=32000, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3 // 64 * 64,
+        num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64, num_key_value_heads=max(1, args.hidden // 256),
+        max_position_embeddings=512, tie_word_embeddings=False,
+    )
+    actor = build_gpt_model(hf_config, ModelConfig(transformer_impl="local"))
+    engine = HFEngine(AutoModelForCausalLM.from_config(hf_config), eos_token_ids=[2])
+    bucket = args.bucket_mb * 2**20
+
+    def sync() -> int:
+        nbytes = 0
+
+        def counted():
+            nonlocal nbytes
+            for name, t in iter_hf_weights(actor, bucket_bytes=bucket):
+                nbytes += t.numel() * t.element_size()
+                yield name, t
+
+        engine.update_weights(counted(), version=1)
+        return nbytes
+
+    sync()  # warm-up
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(args.repeats):
+        nbytes = sync()
+    dist.barrier()
+    sync_s = (time.perf_counter() - t0) / args.repeats
+
+    # memcpy reference: the same bytes, tensor by tensor, into preallocated destinations
+    src = [p.detach().clone() for p in engine.model.parameters()]
+    dst = [torch.empty_like(p) for p in src]
+    t0 = time.perf_counter()
+    for _ in range(args.repeats):
+        for d, s in zip(dst, src):
+            d.copy_(s)
+    copy_s = (time.perf_counter() - t0) / args.repeats
+    copy_bytes = sum(s.numel() * s.element_size() for s in src)
+    if dist.get_rank() == 0:
+        torch.save({"sync_GBps": nbytes / sync_s / 1e9, "memcpy_GBps": copy_bytes / copy_s / 1e9,
+                    "bytes": nbytes}, out_path)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--bucket-mb", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args(argv)
+    import torch
+
+    from dapo_megatron.platform import spawn
+
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "result.pt")
+        spawn(_worker, 2, args, out)
+        r = torch.load(out)
+    print(f"weights synced: {r['bytes'] / 2**20:.1f} MiB (TP=2 -> HFEngine, bucket {args.bucket_mb} MiB)")
+    print(f"sync GB/s:   {r['sync_GBps']:.3f}")
+    print(f"memcpy GB/s: {r['memcpy_GBps']:.3f}")
+    print(f"ratio sync/memcpy: {r['sync_GBps'] / r['memcpy_GBps']:.3f}")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    main()
