@@ -1,0 +1,590 @@
+"""Atomic, resumable trainer checkpoints: Megatron distributed checkpoint + per-rank RNG.
+
+Directory layout (``run_dir`` is ``trainer.default_local_dir``)::
+
+    run_dir/checkpoints/
+        latest                     text file holding the step of the newest complete
+                                   checkpoint, e.g. "40\\n" (written temp + os.replace)
+        step_40/                   one complete checkpoint (only ever created by rename)
+            metadata.json          \\
+            common.pt               |  megatron.core.dist_checkpointing (torch_dist backend):
+            .metadata               |  {"model" | "model0", "model1", ...: model sharded state,
+            __0_0.distcp, ...      /    "optimizer": optimizer sharded state,
+                                         "opt_param_scheduler": scheduler.state_dict()}
+            rng/rank_0.pt          RNG state of global rank 0 (python, numpy, torch CPU,
+            rng/rank_1.pt          torch CUDA if present, Megatron's CUDA RNG tracker) ...
+            trainer_state.pt       the trainer's picklable dict, from global rank 0
+            checkpoint_info.json   step, world/TP/PP/DP sizes, optimizer sharding type
+        step_40.tmp-<uuid>/        an unfinished or abandoned save: never loaded, deleted
+                                   by the next save
+
+Commit protocol of :func:`save_checkpoint` (every rank calls it):
+
+1. global rank 0 deletes stale ``step_*.tmp-*`` dirs and creates ``step_{k}.tmp-<uuid>``
+   (the uuid is broadcast so all ranks write to the same directory);
+2. every rank writes its shards (synchronous ``dist_checkpointing.save``), its RNG file,
+   rank 0 the trainer state and ``checkpoint_info.json``;
+3. barrier, then rank 0 renames the tmp dir to ``step_{k}`` (an atomic ``rename`` on one
+   file system) and only then rewrites ``latest`` through a temp file + ``os.replace``;
+4. rank 0 prunes the oldest ``step_*`` dirs beyond ``max_ckpt_to_keep``; final barrier.
+
+A crash at any point therefore leaves ``latest`` naming either the previous complete
+checkpoint or the new one, never a half-written one.
+
+Launcher requirement: megatron-core's torch_dist writer can start a multiprocessing
+manager; a script launched with ``torchrun script.py`` whose module-level code is not
+under ``if __name__ == "__main__":`` re-executes in that child and hangs (DESIGN.md §5).
+Saves here are synchronous (``async_sharded_save=False``), but keep the guard in every
+entry point.
+
+Sources: megatron-core 0.16.1 ``dist_checkpointing.save/load``,
+``MegatronModule.sharded_state_dict``, ``DistributedOptimizer.sharded_state_dict``
+(``metadata["distrib_optim_sharding_type"]``), and Megatron-LM's
+``megatron/training/checkpointing.py`` (same "model"/"model{i}"/"optimizer"/
+"opt_param_scheduler" keys, RNG restored last).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import uuid
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINTS_DIRNAME = "checkpoints"
+LATEST_FILENAME = "latest"
+TRAINER_STATE_FILENAME = "trainer_state.pt"
+INFO_FILENAME = "checkpoint_info.json"
+RNG_DIRNAME = "rng"
+FORMAT_VERSION = 1
+
+OptimShardingType = Literal["dp_reshardable", "fully_reshardable"]
+_SHARDING_TYPES = ("dp_reshardable", "fully_reshardable")
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+_TMP_DIR = re.compile(r"^step_\d+\.tmp-[0-9a-f]+$")
+
+
+# --------------------------------------------------------------------------- paths
+
+
+def checkpoints_dir(run_dir: str) -> str:
+    """``run_dir/checkpoints``: where every checkpoint of a run lives."""
+    return os.path.join(run_dir, CHECKPOINTS_DIRNAME)
+
+
+def step_dir(run_dir: str, step: int) -> str:
+    """``run_dir/checkpoints/step_{step}``: the complete checkpoint of one step."""
+    return os.path.join(checkpoints_dir(run_dir), f"step_{int(step)}")
+
+
+def list_checkpoint_steps(run_dir: str) -> list[int]:
+    """Steps with a complete ``step_{k}`` directory, ascending (tmp dirs are ignored)."""
+    root = checkpoints_dir(run_dir)
+    if not os.path.isdir(root):
+        return []
+    steps = []
+    for name in os.listdir(root):
+        m = _STEP_DIR.match(name)
+        if m and os.path.isdir(os.path.join(root, name)):
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def read_latest_step(run_dir: str) -> int | None:
+    """The step to resume from, or None when the run has no complete checkpoint.
+
+    Reads ``checkpoints/latest``. If that file is missing or names a directory that no
+    longer exists (a crash between re-saving an already existing step and updating
+    ``latest``), falls back to the newest complete ``step_{k}`` directory.
+
+    Raises:
+        ValueError: ``latest`` exists but does not hold an integer step.
+    """
+    path = os.path.join(checkpoints_dir(run_dir), LATEST_FILENAME)
+    if os.path.isfile(path):
+        text = open(path, encoding="utf-8").read().strip()
+        try:
+            step = int(text)
+        except ValueError:
+            raise ValueError(
+                f"{path} must hold an integer step, found {text!r}: fix or delete the file"
+            ) from None
+        if os.path.isdir(step_dir(run_dir, step)):
+            return step
+        logger.warning("%s names step %d but %s is missing", path, step, step_dir(run_dir, step))
+    steps = list_checkpoint_steps(run_dir)
+    return steps[-1] if steps else None
+
+
+# --------------------------------------------------------------------------- dist helpers
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _broadcast_from_rank0(obj: Any) -> Any:
+    if not dist.is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _torch_save_durable(obj: Any, path: str) -> None:
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _write_text_atomic(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` via a temp file in the same directory + ``os.replace``."""
+    tmp = f"{path}.tmp-{uuid.uuid4().hex}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_path(os.path.dirname(path))
+
+
+# --------------------------------------------------------------------------- RNG
+
+
+def get_rng_state() -> dict[str, Any]:
+    """This rank's RNG state: python ``random``, numpy, torch CPU, torch CUDA, Megatron.
+
+    Returns:
+        dict with keys ``random`` (``random.getstate()``), ``numpy``
+        (``np.random.get_state()``), ``torch_cpu`` (uint8 tensor), ``torch_cuda``
+        (list of uint8 tensors, one per visible device, or None without CUDA) and
+        ``megatron_tracker`` (``get_cuda_rng_tracker().get_states()``: stream name →
+        state tensor; the TP-rank-specific model-parallel stream lives here), or None
+        when megatron-core's parallel state is not initialised.
+    """
+    tracker_states = None
+    try:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        tracker_states = {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()}
+    except ImportError:  # megatron-core absent: nothing to save for it
+        pass
+    return {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch_cpu": torch.get_rng_state(),
+        "torch_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        "megatron_tracker": tracker_states,
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore a state produced by :func:`get_rng_state` on this rank.
+
+    Raises:
+        RuntimeError: the state holds CUDA RNG states but CUDA is absent here, or the
+            number of visible CUDA devices changed.
+    """
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch_cpu"])
+    cuda_states = state.get("torch_cuda")
+    if cuda_states is not None:
+        if not torch.cuda.is_available() or torch.cuda.device_count() != len(cuda_states):
+            raise RuntimeError(
+                f"checkpoint holds CUDA RNG states of {len(cuda_states)} device(s) but this "
+                f"process sees {torch.cuda.device_count() if torch.cuda.is_available() else 0}: "
+                "resume with the same devices per process, or pass load_rng=False"
+            )
+        torch.cuda.set_rng_state_all(cuda_states)
+    if state.get("megatron_tracker") is not None:
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        get_cuda_rng_tracker().set_states(state["megatron_tracker"])
+
+
+def _save_rng_state(ckpt_dir: str) -> None:
+    """Write this rank's RNG state to ``ckpt_dir/rng/rank_{global rank}.pt``."""
+    os.makedirs(os.path.join(ckpt_dir, RNG_DIRNAME), exist_ok=True)
+    _torch_save_durable(get_rng_state(), os.path.join(ckpt_dir, RNG_DIRNAME, f"rank_{_rank()}.pt"))
+
+
+def _load_rng_state(ckpt_dir: str) -> None:
+    path = os.path.join(ckpt_dir, RNG_DIRNAME, f"rank_{_rank()}.pt")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{path} is missing: the checkpoint was written by a different world size; resume "
+            "with the same number of ranks, or pass load_rng=False (the run is then not "
+            "bitwise reproducible)"
+        )
+    set_rng_state(torch.load(path, weights_only=False))
+
+
+# --------------------------------------------------------------------------- state dicts
+
+
+def _as_list(model_chunks: Any) -> list:
+    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    if not chunks:
+        raise ValueError("model_chunks is empty: pass the list of (DDP-wrapped) model chunks")
+    return chunks
+
+
+def _model_sharded_state_dict(model_chunks: list) -> dict[str, Any]:
+    """{"model": ...} for one chunk, {"model0": ..., "model1": ...} for virtual PP."""
+    from megatron.core.utils import unwrap_model
+
+    unwrapped = unwrap_model(model_chunks)
+    if len(unwrapped) == 1:
+        return {"model": unwrapped[0].sharded_state_dict()}
+    return {f"model{i}": chunk.sharded_state_dict() for i, chunk in enumerate(unwrapped)}
+
+
+def _optimizer_metadata(optimizer: Any, sharding_type: str) -> dict[str, Any]:
+    if sharding_type not in _SHARDING_TYPES:
+        raise ValueError(
+            f"optim_sharding_type={sharding_type!r} is not supported: use one of {_SHARDING_TYPES}"
+        )
+    return {"distrib_optim_sharding_type": sharding_type}
+
+
+def _allocate_torch_adam_state(optimizer: Any) -> None:
+    """Give a never-stepped ``DistributedOptimizer`` an optimizer state before loading.
+
+    Without Apex/Transformer Engine (CPU), megatron-core 0.16.1 wraps a plain
+    ``torch.optim.Adam`` whose per-parameter state (including ``step``) only exists after
+    the first step, and ``DistributedOptimizer.state_dict()`` asserts on it. A step with
+    zero gradients, ``lr=0`` and ``weight_decay=0`` allocates the state without changing
+    any parameter; the load then overwrites every allocated value. With Apex/TE (GPU),
+    megatron-core allocates the state itself and this is a no-op.
+    """
+    from megatron.core.optimizer import distrib_optimizer as mdo
+
+    if getattr(mdo, "HAVE_APEX_OR_TE", True):
+        return
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(sub, "optimizer", None)
+        if not isinstance(sub, mdo.DistributedOptimizer) or not isinstance(inner, torch.optim.Optimizer):
+            continue
+        if len(inner.state) > 0:
+            continue
+        saved = [(g["lr"], g.get("weight_decay", 0.0)) for g in inner.param_groups]
+        created = []
+        for g in inner.param_groups:
+            g["lr"], g["weight_decay"] = 0.0, 0.0
+            for p in g["params"]:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                    created.append(p)
+        inner.step()
+        for g, (lr, wd) in zip(inner.param_groups, saved):
+            g["lr"], g["weight_decay"] = lr, wd
+        for p in created:
+            p.grad = None
+
+
+def _restore_torch_adam_steps(optimizer: Any) -> None:
+    """Set every parameter's own Adam ``step`` from the loaded param groups (no Apex/TE).
+
+    megatron-core 0.16.1 ``DistributedOptimizer`` without Apex/TE (the CPU path) wraps a
+    plain ``torch.optim.Adam`` and, after ``load_state_dict``, leaves the per-parameter
+    ``step`` wrong in two ways (found by the exact-resume test here): the
+    ``dp_reshardable`` parameter state copies the *template's* step (the value of the
+    state allocated before loading) into ``state["step"]``, and every parameter shares
+    ONE step tensor object, which torch's Adam increments in place once per parameter.
+    The saved step itself is correct in the loaded ``param_groups[i]["step"]`` (written by
+    ``DistributedOptimizer.state_dict``), so give each parameter a fresh tensor with it.
+    With Apex/TE (GPU) the step lives in the param groups and this is a no-op.
+    """
+    from megatron.core.optimizer import distrib_optimizer as mdo
+
+    if getattr(mdo, "HAVE_APEX_OR_TE", True):
+        return
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(sub, "optimizer", None)
+        if not isinstance(sub, mdo.DistributedOptimizer) or not isinstance(inner, torch.optim.Optimizer):
+            continue
+        for group in inner.param_groups:
+            if group.get("step") is None:
+                continue
+            for p in group["params"]:
+                state = inner.state.get(p)
+                if state is not None and isinstance(state.get("step"), torch.Tensor):
+                    state["step"] = torch.tensor(float(group["step"]), dtype=state["step"].dtype)
+
+
+def _full_sharded_state_dict(
+    model_chunks: list, optimizer: Any, scheduler: Any, sharding_type: str, is_loading: bool
+) -> dict[str, Any]:
+    state = _model_sharded_state_dict(model_chunks)
+    if optimizer is not None:
+        if is_loading:
+            _allocate_torch_adam_state(optimizer)
+        state["optimizer"] = optimizer.sharded_state_dict(
+            state, is_loading=is_loading, metadata=_optimizer_metadata(optimizer, sharding_type)
+        )
+    if scheduler is not None:
+        state["opt_param_scheduler"] = scheduler.state_dict()
+    return state
+
+
+# --------------------------------------------------------------------------- save
+
+
+def _clean_stale_tmp_dirs(root: str) -> None:
+    for name in os.listdir(root):
+        if _TMP_DIR.match(name):
+            logger.info("removing abandoned checkpoint dir %s", name)
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _rename_into_place(tmp_dir: str, final_dir: str) -> None:
+    """Rank 0: make ``tmp_dir`` the complete ``final_dir`` (atomic rename)."""
+    if os.path.exists(final_dir):
+        # Re-saving a step that already exists (e.g. the run was resumed from an older
+        # `latest`): move the old one aside under a tmp name first; it is cleaned later.
+        os.rename(final_dir, f"{final_dir}.tmp-{uuid.uuid4().hex}")
+    os.rename(tmp_dir, final_dir)
+    _fsync_path(os.path.dirname(final_dir))
+
+
+def _update_latest(root: str, step: int) -> None:
+    _write_text_atomic(os.path.join(root, LATEST_FILENAME), f"{int(step)}\n")
+
+
+def _prune(run_dir: str, max_ckpt_to_keep: int | None, keep_step: int) -> list[int]:
+    if not max_ckpt_to_keep:
+        return []
+    steps = list_checkpoint_steps(run_dir)
+    removed = []
+    for s in steps[: max(0, len(steps) - max_ckpt_to_keep)]:
+        if s == keep_step:
+            continue
+        shutil.rmtree(step_dir(run_dir, s), ignore_errors=True)
+        removed.append(s)
+    return removed
+
+
+def save_checkpoint(
+    run_dir: str,
+    step: int,
+    model_chunks: Any,
+    optimizer: Any,
+    scheduler: Any,
+    trainer_state: dict[str, Any],
+    *,
+    max_ckpt_to_keep: int | None = None,
+    optim_sharding_type: OptimShardingType = "dp_reshardable",
+) -> str:
+    """Save model, optimizer, scheduler, per-rank RNG and trainer state atomically.
+
+    A collective: every rank of the world must call it with the same ``run_dir`` and
+    ``step``. Layout and commit protocol: see the module docstring.
+
+    Args:
+        run_dir: the run directory (``trainer.default_local_dir``); must be on a file
+            system shared by all ranks (rank 0 renames what every rank wrote).
+        step: the number of completed training steps (``>= 0``).
+        model_chunks: a Megatron model chunk or the list of chunks (virtual PP), possibly
+            wrapped in Megatron DDP / Float16Module (unwrapped with
+            ``megatron.core.utils.unwrap_model``).
+        optimizer: a megatron-core ``MegatronOptimizer`` (``DistributedOptimizer``,
+            ``ChainedOptimizer``, ...) or None to save the model only.
+        scheduler: anything with ``state_dict()`` / ``load_state_dict()`` (e.g.
+            ``megatron.core.optimizer_param_scheduler.OptimizerParamScheduler``) or None.
+        trainer_state: picklable dict from the trainer; only global rank 0's copy is
+            written, so gather per-rank items first (e.g. the data-reader position of
+            every DP rank, the rollout-buffer surplus). Conventionally holds ``"step"``.
+        max_ckpt_to_keep: keep only this many newest ``step_*`` dirs (None or 0: all).
+        optim_sharding_type: ``DistributedOptimizer`` state format:
+            ``"dp_reshardable"`` (fully parallel; reload only with the same TP/PP, any DP)
+            or ``"fully_reshardable"`` (gathers on DP rank 0; reload at other TP/PP).
+
+    Returns:
+        The path of the complete checkpoint, ``run_dir/checkpoints/step_{step}``.
+
+    Raises:
+        ValueError: ``step`` is negative, ``trainer_state`` is not a dict,
+            ``optim_sharding_type`` or ``max_ckpt_to_keep`` is invalid.
+        OSError / CheckpointingException: a write failed; ``latest`` still names the
+            previous checkpoint and the partial tmp dir is removed by the next save.
+    """
+    from megatron.core import dist_checkpointing
+
+    if int(step) != step or step < 0:
+        raise ValueError(f"step={step!r} must be a non-negative integer")
+    if not isinstance(trainer_state, dict):
+        raise ValueError(f"trainer_state must be a dict, got {type(trainer_state).__name__}")
+    if max_ckpt_to_keep is not None and max_ckpt_to_keep < 0:
+        raise ValueError(f"max_ckpt_to_keep={max_ckpt_to_keep} must be >= 0 (0 or None keeps all)")
+    chunks = _as_list(model_chunks)
+    state = _full_sharded_state_dict(chunks, optimizer, scheduler, optim_sharding_type, False)
+
+    root = checkpoints_dir(run_dir)
+    tmp_dir = None
+    if _rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        _clean_stale_tmp_dirs(root)
+        tmp_dir = os.path.join(root, f"step_{int(step)}.tmp-{uuid.uuid4().hex}")
+        os.makedirs(tmp_dir)
+    tmp_dir = _broadcast_from_rank0(tmp_dir)
+
+    # Synchronous save: no async writer process (see the module docstring).
+    dist_checkpointing.save(state, tmp_dir, async_sharded_save=False)
+    _save_rng_state(tmp_dir)
+    if _rank() == 0:
+        _torch_save_durable(trainer_state, os.path.join(tmp_dir, TRAINER_STATE_FILENAME))
+        info = _info(step, chunks, optim_sharding_type, optimizer)
+        _write_text_atomic(os.path.join(tmp_dir, INFO_FILENAME), json.dumps(info, indent=2))
+    _barrier()  # every rank's files are on disk before the commit
+
+    final_dir = step_dir(run_dir, step)
+    if _rank() == 0:
+        _rename_into_place(tmp_dir, final_dir)
+        _update_latest(root, step)
+        removed = _prune(run_dir, max_ckpt_to_keep, keep_step=step)
+        if removed:
+            logger.info("pruned checkpoints of steps %s", removed)
+    _barrier()
+    return final_dir
+
+
+def _info(step: int, chunks: list, sharding_type: str, optimizer: Any) -> dict[str, Any]:
+    from megatron.core import parallel_state as ps
+
+    info: dict[str, Any] = {
+        "format_version": FORMAT_VERSION,
+        "step": int(step),
+        "world_size": _world_size(),
+        "num_model_chunks": len(chunks),
+        "optim_sharding_type": sharding_type if optimizer is not None else None,
+    }
+    if ps.model_parallel_is_initialized():
+        info.update(
+            tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+            pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+            data_parallel_size=ps.get_data_parallel_world_size(),
+        )
+    return info
+
+
+# --------------------------------------------------------------------------- load
+
+
+def load_checkpoint(
+    run_dir: str,
+    model_chunks: Any,
+    optimizer: Any,
+    scheduler: Any,
+    step: int | None = None,
+    *,
+    checkpoint_dir: str | None = None,
+    load_rng: bool = True,
+) -> dict[str, Any] | None:
+    """Restore a checkpoint written by :func:`save_checkpoint`; the trainer state or None.
+
+    A collective: every rank calls it. Order: model weights, optimizer state (which
+    also restores the fp32 main params of the distributed optimizer), scheduler, and
+    RNG last, so nothing seeded during loading perturbs the restored streams. Do not
+    re-seed (e.g. ``init_distributed(seed=...)``) after this call.
+
+    Args:
+        run_dir: the run directory the checkpoint was saved under.
+        model_chunks, optimizer, scheduler: built exactly as for the saved run (same
+            TP/PP layout for ``"dp_reshardable"``); optimizer/scheduler may be None.
+        step: the step to load; None loads ``checkpoints/latest`` (see
+            :func:`read_latest_step`).
+        checkpoint_dir: load this ``step_{k}`` directory instead (``trainer.resume_mode``
+            given as a path); overrides ``run_dir`` and ``step``.
+        load_rng: restore this rank's RNG from ``rng/rank_{r}.pt``; set False only when
+            resuming at a different world size.
+
+    Returns:
+        The dict given as ``trainer_state`` to :func:`save_checkpoint`, on every rank, or
+        None when ``step`` is None and the run has no complete checkpoint yet.
+
+    Raises:
+        FileNotFoundError: ``step`` / ``checkpoint_dir`` names no complete checkpoint, or
+            the RNG file of this rank is missing (world size changed).
+        ValueError: the checkpoint's format or optimizer sharding is unknown.
+    """
+    from megatron.core import dist_checkpointing
+
+    if checkpoint_dir is None:
+        if step is None:
+            step = read_latest_step(run_dir)
+            if step is None:
+                return None
+        checkpoint_dir = step_dir(run_dir, step)
+    if not os.path.isfile(os.path.join(checkpoint_dir, INFO_FILENAME)):
+        raise FileNotFoundError(
+            f"{checkpoint_dir} is not a complete checkpoint (no {INFO_FILENAME}); "
+            f"available steps under {checkpoints_dir(run_dir)}: {list_checkpoint_steps(run_dir)}"
+        )
+    info = json.load(open(os.path.join(checkpoint_dir, INFO_FILENAME), encoding="utf-8"))
+    if info.get("format_version") != FORMAT_VERSION:
+        raise ValueError(
+            f"{checkpoint_dir} has checkpoint format_version={info.get('format_version')}, "
+            f"this code reads {FORMAT_VERSION}"
+        )
+    if optimizer is not None and info.get("optim_sharding_type") is None:
+        raise ValueError(f"{checkpoint_dir} holds no optimizer state: pass optimizer=None")
+
+    chunks = _as_list(model_chunks)
+    sharding_type = info.get("optim_sharding_type") or "dp_reshardable"
+    sharded = _full_sharded_state_dict(chunks, optimizer, scheduler, sharding_type, True)
+    loaded = dist_checkpointing.load(sharded, checkpoint_dir)
+
+    from megatron.core.utils import unwrap_model
+
+    unwrapped = unwrap_model(chunks)
+    if len(unwrapped) == 1:
+        unwrapped[0].load_state_dict(loaded["model"], strict=True)
+    else:
+        for i, chunk in enumerate(unwrapped):
+            chunk.load_state_dict(loaded[f"model{i}"], strict=True)
+    if optimizer is not None:
+        # fp32 main params may be views of leaf model params: copy into them without autograd
+        with torch.no_grad():
+            optimizer.load_state_dict(loaded["optimizer"])
+        _restore_torch_adam_steps(optimizer)
+    if scheduler is not None:
+        if "opt_param_scheduler" not in loaded:
+            raise ValueError(f"{checkpoint_dir} holds no scheduler state: pass scheduler=None")
+        scheduler.load_state_dict(loaded["opt_param_scheduler"])
+
+    trainer_state = torch.load(
+        os.path.join(checkpoint_dir, TRAINER_STATE_FILENAME), weights_only=False
+    )
+    _barrier()
+    if load_rng:
+        _load_rng_state(checkpoint_dir)
+    return trainer_state
