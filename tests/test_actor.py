@@ -121,9 +121,17 @@ def _reference_worker(out_path):
     grads_one = _full_grads(actor)
     three = actor.forward_backward([samples[:1], samples[1:7], samples[7:]], TEMPERATURE)
     grads_three = _full_grads(actor)
+    actor.cfg.loss_agg_mode = "seq-mean-token-mean"  # GRPO ablation: read at every call
+    seq_one = actor.forward_backward([samples], TEMPERATURE)
+    seq_grads_one = _full_grads(actor)
+    seq_three = actor.forward_backward([samples[:1], samples[1:7], samples[7:]], TEMPERATURE)
+    seq_grads_three = _full_grads(actor)
+    actor.cfg.loss_agg_mode = "token-mean"
     step = actor.train_mini_batch([samples], TEMPERATURE, global_num_tokens=int(one["num_tokens"]))
     torch.save(dict(full_sd=full_sd, samples=samples, direct=direct, lps=lps, ents=ents, one=one, three=three,
-                    grads_one=grads_one, grads_three=grads_three, step=step), out_path)
+                    grads_one=grads_one, grads_three=grads_three, step=step,
+                    seq_one=seq_one, seq_three=seq_three, seq_grads_one=seq_grads_one,
+                    seq_grads_three=seq_grads_three), out_path)
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +169,7 @@ def test_micro_batch_split_gives_identical_gradient(reference):
 
 def test_loss_value_is_token_mean_of_dapo_objective(reference):
     """Independent recomputation of the mini-batch loss from the direct-forward logprobs."""
-    num, n = 0.0, 0
+    num, n, seq_means = 0.0, 0, []
     for s, lp in zip(reference["samples"], reference["direct"]):
         if s.loss_mask_zero or not s.response_ids:
             continue
@@ -170,7 +178,18 @@ def test_loss_value_is_token_mean_of_dapo_objective(reference):
         per_tok = torch.maximum(-a * ratio, -a * ratio.clamp(1 - 0.2, 1 + 0.28))
         num += float(per_tok.sum())
         n += len(s.response_ids)
+        seq_means.append(float(per_tok.mean()))
     assert abs(reference["one"]["loss"] - num / n) < 1e-5
+    assert abs(reference["seq_one"]["loss"] - sum(seq_means) / len(seq_means)) < 1e-5
+
+
+def test_seq_mean_token_mean_split_invariance(reference):
+    one, three = reference["seq_one"], reference["seq_three"]
+    assert _rel(three["loss"], one["loss"]) < 1e-6 and one["loss"] != reference["one"]["loss"]
+    num = sum(float((reference["seq_grads_three"][n] - g).norm() ** 2)
+              for n, g in reference["seq_grads_one"].items())
+    den = sum(float(g.norm() ** 2) for g in reference["seq_grads_one"].values())
+    assert den > 0 and math.sqrt(num / den) < 1e-6
 
 
 def _dp2_worker(ref_path, out_path):
@@ -187,8 +206,9 @@ def _dp2_worker(ref_path, out_path):
     _load_full_weights(model, ref["full_sd"], cfg)
     actor = MegatronActor(model, _actor_cfg(), total_steps=10, vocab_size=VOCAB)
     order = sorted(ref["samples"], key=lambda s: -s.total_length)
-    # rank 0: the 3 longest sequences in one micro-batch; rank 1: the 7 shortest in two
-    mine = [order[:3]] if dist.get_rank() == 0 else [order[3:5], order[5:]]
+    # rank 0: the 2 longest sequences (22 loss tokens) in one micro-batch; rank 1: the 8 shorter
+    # ones (43 loss tokens, incl. an empty and a filtered response) in two
+    mine = [order[:2]] if dist.get_rank() == 0 else [order[2:5], order[5:]]
     fb = actor.forward_backward(mine, TEMPERATURE)
     grads = _full_grads(actor)
     step = actor.train_mini_batch(mine, TEMPERATURE, global_num_tokens=int(ref["one"]["num_tokens"]))
@@ -210,7 +230,7 @@ def test_dp2_with_uneven_ranks_equals_dp1(reference, tmp_path):
     spawn(_dp2_worker, 2, ref_path, out_path)
     out = torch.load(out_path, weights_only=False)
     one = reference["one"]
-    assert out["fb"]["num_tokens"] == one["num_tokens"] and out["local_tokens"] != one["num_tokens"] / 2
+    assert out["fb"]["num_tokens"] == one["num_tokens"] and out["local_tokens"] <= one["num_tokens"] / 2 - 10
     assert _rel(out["fb"]["loss"], one["loss"]) < 1e-6
     num = sum(float((out["grads"][n] - g).norm() ** 2) for n, g in reference["grads_one"].items())
     den = sum(float(g.norm() ** 2) for g in reference["grads_one"].values())
