@@ -1,0 +1,603 @@
+"""Typed run configuration: dataclass schemas, YAML files and dotted CLI overrides.
+
+Every module owns a small dataclass config (megatron-core style: ``TransformerConfig``,
+``OptimizerConfig``; verl names where verl has one). The trainer composes them into
+one tree, e.g.::
+
+    @dataclass
+    class DAPOConfig:
+        \"\"\"Attributes:
+            trainer: loop length, checkpoint cadence, run directory.
+            actor: Megatron actor (parallelism, optimizer, micro-batches).
+        \"\"\"
+        trainer: TrainerConfig = field(default_factory=TrainerConfig)
+        actor: ActorConfig = field(default_factory=ActorConfig)
+
+    cfg = load_config(DAPOConfig, "examples/configs/qwen7b.yaml",
+                      ["trainer.total_training_steps=3", "actor.optim.lr=1e-6"])
+
+This module is the mechanism only. ``load_config`` builds an OmegaConf structured config
+from the schema (struct mode: no key that the schema lacks), merges the YAML file, then
+each override in order, converts the result back to the schema's dataclasses and runs
+every ``validate()`` method bottom-up. Supported field types: ``int``, ``float``,
+``bool``, ``str``, ``Optional[...]``, ``Literal[...]``, ``Enum``, ``list[...]`` /
+``dict[str, ...]`` of those, and nested dataclasses (OmegaConf 2.3+ semantics: an int
+is accepted for a float field, a bool is not accepted for an int field).
+
+Conventions for schema authors:
+
+* document every field in the class docstring's ``Attributes:`` section (Google style,
+  ``name: text`` with indented continuation lines); :func:`assert_all_documented` fails
+  on a missing or stale entry;
+* ``validate(self) -> None`` (no other required arguments) raises ``ValueError`` whose
+  message starts with the field name, e.g. ``"save_freq=-2 must be -1 (never) or >= 1"``;
+  :func:`load_config` prefixes the dotted path of the section, giving
+  ``"trainer.save_freq=-2 must be ..."``. ``validate`` methods that need arguments (e.g.
+  ``ParallelConfig.validate(world_size)``) are not called here.
+
+Source: OmegaConf structured configs (``OmegaConf.structured``, ``OmegaConf.merge``,
+``OmegaConf.from_dotlist``, ``OmegaConf.to_object``); key names follow verl's
+``ppo_trainer.yaml`` (``trainer.*``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import inspect
+import os
+import re
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Literal, Optional, Sequence, TypeVar
+
+T = TypeVar("T")
+
+__all__ = [
+    "ConfigError",
+    "KeyDoc",
+    "TrainerConfig",
+    "assert_all_documented",
+    "documented_keys",
+    "load_config",
+    "to_flat_dict",
+    "to_yaml",
+]
+
+
+class ConfigError(ValueError):
+    """A config file or override names an unknown key, or gives a value of the wrong type."""
+
+
+# --------------------------------------------------------------------------- schema walk
+
+
+def _is_dataclass_type(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    """Resolved annotations of a dataclass (handles ``from __future__ import annotations``)."""
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception as e:  # an unresolvable forward reference in the schema
+        raise TypeError(f"cannot resolve the field types of {cls.__qualname__}: {e}") from e
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+
+
+def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and len(args) < len(typing.get_args(tp)):
+            return args[0], True
+    return tp, False
+
+
+def _section_type(tp: Any) -> type | None:
+    """The dataclass type of a field (``Optional`` unwrapped), or None for a leaf."""
+    inner, _ = _unwrap_optional(tp)
+    return inner if _is_dataclass_type(inner) else None
+
+
+def _type_name(tp: Any) -> str:
+    """Human-readable type, e.g. ``int``, ``float | None``, ``one of 'auto', 'disable'``."""
+    inner, optional = _unwrap_optional(tp)
+    origin = typing.get_origin(inner)
+    if origin is Literal:
+        name = "one of " + ", ".join(repr(a) for a in typing.get_args(inner))
+    elif isinstance(inner, type) and issubclass(inner, enum.Enum):
+        name = f"{inner.__name__} (one of {', '.join(m.name for m in inner)})"
+    elif origin in (list, tuple, dict, typing.Union, types.UnionType):
+        args = ", ".join(_type_name(a) for a in typing.get_args(inner))
+        name = f"{origin.__name__ if origin not in (typing.Union, types.UnionType) else 'Union'}[{args}]"
+    elif isinstance(inner, type):
+        name = inner.__name__
+    else:
+        name = str(inner).replace("typing.", "")
+    return f"{name} | None" if optional else name
+
+
+def _leaf_keys(schema: type, prefix: str = "") -> dict[str, Any]:
+    """Dotted key → annotated type for every field, sections included."""
+    out: dict[str, Any] = {}
+    for name, tp in _field_types(schema).items():
+        key = f"{prefix}{name}"
+        out[key] = tp
+        sub = _section_type(tp)
+        if sub is not None:
+            out.update(_leaf_keys(sub, f"{key}."))
+    return out
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def _suggest(key: str, valid: Sequence[str]) -> str:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    if not close:  # compare the last component within the same section
+        section, _, leaf = key.rpartition(".")
+        siblings = [k for k in valid if k.rpartition(".")[0] == section]
+        names = {k.rpartition(".")[2]: k for k in siblings}
+        near = difflib.get_close_matches(leaf, list(names), n=1, cutoff=0.5)
+        close = [names[near[0]]] if near else []
+    if close:
+        return f"; did you mean '{close[0]}'?"
+    return ""
+
+
+def _unknown_key_error(key: str, valid: dict[str, Any], source: str) -> ConfigError:
+    section = key.rpartition(".")[0]
+    while section and section not in valid:  # an unknown section: list its parent's keys
+        section = section.rpartition(".")[0]
+    siblings = sorted(k for k in valid if k.rpartition(".")[0] == section)
+    hint = _suggest(key, list(valid))
+    listing = ", ".join(siblings) if siblings else "(none)"
+    return ConfigError(
+        f"unknown config key '{key}' ({source}){hint} Valid keys"
+        f"{' of ' + repr(section) if section else ''}: {listing}"
+    )
+
+
+def _check_keys(data: Any, schema: type, prefix: str, valid: dict[str, Any], source: str) -> None:
+    """Reject keys of a YAML mapping that the schema lacks (recursing into sections)."""
+    if not isinstance(data, dict):
+        return
+    fields = _field_types(schema)
+    for k, v in data.items():
+        key = f"{prefix}{k}"
+        if k not in fields:
+            raise _unknown_key_error(key, valid, source)
+        sub = _section_type(fields[k])
+        if sub is not None:
+            if v is not None and not isinstance(v, dict):
+                raise _section_value_error(key, sub, v, source)
+            _check_keys(v, sub, f"{key}.", valid, source)
+
+
+def _section_value_error(key: str, section: type, value: Any, source: str) -> ConfigError:
+    return ConfigError(
+        f"config key '{key}' is a section ({section.__name__}), got the value {value!r} "
+        f"({source}): set its fields instead, e.g. {key}.<field>=..."
+    )
+
+
+def _lookup(data: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(data, dict) or part not in data:
+            return "<unknown>"
+        data = data[part]
+    return data
+
+
+def _merge(base: Any, update: Any, valid: dict[str, Any], source: str, raw: dict) -> Any:
+    from omegaconf import OmegaConf
+    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+    try:
+        return OmegaConf.merge(base, update)
+    except ConfigKeyError as e:  # should be caught by _check_keys; keep a clear message
+        raise _unknown_key_error(str(e.full_key), valid, source) from None
+    except ValidationError as e:
+        reason = str(e.msg).splitlines()[0] if e.msg else "invalid value"
+        key = str(e.full_key) if e.full_key else ""
+        if key not in valid:
+            raise ConfigError(f"invalid value ({source}): {reason}") from None
+        value = _lookup(raw, key)
+        raise ConfigError(
+            f"config key '{key}' expects {_type_name(valid[key])}, got {value!r} "
+            f"({type(value).__name__}) ({source}): {reason}"
+        ) from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"cannot apply {source}: {e}") from None
+
+
+def _parse_override(item: str) -> tuple[str, str]:
+    if "=" not in item:
+        raise ConfigError(
+            f"override {item!r} must look like key=value, e.g. trainer.total_training_steps=3"
+        )
+    key, value = item.split("=", 1)
+    key = key.strip()
+    if not key or key.startswith(("+", "~")):
+        raise ConfigError(
+            f"override {item!r}: only existing keys can be set (struct mode); write key=value"
+        )
+    return key, value
+
+
+def _validate_tree(obj: Any, path: str = "") -> None:
+    """Call every ``validate()`` bottom-up; prefix errors with the section's dotted path."""
+    if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
+        return
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            _validate_tree(value, f"{path}{f.name}.")
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                _validate_tree(item, f"{path}{f.name}[{i}].")
+    method = getattr(obj, "validate", None)
+    if method is None:
+        return
+    required = [
+        p for p in inspect.signature(method).parameters.values()
+        if p.default is inspect.Parameter.empty
+        and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
+    if required:  # needs run-time arguments (e.g. world size): the caller runs it later
+        return
+    try:
+        method()
+    except ValueError as e:
+        if not path or str(e).startswith(path):
+            raise
+        raise ValueError(f"{path}{e}") from None
+
+
+def load_config(schema: type[T], yaml_path: str | None = None, overrides: Sequence[str] = ()) -> T:
+    """Build a validated ``schema`` instance from its defaults, a YAML file and overrides.
+
+    Order: dataclass defaults < YAML file < overrides (left to right). Interpolations
+    (``${trainer.project_name}``) are resolved; the result is a plain dataclass tree.
+
+    Args:
+        schema: the root dataclass type (e.g. the trainer's ``DAPOConfig``).
+        yaml_path: a YAML file holding any subset of the schema's keys, or None.
+        overrides: dotted ``key=value`` strings, values parsed as YAML
+            (``trainer.total_training_steps=3``, ``actor.optim.lr=1e-6``,
+            ``trainer.resume_mode=disable``, ``data.files=[a.parquet,b.parquet]``,
+            ``x.y=null``).
+
+    Returns:
+        An instance of ``schema`` whose nested sections are instances of their dataclasses.
+
+    Raises:
+        TypeError: ``schema`` is not a dataclass type.
+        FileNotFoundError: ``yaml_path`` does not exist.
+        ConfigError (a ValueError): an unknown key (message: the full dotted key, the
+            closest valid key, the valid keys of that section), a value of the wrong type
+            or outside a ``Literal`` (message: the key, the expected type, the value), a
+            malformed override, or a YAML file whose top level is not a mapping.
+        ValueError: a ``validate()`` method rejected a value; the message starts with
+            the dotted field, e.g. ``trainer.save_freq=-2 must be ...``.
+    """
+    from omegaconf import OmegaConf
+
+    if not _is_dataclass_type(schema):
+        raise TypeError(f"schema must be a dataclass type, got {schema!r}")
+    valid = _leaf_keys(schema)
+    cfg = OmegaConf.structured(schema)
+    OmegaConf.set_struct(cfg, True)
+
+    if yaml_path is not None:
+        if not os.path.isfile(yaml_path):
+            raise FileNotFoundError(f"config file {yaml_path!r} does not exist")
+        loaded = OmegaConf.load(yaml_path)
+        raw = OmegaConf.to_container(loaded, resolve=False)
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config file {yaml_path!r} must hold a mapping at the top level")
+        source = f"from {yaml_path}"
+        _check_keys(raw, schema, "", valid, source)
+        cfg = _merge(cfg, loaded, valid, source, raw)
+
+    for item in overrides:
+        key, _ = _parse_override(item)
+        if key not in valid:
+            raise _unknown_key_error(key, valid, f"from override {item!r}")
+        update = OmegaConf.from_dotlist([item])
+        raw = OmegaConf.to_container(update, resolve=False)
+        section = _section_type(valid[key])
+        value = _lookup(raw, key)
+        if section is not None and value is not None and not isinstance(value, dict):
+            raise _section_value_error(key, section, value, f"from override {item!r}")
+        _check_keys(raw, schema, "", valid, f"from override {item!r}")
+        cfg = _merge(cfg, update, valid, f"from override {item!r}", raw)
+
+    try:
+        obj = OmegaConf.to_object(cfg)
+    except Exception as e:  # e.g. an interpolation naming a missing key, a MISSING value
+        raise ConfigError(f"cannot resolve the config: {e}") from None
+    _validate_tree(obj)
+    return obj
+
+
+# --------------------------------------------------------------------------- output
+
+
+def to_yaml(cfg: Any) -> str:
+    """The config as YAML (enums by name), loadable again by :func:`load_config`.
+
+    Raises:
+        TypeError: ``cfg`` is not a dataclass instance.
+    """
+    from omegaconf import OmegaConf
+
+    if not dataclasses.is_dataclass(cfg) or isinstance(cfg, type):
+        raise TypeError(f"to_yaml expects a dataclass instance, got {type(cfg).__name__}")
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.name
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def to_flat_dict(cfg: Any, prefix: str = "") -> dict[str, Any]:
+    """``{"trainer.total_training_steps": 100, ...}``: every leaf under its dotted key.
+
+    For ``mlflow.log_params`` (which stringifies values). Enums become their names,
+    tuples become lists, dict-valued fields are flattened further, None stays None.
+
+    Raises:
+        TypeError: ``cfg`` is not a dataclass instance.
+    """
+    if not dataclasses.is_dataclass(cfg) or isinstance(cfg, type):
+        raise TypeError(f"to_flat_dict expects a dataclass instance, got {type(cfg).__name__}")
+    out: dict[str, Any] = {}
+
+    def walk(value: Any, key: str) -> None:
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            for f in dataclasses.fields(value):
+                walk(getattr(value, f.name), f"{key}.{f.name}" if key else f.name)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, f"{key}.{k}")
+        else:
+            out[key] = _plain(value)
+
+    walk(cfg, prefix.rstrip("."))
+    return out
+
+
+# --------------------------------------------------------------------------- documentation
+
+
+@dataclass(frozen=True)
+class KeyDoc:
+    """One documented config key.
+
+    Attributes:
+        key: dotted key, e.g. ``trainer.save_freq``.
+        type: readable type, e.g. ``int``, ``str | None``, ``one of 'auto', 'disable'``.
+        default: the default value (a section's key shows the class name).
+        doc: the text of the ``Attributes:`` entry ("" when undocumented).
+    """
+
+    key: str
+    type: str
+    default: Any
+    doc: str
+
+
+_SECTION_HEADER = re.compile(r"^\s*(Attributes|Args|Arguments|Fields)\s*:\s*$")
+_OTHER_HEADER = re.compile(
+    r"^\s*(Returns|Raises|Yields|Examples?|Notes?|Methods|See Also|References)\s*:\s*$"
+)
+_ENTRY = re.compile(r"^(\s*)([A-Za-z_][A-Za-z0-9_]*)\s*(\([^)]*\))?\s*:\s*(.*)$")
+
+
+def parse_attribute_docs(cls: type) -> dict[str, str]:
+    """Field name → text from the ``Attributes:`` section of ``cls``'s docstring (and bases').
+
+    Google style: an entry is ``name: text`` (or ``name (type): text``) indented under
+    the header; more-indented lines continue it. Entries of subclasses win.
+    """
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        text = klass.__dict__.get("__doc__")
+        if not text:
+            continue
+        lines = inspect.cleandoc(text).splitlines()
+        in_section, entry_indent, current = False, None, None
+        for line in lines:
+            if _SECTION_HEADER.match(line):
+                in_section, entry_indent, current = True, None, None
+                continue
+            if not in_section:
+                continue
+            if _OTHER_HEADER.match(line):
+                in_section = False
+                continue
+            if not line.strip():
+                continue
+            indent = len(line) - len(line.lstrip())
+            m = _ENTRY.match(line)
+            if m and (entry_indent is None or indent == entry_indent):
+                entry_indent = indent
+                current = m.group(2)
+                docs[current] = m.group(4).strip()
+            elif current is not None and entry_indent is not None and indent > entry_indent:
+                docs[current] = f"{docs[current]} {line.strip()}".strip()
+            elif entry_indent is not None and indent < entry_indent:
+                in_section = False  # dedent below the entries ends the section
+    return docs
+
+
+def documented_keys(schema: type) -> list[KeyDoc]:
+    """Every key of ``schema`` (sections and leaves, depth first) with type, default, doc.
+
+    Defaults come from the dataclass defaults (``default_factory`` is called), docs from
+    each class's ``Attributes:`` docstring section (:func:`parse_attribute_docs`).
+
+    Raises:
+        TypeError: ``schema`` is not a dataclass type.
+    """
+    if not _is_dataclass_type(schema):
+        raise TypeError(f"schema must be a dataclass type, got {schema!r}")
+    out: list[KeyDoc] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        docs = parse_attribute_docs(cls)
+        types_ = _field_types(cls)
+        for f in dataclasses.fields(cls):
+            if not f.init:
+                continue
+            if f.default is not dataclasses.MISSING:
+                default = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                default = f.default_factory()
+            else:
+                default = dataclasses.MISSING
+            tp = types_[f.name]
+            sub = _section_type(tp)
+            if sub is not None and dataclasses.is_dataclass(default):
+                default = type(default).__name__
+            out.append(KeyDoc(f"{prefix}{f.name}", _type_name(tp), _plain(default), docs.get(f.name, "")))
+            if sub is not None:
+                walk(sub, f"{prefix}{f.name}.")
+
+    walk(schema, "")
+    return out
+
+
+def assert_all_documented(schema: type) -> None:
+    """Raise unless every key of ``schema`` has a non-empty ``Attributes:`` entry.
+
+    Also rejects stale entries (documented names that are not fields).
+
+    Raises:
+        ValueError: listing every undocumented dotted key (and every stale entry as
+            ``Class.name``), with the fix.
+    """
+    missing = [k.key for k in documented_keys(schema) if not k.doc]
+    stale: list[str] = []
+    seen: set[type] = set()
+
+    def walk(cls: type) -> None:
+        if cls in seen:
+            return
+        seen.add(cls)
+        names = set(_field_types(cls))
+        stale.extend(f"{cls.__qualname__}.{n}" for n in parse_attribute_docs(cls) if n not in names)
+        for tp in _field_types(cls).values():
+            sub = _section_type(tp)
+            if sub is not None:
+                walk(sub)
+
+    walk(schema)
+    problems = []
+    if missing:
+        problems.append("undocumented keys: " + ", ".join(missing))
+    if stale:
+        problems.append("documented names that are not fields: " + ", ".join(stale))
+    if problems:
+        raise ValueError(
+            f"config schema {schema.__qualname__}: " + "; ".join(problems)
+            + ". Add/fix 'name: description' lines under 'Attributes:' in the class docstrings."
+        )
+
+
+# --------------------------------------------------------------------------- trainer section
+
+
+@dataclass
+class TrainerConfig:
+    """The training loop, its checkpoints and the run directory (verl ``trainer.*`` names).
+
+    Attributes:
+        project_name: MLflow experiment / project name; part of the default run directory.
+        experiment_name: this run's name (MLflow run name); part of the default run
+            directory.
+        total_training_steps: number of DAPO training steps (each: rollout, reward,
+            dynamic sampling, actor updates, weight sync); >= 1.
+        save_freq: save a checkpoint every this many steps (and after the last step);
+            -1 never saves.
+        test_freq: evaluate (avg@k / pass@k on the validation set) every this many steps;
+            -1 never evaluates.
+        seed: base random seed; Megatron derives the TP-rank model-parallel RNG stream
+            from it; the data order and sampling seeds derive from it too. >= 0.
+        default_local_dir: run directory holding ``checkpoints/`` (and logs); None means
+            ``runs/<project_name>/<experiment_name>`` (see :attr:`run_dir`). Must be on a
+            file system shared by all ranks.
+        resume_mode: ``"auto"`` resumes from ``<run dir>/checkpoints/latest`` when it
+            exists, ``"disable"`` always starts from step 0, any other value is the path
+            of a ``step_<k>`` checkpoint directory to resume from.
+        max_ckpt_to_keep: keep only this many newest checkpoints (verl
+            ``max_actor_ckpt_to_keep``); None keeps all. >= 1.
+    """
+
+    project_name: str = "dapo-megatron"
+    experiment_name: str = "default"
+    total_training_steps: int = 100
+    save_freq: int = -1
+    test_freq: int = -1
+    seed: int = 1
+    default_local_dir: Optional[str] = None
+    resume_mode: str = "auto"
+    max_ckpt_to_keep: Optional[int] = None
+
+    @property
+    def run_dir(self) -> str:
+        """``default_local_dir``, or ``runs/<project_name>/<experiment_name>`` when None."""
+        if self.default_local_dir:
+            return self.default_local_dir
+        return os.path.join("runs", self.project_name, self.experiment_name)
+
+    @property
+    def resume_path(self) -> str | None:
+        """The explicit checkpoint directory of ``resume_mode``, or None for auto/disable."""
+        return None if self.resume_mode in ("auto", "disable") else self.resume_mode
+
+    def validate(self) -> None:
+        """Check ranges and names.
+
+        Raises:
+            ValueError: naming the field, its value and the accepted values.
+        """
+        for name in ("project_name", "experiment_name"):
+            value = getattr(self, name)
+            if not value or not value.strip():
+                raise ValueError(f"{name}={value!r} must be a non-empty name")
+        if self.total_training_steps < 1:
+            raise ValueError(f"total_training_steps={self.total_training_steps} must be >= 1")
+        for name in ("save_freq", "test_freq"):
+            value = getattr(self, name)
+            if value != -1 and value < 1:
+                raise ValueError(f"{name}={value} must be -1 (never) or >= 1 (every N steps)")
+        if self.seed < 0:
+            raise ValueError(f"seed={self.seed} must be >= 0")
+        if self.default_local_dir is not None and not self.default_local_dir.strip():
+            raise ValueError(
+                "default_local_dir='' must be a directory path, or null for "
+                "runs/<project_name>/<experiment_name>"
+            )
+        if self.max_ckpt_to_keep is not None and self.max_ckpt_to_keep < 1:
+            raise ValueError(
+                f"max_ckpt_to_keep={self.max_ckpt_to_keep} must be >= 1, or null to keep all"
+            )
+        if not self.resume_mode:
+            raise ValueError("resume_mode='' must be 'auto', 'disable' or a checkpoint directory")
+        path = self.resume_path
+        if path is not None and not os.path.isdir(path):
+            raise ValueError(
+                f"resume_mode={path!r} is neither 'auto', 'disable' nor an existing checkpoint "
+                "directory (expected <run dir>/checkpoints/step_<k>)"
+            )

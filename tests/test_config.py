@@ -1,0 +1,262 @@
+"""Config mechanism: defaults < YAML < overrides, struct-mode errors, validation, docs."""
+
+import enum
+from dataclasses import dataclass, field
+from typing import List, Literal, Optional
+
+import pytest
+import yaml
+
+from dapo_megatron.config import (
+    ConfigError,
+    TrainerConfig,
+    assert_all_documented,
+    documented_keys,
+    load_config,
+    parse_attribute_docs,
+    to_flat_dict,
+    to_yaml,
+)
+
+
+class Precision(enum.Enum):
+    FP32 = "fp32"
+    BF16 = "bf16"
+
+
+@dataclass
+class OptimSection:
+    """Optimizer.
+
+    Attributes:
+        lr: peak learning rate.
+        weight_decay: decoupled weight decay
+            (AdamW), continued on a second line.
+        betas: Adam betas.
+    """
+
+    lr: float = 1e-6
+    weight_decay: float = 0.01
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+
+    def validate(self):
+        if self.lr <= 0:
+            raise ValueError(f"lr={self.lr} must be > 0")
+
+
+@dataclass
+class ActorSection:
+    """Actor.
+
+    Attributes:
+        optim: optimizer settings.
+        loss_agg_mode: token-mean (DAPO) or seq-mean-token-mean (GRPO).
+        precision: parameter dtype.
+        ppo_micro_batch_size: micro-batch size in responses, or null for automatic.
+    """
+
+    optim: OptimSection = field(default_factory=OptimSection)
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    precision: Precision = Precision.BF16
+    ppo_micro_batch_size: Optional[int] = None
+
+
+@dataclass
+class RunSchema:
+    """Sample root schema.
+
+    Attributes:
+        trainer: loop settings.
+        actor: actor settings.
+    """
+
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    actor: ActorSection = field(default_factory=ActorSection)
+
+
+def _write(tmp_path, data) -> str:
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_defaults_yaml_then_overrides_in_order(tmp_path):
+    path = _write(
+        tmp_path,
+        {"trainer": {"total_training_steps": 50, "save_freq": 10},
+         "actor": {"optim": {"lr": 2e-6}, "precision": "FP32"}},
+    )
+    cfg = load_config(
+        RunSchema, path,
+        ["trainer.total_training_steps=3", "actor.optim.lr=1e-6", "actor.optim.betas=[0.8,0.95]",
+         "actor.ppo_micro_batch_size=4", "actor.loss_agg_mode=seq-mean-token-mean"],
+    )
+    assert isinstance(cfg, RunSchema) and isinstance(cfg.actor.optim, OptimSection)
+    assert cfg.trainer.total_training_steps == 3  # override beats YAML
+    assert cfg.trainer.save_freq == 10  # YAML beats default
+    assert cfg.trainer.test_freq == -1  # default kept
+    assert cfg.actor.optim.lr == 1e-6 and isinstance(cfg.actor.optim.lr, float)
+    assert cfg.actor.optim.betas == [0.8, 0.95]
+    assert cfg.actor.precision is Precision.FP32
+    assert cfg.actor.ppo_micro_batch_size == 4
+    assert cfg.actor.loss_agg_mode == "seq-mean-token-mean"
+    # later overrides win, null sets an Optional back to None
+    cfg = load_config(RunSchema, None, ["actor.ppo_micro_batch_size=4", "actor.ppo_micro_batch_size=null"])
+    assert cfg.actor.ppo_micro_batch_size is None
+    assert load_config(RunSchema) == RunSchema()
+
+
+def test_unknown_key_names_full_dotted_key_and_closest_match(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(RunSchema, None, ["trainer.total_steps=3"])
+    msg = str(e.value)
+    assert "'trainer.total_steps'" in msg and "did you mean 'trainer.total_training_steps'" in msg
+    assert "override 'trainer.total_steps=3'" in msg
+    path = _write(tmp_path, {"actor": {"optim": {"learning_rate": 1e-6}}})
+    with pytest.raises(ConfigError, match=r"'actor\.optim\.learning_rate' \(from .*run\.yaml\)"):
+        load_config(RunSchema, path)
+    with pytest.raises(ConfigError, match="Valid keys of 'actor.optim': actor.optim.betas, actor.optim.lr"):
+        load_config(RunSchema, path)
+    with pytest.raises(ConfigError, match="'critic.lr'.*Valid keys: actor, trainer$"):
+        load_config(RunSchema, None, ["critic.lr=1"])
+    with pytest.raises(ConfigError, match="did you mean 'actor.optim.lr'.*Valid keys of 'actor': actor.loss_agg_mode"):
+        load_config(RunSchema, None, ["actor.optimm.lr=1"])
+    with pytest.raises(ConfigError, match=r"'actor\.optim' is a section \(OptimSection\), got the value 3"):
+        load_config(RunSchema, None, ["actor.optim=3"])
+    with pytest.raises(ConfigError, match=r"'actor\.optim' is a section .* \(from .*run\.yaml\)"):
+        load_config(RunSchema, _write(tmp_path, {"actor": {"optim": 0.1}}))
+
+
+def test_wrong_type_names_key_expected_type_and_value(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        load_config(RunSchema, None, ["trainer.total_training_steps=many"])
+    msg = str(e.value)
+    assert "'trainer.total_training_steps' expects int, got 'many' (str)" in msg
+    path = _write(tmp_path, {"trainer": {"save_freq": 2.5}})
+    with pytest.raises(ConfigError, match=r"'trainer\.save_freq' expects int, got 2\.5 \(float\)"):
+        load_config(RunSchema, path)
+    with pytest.raises(ConfigError, match="expects one of 'token-mean', 'seq-mean-token-mean', got 'sum'"):
+        load_config(RunSchema, None, ["actor.loss_agg_mode=sum"])
+    with pytest.raises(ConfigError, match=r"expects Precision \(one of FP32, BF16\)"):
+        load_config(RunSchema, None, ["actor.precision=fp8"])
+    with pytest.raises(ConfigError, match="must look like key=value"):
+        load_config(RunSchema, None, ["trainer.seed"])
+    with pytest.raises(ConfigError, match="top level"):
+        load_config(RunSchema, _write(tmp_path, [1, 2]))
+    with pytest.raises(FileNotFoundError):
+        load_config(RunSchema, str(tmp_path / "missing.yaml"))
+    with pytest.raises(TypeError):
+        load_config(dict)
+
+
+def test_validate_runs_in_every_section_and_names_the_dotted_field(tmp_path):
+    with pytest.raises(ValueError, match=r"^actor\.optim\.lr=-1\.0 must be > 0$"):
+        load_config(RunSchema, None, ["actor.optim.lr=-1.0"])
+    with pytest.raises(ValueError, match=r"^trainer\.save_freq=0 must be -1 \(never\) or >= 1"):
+        load_config(RunSchema, None, ["trainer.save_freq=0"])
+    with pytest.raises(ValueError, match=r"^trainer\.max_ckpt_to_keep=0 must be >= 1"):
+        load_config(RunSchema, None, ["trainer.max_ckpt_to_keep=0"])
+    with pytest.raises(ValueError, match=r"^trainer\.total_training_steps=0"):
+        load_config(RunSchema, None, ["trainer.total_training_steps=0"])
+    with pytest.raises(ValueError, match=r"^trainer\.resume_mode='/nonexistent/step_3' is neither"):
+        load_config(RunSchema, None, ["trainer.resume_mode=/nonexistent/step_3"])
+    # a TrainerConfig used as the root: no prefix
+    with pytest.raises(ValueError, match=r"^seed=-1 must be >= 0$"):
+        load_config(TrainerConfig, None, ["seed=-1"])
+
+
+def test_trainer_config_run_dir_and_resume_path(tmp_path):
+    cfg = load_config(TrainerConfig, None, ["project_name=p", "experiment_name=e"])
+    assert cfg.run_dir == "runs/p/e" and cfg.resume_path is None
+    ckpt = tmp_path / "checkpoints" / "step_4"
+    ckpt.mkdir(parents=True)
+    cfg = load_config(TrainerConfig, None, [f"default_local_dir={tmp_path}", f"resume_mode={ckpt}"])
+    assert cfg.run_dir == str(tmp_path) and cfg.resume_path == str(ckpt)
+    assert load_config(TrainerConfig, None, ["resume_mode=disable"]).resume_path is None
+
+
+def test_yaml_and_flat_dict_round_trip(tmp_path):
+    cfg = load_config(RunSchema, None, ["actor.precision=FP32", "trainer.seed=7", "actor.optim.lr=3e-6"])
+    text = to_yaml(cfg)
+    assert yaml.safe_load(text)["actor"]["precision"] == "FP32"
+    path = tmp_path / "dump.yaml"
+    path.write_text(text)
+    assert load_config(RunSchema, str(path)) == cfg
+    flat = to_flat_dict(cfg)
+    assert flat["trainer.seed"] == 7
+    assert flat["actor.optim.lr"] == 3e-6
+    assert flat["actor.precision"] == "FP32"
+    assert flat["actor.optim.betas"] == [0.9, 0.999]
+    assert flat["trainer.default_local_dir"] is None
+    # one entry per leaf field, none for sections
+    leaves = [k.key for k in documented_keys(RunSchema) if k.default not in ("TrainerConfig", "ActorSection", "OptimSection")]
+    assert sorted(flat) == sorted(leaves)
+
+
+def test_documented_keys_lists_type_default_and_doc():
+    docs = {k.key: k for k in documented_keys(RunSchema)}
+    assert docs["actor.optim.weight_decay"].doc == "decoupled weight decay (AdamW), continued on a second line."
+    assert docs["actor.optim.weight_decay"].type == "float" and docs["actor.optim.weight_decay"].default == 0.01
+    assert docs["actor.ppo_micro_batch_size"].type == "int | None"
+    assert docs["actor.loss_agg_mode"].type == "one of 'token-mean', 'seq-mean-token-mean'"
+    assert docs["actor.precision"].default == "BF16"
+    assert docs["actor.optim.betas"].type == "list[float]"
+    assert docs["actor"].default == "ActorSection" and docs["actor"].doc == "actor settings."
+    assert docs["trainer.max_ckpt_to_keep"].doc.startswith("keep only this many newest checkpoints")
+    assert len(docs) == 2 + 9 + 4 + 3  # sections + trainer + actor + optim fields
+
+
+def test_assert_all_documented_passes_on_sample_and_lists_gaps():
+    assert_all_documented(RunSchema)
+    assert_all_documented(TrainerConfig)
+
+    @dataclass
+    class Inner:
+        """Inner.
+
+        Attributes:
+            a: documented.
+            gone: no longer a field.
+        """
+
+        a: int = 0
+        b: int = 0
+
+    @dataclass
+    class Outer:
+        """Outer.
+
+        Attributes:
+            inner: documented section.
+        """
+
+        inner: Inner = field(default_factory=Inner)
+        c: str = ""
+
+    with pytest.raises(ValueError) as e:
+        assert_all_documented(Outer)
+    msg = str(e.value)
+    assert "undocumented keys: inner.b, c" in msg
+    assert "Inner.gone" in msg
+
+
+def test_parse_attribute_docs_stops_at_next_section_and_reads_bases():
+    class Base:
+        """Base.
+
+        Attributes:
+            x: from the base.
+        """
+
+    class Child(Base):
+        """Child.
+
+        Attributes:
+            y (int): typed entry
+                continued.
+
+        Raises:
+            z: not an attribute.
+        """
+
+    assert parse_attribute_docs(Child) == {"x": "from the base.", "y": "typed entry continued."}
