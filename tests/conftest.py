@@ -5,7 +5,8 @@
   located with ``importlib.util.find_spec`` and never imported (it needs the ``llm`` CLI).
 - ``tiny_hf_configs``: ``{name: transformers config}`` for llama (tied / untied), qwen2 (qkv
   bias) and qwen3 (q/k norm): 2 layers, hidden 64, 4 heads, 2 KV heads (GQA), vocab 250
-  (so Megatron pads it), ``max_position_embeddings`` 128. :func:`tiny_hf_config` builds
+  (so Megatron pads it), ``max_position_embeddings`` 128; ``llama_gqa3`` has 6 heads in 3 KV
+  groups (hidden 96), which TP=2 splits only with padded query groups. :func:`tiny_hf_config` builds
   one by name outside pytest (spawned workers, benchmarks).
 - ``shared_data_dir``: ``<repo>/../shared/data`` or a skip.
 """
@@ -18,7 +19,7 @@ import os
 import pytest
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-TINY_FAMILIES = ("llama_tied", "llama_untied", "qwen2_bias", "qwen3_qknorm")
+TINY_FAMILIES = ("llama_tied", "llama_untied", "qwen2_bias", "qwen3_qknorm", "llama_gqa3")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -50,6 +51,9 @@ def tiny_hf_config(name: str, **overrides):
         return Qwen2Config(**{"tie_word_embeddings": False, **common})
     if name == "qwen3_qknorm":
         return Qwen3Config(**{"tie_word_embeddings": True, "head_dim": 24, **common})
+    if name == "llama_gqa3":  # SmolLM2-like 3 KV groups: TP=2 needs zero-padded query groups
+        return LlamaConfig(**{**common, "tie_word_embeddings": False, "num_attention_heads": 6,
+                              "num_key_value_heads": 3, "hidden_size": 96, **overrides})
     raise ValueError(f"unknown tiny config {name!r}; choose from {TINY_FAMILIES}")
 
 
@@ -89,3 +93,24 @@ def shared_data_dir() -> str:
     if not os.path.isdir(path):
         pytest.skip(f"shared test data not found at {path}")
     return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_dir(smollm2_gguf, tmp_path_factory) -> str:
+    """SmolLM2-135M-Instruct de-quantised (fp32) and saved as a plain HF directory
+    (config.json + model.safetensors + tokenizer), built once per session (~25 s).
+
+    transformers refuses ``save_pretrained`` on a GGUF-loaded model, so a fresh model is
+    built from the same config and the de-quantised state dict loaded strictly.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path, fname = smollm2_gguf
+    out = tmp_path_factory.mktemp("smollm2_hf")
+    gguf_model = AutoModelForCausalLM.from_pretrained(path, gguf_file=fname, dtype=torch.float32)
+    fresh = AutoModelForCausalLM.from_config(gguf_model.config, dtype=torch.float32)
+    fresh.load_state_dict(gguf_model.state_dict(), strict=True)
+    fresh.save_pretrained(out)
+    AutoTokenizer.from_pretrained(path, gguf_file=fname).save_pretrained(out)
+    return str(out)

@@ -17,7 +17,7 @@ from conftest import TINY_FAMILIES, random_hf_model, tiny_hf_config
 from dapo_megatron.platform import ParallelConfig, spawn
 
 LAYOUTS = (("tp1", 1, 1), ("tp2", 2, 1), ("pp2", 1, 2))
-CKPT_CASES = ("llama_tied", "llama_untied", "qwen2_bias", "qwen3_qknorm")
+CKPT_CASES = ("llama_tied", "llama_untied", "qwen2_bias", "qwen3_qknorm", "llama_gqa3")
 
 
 def megatron_logprobs(model, ids: torch.Tensor, vocab_size: int):
@@ -53,8 +53,14 @@ def _mismatches(exported: dict, reference: dict) -> list[str]:
 def _worker(out_dir: str, cases: dict, ids: torch.Tensor) -> None:
     import torch.distributed as dist
 
-    from dapo_megatron.bridge import export_hf_state_dict, load_hf_weights, load_model_checkpoint, save_model_checkpoint
-    from dapo_megatron.models import build_gpt_model
+    from dapo_megatron.bridge import (
+        export_hf_state_dict,
+        load_hf_weights,
+        load_model_checkpoint,
+        read_checkpoint_meta,
+        save_model_checkpoint,
+    )
+    from dapo_megatron.models import ModelConfig, build_gpt_model
     from dapo_megatron.platform import init_distributed
 
     rank = int(os.environ["RANK"])
@@ -67,7 +73,7 @@ def _worker(out_dir: str, cases: dict, ids: torch.Tensor) -> None:
             lp = megatron_logprobs(model, ids, cfg.vocab_size)
             if lp is not None:
                 res["lp"][(layout, name)] = lp
-            res["padded"][(layout, name)] = model.vocab_size
+            res["padded"][(layout, name)] = (model.vocab_size, model.config.num_query_groups)
             # small buckets: several PP broadcasts per bucket and tensors larger than a bucket
             exported = export_hf_state_dict(model, bucket_bytes=8192)
             res["export"][(layout, name)] = _mismatches(exported, state)
@@ -82,7 +88,9 @@ def _worker(out_dir: str, cases: dict, ids: torch.Tensor) -> None:
     init_distributed(ParallelConfig(1, 2), seed=13)
     for name in CKPT_CASES:
         cfg, state = cases[name]
-        model = build_gpt_model(cfg)  # fresh random init, different from the checkpoint
+        groups = read_checkpoint_meta(os.path.join(out_dir, f"ckpt_{name}"))["num_query_groups"]
+        # fresh random init, different from the checkpoint; padded query groups as saved
+        model = build_gpt_model(cfg, ModelConfig(query_groups_multiple=groups))
         before = _mismatches(export_hf_state_dict(model), state)
         load_model_checkpoint(model, os.path.join(out_dir, f"ckpt_{name}"))
         res["ckpt"][name] = (len(before), _mismatches(export_hf_state_dict(model), state))
@@ -102,6 +110,8 @@ def _worker(out_dir: str, cases: dict, ids: torch.Tensor) -> None:
         "ckpt_family": lambda: load_model_checkpoint(
             build_gpt_model(tiny_hf_config("llama_untied")), os.path.join(out_dir, "ckpt_qwen2_bias")),
         "not_a_ckpt": lambda: load_model_checkpoint(model, out_dir),
+        "ckpt_groups": lambda: load_model_checkpoint(build_gpt_model(tiny_hf_config("llama_gqa3")),
+                                                     os.path.join(out_dir, "ckpt_llama_gqa3")),
     }
     for key, fn in attempts.items():
         try:
@@ -148,11 +158,15 @@ def test_logprob_parity_with_transformers(dist_results, layout, family):
 
 
 @pytest.mark.dist
-def test_vocab_is_padded_to_divisible_by_times_tp(dist_results):
+def test_vocab_and_query_groups_are_padded_for_tp(dist_results):
     ranks, _, _ = dist_results
     # vocab 250, make_vocab_size_divisible_by 128: TP=1 → 256, TP=2 → multiple of 256 → 256
-    assert ranks[0]["padded"][("tp1", "llama_tied")] == 256
-    assert ranks[0]["padded"][("tp2", "llama_tied")] == 256
+    assert ranks[0]["padded"][("tp1", "llama_tied")] == (256, 2)
+    assert ranks[0]["padded"][("tp2", "llama_tied")] == (256, 2)
+    # 3 KV groups: TP=2 adds one zero group; TP=1 / PP=2 keep 3
+    assert ranks[0]["padded"][("tp2", "llama_gqa3")] == (256, 4)
+    assert ranks[0]["padded"][("tp1", "llama_gqa3")] == (256, 3)
+    assert ranks[0]["padded"][("pp2", "llama_gqa3")] == (256, 3)
 
 
 @pytest.mark.dist
@@ -187,3 +201,4 @@ def test_mismatched_inputs_fail_naming_the_tensor_or_field(dist_results):
     assert err["ckpt_config"] and "intermediate_size" in err["ckpt_config"]
     assert err["ckpt_family"] and "model_type" in err["ckpt_family"]
     assert err["not_a_ckpt"] and "not a dapo-megatron model checkpoint" in err["not_a_ckpt"]
+    assert err["ckpt_groups"] and "query_groups_multiple=4" in err["ckpt_groups"]

@@ -55,6 +55,30 @@ def test_qkv_is_interleaved_per_query_group_and_split_on_whole_groups(tp):
     assert torch.equal(back["model.layers.1.self_attn.v_proj.weight"], v)
 
 
+def test_padded_query_groups_are_zero_on_import_and_dropped_on_export():
+    # SmolLM2-like: 6 heads in 3 KV groups at TP=2 → Megatron holds 4 groups, the 4th all zero
+    lay = ModelLayout.from_hf_config(tiny_hf_config("llama_gqa3"), padded_vocab_size=256, padded_num_query_groups=4)
+    hd, H = lay.head_dim, lay.hidden_size
+    q, k, v = torch.randn(6 * hd, H), torch.randn(3 * hd, H), torch.randn(3 * hd, H)
+    name = "decoder.layers.0.self_attention.linear_qkv.weight"
+    shards = [hf_to_megatron_shard(lay, name, [q, k, v], r, 2) for r in range(2)]
+    group_rows = (2 + 2) * hd  # 2 q heads + k + v per group
+    assert shards[0].shape == shards[1].shape == (2 * group_rows, H)
+    full_reference = _qkv_reference(q, k, v, 6, 3, hd, 0, 1)  # 3 real groups, no TP
+    assert torch.equal(torch.cat(shards)[: 3 * group_rows], full_reference)
+    assert torch.count_nonzero(shards[1][group_rows:]) == 0
+    back = dict(megatron_to_hf(lay, name, shards))
+    assert torch.equal(back["model.layers.0.self_attn.k_proj.weight"], k)
+    assert torch.equal(back["model.layers.0.self_attn.q_proj.weight"], q)
+    o = torch.randn(H, 6 * hd)
+    proj = "decoder.layers.0.self_attention.linear_proj.weight"
+    o_shards = [hf_to_megatron_shard(lay, proj, [o], r, 2) for r in range(2)]
+    assert torch.equal(torch.cat(o_shards, dim=1)[:, : 6 * hd], o)
+    assert torch.count_nonzero(torch.cat(o_shards, dim=1)[:, 6 * hd:]) == 0
+    (_, o_back), = megatron_to_hf(lay, proj, o_shards)
+    assert torch.equal(o_back, o)
+
+
 def test_qkv_bias_follows_the_weight_layout():
     lay = _layout("qwen2_bias")
     hd = lay.head_dim

@@ -13,6 +13,7 @@ from dapo_megatron.models import (
     ModelConfig,
     gpt_rope_kwargs,
     hf_to_transformer_config,
+    megatron_attention_heads,
     padded_vocab_size,
     resolve_transformer_impl,
     validate_fp8,
@@ -54,11 +55,26 @@ def test_transformer_config_fields_per_family():
 
 def test_layouts_that_cannot_be_split_name_the_field():
     with pytest.raises(ValueError, match="num_key_value_heads=2 is not divisible by tensor_model_parallel_size=4"):
-        hf_to_transformer_config(tiny_hf_config("llama_tied"), ParallelConfig(4, 1))
+        hf_to_transformer_config(tiny_hf_config("llama_tied"), ParallelConfig(4, 1), ModelConfig(pad_query_groups=False))
+    with pytest.raises(ValueError, match="intermediate_size=96 is not divisible by tensor_model_parallel_size=64"):
+        hf_to_transformer_config(tiny_hf_config("llama_tied", num_key_value_heads=4), ParallelConfig(64, 1))
     with pytest.raises(ValueError, match="num_hidden_layers=2 is not divisible by pipeline_model_parallel_size=4"):
         hf_to_transformer_config(tiny_hf_config("llama_tied"), ParallelConfig(1, 4))
     with pytest.raises(ValueError, match="model.params_dtype"):
         hf_to_transformer_config(tiny_hf_config("llama_tied"), ParallelConfig(), ModelConfig(params_dtype="fp8"))
+
+
+@pytest.mark.parametrize(
+    "heads,groups,tp,multiple,want",
+    [(4, 2, 2, None, (4, 2)), (4, 2, 4, None, (8, 4)), (9, 3, 2, None, (12, 4)), (9, 3, 3, None, (9, 3)),
+     (9, 3, 1, 4, (12, 4)), (9, 3, 4, 4, (12, 4)), (8, 8, 2, None, (8, 8))],
+)
+def test_query_groups_are_zero_padded_to_a_multiple_of_tp(heads, groups, tp, multiple, want):
+    cfg = tiny_hf_config("llama_untied", hidden_size=heads * 8, num_attention_heads=heads, num_key_value_heads=groups)
+    assert megatron_attention_heads(cfg, tp, ModelConfig(query_groups_multiple=multiple)) == want
+    if want[1] != groups:
+        tc = hf_to_transformer_config(cfg, ParallelConfig(tp, 1), ModelConfig(query_groups_multiple=multiple))
+        assert (tc.num_attention_heads, tc.num_query_groups, tc.kv_channels) == (*want, 8)
 
 
 def test_unsupported_hf_configs_name_the_field():

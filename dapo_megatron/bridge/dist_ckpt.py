@@ -88,6 +88,7 @@ def save_model_checkpoint(model_chunks, ckpt_dir: str, hf_config, tokenizer=None
             "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
             "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
             "num_model_chunks": len(_as_list(model_chunks)),
+            "num_query_groups": model.config.num_query_groups,
         }
         model_cfg = getattr(model, "model_cfg", None)
         if model_cfg is not None:
@@ -175,6 +176,12 @@ def load_model_checkpoint(model_chunks, ckpt_dir: str, strict: bool = True) -> N
             f"padded vocab size {model.vocab_size} does not fit the checkpoint ({meta['padded_vocab_size']}): "
             "set model.make_vocab_size_divisible_by so that make_vocab_size_divisible_by × TP pads "
             "to the same size, or re-import from HF"
+        )
+    saved_groups = meta.get("num_query_groups", model.config.num_query_groups)
+    if saved_groups != model.config.num_query_groups:
+        raise ValueError(
+            f"the model has {model.config.num_query_groups} (padded) query groups, the checkpoint {saved_groups}: "
+            f"build it with ModelConfig(query_groups_multiple={saved_groups})"
         )
     sharded = model_sharded_state_dict(chunks)
     handling = StrictHandling.RAISE_ALL if strict else StrictHandling.LOG_ALL

@@ -10,10 +10,12 @@ split           Megatron layout on TP rank r of T
 ==============  ============================================================================
 replicated      the HF tensor itself (RMSNorm weights, q/k norm)
 column          rows ``r·n/T … (r+1)·n/T`` of the HF tensor (output dim split)
-row             columns ``r·n/T …`` (input dim split: ``o_proj``, ``down_proj``)
+row             columns ``r·n/T …`` (input dim split: ``down_proj``)
+row_heads       ``o_proj``: as row, after zero columns for padded query groups
 vocab           embedding / lm_head rows zero-padded to the padded vocab, then row-split
 qkv             per query group g: [q heads of g; k_g; v_g] (``heads/groups × head_dim``,
-                ``head_dim``, ``head_dim`` rows), T splits on whole groups (GQA-safe)
+                ``head_dim``, ``head_dim`` rows), T splits on whole groups (GQA-safe);
+                zero groups appended when the model pads query groups to a multiple of T
 gate_up         ``[gate_r; up_r]``: each rank holds its slice of gate then its slice of up
 ==============  ============================================================================
 
@@ -36,7 +38,7 @@ from typing import Optional, Sequence
 
 import torch
 
-SPLITS = ("replicated", "column", "row", "vocab", "qkv", "gate_up")
+SPLITS = ("replicated", "column", "row", "row_heads", "vocab", "qkv", "gate_up")
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,7 @@ _LLAMA = (
     Rule(_L + "input_layernorm.weight", (_H + "input_layernorm.weight",), "replicated"),
     Rule(_L + "self_attention.linear_qkv.weight",
          (_H + "self_attn.q_proj.weight", _H + "self_attn.k_proj.weight", _H + "self_attn.v_proj.weight"), "qkv"),
-    Rule(_L + "self_attention.linear_proj.weight", (_H + "self_attn.o_proj.weight",), "row"),
+    Rule(_L + "self_attention.linear_proj.weight", (_H + "self_attn.o_proj.weight",), "row_heads"),
     Rule(_L + "pre_mlp_layernorm.weight", (_H + "post_attention_layernorm.weight",), "replicated"),
     Rule(_L + "mlp.linear_fc1.weight", (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"), "gate_up"),
     Rule(_L + "mlp.linear_fc2.weight", (_H + "mlp.down_proj.weight",), "row"),
@@ -109,6 +111,8 @@ class ModelLayout:
         vocab_size: the real (HF) vocabulary; padded_vocab_size: Megatron rows (≥ vocab_size).
         tie_word_embeddings: lm_head shares the embedding matrix.
         qkv_bias: q/k/v projections have a bias (qwen2, or attention_bias=True).
+        padded_num_query_groups: Megatron's query groups (≥ num_query_groups; the extra ones
+            are all-zero, see ``ModelConfig.pad_query_groups``).
     """
 
     model_type: str
@@ -122,10 +126,13 @@ class ModelLayout:
     padded_vocab_size: int
     tie_word_embeddings: bool
     qkv_bias: bool
+    padded_num_query_groups: int
 
     @classmethod
-    def from_hf_config(cls, hf_config, padded_vocab_size: Optional[int] = None) -> "ModelLayout":
-        """Layout of an HF config; ``padded_vocab_size`` defaults to the real vocab."""
+    def from_hf_config(
+        cls, hf_config, padded_vocab_size: Optional[int] = None, padded_num_query_groups: Optional[int] = None
+    ) -> "ModelLayout":
+        """Layout of an HF config; the padded sizes default to the real ones."""
         from dapo_megatron.models.config import check_hf_config, head_dim
 
         model_type = check_hf_config(hf_config)
@@ -134,6 +141,9 @@ class ModelLayout:
         padded = padded_vocab_size or vocab
         if padded < vocab:
             raise ValueError(f"padded_vocab_size={padded} is smaller than hf_config.vocab_size={vocab}")
+        if padded_num_query_groups is not None and padded_num_query_groups < groups:
+            raise ValueError(f"padded_num_query_groups={padded_num_query_groups} is smaller than "
+                             f"hf_config.num_key_value_heads={groups}")
         return cls(
             model_type=model_type,
             num_layers=hf_config.num_hidden_layers,
@@ -146,6 +156,7 @@ class ModelLayout:
             padded_vocab_size=padded,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+            padded_num_query_groups=padded_num_query_groups or groups,
         )
 
     def rules(self) -> tuple[Rule, ...]:
@@ -240,21 +251,30 @@ def hf_shapes(layout: ModelLayout, rule: Rule) -> list[tuple[int, ...]]:
 def _check_tp(rule: Rule, layout: ModelLayout, tp_rank: int, tp_size: int) -> None:
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank={tp_rank} outside 0..{tp_size - 1}")
-    if rule.split == "qkv" and layout.num_query_groups % tp_size:
-        raise ValueError(f"num_query_groups={layout.num_query_groups} is not divisible by TP={tp_size}")
+    if rule.split in ("qkv", "row_heads") and layout.padded_num_query_groups % tp_size:
+        raise ValueError(f"Megatron num_query_groups={layout.padded_num_query_groups} is not divisible by "
+                         f"TP={tp_size}")
     if rule.split == "vocab" and layout.padded_vocab_size % tp_size:
         raise ValueError(f"padded_vocab_size={layout.padded_vocab_size} is not divisible by TP={tp_size}")
 
 
+def _heads_per_group(layout: ModelLayout) -> int:
+    return layout.num_attention_heads // layout.num_query_groups
+
+
 def _qkv_full(layout: ModelLayout, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """HF q, k, v → Megatron's per-group interleaved [groups·(hpg+2)·hd, ...] tensor."""
+    """HF q, k, v → Megatron's per-group interleaved [G·(hpg+2)·hd, ...] tensor, G the padded
+    group count (groups beyond the HF ones are zero)."""
     g, hd = layout.num_query_groups, layout.head_dim
     hpg = layout.num_attention_heads // g
     tail = q.shape[1:]
     fused = torch.cat(
         [q.reshape(g, hpg * hd, *tail), k.reshape(g, hd, *tail), v.reshape(g, hd, *tail)], dim=1
     )
-    return fused.reshape(g * (hpg + 2) * hd, *tail)
+    pad = layout.padded_num_query_groups - g
+    if pad:
+        fused = torch.cat([fused, fused.new_zeros(pad, *fused.shape[1:])], dim=0)
+    return fused.reshape((g + pad) * (hpg + 2) * hd, *tail)
 
 
 def hf_to_megatron_shard(
@@ -294,6 +314,12 @@ def hf_to_megatron_shard(
         return hf_tensors[0].chunk(tp_size, dim=0)[tp_rank].clone()
     if split == "row":
         return hf_tensors[0].chunk(tp_size, dim=1)[tp_rank].contiguous()
+    if split == "row_heads":
+        t = hf_tensors[0]
+        pad = (layout.padded_num_query_groups - layout.num_query_groups) * _heads_per_group(layout) * layout.head_dim
+        if pad:
+            t = torch.cat([t, t.new_zeros(t.shape[0], pad)], dim=1)
+        return t.chunk(tp_size, dim=1)[tp_rank].contiguous()
     if split == "vocab":
         t = hf_tensors[0]
         pad = layout.padded_vocab_size - t.shape[0]
@@ -316,8 +342,13 @@ def megatron_shard_shape(layout: ModelLayout, megatron_name: str, tp_size: int =
         return shapes[0]
     if rule.split == "row":
         return (shapes[0][0], shapes[0][1] // tp_size)
+    if rule.split == "row_heads":
+        return (shapes[0][0], layout.padded_num_query_groups * _heads_per_group(layout) * layout.head_dim // tp_size)
     if rule.split == "vocab":
         return (layout.padded_vocab_size // tp_size, shapes[0][1])
+    if rule.split == "qkv":
+        rows = layout.padded_num_query_groups * (_heads_per_group(layout) + 2) * layout.head_dim // tp_size
+        return (rows, *shapes[0][1:])
     rows = sum(s[0] for s in shapes) // tp_size
     return (rows, *shapes[0][1:])
 
@@ -353,6 +384,9 @@ def megatron_to_hf(
         return [(names[0], torch.cat(list(shards), dim=0))]
     if rule.split == "row":
         return [(names[0], torch.cat(list(shards), dim=1))]
+    if rule.split == "row_heads":
+        cols = layout.num_attention_heads * layout.head_dim
+        return [(names[0], torch.cat(list(shards), dim=1)[:, :cols])]
     if rule.split == "vocab":
         return [(names[0], torch.cat(list(shards), dim=0)[: layout.vocab_size])]
     if rule.split == "gate_up":
@@ -362,10 +396,10 @@ def megatron_to_hf(
         return [(names[0], gate), (names[1], up)]
     if rule.split == "qkv":
         g, hd = layout.num_query_groups, layout.head_dim
-        hpg = layout.num_attention_heads // g
+        hpg = _heads_per_group(layout)
         full = torch.cat(list(shards), dim=0)
         tail = full.shape[1:]
-        grouped = full.reshape(g, (hpg + 2) * hd, *tail)
+        grouped = full.reshape(layout.padded_num_query_groups, (hpg + 2) * hd, *tail)[:g]  # drop zero groups
         q, k, v = grouped.split([hpg * hd, hd, hd], dim=1)
         return [
             (names[0], q.reshape(g * hpg * hd, *tail)),

@@ -57,7 +57,8 @@ def model_layout(model_chunks) -> ModelLayout:
     hf_config = getattr(model, "hf_config", None)
     if hf_config is None:
         raise ValueError("model has no hf_config attribute: build it with dapo_megatron.models.build_gpt_model")
-    return ModelLayout.from_hf_config(hf_config, padded_vocab_size=model.vocab_size)
+    return ModelLayout.from_hf_config(hf_config, padded_vocab_size=model.vocab_size,
+                                      padded_num_query_groups=model.config.num_query_groups)
 
 
 def local_parameters(model_chunks) -> dict[str, torch.nn.Parameter]:

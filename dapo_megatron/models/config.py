@@ -55,6 +55,13 @@ class ModelConfig:
             (``TransformerConfig.fp8_recipe``), checked against the installed TE version.
         first_last_layers_bf16: keep the first/last layers out of FP8.
         num_layers_at_start_in_bf16 / num_layers_at_end_in_bf16: how many.
+        pad_query_groups: when TP does not divide the KV heads (SmolLM2: 3 KV heads at
+            TP=2), add all-zero query groups (q/k/v rows and o_proj columns) up to a multiple
+            of TP. Exact: a zero group's output is multiplied by zero o_proj columns, and its
+            gradients are exactly zero, so it stays zero under AdamW. The bridge adds the
+            groups on import and drops them on export. False: raise instead.
+        query_groups_multiple: pad query groups to a multiple of lcm(TP, this) (set it to the
+            saving run's padded group count to reload a padded checkpoint at another TP).
         extra_transformer_config: further ``TransformerConfig`` fields, set last (expert use).
     """
 
@@ -68,6 +75,8 @@ class ModelConfig:
     first_last_layers_bf16: bool = False
     num_layers_at_start_in_bf16: int = 1
     num_layers_at_end_in_bf16: int = 1
+    pad_query_groups: bool = True
+    query_groups_multiple: Optional[int] = None
     extra_transformer_config: dict[str, Any] = field(default_factory=dict)
 
     def torch_dtype(self) -> torch.dtype:
@@ -286,6 +295,29 @@ def _kv_heads(hf_config) -> int:
     return _get(hf_config, "num_key_value_heads") or hf_config.num_attention_heads
 
 
+def megatron_attention_heads(hf_config, tp: int, model_cfg: Optional[ModelConfig] = None) -> tuple[int, int]:
+    """(num_attention_heads, num_query_groups) of the Megatron model: the HF values, or with
+    the query groups zero-padded to a multiple of lcm(TP, ``model.query_groups_multiple``)
+    (see ``ModelConfig.pad_query_groups``).
+
+    Raises:
+        ValueError: padding is needed but ``model.pad_query_groups`` is False.
+    """
+    model_cfg = model_cfg or ModelConfig()
+    heads, groups = hf_config.num_attention_heads, _kv_heads(hf_config)
+    multiple = math.lcm(tp, model_cfg.query_groups_multiple or 1)
+    if groups % multiple == 0:
+        return heads, groups
+    if not model_cfg.pad_query_groups:
+        raise ValueError(
+            f"hf_config.num_key_value_heads={groups} is not divisible by tensor_model_parallel_size={tp}"
+            f"{f' × query_groups_multiple' if model_cfg.query_groups_multiple else ''}: choose a TP that divides "
+            "it or set model.pad_query_groups=true"
+        )
+    padded = -(-groups // multiple) * multiple
+    return padded * (heads // groups), padded
+
+
 def head_dim(hf_config) -> int:
     """Per-head size: ``hf_config.head_dim`` if set, else hidden_size / num_attention_heads."""
     hd = _get(hf_config, "head_dim")
@@ -304,11 +336,12 @@ def hf_to_transformer_config(hf_config, parallel, model_cfg: ModelConfig = None)
         ``megatron.core.transformer.TransformerConfig`` with RMSNorm (eps =
         ``rms_norm_eps``), SwiGLU (gated_linear_unit, silu), no linear biases except the
         qkv bias (qwen2), q/k layernorm (qwen3), ``kv_channels`` = head_dim, GQA
-        (``num_query_groups``), dropout 0, and the FP8 fields.
+        (``num_query_groups``; zero-padded to a multiple of TP when needed, see
+        :func:`megatron_attention_heads`), dropout 0, and the FP8 fields.
 
     Raises:
         ValueError: unsupported HF fields (see :func:`check_hf_config`), TP that does not
-            divide the heads / query groups / FFN size, PP that does not divide the layers,
+            divide the FFN size (or the query groups with ``pad_query_groups=False``), PP that does not divide the layers,
             or FP8 settings that cannot run here (see :func:`validate_fp8`).
     """
     from megatron.core.transformer import TransformerConfig
@@ -316,14 +349,12 @@ def hf_to_transformer_config(hf_config, parallel, model_cfg: ModelConfig = None)
     model_cfg = model_cfg or ModelConfig()
     model_type = check_hf_config(hf_config)
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
-    heads, groups = hf_config.num_attention_heads, _kv_heads(hf_config)
-    for name, value in (("num_attention_heads", heads), ("num_key_value_heads", groups),
-                        ("intermediate_size", hf_config.intermediate_size)):
-        if value % tp != 0:
-            raise ValueError(
-                f"hf_config.{name}={value} is not divisible by tensor_model_parallel_size={tp}; choose a TP "
-                "that divides it"
-            )
+    heads, groups = megatron_attention_heads(hf_config, tp, model_cfg)
+    if hf_config.intermediate_size % tp != 0:
+        raise ValueError(
+            f"hf_config.intermediate_size={hf_config.intermediate_size} is not divisible by "
+            f"tensor_model_parallel_size={tp}; choose a TP that divides it"
+        )
     if hf_config.num_hidden_layers % pp != 0:
         raise ValueError(
             f"hf_config.num_hidden_layers={hf_config.num_hidden_layers} is not divisible by "
