@@ -50,13 +50,17 @@ import os
 import re
 import types
 import typing
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Sequence, TypeVar
 
 T = TypeVar("T")
 
 __all__ = [
+    "AlgorithmConfig",
     "ConfigError",
+    "DAPOConfig",
+    "RewardConfig",
+    "RolloutConfig",
     "KeyDoc",
     "TrainerConfig",
     "assert_all_documented",
@@ -396,6 +400,9 @@ class KeyDoc:
     default: Any
     doc: str
 
+    def __str__(self) -> str:  # one line per key for ``dapo-train --list-keys``
+        return f"{self.key} ({self.type}, default {self.default!r}): {self.doc or '(undocumented)'}"
+
 
 _SECTION_HEADER = re.compile(r"^\s*(Attributes|Args|Arguments|Fields)\s*:\s*$")
 _OTHER_HEADER = re.compile(
@@ -601,3 +608,129 @@ class TrainerConfig:
                 f"resume_mode={path!r} is neither 'auto', 'disable' nor an existing checkpoint "
                 "directory (expected <run dir>/checkpoints/step_<k>)"
             )
+
+
+# The run's sections: each module owns its dataclass; this file composes them.
+from dapo_megatron.actor.actor import ActorConfig  # noqa: E402
+from dapo_megatron.data.dataset import DataConfig  # noqa: E402
+from dapo_megatron.models.config import ModelConfig  # noqa: E402
+from dapo_megatron.platform.distributed import ParallelConfig  # noqa: E402
+from dapo_megatron.rollout.buffer import BufferConfig  # noqa: E402
+from dapo_megatron.tracking import TrackingConfig  # noqa: E402
+
+
+# --------------------------------------------------------------------------- the run config
+@dataclass
+class RolloutConfig:
+    """Generation settings (verl ``actor_rollout_ref.rollout.*`` names).
+
+    Attributes:
+        name: rollout engine: "hf" (transformers, CPU default) or "sglang" (GPU, colocated).
+        temperature: sampling temperature of training rollouts (the actor's logprobs use
+            the same temperature).
+        top_p: nucleus mass for training rollouts; keep 1.0 so rollout logprobs match the
+            actor's distribution.
+        top_k: -1 (off) or k.
+        response_length: max new tokens per response (L_max of the paper's Eq. 13); must
+            equal ``buffer.overlong.max_response_length``.
+        update_weights_bucket_megabytes: bucket size of the weight sync (MiB).
+        gpu_memory_utilization: SGLang ``mem_fraction_static`` (GPU only).
+        val_n: responses per validation prompt (the k of avg@k / pass@k).
+        val_temperature: validation sampling temperature (paper: 1.0).
+        val_top_p: validation top-p (paper: 0.7).
+        val_max_prompts: validate on at most this many prompts (0 = all).
+    """
+
+    name: str = "hf"
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    response_length: int = 20480
+    update_weights_bucket_megabytes: int = 512
+    gpu_memory_utilization: float = 0.5
+    val_n: int = 32
+    val_temperature: float = 1.0
+    val_top_p: float = 0.7
+    val_max_prompts: int = 0
+
+    def validate(self) -> None:
+        if self.name not in ("hf", "sglang"):
+            raise ValueError(f"rollout.name={self.name!r} must be 'hf' or 'sglang'")
+        for key in ("response_length", "update_weights_bucket_megabytes", "val_n"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"rollout.{key}={getattr(self, key)!r} must be >= 1")
+        if self.val_max_prompts < 0:
+            raise ValueError(f"rollout.val_max_prompts={self.val_max_prompts} must be >= 0 (0 = all)")
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantage estimation (verl ``algorithm.*``).
+
+    Attributes:
+        norm_adv_by_std_in_grpo: divide by the group std (DAPO/GRPO); False gives
+            Dr. GRPO's mean-centred advantage.
+        adv_eps: epsilon added to the group std.
+    """
+
+    norm_adv_by_std_in_grpo: bool = True
+    adv_eps: float = 1e-6
+
+
+@dataclass
+class RewardConfig:
+    """Rule-based grading (``dapo_megatron.rewards``).
+
+    Attributes:
+        num_workers: grader processes per rank (each rank grades 1/world of a batch).
+        timeout_s: wall-clock limit per response; a timeout scores -1.
+    """
+
+    num_workers: int = 1
+    timeout_s: float = 5.0
+
+
+@dataclass
+class DAPOConfig:
+    """The whole run (``dapo-train --config X.yaml key.sub=value``).
+
+    Attributes:
+        model: what to train (HF/GGUF path, dtype, Megatron spec, FP8).
+        parallel: TP / PP sizes (DP = world / (TP × PP)).
+        data: prompt datasets (DAPO schema; empty = the embedded arithmetic task).
+        rollout: generation settings.
+        buffer: dynamic sampling, batch sizes and overlong shaping.
+        algorithm: advantage estimation.
+        actor: PPO/DAPO loss, mini/micro-batching and the optimizer.
+        reward: grader pool.
+        trainer: steps, checkpointing, validation cadence, run directory.
+        tracking: MLflow.
+    """
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    def validate(self) -> None:
+        """Cross-section checks (each section validates itself)."""
+        if self.model.hf_path is None:
+            raise ValueError("model.hf_path is required: an HF model directory or a directory holding "
+                             "model.gguf_file")
+        if self.buffer.overlong.max_response_length != self.rollout.response_length:
+            raise ValueError(
+                f"buffer.overlong.max_response_length={self.buffer.overlong.max_response_length} must equal "
+                f"rollout.response_length={self.rollout.response_length} (Eq. 13's L_max is the generation budget)"
+            )
+        if self.actor.ppo_mini_batch_size > self.buffer.train_batch_size:
+            raise ValueError(f"actor.ppo_mini_batch_size={self.actor.ppo_mini_batch_size} groups exceeds "
+                             f"buffer.train_batch_size={self.buffer.train_batch_size}")
+        if self.buffer.train_batch_size % self.actor.ppo_mini_batch_size:
+            raise ValueError(f"buffer.train_batch_size={self.buffer.train_batch_size} must be a multiple of "
+                             f"actor.ppo_mini_batch_size={self.actor.ppo_mini_batch_size} (groups)")
