@@ -1,1 +1,21 @@
+"""Megatron actor: vocab-parallel logprobs/entropy, micro-batch packing, DAPO policy updates.
 
+Nothing here serves the weight sync to the rollout engine: :mod:`dapo_megatron.bridge`
+reads ``MegatronActor.model_chunks`` for that.
+"""
+
+from .actor import ActorConfig, MegatronActor, OptimConfig
+from .logprobs import vocab_parallel_entropy, vocab_parallel_logprobs, vocab_parallel_logprobs_and_entropy
+from .packing import PackedBatch, pack_samples, split_by_token_budget
+
+__all__ = [
+    "ActorConfig",
+    "MegatronActor",
+    "OptimConfig",
+    "PackedBatch",
+    "pack_samples",
+    "split_by_token_budget",
+    "vocab_parallel_entropy",
+    "vocab_parallel_logprobs",
+    "vocab_parallel_logprobs_and_entropy",
+]
