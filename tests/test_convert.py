@@ -1,0 +1,88 @@
+"""tools/convert_hf_to_megatron.py and tools/convert_megatron_to_hf.py as a user runs them:
+under torchrun (TP=2) and as one plain process, on a tiny model and on SmolLM2 (GGUF)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, random_hf_model, tiny_hf_config
+
+TO_MEGATRON = os.path.join(REPO, "tools", "convert_hf_to_megatron.py")
+TO_HF = os.path.join(REPO, "tools", "convert_megatron_to_hf.py")
+
+
+def _run(args: list[str], nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, *args] if nproc == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+def _load_safetensors_dir(path: str) -> dict:
+    from dapo_megatron.bridge import SafetensorsSource
+
+    src = SafetensorsSource(path)
+    return {k: src[k] for k in src}
+
+
+@pytest.mark.dist
+def test_tiny_model_round_trip_tp2_torchrun_then_plain_export(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_hf_config("llama_gqa3")  # 3 KV groups: the TP=2 checkpoint holds a zero 4th group
+    hf = random_hf_model(cfg, seed=3)
+    hf.save_pretrained(tmp_path / "hf")
+    out = _run([TO_MEGATRON, "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt"), "--tp", "2"], nproc=2)
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = _run([TO_HF, "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf2")])
+    assert out.returncode == 0, out.stderr[-3000:]
+    src, back = _load_safetensors_dir(str(tmp_path / "hf")), _load_safetensors_dir(str(tmp_path / "hf2"))
+    assert sorted(back) == sorted(src)
+    for k in src:
+        assert torch.equal(back[k], src[k]), k
+    assert back["model.embed_tokens.weight"].shape[0] == 250  # no vocab-padding rows
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf2").eval()
+    ids = torch.randint(0, 250, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, hf(ids).logits)
+
+
+def test_bad_inputs_stop_the_tools_with_the_name(tmp_path):
+    cfg = tiny_hf_config("qwen2_bias")
+    hf = random_hf_model(cfg, seed=4)
+    state = {k: v for k, v in hf.state_dict().items() if k != "model.layers.0.self_attn.v_proj.bias"}
+    hf.save_pretrained(tmp_path / "hf", state_dict=state)
+    out = _run([TO_MEGATRON, "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")])
+    assert out.returncode != 0 and "model.layers.0.self_attn.v_proj.bias" in out.stderr
+    assert not (tmp_path / "ckpt").exists()
+    out = _run([TO_MEGATRON, "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt"), "--tp", "2"])
+    assert out.returncode != 0 and "torchrun --nproc_per_node=2" in out.stderr
+    out = _run([TO_HF, "--ckpt", str(tmp_path / "hf"), "--out", str(tmp_path / "x")])
+    assert out.returncode != 0 and "not a dapo-megatron model checkpoint" in out.stderr
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_converts_both_ways(smollm2_gguf, smollm2_hf_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path, fname = smollm2_gguf
+    out = _run([TO_MEGATRON, "--hf", path, "--gguf-file", fname, "--out", str(tmp_path / "ckpt")], timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = _run([TO_HF, "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")], timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    ref, back = _load_safetensors_dir(smollm2_hf_dir), _load_safetensors_dir(str(tmp_path / "hf"))
+    assert sorted(back) == sorted(ref) and "lm_head.weight" not in back  # tied: embedding once
+    for k in ref:
+        assert torch.equal(back[k], ref[k]), k
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert model.config.tie_word_embeddings and model.config.num_key_value_heads == 3
+    assert torch.equal(model.lm_head.weight, ref["model.embed_tokens.weight"])
+    text = "Compute 7 + 12. Reply with just the number."
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf")(text)["input_ids"] == \
+        AutoTokenizer.from_pretrained(path, gguf_file=fname)(text)["input_ids"]
