@@ -122,7 +122,8 @@ class ActorConfig:
         entropy_coeff: entropy bonus weight (0: entropy is logged only, no gradient).
         tis_cap: truncated importance sampling cap against ``Sample.rollout_logprobs``, or None.
         use_packed_seq_params: pass ``PackedSeqParams(qkv_format="thd")`` to the model
-            (TE attention on GPU) instead of a block-diagonal mask. None: auto (CUDA available).
+            (TE attention on GPU) instead of a block-diagonal ``[1, 1, T, T]`` mask. None:
+            auto (True when the model's core attention is ``TEDotProductAttention``).
     """
 
     ppo_mini_batch_size: int = 32
@@ -300,8 +301,16 @@ class MegatronActor:
         config.no_sync_func = self.model_chunks[0].no_sync
         config.grad_scale_func = self.optimizer.scale_loss
 
+        # THD needs Transformer Engine's attention; megatron-core's local DotProductAttention
+        # asserts packed_seq_params is None and gets the block-diagonal mask instead.
+        te_attention = any(type(m).__name__ == "TEDotProductAttention" for m in chunks[0].modules())
         use_thd = actor_cfg.use_packed_seq_params
-        self.use_packed_seq_params = torch.cuda.is_available() if use_thd is None else bool(use_thd)
+        if use_thd and not te_attention:
+            raise ValueError(
+                "actor.use_packed_seq_params=True needs the Transformer Engine layer spec (TEDotProductAttention); "
+                "this model uses the local spec: set it to None/False (a block-diagonal mask is used)"
+            )
+        self.use_packed_seq_params = te_attention if use_thd is None else bool(use_thd)
         self.pad_to = self.tp_size if config.sequence_parallel else 1
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else (
             torch.device("cpu"))
