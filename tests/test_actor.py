@@ -127,11 +127,18 @@ def _reference_worker(out_path):
     seq_three = actor.forward_backward([samples[:1], samples[1:7], samples[7:]], TEMPERATURE)
     seq_grads_three = _full_grads(actor)
     actor.cfg.loss_agg_mode = "token-mean"
+    actor.cfg.entropy_coeff = 0.01  # entropy bonus: differentiable entropy through the same scaling
+    ent_one = actor.forward_backward([samples], TEMPERATURE)
+    ent_grads_one = _full_grads(actor)
+    ent_three = actor.forward_backward([samples[:5], samples[5:]], TEMPERATURE)
+    ent_grads_three = _full_grads(actor)
+    actor.cfg.entropy_coeff = 0.0
     step = actor.train_mini_batch([samples], TEMPERATURE, global_num_tokens=int(one["num_tokens"]))
     torch.save(dict(full_sd=full_sd, samples=samples, direct=direct, lps=lps, ents=ents, one=one, three=three,
                     grads_one=grads_one, grads_three=grads_three, step=step,
                     seq_one=seq_one, seq_three=seq_three, seq_grads_one=seq_grads_one,
-                    seq_grads_three=seq_grads_three), out_path)
+                    seq_grads_three=seq_grads_three, ent_one=ent_one, ent_three=ent_three,
+                    ent_grads_one=ent_grads_one, ent_grads_three=ent_grads_three), out_path)
 
 
 @pytest.fixture(scope="module")
@@ -190,6 +197,18 @@ def test_seq_mean_token_mean_split_invariance(reference):
               for n, g in reference["seq_grads_one"].items())
     den = sum(float(g.norm() ** 2) for g in reference["seq_grads_one"].values())
     assert den > 0 and math.sqrt(num / den) < 1e-6
+
+
+def test_entropy_bonus_loss_and_split_invariance(reference):
+    one, three, plain = reference["ent_one"], reference["ent_three"], reference["one"]
+    assert abs(one["loss"] - (plain["pg_loss"] - 0.01 * plain["entropy"])) < 1e-6
+    assert abs(three["loss"] - one["loss"]) < 1e-6  # absolute: the loss is a small difference of two terms
+    diff = sum(float((reference["ent_grads_one"][n] - g).norm() ** 2) for n, g in reference["grads_one"].items())
+    assert diff > 0  # the bonus changes the gradient
+    num = sum(float((reference["ent_grads_three"][n] - g).norm() ** 2)
+              for n, g in reference["ent_grads_one"].items())
+    den = sum(float(g.norm() ** 2) for g in reference["ent_grads_one"].values())
+    assert math.sqrt(num / den) < 1e-6
 
 
 def _dp2_worker(ref_path, out_path):
