@@ -84,6 +84,8 @@ def test_unsupported_hf_configs_name_the_field():
         hf_to_transformer_config(GPT2Config(), ParallelConfig())
     with pytest.raises(ValueError, match="hidden_act='gelu'"):
         hf_to_transformer_config(tiny_hf_config("llama_tied", hidden_act="gelu"), ParallelConfig())
+    with pytest.raises(ValueError, match="attention_bias=True is not supported for llama"):
+        hf_to_transformer_config(tiny_hf_config("llama_tied", attention_bias=True), ParallelConfig())
     with pytest.raises(ValueError, match="use_sliding_window"):
         hf_to_transformer_config(tiny_hf_config("qwen2_bias", use_sliding_window=True), ParallelConfig())
 

@@ -16,18 +16,19 @@ def _worker(hf_dir: str, ids: torch.Tensor, out_dir: str) -> None:
 
     from dapo_megatron.actor.logprobs import vocab_parallel_logprobs
     from dapo_megatron.bridge import SafetensorsSource, load_hf_weights
-    from dapo_megatron.models import build_gpt_model, load_hf_config
+    from dapo_megatron.models import ModelConfig, build_gpt_model, load_hf_config
     from dapo_megatron.platform import init_distributed
 
     init_distributed(ParallelConfig(2, 1), seed=0)
     cfg = load_hf_config(hf_dir)
-    model = build_gpt_model(cfg).eval()
+    # no random init (every parameter is overwritten by the strict load): saves CPU time
+    model = build_gpt_model(cfg, ModelConfig(extra_transformer_config={"perform_initialization": False})).eval()
     report = load_hf_weights(model, SafetensorsSource(hf_dir), strict=True)
     with torch.no_grad():
         logits = model(ids, torch.arange(ids.shape[1]).expand_as(ids), None)
         lp = vocab_parallel_logprobs(logits[:, :-1].float(), ids[:, 1:], vocab_size=cfg.vocab_size)
     torch.save({"lp": lp, "local_vocab": logits.shape[-1], "loaded": len(report.loaded),
-                "tp": ps.get_tensor_model_parallel_world_size()},
+                "tp": ps.get_tensor_model_parallel_world_size(), "groups": model.config.num_query_groups},
                os.path.join(out_dir, f"rank{os.environ['RANK']}.pt"))
 
 
@@ -48,5 +49,6 @@ def test_smollm2_logprobs_match_transformers_at_tp2(smollm2_hf_dir, tmp_path):
     for r in range(2):
         out = torch.load(tmp_path / f"rank{r}.pt")
         assert out["tp"] == 2 and out["local_vocab"] == 49152 // 2
+        assert out["groups"] == 4  # 3 KV heads + one zero group so that TP=2 splits them
         assert (out["lp"] - ref).abs().max().item() <= 1e-4
     assert ref.mean().item() > -8.0  # sanity: a real model, far better than uniform (-10.8)

@@ -110,7 +110,7 @@ class ModelLayout:
         num_attention_heads, num_query_groups, head_dim: attention geometry (GQA).
         vocab_size: the real (HF) vocabulary; padded_vocab_size: Megatron rows (≥ vocab_size).
         tie_word_embeddings: lm_head shares the embedding matrix.
-        qkv_bias: q/k/v projections have a bias (qwen2, or attention_bias=True).
+        qkv_bias: q/k/v projections have a bias (qwen2).
         padded_num_query_groups: Megatron's query groups (≥ num_query_groups; the extra ones
             are all-zero, see ``ModelConfig.pad_query_groups``).
     """
@@ -155,16 +155,13 @@ class ModelLayout:
             vocab_size=vocab,
             padded_vocab_size=padded,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+            qkv_bias=model_type == "qwen2",
             padded_num_query_groups=padded_num_query_groups or groups,
         )
 
     def rules(self) -> tuple[Rule, ...]:
-        """The family's rules (qkv bias added for llama with attention_bias=True)."""
-        rules = FAMILY_RULES[self.model_type]
-        if self.qkv_bias and self.model_type != "qwen2":
-            rules = _insert_after(rules, _L + "self_attention.linear_qkv.weight", [_QKV_BIAS])
-        return rules
+        """The family's rules (from :data:`FAMILY_RULES`)."""
+        return FAMILY_RULES[self.model_type]
 
 
 def canonical_megatron_name(name: str) -> str:

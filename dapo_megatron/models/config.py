@@ -279,8 +279,9 @@ def check_hf_config(hf_config) -> str:
         raise ValueError(f"hf_config.hidden_act={hf_config.hidden_act!r}: only 'silu' (SwiGLU) is supported")
     if _get(hf_config, "mlp_bias", False):
         raise ValueError("hf_config.mlp_bias=True is not supported")
-    if model_type == "llama" and _get(hf_config, "attention_bias", False):
-        raise ValueError("hf_config.attention_bias=True is not supported for llama (use a qwen2 config)")
+    if model_type in ("llama", "qwen3") and _get(hf_config, "attention_bias", False):
+        # HF then also puts a bias on o_proj, which megatron-core's linear_proj cannot hold alone
+        raise ValueError(f"hf_config.attention_bias=True is not supported for {model_type}")
     if model_type in ("qwen2", "qwen3") and _get(hf_config, "use_sliding_window", False):
         raise ValueError(f"hf_config.use_sliding_window=True is not supported for {model_type}")
     heads, groups = hf_config.num_attention_heads, _kv_heads(hf_config)
@@ -376,7 +377,7 @@ def hf_to_transformer_config(hf_config, parallel, model_cfg: ModelConfig = None)
         gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
-        add_qkv_bias=model_type == "qwen2" or bool(_get(hf_config, "attention_bias", False)),
+        add_qkv_bias=model_type == "qwen2",
         qk_layernorm=model_type == "qwen3",
         hidden_dropout=0.0,
         attention_dropout=0.0,
