@@ -65,6 +65,7 @@ __all__ = [
     "TrainerConfig",
     "assert_all_documented",
     "documented_keys",
+    "parse_attribute_docs",
     "load_config",
     "to_flat_dict",
     "to_yaml",
@@ -408,14 +409,18 @@ _SECTION_HEADER = re.compile(r"^\s*(Attributes|Args|Arguments|Fields)\s*:\s*$")
 _OTHER_HEADER = re.compile(
     r"^\s*(Returns|Raises|Yields|Examples?|Notes?|Methods|See Also|References)\s*:\s*$"
 )
-_ENTRY = re.compile(r"^(\s*)([A-Za-z_][A-Za-z0-9_]*)\s*(\([^)]*\))?\s*:\s*(.*)$")
+_ENTRY = re.compile(
+    r"^(\s*)([A-Za-z_]\w*(?:\s*[,/]\s*[A-Za-z_]\w*)*)\s*(\([^)]*\))?\s*:\s*(.*)$"
+)
 
 
 def parse_attribute_docs(cls: type) -> dict[str, str]:
     """Field name → text from the ``Attributes:`` section of ``cls``'s docstring (and bases').
 
     Google style: an entry is ``name: text`` (or ``name (type): text``) indented under
-    the header; more-indented lines continue it. Entries of subclasses win.
+    the header; more-indented lines continue it. Entries of subclasses win. One entry
+    may document several fields: ``clip_ratio_low, clip_ratio_high: text`` or
+    ``a / b: text`` give every listed name the same text.
     """
     docs: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
@@ -439,10 +444,12 @@ def parse_attribute_docs(cls: type) -> dict[str, str]:
             m = _ENTRY.match(line)
             if m and (entry_indent is None or indent == entry_indent):
                 entry_indent = indent
-                current = m.group(2)
-                docs[current] = m.group(4).strip()
+                current = [n.strip() for n in re.split(r"[,/]", m.group(2))]
+                for name in current:
+                    docs[name] = m.group(4).strip()
             elif current is not None and entry_indent is not None and indent > entry_indent:
-                docs[current] = f"{docs[current]} {line.strip()}".strip()
+                for name in current:
+                    docs[name] = f"{docs[name]} {line.strip()}".strip()
             elif entry_indent is not None and indent < entry_indent:
                 in_section = False  # dedent below the entries ends the section
     return docs

@@ -254,12 +254,22 @@ def test_parse_attribute_docs_stops_at_next_section_and_reads_bases():
         Attributes:
             y (int): typed entry
                 continued.
+            lo, hi: a shared entry.
+            start / end: another shared
+                entry.
 
         Raises:
             z: not an attribute.
         """
 
-    assert parse_attribute_docs(Child) == {"x": "from the base.", "y": "typed entry continued."}
+    assert parse_attribute_docs(Child) == {
+        "x": "from the base.",
+        "y": "typed entry continued.",
+        "lo": "a shared entry.",
+        "hi": "a shared entry.",
+        "start": "another shared entry.",
+        "end": "another shared entry.",
+    }
 
 
 def test_key_doc_prints_one_line():
