@@ -321,3 +321,14 @@ def test_aime_with_smollm2_chat_template_and_filter():
         text = tok.decode(rec.prompt_ids)
         assert text.startswith("<|im_start|>") and text.endswith("<|im_start|>assistant\n")
         assert r["prompt"][0]["content"] in text
+
+
+def test_write_is_atomic_and_leaves_no_temp_files(tmp_path):
+    path = str(tmp_path / "d.parquet")
+    write_dapo_rows([row(0)], path)
+    with pytest.raises(DatasetError, match="extra_info"):
+        write_dapo_rows([row(1, extra_info={})], path)
+    # the failed write left the previous file intact and no temp file behind
+    rows, _ = read_dapo_rows(path)
+    assert [r["reward_model"]["ground_truth"] for _, _, r in rows] == ["0"]
+    assert os.listdir(tmp_path) == ["d.parquet"]

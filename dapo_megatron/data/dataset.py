@@ -488,7 +488,8 @@ def write_dapo_rows(rows: Sequence[dict], path: str) -> str:
     """Write DAPO-schema rows to ``path`` (parquet via pyarrow, or jsonl).
 
     Every row is validated first (so a writer cannot produce a file the reader
-    rejects). ``extra_info`` must not be an empty dict for parquet (pyarrow
+    rejects). The file is replaced atomically (temp file + ``os.replace``), so
+    concurrent writers of the same content and concurrent readers are safe. ``extra_info`` must not be an empty dict for parquet (pyarrow
     cannot store a struct without fields).
 
     Returns:
@@ -503,16 +504,26 @@ def write_dapo_rows(rows: Sequence[dict], path: str) -> str:
         validate_row(row, path, i)
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
-    if fmt == "jsonl":
-        with open(path, "w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-        return path
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    # Atomic: write a private temp file, then os.replace. Several ranks may write
+    # the same (deterministic) file while others already read it.
+    tmp = os.path.join(parent, f".{os.path.basename(path)}.tmp.{os.getpid()}")
+    try:
+        if fmt == "jsonl":
+            with open(tmp, "w", encoding="utf-8") as f:
+                for row in rows:
+                    f.write(json.dumps(row, ensure_ascii=False) + "\n")
+        else:
+            import pyarrow as pa
+            import pyarrow.parquet as pq
 
-    for i, row in enumerate(rows):
-        if not row["extra_info"]:
-            raise DatasetError(path, i, "extra_info", "empty dict cannot be stored in parquet; add e.g. an index")
-    pq.write_table(pa.Table.from_pylist(list(rows)), path)
+            for i, row in enumerate(rows):
+                if not row["extra_info"]:
+                    raise DatasetError(
+                        path, i, "extra_info", "empty dict cannot be stored in parquet; add e.g. an index"
+                    )
+            pq.write_table(pa.Table.from_pylist(list(rows)), tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
     return path
