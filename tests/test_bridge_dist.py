@@ -64,7 +64,7 @@ def _worker(out_dir: str, cases: dict, ids: torch.Tensor) -> None:
     from dapo_megatron.platform import init_distributed
 
     rank = int(os.environ["RANK"])
-    res: dict = {"lp": {}, "export": {}, "ckpt": {}, "ckpt_lp": {}, "errors": {}, "padded": {}}
+    res: dict = {"lp": {}, "export": {}, "order": {}, "ckpt": {}, "ckpt_lp": {}, "errors": {}, "padded": {}}
     for layout, tp, pp in LAYOUTS:
         init_distributed(ParallelConfig(tp, pp), seed=11)
         for name, (cfg, state) in cases.items():
@@ -77,6 +77,7 @@ def _worker(out_dir: str, cases: dict, ids: torch.Tensor) -> None:
             # small buckets: several PP broadcasts per bucket and tensors larger than a bucket
             exported = export_hf_state_dict(model, bucket_bytes=8192)
             res["export"][(layout, name)] = _mismatches(exported, state)
+            res["order"][(layout, name)] = list(exported)  # the yield order
 
     # TP=2 save → PP=2 load → export
     init_distributed(ParallelConfig(2, 1), seed=12)
@@ -176,6 +177,24 @@ def test_export_is_bitwise_equal_on_every_rank(dist_results, layout):
     for r in ranks:
         for family in TINY_FAMILIES:
             assert r["export"][(layout, family)] == [], (layout, family)
+
+
+@pytest.mark.dist
+def test_export_order_is_fixed_and_identical_on_all_ranks(dist_results):
+    ranks, _, cases = dist_results
+    for family in TINY_FAMILIES:
+        cfg, _ = cases[family]
+        L = cfg.num_hidden_layers
+        order = ranks[0]["order"][("tp1", family)]
+        for layout, _, _ in LAYOUTS:
+            for r in ranks:
+                assert r["order"][(layout, family)] == order, (layout, family)
+        # embedding first, layers in increasing order, final norm, then lm_head only if untied
+        assert order[0] == "model.embed_tokens.weight"
+        layer_of = [int(n.split(".")[2]) for n in order if n.startswith("model.layers.")]
+        assert layer_of == sorted(layer_of) and set(layer_of) == set(range(L))
+        tail = ["model.norm.weight"] + ([] if cfg.tie_word_embeddings else ["lm_head.weight"])
+        assert order[-len(tail):] == tail
 
 
 @pytest.mark.dist
