@@ -260,12 +260,22 @@ class _Background:
 
 
 # ---------------------------------------------------------------------------- engines
+def _memory_tags_except_weights() -> list[str]:
+    """SGLang's memory tags other than ``"weights"`` (``kv_cache``, and ``cuda_graph`` in
+    newer versions): what ``wake_up`` still has to resume after a sync while asleep."""
+    try:
+        from sglang.srt.constants import GPU_MEMORY_ALL_TYPES
+    except ImportError:  # older SGLang: weights and kv_cache only
+        return ["kv_cache"]
+    return [t for t in GPU_MEMORY_ALL_TYPES if t != "weights"]
+
+
 class SGLangEngine(RolloutEngine):
     """Colocated offline ``sglang.Engine`` in this process (one per node / TP group).
 
     Args:
         model_path: HF model directory (config, tokenizer, initial weights).
-        dtype: ``"bfloat16"`` (default) or another SGLang dtype string.
+        dtype: ``"bfloat16"`` (default), another SGLang dtype string, or a ``torch.dtype``.
         tp_size: SGLang tensor parallel size.
         mem_fraction_static: share of GPU memory for weights + KV cache.
         enable_memory_saver: needed for ``sleep``/``wake_up`` (release/resume memory).
@@ -278,7 +288,7 @@ class SGLangEngine(RolloutEngine):
     the end of a complete sync.
     """
 
-    def __init__(self, model_path: str, *, dtype: str = "bfloat16", tp_size: int = 1,
+    def __init__(self, model_path: str, *, dtype: Any = "bfloat16", tp_size: int = 1,
                  mem_fraction_static: float = 0.5, enable_memory_saver: bool = True, update_bucket_mb: int = 512,
                  engine_kwargs: Optional[dict] = None):
         super().__init__()
@@ -286,10 +296,14 @@ class SGLangEngine(RolloutEngine):
         self.model_path = model_path
         self.update_bucket_bytes = int(update_bucket_mb) * 2**20
         self.enable_memory_saver = enable_memory_saver
+        if isinstance(dtype, torch.dtype):
+            dtype = dtype_name(dtype)
         self.engine = sglang.Engine(model_path=model_path, dtype=dtype, tp_size=tp_size,
                                     mem_fraction_static=mem_fraction_static,
                                     enable_memory_saver=enable_memory_saver, **(engine_kwargs or {}))
         self._asleep = False
+        self._weights_resident = True  # False between sleep() and the next weight load / wake_up()
+        self._flush_pending = False
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> GenerationOutput:
         """See :meth:`RolloutEngine.generate`; raises ``RuntimeError`` on aborted rows or when asleep."""
@@ -305,19 +319,31 @@ class SGLangEngine(RolloutEngine):
         return hf_param_specs(AutoConfig.from_pretrained(self.model_path))
 
     def _load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        if not self._weights_resident:  # synced while asleep: bring back the weights only (KV cache later)
+            check_result(self.engine.resume_memory_occupation(tags=["weights"]), "resume_memory_occupation(weights)")
+            self._weights_resident = True
         check_result(self.engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=False),
                      f"update_weights_from_tensor ({len(bucket)} tensors, first {bucket[0][0]!r})")
 
     def _on_sync_finished(self) -> None:
-        check_result(self.engine.flush_cache(), "flush_cache")
+        if self._asleep:
+            self._flush_pending = True  # the KV cache is released; flush after wake_up
+        else:
+            check_result(self.engine.flush_cache(), "flush_cache")
 
     def sleep(self) -> None:
-        """Release weights and KV cache GPU memory (``release_memory_occupation``)."""
+        """Release weights and KV cache GPU memory (``release_memory_occupation``).
+
+        ``update_weights`` may be called while asleep (the trainer syncs right after the
+        actor's update): it first resumes only the weights (``tags=["weights"]``), so the
+        KV cache stays released until :meth:`wake_up`, as in verl's colocated flow.
+        """
         if not self.enable_memory_saver:
             raise RuntimeError("SGLangEngine.sleep needs enable_memory_saver=True at construction")
         if not self._asleep:
             check_result(self.engine.release_memory_occupation(), "release_memory_occupation")
             self._asleep = True
+            self._weights_resident = False
 
     def wake_up(self) -> None:
         """Take the memory back (``resume_memory_occupation``). SGLang does not back up the
@@ -325,8 +351,16 @@ class SGLangEngine(RolloutEngine):
         (``update_weights``) after ``wake_up`` and before generating, as the trainer does
         after every step."""
         if self._asleep:
-            check_result(self.engine.resume_memory_occupation(), "resume_memory_occupation")
+            if self._weights_resident:
+                rest = _memory_tags_except_weights()
+                check_result(self.engine.resume_memory_occupation(tags=rest), f"resume_memory_occupation({rest})")
+            else:
+                check_result(self.engine.resume_memory_occupation(), "resume_memory_occupation")
             self._asleep = False
+            self._weights_resident = True
+            if self._flush_pending:
+                check_result(self.engine.flush_cache(), "flush_cache")
+                self._flush_pending = False
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -80,8 +80,12 @@ def test_update_weights_and_release_resume(engine, tmp_path):
     free_before = torch.cuda.mem_get_info()[0]
     eng.sleep()
     assert torch.cuda.mem_get_info()[0] > free_before, "release_memory_occupation freed nothing"
-    eng.wake_up()
+    # the trainer syncs while the engine sleeps: weights come back first, the KV cache at wake_up
     eng.update_weights(named, version=2)
+    eng.wake_up()
+    assert eng.weight_version == 2
+    got = eng.engine.get_weights_by_name("model.layers.0.mlp.up_proj.weight", truncate_size=4)
+    assert torch.allclose(torch.tensor(got, dtype=torch.float32).flatten()[:4], want, atol=1e-2)
     from dapo_megatron.rollout.engine import SamplingParams
 
     out = eng.generate([[1, 2, 3]], SamplingParams(n=2, max_new_tokens=4, seed=0))
