@@ -86,3 +86,23 @@ def test_smollm2_gguf_converts_both_ways(smollm2_gguf, smollm2_hf_dir, tmp_path)
     text = "Compute 7 + 12. Reply with just the number."
     assert AutoTokenizer.from_pretrained(tmp_path / "hf")(text)["input_ids"] == \
         AutoTokenizer.from_pretrained(path, gguf_file=fname)(text)["input_ids"]
+
+
+def test_sharded_safetensors_output_reads_back(tmp_path):
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM
+
+    spec = importlib.util.spec_from_file_location("convert_megatron_to_hf", TO_HF)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    cfg = tiny_hf_config("qwen3_qknorm")
+    hf = random_hf_model(cfg, seed=5)
+    state = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}  # tied
+    cfg.save_pretrained(tmp_path)
+    files = tool.write_safetensors(state, str(tmp_path), shard_bytes=40_000)
+    assert len(files) > 2 and (tmp_path / "model.safetensors.index.json").exists()
+    back = _load_safetensors_dir(str(tmp_path))
+    assert sorted(back) == sorted(state) and all(torch.equal(back[k], state[k]) for k in state)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert torch.equal(reloaded.model.layers[1].self_attn.q_norm.weight, state["model.layers.1.self_attn.q_norm.weight"])
