@@ -4,6 +4,7 @@ import itertools
 import warnings
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from dapo_megatron.algorithms.overlong import OverlongConfig
 from dapo_megatron.rollout.buffer import BufferConfig, RolloutBuffer
@@ -125,3 +126,22 @@ def test_padding_stats_hand_computed():
     assert st["padding/padded_tokens"] == 24 and st["padding/packed_tokens"] == 24
     st2 = padding_stats(samples_of([6, 2, 4, 4]), [[[0]], [[1, 2, 3]]])
     assert st2["dp/token_imbalance"] == pytest.approx(10 / 8)
+
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=st.lists(st.integers(1, 300), min_size=1, max_size=40), dp=st.integers(1, 4),
+       budget=st.integers(1, 600))
+def test_plan_invariants_property(lengths, dp, budget):
+    """For any batch: either a valid plan (all invariants) or the documented ValueError."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            plan = split_for_dp(samples_of(lengths, prompt_len=1), dp, budget)
+        except ValueError as err:
+            assert len(lengths) < dp or "micro-batches" in str(err)
+            return
+    check_plan(plan, lengths, dp, budget)
+    # LPT: the heaviest rank got its last sample while it was the lightest, so the gap is at most one sample
+    tokens = rank_tokens(plan, lengths)
+    assert max(tokens) - min(tokens) <= max(lengths)
