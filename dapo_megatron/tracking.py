@@ -23,6 +23,7 @@ import json
 import logging
 import math
 import os
+import re
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -57,6 +58,19 @@ class TrackingConfig:
     http_max_retries: int = 0
     http_timeout_s: int = 5
     metrics_file: str = "metrics.jsonl"
+
+
+_MLFLOW_NAME_BAD = re.compile(r"[^0-9A-Za-z_\-. :/]")
+
+
+def mlflow_metric_name(name: str) -> str:
+    """The MLflow-legal spelling of a metric name.
+
+    MLflow accepts only alphanumerics, ``_ - . : /`` and spaces in metric names, so
+    ``val/avg@32`` is stored as ``val/avg_at_32`` (``@`` → ``_at_``); any other
+    character becomes ``_``. The JSONL file keeps the original names.
+    """
+    return _MLFLOW_NAME_BAD.sub("_", name.replace("@", "_at_"))
 
 
 def flatten_dict(d: Mapping[str, Any], prefix: str = "", sep: str = ".") -> dict[str, Any]:
@@ -225,7 +239,7 @@ class Tracker:
         from mlflow.entities import Metric
 
         ts = int(now * 1000)
-        items = [Metric(k, v, ts, int(step)) for k, v in values.items()]
+        items = [Metric(mlflow_metric_name(k), v, ts, int(step)) for k, v in values.items()]
         try:
             for i in range(0, len(items), MLFLOW_BATCH_LIMIT * 10):  # MLflow allows 1000 metrics per batch
                 self._client.log_batch(self.run_id, metrics=items[i : i + MLFLOW_BATCH_LIMIT * 10])

@@ -154,3 +154,23 @@ def test_progress_bar_rank0_only(capsys):
     quiet.update(2, {"actor/loss": 1.0})
     quiet.close()
     assert capsys.readouterr().err == ""
+
+
+def test_metric_names_with_at_sign_reach_mlflow(tmp_path):
+    """avg@k / pass@k are stored under MLflow-legal names; the JSONL keeps the originals."""
+    import json
+
+    from mlflow.tracking import MlflowClient
+
+    from dapo_megatron.tracking import Tracker, mlflow_metric_name
+
+    assert mlflow_metric_name("val/avg@32") == "val/avg_at_32"
+    tracker = Tracker(str(tmp_path), rank=0)
+    tracker.log_metrics({"val/avg@4": 0.25, "val/pass@4": 0.5}, step=3)
+    assert tracker.mlflow_active
+    tracker.finish()
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    hist = client.get_metric_history(tracker.run_id, "val/avg_at_4")
+    assert [(m.step, m.value) for m in hist] == [(3, 0.25)]
+    row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert row["val/pass@4"] == 0.5

@@ -13,6 +13,7 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from . import cpu_compat
 
 
-@dataclass(frozen=True)
+@dataclass
 class ParallelConfig:
     """Model-parallel layout (Megatron names).
 
@@ -63,7 +64,7 @@ def device() -> torch.device:
 
 
 def init_distributed(
-    parallel: ParallelConfig = ParallelConfig(),
+    parallel: Optional[ParallelConfig] = None,
     seed: int = 1234,
     timeout_s: int = 1800,
 ) -> None:
@@ -83,6 +84,7 @@ def init_distributed(
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+    parallel = parallel or ParallelConfig()
     use_cuda = torch.cuda.is_available()
     if not use_cuda:
         cpu_compat.activate()
