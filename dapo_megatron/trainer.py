@@ -1,0 +1,430 @@
+"""The DAPO training loop (DESIGN.md §1), to be read top to bottom.
+
+Every rank runs this same code under ``torchrun`` (SPMD). One step:
+
+1. rollout: each rank reads its DP shard of a generation batch of prompts, the ranks
+   of a model-parallel group split those prompts between their colocated engines,
+   and the groups are all-gathered so that every rank holds the same global list;
+2. rewards: every rank grades a slice of the responses in its killable grader pool
+   and the results are all-gathered (:class:`DistributedGrader`);
+3. buffer: dynamic sampling and overlong shaping run identically on every rank
+   (:class:`~dapo_megatron.rollout.buffer.RolloutBuffer`) until N groups are kept;
+4. advantages: group-relative (:func:`~dapo_megatron.algorithms.compute_group_advantages`);
+5. old logprobs: recomputed by the actor on each rank's DP shard, then all-gathered;
+6. updates: ``ppo_epochs`` × mini-batches, each split over DP ranks by token count and
+   cut into micro-batches by a token budget, with the DAPO token-mean loss normalised
+   by the mini-batch's global token count;
+7. weight sync: Megatron shards → HF tensors in buckets → the engine;
+8. metrics → MLflow; validation every ``test_freq`` steps; checkpoint every ``save_freq``.
+
+Determinism: sampling seeds derive from ``trainer.seed`` and a generation-batch
+counter kept in the checkpoint, so a resumed run repeats the uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from dapo_megatron.config import DAPOConfig
+from dapo_megatron.rollout.types import Group, Sample
+
+logger = logging.getLogger("dapo_megatron.trainer")
+
+
+# --------------------------------------------------------------------------- helpers
+def _all_gather_objects(obj: Any, group=None) -> list[Any]:
+    """``all_gather_object`` over ``group`` (default: the world), in rank order."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+class DistributedGrader:
+    """Shares grading across all ranks: rank r grades requests ``r::world``.
+
+    Wraps a :class:`~dapo_megatron.rewards.RewardPool` with the same ``grade`` API, so
+    the (replicated) rollout buffer sees one grader; every rank must call ``grade``
+    with the same requests (it is a collective).
+    """
+
+    def __init__(self, pool):
+        self.pool = pool
+
+    def grade(self, requests: Sequence[tuple]) -> list[dict]:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        mine = self.pool.grade(list(requests[rank::world])) if len(requests) > rank else []
+        parts = _all_gather_objects(mine)
+        out: list[dict] = [None] * len(requests)  # type: ignore[list-item]
+        for r, part in enumerate(parts):
+            out[r::world] = part
+        return out
+
+
+def _mean(xs: Sequence[float]) -> float:
+    return float(sum(xs) / len(xs)) if xs else 0.0
+
+
+def _load_tokenizer(model_cfg):
+    from transformers import AutoTokenizer
+
+    kwargs = {"gguf_file": model_cfg.gguf_file} if model_cfg.gguf_file else {}
+    tok = AutoTokenizer.from_pretrained(model_cfg.hf_path, **kwargs)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def _build_engine(cfg: DAPOConfig, hf_config, tokenizer):
+    """The colocated rollout engine of this rank, with random weights (synced next)."""
+    rollout = cfg.rollout
+    eos = sorted({tokenizer.eos_token_id, *([hf_config.eos_token_id] if isinstance(hf_config.eos_token_id, int)
+                                            else (hf_config.eos_token_id or []))} - {None})
+    if rollout.name == "hf":
+        from transformers import AutoModelForCausalLM
+
+        from dapo_megatron.rollout.hf_engine import HFEngine
+
+        dtype = cfg.model.torch_dtype()
+        hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+        return HFEngine(hf_model, dtype=dtype, device=device, eos_token_ids=eos,
+                        update_bucket_mb=rollout.update_weights_bucket_megabytes)
+    if rollout.name == "sglang":
+        from dapo_megatron.rollout.sglang_engine import SGLangEngine
+
+        return SGLangEngine(
+            model_path=cfg.model.hf_path,
+            mem_fraction_static=rollout.gpu_memory_utilization,
+            tp_size=1,
+            dtype=cfg.model.params_dtype,
+            update_bucket_mb=rollout.update_weights_bucket_megabytes,
+        )
+    raise ValueError(f"rollout.name={rollout.name!r} must be 'hf' or 'sglang'")
+
+
+# --------------------------------------------------------------------------- trainer
+class DAPOTrainer:
+    """Owns the actor, the engine, the data stream, the buffer and the tracker of one run.
+
+    Build it on every rank after :func:`dapo_megatron.platform.init_distributed`; then
+    :meth:`fit`. Construction resumes from ``<run_dir>/checkpoints/latest`` when
+    ``trainer.resume_mode`` allows it.
+    """
+
+    def __init__(self, cfg: DAPOConfig):
+        from megatron.core import parallel_state as ps
+
+        from dapo_megatron.actor import MegatronActor
+        from dapo_megatron.bridge import load_hf_weights, open_hf_source
+        from dapo_megatron.checkpointing import load_checkpoint, read_latest_step
+        from dapo_megatron.data import PromptStream, load_from_config, resolve_data_files
+        from dapo_megatron.models import build_gpt_model, load_hf_config
+        from dapo_megatron.rewards import RewardPool
+        from dapo_megatron.rollout.buffer import RolloutBuffer
+        from dapo_megatron.tracking import ProgressBar, Tracker
+
+        self.cfg = cfg
+        t = cfg.trainer
+        self.run_dir = os.path.abspath(t.run_dir)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.mp_group = ps.get_model_parallel_group()
+        self.mp_rank, self.mp_size = dist.get_rank(self.mp_group), dist.get_world_size(self.mp_group)
+        os.makedirs(self.run_dir, exist_ok=True)
+
+        # model: Megatron actor (trains) and its HF twin in the engine (generates)
+        self.hf_config = load_hf_config(cfg.model.hf_path, cfg.model.gguf_file)
+        self.tokenizer = _load_tokenizer(cfg.model)
+        model = build_gpt_model(self.hf_config, cfg.model)
+        resuming = t.resume_path is not None or (
+            t.resume_mode == "auto" and read_latest_step(self.run_dir) is not None
+        )
+        if not resuming:  # a resumed run loads its weights from the checkpoint below
+            load_hf_weights(model, open_hf_source(cfg.model.hf_path, cfg.model.gguf_file), strict=True)
+        updates_per_step = cfg.actor.ppo_epochs * (cfg.buffer.train_batch_size // cfg.actor.ppo_mini_batch_size)
+        self.actor = MegatronActor(model, cfg.actor, t.total_training_steps * updates_per_step,
+                                   vocab_size=self.hf_config.vocab_size)
+        self.engine = _build_engine(cfg, self.hf_config, self.tokenizer)
+
+        # data: the same files on every rank (rank 0 writes the embedded default once)
+        data_dir = os.path.join(self.run_dir, "data")
+        if self.rank == 0:
+            resolve_data_files(cfg.data, data_dir)
+        dist.barrier()
+        resolve_data_files(cfg.data, data_dir)  # deterministic: fills the same paths everywhere
+        self.train_data = load_from_config(cfg.data, self.tokenizer, "train")
+        self.val_data = load_from_config(cfg.data, self.tokenizer, "val")
+        b = cfg.buffer
+        if b.gen_batch_size % self.dp_size:
+            raise ValueError(f"buffer.gen_batch_size={b.gen_batch_size} must be divisible by the DP size "
+                             f"{self.dp_size}")
+        self.stream = PromptStream(self.train_data, b.gen_batch_size // self.dp_size, self.dp_rank, self.dp_size,
+                                   seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+
+        # rewards and the dynamic-sampling buffer (replicated on every rank)
+        self.reward_pool = RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
+        self.reward_pool.wait_ready()
+        self.buffer = RolloutBuffer(b, DistributedGrader(self.reward_pool), self._decode)
+
+        self.step = 0
+        self.gen_batches_done = 0  # seeds the sampler: part of the resumable state
+        mlflow_run_id = None
+        if resuming:
+            state = load_checkpoint(self.run_dir, self.actor.model_chunks, self.actor.optimizer,
+                                    self.actor.scheduler, checkpoint_dir=t.resume_path)
+            self.step = state["step"]
+            self.gen_batches_done = state["gen_batches_done"]
+            self.stream.load_state_dict(state["streams"][self.dp_rank])
+            self.buffer.load_state_dict(state["buffer"])
+            mlflow_run_id = state.get("mlflow_run_id")
+            logger.info("resumed from step %d", self.step)
+        self._sync_weights()
+
+        tracking = dataclasses.replace(cfg.tracking, run_id=cfg.tracking.run_id or mlflow_run_id)
+        self.tracker = Tracker(self.run_dir, tracking, rank=self.rank)
+        if self.step == 0:
+            from dapo_megatron.config import to_flat_dict
+
+            self.tracker.log_params(to_flat_dict(cfg))
+        self.progress = ProgressBar(t.total_training_steps, rank=self.rank)
+        self.progress.update(self.step)
+
+    # ------------------------------------------------------------------ pieces
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _sampling_params(self, *, n: int, temperature: float, top_p: float, seed: int):
+        from dapo_megatron.rollout.engine import SamplingParams
+
+        r = self.cfg.rollout
+        return SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=r.top_k,
+                              max_new_tokens=r.response_length, seed=seed)
+
+    def _generate_groups(self, records, params, first_group_id: int) -> list[Group]:
+        """Generate ``params.n`` responses for each of this DP rank's ``records``, split over
+        the model-parallel ranks, and return the groups of ALL DP ranks: every rank gets
+        the same list, ordered by DP rank then prompt position, with consecutive group ids."""
+        from dapo_megatron.rollout.engine import completions_to_group
+
+        mine = list(range(self.mp_rank, len(records), self.mp_size))
+        outputs = self.engine.generate([records[i].prompt_ids for i in mine], params) if mine else []
+        local = [(self.dp_rank, i, records[i].index, out) for i, out in zip(mine, outputs)]
+        gathered = sorted((x for part in _all_gather_objects(local) for x in part), key=lambda x: x[:2])
+        groups = []
+        for k, (_, _, index, completions) in enumerate(gathered):
+            rec = self.train_data[index]
+            groups.append(completions_to_group(first_group_id + k, rec.prompt_ids, completions,
+                                               prompt_index=rec.index, data_source=rec.data_source,
+                                               ground_truth=rec.ground_truth, extra_info=rec.extra_info))
+        return groups
+
+    def _generate_batch(self) -> list[Group]:
+        """One generation batch for the buffer: ``buffer.gen_batch_size`` prompts × n."""
+        r = self.cfg.rollout
+        records = self.stream.next_batch()
+        seed = self.cfg.trainer.seed * 1_000_003 + self.gen_batches_done * 997 + self.rank
+        params = self._sampling_params(n=self.cfg.buffer.n, temperature=r.temperature, top_p=r.top_p, seed=seed)
+        first = self.gen_batches_done * self.cfg.buffer.gen_batch_size
+        self.gen_batches_done += 1
+        return self._generate_groups(records, params, first)
+
+    def _sync_weights(self) -> float:
+        """Megatron shards → HF tensors (bucketed, collective) → this rank's engine.
+        Returns the bytes sent."""
+        from dapo_megatron.bridge import iter_hf_weights
+
+        nbytes = 0
+
+        def counted(it):
+            nonlocal nbytes
+            for name, tensor in it:
+                nbytes += tensor.numel() * tensor.element_size()
+                yield name, tensor
+
+        bucket = self.cfg.rollout.update_weights_bucket_megabytes * 2**20
+        self.engine.update_weights(counted(iter_hf_weights(self.actor.model_chunks, bucket_bytes=bucket)),
+                                   version=self.step)
+        return float(nbytes)
+
+    def _my_micro_batches(self, samples: list[Sample]) -> list[list[Sample]]:
+        from dapo_megatron.rollout.dp_split import split_for_dp
+
+        plan = split_for_dp(samples, self.dp_size, self.cfg.actor.ppo_max_token_len_per_gpu)
+        return [[samples[i] for i in mb] for mb in plan[self.dp_rank]]
+
+    def _old_logprobs(self, samples: list[Sample]) -> dict[str, float]:
+        """Fill ``Sample.old_logprobs`` of every sample (each DP rank computes its shard)."""
+        from dapo_megatron.rollout.dp_split import split_for_dp
+
+        plan = split_for_dp(samples, self.dp_size, self.cfg.actor.ppo_max_token_len_per_gpu)
+        mine = [i for mb in plan[self.dp_rank] for i in mb]
+        lps, ents = self.actor.compute_logprobs([[samples[i] for i in mb] for mb in plan[self.dp_rank]],
+                                                temperature=self.cfg.rollout.temperature, return_entropy=True)
+        local = [(i, lp.tolist(), float(e.sum()), int(e.numel())) for i, lp, e in zip(mine, lps, ents)]
+        ent_sum, ent_n = 0.0, 0
+        parts = _all_gather_objects(local, group=_dp_group())
+        for part in parts:
+            for i, lp, es, en in part:
+                samples[i].old_logprobs = lp
+                ent_sum, ent_n = ent_sum + es, ent_n + en
+        return {"actor/entropy": ent_sum / max(ent_n, 1)}
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self) -> dict[str, float]:
+        from dapo_megatron.algorithms import compute_group_advantages
+        from dapo_megatron.rollout.buffer import logprob_mismatch_metrics
+
+        cfg, metrics, timing = self.cfg, {}, {}
+
+        # 1-3. rollout, rewards, dynamic sampling
+        t0 = time.perf_counter()
+        self.engine.wake_up()
+        groups, rollout_metrics = self.buffer.collect(self._generate_batch)
+        self.engine.sleep()
+        timing["gen"] = time.perf_counter() - t0
+        metrics.update(rollout_metrics)
+        samples = [s for g in groups for s in g.samples]
+
+        # 4. group-relative advantages (on the shaped reward)
+        adv = compute_group_advantages(
+            torch.tensor([s.reward for s in samples], dtype=torch.float64),
+            torch.tensor([s.group_id for s in samples]),
+            norm_by_std=cfg.algorithm.norm_adv_by_std_in_grpo, eps=cfg.algorithm.adv_eps,
+        )
+        for s, a in zip(samples, adv.tolist()):
+            s.advantage = a
+
+        # 5. old logprobs (and the rollout-vs-actor mismatch they reveal)
+        t0 = time.perf_counter()
+        metrics.update(self._old_logprobs(samples))
+        metrics.update(logprob_mismatch_metrics(samples))
+        timing["old_logprob"] = time.perf_counter() - t0
+
+        # 6. ppo_epochs × mini-batches of ppo_mini_batch_size groups
+        t0 = time.perf_counter()
+        mb_groups = cfg.actor.ppo_mini_batch_size
+        actor_metrics: dict[str, list[float]] = {}
+        train_tokens = 0
+        for _ in range(cfg.actor.ppo_epochs):
+            for start in range(0, len(groups), mb_groups):
+                mini = [s for g in groups[start:start + mb_groups] for s in g.samples]
+                global_num_tokens = sum(len(s.response_ids) for s in mini if not s.loss_mask_zero)
+                out = self.actor.train_mini_batch(self._my_micro_batches(mini), cfg.rollout.temperature,
+                                                  global_num_tokens=global_num_tokens)
+                train_tokens += sum(s.total_length for s in mini)
+                for k, v in out.items():
+                    actor_metrics.setdefault(k, []).append(float(v))
+        timing["update"] = time.perf_counter() - t0
+        for k, vs in actor_metrics.items():
+            key = k if "/" in k else f"actor/{k}"
+            metrics[key] = _mean(vs)
+
+        # 7. weight sync into the engine
+        t0 = time.perf_counter()
+        self.step += 1
+        nbytes = self._sync_weights()
+        timing["sync"] = time.perf_counter() - t0
+
+        gen_tokens = metrics.get("rollout/gen_tokens", 0.0)
+        metrics["perf/gen_tokens_per_s"] = gen_tokens / max(timing["gen"], 1e-9)
+        metrics["perf/update_tokens_per_s"] = train_tokens / max(timing["update"], 1e-9)
+        metrics["perf/sync_GBps"] = nbytes / 1e9 / max(timing["sync"], 1e-9)
+        for k, v in timing.items():
+            metrics[f"time/{k}_s"] = v
+        metrics["time/step_s"] = sum(timing.values())
+        self._last_samples = samples
+        return metrics
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> dict[str, float]:
+        """avg@k and pass@k on the validation set (``rollout.val_*`` sampling)."""
+        from dapo_megatron.metrics import compute_val_metrics
+
+        r = self.cfg.rollout
+        n_val = len(self.val_data) if r.val_max_prompts <= 0 else min(r.val_max_prompts, len(self.val_data))
+        records = [self.val_data[i] for i in range(n_val)]
+        mine = list(range(self.rank, n_val, self.world))
+        params = self._sampling_params(n=r.val_n, temperature=r.val_temperature, top_p=r.val_top_p,
+                                       seed=self.cfg.trainer.seed + 7919 * self.step + self.rank)
+        self.engine.wake_up()
+        outputs = self.engine.generate([records[i].prompt_ids for i in mine], params) if mine else []
+        self.engine.sleep()
+        requests, owners = [], []
+        for i, comps in zip(mine, outputs):
+            rec = records[i]
+            for c in comps:
+                requests.append((rec.data_source, self._decode(c.response_ids), rec.ground_truth, rec.extra_info))
+                owners.append(i)
+        results = self.reward_pool.grade(requests) if requests else []
+        local: dict[int, list[float]] = {}
+        for i, res in zip(owners, results):
+            local.setdefault(i, []).append(1.0 if res["acc"] else 0.0)
+        accs: dict[int, list[float]] = {}
+        for part in _all_gather_objects(local):
+            accs.update(part)
+        order = sorted(accs)
+        return compute_val_metrics([records[i].data_source for i in order], [accs[i] for i in order], k=r.val_n)
+
+    # ------------------------------------------------------------------ checkpoint
+    def save(self) -> None:
+        from dapo_megatron.checkpointing import save_checkpoint
+
+        # ranks of one DP rank read the same prompts: keep one reader position per DP rank
+        by_dp = dict(_all_gather_objects((self.dp_rank, self.stream.state_dict())))
+        state = {
+            "step": self.step,
+            "gen_batches_done": self.gen_batches_done,
+            "streams": [by_dp[d] for d in range(self.dp_size)],
+            "buffer": self.buffer.state_dict(),
+            "mlflow_run_id": self.tracker.run_id,
+        }
+        save_checkpoint(self.run_dir, self.step, self.actor.model_chunks, self.actor.optimizer,
+                        self.actor.scheduler, state, max_ckpt_to_keep=self.cfg.trainer.max_ckpt_to_keep)
+
+    def _log_samples(self, samples: list[Sample], k: int = 4) -> None:
+        if self.rank != 0:
+            return
+        lines = []
+        for s in samples[:k]:
+            lines.append(f"### group {s.group_id} | reward {s.reward:+.2f} | acc {s.acc} | pred {s.pred!r} | "
+                         f"gt {s.ground_truth!r} | {s.finish_reason}, {s.response_length} tokens\n"
+                         f"[prompt] {self._decode(s.prompt_ids)}\n[response] {self._decode(s.response_ids)}\n")
+        self.tracker.log_text("\n".join(lines), f"samples/step_{self.step:06d}.txt")
+
+    # ------------------------------------------------------------------ loop
+    def fit(self) -> dict[str, float]:
+        """Train until ``trainer.total_training_steps``; returns the last step's metrics."""
+        t = self.cfg.trainer
+        last: dict[str, float] = {}
+        try:
+            while self.step < t.total_training_steps:
+                metrics = self.train_step()
+                if t.test_freq > 0 and (self.step % t.test_freq == 0 or self.step == t.total_training_steps):
+                    metrics.update(self.validate())
+                self.tracker.log_metrics(metrics, step=self.step)
+                self._log_samples(self._last_samples)
+                if t.save_freq > 0 and (self.step % t.save_freq == 0 or self.step == t.total_training_steps):
+                    self.save()
+                self.progress.update(self.step, metrics)
+                last = metrics
+        finally:
+            self.progress.close()
+            self.tracker.finish()
+            self.reward_pool.close()
+        return last
+
+
+def _dp_group():
+    from megatron.core import parallel_state as ps
+
+    return ps.get_data_parallel_group()
