@@ -94,7 +94,10 @@ def test_bad_inputs_name_the_field():
         vocab_parallel_logprobs(logits, torch.tensor([0, 1]), vocab_size=9)
 
 
-def _tp2_worker(out_path, vocab_size, temperature):
+CASES = [(48, 1.0), (29, 0.6)]  # 29: rank 1 holds 5 real and 19 padding columns
+
+
+def _tp2_worker(out_path):
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -102,34 +105,36 @@ def _tp2_worker(out_path, vocab_size, temperature):
 
     init_distributed(ParallelConfig(2, 1), seed=0)
     rank = parallel_state.get_tensor_model_parallel_rank()
-    g = torch.Generator().manual_seed(3)
-    full = torch.randn(2, 7, 48, generator=g) * 5
-    labels = torch.randint(0, vocab_size, (2, 7), generator=g)
-    w_lp = torch.randn(2, 7, generator=g, dtype=torch.float64)
-    w_ent = torch.randn(2, 7, generator=g, dtype=torch.float64)
-    shard = full[..., rank * 24:(rank + 1) * 24].clone().requires_grad_(True)
-    lp, ent = vocab_parallel_logprobs_and_entropy(shard, labels, vocab_size=vocab_size, temperature=temperature)
-    ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
-    grads = [torch.zeros_like(shard) for _ in range(2)]
-    dist.all_gather(grads, shard.grad.contiguous())
+    results = []
+    for vocab_size, temperature in CASES:
+        g = torch.Generator().manual_seed(3)
+        full = torch.randn(2, 7, 48, generator=g) * 5
+        labels = torch.randint(0, vocab_size, (2, 7), generator=g)
+        w_lp = torch.randn(2, 7, generator=g, dtype=torch.float64)
+        w_ent = torch.randn(2, 7, generator=g, dtype=torch.float64)
+        shard = full[..., rank * 24:(rank + 1) * 24].clone().requires_grad_(True)
+        lp, ent = vocab_parallel_logprobs_and_entropy(shard, labels, vocab_size=vocab_size, temperature=temperature)
+        ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
+        grads = [torch.zeros_like(shard) for _ in range(2)]
+        dist.all_gather(grads, shard.grad.contiguous())
+        results.append({"full": full, "labels": labels, "w_lp": w_lp, "w_ent": w_ent, "lp": lp.detach(),
+                        "ent": ent.detach(), "grad": torch.cat(grads, -1)})
+    gathered = [None, None]
+    dist.all_gather_object(gathered, results)
     if rank == 0:
-        torch.save(
-            {"full": full, "labels": labels, "w_lp": w_lp, "w_ent": w_ent, "lp": lp.detach(),
-             "ent": ent.detach(), "grad": torch.cat(grads, -1)},
-            out_path,
-        )
+        torch.save(gathered, out_path)
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("vocab_size,temperature", [(48, 1.0), (29, 0.6)])
-def test_tp2_matches_gathered_log_softmax(tmp_path, vocab_size, temperature):
-    """TP=2 on 2 gloo ranks; vocab_size=29 leaves rank 1 with 5 real and 19 padding columns."""
+def test_tp2_matches_gathered_log_softmax(tmp_path):
+    """TP=2 on 2 gloo ranks, with and without vocab padding: both ranks return the full-vocab answer."""
     path = str(tmp_path / "tp2.pt")
-    spawn(_tp2_worker, 2, path, vocab_size, temperature)
-    out = torch.load(path)
-    ref_lp, ref_ent = _reference(out["full"], out["labels"], vocab_size, temperature)
-    torch.testing.assert_close(out["lp"], ref_lp, atol=1e-6, rtol=1e-6)
-    torch.testing.assert_close(out["ent"], ref_ent, atol=1e-6, rtol=1e-6)
-    ref_grad = _grads(lambda x: _reference(x, out["labels"], vocab_size, temperature), out["full"],
-                      out["w_lp"], out["w_ent"])
-    torch.testing.assert_close(out["grad"], ref_grad, atol=1e-6, rtol=0)
+    spawn(_tp2_worker, 2, path)
+    for rank_results in torch.load(path):
+        for (vocab_size, temperature), out in zip(CASES, rank_results):
+            ref_lp, ref_ent = _reference(out["full"], out["labels"], vocab_size, temperature)
+            torch.testing.assert_close(out["lp"], ref_lp, atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(out["ent"], ref_ent, atol=1e-6, rtol=1e-6)
+            ref_grad = _grads(lambda x: _reference(x, out["labels"], vocab_size, temperature), out["full"],
+                              out["w_lp"], out["w_ent"])
+            torch.testing.assert_close(out["grad"], ref_grad, atol=1e-6, rtol=0)
