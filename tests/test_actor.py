@@ -313,14 +313,16 @@ def _nan_and_schedule_worker(out_path):
         return [p.detach().clone() for p in actor.model_chunks[0].module.parameters()]
 
     res = {"lrs": [], "changed": []}
-    for i in range(4):
+    for i in range(5):
         before = snapshot()
-        bad = i == 1
-        if bad:  # a NaN rollout logprob makes the TIS weight, the loss and the gradients NaN
+        if i == 1:  # a NaN rollout logprob makes the TIS weight, the loss and the gradients NaN
             samples[0].rollout_logprobs[0] = float("nan")
-        m = actor.train_mini_batch([samples], TEMPERATURE)
-        if bad:
+        if i == 2:  # a NaN old logprob: NaN loss, but the clamped log-ratio passes no (NaN) gradient
             samples[0].rollout_logprobs[0] = 0.0
+            samples[0].old_logprobs[0], good = float("nan"), samples[0].old_logprobs[0]
+        m = actor.train_mini_batch([samples], TEMPERATURE)
+        if i == 2:
+            samples[0].old_logprobs[0] = good
         res["lrs"].append((m["lr"], m["skipped"], m["grad_norm"]))
         res["changed"].append(any(not torch.equal(a, b) for a, b in zip(before, snapshot())))
         res.setdefault("finite", []).append(all(bool(torch.isfinite(p).all()) for p in snapshot()))
@@ -341,10 +343,11 @@ def test_nan_step_is_skipped_and_warmup_schedule(tmp_path):
     lrs = res["lrs"]
     # Megatron warm-up: lr_k = init + (lr - init) * k / warmup for the k-th successful step (k from 0)
     assert lrs[0][:2] == (5e-4, 0.0) and math.isfinite(lrs[0][2]) and lrs[0][2] > 0
-    assert lrs[1][1] == 1.0 and math.isnan(lrs[1][2])  # skipped, reported
-    assert lrs[2][0] == pytest.approx(7.5e-4, rel=1e-12) and lrs[2][1] == 0.0  # scheduler did not advance
-    assert lrs[3][0] == pytest.approx(1e-3, rel=1e-12)
-    assert res["changed"] == [True, False, True, True]
+    assert lrs[1][1] == 1.0 and math.isnan(lrs[1][2])  # NaN gradients: skipped by the optimizer, reported
+    assert lrs[2][1] == 1.0 and math.isnan(lrs[2][2])  # NaN loss: skipped by the actor
+    assert lrs[3][0] == pytest.approx(7.5e-4, rel=1e-12) and lrs[3][1] == 0.0  # scheduler did not advance
+    assert lrs[4][0] == pytest.approx(1e-3, rel=1e-12)
+    assert res["changed"] == [True, False, False, True, True]
     assert all(res["finite"]) and res["num_steps"] == 3
     assert res["all_filtered"]["skipped"] == 1.0 and res["all_filtered"]["num_tokens"] == 0
     assert not res["all_filtered_changed"]

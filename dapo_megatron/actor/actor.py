@@ -568,14 +568,20 @@ class MegatronActor:
     ) -> dict[str, float]:
         """One optimizer step on one mini-batch: :meth:`forward_backward` + :meth:`optimizer_step`.
 
-        A mini-batch without any loss token (all samples overlong-filtered) is not
-        stepped (``skipped = 1``): Adam would still move weights with zero gradients.
+        Not stepped (``skipped = 1``, weights and scheduler untouched):
+
+        - a mini-batch without any loss token (all samples overlong-filtered): Adam
+          would still move the weights with zero gradients;
+        - a non-finite loss (e.g. a NaN ``old_logprobs`` entry: the policy loss clamps
+          the log-ratio, whose gradient is then 0, so the gradients alone look finite);
+        - non-finite gradients (Megatron's found-inf check, see :meth:`optimizer_step`).
 
         Returns:
             the union of both methods' metrics.
         """
         metrics = self.forward_backward(micro_batches, temperature, global_num_tokens)
-        if metrics["num_tokens"] == 0:
+        if metrics["num_tokens"] == 0 or not math.isfinite(metrics["loss"]):
             lr = self.optimizer.param_groups[0]["lr"]
-            return {**metrics, "grad_norm": 0.0, "lr": float(lr), "skipped": 1.0}
+            grad_norm = 0.0 if metrics["num_tokens"] == 0 else float("nan")
+            return {**metrics, "grad_norm": grad_norm, "lr": float(lr), "skipped": 1.0}
         return {**metrics, **self.optimizer_step()}
