@@ -253,7 +253,9 @@ def iter_hf_weights(
 
     Yields:
         ``(hf_name, tensor)``: full HF shape, the parameter dtype, the parameter device.
-        The tensor is only valid until the next bucket starts (copy it to keep it).
+        With PP > 1 the tensors are views into the bucket's broadcast buffer; a consumer
+        that keeps references keeps that buffer alive (copy what you keep, drop the rest,
+        to stay within one bucket of memory).
 
     Raises:
         ValueError: ``bucket_bytes`` <= 0. KeyError: a parameter no stage holds.
