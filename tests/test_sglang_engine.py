@@ -11,7 +11,6 @@ the client under test is ``SGLangServerEngine``.
 import json
 import multiprocessing as mp
 import socket
-import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest

@@ -15,7 +15,7 @@ Names follow verl's ``actor_rollout_ref.rollout`` and SGLang's sampling params.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, NamedTuple, Optional, Sequence
 
 import torch
@@ -245,6 +245,36 @@ class WeightSyncTracker:
             raise RuntimeError(f"weight sync to version {self.version} left {len(missing)} engine parameter(s) "
                                f"never updated: {shown}")
         return self.version
+
+
+def specs_from_module(module: torch.nn.Module) -> tuple[dict[str, ParamSpec], dict[str, str]]:
+    """``(specs, aliases)`` of a module's parameters for :class:`WeightSyncTracker`.
+
+    Each tensor is listed once under its first name; later names of the same tensor
+    (tied ``lm_head.weight`` → ``model.embed_tokens.weight``) become aliases. Buffers
+    (e.g. rotary ``inv_freq``) are not weights and are not synced.
+    """
+    specs: dict[str, ParamSpec] = {}
+    aliases: dict[str, str] = {}
+    first_name: dict[int, str] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first_name:
+            aliases[name] = first_name[id(p)]
+        else:
+            first_name[id(p)] = name
+            specs[name] = ParamSpec(tuple(p.shape), p.dtype)
+    return specs, aliases
+
+
+def hf_param_specs(config: Any) -> tuple[dict[str, ParamSpec], dict[str, str]]:
+    """Parameter specs of the HF causal LM described by ``config`` (a transformers
+    ``PretrainedConfig``), built on the meta device (no memory, no download). Used by
+    engines whose model lives in another process (SGLang) to check a sync before sending."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return specs_from_module(model)
 
 
 def _validated_named_tensor(item: Any) -> tuple[str, torch.Tensor]:

@@ -27,7 +27,6 @@ RoPE positions: a padded row produces the same logits as the unpadded prompt.
 from __future__ import annotations
 
 import inspect
-import logging
 import os
 from typing import Optional, Union
 
@@ -39,10 +38,9 @@ from dapo_megatron.rollout.engine import (
     ParamSpec,
     RolloutEngine,
     SamplingParams,
+    specs_from_module,
     validate_prompt_ids,
 )
-
-logger = logging.getLogger(__name__)
 
 
 def process_logits(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = -1) -> torch.Tensor:
@@ -263,19 +261,8 @@ class HFEngine(RolloutEngine):
 
     # ---- weight sync --------------------------------------------------------------
     def _param_specs(self) -> tuple[dict[str, ParamSpec], dict[str, str]]:
-        """Unique parameters by their first name; later names of the same tensor (tied
-        ``lm_head.weight``) become aliases of it."""
-        specs: dict[str, ParamSpec] = {}
-        aliases: dict[str, str] = {}
-        first_name: dict[int, str] = {}
-        for name, p in self.model.named_parameters(remove_duplicate=False):
-            key = id(p)
-            if key in first_name:
-                aliases[name] = first_name[key]
-            else:
-                first_name[key] = name
-                specs[name] = ParamSpec(tuple(p.shape), p.dtype)
-        return specs, aliases
+        """Unique parameters by first name; the tied ``lm_head.weight`` is an alias."""
+        return specs_from_module(self.model)
 
     @torch.no_grad()
     def _load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:

@@ -35,7 +35,7 @@ import threading
 import urllib.error
 import urllib.request
 from datetime import timedelta
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
