@@ -70,6 +70,14 @@ class DistributedGrader:
         return out
 
 
+def _broadcast_object(obj: Any, src: int = 0) -> Any:
+    """``obj`` of rank ``src`` on every rank."""
+    box = [obj]
+    if dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
 def _mean(xs: Sequence[float]) -> float:
     return float(sum(xs) / len(xs)) if xs else 0.0
 
@@ -142,9 +150,26 @@ class DAPOTrainer:
         self.mp_rank, self.mp_size = dist.get_rank(self.mp_group), dist.get_world_size(self.mp_group)
         os.makedirs(self.run_dir, exist_ok=True)
 
+        # data first: a broken dataset stops the run before minutes of model loading
+        self.tokenizer = _load_tokenizer(cfg.model)
+        data_dir = os.path.join(self.run_dir, "data")
+        files = None
+        if self.rank == 0:  # writes the embedded arithmetic task when no files are given
+            resolve_data_files(cfg.data, data_dir)
+            files = (cfg.data.train_files, cfg.data.val_files)
+        files = _broadcast_object(files)
+        cfg.data.train_files, cfg.data.val_files = list(files[0]), list(files[1])
+        self.train_data = load_from_config(cfg.data, self.tokenizer, "train")
+        self.val_data = load_from_config(cfg.data, self.tokenizer, "val")
+        b = cfg.buffer
+        if b.gen_batch_size % self.dp_size:
+            raise ValueError(f"buffer.gen_batch_size={b.gen_batch_size} must be divisible by the DP size "
+                             f"{self.dp_size}")
+        self.stream = PromptStream(self.train_data, b.gen_batch_size // self.dp_size, self.dp_rank, self.dp_size,
+                                   seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+
         # model: Megatron actor (trains) and its HF twin in the engine (generates)
         self.hf_config = load_hf_config(cfg.model.hf_path, cfg.model.gguf_file)
-        self.tokenizer = _load_tokenizer(cfg.model)
         model = build_gpt_model(self.hf_config, cfg.model)
         resuming = t.resume_path is not None or (
             t.resume_mode == "auto" and read_latest_step(self.run_dir) is not None
@@ -155,21 +180,6 @@ class DAPOTrainer:
         self.actor = MegatronActor(model, cfg.actor, t.total_training_steps * updates_per_step,
                                    vocab_size=self.hf_config.vocab_size)
         self.engine = _build_engine(cfg, self.hf_config, self.tokenizer)
-
-        # data: the same files on every rank (rank 0 writes the embedded default once)
-        data_dir = os.path.join(self.run_dir, "data")
-        if self.rank == 0:
-            resolve_data_files(cfg.data, data_dir)
-        dist.barrier()
-        resolve_data_files(cfg.data, data_dir)  # deterministic: fills the same paths everywhere
-        self.train_data = load_from_config(cfg.data, self.tokenizer, "train")
-        self.val_data = load_from_config(cfg.data, self.tokenizer, "val")
-        b = cfg.buffer
-        if b.gen_batch_size % self.dp_size:
-            raise ValueError(f"buffer.gen_batch_size={b.gen_batch_size} must be divisible by the DP size "
-                             f"{self.dp_size}")
-        self.stream = PromptStream(self.train_data, b.gen_batch_size // self.dp_size, self.dp_rank, self.dp_size,
-                                   seed=cfg.data.seed, shuffle=cfg.data.shuffle)
 
         # rewards and the dynamic-sampling buffer (replicated on every rank)
         self.reward_pool = RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
@@ -196,6 +206,12 @@ class DAPOTrainer:
             from dapo_megatron.config import to_flat_dict
 
             self.tracker.log_params(to_flat_dict(cfg))
+            for split, ds in (("train", self.train_data), ("val", self.val_data)):
+                st = ds.stats  # reported, never silent: skipped broken rows and over-long prompts
+                self.tracker.log_params({f"data_stats.{split}.rows": st.num_rows,
+                                         f"data_stats.{split}.invalid_rows_skipped": st.num_invalid,
+                                         f"data_stats.{split}.overlong_prompts_filtered": st.num_overlong,
+                                         f"data_stats.{split}.prompts": st.num_kept})
         self.progress = ProgressBar(t.total_training_steps, rank=self.rank)
         self.progress.update(self.step)
 
@@ -294,6 +310,12 @@ class DAPOTrainer:
         timing["gen"] = time.perf_counter() - t0
         metrics.update(rollout_metrics)
         samples = [s for g in groups for s in g.samples]
+        if not samples:  # on_cap="train_on_kept" with nothing kept: no update this step
+            logger.warning("step %d: no group with mixed accuracy was kept; skipping the update", self.step + 1)
+            self.step += 1
+            metrics["actor/skipped_no_groups"] = 1.0
+            self._last_samples = []
+            return metrics
 
         # 4. group-relative advantages (on the shaped reward)
         adv = compute_group_advantages(
