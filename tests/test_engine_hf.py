@@ -48,7 +48,13 @@ def model():
     return tiny_llama()
 
 
-def test_logprobs_equal_teacher_forced_forward(model):
+def test_logprobs_equal_teacher_forced_forward(model, monkeypatch):
+    from transformers.cache_utils import Cache
+
+    kept_rows = []  # record the batch compactions (finished rows dropped) that the check covers
+    original = Cache.batch_select_indices
+    monkeypatch.setattr(Cache, "batch_select_indices",
+                        lambda self, idx: (kept_rows.append(len(idx)), original(self, idx))[1])
     eng = HFEngine(model)
     params = SamplingParams(n=3, temperature=0.7, max_new_tokens=12, stop_token_ids=(4, 5, 6, 7, 8, 9), seed=11)
     out = eng.generate(PROMPTS, params)
@@ -61,6 +67,7 @@ def test_logprobs_equal_teacher_forced_forward(model):
             torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=1e-4, rtol=0)
             reasons.add(c.finish_reason)
     assert reasons == {"stop", "length"}, "the scripted stop ids should give both finish reasons"
+    assert kept_rows and kept_rows[0] < 9, "finished rows were dropped from the batch during this check"
 
 
 def test_stop_token_kept_and_ends_response(model):
