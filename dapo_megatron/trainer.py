@@ -17,8 +17,10 @@ Every rank runs this same code under ``torchrun`` (SPMD). One step:
 7. weight sync: Megatron shards → HF tensors in buckets → the engine;
 8. metrics → MLflow; validation every ``test_freq`` steps; checkpoint every ``save_freq``.
 
-Determinism: sampling seeds derive from ``trainer.seed`` and a generation-batch
-counter kept in the checkpoint, so a resumed run repeats the uninterrupted one.
+Determinism: every response is sampled with its own seed, derived from ``trainer.seed``
+and the prompt's global position in the run (a generation-batch counter kept in the
+checkpoint), so the rollout is the same at any TP/PP/DP layout and a resumed run repeats
+the uninterrupted one.
 """
 
 from __future__ import annotations
@@ -233,7 +235,10 @@ class DAPOTrainer:
         from dapo_megatron.rollout.engine import completions_to_group
 
         mine = list(range(self.mp_rank, len(records), self.mp_size))
-        outputs = self.engine.generate([records[i].prompt_ids for i in mine], params) if mine else []
+        # global position of each prompt in the generation batch seeds its responses, so the
+        # rollout does not depend on the TP/PP/DP layout
+        seeds = [first_group_id + self.dp_rank * len(records) + i for i in mine]
+        outputs = self.engine.generate([records[i].prompt_ids for i in mine], params, seeds) if mine else []
         local = [(self.dp_rank, i, records[i].index, out) for i, out in zip(mine, outputs)]
         gathered = sorted((x for part in _all_gather_objects(local) for x in part), key=lambda x: x[:2])
         groups = []
@@ -248,8 +253,8 @@ class DAPOTrainer:
         """One generation batch for the buffer: ``buffer.gen_batch_size`` prompts × n."""
         r = self.cfg.rollout
         records = self.stream.next_batch()
-        seed = self.cfg.trainer.seed * 1_000_003 + self.gen_batches_done * 997 + self.rank
-        params = self._sampling_params(n=self.cfg.buffer.n, temperature=r.temperature, top_p=r.top_p, seed=seed)
+        params = self._sampling_params(n=self.cfg.buffer.n, temperature=r.temperature, top_p=r.top_p,
+                                       seed=self.cfg.trainer.seed)
         first = self.gen_batches_done * self.cfg.buffer.gen_batch_size
         self.gen_batches_done += 1
         return self._generate_groups(records, params, first)
@@ -377,9 +382,9 @@ class DAPOTrainer:
         records = [self.val_data[i] for i in range(n_val)]
         mine = list(range(self.rank, n_val, self.world))
         params = self._sampling_params(n=r.val_n, temperature=r.val_temperature, top_p=r.val_top_p,
-                                       seed=self.cfg.trainer.seed + 7919 * self.step + self.rank)
+                                       seed=self.cfg.trainer.seed + 7919 * self.step)
         self.engine.wake_up()
-        outputs = self.engine.generate([records[i].prompt_ids for i in mine], params) if mine else []
+        outputs = self.engine.generate([records[i].prompt_ids for i in mine], params, mine) if mine else []
         self.engine.sleep()
         requests, owners = [], []
         for i, comps in zip(mine, outputs):

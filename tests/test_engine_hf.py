@@ -95,6 +95,24 @@ def test_seed_reproducible_and_seed_matters(model):
     assert [x.response_ids for g in a for x in g] != [x.response_ids for g in c for x in g]
 
 
+def test_response_depends_on_its_prompt_seed_not_on_the_batch(model):
+    """Per-response seeding: a prompt's responses are the same alone, in another batch, at
+    another position, or generated on another rank (what makes rollouts layout-independent)."""
+    eng = HFEngine(model)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=10, seed=5)
+    alone = eng.generate([PROMPTS[1]], params, prompt_seeds=[42])[0]
+    mixed = eng.generate([PROMPTS[0], PROMPTS[2], PROMPTS[1]], params, prompt_seeds=[7, 8, 42])
+    assert [c.response_ids for c in mixed[2]] == [c.response_ids for c in alone]
+    for a, b in zip(mixed[2], alone):
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+    # the n responses of a prompt and different prompt seeds draw from different streams
+    other = eng.generate([PROMPTS[1]], params, prompt_seeds=[43])[0]
+    assert [c.response_ids for c in other] != [c.response_ids for c in alone]
+    assert alone[0].response_ids != alone[1].response_ids
+    with pytest.raises(ValueError, match="prompt_seeds has 1 entries for 2 prompts"):
+        eng.generate(PROMPTS[:2], params, prompt_seeds=[1])
+
+
 def test_top_k_1_is_greedy_with_zero_logprob(model):
     eng = HFEngine(model)
     out = eng.generate(PROMPTS[:2], SamplingParams(n=2, top_k=1, max_new_tokens=6, seed=0))

@@ -15,6 +15,7 @@ Names follow verl's ``actor_rollout_ref.rollout`` and SGLang's sampling params.
 from __future__ import annotations
 
 import abc
+import hashlib
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, NamedTuple, Optional, Sequence
 
@@ -100,6 +101,22 @@ class Completion(NamedTuple):
 GenerationOutput = list[list[Completion]]
 
 
+def sample_seed(seed: Optional[int], prompt_seed: int, sample: int) -> Optional[int]:
+    """The sampler seed of response ``sample`` (0..n-1) of the prompt with ``prompt_seed``.
+
+    Engines seed every response on its own, so a response depends only on its prompt,
+    ``(seed, prompt_seed, sample)`` and the weights, not on which other prompts share the
+    batch or on which rank generates it: the rollout of a run is the same at any TP/PP/DP
+    layout (and on resume). ``prompt_seed`` defaults to the prompt's position in the
+    ``generate`` call; the trainer passes a global prompt index. ``None`` stays ``None``
+    (unseeded). Returns a 63-bit int (blake2b of the three numbers).
+    """
+    if seed is None:
+        return None
+    digest = hashlib.blake2b(f"{seed}:{prompt_seed}:{sample}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
 def validate_prompt_ids(prompt_ids: Sequence[Sequence[int]], vocab_size: Optional[int] = None) -> None:
     """Check ``generate``'s ``prompt_ids`` argument: a non-empty list of non-empty int lists.
 
@@ -116,6 +133,16 @@ def validate_prompt_ids(prompt_ids: Sequence[Sequence[int]], vocab_size: Optiona
         if bad:
             raise ValueError(f"prompt_ids[{i}] holds invalid token ids {bad[:5]} "
                              f"(need ints in [0, {vocab_size if vocab_size is not None else 'vocab_size'}))")
+
+
+def resolve_prompt_seeds(prompt_ids: Sequence, prompt_seeds: Optional[Sequence[int]]) -> list[int]:
+    """``prompt_seeds`` checked against ``prompt_ids`` (default: positions)."""
+    if prompt_seeds is None:
+        return list(range(len(prompt_ids)))
+    seeds = [int(x) for x in prompt_seeds]
+    if len(seeds) != len(prompt_ids):
+        raise ValueError(f"prompt_seeds has {len(seeds)} entries for {len(prompt_ids)} prompts; pass one per prompt")
+    return seeds
 
 
 def completions_to_group(
@@ -310,12 +337,16 @@ class RolloutEngine(abc.ABC):
 
     # ---- generation ---------------------------------------------------------------
     @abc.abstractmethod
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> GenerationOutput:
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
+                 prompt_seeds: Optional[Sequence[int]] = None) -> GenerationOutput:
         """Sample ``params.n`` responses for each prompt.
 
         Args:
             prompt_ids: one list of chat-templated token ids per prompt (no padding).
             params: sampling parameters.
+            prompt_seeds: one int per prompt: response j of prompt i is sampled with
+                :func:`sample_seed` ``(params.seed, prompt_seeds[i], j)``; default the
+                prompt positions ``0..len-1``.
 
         Returns:
             ``outputs[i][j]``: the j-th :class:`Completion` of prompt i.

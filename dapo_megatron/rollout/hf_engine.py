@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from typing import Optional, Union
+from typing import Optional, Sequence, Union
 
 import torch
 
@@ -38,6 +38,8 @@ from dapo_megatron.rollout.engine import (
     ParamSpec,
     RolloutEngine,
     SamplingParams,
+    resolve_prompt_seeds,
+    sample_seed,
     specs_from_module,
     validate_prompt_ids,
 )
@@ -143,13 +145,15 @@ class HFEngine(RolloutEngine):
 
     # ---- generation ---------------------------------------------------------------
     @torch.inference_mode()
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> GenerationOutput:
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
+                 prompt_seeds: Optional[Sequence[int]] = None) -> GenerationOutput:
         """Sample ``params.n`` responses per prompt; see the module docstring for the exact
         distribution. Returns ``outputs[i][j]`` = j-th :class:`Completion` of prompt i.
 
-        Reproducible: the same prompts, params (seed), weights, dtype and device give the
-        same tokens. Samples of one call share a generator, so a sample depends on the
-        whole batch, not only on its prompt.
+        Reproducible: every response has its own ``torch.Generator`` seeded with
+        :func:`~dapo_megatron.rollout.engine.sample_seed` ``(params.seed, prompt_seeds[i], j)``,
+        so a response depends on its prompt, its seed and the weights, not on the rest of
+        the batch (up to the last bits of batched matmuls, which can flip a near-tie).
 
         Raises:
             ValueError: malformed ``prompt_ids`` (empty prompt, id outside the vocabulary).
@@ -162,10 +166,11 @@ class HFEngine(RolloutEngine):
             torch.set_num_threads(self.num_threads)
         n, dev = params.n, self.device
         stop_ids = torch.tensor(sorted(self.eos_token_ids | set(params.stop_token_ids)), device=dev)
-        gen = None
+        seeds = resolve_prompt_seeds(prompt_ids, prompt_seeds)
+        gens: Optional[list[torch.Generator]] = None  # one per response row (i * n + j)
         if params.seed is not None:
-            gen = torch.Generator(device=dev)
-            gen.manual_seed(params.seed)
+            gens = [torch.Generator(device=dev).manual_seed(sample_seed(params.seed, ps, j))
+                    for ps in seeds for j in range(params.n)]
 
         # prefill each distinct prompt once, left-padded
         num_prompts = len(prompt_ids)
@@ -200,7 +205,12 @@ class HFEngine(RolloutEngine):
         for step in range(params.max_new_tokens):
             z = process_logits(logits, params.temperature, params.top_p, params.top_k)
             logp_all = torch.log_softmax(z, dim=-1)
-            tok = torch.multinomial(logp_all.exp(), 1, generator=gen).squeeze(-1)
+            probs = logp_all.exp()
+            if gens is None:
+                tok = torch.multinomial(probs, 1).squeeze(-1)
+            else:  # each row draws from its own stream (finished rows draw too: streams stay aligned)
+                tok = torch.cat([torch.multinomial(probs[b], 1, generator=gens[int(r)])
+                                 for b, r in enumerate(active)])
             tok_logp = logp_all.gather(-1, tok[:, None]).squeeze(-1)
             tok_cpu, tok_logp_cpu = tok.cpu(), tok_logp.float().cpu()
             rows = active[alive]  # finished rows that are still in the batch record nothing

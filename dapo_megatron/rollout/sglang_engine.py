@@ -47,10 +47,10 @@ from dapo_megatron.rollout.engine import (
     RolloutEngine,
     SamplingParams,
     hf_param_specs,
+    resolve_prompt_seeds,
+    sample_seed,
     validate_prompt_ids,
 )
-
-_SEED_STRIDE = 1_000_003
 
 
 def _import_sglang():
@@ -63,19 +63,12 @@ def _import_sglang():
 
 
 # ---------------------------------------------------------------------------- requests
-def row_seed(seed: Optional[int], row: int) -> Optional[int]:
-    """Per-row ``sampling_seed``: rows of one prompt must differ or its n samples would
-    be identical. ``None`` stays ``None`` (SGLang's own RNG)."""
-    if seed is None:
-        return None
-    return (seed * _SEED_STRIDE + row) % (2**63 - 1)
-
-
-def build_sampling_params(params: SamplingParams, row: int) -> dict[str, Any]:
-    """SGLang ``sampling_params`` dict for expanded row ``row`` (prompt i, sample j: row = i*n + j).
+def build_sampling_params(params: SamplingParams, seed: Optional[int]) -> dict[str, Any]:
+    """SGLang ``sampling_params`` dict of one response row with its own ``sampling_seed``.
 
     ``n`` is expanded into rows by the caller (one request per response), so each row has
-    its own seed; ``no_stop_trim`` keeps the stop token in the output.
+    its own seed (:func:`~dapo_megatron.rollout.engine.sample_seed`); ``no_stop_trim``
+    keeps the stop token in the output.
     """
     sp: dict[str, Any] = {
         "max_new_tokens": params.max_new_tokens,
@@ -87,20 +80,23 @@ def build_sampling_params(params: SamplingParams, row: int) -> dict[str, Any]:
     }
     if params.stop_token_ids:
         sp["stop_token_ids"] = list(params.stop_token_ids)
-    seed = row_seed(params.seed, row)
     if seed is not None:
         sp["sampling_seed"] = seed
     return sp
 
 
-def build_generate_request(prompt_ids: Sequence[Sequence[int]], params: SamplingParams) -> dict[str, Any]:
+def build_generate_request(prompt_ids: Sequence[Sequence[int]], params: SamplingParams,
+                           prompt_seeds: Optional[Sequence[int]] = None) -> dict[str, Any]:
     """The batched ``/generate`` payload (also the kwargs of ``Engine.generate``): each prompt
-    repeated ``n`` times, one sampling-params dict per row, logprobs of the output only."""
+    repeated ``n`` times, one sampling-params dict per row (seeded per response, see
+    :func:`~dapo_megatron.rollout.engine.sample_seed`), logprobs of the output only."""
     validate_prompt_ids(prompt_ids)
+    seeds = resolve_prompt_seeds(prompt_ids, prompt_seeds)
     rows = [list(p) for p in prompt_ids for _ in range(params.n)]
     return {
         "input_ids": rows,
-        "sampling_params": [build_sampling_params(params, r) for r in range(len(rows))],
+        "sampling_params": [build_sampling_params(params, sample_seed(params.seed, ps, j))
+                            for ps in seeds for j in range(params.n)],
         "return_logprob": True,
     }
 
@@ -305,11 +301,12 @@ class SGLangEngine(RolloutEngine):
         self._weights_resident = True  # False between sleep() and the next weight load / wake_up()
         self._flush_pending = False
 
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> GenerationOutput:
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
+                 prompt_seeds: Optional[Sequence[int]] = None) -> GenerationOutput:
         """See :meth:`RolloutEngine.generate`; raises ``RuntimeError`` on aborted rows or when asleep."""
         if self._asleep:
             raise RuntimeError("SGLangEngine.generate called while asleep; call wake_up() first")
-        req = build_generate_request(prompt_ids, params)
+        req = build_generate_request(prompt_ids, params, prompt_seeds)
         out = self.engine.generate(**req)
         return parse_generate_output(out, len(prompt_ids), params.n)
 
@@ -404,9 +401,10 @@ class SGLangServerEngine(RolloutEngine):
         check_result(result, path)
         return result
 
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams) -> GenerationOutput:
+    def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
+                 prompt_seeds: Optional[Sequence[int]] = None) -> GenerationOutput:
         """See :meth:`RolloutEngine.generate` (one batched ``/generate`` request)."""
-        req = build_generate_request(prompt_ids, params)
+        req = build_generate_request(prompt_ids, params, prompt_seeds)
         return parse_generate_output(self._post("/generate", req), len(prompt_ids), params.n)
 
     def init_weights_update_group(self, master_address: str, master_port: int, world_size: int,
