@@ -114,6 +114,11 @@ def _worker(out_dir: str, cases: dict, ids: torch.Tensor) -> None:
         "ckpt_groups": lambda: load_model_checkpoint(build_gpt_model(tiny_hf_config("llama_gqa3")),
                                                      os.path.join(out_dir, "ckpt_llama_gqa3")),
     }
+    # second line of defence: a model whose (forged) HF config passes the config check but
+    # whose tensors are not all in the checkpoint (qwen2's qkv bias vs a llama save)
+    forged = build_gpt_model(cfg)
+    forged.hf_config = cases["llama_untied"][0]
+    attempts["ckpt_missing_tensor"] = lambda: load_model_checkpoint(forged, os.path.join(out_dir, "ckpt_llama_untied"))
     for key, fn in attempts.items():
         try:
             fn()
@@ -221,3 +226,4 @@ def test_mismatched_inputs_fail_naming_the_tensor_or_field(dist_results):
     assert err["ckpt_family"] and "model_type" in err["ckpt_family"]
     assert err["not_a_ckpt"] and "not a dapo-megatron model checkpoint" in err["not_a_ckpt"]
     assert err["ckpt_groups"] and "query_groups_multiple=4" in err["ckpt_groups"]
+    assert err["ckpt_missing_tensor"] and "linear_qkv.bias" in err["ckpt_missing_tensor"]
