@@ -99,10 +99,10 @@ def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tp: int = 1) -> 
             f"got {vocab_size}, {divisible_by}, {tp}"
         )
     multiple = divisible_by * tp
-    return int(math.ceil(vocab_size / multiple) * multiple)
+    return -(-vocab_size // multiple) * multiple
 
 
-def _version_tuple(v: str) -> tuple:
+def _version(v: str):
     from packaging.version import Version
 
     return Version(v)
@@ -114,11 +114,18 @@ def _te_version() -> Optional[str]:
         from importlib.metadata import PackageNotFoundError, version
     except ImportError:  # pragma: no cover
         return None
-    for dist_name in ("transformer-engine", "transformer_engine", "transformer-engine-torch"):
+    for dist_name in ("transformer-engine", "transformer-engine-torch"):
         try:
             return version(dist_name)
         except PackageNotFoundError:
             continue
+    if torch.cuda.is_available():  # source builds (some NGC images) may lack dist metadata
+        try:
+            import transformer_engine
+
+            return transformer_engine.__version__
+        except (ImportError, AttributeError):
+            return None
     return None
 
 
@@ -185,7 +192,7 @@ def validate_fp8(model_cfg: ModelConfig, num_layers: int, pipeline_model_paralle
             f"this GPU has {cc[0]}.{cc[1]}; use 'delayed' or 'tensorwise'"
         )
     need_te = FP8_RECIPE_MIN_TE[recipe]
-    if _version_tuple(te) < _version_tuple(need_te):
+    if _version(te) < _version(need_te):
         raise ValueError(
             f"model.fp8_recipe={recipe!r} needs Transformer Engine >= {need_te}, installed {te}"
         )
