@@ -1,0 +1,111 @@
+"""The dapo-train CLI and config: keys documented, bad keys/values rejected by name, broken
+dataset rows stop the run with their index (or are skipped and counted), and a GSM8K file
+converted by tools/prepare_gsm8k.py trains."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CPU_YAML = os.path.join(REPO, "examples", "configs", "dapo_smollm2_cpu.yaml")
+
+
+def _cli(*args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    return subprocess.run([sys.executable, "-m", "dapo_megatron.train", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_every_config_key_is_documented():
+    from dapo_megatron.config import DAPOConfig, assert_all_documented, documented_keys
+
+    assert_all_documented(DAPOConfig)
+    keys = {k.key for k in documented_keys(DAPOConfig)}
+    for key in ("actor.clip_ratio_high", "actor.optim.lr", "buffer.max_num_gen_batches",
+                "buffer.overlong.overlong_buffer_len", "rollout.response_length", "trainer.total_training_steps",
+                "parallel.tensor_model_parallel_size", "model.fp8", "tracking.tracking_uri"):
+        assert key in keys
+
+
+def test_unknown_key_and_bad_values_are_rejected_by_name():
+    out = _cli("--config", CPU_YAML, "--print-config", "model.hf_path=/x", "trainer.total_steps=3")
+    assert out.returncode != 0
+    assert "trainer.total_steps" in out.stderr and "trainer.total_training_steps" in out.stderr
+
+    out = _cli("--config", CPU_YAML, "--print-config", "model.hf_path=/x", "buffer.max_num_gen_batches=0")
+    assert out.returncode != 0 and "max_num_gen_batches" in out.stderr
+
+    out = _cli("--config", CPU_YAML, "--print-config", "model.hf_path=/x", "rollout.response_length=64")
+    assert out.returncode != 0
+    assert "buffer.overlong.max_response_length" in out.stderr and "rollout.response_length" in out.stderr
+
+    out = _cli("--config", CPU_YAML, "--print-config", "model.hf_path=/x", "actor.optim.lr=fast")
+    assert out.returncode != 0 and "actor.optim.lr" in out.stderr
+
+
+def test_print_config_resolves_yaml_and_overrides():
+    out = _cli("--config", CPU_YAML, "--print-config", "model.hf_path=/x", "actor.optim.lr=3e-6")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "lr: 3.0e-06" in out.stdout and "tensor_model_parallel_size: 2" in out.stdout
+
+
+@pytest.fixture(scope="module")
+def gsm8k_with_broken_row(tmp_path_factory):
+    src = os.path.join(REPO, "..", "shared", "data", "gsm8k_train.jsonl")
+    if not os.path.isfile(src):
+        pytest.skip("../shared/data/gsm8k_train.jsonl is not available")
+    d = tmp_path_factory.mktemp("gsm8k")
+    head = d / "head.jsonl"
+    with open(src) as f, open(head, "w") as g:
+        for _ in range(16):
+            g.write(f.readline())
+    out = d / "gsm8k.jsonl"
+    subprocess.run([sys.executable, os.path.join(REPO, "tools", "prepare_gsm8k.py"), "--input", str(head),
+                    "--output", str(out)], check=True, cwd=REPO)
+    rows = out.read_text().splitlines()
+    assert len(rows) == 16 and json.loads(rows[0])["data_source"] == "openai/gsm8k"
+    broken = json.loads(rows[5])
+    del broken["reward_model"]  # row 5 loses its ground truth
+    rows[5] = json.dumps(broken)
+    out.write_text("\n".join(rows) + "\n")
+    return str(out)
+
+
+GSM8K_STEP = [
+    "parallel.tensor_model_parallel_size=1", "trainer.total_training_steps=1", "trainer.save_freq=-1",
+    "trainer.test_freq=-1", "buffer.train_batch_size=2", "buffer.n=2", "buffer.gen_batch_size=2",
+    "buffer.filter_groups=false", "actor.ppo_mini_batch_size=2", "actor.ppo_max_token_len_per_gpu=1024",
+    "actor.optim.lr_warmup_steps=0", "rollout.response_length=24", "buffer.overlong.max_response_length=24",
+    "buffer.overlong.overlong_buffer_len=20", "data.max_prompt_length=256",
+]
+
+
+@pytest.mark.slow
+def test_broken_row_stops_the_run_with_its_index(gsm8k_with_broken_row, smollm2_gguf, tmp_path):
+    out = _cli("--config", CPU_YAML, f"model.hf_path={smollm2_gguf[0]}", f"trainer.default_local_dir={tmp_path}",
+               f"data.train_files=[{gsm8k_with_broken_row}]", f"data.val_files=[{gsm8k_with_broken_row}]",
+               *GSM8K_STEP)
+    assert out.returncode != 0
+    assert "row 5" in out.stderr and "reward_model" in out.stderr, out.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_converted_gsm8k_trains_skipping_and_counting_the_broken_row(gsm8k_with_broken_row, smollm2_gguf, tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    out = _cli("--config", CPU_YAML, f"model.hf_path={smollm2_gguf[0]}", f"trainer.default_local_dir={tmp_path}",
+               f"data.train_files=[{gsm8k_with_broken_row}]", f"data.val_files=[{gsm8k_with_broken_row}]",
+               "data.skip_invalid_rows=true", *GSM8K_STEP)
+    assert out.returncode == 0, out.stderr[-3000:]
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
+    (run,) = client.search_runs([client.get_experiment_by_name("dapo_smollm2_cpu").experiment_id])
+    assert run.data.params["data_stats.train.invalid_rows_skipped"] == "1"
+    assert run.data.params["data_stats.train.prompts"] == "15"
+    m = run.data.metrics
+    assert m["rollout/kept_groups"] == 2 and m["actor/num_tokens"] > 0 and m["actor/grad_norm"] > 0
+    assert m["reward/score_mean"] in (-1.0, -0.5, 0.0, 0.5, 1.0)  # GSM8K grader: +1/-1 per response
