@@ -55,6 +55,7 @@ def _worker(out_dir: str, cases: dict, ids: torch.Tensor) -> None:
 
     from dapo_megatron.bridge import (
         export_hf_state_dict,
+        iter_hf_weights,
         load_hf_weights,
         load_model_checkpoint,
         read_checkpoint_meta,
@@ -78,6 +79,9 @@ def _worker(out_dir: str, cases: dict, ids: torch.Tensor) -> None:
             exported = export_hf_state_dict(model, bucket_bytes=8192)
             res["export"][(layout, name)] = _mismatches(exported, state)
             res["order"][(layout, name)] = list(exported)  # the yield order
+            if layout == "pp2":  # one Megatron tensor per PP broadcast (bucket_bytes=None)
+                unbucketed = {k: v.clone() for k, v in iter_hf_weights(model)}
+                res["export"][("pp2-unbucketed", name)] = _mismatches(unbucketed, state)
 
     # TP=2 save → PP=2 load → export
     init_distributed(ParallelConfig(2, 1), seed=12)
@@ -111,6 +115,7 @@ def _worker(out_dir: str, cases: dict, ids: torch.Tensor) -> None:
         "ckpt_family": lambda: load_model_checkpoint(
             build_gpt_model(tiny_hf_config("llama_untied")), os.path.join(out_dir, "ckpt_qwen2_bias")),
         "not_a_ckpt": lambda: load_model_checkpoint(model, out_dir),
+        "bucket_bytes": lambda: next(iter_hf_weights(model, bucket_bytes=0)),
         "ckpt_groups": lambda: load_model_checkpoint(build_gpt_model(tiny_hf_config("llama_gqa3")),
                                                      os.path.join(out_dir, "ckpt_llama_gqa3")),
     }
@@ -176,7 +181,7 @@ def test_vocab_and_query_groups_are_padded_for_tp(dist_results):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("layout", [name for name, _, _ in LAYOUTS])
+@pytest.mark.parametrize("layout", [name for name, _, _ in LAYOUTS] + ["pp2-unbucketed"])
 def test_export_is_bitwise_equal_on_every_rank(dist_results, layout):
     ranks, _, cases = dist_results
     for r in ranks:
@@ -227,3 +232,4 @@ def test_mismatched_inputs_fail_naming_the_tensor_or_field(dist_results):
     assert err["not_a_ckpt"] and "not a dapo-megatron model checkpoint" in err["not_a_ckpt"]
     assert err["ckpt_groups"] and "query_groups_multiple=4" in err["ckpt_groups"]
     assert err["ckpt_missing_tensor"] and "linear_qkv.bias" in err["ckpt_missing_tensor"]
+    assert err["bucket_bytes"] and "bucket_bytes must be a positive" in err["bucket_bytes"]
