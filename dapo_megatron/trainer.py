@@ -277,28 +277,23 @@ class DAPOTrainer:
                                    version=self.step)
         return float(nbytes)
 
-    def _my_micro_batches(self, samples: list[Sample]) -> list[list[Sample]]:
+    def _dp_shard(self, samples: list[Sample]) -> list[list[int]]:
+        """This DP rank's micro-batches (sample indices): token-balanced over DP ranks, cut by
+        ``actor.ppo_max_token_len_per_gpu``, the same micro-batch count on every rank."""
         from dapo_megatron.rollout.dp_split import split_for_dp
 
-        plan = split_for_dp(samples, self.dp_size, self.cfg.actor.ppo_max_token_len_per_gpu)
-        return [[samples[i] for i in mb] for mb in plan[self.dp_rank]]
+        return split_for_dp(samples, self.dp_size, self.cfg.actor.ppo_max_token_len_per_gpu)[self.dp_rank]
 
-    def _old_logprobs(self, samples: list[Sample]) -> dict[str, float]:
-        """Fill ``Sample.old_logprobs`` of every sample (each DP rank computes its shard)."""
-        from dapo_megatron.rollout.dp_split import split_for_dp
-
-        plan = split_for_dp(samples, self.dp_size, self.cfg.actor.ppo_max_token_len_per_gpu)
-        mine = [i for mb in plan[self.dp_rank] for i in mb]
-        lps, ents = self.actor.compute_logprobs([[samples[i] for i in mb] for mb in plan[self.dp_rank]],
-                                                temperature=self.cfg.rollout.temperature, return_entropy=True)
-        local = [(i, lp.tolist(), float(e.sum()), int(e.numel())) for i, lp, e in zip(mine, lps, ents)]
-        ent_sum, ent_n = 0.0, 0
-        parts = _all_gather_objects(local, group=_dp_group())
-        for part in parts:
-            for i, lp, es, en in part:
+    def _old_logprobs(self, samples: list[Sample]) -> None:
+        """Fill ``Sample.old_logprobs`` of every sample: each DP rank computes its shard,
+        then the shards are all-gathered over DP (mini-batches are cut from all samples)."""
+        shard = self._dp_shard(samples)
+        lps = self.actor.compute_logprobs([[samples[i] for i in mb] for mb in shard],
+                                          temperature=self.cfg.rollout.temperature)
+        mine = [i for mb in shard for i in mb]
+        for part in _all_gather_objects([(i, lp.tolist()) for i, lp in zip(mine, lps)], group=_dp_group()):
+            for i, lp in part:
                 samples[i].old_logprobs = lp
-                ent_sum, ent_n = ent_sum + es, ent_n + en
-        return {"actor/entropy": ent_sum / max(ent_n, 1)}
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict[str, float]:
@@ -333,7 +328,7 @@ class DAPOTrainer:
 
         # 5. old logprobs (and the rollout-vs-actor mismatch they reveal)
         t0 = time.perf_counter()
-        metrics.update(self._old_logprobs(samples))
+        self._old_logprobs(samples)
         metrics.update(logprob_mismatch_metrics(samples))
         timing["old_logprob"] = time.perf_counter() - t0
 
@@ -346,7 +341,8 @@ class DAPOTrainer:
             for start in range(0, len(groups), mb_groups):
                 mini = [s for g in groups[start:start + mb_groups] for s in g.samples]
                 global_num_tokens = sum(len(s.response_ids) for s in mini if not s.loss_mask_zero)
-                out = self.actor.train_mini_batch(self._my_micro_batches(mini), cfg.rollout.temperature,
+                micro_batches = [[mini[i] for i in mb] for mb in self._dp_shard(mini)]
+                out = self.actor.train_mini_batch(micro_batches, cfg.rollout.temperature,
                                                   global_num_tokens=global_num_tokens)
                 train_tokens += sum(s.total_length for s in mini)
                 for k, v in out.items():
@@ -365,6 +361,8 @@ class DAPOTrainer:
         gen_tokens = metrics.get("rollout/gen_tokens", 0.0)
         metrics["perf/gen_tokens_per_s"] = gen_tokens / max(timing["gen"], 1e-9)
         metrics["perf/update_tokens_per_s"] = train_tokens / max(timing["update"], 1e-9)
+        metrics["perf/old_logprob_tokens_per_s"] = (
+            sum(s.total_length for s in samples) / max(timing["old_logprob"], 1e-9))
         metrics["perf/sync_GBps"] = nbytes / 1e9 / max(timing["sync"], 1e-9)
         for k, v in timing.items():
             metrics[f"time/{k}_s"] = v
