@@ -20,9 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Optional
 
-import torch
 import torch.distributed as dist
 
 from .weights import _as_list, unwrap_model
