@@ -53,7 +53,7 @@ import random
 import re
 import shutil
 import uuid
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import numpy as np
 import torch
@@ -403,6 +403,7 @@ def save_checkpoint(
     *,
     max_ckpt_to_keep: int | None = None,
     optim_sharding_type: OptimShardingType = "dp_reshardable",
+    write_extra: Callable[[str], None] | None = None,
 ) -> str:
     """Save model, optimizer, scheduler, per-rank RNG and trainer state atomically.
 
@@ -427,6 +428,10 @@ def save_checkpoint(
         optim_sharding_type: ``DistributedOptimizer`` state format:
             ``"dp_reshardable"`` (fully parallel; reload only with the same TP/PP, any DP)
             or ``"fully_reshardable"`` (gathers on DP rank 0; reload at other TP/PP).
+        write_extra: called on rank 0 with the temporary directory before the commit,
+            to add files that must be part of the checkpoint (the trainer writes the HF
+            config, tokenizer and ``dapo_megatron.json`` there, so
+            ``tools/convert_megatron_to_hf.py`` converts the step directory).
 
     Returns:
         The path of the complete checkpoint, ``run_dir/checkpoints/step_{step}``.
@@ -462,6 +467,8 @@ def save_checkpoint(
     _save_rng_state(tmp_dir)
     if _rank() == 0:
         _torch_save_durable(trainer_state, os.path.join(tmp_dir, TRAINER_STATE_FILENAME))
+        if write_extra is not None:  # inside the atomic commit, like every other file
+            write_extra(tmp_dir)
         info = _info(step, chunks, optim_sharding_type, optimizer)
         _write_text_atomic(os.path.join(tmp_dir, INFO_FILENAME), json.dumps(info, indent=2))
     _barrier()  # every rank's files are on disk before the commit

@@ -402,6 +402,7 @@ class DAPOTrainer:
 
     # ------------------------------------------------------------------ checkpoint
     def save(self) -> None:
+        from dapo_megatron.bridge.dist_ckpt import write_model_meta
         from dapo_megatron.checkpointing import save_checkpoint
 
         # ranks of one DP rank read the same prompts: keep one reader position per DP rank
@@ -414,7 +415,9 @@ class DAPOTrainer:
             "mlflow_run_id": self.tracker.run_id,
         }
         save_checkpoint(self.run_dir, self.step, self.actor.model_chunks, self.actor.optimizer,
-                        self.actor.scheduler, state, max_ckpt_to_keep=self.cfg.trainer.max_ckpt_to_keep)
+                        self.actor.scheduler, state, max_ckpt_to_keep=self.cfg.trainer.max_ckpt_to_keep,
+                        write_extra=lambda d: write_model_meta(d, self.actor.model_chunks, self.hf_config,
+                                                               self.tokenizer))
 
     def _log_samples(self, samples: list[Sample], k: int = 4) -> None:
         if self.rank != 0:

@@ -52,6 +52,36 @@ def model_sharded_state_dict(model_chunks) -> dict:
     return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
 
 
+def write_model_meta(ckpt_dir: str, model_chunks, hf_config, tokenizer=None) -> None:
+    """Write what makes a torch_dist directory a convertible model checkpoint: the HF config
+    (config.json), the tokenizer files (if given) and ``dapo_megatron.json`` (padded vocab,
+    padded query groups, TP/PP and dtype of the save). Rank 0 only; no collective.
+
+    :func:`save_model_checkpoint` calls it, and so does the trainer for its own checkpoints
+    (``dapo_megatron.checkpointing``), which then convert with the same tools.
+    """
+    from megatron.core import parallel_state as ps
+
+    hf_config.save_pretrained(ckpt_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(ckpt_dir)
+    model = unwrap_model(_as_list(model_chunks)[0])
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "padded_vocab_size": model.vocab_size,
+        "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+        "num_model_chunks": len(_as_list(model_chunks)),
+        "num_query_groups": model.config.num_query_groups,
+    }
+    model_cfg = getattr(model, "model_cfg", None)
+    if model_cfg is not None:
+        meta["params_dtype"] = model_cfg.params_dtype
+        meta["make_vocab_size_divisible_by"] = model_cfg.make_vocab_size_divisible_by
+    with open(os.path.join(ckpt_dir, META_FILE), "w") as f:
+        json.dump(meta, f, indent=2)
+
+
 def save_model_checkpoint(model_chunks, ckpt_dir: str, hf_config, tokenizer=None) -> None:
     """Save the model as a torch_dist distributed checkpoint plus its HF config (collective).
 
@@ -65,7 +95,6 @@ def save_model_checkpoint(model_chunks, ckpt_dir: str, hf_config, tokenizer=None
         tokenizer: optional HF tokenizer, saved next to the weights.
     """
     from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as ps
 
     ckpt_dir = os.path.abspath(ckpt_dir)
     tmp = ckpt_dir + ".tmp"
@@ -76,24 +105,7 @@ def save_model_checkpoint(model_chunks, ckpt_dir: str, hf_config, tokenizer=None
     dist_checkpointing.save(model_sharded_state_dict(model_chunks), tmp, sharded_strategy=("torch_dist", 1))
     _barrier()
     if _rank() == 0:
-        hf_config.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        model = unwrap_model(_as_list(model_chunks)[0])
-        meta = {
-            "format_version": FORMAT_VERSION,
-            "padded_vocab_size": model.vocab_size,
-            "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
-            "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
-            "num_model_chunks": len(_as_list(model_chunks)),
-            "num_query_groups": model.config.num_query_groups,
-        }
-        model_cfg = getattr(model, "model_cfg", None)
-        if model_cfg is not None:
-            meta["params_dtype"] = model_cfg.params_dtype
-            meta["make_vocab_size_divisible_by"] = model_cfg.make_vocab_size_divisible_by
-        with open(os.path.join(tmp, META_FILE), "w") as f:
-            json.dump(meta, f, indent=2)
+        write_model_meta(tmp, model_chunks, hf_config, tokenizer)
         if os.path.exists(ckpt_dir):
             old = ckpt_dir + ".old"
             shutil.rmtree(old, ignore_errors=True)
@@ -182,8 +194,16 @@ def load_model_checkpoint(model_chunks, ckpt_dir: str, strict: bool = True) -> N
             f"build it with ModelConfig(query_groups_multiple={saved_groups})"
         )
     sharded = model_sharded_state_dict(chunks)
-    handling = StrictHandling.RAISE_ALL if strict else StrictHandling.LOG_ALL
-    state = dist_checkpointing.load(sharded, ckpt_dir, strict=handling)
+    if strict:
+        # A trainer checkpoint also holds the optimizer ("optimizer.*" keys): only those may be
+        # left unread; a missing model tensor or any other extra tensor is an error.
+        state, missing, unexpected = dist_checkpointing.load(sharded, ckpt_dir, strict=StrictHandling.RETURN_ALL)
+        unexpected = sorted(k for k in unexpected if not k.startswith("optimizer."))
+        if missing or unexpected:
+            raise KeyError(f"checkpoint {ckpt_dir} does not fit the model: missing tensors {sorted(missing)[:10]}, "
+                           f"unexpected tensors {unexpected[:10]}")
+    else:
+        state = dist_checkpointing.load(sharded, ckpt_dir, strict=StrictHandling.LOG_ALL)
     for i, chunk in enumerate(chunks):
         key = "model" if len(chunks) == 1 else f"model{i}"
         unwrap_model(chunk).load_state_dict(state[key], strict=strict)
