@@ -73,9 +73,10 @@ def test_resolve_model_names_what_is_wrong(tmp_path):
     step = tmp_path / "run" / "checkpoints" / "step_3"
     step.mkdir(parents=True)
     (step / "checkpoint_info.json").write_text("{}")
-    for path in (step, tmp_path / "run"):  # a trainer checkpoint and its run directory
-        with pytest.raises(ValueError, match="trainer checkpoint"):
-            ev.resolve_model(str(path), None, str(tmp_path))
+    with pytest.raises(ValueError, match=r"run directory: pass one of its checkpoints, .*step_<k>"):
+        ev.resolve_model(str(tmp_path / "run"), None, str(tmp_path))
+    with pytest.raises(ValueError, match="--gguf-file 'm.gguf' given with the checkpoint"):
+        ev.resolve_model(str(step), "m.gguf", str(tmp_path))
     gguf_dir = tmp_path / "g"
     gguf_dir.mkdir()
     (gguf_dir / "m.gguf").write_bytes(b"")
@@ -152,29 +153,18 @@ def test_eval_smollm2_gguf_metrics_match_records(smollm2_gguf, arithmetic_file, 
 
 
 @pytest.mark.slow
-def test_eval_megatron_checkpoint_equals_its_hf_source(smollm2_gguf, arithmetic_file, tmp_path):
+def test_eval_megatron_checkpoint_equals_its_hf_source(tiny_llama_with_smollm2_tokenizer, arithmetic_file, tmp_path):
     """A Megatron checkpoint is converted back to HF and samples exactly as the HF model it
     was made from (fp32 weights round-trip bitwise; same seeds). Tiny random Llama with
     SmolLM2's tokenizer (vocab 49,152) keeps it fast."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    path, fname = smollm2_gguf
-    tok = AutoTokenizer.from_pretrained(path, gguf_file=fname)
-    hf_dir = tmp_path / "tiny_hf"
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
-    LlamaForCausalLM(cfg).float().save_pretrained(hf_dir)
-    tok.save_pretrained(hf_dir)
+    hf_dir = tiny_llama_with_smollm2_tokenizer
     ckpt = tmp_path / "tiny_megatron"
-    proc = subprocess.run([sys.executable, TO_MEGATRON, "--hf", str(hf_dir), "--out", str(ckpt)],
+    proc = subprocess.run([sys.executable, TO_MEGATRON, "--hf", hf_dir, "--out", str(ckpt)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     common = ["--data", arithmetic_file, "--n", "2", "--max-new-tokens", "6", "--max-prompts", "3",
               "--num-workers", "1", "--seed", "11"]
-    m_hf, r_hf = _run_eval(["--model", str(hf_dir), *common, "--output", str(tmp_path / "hf.jsonl")])
+    m_hf, r_hf = _run_eval(["--model", hf_dir, *common, "--output", str(tmp_path / "hf.jsonl")])
     m_mg, r_mg = _run_eval(["--model", str(ckpt), *common, "--output", str(tmp_path / "mg.jsonl")])
     assert [r["rows"] for r in r_mg] == [[0], [1], [2]]  # no --dedup: one prompt per row
     assert [r["responses"] for r in r_mg] == [r["responses"] for r in r_hf]
@@ -182,3 +172,86 @@ def test_eval_megatron_checkpoint_equals_its_hf_source(smollm2_gguf, arithmetic_
     _check_metrics_against_records(m_mg, r_mg, n=2, ks=[2])
     assert {k: v for k, v in m_mg.items() if k != "eval/generate_s"} == \
         {k: v for k, v in m_hf.items() if k != "eval/generate_s"}
+
+
+_WRITE_TRAINER_CKPT = '''
+import sys, torch
+from safetensors.torch import save_file
+from dapo_megatron.actor import ActorConfig, MegatronActor
+from dapo_megatron.bridge import export_hf_state_dict, load_hf_weights, open_hf_source
+from dapo_megatron.checkpointing import save_checkpoint
+from dapo_megatron.config import DAPOConfig, load_config, to_flat_dict
+from dapo_megatron.models import build_gpt_model, load_hf_config
+from dapo_megatron.platform import destroy_distributed, init_distributed
+from dapo_megatron.tracking import Tracker, TrackingConfig
+
+def main(hf_dir, run_dir, expected_path):
+    cfg = load_config(DAPOConfig, None, [f"model.hf_path={hf_dir}", "model.transformer_impl=local",
+                                         f"trainer.default_local_dir={run_dir}"])
+    init_distributed(cfg.parallel, seed=1)
+    hf_config = load_hf_config(hf_dir)
+    model = build_gpt_model(hf_config, cfg.model)
+    load_hf_weights(model, open_hf_source(hf_dir), strict=True)
+    torch.manual_seed(3)
+    with torch.no_grad():  # "trained" weights: not the ones of hf_dir
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    actor = MegatronActor(model, ActorConfig(), 10, vocab_size=hf_config.vocab_size)
+    Tracker(run_dir, TrackingConfig(use_mlflow=False), rank=0).log_params(to_flat_dict(cfg))
+    save_checkpoint(run_dir, 1, actor.model_chunks, actor.optimizer, actor.scheduler, {"step": 1})
+    save_file({k: v.contiguous() for k, v in export_hf_state_dict(actor.model_chunks).items()}, expected_path)
+    destroy_distributed()
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
+'''
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_with_smollm2_tokenizer(smollm2_gguf, tmp_path_factory):
+    """A random 2-layer Llama HF directory with SmolLM2's tokenizer (vocab 49,152)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    path, fname = smollm2_gguf
+    tok = AutoTokenizer.from_pretrained(path, gguf_file=fname)
+    hf_dir = tmp_path_factory.mktemp("tiny_hf")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
+    LlamaForCausalLM(cfg).float().save_pretrained(hf_dir)
+    tok.save_pretrained(hf_dir)
+    return str(hf_dir)
+
+
+@pytest.mark.slow
+def test_eval_trainer_checkpoint_reads_the_trained_weights(tiny_llama_with_smollm2_tokenizer, arithmetic_file,
+                                                          tmp_path):
+    """A trainer checkpoint (model + distributed optimizer + scheduler, params.json from the
+    trainer's Tracker) is evaluated on the weights it holds, bitwise: the HF export of the
+    conversion equals the saving model's own export, not the base model's."""
+    import torch
+    from safetensors.torch import load_file
+
+    hf_dir = tiny_llama_with_smollm2_tokenizer
+    script = tmp_path / "write_ckpt.py"
+    script.write_text(_WRITE_TRAINER_CKPT)
+    run_dir, expected = tmp_path / "run", tmp_path / "expected.safetensors"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, str(script), hf_dir, str(run_dir), str(expected)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    step = run_dir / "checkpoints" / "step_1"
+    conv = tmp_path / "converted"
+    metrics, records = _run_eval(["--model", str(step), "--data", arithmetic_file, "--n", "2", "--max-new-tokens",
+                                  "4", "--max-prompts", "2", "--num-workers", "1", "--keep-converted", str(conv),
+                                  "--output", str(tmp_path / "r.jsonl")])
+    _check_metrics_against_records(metrics, records, n=2, ks=[2])
+    got, want = load_file(str(conv / "hf" / "model.safetensors")), load_file(str(expected))
+    base = load_file(os.path.join(hf_dir, "model.safetensors"))
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert not torch.equal(got[name], base[name])  # the trained weights, not the run's base model

@@ -19,9 +19,14 @@ Usage::
   temporary HF directory by ``tools/convert_megatron_to_hf.py`` (one process, TP=PP=1),
   deleted at exit (``--keep-converted DIR`` keeps it).
 
-Trainer checkpoints (``<run dir>/checkpoints/step_<k>``: model + optimizer + RNG, no HF
-config) are not convertible yet: they are detected and rejected with an error that says
-why (see :func:`resolve_model`).
+* a trainer checkpoint ``<run dir>/checkpoints/step_<k>`` (model + optimizer + RNG, no HF
+  config): the model part is read at TP=PP=1 using the run's ``<run dir>/params.json``
+  (``model.hf_path`` / ``gguf_file`` / dtype / padding, written by the trainer's tracker)
+  and the saving TP of ``checkpoint_info.json``, saved as a Megatron model checkpoint
+  (:func:`export_trainer_checkpoint`), then converted as above. The run's
+  ``model.hf_path`` must still exist (architecture and tokenizer). A checkpoint saved with
+  the Transformer Engine spec must be converted where TE is installed (its parameter names
+  differ from the local spec's).
 
 Duplicate prompts: DAPO-schema evaluation files often repeat each problem (the AIME 2024
 parquet holds its 30 problems 32 times each). Without ``--dedup`` every row is a prompt
@@ -213,32 +218,29 @@ def resolve_model(model: str, gguf_file: Optional[str], workdir: str) -> tuple[s
 
     Raises:
         FileNotFoundError: ``model`` (or its GGUF file / config.json) does not exist.
-        ValueError: ``model`` is a trainer checkpoint or run directory (not convertible
-            yet: it holds no HF config / ``dapo_megatron.json``, and its shards mix the
-            model with optimizer state), or a Megatron checkpoint given with --gguf-file.
-        RuntimeError: the conversion failed (its output is included).
+        ValueError: ``model`` is a run directory (name one of its ``checkpoints/step_<k>``),
+            or a Megatron / trainer checkpoint given with --gguf-file.
+        RuntimeError: a conversion failed (its output is included).
     """
     if not os.path.isdir(model):
         raise FileNotFoundError(f"--model {model!r} is not a directory (HF / GGUF dir or Megatron checkpoint)")
-    if os.path.isfile(os.path.join(model, TRAINER_INFO_FILE)) or os.path.isdir(os.path.join(model, "checkpoints")):
-        raise ValueError(
-            f"--model {model!r} is a trainer checkpoint (or run directory): dapo_megatron.checkpointing writes "
-            f"model + optimizer + RNG shards with {TRAINER_INFO_FILE} but no config.json / {MEGATRON_META_FILE}, "
-            "which tools/convert_megatron_to_hf.py needs (it reads model checkpoints of "
-            "tools/convert_hf_to_megatron.py / bridge.save_model_checkpoint). Evaluating trainer checkpoints is "
-            "not supported yet; evaluate the initial HF model, or export the actor's weights with "
-            "bridge.save_model_checkpoint."
-        )
+    if os.path.isdir(os.path.join(model, "checkpoints")) and not os.path.isfile(os.path.join(model, "config.json")):
+        raise ValueError(f"--model {model!r} is a run directory: pass one of its checkpoints, "
+                         f"{os.path.join(model, 'checkpoints', 'step_<k>')}")
+    if (os.path.isfile(os.path.join(model, TRAINER_INFO_FILE)) or os.path.isfile(os.path.join(model, MEGATRON_META_FILE))) \
+            and gguf_file:
+        raise ValueError(f"--gguf-file {gguf_file!r} given with the checkpoint {model!r}; drop it")
+    if os.path.isfile(os.path.join(model, TRAINER_INFO_FILE)):
+        mg = os.path.join(workdir, "megatron")
+        _log(f"reading the model of the trainer checkpoint {model} into a Megatron model checkpoint {mg}")
+        _run_tool([sys.executable, os.path.abspath(__file__), "--export-trainer-checkpoint", model, mg],
+                  f"exporting the trainer checkpoint {model}")
+        model = mg
     if os.path.isfile(os.path.join(model, MEGATRON_META_FILE)):
-        if gguf_file:
-            raise ValueError(f"--gguf-file {gguf_file!r} given with the Megatron checkpoint {model!r}; drop it")
         out = os.path.join(workdir, "hf")
         _log(f"converting the Megatron checkpoint {model} to HF safetensors in {out}")
-        proc = subprocess.run([sys.executable, CONVERT_TO_HF, "--ckpt", model, "--out", out],
-                              capture_output=True, text=True, env={**os.environ, "WORLD_SIZE": "1"})
-        if proc.returncode != 0:
-            raise RuntimeError(f"tools/convert_megatron_to_hf.py --ckpt {model} failed "
-                               f"(exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+        _run_tool([sys.executable, CONVERT_TO_HF, "--ckpt", model, "--out", out],
+                  f"tools/convert_megatron_to_hf.py --ckpt {model}")
         return out, None
     if gguf_file:
         if not os.path.isfile(os.path.join(model, gguf_file)):
@@ -249,6 +251,93 @@ def resolve_model(model: str, gguf_file: Optional[str], workdir: str) -> tuple[s
         hint = f"; pass --gguf-file {ggufs[0]}" if ggufs else ""
         raise FileNotFoundError(f"--model {model!r} has no config.json (not an HF directory){hint}")
     return model, None
+
+
+def _run_tool(cmd: list[str], what: str) -> None:
+    """Run a conversion in its own process (a world of one: it initialises torch.distributed
+    and Megatron's parallel state, which this process must not keep)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+
+
+def export_trainer_checkpoint(step_dir: str, out_dir: str, params_file: Optional[str] = None) -> None:
+    """Save the model part of a trainer checkpoint as a Megatron model checkpoint (TP=PP=1).
+
+    Builds the run's model in this process (a world of one: call it in a fresh process),
+    reads only the ``"model"`` entries of the distributed checkpoint (the optimizer and
+    scheduler entries are left unread) and writes ``out_dir`` with
+    :func:`dapo_megatron.bridge.save_model_checkpoint` (HF config.json, tokenizer,
+    ``dapo_megatron.json``), which ``tools/convert_megatron_to_hf.py`` reads.
+
+    The run's layout is rebuilt from ``checkpoint_info.json`` (saving TP) and
+    ``params_file`` (default ``<step_dir>/../../params.json``, the trainer tracker's flat
+    config): the vocabulary padding of the save (``make_vocab_size_divisible_by × TP``) and
+    its zero-padded query groups are reproduced at TP=1, so every tensor has the saved
+    global shape.
+
+    Args:
+        step_dir: ``<run dir>/checkpoints/step_<k>``.
+        out_dir: the Megatron model checkpoint to write (replaced atomically).
+        params_file: the run's ``params.json``.
+
+    Raises:
+        FileNotFoundError: no ``params.json``, or the run's ``model.hf_path`` is gone.
+        ValueError: virtual-pipeline checkpoints (several model chunks), or model tensors the
+            checkpoint lacks (e.g. saved with the Transformer Engine spec and read here with
+            the local one), named.
+    """
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+
+    from dapo_megatron.bridge import save_model_checkpoint
+    from dapo_megatron.models import ModelConfig, build_gpt_model, load_hf_config
+    from dapo_megatron.models.config import megatron_attention_heads
+    from dapo_megatron.platform import ParallelConfig, destroy_distributed, init_distributed
+
+    with open(os.path.join(step_dir, TRAINER_INFO_FILE)) as f:
+        info = json.load(f)
+    if info.get("num_model_chunks", 1) != 1:
+        raise ValueError(f"{step_dir}: {info['num_model_chunks']} model chunks (virtual pipeline) are not supported")
+    params_file = params_file or os.path.join(step_dir, os.pardir, os.pardir, "params.json")
+    if not os.path.isfile(params_file):
+        raise FileNotFoundError(f"{params_file} not found: the run's flat config (written by the trainer's tracker) "
+                                "names the model the checkpoint was trained from")
+    with open(params_file) as f:
+        params = json.load(f)
+    hf_path, gguf_file = params.get("model.hf_path"), params.get("model.gguf_file")
+    if not hf_path or not os.path.isdir(hf_path):
+        raise FileNotFoundError(f"the run's model.hf_path {hf_path!r} (from {params_file}) is not a directory: the "
+                                "architecture and tokenizer come from it")
+    saved = ModelConfig(hf_path=hf_path, gguf_file=gguf_file, params_dtype=params["model.params_dtype"],
+                        make_vocab_size_divisible_by=params["model.make_vocab_size_divisible_by"],
+                        transformer_impl=params.get("model.transformer_impl", "auto"),
+                        pad_query_groups=params.get("model.pad_query_groups", True),
+                        query_groups_multiple=params.get("model.query_groups_multiple"))
+    tp = int(info["tensor_model_parallel_size"])
+    hf_config = load_hf_config(hf_path, gguf_file)
+    _, groups = megatron_attention_heads(hf_config, tp, saved)
+    model_cfg = dataclasses.replace(saved, make_vocab_size_divisible_by=saved.make_vocab_size_divisible_by * tp,
+                                    query_groups_multiple=groups, fp8=None)
+    init_distributed(ParallelConfig(1, 1))
+    try:
+        model = build_gpt_model(hf_config, model_cfg)
+        state, not_read, absent = dist_checkpointing.load({"model": model.sharded_state_dict()}, step_dir,
+                                                          strict=StrictHandling.RETURN_ALL)
+        absent = sorted(str(k) for k in absent)
+        if absent:
+            raise ValueError(f"{step_dir} lacks {len(absent)} model tensors, e.g. {absent[:3]} (saved with another "
+                             f"layer spec? this process uses {model.config.transformer_impl!r})")
+        stray = sorted(k for k in not_read if not str(k).startswith(("optimizer", "opt_param_scheduler")))
+        if stray:
+            raise ValueError(f"{step_dir} holds model tensors this model does not have, e.g. {stray[:3]}")
+        model.load_state_dict(state["model"], strict=True)
+        tokenizer = load_tokenizer(hf_path, gguf_file)
+        save_model_checkpoint(model, out_dir, hf_config, tokenizer)
+    finally:
+        destroy_distributed()
 
 
 def load_tokenizer(hf_dir: str, gguf_file: Optional[str]):
@@ -455,6 +544,12 @@ def write_jsonl(records: Sequence[dict], path: str) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--export-trainer-checkpoint"]:  # internal: the child process of resolve_model
+        if len(argv) != 3:
+            raise SystemExit("usage: tools/eval.py --export-trainer-checkpoint STEP_DIR OUT_DIR")
+        export_trainer_checkpoint(argv[1], argv[2])
+        return 0
     cfg = parse_args(argv)
     metrics, records = evaluate(cfg)
     if cfg.output:
