@@ -133,12 +133,19 @@ def _reference_worker(out_path):
     ent_three = actor.forward_backward([samples[:5], samples[5:]], TEMPERATURE)
     ent_grads_three = _full_grads(actor)
     actor.cfg.entropy_coeff = 0.0
+    layout_default = actor.layout
+    actor.layout, actor.build_attention_mask = "thd", True  # one packed row + block-diagonal mask
+    thd_lps = actor.compute_logprobs([samples[:4], samples[4:]], TEMPERATURE)
+    thd_one = actor.forward_backward([samples], TEMPERATURE)
+    thd_grads_one = _full_grads(actor)
+    actor.layout, actor.build_attention_mask = layout_default, False
     step = actor.train_mini_batch([samples], TEMPERATURE, global_num_tokens=int(one["num_tokens"]))
     torch.save(dict(full_sd=full_sd, samples=samples, direct=direct, lps=lps, ents=ents, one=one, three=three,
                     grads_one=grads_one, grads_three=grads_three, step=step,
                     seq_one=seq_one, seq_three=seq_three, seq_grads_one=seq_grads_one,
                     seq_grads_three=seq_grads_three, ent_one=ent_one, ent_three=ent_three,
-                    ent_grads_one=ent_grads_one, ent_grads_three=ent_grads_three), out_path)
+                    ent_grads_one=ent_grads_one, ent_grads_three=ent_grads_three, layout_default=layout_default,
+                    thd_lps=thd_lps, thd_one=thd_one, thd_grads_one=thd_grads_one), out_path)
 
 
 @pytest.fixture(scope="module")
@@ -172,6 +179,18 @@ def test_micro_batch_split_gives_identical_gradient(reference):
     num = sum(float((reference["grads_three"][n] - g).norm() ** 2) for n, g in reference["grads_one"].items())
     den = sum(float(g.norm() ** 2) for g in reference["grads_one"].values())
     assert den > 0 and math.sqrt(num / den) < 1e-6
+
+
+def test_bshd_default_on_cpu_equals_packed_thd(reference):
+    """CPU auto layout is padded BSHD rows; the packed THD row with a block-diagonal mask agrees."""
+    assert reference["layout_default"] == "bshd"
+    for got, ref in zip(reference["thd_lps"], reference["lps"]):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    one, thd = reference["one"], reference["thd_one"]
+    assert thd["num_tokens"] == one["num_tokens"] and _rel(thd["loss"], one["loss"]) < 1e-5
+    num = sum(float((reference["thd_grads_one"][n] - g).norm() ** 2) for n, g in reference["grads_one"].items())
+    den = sum(float(g.norm() ** 2) for g in reference["grads_one"].values())
+    assert den > 0 and math.sqrt(num / den) < 1e-5
 
 
 def test_loss_value_is_token_mean_of_dapo_objective(reference):
@@ -358,6 +377,8 @@ def test_config_errors_name_the_field():
 
     with pytest.raises(ValueError, match="loss_agg_mode"):
         ActorConfig(loss_agg_mode="seq-mean-token-sum-norm").validate()
+    with pytest.raises(ValueError, match="micro_batch_layout"):
+        ActorConfig(micro_batch_layout="sbhd").validate()
     with pytest.raises(ValueError, match="lr_warmup_steps"):
         OptimConfig(lr_warmup_steps=20).validate(total_steps=20)
     with pytest.raises(ValueError, match="lr_decay_style"):

@@ -124,6 +124,14 @@ class ActorConfig:
         use_packed_seq_params: pass ``PackedSeqParams(qkv_format="thd")`` to the model
             (TE attention on GPU) instead of a block-diagonal ``[1, 1, T, T]`` mask. None:
             auto (True when the model's core attention is ``TEDotProductAttention``).
+        micro_batch_layout: how a micro-batch is laid out for the model. ``"thd"``: all
+            samples packed into one row (with ``PackedSeqParams`` on TE, else a dense
+            block-diagonal ``[1, 1, T, T]`` mask whose attention cost grows with ``T²``
+            of the whole micro-batch). ``"bshd"``: one right-padded row per sample with
+            Megatron's plain causal mask (no mask tensor; right padding never reaches a
+            real token), attention cost ``n · S²`` with ``S`` the longest sample. None:
+            auto, ``"thd"`` with packed-sequence params (TE, GPU), ``"bshd"`` otherwise
+            (CPU / local spec; ``benchmarks/bench_actor.py`` measures both).
     """
 
     ppo_mini_batch_size: int = 32
@@ -136,6 +144,7 @@ class ActorConfig:
     entropy_coeff: float = 0.0
     tis_cap: Optional[float] = None
     use_packed_seq_params: Optional[bool] = None
+    micro_batch_layout: Optional[str] = None
     optim: OptimConfig = field(default_factory=OptimConfig)
 
     def validate(self) -> None:
@@ -146,16 +155,21 @@ class ActorConfig:
                 f"actor.loss_agg_mode={self.loss_agg_mode!r} is not one of {SUPPORTED_LOSS_AGG_MODES} "
                 "(the modes whose micro-batch split can be made exact)"
             )
+        if self.micro_batch_layout not in (None, "thd", "bshd"):
+            raise ValueError(
+                f"actor.micro_batch_layout={self.micro_batch_layout!r} must be null (auto), 'thd' (packed) or "
+                "'bshd' (padded rows)"
+            )
 
 
 class _MicroBatch:
     """A packed micro-batch plus its per-token training targets ([B, T] like the inputs)."""
 
-    def __init__(self, samples: Sequence[Sample], pad_to: int, build_mask: bool, device, with_targets: bool,
-                 use_tis: bool):
+    def __init__(self, samples: Sequence[Sample], layout: str, pad_to: int, build_mask: bool, device,
+                 with_targets: bool, use_tis: bool):
         self.samples = list(samples)
         self.batch: PackedBatch = pack_samples(
-            samples, pad_to_multiple_of=pad_to, build_attention_mask=build_mask, device=device
+            samples, layout=layout, pad_to_multiple_of=pad_to, build_attention_mask=build_mask, device=device
         )
         if not with_targets:
             return
@@ -311,6 +325,20 @@ class MegatronActor:
                 "this model uses the local spec: set it to None/False (a block-diagonal mask is used)"
             )
         self.use_packed_seq_params = te_attention if use_thd is None else bool(use_thd)
+        layout = actor_cfg.micro_batch_layout
+        if layout is None:
+            layout = "thd" if self.use_packed_seq_params else "bshd"
+        if layout == "bshd" and actor_cfg.use_packed_seq_params:
+            raise ValueError(
+                "actor.micro_batch_layout='bshd' contradicts actor.use_packed_seq_params=True (THD only); "
+                "set one of them to null"
+            )
+        if layout == "bshd":
+            self.use_packed_seq_params = False
+        self.layout = layout
+        # bshd rows are right-padded: Megatron's causal mask alone keeps padding out of every
+        # real token's attention, so no [n, 1, S, S] mask tensor is built
+        self.build_attention_mask = layout == "thd" and not self.use_packed_seq_params
         self.pad_to = self.tp_size if config.sequence_parallel else 1
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else (
             torch.device("cpu"))
@@ -320,7 +348,7 @@ class MegatronActor:
         if len(micro_batches) == 0 or any(len(mb) == 0 for mb in micro_batches):
             raise ValueError("micro_batches must be a non-empty list of non-empty lists of Sample")
         return [
-            _MicroBatch(mb, self.pad_to, not self.use_packed_seq_params, self.device, with_targets,
+            _MicroBatch(mb, self.layout, self.pad_to, self.build_attention_mask, self.device, with_targets,
                         self.cfg.tis_cap is not None)
             for mb in micro_batches
         ]
