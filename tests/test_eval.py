@@ -197,6 +197,14 @@ def main(hf_dir, run_dir, expected_path):
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
     actor = MegatronActor(model, ActorConfig(), 10, vocab_size=hf_config.vocab_size)
+    ddp, opt = actor.model_chunks[0], actor.optimizer  # one optimizer step: Adam state to save
+    ids = torch.randint(0, hf_config.vocab_size, (2, 8))
+    opt.zero_grad()
+    ddp.zero_grad_buffer()
+    ddp(ids, torch.arange(8).expand(2, 8), None, labels=ids).float().mean().backward()
+    ddp.finish_grad_sync()
+    assert opt.step()[0]
+    actor.scheduler.step(1)
     Tracker(run_dir, TrackingConfig(use_mlflow=False), rank=0).log_params(to_flat_dict(cfg))
     save_checkpoint(run_dir, 1, actor.model_chunks, actor.optimizer, actor.scheduler, {"step": 1})
     save_file({k: v.contiguous() for k, v in export_hf_state_dict(actor.model_chunks).items()}, expected_path)
