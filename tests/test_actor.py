@@ -133,18 +133,20 @@ def _reference_worker(out_path):
     ent_three = actor.forward_backward([samples[:5], samples[5:]], TEMPERATURE)
     ent_grads_three = _full_grads(actor)
     actor.cfg.entropy_coeff = 0.0
-    layout_default = actor.layout
-    actor.layout, actor.build_attention_mask = "thd", True  # one packed row + block-diagonal mask
+    layout_default, labels_only_default = actor.layout, actor.logits_at_labels_only
+    # one packed row + block-diagonal mask, LM head on every position: the pre-optimisation path
+    actor.layout, actor.build_attention_mask, actor.logits_at_labels_only = "thd", True, False
     thd_lps = actor.compute_logprobs([samples[:4], samples[4:]], TEMPERATURE)
     thd_one = actor.forward_backward([samples], TEMPERATURE)
     thd_grads_one = _full_grads(actor)
-    actor.layout, actor.build_attention_mask = layout_default, False
+    actor.layout, actor.build_attention_mask, actor.logits_at_labels_only = layout_default, False, True
     step = actor.train_mini_batch([samples], TEMPERATURE, global_num_tokens=int(one["num_tokens"]))
     torch.save(dict(full_sd=full_sd, samples=samples, direct=direct, lps=lps, ents=ents, one=one, three=three,
                     grads_one=grads_one, grads_three=grads_three, step=step,
                     seq_one=seq_one, seq_three=seq_three, seq_grads_one=seq_grads_one,
                     seq_grads_three=seq_grads_three, ent_one=ent_one, ent_three=ent_three,
                     ent_grads_one=ent_grads_one, ent_grads_three=ent_grads_three, layout_default=layout_default,
+                    labels_only_default=labels_only_default,
                     thd_lps=thd_lps, thd_one=thd_one, thd_grads_one=thd_grads_one), out_path)
 
 
@@ -182,8 +184,9 @@ def test_micro_batch_split_gives_identical_gradient(reference):
 
 
 def test_bshd_default_on_cpu_equals_packed_thd(reference):
-    """CPU auto layout is padded BSHD rows; the packed THD row with a block-diagonal mask agrees."""
-    assert reference["layout_default"] == "bshd"
+    """CPU default (padded BSHD rows, LM head at response label positions only) equals the packed
+    THD row with a block-diagonal mask and full logits: logprobs, loss and gradients."""
+    assert reference["layout_default"] == "bshd" and reference["labels_only_default"]
     for got, ref in zip(reference["thd_lps"], reference["lps"]):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
     one, thd = reference["one"], reference["thd_one"]

@@ -171,6 +171,12 @@ class _MicroBatch:
         self.batch: PackedBatch = pack_samples(
             samples, layout=layout, pad_to_multiple_of=pad_to, build_attention_mask=build_mask, device=device
         )
+        b = self.batch
+        B, T = b.input_ids.shape
+        # response label positions, row-major over [B, T] (int64 [N]), and the same positions in
+        # Megatron's [S, B] hidden-state order: the output layer only needs these N rows
+        self.label_index = b.response_mask.reshape(-1).nonzero().squeeze(1)
+        self.label_index_sb = (self.label_index % T) * B + self.label_index // T
         if not with_targets:
             return
         for i, s in enumerate(samples):
@@ -185,7 +191,6 @@ class _MicroBatch:
                                  f"{len(s.response_ids)} (tis_cap is set)")
             if not math.isfinite(s.advantage):
                 raise ValueError(f"sample {i}: advantage={s.advantage} is not finite")
-        b = self.batch
         self.old_logprobs = b.scatter_per_sample([s.old_logprobs for s in samples])
         self.advantages = b.scatter_per_sample([[s.advantage] * len(s.response_ids) for s in samples])
         self.rollout_logprobs = (
@@ -226,6 +231,16 @@ class MegatronActor:
     Attributes exposed for checkpointing: ``model_chunks`` (DDP-wrapped),
     ``optimizer`` (Megatron ``DistributedOptimizer``), ``scheduler``
     (``OptimizerParamScheduler``).
+
+    Execution choices (resolved at construction, read at every call): ``layout``
+    (``"thd"`` / ``"bshd"``, see ``ActorConfig.micro_batch_layout``),
+    ``build_attention_mask`` (THD on the local spec: block-diagonal ``[1, 1, T, T]`` bool
+    mask), ``logits_at_labels_only``: the output layer (LM head, ``[H] -> [V/TP]``) runs on
+    the ``N`` response label positions only, selected from its ``[S, B, H]`` input by a
+    forward pre-hook, so the ``[T, V/TP]`` fp32 logits and their matmuls shrink to
+    ``[N, V/TP]`` (N ≈ T/4 for rollouts with ~50-token prompts and ~18-token responses).
+    True on the last PP stage when sequence parallelism is off (the hidden states then
+    hold the whole sequence on every TP rank) and the model has no MTP heads.
 
     Every rank of the model-parallel (TP × PP) group must pass the same
     micro-batches to each call; DP ranks pass their own shard of the mini-batch.
@@ -336,6 +351,14 @@ class MegatronActor:
         if layout == "bshd":
             self.use_packed_seq_params = False
         self.layout = layout
+        # the LM head runs on the response label positions only (~1/4 of the tokens in a rollout):
+        # needs the full sequence on every TP rank (no sequence parallel) and no MTP heads
+        gpt = next((m for m in chunks[0].modules() if hasattr(m, "output_layer") and hasattr(m, "decoder")), None)
+        self._output_layer = getattr(gpt, "output_layer", None) if gpt is not None and gpt.post_process else None
+        self.logits_at_labels_only = (
+            self._output_layer is not None and not config.sequence_parallel
+            and getattr(config, "mtp_num_layers", None) is None
+        )
         # bshd rows are right-padded: Megatron's causal mask alone keeps padding out of every
         # real token's attention, so no [n, 1, S, S] mask tensor is built
         self.build_attention_mask = layout == "thd" and not self.use_packed_seq_params
@@ -354,9 +377,39 @@ class MegatronActor:
         ]
 
     def _forward(self, model, mb: _MicroBatch):
+        """Model output of one micro-batch: logits ``[B, T, V/TP]``, or ``[1, N, V/TP]`` at the
+        ``N`` response label positions only (``logits_at_labels_only``); earlier PP stages
+        return hidden states."""
         b = mb.batch
         psp = b.packed_seq_params if self.use_packed_seq_params else None
-        return model(b.input_ids, b.position_ids, b.attention_mask, packed_seq_params=psp)
+        if not self.logits_at_labels_only:
+            return model(b.input_ids, b.position_ids, b.attention_mask, packed_seq_params=psp)
+
+        def keep_label_rows(module, args, kwargs):
+            hidden = args[0]  # [S, B, H] after the final norm
+            rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, mb.label_index_sb)
+            return (rows.unsqueeze(1), *args[1:]), kwargs  # [N, 1, H]
+
+        handle = self._output_layer.register_forward_pre_hook(keep_label_rows, with_kwargs=True)
+        try:
+            return model(b.input_ids, b.position_ids, b.attention_mask, packed_seq_params=psp)
+        finally:
+            handle.remove()
+
+    def _logprobs_and_entropy(self, mb: _MicroBatch, output_tensor, temperature: float):
+        """Per-token logprob and entropy at the micro-batch's label positions, float32 ``[B, T]``
+        (0 elsewhere), differentiable w.r.t. ``output_tensor`` (see :meth:`_forward`)."""
+        b = mb.batch
+        if not self.logits_at_labels_only:
+            return vocab_parallel_logprobs_and_entropy(
+                output_tensor, b.labels, vocab_size=self.vocab_size, temperature=temperature
+            )
+        labels = b.labels.reshape(-1).index_select(0, mb.label_index).unsqueeze(0)  # [1, N]
+        lp, ent = vocab_parallel_logprobs_and_entropy(
+            output_tensor, labels, vocab_size=self.vocab_size, temperature=temperature
+        )
+        zeros = lp.new_zeros(b.labels.numel())
+        return tuple(zeros.index_copy(0, mb.label_index, x[0]).view(b.labels.shape) for x in (lp, ent))
 
     def _run_schedule(self, mbs: list[_MicroBatch], forward_step, forward_only: bool):
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -410,9 +463,7 @@ class MegatronActor:
             m.eval()
 
         def loss_func(mb: _MicroBatch, output_tensor):
-            lp, ent = vocab_parallel_logprobs_and_entropy(
-                output_tensor, mb.batch.labels, vocab_size=self.vocab_size, temperature=temperature
-            )
+            lp, ent = self._logprobs_and_entropy(mb, output_tensor, temperature)
             zero = output_tensor.new_zeros(())
             return zero, torch.tensor(0, dtype=torch.int), {"logprobs": lp, "entropy": ent}
 
@@ -504,9 +555,7 @@ class MegatronActor:
 
         def loss_func(mb: _MicroBatch, output_tensor):
             b = mb.batch
-            lp, ent = vocab_parallel_logprobs_and_entropy(
-                output_tensor, b.labels, vocab_size=self.vocab_size, temperature=temperature
-            )
+            lp, ent = self._logprobs_and_entropy(mb, output_tensor, temperature)
             if mode == "token-mean":
                 # [B, T] tensors directly: sum(loss * mask) / N is layout-free
                 views = (lp, mb.old_logprobs, mb.advantages, b.loss_mask,

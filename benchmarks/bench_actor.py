@@ -1,0 +1,119 @@
+"""Actor throughput on CPU: packed THD row + block-diagonal mask vs padded BSHD rows.
+
+One process (TP=1, PP=1, DP=1, gloo) builds a SmolLM2-135M-shaped Llama actor with random
+weights (hidden 576, 9 heads / 3 KV heads, FFN 1536, vocab 49,152, tied embeddings; 30
+layers by default, ``--layers`` to shorten), wraps it in :class:`MegatronActor` and times,
+for each ``actor.micro_batch_layout``:
+
+- ``compute_logprobs`` (forward + vocab-parallel logprob/entropy, no grad), and
+- ``forward_backward`` (forward + DAPO loss + backward + DP grad finalisation),
+
+in three variants: ``thd`` (one packed row, dense block-diagonal ``[T, T]`` mask, LM head
+on every position: the path before the CPU optimisation), ``bshd-full`` (padded rows,
+plain causal mask, LM head on every position) and ``bshd`` (the CPU default: padded rows,
+LM head on the response label positions only, ``MegatronActor.logits_at_labels_only``),
+on the same rollout-shaped micro-batches as the README main job (prompts ~50 tokens,
+responses 1-24 tokens, ``--budget`` tokens per micro-batch = ``ppo_max_token_len_per_gpu``).
+Throughput counts real (unpadded) tokens. Both layouts see the same weights and samples,
+and the script also prints the largest logprob difference to ``thd`` (they must agree
+to fp32 rounding). The last line is the ``bshd`` / ``thd`` throughput ratio of
+forward+backward (higher is better for the default). Absolute numbers depend on the machine; compare ratios.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_actor.py [--layers 30 --samples 32 --budget 4096 --repeats 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+
+def _samples(n: int, vocab: int, seed: int):
+    import torch
+
+    from dapo_megatron.rollout.types import Sample
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        P = int(torch.randint(44, 57, (1,), generator=g))
+        R = int(torch.randint(1, 25, (1,), generator=g))
+        s = Sample(prompt_ids=torch.randint(0, vocab, (P,), generator=g).tolist(),
+                   response_ids=torch.randint(0, vocab, (R,), generator=g).tolist(),
+                   rollout_logprobs=[-1.0] * R, finish_reason="stop", group_id=i // 8)
+        s.advantage = float(torch.randn((), generator=g))
+        out.append(s)
+    return out
+
+
+def _time(fn, repeats: int) -> float:
+    fn()  # warm-up (allocator, lru caches)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - t0) / repeats
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--samples", type=int, default=32, help="samples per mini-batch")
+    p.add_argument("--budget", type=int, default=4096, help="ppo_max_token_len_per_gpu")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (OMP_NUM_THREADS of the job)")
+    args = p.parse_args(argv)
+
+    import torch
+    from transformers import LlamaConfig
+
+    from dapo_megatron.actor import ActorConfig, MegatronActor, split_by_token_budget
+    from dapo_megatron.models import ModelConfig, build_gpt_model
+    from dapo_megatron.platform import ParallelConfig, init_distributed
+
+    torch.set_num_threads(args.threads)
+    init_distributed(ParallelConfig(1, 1), seed=0)
+    hf_config = LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=args.layers,
+        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=True,
+        rms_norm_eps=1e-5, rope_theta=100000.0,
+    )
+    model = build_gpt_model(hf_config, ModelConfig(transformer_impl="local"))
+    state = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    samples = _samples(args.samples, hf_config.vocab_size, seed=1)
+    mbs = split_by_token_budget(samples, args.budget)
+    real_tokens = sum(s.total_length for s in samples)
+
+    results, logprobs = {}, {}
+    variants = {"thd": ("thd", False), "bshd-full": ("bshd", False), "bshd": ("bshd", True)}
+    for name, (layout, labels_only) in variants.items():
+        model = build_gpt_model(hf_config, ModelConfig(transformer_impl="local"))  # fresh: DDP wraps once
+        model.load_state_dict(state, strict=False)
+        cfg = ActorConfig(ppo_max_token_len_per_gpu=args.budget, micro_batch_layout=layout)
+        actor = MegatronActor(model, cfg, total_steps=10, vocab_size=hf_config.vocab_size)
+        actor.logits_at_labels_only = labels_only
+        lps = actor.compute_logprobs(mbs)
+        for s, lp in zip(samples, lps):
+            s.old_logprobs = lp.tolist()
+        logprobs[name] = torch.cat(lps)
+        fwd_s = _time(lambda: actor.compute_logprobs(mbs), args.repeats)
+        fb_s = _time(lambda: actor.forward_backward(mbs), args.repeats)
+        results[name] = (real_tokens / fwd_s, real_tokens / fb_s)
+
+    print(f"SmolLM2-shaped actor, {args.layers} layers, TP=1, {args.samples} samples "
+          f"({real_tokens} tokens) in {len(mbs)} micro-batch(es) of <= {args.budget} tokens, "
+          f"{args.threads} thread(s)")
+    for name, (fwd, fb) in results.items():
+        diff = float((logprobs[name] - logprobs["thd"]).abs().max())
+        print(f"{name:>9}: logprob forward {fwd:8.1f} tok/s   forward+backward {fb:8.1f} tok/s   "
+              f"max |logprob - thd| {diff:.1e}")
+    print(f"ratio forward bshd-full/thd: {results['bshd-full'][0] / results['thd'][0]:.2f}")
+    print(f"ratio forward+backward bshd-full/thd: {results['bshd-full'][1] / results['thd'][1]:.2f}")
+    print(f"ratio forward bshd/thd: {results['bshd'][0] / results['thd'][0]:.2f}")
+    print(f"ratio forward+backward bshd/thd: {results['bshd'][1] / results['thd'][1]:.2f}")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    main()
