@@ -227,10 +227,10 @@ def resolve_model(model: str, gguf_file: Optional[str], workdir: str) -> tuple[s
     if os.path.isdir(os.path.join(model, "checkpoints")) and not os.path.isfile(os.path.join(model, "config.json")):
         raise ValueError(f"--model {model!r} is a run directory: pass one of its checkpoints, "
                          f"{os.path.join(model, 'checkpoints', 'step_<k>')}")
-    if (os.path.isfile(os.path.join(model, TRAINER_INFO_FILE)) or os.path.isfile(os.path.join(model, MEGATRON_META_FILE))) \
-            and gguf_file:
+    is_trainer_ckpt = os.path.isfile(os.path.join(model, TRAINER_INFO_FILE))
+    if gguf_file and (is_trainer_ckpt or os.path.isfile(os.path.join(model, MEGATRON_META_FILE))):
         raise ValueError(f"--gguf-file {gguf_file!r} given with the checkpoint {model!r}; drop it")
-    if os.path.isfile(os.path.join(model, TRAINER_INFO_FILE)):
+    if is_trainer_ckpt:
         mg = os.path.join(workdir, "megatron")
         _log(f"reading the model of the trainer checkpoint {model} into a Megatron model checkpoint {mg}")
         _run_tool([sys.executable, os.path.abspath(__file__), "--export-trainer-checkpoint", model, mg],
@@ -501,7 +501,7 @@ def evaluate(cfg: EvalConfig) -> tuple[dict[str, float], list[dict]]:
                                            prompt_seeds=[p.index for p in chunk])
                 _log(f"generated {min(start + step, len(prompts))}/{len(prompts)} prompts")
             gen_s = time.perf_counter() - t0
-            if hasattr(engine, "shutdown"):
+            if hasattr(engine, "shutdown"):  # SGLang: stop its scheduler processes
                 engine.shutdown()
             texts = [[tokenizer.decode(c.response_ids, skip_special_tokens=True) for c in comps]
                      for comps in outputs]
