@@ -285,7 +285,8 @@ def export_trainer_checkpoint(step_dir: str, out_dir: str, params_file: Optional
 
     Raises:
         FileNotFoundError: no ``params.json``, or the run's ``model.hf_path`` is gone.
-        ValueError: virtual-pipeline checkpoints (several model chunks), or model tensors the
+        ValueError: a ``params.json`` without the model keys, virtual-pipeline checkpoints
+            (several model chunks), or model tensors the
             checkpoint lacks (e.g. saved with the Transformer Engine spec and read here with
             the local one), named.
     """
@@ -307,6 +308,10 @@ def export_trainer_checkpoint(step_dir: str, out_dir: str, params_file: Optional
                                 "names the model the checkpoint was trained from")
     with open(params_file) as f:
         params = json.load(f)
+    needed = ("model.hf_path", "model.params_dtype", "model.make_vocab_size_divisible_by")
+    missing = [k for k in needed if k not in params]
+    if missing:
+        raise ValueError(f"{params_file} lacks {missing}: not the params.json of a dapo-megatron run")
     hf_path, gguf_file = params.get("model.hf_path"), params.get("model.gguf_file")
     if not hf_path or not os.path.isdir(hf_path):
         raise FileNotFoundError(f"the run's model.hf_path {hf_path!r} (from {params_file}) is not a directory: the "
