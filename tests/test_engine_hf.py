@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dapo_megatron.rollout.engine import SamplingParams, WeightSyncTracker, ParamSpec, completions_to_group
-from dapo_megatron.rollout.hf_engine import HFEngine, process_logits
+from dapo_megatron.rollout.hf_engine import HFEngine, process_logits, sample_rows
 
 EOS = 3
 
@@ -111,6 +111,34 @@ def test_response_depends_on_its_prompt_seed_not_on_the_batch(model):
     assert alone[0].response_ids != alone[1].response_ids
     with pytest.raises(ValueError, match="prompt_seeds has 1 entries for 2 prompts"):
         eng.generate(PROMPTS[:2], params, prompt_seeds=[1])
+
+
+def test_sample_rows_distribution_and_row_independence():
+    """Frequencies of 20,000 seeded draws match the probabilities (chi-square, 5 free categories;
+    fixed seeds, so deterministic); zero-probability tokens are never drawn; a row's token
+    depends only on its own generator and probabilities."""
+    probs = torch.tensor([0.5, 0.0, 0.25, 0.125, 0.0, 0.0625, 0.0625])
+    n = 20_000
+    gens = [torch.Generator().manual_seed(1000 + i) for i in range(n)]
+    tok = sample_rows(probs.expand(n, -1) * 3.0, gens)  # unnormalised rows are fine
+    counts = torch.bincount(tok, minlength=probs.numel()).double()
+    assert counts[1] == 0 and counts[4] == 0
+    keep = probs > 0
+    expected = probs[keep].double() * n
+    chi2 = float(((counts[keep] - expected) ** 2 / expected).sum())
+    assert chi2 < 20.5  # chi-square, 4 degrees of freedom: P(X > 20.5) < 0.0005
+
+    # row independence: the same generator state gives the same token alone or in a batch
+    rows = torch.softmax(torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 3, -1)
+    batch = sample_rows(rows, [torch.Generator().manual_seed(s) for s in (7, 8, 9)])
+    alone = sample_rows(rows[1:2], [torch.Generator().manual_seed(8)])
+    assert int(batch[1]) == int(alone[0])
+    # a one-hot row always returns its token, also at the last vocabulary index
+    one_hot = torch.zeros(2, 50)
+    one_hot[0, 49], one_hot[1, 0] = 1.0, 1.0
+    assert sample_rows(one_hot, [torch.Generator().manual_seed(s) for s in (1, 2)]).tolist() == [49, 0]
+    with pytest.raises(ValueError, match="2 generators for 3 rows"):
+        sample_rows(rows, [torch.Generator(), torch.Generator()])
 
 
 def test_top_k_1_is_greedy_with_zero_logprob(model):

@@ -9,6 +9,7 @@ Per decode step, for every unfinished row:
   2. top-k: keep the k largest ``z`` (ties at the k-th value kept), others ``-inf``
   3. top-p: keep the smallest set of most-likely tokens whose mass reaches ``top_p``
   4. sample ``y ~ softmax(z)`` with a ``torch.Generator`` seeded from ``params.seed``
+     (one per response, inverse-CDF: :func:`sample_rows`)
   5. record ``log_softmax(z)[y]``
 
 With ``top_p == 1`` and ``top_k == -1`` step 5 is ``log_softmax(logits / T)[y]``, which is
@@ -71,6 +72,36 @@ def process_logits(logits: torch.Tensor, temperature: float, top_p: float = 1.0,
         remove = torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted)
         z = z.masked_fill(remove, float("-inf"))
     return z
+
+
+def sample_rows(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> torch.Tensor:
+    """Draw one token per row, row ``b`` using only ``generators[b]`` (inverse-CDF sampling).
+
+    Each row consumes exactly one float64 uniform ``u ~ U[0, 1)`` from its own generator and
+    returns the token ``i`` with ``cdf[i - 1] <= u * cdf[-1] < cdf[i]`` (``cdf`` = float64
+    cumulative sum of the row), i.e. ``P(i) = probs[b, i] / sum(probs[b])``; a token of
+    probability 0 is never returned. ``torch.multinomial(probs[b], 1, generator=g)`` draws
+    from the same distribution but consumes ``V`` exponentials per row (49,152 for
+    SmolLM2): that was 13 % of CPU generation time. A row's token depends only on its own
+    probabilities and generator state, never on the other rows.
+
+    Args:
+        probs: ``[rows, V]`` non-negative float probabilities (unnormalised is fine), each
+            row with a positive sum.
+        generators: ``rows`` generators on ``probs.device``.
+
+    Returns:
+        int64 ``[rows]`` token ids on ``probs.device``.
+
+    Raises:
+        ValueError: the number of generators differs from the number of rows.
+    """
+    if len(generators) != probs.shape[0]:
+        raise ValueError(f"sample_rows got {len(generators)} generators for {probs.shape[0]} rows (one per row)")
+    u = torch.cat([torch.rand(1, dtype=torch.float64, device=probs.device, generator=g) for g in generators])
+    cdf = probs.double().cumsum_(-1)
+    tok = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    return tok.clamp_(max=probs.shape[-1] - 1)  # u * total < total already; guards rounding only
 
 
 def _eos_ids(model) -> set[int]:
@@ -209,8 +240,7 @@ class HFEngine(RolloutEngine):
             if gens is None:
                 tok = torch.multinomial(probs, 1).squeeze(-1)
             else:  # each row draws from its own stream (finished rows draw too: streams stay aligned)
-                tok = torch.cat([torch.multinomial(probs[b], 1, generator=gens[int(r)])
-                                 for b, r in enumerate(active)])
+                tok = sample_rows(probs, [gens[r] for r in active.tolist()])
             tok_logp = logp_all.gather(-1, tok[:, None]).squeeze(-1)
             tok_cpu, tok_logp_cpu = tok.cpu(), tok_logp.float().cpu()
             rows = active[alive]  # finished rows that are still in the batch record nothing
