@@ -24,6 +24,11 @@ every ``validate()`` method bottom-up. Supported field types: ``int``, ``float``
 ``dict[str, ...]`` of those, and nested dataclasses (OmegaConf 2.3+ semantics: an int
 is accepted for a float field, a bool is not accepted for an int field).
 
+Strictness: every dataclass field is strict (an unknown key is an error). A ``dict[str, V]``
+field is an open mapping: YAML and overrides may add any key under it, at any depth
+(``model.extra_transformer_config.recompute_granularity=full``), with values checked
+against ``V`` (``Any`` accepts everything); the dict field itself must exist.
+
 Conventions for schema authors:
 
 * document every field in the class docstring's ``Attributes:`` section (Google style,
@@ -137,6 +142,46 @@ def _leaf_keys(schema: type, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _is_dict_type(tp: Any) -> bool:
+    """True for ``dict[...]`` / ``Dict[...]`` (``Optional`` unwrapped): an open mapping."""
+    inner, _ = _unwrap_optional(tp)
+    return inner is dict or typing.get_origin(inner) is dict
+
+
+def _dict_field_of(key: str, valid: dict[str, Any]) -> str | None:
+    """The dict-typed field that holds ``key`` below it (``"model.extra_transformer_config"``
+    for ``"model.extra_transformer_config.recompute_granularity"``), or None."""
+    parts = key.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        prefix = ".".join(parts[:i])
+        if prefix in valid:
+            return prefix if _is_dict_type(valid[prefix]) else None
+    return None
+
+
+def _open_dict_fields(cfg: Any, schema: type, update: Any = None) -> None:
+    """Clear OmegaConf's struct flag on every dict-typed field of ``cfg`` (a structured
+    config of ``schema``), so new keys can be merged into it; dataclass sections stay
+    struct. A None-valued ``Optional[dict]`` field that ``update`` (the plain mapping about
+    to be merged) sets to a mapping becomes ``{}`` first (a mapping merged into None would
+    inherit the parent's struct flag)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    for name, tp in _field_types(schema).items():
+        sub_update = update.get(name) if isinstance(update, dict) else None
+        sub = _section_type(tp)
+        node = cfg.get(name) if isinstance(cfg, DictConfig) else None
+        if sub is not None:
+            if isinstance(node, DictConfig):
+                _open_dict_fields(node, sub, sub_update)
+        elif _is_dict_type(tp):
+            if node is None and isinstance(sub_update, dict):
+                cfg[name] = {}
+                node = cfg.get(name)
+            if isinstance(node, DictConfig):
+                OmegaConf.set_struct(node, False)
+
+
 # --------------------------------------------------------------------------- loading
 
 
@@ -208,11 +253,14 @@ def _merge(base: Any, update: Any, valid: dict[str, Any], source: str, raw: dict
     except ValidationError as e:
         reason = str(e.msg).splitlines()[0] if e.msg else "invalid value"
         key = str(e.full_key) if e.full_key else ""
-        if key not in valid:
+        owner = _dict_field_of(key, valid) if key not in valid else None
+        if key not in valid and owner is None:
             raise ConfigError(f"invalid value ({source}): {reason}") from None
         value = _lookup(raw, key)
+        expected = _type_name(valid[key]) if owner is None else \
+            f"the value type of {owner} ({_type_name(valid[owner])})"
         raise ConfigError(
-            f"config key '{key}' expects {_type_name(valid[key])}, got {value!r} "
+            f"config key '{key}' expects {expected}, got {value!r} "
             f"({type(value).__name__}) ({source}): {reason}"
         ) from None
     except OmegaConfBaseException as e:
@@ -274,7 +322,8 @@ def load_config(schema: type[T], yaml_path: str | None = None, overrides: Sequen
         overrides: dotted ``key=value`` strings, values parsed as YAML
             (``trainer.total_training_steps=3``, ``actor.optim.lr=1e-6``,
             ``trainer.resume_mode=disable``, ``data.files=[a.parquet,b.parquet]``,
-            ``x.y=null``).
+            ``x.y=null``); below a ``dict[str, ...]`` field any key is accepted
+            (``model.extra_transformer_config.recompute_granularity=full``).
 
     Returns:
         An instance of ``schema`` whose nested sections are instances of their dataclasses.
@@ -282,8 +331,9 @@ def load_config(schema: type[T], yaml_path: str | None = None, overrides: Sequen
     Raises:
         TypeError: ``schema`` is not a dataclass type.
         FileNotFoundError: ``yaml_path`` does not exist.
-        ConfigError (a ValueError): an unknown key (message: the full dotted key, the
-            closest valid key, the valid keys of that section), a value of the wrong type
+        ConfigError (a ValueError): an unknown key of a dataclass section (message: the
+            full dotted key, the closest valid key, the valid keys of that section), a value
+            of the wrong type (for a key below a dict field: the dict's value type)
             or outside a ``Literal`` (message: the key, the expected type, the value), a
             malformed override, or a YAML file whose top level is not a mapping.
         ValueError: a ``validate()`` method rejected a value; the message starts with
@@ -296,6 +346,7 @@ def load_config(schema: type[T], yaml_path: str | None = None, overrides: Sequen
     valid = _leaf_keys(schema)
     cfg = OmegaConf.structured(schema)
     OmegaConf.set_struct(cfg, True)
+    _open_dict_fields(cfg, schema)  # dict fields take new keys; dataclass fields stay strict
 
     if yaml_path is not None:
         if not os.path.isfile(yaml_path):
@@ -308,19 +359,21 @@ def load_config(schema: type[T], yaml_path: str | None = None, overrides: Sequen
             raise ConfigError(f"config file {yaml_path!r} must hold a mapping at the top level")
         source = f"from {yaml_path}"
         _check_keys(raw, schema, "", valid, source)
+        _open_dict_fields(cfg, schema, raw)
         cfg = _merge(cfg, loaded, valid, source, raw)
 
     for item in overrides:
         key, _ = _parse_override(item)
-        if key not in valid:
+        if key not in valid and _dict_field_of(key, valid) is None:
             raise _unknown_key_error(key, valid, f"from override {item!r}")
         update = OmegaConf.from_dotlist([item])
         raw = OmegaConf.to_container(update, resolve=False)
-        section = _section_type(valid[key])
+        section = _section_type(valid[key]) if key in valid else None
         value = _lookup(raw, key)
         if section is not None and value is not None and not isinstance(value, dict):
             raise _section_value_error(key, section, value, f"from override {item!r}")
         _check_keys(raw, schema, "", valid, f"from override {item!r}")
+        _open_dict_fields(cfg, schema, raw)
         cfg = _merge(cfg, update, valid, f"from override {item!r}", raw)
 
     try:

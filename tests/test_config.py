@@ -2,7 +2,7 @@
 
 import enum
 from dataclasses import dataclass, field
-from typing import List, Literal, Optional
+from typing import Any, List, Literal, Optional
 
 import pytest
 import yaml
@@ -278,6 +278,100 @@ def test_key_doc_prints_one_line():
 
 
 # ----------------------------------------------------------------- deployment: docker/Dockerfile
+
+# ---------------------------------------------------------------- dict fields: open mappings
+@dataclass
+class ModelSection:
+    """Model.
+
+    Attributes:
+        name: model name.
+        extra: free-form TransformerConfig kwargs.
+        sizes: named integer sizes.
+        tags: optional mapping, None by default.
+    """
+
+    name: str = "m"
+    extra: dict[str, Any] = field(default_factory=dict)
+    sizes: dict[str, int] = field(default_factory=lambda: {"base": 1})
+    tags: Optional[dict[str, str]] = None
+
+
+@dataclass
+class DictSchema:
+    """Root with dict fields.
+
+    Attributes:
+        model: model settings.
+        actor: actor settings.
+    """
+
+    model: ModelSection = field(default_factory=ModelSection)
+    actor: ActorSection = field(default_factory=ActorSection)
+
+
+def test_dict_field_takes_new_keys_from_yaml_and_overrides(tmp_path):
+    path = _write(tmp_path, {"model": {"extra": {"recompute_granularity": "full", "recompute_num_layers": 1},
+                                       "sizes": {"big": 7}}})
+    cfg = load_config(DictSchema, path, ["model.extra.recompute_method=uniform", "model.extra.recompute_num_layers=2",
+                                         "model.extra.nested.depth=3", "model.tags.owner=me"])
+    assert cfg.model.extra == {"recompute_granularity": "full", "recompute_num_layers": 2,
+                               "recompute_method": "uniform", "nested": {"depth": 3}}
+    assert type(cfg.model.extra) is dict and type(cfg.model.extra["nested"]) is dict
+    assert cfg.model.sizes == {"base": 1, "big": 7}  # YAML merges into the default mapping
+    assert cfg.model.tags == {"owner": "me"}  # a None-valued Optional[dict] becomes a mapping
+    # a whole mapping as one override value merges too
+    cfg = load_config(DictSchema, None, ["model.extra={a: 1, b: [x, y]}"])
+    assert cfg.model.extra == {"a": 1, "b": ["x", "y"]}
+    # the schema's own default instance is untouched by earlier loads
+    assert load_config(DictSchema) == DictSchema()
+    assert DictSchema().model.extra == {}
+
+
+def test_dict_field_values_are_typed_and_dataclass_fields_stay_strict(tmp_path):
+    with pytest.raises(ConfigError, match=r"'model\.sizes\.big' expects the value type of model\.sizes "
+                                          r"\(dict\[str, int\]\), got 'huge' \(str\)"):
+        load_config(DictSchema, None, ["model.sizes.big=huge"])
+    with pytest.raises(ConfigError, match=r"'model\.sizes\.big' expects .* \(from .*run\.yaml\)"):
+        load_config(DictSchema, _write(tmp_path, {"model": {"sizes": {"big": "huge"}}}))
+    # next to a dict field, the section is as strict as ever, from overrides and from YAML
+    with pytest.raises(ConfigError, match=r"unknown config key 'model\.extras\.a'.*did you mean 'model\.extra'"):
+        load_config(DictSchema, None, ["model.extras.a=1"])
+    with pytest.raises(ConfigError, match=r"unknown config key 'model\.nam'"):
+        load_config(DictSchema, _write(tmp_path, {"model": {"nam": "x", "extra": {"a": 1}}}))
+    with pytest.raises(ConfigError, match=r"unknown config key 'actor\.optim\.lrr'"):
+        load_config(DictSchema, None, ["model.extra.a=1", "actor.optim.lrr=1"])
+    # the dict field itself must get a mapping
+    with pytest.raises(ConfigError, match=r"'model\.extra'"):
+        load_config(DictSchema, None, ["model.extra=3"])
+
+
+def test_run_config_extra_transformer_config_reaches_transformer_config():
+    """The real schema: ``model.extra_transformer_config`` accepts megatron-core
+    TransformerConfig names and ``hf_to_transformer_config`` applies them."""
+    from transformers import LlamaConfig
+
+    from dapo_megatron.config import DAPOConfig
+    from dapo_megatron.models import hf_to_transformer_config
+    from dapo_megatron.platform import ParallelConfig
+
+    cfg = load_config(DAPOConfig, None, [
+        "model.hf_path=/models/x", "model.transformer_impl=local",
+        "model.extra_transformer_config.recompute_granularity=full",
+        "model.extra_transformer_config.recompute_method=uniform",
+        "model.extra_transformer_config.recompute_num_layers=1",
+    ])
+    assert cfg.model.extra_transformer_config == {"recompute_granularity": "full", "recompute_method": "uniform",
+                                                  "recompute_num_layers": 1}
+    with pytest.raises(ConfigError, match="unknown config key 'model.hf_pth'"):
+        load_config(DAPOConfig, None, ["model.hf_pth=/x"])
+    hf = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    tc = hf_to_transformer_config(hf, ParallelConfig(1, 1), cfg.model)
+    assert (tc.recompute_granularity, tc.recompute_method, tc.recompute_num_layers) == ("full", "uniform", 1)
+    plain = load_config(DAPOConfig, None, ["model.hf_path=/models/x", "model.transformer_impl=local"])
+    assert hf_to_transformer_config(hf, ParallelConfig(1, 1), plain.model).recompute_granularity is None
+
 
 import importlib.util  # noqa: E402
 import os  # noqa: E402
