@@ -16,11 +16,13 @@ from dapo_megatron.data.arithmetic import ArithmeticConfig, generate_problems, w
 from dapo_megatron.data.dataset import (
     DataConfig,
     DatasetError,
+    PromptRecord,
     chat_template_ids,
     load_from_config,
     load_prompt_dataset,
     read_dapo_rows,
     resolve_data_files,
+    unique_prompts,
     write_dapo_rows,
 )
 
@@ -268,6 +270,55 @@ def test_arithmetic_cli(tmp_path):
     assert stats.num_rows == 9 and stats.num_invalid == 0
     expected = generate_problems(9, seed=4)
     assert [r["reward_model"]["ground_truth"] for _, _, r in rows] == [str(p["answer"]) for p in expected]
+
+
+# --------------------------------------------------------------------------- distinct problems
+
+
+def test_unique_prompts_groups_copies_in_first_occurrence_order(tmp_path, tokenizer):
+    base = [row(0), row(1), row(2)]
+    rows = [
+        base[0],
+        base[1],
+        {**base[0], "extra_info": {"index": 99}},  # 2: copy of 0 (extra_info is ignored)
+        base[2],
+        {**base[0], "reward_model": {"ground_truth": "7", "style": "rule"}},  # 4: other answer
+        {**base[1], "data_source": "other"},  # 5: other grader
+        base[1],  # 6: copy of 1
+        base[0],  # 7: copy of 0
+    ]
+    ds = load_prompt_dataset(write_jsonl(tmp_path / "d.jsonl", rows), tokenizer, max_prompt_length=64)
+    groups = unique_prompts(ds.records)
+    assert [pos for _, pos in groups] == [[0, 2, 7], [1, 6], [3], [4], [5]]
+    assert [rec is ds[pos[0]] for rec, pos in groups] == [True] * 5
+    assert [(rec.data_source, rec.ground_truth) for rec, _ in groups] == [
+        ("toy", "0"), ("toy", "1"), ("toy", "2"), ("toy", "7"), ("other", "1")]
+    assert unique_prompts([]) == []
+    # same messages, different chat-templated ids (another system prompt) are different prompts
+    sys_row = {**base[0], "prompt": [{"role": "system", "content": "w9"}] + base[0]["prompt"]}
+    ds2 = load_prompt_dataset(write_jsonl(tmp_path / "e.jsonl", [base[0], sys_row]), tokenizer, 64)
+    assert [pos for _, pos in unique_prompts(ds2.records)] == [[0], [1]]
+    with pytest.raises(TypeError, match=r"records\[1\] is a dict"):
+        unique_prompts([ds[0], rows[0]])
+
+
+def test_unique_prompts_on_aime_gives_30_problems_of_32_copies():
+    """The DAPO paper's AIME 2024 file: 960 rows are 30 problems × 32 copies. Expected
+    groups come from the raw ``extra_info.raw_problem`` text, not from the prompt ids."""
+    path = os.path.join(SHARED, "aime-2024.parquet")
+    if not os.path.exists(path):
+        pytest.skip(f"shared test data not found at {path}")
+    rows, _ = read_dapo_rows(path)
+    records = [PromptRecord(index=i, data_source=r["data_source"],
+                            prompt_ids=list(r["prompt"][0]["content"].encode("utf-8")),
+                            messages=r["prompt"], ground_truth=r["reward_model"]["ground_truth"],
+                            extra_info=r["extra_info"]) for i, (_, _, r) in enumerate(rows)]
+    expected: dict[str, list[int]] = {}
+    for i, (_, _, r) in enumerate(rows):
+        expected.setdefault(r["extra_info"]["raw_problem"], []).append(i)
+    groups = unique_prompts(records)
+    assert len(groups) == 30 and all(len(pos) == 32 for _, pos in groups)
+    assert [pos for _, pos in groups] == list(expected.values())
 
 
 # --------------------------------------------------------------------------- real files

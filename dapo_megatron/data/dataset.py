@@ -440,6 +440,41 @@ def load_prompt_dataset(
     return PromptDataset(records, stats)
 
 
+def unique_prompts(records: Sequence[PromptRecord]) -> list[tuple[PromptRecord, list[int]]]:
+    """The distinct problems of ``records``, each with the positions of all its copies.
+
+    Evaluation files often repeat each problem: the AIME 2024 parquet of the DAPO paper
+    holds its 30 problems 32 times each (verl samples each copy once, which is avg@32 per
+    problem). To sample ``n`` responses per *problem* instead (avg@n and an unbiased
+    pass@k over all ``n`` samples), evaluate one entry per distinct problem.
+
+    Two records are copies when ``data_source``, ``prompt_ids`` (the chat-templated
+    prompt) and ``ground_truth`` are all equal; ``extra_info`` (e.g. a per-row index) is
+    ignored.
+
+    Args:
+        records: :class:`PromptRecord` s, e.g. ``PromptDataset.records``.
+
+    Returns:
+        ``[(first_record, positions), ...]`` in order of first occurrence; ``positions``
+        are the 0-based positions in ``records`` of every copy (ascending, the first is the
+        position of ``first_record``). Their lengths sum to ``len(records)``.
+
+    Raises:
+        TypeError: an element is not a :class:`PromptRecord`.
+    """
+    groups: dict[tuple, tuple[PromptRecord, list[int]]] = {}
+    for i, rec in enumerate(records):
+        if not isinstance(rec, PromptRecord):
+            raise TypeError(f"unique_prompts: records[{i}] is a {type(rec).__name__}, expected a PromptRecord")
+        key = (rec.data_source, tuple(rec.prompt_ids), rec.ground_truth)
+        if key in groups:
+            groups[key][1].append(i)
+        else:
+            groups[key] = (rec, [i])
+    return list(groups.values())
+
+
 def load_from_config(cfg: DataConfig, tokenizer: Any, split: str = "train") -> PromptDataset:
     """:func:`load_prompt_dataset` on ``cfg.train_files`` or ``cfg.val_files``.
 
