@@ -372,21 +372,44 @@ class DAPOTrainer:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:
-        """avg@k and pass@k on the validation set (``rollout.val_*`` sampling)."""
+        """avg@k and pass@k (k = ``rollout.val_n``) on the distinct problems of the validation set.
+
+        Validation samples ``rollout.val_n`` responses per DISTINCT problem: rows that are
+        copies of one problem (equal ``data_source``, chat-templated prompt ids and ground
+        truth; :func:`dapo_megatron.data.dataset.unique_prompts`) count once. The AIME 2024
+        parquet holds 30 problems × 32 copies, so ``val_n=32`` is the paper's avg@32 over
+        30 × 32 samples, not 960 × 32. ``rollout.val_max_prompts`` (> 0) keeps the first M
+        distinct problems (in file order of their first copy).
+
+        Problems are dealt round-robin over all ranks (each generates on its colocated
+        engine, ``rollout.val_temperature`` / ``val_top_p`` / ``top_k``, at most
+        ``rollout.response_length`` new tokens); response j of problem i is seeded by
+        ``(trainer.seed + 7919 * step, i, j)``, so the samples do not depend on the world
+        size. Responses are decoded with ``skip_special_tokens=True`` and graded (0/1
+        ``acc``) by this rank's reward pool. Collective: call it on every rank.
+
+        Returns:
+            :func:`dapo_megatron.metrics.compute_val_metrics` with ``k = val_n``:
+            ``val/avg@k`` (mean over problems of the mean accuracy of their ``val_n``
+            samples), ``val/pass@k`` (unbiased estimator), ``val/num_prompts`` (distinct
+            problems evaluated) and the same per ``data_source``; identical on all ranks.
+        """
+        from dapo_megatron.data.dataset import unique_prompts
         from dapo_megatron.metrics import compute_val_metrics
 
         r = self.cfg.rollout
-        n_val = len(self.val_data) if r.val_max_prompts <= 0 else min(r.val_max_prompts, len(self.val_data))
-        records = [self.val_data[i] for i in range(n_val)]
-        mine = list(range(self.rank, n_val, self.world))
+        problems = [rec for rec, _ in unique_prompts(self.val_data.records)]
+        if r.val_max_prompts > 0:
+            problems = problems[:r.val_max_prompts]
+        mine = list(range(self.rank, len(problems), self.world))
         params = self._sampling_params(n=r.val_n, temperature=r.val_temperature, top_p=r.val_top_p,
                                        seed=self.cfg.trainer.seed + 7919 * self.step)
         self.engine.wake_up()
-        outputs = self.engine.generate([records[i].prompt_ids for i in mine], params, mine) if mine else []
+        outputs = self.engine.generate([problems[i].prompt_ids for i in mine], params, mine) if mine else []
         self.engine.sleep()
         requests, owners = [], []
         for i, comps in zip(mine, outputs):
-            rec = records[i]
+            rec = problems[i]
             for c in comps:
                 requests.append((rec.data_source, self._decode(c.response_ids), rec.ground_truth, rec.extra_info))
                 owners.append(i)
@@ -398,7 +421,7 @@ class DAPOTrainer:
         for part in _all_gather_objects(local):
             accs.update(part)
         order = sorted(accs)
-        return compute_val_metrics([records[i].data_source for i in order], [accs[i] for i in order], k=r.val_n)
+        return compute_val_metrics([problems[i].data_source for i in order], [accs[i] for i in order], k=r.val_n)
 
     # ------------------------------------------------------------------ checkpoint
     def save(self) -> None:
