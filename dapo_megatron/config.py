@@ -695,10 +695,13 @@ class RolloutConfig:
             equal ``buffer.overlong.max_response_length``.
         update_weights_bucket_megabytes: bucket size of the weight sync (MiB).
         gpu_memory_utilization: SGLang ``mem_fraction_static`` (GPU only).
-        val_n: responses per validation prompt (the k of avg@k / pass@k).
+        val_n: responses per DISTINCT validation problem (the k of avg@k / pass@k). Rows
+            that are copies of one problem (same data_source, prompt, ground truth) are
+            sampled once as a group of val_n: the AIME 2024 parquet (30 problems × 32
+            copies) with val_n=32 gives the paper's avg@32 over 30 × 32 samples.
         val_temperature: validation sampling temperature (paper: 1.0).
         val_top_p: validation top-p (paper: 0.7).
-        val_max_prompts: validate on at most this many prompts (0 = all).
+        val_max_prompts: validate on the first this many distinct problems (0 = all).
     """
 
     name: str = "hf"
