@@ -43,8 +43,8 @@ def _load(path: str, *overrides: str) -> DAPOConfig:
 def test_found_the_examples():
     names = {os.path.basename(p) for p in CONFIGS}
     assert {"dapo_smollm2_cpu.yaml", "dapo_qwen2_5_7b_h100.yaml", "dapo_qwen2_5_32b_h100.yaml"} <= names
-    assert {"run_dapo_smollm2_cpu.sh", "run_dapo_qwen2_5_7b_h100.sh",
-            "run_dapo_qwen2_5_32b_h100.sh"} <= {os.path.basename(p) for p in SCRIPTS}
+    assert {"run_dapo_smollm2_cpu.sh", "run_dapo_qwen2_5_7b_h100.sh", "run_dapo_qwen2_5_32b_h100.sh",
+            "launch_torchrun.sh"} <= {os.path.basename(p) for p in SCRIPTS}
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
@@ -104,7 +104,8 @@ def test_h100_config_holds_the_paper_settings(size):
     # sampling: temperature 1.0 for training; validation temperature 1.0, top-p 0.7
     assert r.temperature == 1.0 and r.top_p == 1.0
     assert r.val_temperature == 1.0 and r.val_top_p == 0.7
-    assert r.val_n == 1 and r.val_max_prompts == 0  # 32 copies per AIME problem: avg@32 (see the YAML)
+    # AIME 2024 avg@32: 32 samples per distinct problem (DAPOTrainer.validate), all 30 problems
+    assert r.val_n == 32 and r.val_max_prompts == 0
     assert cfg.data.val_files and "aime-2024" in os.path.basename(cfg.data.val_files[0])
     assert cfg.data.train_files and "dapo-math-17k" in os.path.basename(cfg.data.train_files[0])
     # H100: bf16 params, TE FP8 hybrid with the first/last layers in bf16, colocated SGLang
@@ -112,16 +113,30 @@ def test_h100_config_holds_the_paper_settings(size):
     assert m.params_dtype == "bfloat16" and m.transformer_impl == "transformer_engine"
     assert m.fp8 == "hybrid" and m.first_last_layers_bf16
     assert r.name == "sglang"
+    # full activation recompute of every layer, as megatron-core TransformerConfig fields
+    assert m.extra_transformer_config == {"recompute_granularity": "full", "recompute_method": "uniform",
+                                          "recompute_num_layers": 1}
 
 
-def test_aime_file_has_32_copies_per_problem(shared_data_dir):
-    """val_n=1 gives avg@32 only because every AIME problem appears exactly 32 times."""
+def test_aime_validation_is_30_problems_times_val_n(shared_data_dir):
+    """Validation dedups the 32 copies of each AIME problem (data.dataset.unique_prompts),
+    so the H100 configs sample 30 x 32 responses: the paper's avg@32, not 960 x 32."""
     import pandas as pd
+
+    from dapo_megatron.data.dataset import PromptRecord, unique_prompts
 
     df = pd.read_parquet(os.path.join(shared_data_dir, "aime-2024.parquet"))
     counts = df["prompt"].map(lambda msgs: msgs[-1]["content"]).value_counts()
     assert len(counts) == 30 and set(counts) == {32}
-    assert _load(H100["32b"]).rollout.val_n * 32 == 32
+    records = [PromptRecord(index=i, data_source=row["data_source"],
+                            prompt_ids=list(row["prompt"][-1]["content"].encode("utf-8")), messages=[],
+                            ground_truth=row["reward_model"]["ground_truth"], extra_info={})
+               for i, row in enumerate(df.to_dict("records"))]
+    problems = unique_prompts(records)
+    for size in sorted(H100):
+        r = _load(H100[size]).rollout
+        n = len(problems) if r.val_max_prompts == 0 else min(r.val_max_prompts, len(problems))
+        assert n * r.val_n == 30 * 32
 
 
 @pytest.mark.parametrize("size", sorted(H100))
@@ -144,6 +159,8 @@ def test_h100_layout_fits_the_model(size, monkeypatch):
     tc = mc.hf_to_transformer_config(hf, cfg.parallel, cpu_model)
     assert tc.num_query_groups == QWEN2_5[size]["num_key_value_heads"]  # no zero-padded groups needed
     assert tc.num_query_groups % tp == 0 and tc.num_layers % pp == 0
+    # the YAML's extra_transformer_config reaches megatron-core (activation recompute)
+    assert (tc.recompute_granularity, tc.recompute_method, tc.recompute_num_layers) == ("full", "uniform", 1)
     monkeypatch.setattr(mc, "_cuda_capability", lambda: (9, 0))
     monkeypatch.setattr(mc, "_te_version", lambda: mc.FP8_RECIPE_MIN_TE[cfg.model.fp8_recipe])
     mc.validate_fp8(cfg.model, hf.num_hidden_layers, pp)
@@ -188,7 +205,8 @@ def test_h100_launcher_passes_env_and_overrides(size, tmp_path, fake_inputs):
     script = os.path.join(REPO, "examples", f"run_dapo_qwen2_5_{size}_h100.sh")
     env = dict(fake_inputs, NNODES="3", NODE_RANK="2", MASTER_ADDR="10.1.2.3", MASTER_PORT="12345",
                RUN_DIR=str(tmp_path / "run"))
-    out = _dry_run(script, tmp_path, env, "trainer.total_training_steps=7", "rollout.val_n=4")
+    out = _dry_run(script, tmp_path, env, "trainer.total_training_steps=7", "rollout.val_n=4",
+                   "model.extra_transformer_config.recompute_num_layers=2")
     assert out.returncode == 0, out.stderr
     argv = (tmp_path / "args.txt").read_text().split("\n")
     pairs = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
@@ -201,18 +219,35 @@ def test_h100_launcher_passes_env_and_overrides(size, tmp_path, fake_inputs):
     assert printed["data"]["val_files"] == [fake_inputs["VAL_FILE"]]
     assert printed["trainer"]["default_local_dir"] == str(tmp_path / "run")
     assert printed["trainer"]["total_training_steps"] == 7 and printed["rollout"]["val_n"] == 4
+    # a key below the dict field is overridden, its siblings keep the YAML's values
+    assert printed["model"]["extra_transformer_config"] == {"recompute_granularity": "full",
+                                                            "recompute_method": "uniform", "recompute_num_layers": 2}
     # everything else is the YAML's
     assert printed["actor"]["optim"]["lr"] == 1e-6 and printed["buffer"]["n"] == 16
 
 
-def test_h100_launcher_defaults_and_missing_input(tmp_path, fake_inputs):
-    script = os.path.join(REPO, "examples", "run_dapo_qwen2_5_7b_h100.sh")
+@pytest.mark.parametrize("size", sorted(H100))
+def test_h100_launcher_defaults_and_missing_input(size, tmp_path, fake_inputs):
+    script = os.path.join(REPO, "examples", f"run_dapo_qwen2_5_{size}_h100.sh")
     out = _dry_run(script, tmp_path, fake_inputs)
     assert out.returncode == 0, out.stderr
     argv = (tmp_path / "args.txt").read_text().split("\n")
     pairs = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
-    assert (pairs["--nnodes"], pairs["--node_rank"], pairs["--master_addr"], pairs["--master_port"]) == \
-        ("1", "0", "127.0.0.1", "29500")
+    nnodes = str(GPUS[size] // 8)  # the example's own default: 1 node (7B), 4 nodes (32B)
+    assert (pairs["--nnodes"], pairs["--node_rank"], pairs["--nproc_per_node"], pairs["--master_addr"],
+            pairs["--master_port"]) == (nnodes, "0", "8", "127.0.0.1", "29500")
+    printed = yaml.safe_load(out.stdout)
+    assert printed["trainer"]["default_local_dir"] == f"runs/dapo_qwen2_5_{size}_h100"
     missing = dict(fake_inputs, TRAIN_FILE=str(tmp_path / "nope.parquet"))
     out = _dry_run(script, tmp_path, missing)
     assert out.returncode == 2 and "nope.parquet not found" in out.stderr and "TRAIN_FILE" in out.stderr
+    out = _dry_run(script, tmp_path, dict(fake_inputs, MODEL_PATH=str(tmp_path / "no_model")))
+    assert out.returncode == 2 and "no_model/config.json not found" in out.stderr
+
+
+def test_shared_launcher_needs_its_four_arguments(tmp_path, fake_inputs):
+    launcher = os.path.join(REPO, "examples", "launch_torchrun.sh")
+    out = _dry_run(launcher, tmp_path, fake_inputs, "examples/configs/dapo_qwen2_5_7b_h100.yaml")
+    assert out.returncode == 2 and "usage:" in out.stderr and "DEFAULT_NNODES" in out.stderr
+    out = _dry_run(launcher, tmp_path, fake_inputs, "examples/configs/none.yaml", "/m", "runs/x", "1")
+    assert out.returncode == 2 and "config examples/configs/none.yaml not found" in out.stderr
