@@ -298,16 +298,14 @@ class ModelSection:
 
 
 @dataclass
-class DictSchema:
-    """Root with dict fields.
+class DictSchema(RunSchema):
+    """The sample root plus a section holding dict fields.
 
     Attributes:
         model: model settings.
-        actor: actor settings.
     """
 
     model: ModelSection = field(default_factory=ModelSection)
-    actor: ActorSection = field(default_factory=ActorSection)
 
 
 def test_dict_field_takes_new_keys_from_yaml_and_overrides(tmp_path):
