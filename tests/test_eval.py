@@ -32,8 +32,8 @@ ev = _load_eval_module()
 def _record(i, content, gt="1", source="arithmetic"):
     from dapo_megatron.data.dataset import PromptRecord
 
-    return PromptRecord(index=i, data_source=source, prompt_ids=[1, 2, 3],
-                        messages=[{"role": "user", "content": content}], ground_truth=gt, extra_info={})
+    return PromptRecord(index=i, data_source=source, prompt_ids=[1, *map(ord, content), 2],
+                        messages=[{"role": "user", "content": content}], ground_truth=gt, extra_info={"i": i})
 
 
 # ---------------------------------------------------------------- grouping (fast)
@@ -75,7 +75,10 @@ def test_resolve_model_names_what_is_wrong(tmp_path):
     (step / "checkpoint_info.json").write_text("{}")
     with pytest.raises(ValueError, match=r"run directory: pass one of its checkpoints, .*step_<k>"):
         ev.resolve_model(str(tmp_path / "run"), None, str(tmp_path))
-    with pytest.raises(ValueError, match="--gguf-file 'm.gguf' given with the checkpoint"):
+    with pytest.raises(ValueError, match="trainer checkpoint without dapo_megatron.json"):
+        ev.resolve_model(str(step), None, str(tmp_path))
+    (step / "dapo_megatron.json").write_text("{}")
+    with pytest.raises(ValueError, match="--gguf-file 'm.gguf' given with the Megatron checkpoint"):
         ev.resolve_model(str(step), "m.gguf", str(tmp_path))
     gguf_dir = tmp_path / "g"
     gguf_dir.mkdir()
@@ -177,13 +180,14 @@ def test_eval_megatron_checkpoint_equals_its_hf_source(tiny_llama_with_smollm2_t
 _WRITE_TRAINER_CKPT = '''
 import sys, torch
 from safetensors.torch import save_file
+from transformers import AutoTokenizer
 from dapo_megatron.actor import ActorConfig, MegatronActor
 from dapo_megatron.bridge import export_hf_state_dict, load_hf_weights, open_hf_source
+from dapo_megatron.bridge.dist_ckpt import write_model_meta
 from dapo_megatron.checkpointing import save_checkpoint
-from dapo_megatron.config import DAPOConfig, load_config, to_flat_dict
+from dapo_megatron.config import DAPOConfig, load_config
 from dapo_megatron.models import build_gpt_model, load_hf_config
 from dapo_megatron.platform import destroy_distributed, init_distributed
-from dapo_megatron.tracking import Tracker, TrackingConfig
 
 def main(hf_dir, run_dir, expected_path):
     cfg = load_config(DAPOConfig, None, [f"model.hf_path={hf_dir}", "model.transformer_impl=local",
@@ -205,8 +209,11 @@ def main(hf_dir, run_dir, expected_path):
     ddp.finish_grad_sync()
     assert opt.step()[0]
     actor.scheduler.step(1)
-    Tracker(run_dir, TrackingConfig(use_mlflow=False), rank=0).log_params(to_flat_dict(cfg))
-    save_checkpoint(run_dir, 1, actor.model_chunks, actor.optimizer, actor.scheduler, {"step": 1})
+    tokenizer = AutoTokenizer.from_pretrained(hf_dir)
+    # as DAPOTrainer.save: the model meta (HF config, tokenizer, dapo_megatron.json) is
+    # written inside the checkpoint's atomic commit
+    save_checkpoint(run_dir, 1, actor.model_chunks, actor.optimizer, actor.scheduler, {"step": 1},
+                    write_extra=lambda d: write_model_meta(d, actor.model_chunks, hf_config, tokenizer))
     save_file({k: v.contiguous() for k, v in export_hf_state_dict(actor.model_chunks).items()}, expected_path)
     destroy_distributed()
 
@@ -236,9 +243,9 @@ def tiny_llama_with_smollm2_tokenizer(smollm2_gguf, tmp_path_factory):
 @pytest.mark.slow
 def test_eval_trainer_checkpoint_reads_the_trained_weights(tiny_llama_with_smollm2_tokenizer, arithmetic_file,
                                                           tmp_path):
-    """A trainer checkpoint (model + distributed optimizer + scheduler, params.json from the
-    trainer's Tracker) is evaluated on the weights it holds, bitwise: the HF export of the
-    conversion equals the saving model's own export, not the base model's."""
+    """A trainer checkpoint (model + distributed optimizer + scheduler + the model meta, saved
+    as ``DAPOTrainer.save`` does) is evaluated on the weights it holds, bitwise: the HF
+    export of the conversion equals the saving model's own export, not the base model's."""
     import torch
     from safetensors.torch import load_file
 
@@ -251,6 +258,7 @@ def test_eval_trainer_checkpoint_reads_the_trained_weights(tiny_llama_with_smoll
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     step = run_dir / "checkpoints" / "step_1"
+    assert (step / "dapo_megatron.json").is_file() and (step / "config.json").is_file()
     conv = tmp_path / "converted"
     metrics, records = _run_eval(["--model", str(step), "--data", arithmetic_file, "--n", "2", "--max-new-tokens",
                                   "4", "--max-prompts", "2", "--num-workers", "1", "--keep-converted", str(conv),

@@ -14,27 +14,26 @@ Usage::
 
 * an HF directory (config.json + safetensors + tokenizer), or a directory holding the GGUF
   file named by ``--gguf-file`` (de-quantised by transformers);
-* a Megatron model checkpoint (``dapo_megatron.json`` + torch_dist shards, written by
-  ``tools/convert_hf_to_megatron.py`` or ``bridge.save_model_checkpoint``): converted to a
+* a Megatron model checkpoint (``dapo_megatron.json`` + torch_dist shards): written by
+  ``tools/convert_hf_to_megatron.py`` / ``bridge.save_model_checkpoint``, or a trainer
+  checkpoint ``<run dir>/checkpoints/step_<k>`` (``DAPOTrainer.save`` writes the HF config,
+  tokenizer and ``dapo_megatron.json`` next to the model, optimizer and RNG state; the
+  loader reads the model and skips the ``optimizer.*`` entries). It is converted to a
   temporary HF directory by ``tools/convert_megatron_to_hf.py`` (one process, TP=PP=1),
-  deleted at exit (``--keep-converted DIR`` keeps it).
-
-* a trainer checkpoint ``<run dir>/checkpoints/step_<k>`` (model + optimizer + RNG, no HF
-  config): the model part is read at TP=PP=1 using the run's ``<run dir>/params.json``
-  (``model.hf_path`` / ``gguf_file`` / dtype / padding, written by the trainer's tracker)
-  and the saving TP of ``checkpoint_info.json``, saved as a Megatron model checkpoint
-  (:func:`export_trainer_checkpoint`), then converted as above. The run's
-  ``model.hf_path`` must still exist (architecture and tokenizer). A checkpoint saved with
-  the Transformer Engine spec must be converted where TE is installed (its parameter names
-  differ from the local spec's).
+  deleted at exit (``--keep-converted DIR`` keeps it). A checkpoint saved with the
+  Transformer Engine spec must be converted where TE is installed (its parameter names
+  differ from the local spec's). A run directory is rejected: name one of its
+  ``checkpoints/step_<k>``.
 
 Duplicate prompts: DAPO-schema evaluation files often repeat each problem (the AIME 2024
 parquet holds its 30 problems 32 times each). Without ``--dedup`` every row is a prompt
 of its own and gets ``--n`` samples (verl's way with ``--n 1``: 32 copies × 1 sample is
-avg@32 per problem). With ``--dedup`` rows with the same chat messages, ground truth and
-data_source form one prompt that gets ``--n`` samples (``--n 32`` gives avg@32 and a
-pass@32 that the copies-with-n=1 way cannot). ``--max-prompts`` keeps the first M
-prompts after deduplication (file order of their first row).
+avg@32 per problem). With ``--dedup`` rows with the same data_source, chat-templated
+prompt and ground truth form one prompt that gets ``--n`` samples
+(:func:`dapo_megatron.data.dataset.unique_prompts`, as the trainer's ``validate()``
+does; ``--n 32`` gives avg@32 and a pass@32 that the copies-with-n=1 way cannot).
+``--max-prompts`` keeps the first M prompts after deduplication (file order of their
+first row).
 
 Metrics (:func:`dapo_megatron.metrics.compute_val_metrics`): avg@k = mean over prompts of
 the mean 0/1 accuracy of their samples (all ``n`` samples are used); pass@k = mean over
@@ -76,7 +75,8 @@ class EvalConfig:
     """Settings of one evaluation (the command-line flags, same names with ``_``).
 
     Attributes:
-        model: HF directory, GGUF directory (with ``gguf_file``) or Megatron model checkpoint.
+        model: HF directory, GGUF directory (with ``gguf_file``) or Megatron model checkpoint
+            (also a trainer's ``checkpoints/step_<k>``).
         data: DAPO-schema parquet/jsonl file(s).
         gguf_file: GGUF file name inside ``model``; None for safetensors / Megatron.
         n: samples per prompt (>= 1).
@@ -88,7 +88,7 @@ class EvalConfig:
         max_prompt_length: prompts longer than this many chat-templated tokens are dropped
             (and counted in ``eval/num_overlong_prompts``).
         max_prompts: evaluate the first M prompts (after ``dedup``); 0 = all.
-        dedup: one prompt per distinct (messages, ground truth, data_source); see module doc.
+        dedup: one prompt per distinct (data_source, prompt ids, ground truth); see module doc.
         engine: "hf" (transformers, CPU or GPU) or "sglang" (GPU).
         tp: SGLang tensor-parallel size (engine "sglang").
         gpu_memory_utilization: SGLang ``mem_fraction_static``.
@@ -180,7 +180,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> EvalConfig:
     p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens)
     p.add_argument("--max-prompt-length", type=int, default=d.max_prompt_length)
     p.add_argument("--max-prompts", type=int, default=d.max_prompts, help="first M prompts (after --dedup); 0 = all")
-    p.add_argument("--dedup", action="store_true", help="one prompt per distinct (messages, ground truth, source)")
+    p.add_argument("--dedup", action="store_true", help="one prompt per distinct (source, prompt, ground truth)")
     p.add_argument("--engine", choices=["hf", "sglang"], default=d.engine)
     p.add_argument("--tp", type=int, default=d.tp, help="SGLang tensor-parallel size")
     p.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
@@ -209,7 +209,8 @@ def resolve_model(model: str, gguf_file: Optional[str], workdir: str) -> tuple[s
     """The HF directory (and GGUF file name) to load for ``--model``.
 
     Args:
-        model: HF / GGUF directory, or a Megatron model checkpoint directory.
+        model: HF / GGUF directory, or a Megatron model checkpoint directory (a trainer's
+            ``checkpoints/step_<k>`` is one).
         gguf_file: ``--gguf-file``.
         workdir: where a Megatron checkpoint is converted to (``<workdir>/hf``).
 
@@ -219,24 +220,23 @@ def resolve_model(model: str, gguf_file: Optional[str], workdir: str) -> tuple[s
     Raises:
         FileNotFoundError: ``model`` (or its GGUF file / config.json) does not exist.
         ValueError: ``model`` is a run directory (name one of its ``checkpoints/step_<k>``),
-            or a Megatron / trainer checkpoint given with --gguf-file.
-        RuntimeError: a conversion failed (its output is included).
+            a trainer checkpoint without ``dapo_megatron.json`` (saved by an older
+            trainer), or a Megatron checkpoint given with --gguf-file.
+        RuntimeError: the conversion failed (its output is included).
     """
     if not os.path.isdir(model):
         raise FileNotFoundError(f"--model {model!r} is not a directory (HF / GGUF dir or Megatron checkpoint)")
     if os.path.isdir(os.path.join(model, "checkpoints")) and not os.path.isfile(os.path.join(model, "config.json")):
         raise ValueError(f"--model {model!r} is a run directory: pass one of its checkpoints, "
                          f"{os.path.join(model, 'checkpoints', 'step_<k>')}")
-    is_trainer_ckpt = os.path.isfile(os.path.join(model, TRAINER_INFO_FILE))
-    if gguf_file and (is_trainer_ckpt or os.path.isfile(os.path.join(model, MEGATRON_META_FILE))):
-        raise ValueError(f"--gguf-file {gguf_file!r} given with the checkpoint {model!r}; drop it")
-    if is_trainer_ckpt:
-        mg = os.path.join(workdir, "megatron")
-        _log(f"reading the model of the trainer checkpoint {model} into a Megatron model checkpoint {mg}")
-        _run_tool([sys.executable, os.path.abspath(__file__), "--export-trainer-checkpoint", model, mg],
-                  f"exporting the trainer checkpoint {model}")
-        model = mg
+    if os.path.isfile(os.path.join(model, TRAINER_INFO_FILE)) and \
+            not os.path.isfile(os.path.join(model, MEGATRON_META_FILE)):
+        raise ValueError(f"--model {model!r} is a trainer checkpoint without {MEGATRON_META_FILE} (saved before "
+                         "DAPOTrainer.save wrote the HF config and tokenizer next to the model): it cannot be "
+                         "converted; evaluate a checkpoint saved by the current trainer")
     if os.path.isfile(os.path.join(model, MEGATRON_META_FILE)):
+        if gguf_file:
+            raise ValueError(f"--gguf-file {gguf_file!r} given with the Megatron checkpoint {model!r}; drop it")
         out = os.path.join(workdir, "hf")
         _log(f"converting the Megatron checkpoint {model} to HF safetensors in {out}")
         _run_tool([sys.executable, CONVERT_TO_HF, "--ckpt", model, "--out", out],
@@ -254,95 +254,13 @@ def resolve_model(model: str, gguf_file: Optional[str], workdir: str) -> tuple[s
 
 
 def _run_tool(cmd: list[str], what: str) -> None:
-    """Run a conversion in its own process (a world of one: it initialises torch.distributed
+    """Run the conversion in its own process (a world of one: it initialises torch.distributed
     and Megatron's parallel state, which this process must not keep)."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-
-
-def export_trainer_checkpoint(step_dir: str, out_dir: str, params_file: Optional[str] = None) -> None:
-    """Save the model part of a trainer checkpoint as a Megatron model checkpoint (TP=PP=1).
-
-    Builds the run's model in this process (a world of one: call it in a fresh process),
-    reads only the ``"model"`` entries of the distributed checkpoint (the optimizer and
-    scheduler entries are left unread) and writes ``out_dir`` with
-    :func:`dapo_megatron.bridge.save_model_checkpoint` (HF config.json, tokenizer,
-    ``dapo_megatron.json``), which ``tools/convert_megatron_to_hf.py`` reads.
-
-    The run's layout is rebuilt from ``checkpoint_info.json`` (saving TP) and
-    ``params_file`` (default ``<step_dir>/../../params.json``, the trainer tracker's flat
-    config): the vocabulary padding of the save (``make_vocab_size_divisible_by × TP``) and
-    its zero-padded query groups are reproduced at TP=1, so every tensor has the saved
-    global shape.
-
-    Args:
-        step_dir: ``<run dir>/checkpoints/step_<k>``.
-        out_dir: the Megatron model checkpoint to write (replaced atomically).
-        params_file: the run's ``params.json``.
-
-    Raises:
-        FileNotFoundError: no ``params.json``, or the run's ``model.hf_path`` is gone.
-        ValueError: a ``params.json`` without the model keys, virtual-pipeline checkpoints
-            (several model chunks), or model tensors the
-            checkpoint lacks (e.g. saved with the Transformer Engine spec and read here with
-            the local one), named.
-    """
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.validation import StrictHandling
-
-    from dapo_megatron.bridge import save_model_checkpoint
-    from dapo_megatron.models import ModelConfig, build_gpt_model, load_hf_config
-    from dapo_megatron.models.config import megatron_attention_heads
-    from dapo_megatron.platform import ParallelConfig, destroy_distributed, init_distributed
-
-    with open(os.path.join(step_dir, TRAINER_INFO_FILE)) as f:
-        info = json.load(f)
-    if info.get("num_model_chunks", 1) != 1:
-        raise ValueError(f"{step_dir}: {info['num_model_chunks']} model chunks (virtual pipeline) are not supported")
-    params_file = params_file or os.path.join(step_dir, os.pardir, os.pardir, "params.json")
-    if not os.path.isfile(params_file):
-        raise FileNotFoundError(f"{params_file} not found: the run's flat config (written by the trainer's tracker) "
-                                "names the model the checkpoint was trained from")
-    with open(params_file) as f:
-        params = json.load(f)
-    needed = ("model.hf_path", "model.params_dtype", "model.make_vocab_size_divisible_by")
-    missing = [k for k in needed if k not in params]
-    if missing:
-        raise ValueError(f"{params_file} lacks {missing}: not the params.json of a dapo-megatron run")
-    hf_path, gguf_file = params.get("model.hf_path"), params.get("model.gguf_file")
-    if not hf_path or not os.path.isdir(hf_path):
-        raise FileNotFoundError(f"the run's model.hf_path {hf_path!r} (from {params_file}) is not a directory: the "
-                                "architecture and tokenizer come from it")
-    saved = ModelConfig(hf_path=hf_path, gguf_file=gguf_file, params_dtype=params["model.params_dtype"],
-                        make_vocab_size_divisible_by=params["model.make_vocab_size_divisible_by"],
-                        transformer_impl=params.get("model.transformer_impl", "auto"),
-                        pad_query_groups=params.get("model.pad_query_groups", True),
-                        query_groups_multiple=params.get("model.query_groups_multiple"))
-    tp = int(info["tensor_model_parallel_size"])
-    hf_config = load_hf_config(hf_path, gguf_file)
-    _, groups = megatron_attention_heads(hf_config, tp, saved)
-    model_cfg = dataclasses.replace(saved, make_vocab_size_divisible_by=saved.make_vocab_size_divisible_by * tp,
-                                    query_groups_multiple=groups, fp8=None)
-    init_distributed(ParallelConfig(1, 1))
-    try:
-        model = build_gpt_model(hf_config, model_cfg)
-        state, not_read, absent = dist_checkpointing.load({"model": model.sharded_state_dict()}, step_dir,
-                                                          strict=StrictHandling.RETURN_ALL)
-        absent = sorted(str(k) for k in absent)
-        if absent:
-            raise ValueError(f"{step_dir} lacks {len(absent)} model tensors, e.g. {absent[:3]} (saved with another "
-                             f"layer spec? this process uses {model.config.transformer_impl!r})")
-        stray = sorted(k for k in not_read if not str(k).startswith(("optimizer", "opt_param_scheduler")))
-        if stray:
-            raise ValueError(f"{step_dir} holds model tensors this model does not have, e.g. {stray[:3]}")
-        model.load_state_dict(state["model"], strict=True)
-        tokenizer = load_tokenizer(hf_path, gguf_file)
-        save_model_checkpoint(model, out_dir, hf_config, tokenizer)
-    finally:
-        destroy_distributed()
 
 
 def load_tokenizer(hf_dir: str, gguf_file: Optional[str]):
@@ -403,24 +321,25 @@ def group_prompts(records: Sequence[Any], dedup: bool, max_prompts: int = 0) -> 
     """The prompts to evaluate, in file order of their first row.
 
     Args:
-        records: ``PromptRecord`` s (``messages``, ``ground_truth``, ``data_source``).
-        dedup: merge rows with equal messages, ground truth and data_source into one prompt.
+        records: ``PromptRecord`` s of the loaded dataset (position = dataset row).
+        dedup: merge copies of a problem (equal data_source, prompt ids and ground truth;
+            :func:`dapo_megatron.data.dataset.unique_prompts`) into one prompt.
         max_prompts: keep the first M prompts (after merging); 0 keeps all.
 
     Returns:
         list of :class:`EvalPrompt` with ``index`` 0..P-1.
+
+    Raises:
+        ValueError: ``max_prompts < 0``.
     """
+    from dapo_megatron.data.dataset import unique_prompts
+
     if max_prompts < 0:
         raise ValueError(f"max_prompts={max_prompts} must be >= 0 (0 = all)")
-    groups: dict[Any, list[int]] = {}
-    for i, rec in enumerate(records):
-        key = (tuple((m["role"], m["content"]) for m in rec.messages), rec.ground_truth, rec.data_source) \
-            if dedup else i
-        groups.setdefault(key, []).append(i)
-    rows = list(groups.values())
+    groups = unique_prompts(records) if dedup else [(rec, [i]) for i, rec in enumerate(records)]
     if max_prompts:
-        rows = rows[:max_prompts]
-    return [EvalPrompt(index=j, rows=r, record=records[r[0]]) for j, r in enumerate(rows)]
+        groups = groups[:max_prompts]
+    return [EvalPrompt(index=j, rows=rows, record=rec) for j, (rec, rows) in enumerate(groups)]
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -549,12 +468,6 @@ def write_jsonl(records: Sequence[dict], path: str) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--export-trainer-checkpoint"]:  # internal: the child process of resolve_model
-        if len(argv) != 3:
-            raise SystemExit("usage: tools/eval.py --export-trainer-checkpoint STEP_DIR OUT_DIR")
-        export_trainer_checkpoint(argv[1], argv[2])
-        return 0
     cfg = parse_args(argv)
     metrics, records = evaluate(cfg)
     if cfg.output:
