@@ -8,10 +8,11 @@ for each ``actor.micro_batch_layout``:
 - ``compute_logprobs`` (forward + vocab-parallel logprob/entropy, no grad), and
 - ``forward_backward`` (forward + DAPO loss + backward + DP grad finalisation),
 
-in three variants: ``thd`` (one packed row, dense block-diagonal ``[T, T]`` mask, LM head
+in four variants: ``thd`` (one packed row, dense block-diagonal ``[T, T]`` mask, LM head
 on every position: the path before the CPU optimisation), ``bshd-full`` (padded rows,
-plain causal mask, LM head on every position) and ``bshd`` (the CPU default: padded rows,
-LM head on the response label positions only, ``MegatronActor.logits_at_labels_only``),
+plain causal mask, LM head on every position), ``bshd-1call`` (+ LM head on the response
+label positions only, ``MegatronActor.logits_at_labels_only``) and ``bshd`` (the CPU
+default: + rows grouped by length into a few model calls, ``MegatronActor.length_buckets``),
 on the same rollout-shaped micro-batches as the README main job (prompts ~50 tokens,
 responses 1-24 tokens, ``--budget`` tokens per micro-batch = ``ppo_max_token_len_per_gpu``).
 Throughput counts real (unpadded) tokens. Both layouts see the same weights and samples,
@@ -86,13 +87,15 @@ def main(argv=None) -> None:
     real_tokens = sum(s.total_length for s in samples)
 
     results, logprobs = {}, {}
-    variants = {"thd": ("thd", False), "bshd-full": ("bshd", False), "bshd": ("bshd", True)}
-    for name, (layout, labels_only) in variants.items():
+    variants = {"thd": ("thd", False, False), "bshd-full": ("bshd", False, False),
+                "bshd-1call": ("bshd", True, False), "bshd": ("bshd", True, True)}
+    for name, (layout, labels_only, buckets) in variants.items():
         model = build_gpt_model(hf_config, ModelConfig(transformer_impl="local"))  # fresh: DDP wraps once
         model.load_state_dict(state, strict=False)
         cfg = ActorConfig(ppo_max_token_len_per_gpu=args.budget, micro_batch_layout=layout)
         actor = MegatronActor(model, cfg, total_steps=10, vocab_size=hf_config.vocab_size)
         actor.logits_at_labels_only = labels_only
+        actor.length_buckets = buckets
         lps = actor.compute_logprobs(mbs)
         for s, lp in zip(samples, lps):
             s.old_logprobs = lp.tolist()
@@ -106,10 +109,11 @@ def main(argv=None) -> None:
           f"{args.threads} thread(s)")
     for name, (fwd, fb) in results.items():
         diff = float((logprobs[name] - logprobs["thd"]).abs().max())
-        print(f"{name:>9}: logprob forward {fwd:8.1f} tok/s   forward+backward {fb:8.1f} tok/s   "
+        print(f"{name:>10}: logprob forward {fwd:8.1f} tok/s   forward+backward {fb:8.1f} tok/s   "
               f"max |logprob - thd| {diff:.1e}")
     print(f"ratio forward bshd-full/thd: {results['bshd-full'][0] / results['thd'][0]:.2f}")
     print(f"ratio forward+backward bshd-full/thd: {results['bshd-full'][1] / results['thd'][1]:.2f}")
+    print(f"ratio forward+backward bshd-1call/thd: {results['bshd-1call'][1] / results['thd'][1]:.2f}")
     print(f"ratio forward bshd/thd: {results['bshd'][0] / results['thd'][0]:.2f}")
     print(f"ratio forward+backward bshd/thd: {results['bshd'][1] / results['thd'][1]:.2f}")
 

@@ -140,13 +140,20 @@ def _reference_worker(out_path):
     thd_one = actor.forward_backward([samples], TEMPERATURE)
     thd_grads_one = _full_grads(actor)
     actor.layout, actor.build_attention_mask, actor.logits_at_labels_only = layout_default, False, True
+    # length buckets at zero overhead: every distinct length its own model call
+    actor.length_bucket_overhead_tokens = 0
+    bucket_lps = actor.compute_logprobs([samples[:4], samples[4:]], TEMPERATURE)
+    bucket_one = actor.forward_backward([samples], TEMPERATURE)
+    bucket_grads_one = _full_grads(actor)
+    actor.length_bucket_overhead_tokens = 64
     step = actor.train_mini_batch([samples], TEMPERATURE, global_num_tokens=int(one["num_tokens"]))
     torch.save(dict(full_sd=full_sd, samples=samples, direct=direct, lps=lps, ents=ents, one=one, three=three,
                     grads_one=grads_one, grads_three=grads_three, step=step,
                     seq_one=seq_one, seq_three=seq_three, seq_grads_one=seq_grads_one,
                     seq_grads_three=seq_grads_three, ent_one=ent_one, ent_three=ent_three,
                     ent_grads_one=ent_grads_one, ent_grads_three=ent_grads_three, layout_default=layout_default,
-                    labels_only_default=labels_only_default,
+                    labels_only_default=labels_only_default, bucket_lps=bucket_lps, bucket_one=bucket_one,
+                    bucket_grads_one=bucket_grads_one,
                     thd_lps=thd_lps, thd_one=thd_one, thd_grads_one=thd_grads_one), out_path)
 
 
@@ -194,6 +201,21 @@ def test_bshd_default_on_cpu_equals_packed_thd(reference):
     num = sum(float((reference["thd_grads_one"][n] - g).norm() ** 2) for n, g in reference["grads_one"].items())
     den = sum(float(g.norm() ** 2) for g in reference["grads_one"].values())
     assert den > 0 and math.sqrt(num / den) < 1e-5
+
+
+def test_length_buckets_keep_order_loss_and_gradient(reference):
+    """BSHD micro-batches cut into per-length row groups: logprobs come back in the caller's order,
+    loss and gradients equal the single-call micro-batch."""
+    one, bucket = reference["one"], reference["bucket_one"]
+    lens = {s.total_length for s in reference["samples"]}
+    assert bucket["num_micro_batches"] == 1 and bucket["num_model_calls"] == len(lens) > 1
+    assert one["num_model_calls"] < bucket["num_model_calls"]
+    for got, ref in zip(reference["bucket_lps"], reference["direct"]):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    assert _rel(bucket["loss"], one["loss"]) < 1e-6
+    num = sum(float((reference["bucket_grads_one"][n] - g).norm() ** 2) for n, g in reference["grads_one"].items())
+    den = sum(float(g.norm() ** 2) for g in reference["grads_one"].values())
+    assert den > 0 and math.sqrt(num / den) < 1e-6
 
 
 def test_loss_value_is_token_mean_of_dapo_objective(reference):

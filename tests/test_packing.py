@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dapo_megatron.actor.packing import pack_samples, split_by_token_budget
+from dapo_megatron.actor.packing import group_by_length, pack_samples, split_by_token_budget
 from dapo_megatron.platform import spawn
 from dapo_megatron.rollout.types import Sample
 
@@ -125,3 +125,38 @@ def test_packed_forward_equals_per_sequence_forward(tmp_path):
     for layout in ("thd", "bshd"):
         for got, ref in zip(res[layout], res["single"]):
             torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+def _set_partitions(items):
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in _set_partitions(rest):
+        yield [[first]] + part
+        for k in range(len(part)):
+            yield part[:k] + [[first] + part[k]] + part[k + 1:]
+
+
+def test_group_by_length_is_optimal_and_a_partition():
+    """Brute force over every set partition (n <= 7): the DP's cut has the minimal padded cost."""
+    g = torch.Generator().manual_seed(0)
+    for trial in range(40):
+        n = int(torch.randint(1, 8, (1,), generator=g))
+        lens = torch.randint(1, 40, (n,), generator=g).tolist()
+        pad, over = (1, 2, 4)[trial % 3], (0, 5, 64)[trial % 3]
+
+        def cost(groups):
+            return sum(len(x) * (-(-max(lens[i] for i in x) // pad) * pad) + over for x in groups)
+
+        got = group_by_length(lens, pad_to_multiple_of=pad, overhead_tokens=over)
+        assert sorted(i for x in got for i in x) == list(range(n))
+        assert all([lens[i] for i in x] == sorted(lens[i] for i in x) for x in got)
+        assert cost(got) == min(cost(p) for p in _set_partitions(list(range(n))))
+    assert group_by_length([5, 5, 5], overhead_tokens=0) == [[0, 1, 2]]
+    assert group_by_length([10, 80], overhead_tokens=0) == [[0], [1]]
+    assert group_by_length([10, 80], overhead_tokens=100) == [[0, 1]]
+    with pytest.raises(ValueError, match="overhead_tokens"):
+        group_by_length([3], overhead_tokens=-1)
+    with pytest.raises(ValueError, match="at least one"):
+        group_by_length([])

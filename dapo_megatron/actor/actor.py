@@ -47,7 +47,7 @@ import torch.distributed as dist
 from dapo_megatron.rollout.types import Sample
 
 from .logprobs import vocab_parallel_logprobs_and_entropy
-from .packing import PackedBatch, pack_samples
+from .packing import PackedBatch, group_by_length, pack_samples
 
 SUPPORTED_LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean")
 
@@ -241,6 +241,11 @@ class MegatronActor:
     ``[N, V/TP]`` (N ≈ T/4 for rollouts with ~50-token prompts and ~18-token responses).
     True on the last PP stage when sequence parallelism is off (the hidden states then
     hold the whole sequence on every TP rank) and the model has no MTP heads.
+    ``length_buckets`` (BSHD): every micro-batch is run as row groups of similar length
+    (:func:`~dapo_megatron.actor.packing.group_by_length`, one extra model call priced at
+    ``length_bucket_overhead_tokens`` = 64 token-slots), so a few long rows do not pad
+    the whole micro-batch; results are returned in the caller's order. Every rank of a
+    model-parallel group receives the same micro-batches, so all cut them identically.
 
     Every rank of the model-parallel (TP × PP) group must pass the same
     micro-batches to each call; DP ranks pass their own shard of the mini-batch.
@@ -362,19 +367,43 @@ class MegatronActor:
         # bshd rows are right-padded: Megatron's causal mask alone keeps padding out of every
         # real token's attention, so no [n, 1, S, S] mask tensor is built
         self.build_attention_mask = layout == "thd" and not self.use_packed_seq_params
+        # bshd: each micro-batch runs as row groups of similar length (less padding); the loss
+        # is scaled by the global token count, so the cut changes no result (tested)
+        self.length_buckets = layout == "bshd"
+        self.length_bucket_overhead_tokens = 64
         self.pad_to = self.tp_size if config.sequence_parallel else 1
         self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else (
             torch.device("cpu"))
 
     # ------------------------------------------------------------------ helpers
-    def _make_micro_batches(self, micro_batches, with_targets: bool) -> list[_MicroBatch]:
+    def _make_micro_batches(self, micro_batches, with_targets: bool) -> tuple[list[_MicroBatch], list[int]]:
+        """Pack the caller's micro-batches; with ``length_buckets`` (BSHD) each is first cut into
+        rows of similar length (:func:`~dapo_megatron.actor.packing.group_by_length`).
+
+        Returns:
+            ``(mbs, order)``: the packed micro-batches as run, and for each of their samples
+            (in run order) its index in the caller's flattened micro-batches.
+        """
         if len(micro_batches) == 0 or any(len(mb) == 0 for mb in micro_batches):
             raise ValueError("micro_batches must be a non-empty list of non-empty lists of Sample")
-        return [
+        groups, order, start = [], [], 0
+        for mb in micro_batches:
+            mb = list(mb)
+            if self.length_buckets:
+                idx_groups = group_by_length([s.total_length for s in mb], pad_to_multiple_of=self.pad_to,
+                                             overhead_tokens=self.length_bucket_overhead_tokens)
+            else:
+                idx_groups = [list(range(len(mb)))]
+            for g in idx_groups:
+                groups.append([mb[i] for i in g])
+                order.extend(start + i for i in g)
+            start += len(mb)
+        mbs = [
             _MicroBatch(mb, self.layout, self.pad_to, self.build_attention_mask, self.device, with_targets,
                         self.cfg.tis_cap is not None)
-            for mb in micro_batches
+            for mb in groups
         ]
+        return mbs, order
 
     def _forward(self, model, mb: _MicroBatch):
         """Model output of one micro-batch: logits ``[B, T, V/TP]``, or ``[1, N, V/TP]`` at the
@@ -458,7 +487,7 @@ class MegatronActor:
             flattened micro-batches; with ``return_entropy``, a tuple
             ``(logprobs, entropies)`` of two such lists.
         """
-        mbs = self._make_micro_batches(micro_batches, with_targets=False)
+        mbs, order = self._make_micro_batches(micro_batches, with_targets=False)
         for m in self.model_chunks:
             m.eval()
 
@@ -486,9 +515,16 @@ class MegatronActor:
         self._broadcast_from_last_stage(flat)
         sizes = [r for mb in mbs for r in mb.batch.response_lens]
         flat = flat.cpu()
-        logprobs = list(torch.split(flat[0], sizes))
+
+        def caller_order(values):  # run order -> the caller's flattened order
+            out = [None] * len(order)
+            for i, v in zip(order, values):
+                out[i] = v
+            return out
+
+        logprobs = caller_order(torch.split(flat[0], sizes))
         if return_entropy:
-            return logprobs, list(torch.split(flat[1], sizes))
+            return logprobs, caller_order(torch.split(flat[1], sizes))
         return logprobs
 
     def count_loss_tokens(self, micro_batches: Sequence[Sequence[Sample]]) -> tuple[int, int]:
@@ -532,13 +568,14 @@ class MegatronActor:
             metrics over the whole mini-batch (identical on all ranks): ``loss`` (incl.
             entropy bonus), ``pg_loss``, ``pg_clipfrac_lower``, ``pg_clipfrac_upper``,
             ``ppo_kl``, ``entropy`` (token means), ``ratio_min``, ``ratio_max``,
-            ``num_tokens``, ``num_micro_batches``.
+            ``num_tokens``, ``num_micro_batches`` (the caller's), ``num_model_calls``
+            (micro-batches actually run, after ``length_buckets``; this DP rank).
 
         Raises:
             ValueError: missing ``old_logprobs``, a ``global_num_tokens`` that differs
                 from the count of the samples, empty micro-batches.
         """
-        mbs = self._make_micro_batches(micro_batches, with_targets=True)
+        mbs, _ = self._make_micro_batches(micro_batches, with_targets=True)
         n_tok, n_seq = self.count_loss_tokens(micro_batches)
         if global_num_tokens is not None and int(global_num_tokens) != n_tok:
             raise ValueError(
@@ -616,7 +653,8 @@ class MegatronActor:
         metrics = {k: float(v) for k, v in zip(_SUM_KEYS, sums.tolist())}
         metrics["ratio_min"] = float(mins) if math.isfinite(float(mins)) else 1.0
         metrics["ratio_max"] = float(maxs) if math.isfinite(float(maxs)) else 1.0
-        metrics["num_micro_batches"] = float(len(mbs))
+        metrics["num_micro_batches"] = float(len(micro_batches))
+        metrics["num_model_calls"] = float(len(mbs))
         return metrics
 
     def optimizer_step(self) -> dict[str, float]:

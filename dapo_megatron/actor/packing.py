@@ -315,3 +315,49 @@ def split_by_token_budget(samples: Sequence[Sample], max_token_len: int) -> list
     if cur:
         out.append(cur)
     return out
+
+
+def group_by_length(lengths: Sequence[int], *, pad_to_multiple_of: int = 1, overhead_tokens: int = 64) -> list[list[int]]:
+    """Cut a padded (BSHD) micro-batch into row groups of similar length, minimising padded work.
+
+    A BSHD micro-batch of ``n`` rows costs about ``n * S`` token-slots in every linear layer
+    (``S`` = longest row rounded up to ``pad_to_multiple_of``), so one short response next to
+    long ones wastes compute on padding. The indices are sorted by length (stable) and cut
+    into contiguous groups minimising ``sum_k (n_k * S_k + overhead_tokens)`` (exact dynamic
+    programme, ``O(n^2)``); ``overhead_tokens`` prices one extra forward/backward pass in
+    token-slots, so groups are only split when that saves more padding than it costs.
+
+    Args:
+        lengths: ``L_i`` (prompt + response tokens) of the micro-batch's samples, all >= 1.
+        pad_to_multiple_of: the row-length multiple of :func:`pack_samples`.
+        overhead_tokens: cost of one more model call, in token-slots (>= 0).
+
+    Returns:
+        Index groups (into ``lengths``), each sorted by ascending length, groups in
+        ascending length order; every index appears exactly once. Deterministic.
+
+    Raises:
+        ValueError: empty ``lengths``, a length < 1, or a negative ``overhead_tokens``.
+    """
+    if len(lengths) == 0:
+        raise ValueError("group_by_length needs at least one length")
+    if min(lengths) < 1 or overhead_tokens < 0 or pad_to_multiple_of < 1:
+        raise ValueError(
+            f"lengths must be >= 1 (got min {min(lengths)}), overhead_tokens >= 0 (got {overhead_tokens}) and "
+            f"pad_to_multiple_of >= 1 (got {pad_to_multiple_of})"
+        )
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    padded = [_round_up(lengths[i], pad_to_multiple_of) for i in order]
+    n = len(order)
+    best = [0] + [None] * n  # best[j]: min cost of the first j sorted rows
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):  # last group = sorted rows i .. j-1, its longest row is j-1
+            c = best[i] + (j - i) * padded[j - 1] + overhead_tokens
+            if best[j] is None or c < best[j]:
+                best[j], cut[j] = c, i
+    groups, j = [], n
+    while j > 0:
+        groups.append(order[cut[j]:j])
+        j = cut[j]
+    return groups[::-1]
