@@ -6,13 +6,14 @@ reads ``MegatronActor.model_chunks`` for that.
 
 from .actor import ActorConfig, MegatronActor, OptimConfig
 from .logprobs import vocab_parallel_entropy, vocab_parallel_logprobs, vocab_parallel_logprobs_and_entropy
-from .packing import PackedBatch, pack_samples, split_by_token_budget
+from .packing import PackedBatch, group_by_length, pack_samples, split_by_token_budget
 
 __all__ = [
     "ActorConfig",
     "MegatronActor",
     "OptimConfig",
     "PackedBatch",
+    "group_by_length",
     "pack_samples",
     "split_by_token_budget",
     "vocab_parallel_entropy",
