@@ -195,13 +195,15 @@ def load_model_checkpoint(model_chunks, ckpt_dir: str, strict: bool = True) -> N
         )
     sharded = model_sharded_state_dict(chunks)
     if strict:
-        # A trainer checkpoint also holds the optimizer ("optimizer.*" keys): only those may be
-        # left unread; a missing model tensor or any other extra tensor is an error.
+        # megatron-core's terms: "unexpected" = requested by the model but absent from the
+        # checkpoint; "missing" = in the checkpoint but not requested. A trainer checkpoint also
+        # holds the optimizer ("optimizer.*"): only those may stay unread.
         state, missing, unexpected = dist_checkpointing.load(sharded, ckpt_dir, strict=StrictHandling.RETURN_ALL)
-        unexpected = sorted(k for k in unexpected if not k.startswith("optimizer."))
-        if missing or unexpected:
-            raise KeyError(f"checkpoint {ckpt_dir} does not fit the model: missing tensors {sorted(missing)[:10]}, "
-                           f"unexpected tensors {unexpected[:10]}")
+        not_loaded = sorted(k for k in missing if not k.startswith("optimizer."))
+        if unexpected or not_loaded:
+            raise KeyError(f"checkpoint {ckpt_dir} does not fit the model: tensors absent from the checkpoint "
+                           f"{sorted(unexpected)[:10]}, checkpoint tensors the model has no place for "
+                           f"{not_loaded[:10]}")
     else:
         state = dist_checkpointing.load(sharded, ckpt_dir, strict=StrictHandling.LOG_ALL)
     for i, chunk in enumerate(chunks):
