@@ -132,6 +132,7 @@ class ActorConfig:
             real token), attention cost ``n · S²`` with ``S`` the longest sample. None:
             auto, ``"thd"`` with packed-sequence params (TE, GPU), ``"bshd"`` otherwise
             (CPU / local spec; ``benchmarks/bench_actor.py`` measures both).
+        optim: AdamW, learning-rate schedule and gradient clipping (:class:`OptimConfig`).
     """
 
     ppo_mini_batch_size: int = 32
