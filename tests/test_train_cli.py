@@ -1,6 +1,6 @@
 """The dapo-train CLI and config: keys documented, bad keys/values rejected by name, broken
 dataset rows stop the run with their index (or are skipped and counted), and a GSM8K file
-converted by tools/prepare_gsm8k.py trains."""
+converted by tools/prepare_gsm8k.py goes through a full training step."""
 
 from __future__ import annotations
 
@@ -78,10 +78,10 @@ def gsm8k_with_broken_row(tmp_path_factory):
 
 GSM8K_STEP = [
     "parallel.tensor_model_parallel_size=1", "trainer.total_training_steps=1", "trainer.save_freq=-1",
-    "trainer.test_freq=-1", "buffer.train_batch_size=2", "buffer.n=2", "buffer.gen_batch_size=2",
+    "trainer.test_freq=-1", "buffer.train_batch_size=2", "buffer.gen_batch_size=2",
     "buffer.filter_groups=false", "actor.ppo_mini_batch_size=2", "actor.ppo_max_token_len_per_gpu=1024",
     "actor.optim.lr_warmup_steps=0", "rollout.response_length=24", "buffer.overlong.max_response_length=24",
-    "buffer.overlong.overlong_buffer_len=20", "data.max_prompt_length=256",
+    "buffer.overlong.overlong_buffer_len=8", "data.max_prompt_length=256", "buffer.n=2",
 ]
 
 
@@ -95,7 +95,8 @@ def test_broken_row_stops_the_run_with_its_index(gsm8k_with_broken_row, smollm2_
 
 
 @pytest.mark.slow
-def test_converted_gsm8k_trains_skipping_and_counting_the_broken_row(gsm8k_with_broken_row, smollm2_gguf, tmp_path):
+def test_converted_gsm8k_runs_a_full_step_skipping_and_counting_the_broken_row(
+        gsm8k_with_broken_row, smollm2_gguf, tmp_path):
     from mlflow.tracking import MlflowClient
 
     out = _cli("--config", CPU_YAML, f"model.hf_path={smollm2_gguf[0]}", f"trainer.default_local_dir={tmp_path}",
@@ -107,5 +108,10 @@ def test_converted_gsm8k_trains_skipping_and_counting_the_broken_row(gsm8k_with_
     assert run.data.params["data_stats.train.invalid_rows_skipped"] == "1"
     assert run.data.params["data_stats.train.prompts"] == "15"
     m = run.data.metrics
-    assert m["rollout/kept_groups"] == 2 and m["actor/num_tokens"] > 0 and m["actor/grad_norm"] > 0
-    assert m["reward/score_mean"] in (-1.0, -0.5, 0.0, 0.5, 1.0)  # GSM8K grader: +1/-1 per response
+    # the whole step ran on GSM8K rows: rollout, the openai/gsm8k grader, the buffer (no filtering),
+    # advantages, an optimizer step that was not skipped, the weight sync
+    assert m["rollout/kept_groups"] == 2 and m["actor/num_tokens"] == 2 * 2 * 24 and m["actor/skipped"] == 0
+    # 24 tokens never reach "#### N": every response is wrong (-1) and truncated (Eq. 13: -1), so every
+    # group is constant, its advantages are exactly 0 and so is the gradient (not NaN, not noise)
+    assert m["reward/score_mean"] == -1.0 and m["rollout/truncation_ratio"] == 1.0
+    assert m["reward/reward_mean"] == -2.0 and m["actor/pg_loss"] == 0.0 and m["actor/grad_norm"] == 0.0
