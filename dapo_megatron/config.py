@@ -607,6 +607,8 @@ class TrainerConfig:
         resume_mode: ``"auto"`` resumes from ``<run dir>/checkpoints/latest`` when it
             exists, ``"disable"`` always starts from step 0, any other value is the path
             of a ``step_<k>`` checkpoint directory to resume from.
+        val_before_train: validate once before the first step (logged at step 0) when
+            ``test_freq`` > 0, so a run's validation curve has its starting point.
         max_ckpt_to_keep: keep only this many newest checkpoints (verl
             ``max_actor_ckpt_to_keep``); None keeps all. >= 1.
     """
@@ -619,6 +621,7 @@ class TrainerConfig:
     seed: int = 1
     default_local_dir: Optional[str] = None
     resume_mode: str = "auto"
+    val_before_train: bool = True
     max_ckpt_to_keep: Optional[int] = None
 
     @property

@@ -458,6 +458,8 @@ class DAPOTrainer:
         t = self.cfg.trainer
         last: dict[str, float] = {}
         try:
+            if self.step == 0 and t.val_before_train and t.test_freq > 0:
+                self.tracker.log_metrics(self.validate(), step=0)
             while self.step < t.total_training_steps:
                 metrics = self.train_step()
                 if t.test_freq > 0 and (self.step % t.test_freq == 0 or self.step == t.total_training_steps):
