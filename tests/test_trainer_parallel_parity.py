@@ -60,12 +60,9 @@ def test_first_step_loss_and_grad_norm_match_across_layouts(tmp_path, smollm2_gg
         # identical rollouts (discrete): the same responses, rewards and kept groups
         for key in ("rollout/gen_tokens", "reward/reward_mean", "rollout/kept_groups", "rollout/num_gen_batches"):
             assert got[key] == ref[key], (tp, pp, key, got[key], ref[key])
-        for key in ("actor/pg_loss", "actor/entropy"):
-            assert _rel(got[key], ref[key]) <= 1e-5, (tp, pp, key, got[key], ref[key])
-        # Measured on this machine: PP=2 1.4e-7, the THD-vs-BSHD layout floor 1.2e-6, TP=2 1.33e-5
-        # (tiny 2- and 12-layer models at TP=2: 1.4e-7 .. 4.1e-7, tests/test_actor.py). The TP=2 gap
-        # on the 30-layer SmolLM2 is 11x the layout floor and not yet explained: bounded here at
-        # 2e-5 so a regression shows, and left open (see the closing note of the trainer issue).
-        bound = 2e-5 if tp > 1 else max(1e-5, 4 * noise["actor/grad_norm"])
-        assert _rel(got["actor/grad_norm"], ref["actor/grad_norm"]) <= bound, (
-            tp, pp, got["actor/grad_norm"], ref["actor/grad_norm"], noise["actor/grad_norm"])
+        for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+            # 1e-5 relative (the issue's bound), or 4x the layout floor if that is larger.
+            # The grad norm is exact here because the CPU compat layer accumulates it in fp64;
+            # Megatron's fp32 torch.norm fallback alone moved it by 1.3e-5 between TP=1 and TP=2.
+            bound = max(1e-5, 4 * noise[key])
+            assert _rel(got[key], ref[key]) <= bound, (tp, pp, key, got[key], ref[key], noise[key])

@@ -21,14 +21,23 @@ no-op). The list was measured with megatron-core 0.16.1 (DESIGN.md §5):
    ``Tensor.type()`` report CPU float tensors as ``torch.cuda.FloatTensor`` (and
    bf16/fp16 likewise): Megatron's optimizers assert on that string.
 
-Nothing here changes numerics: the patched functions only choose the device or
-RNG that megatron-core would have used on a GPU. ``activate()`` is idempotent
+5. The gradient-norm kernel: without Apex/TE, megatron-core falls back to
+   ``local_multi_tensor_l2_norm`` (one fp32 ``torch.norm`` per tensor), which on this
+   CPU is off by up to ~1e-4 relative per tensor, and by a shape-dependent amount, so
+   TP=1 and TP=2 reported grad norms differing by 1.3e-5 on SmolLM2 although their
+   gradients agree to 7e-7. :func:`_l2_norm_fp64` accumulates in float64 instead
+   (``megatron.core.optimizer.clip_grads.l2_norm_impl``); GPUs keep Apex/TE's kernel.
+
+Items 1-4 do not change numerics: they only choose the device or RNG that
+megatron-core would have used on a GPU; item 5 makes the CPU grad norm (and so the
+clipping factor) exact to fp32 output precision. ``activate()`` is idempotent
 and returns False (doing nothing) when CUDA is available.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 
 import torch
@@ -116,6 +125,23 @@ def _patch_megatron_rng() -> None:
     logging.getLogger(mrandom.__name__).addFilter(_QuietForkWarning())
 
 
+def _l2_norm_fp64(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """Drop-in for ``megatron.core.utils.local_multi_tensor_l2_norm`` (same arguments,
+    same ``([norm] float32, None)`` result) that accumulates squares in float64."""
+    total = sum(float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2 for tl in tensor_lists for t in tl)
+    return torch.tensor([math.sqrt(total)], dtype=torch.float32), None
+
+
+def _patch_megatron_grad_norm() -> None:
+    try:
+        from megatron.core.optimizer import clip_grads
+        from megatron.core.utils import local_multi_tensor_l2_norm
+    except ImportError:
+        return
+    if clip_grads.l2_norm_impl is local_multi_tensor_l2_norm:  # no Apex / TE kernel installed
+        clip_grads.l2_norm_impl = _l2_norm_fp64
+
+
 def activate(force: bool = False) -> bool:
     """Install the CPU compatibility layer if CUDA is absent.
 
@@ -137,6 +163,7 @@ def activate(force: bool = False) -> bool:
             return False
         _patch_torch_cuda()
         _patch_megatron_rng()
+        _patch_megatron_grad_norm()
         _MODE = _CudaToCpuMode()
         _MODE.__enter__()
         _ACTIVE = True
