@@ -203,7 +203,7 @@ def test_documented_keys_lists_type_default_and_doc():
     assert docs["actor.optim.betas"].type == "list[float]"
     assert docs["actor"].default == "ActorSection" and docs["actor"].doc == "actor settings."
     assert docs["trainer.max_ckpt_to_keep"].doc.startswith("keep only this many newest checkpoints")
-    assert len(docs) == 2 + 9 + 4 + 3  # sections + trainer + actor + optim fields
+    assert len(docs) == 2 + 10 + 4 + 3  # sections + trainer + actor + optim fields
 
 
 def test_assert_all_documented_passes_on_sample_and_lists_gaps():
