@@ -276,6 +276,18 @@ def _optimizer_metadata(optimizer: Any, sharding_type: str) -> dict[str, Any]:
     return {"distrib_optim_sharding_type": sharding_type}
 
 
+def _torch_optimizers_of_cpu_distributed_optimizer(optimizer: Any) -> list:
+    """The plain ``torch.optim`` optimizers that megatron-core's ``DistributedOptimizer``
+    wraps when neither Apex nor Transformer Engine is installed (the CPU path); [] otherwise."""
+    from megatron.core.optimizer import distrib_optimizer as mdo
+
+    if getattr(mdo, "HAVE_APEX_OR_TE", True):
+        return []
+    subs = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [sub.optimizer for sub in subs
+            if isinstance(sub, mdo.DistributedOptimizer) and isinstance(sub.optimizer, torch.optim.Optimizer)]
+
+
 def _allocate_torch_adam_state(optimizer: Any) -> None:
     """Give a never-stepped ``DistributedOptimizer`` an optimizer state before loading.
 
@@ -286,14 +298,7 @@ def _allocate_torch_adam_state(optimizer: Any) -> None:
     any parameter; the load then overwrites every allocated value. With Apex/TE (GPU),
     megatron-core allocates the state itself and this is a no-op.
     """
-    from megatron.core.optimizer import distrib_optimizer as mdo
-
-    if getattr(mdo, "HAVE_APEX_OR_TE", True):
-        return
-    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(sub, "optimizer", None)
-        if not isinstance(sub, mdo.DistributedOptimizer) or not isinstance(inner, torch.optim.Optimizer):
-            continue
+    for inner in _torch_optimizers_of_cpu_distributed_optimizer(optimizer):
         if len(inner.state) > 0:
             continue
         saved = [(g["lr"], g.get("weight_decay", 0.0)) for g in inner.param_groups]
@@ -324,14 +329,7 @@ def _restore_torch_adam_steps(optimizer: Any) -> None:
     ``DistributedOptimizer.state_dict``), so give each parameter a fresh tensor with it.
     With Apex/TE (GPU) the step lives in the param groups and this is a no-op.
     """
-    from megatron.core.optimizer import distrib_optimizer as mdo
-
-    if getattr(mdo, "HAVE_APEX_OR_TE", True):
-        return
-    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(sub, "optimizer", None)
-        if not isinstance(sub, mdo.DistributedOptimizer) or not isinstance(inner, torch.optim.Optimizer):
-            continue
+    for inner in _torch_optimizers_of_cpu_distributed_optimizer(optimizer):
         for group in inner.param_groups:
             if group.get("step") is None:
                 continue
