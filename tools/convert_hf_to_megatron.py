@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -49,10 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != args.tp * args.pp:
-        sys.exit(f"--tp {args.tp} × --pp {args.pp} = {args.tp * args.pp} processes needed, running {world}: "
-                 f"launch with torchrun --nproc_per_node={args.tp * args.pp}")
+    from dapo_megatron.platform.distributed import require_launch_world
+
+    require_launch_world(args.tp, args.pp)
 
     import torch.distributed as dist
 

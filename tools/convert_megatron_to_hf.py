@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import shutil
-import sys
 
 SHARD_BYTES = 4 * 2**30
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -68,10 +67,9 @@ def write_safetensors(state: dict, out_dir: str, shard_bytes: int = SHARD_BYTES)
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != args.tp * args.pp:
-        sys.exit(f"--tp {args.tp} × --pp {args.pp} = {args.tp * args.pp} processes needed, running {world}: "
-                 f"launch with torchrun --nproc_per_node={args.tp * args.pp}")
+    from dapo_megatron.platform.distributed import require_launch_world
+
+    require_launch_world(args.tp, args.pp)
 
     import torch
     import torch.distributed as dist

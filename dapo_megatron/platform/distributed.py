@@ -49,6 +49,15 @@ class ParallelConfig:
             )
 
 
+def require_launch_world(tp: int, pp: int) -> None:
+    """Exit (``SystemExit`` with the torchrun command to use) unless this launch has exactly
+    ``tp × pp`` processes: the tools take their layout from ``--tp``/``--pp``."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != tp * pp:
+        raise SystemExit(f"--tp {tp} × --pp {pp} = {tp * pp} processes needed, running {world}: "
+                         f"launch with torchrun --nproc_per_node={tp * pp}")
+
+
 def free_port() -> int:
     """An unused TCP port on 127.0.0.1 (for single-process and test worlds)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
