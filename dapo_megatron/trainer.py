@@ -106,8 +106,9 @@ def _build_engine(cfg: DAPOConfig, hf_config, tokenizer):
 
         dtype = cfg.model.torch_dtype()
         hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
-        return HFEngine(hf_model, dtype=dtype, device=device, eos_token_ids=eos,
+        from dapo_megatron.platform import device
+
+        return HFEngine(hf_model, dtype=dtype, device=device(), eos_token_ids=eos,
                         update_bucket_mb=rollout.update_weights_bucket_megabytes)
     if rollout.name == "sglang":
         from dapo_megatron.rollout.sglang_engine import SGLangEngine
