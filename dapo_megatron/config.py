@@ -705,6 +705,15 @@ class RolloutConfig:
         val_temperature: validation sampling temperature (paper: 1.0).
         val_top_p: validation top-p (paper: 0.7).
         val_max_prompts: validate on the first this many distinct problems (0 = all).
+        deterministic: SGLang only: launch the engine with ``enable_deterministic_inference``,
+            the only mode in which SGLang honours the per-response sampling seeds, so GPU
+            rollouts repeat exactly; slower generation (PyTorch sampler, batch-invariant
+            kernels, no piecewise CUDA graphs). False: GPU rollouts are not
+            seed-reproducible (the HF engine always is).
+        engine_kwargs: SGLang only: further ``sglang.Engine`` arguments (``ServerArgs``
+            fields), e.g. ``load_format: dummy`` (weights are synced from the actor right
+            after start) or ``enable_weights_cpu_backup: true``; every key is checked
+            against SGLang's argument list.
     """
 
     name: str = "hf"
@@ -718,10 +727,19 @@ class RolloutConfig:
     val_temperature: float = 1.0
     val_top_p: float = 0.7
     val_max_prompts: int = 0
+    deterministic: bool = False
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> None:
         if self.name not in ("hf", "sglang"):
             raise ValueError(f"rollout.name={self.name!r} must be 'hf' or 'sglang'")
+        if self.name != "sglang" and (self.engine_kwargs or self.deterministic):
+            raise ValueError(f"rollout.engine_kwargs / rollout.deterministic apply to rollout.name='sglang' only "
+                             f"(rollout.name={self.name!r}: the HF engine is always seed-reproducible)")
+        if self.engine_kwargs:
+            from dapo_megatron.rollout.sglang_engine import check_engine_kwargs
+
+            check_engine_kwargs(self.engine_kwargs, key="rollout.engine_kwargs")
         for key in ("response_length", "update_weights_bucket_megabytes", "val_n"):
             if getattr(self, key) < 1:
                 raise ValueError(f"rollout.{key}={getattr(self, key)!r} must be >= 1")
