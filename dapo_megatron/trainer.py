@@ -177,6 +177,15 @@ class DAPOTrainer:
 
         # model: Megatron actor (trains) and its HF twin in the engine (generates)
         self.hf_config = load_hf_config(cfg.model.hf_path, cfg.model.gguf_file)
+        if cfg.rollout.name == "sglang" and torch.cuda.is_available():
+            # colocated actor + engine per GPU: stop now, not at the first OOM minutes later
+            from dapo_megatron.platform import device
+            from dapo_megatron.platform.memory import check_memory
+
+            gpu_bytes = torch.cuda.get_device_properties(device()).total_memory
+            estimate = check_memory(cfg, self.hf_config, self.world, gpu_bytes=gpu_bytes)
+            if self.rank == 0:
+                logger.info("%s", estimate.report())
         model = build_gpt_model(self.hf_config, cfg.model)
         resuming = t.resume_path is not None or (
             t.resume_mode == "auto" and read_latest_step(self.run_dir) is not None
