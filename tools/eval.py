@@ -21,8 +21,8 @@ Usage::
   loader reads the model and skips the ``optimizer.*`` entries). It is converted to a
   temporary HF directory by ``tools/convert_megatron_to_hf.py`` (one process, TP=PP=1),
   deleted at exit (``--keep-converted DIR`` keeps it). A checkpoint saved with the
-  Transformer Engine spec must be converted where TE is installed (its parameter names
-  differ from the local spec's). A run directory is rejected: name one of its
+  Transformer Engine spec converts anywhere: both specs write the same checkpoint keys
+  (``bridge.dist_ckpt.write_model_meta``). A run directory is rejected: name one of its
   ``checkpoints/step_<k>``.
 
 Duplicate prompts: DAPO-schema evaluation files often repeat each problem (the AIME 2024
