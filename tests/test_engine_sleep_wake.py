@@ -108,18 +108,11 @@ def _run(hf_dir, out_dir, variant):
 
 @pytest.fixture(scope="module")
 def tiny_hf_dir(smollm2_gguf, tmp_path_factory):
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from conftest import tiny_llama_with_smollm2_tokenizer_dir
 
-    path, fname = smollm2_gguf
-    tok = AutoTokenizer.from_pretrained(path, gguf_file=fname)
-    hf_dir = tmp_path_factory.mktemp("tiny_hf")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
-                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
-    LlamaForCausalLM(cfg).float().save_pretrained(hf_dir)
-    tok.save_pretrained(hf_dir)
-    return str(hf_dir)
+    return tiny_llama_with_smollm2_tokenizer_dir(smollm2_gguf, tmp_path_factory.mktemp("tiny_hf"), hidden_size=32,
+                                                 intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                                 num_key_value_heads=1)
 
 
 def _compress(events):
