@@ -9,12 +9,14 @@ percent, degrees, sets, intervals, text, ambiguous TeX such as ``2^10`` or the
 mixed number ``2\\frac{1}{2}``) gives None, and the caller falls back to its
 tolerant comparison.
 
-:func:`compare` decides equality exactly. Why this exists: math-verify compares
-two unevaluated sympy expressions with ``(a - b).evalf(chop=True) == 0`` and
-a float against anything after rounding both to 6 decimals, so answers that
-differ only far below that precision grade as equal (HF Math-Verify issue #14:
-``\\frac{1}{2004!}`` vs ``\\frac{1}{2006!}``, issue #21: ``0.0000001`` vs
-``0.0000002``). Here such values are compared as exact rationals.
+:func:`compare` decides equality exactly. Why this exists: math-verify
+(0.9.0, ``math_verify/grader.py::sympy_numeric_eq``, reached from ``verify``
+with ``float_rounding=6, numeric_precision=15``) compares two unevaluated sympy
+expressions with ``(a - b).evalf(chop=True, n=15) == 0`` and a float against a
+number after ``round(6)`` on both sides, so answers that differ only far below
+that precision grade as equal (HF Math-Verify issue #14: ``\\frac{1}{2004!}``
+vs ``\\frac{1}{2006!}``, issue #21: ``0.0000001`` vs ``0.0000002``). Here such
+values are compared as exact rationals.
 
 A decimal is read as the exact number it writes (``0.5`` is 1/2). When one side
 writes a decimal and the value of one side has no finite decimal form
@@ -27,7 +29,8 @@ Cost: a recursive-descent parse over at most ``MAX_TOKENS`` tokens, then
 integer arithmetic. Every integer the evaluator would build is bounded by
 ``MAX_EXACT_BITS`` *before* it is computed (powers, factorials, products), so a
 power tower or a huge factorial is declined (None) in microseconds rather than
-computed. sympy is imported only for radicals that are not rational. Nothing
+computed (the grader then falls back to math-verify, which runs inside the
+pool's killable worker under its timeout and memory limit). sympy is imported only for radicals that are not rational. Nothing
 here calls ``eval``/``sympify``/``parse_expr``: sympy objects are built from
 Python ints only.
 """
