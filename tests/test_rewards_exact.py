@@ -174,3 +174,10 @@ def test_equal_values_mixes_fractions_and_radicals():
 
     assert equal_values(Fraction(2), sympy.sqrt(2) ** 2)
     assert not equal_values(Fraction(1, 2), sympy.sqrt(2) / 2)
+
+
+def test_perfect_powers_beyond_float_precision():
+    big = 2**400 + 1  # its square has 801 bits: a float root is off by ~2^347
+    assert parse_exact(f"\\sqrt{{{big**2}}}").value == big
+    assert parse_exact(f"\\sqrt[3]{{{big**3}}}").value == big
+    assert not parse_exact(f"\\sqrt{{{big**2 + 1}}}").is_rational

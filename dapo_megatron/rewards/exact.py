@@ -477,15 +477,13 @@ def _integer_root(x: int, n: int) -> int | None:
     """Exact integer ``n``-th root of ``x >= 0``, or None when ``x`` is not a perfect power."""
     if x < 2:
         return x
-    r = round(x ** (1.0 / n)) if x.bit_length() < 1000 else _newton_root(x, n)
-    for c in (r - 1, r, r + 1):
-        if c >= 0 and c**n == x:
-            return c
-    return None
+    r = math.isqrt(x) if n == 2 else _newton_root(x, n)
+    return r if r**n == x else None
 
 
 def _newton_root(x: int, n: int) -> int:
-    r = 1 << ((x.bit_length() + n - 1) // n)
+    """floor(x ** (1/n)) in integers (a float root is off by more than 1 beyond 2^53)."""
+    r = 1 << ((x.bit_length() + n - 1) // n)  # >= the root: Newton then decreases to it
     while True:
         s = ((n - 1) * r + x // r ** (n - 1)) // n
         if s >= r:
