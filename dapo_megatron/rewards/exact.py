@@ -157,7 +157,7 @@ def equal_values(a, b) -> bool:
     simplification decides most cases (``\\sqrt{8} - 2\\sqrt{2}`` is 0); a
     30-digit evaluation proves a clear difference; otherwise the minimal
     polynomial of ``a - b`` decides (it is ``x`` iff ``a == b``), which is exact
-    for algebraic numbers."""
+    for algebraic numbers (where sympy cannot build it, a 60-digit evaluation)."""
     if isinstance(a, Fraction) and isinstance(b, Fraction):
         return a == b
     sympy = _sympy()
@@ -170,7 +170,10 @@ def equal_values(a, b) -> bool:
     if abs(diff.evalf(30)) > scale * sympy.Float("1e-20"):
         return False
     x = sympy.Dummy("x")
-    return sympy.minimal_polynomial(diff, x) == x
+    try:
+        return sympy.minimal_polynomial(diff, x) == x
+    except Exception:  # sympy could not build it (NotImplementedError, ...): 60 digits decide
+        return bool(abs(diff.evalf(60)) <= scale * sympy.Float("1e-50"))
 
 
 def relative_error(approx: ExactNumber, exact: ExactNumber) -> float:
