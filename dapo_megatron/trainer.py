@@ -29,15 +29,110 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.config import DAPOConfig
 from dapo_megatron.rollout.types import Group, Sample
 
+if TYPE_CHECKING:  # the config package imports TrainerConfig from here
+    from dapo_megatron.config import DAPOConfig
+
 logger = logging.getLogger("dapo_megatron.trainer")
+
+
+# --------------------------------------------------------------------------- config
+
+
+@dataclass
+class TrainerConfig:
+    """The training loop, its checkpoints and the run directory (verl ``trainer.*`` names).
+
+    Attributes:
+        project_name: MLflow experiment / project name; part of the default run directory.
+        experiment_name: this run's name (MLflow run name); part of the default run
+            directory.
+        total_training_steps: number of DAPO training steps (each: rollout, reward,
+            dynamic sampling, actor updates, weight sync); >= 1.
+        save_freq: save a checkpoint every this many steps (and after the last step);
+            -1 never saves.
+        test_freq: evaluate (avg@k / pass@k on the validation set) every this many steps;
+            -1 never evaluates.
+        seed: base random seed; Megatron derives the TP-rank model-parallel RNG stream
+            from it; the data order and sampling seeds derive from it too. >= 0.
+        default_local_dir: run directory holding ``checkpoints/`` (and logs); None means
+            ``runs/<project_name>/<experiment_name>`` (see :attr:`run_dir`). Must be on a
+            file system shared by all ranks.
+        resume_mode: ``"auto"`` resumes from ``<run dir>/checkpoints/latest`` when it
+            exists, ``"disable"`` always starts from step 0, any other value is the path
+            of a ``step_<k>`` checkpoint directory to resume from.
+        val_before_train: validate once before the first step (logged at step 0) when
+            ``test_freq`` > 0, so a run's validation curve has its starting point.
+        max_ckpt_to_keep: keep only this many newest checkpoints (verl
+            ``max_actor_ckpt_to_keep``); None keeps all. >= 1.
+    """
+
+    project_name: str = "dapo-megatron"
+    experiment_name: str = "default"
+    total_training_steps: int = 100
+    save_freq: int = -1
+    test_freq: int = -1
+    seed: int = 1
+    default_local_dir: Optional[str] = None
+    resume_mode: str = "auto"
+    val_before_train: bool = True
+    max_ckpt_to_keep: Optional[int] = None
+
+    @property
+    def run_dir(self) -> str:
+        """``default_local_dir``, or ``runs/<project_name>/<experiment_name>`` when None."""
+        if self.default_local_dir:
+            return self.default_local_dir
+        return os.path.join("runs", self.project_name, self.experiment_name)
+
+    @property
+    def resume_path(self) -> str | None:
+        """The explicit checkpoint directory of ``resume_mode``, or None for auto/disable."""
+        return None if self.resume_mode in ("auto", "disable") else self.resume_mode
+
+    def validate(self) -> None:
+        """Check ranges and names.
+
+        Raises:
+            ValueError: naming the field, its value and the accepted values.
+        """
+        for name in ("project_name", "experiment_name"):
+            value = getattr(self, name)
+            if not value or not value.strip():
+                raise ValueError(f"{name}={value!r} must be a non-empty name")
+        if self.total_training_steps < 1:
+            raise ValueError(f"total_training_steps={self.total_training_steps} must be >= 1")
+        for name in ("save_freq", "test_freq"):
+            value = getattr(self, name)
+            if value != -1 and value < 1:
+                raise ValueError(f"{name}={value} must be -1 (never) or >= 1 (every N steps)")
+        if self.seed < 0:
+            raise ValueError(f"seed={self.seed} must be >= 0")
+        if self.default_local_dir is not None and not self.default_local_dir.strip():
+            raise ValueError(
+                "default_local_dir='' must be a directory path, or null for "
+                "runs/<project_name>/<experiment_name>"
+            )
+        if self.max_ckpt_to_keep is not None and self.max_ckpt_to_keep < 1:
+            raise ValueError(
+                f"max_ckpt_to_keep={self.max_ckpt_to_keep} must be >= 1, or null to keep all"
+            )
+        if not self.resume_mode:
+            raise ValueError("resume_mode='' must be 'auto', 'disable' or a checkpoint directory")
+        path = self.resume_path
+        if path is not None and not os.path.isdir(path):
+            raise ValueError(
+                f"resume_mode={path!r} is neither 'auto', 'disable' nor an existing checkpoint "
+                "directory (expected <run dir>/checkpoints/step_<k>)"
+            )
+
 
 
 # --------------------------------------------------------------------------- helpers

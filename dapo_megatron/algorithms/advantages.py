@@ -13,8 +13,23 @@ near-constant group into a blow-up), the std is the unbiased sample std like
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantage estimation (verl ``algorithm.*``).
+
+    Attributes:
+        norm_adv_by_std_in_grpo: divide by the group std (DAPO/GRPO); False gives
+            Dr. GRPO's mean-centred advantage.
+        adv_eps: epsilon added to the group std.
+    """
+
+    norm_adv_by_std_in_grpo: bool = True
+    adv_eps: float = 1e-6
 
 
 def _group_ids(group_index, batch: int, device: torch.device) -> tuple[torch.Tensor, int]:

@@ -1,0 +1,48 @@
+"""Typed run configuration: dataclass schemas, YAML files and dotted CLI overrides.
+
+* :mod:`.loader`: :func:`load_config` (OmegaConf, struct mode, errors that name the key),
+  :func:`to_yaml`, :func:`to_flat_dict`, :class:`ConfigError`;
+* :mod:`.docs`: :func:`documented_keys` (``dapo-train --list-keys``) and
+  :func:`assert_all_documented`;
+* :mod:`.run`: the root :class:`DAPOConfig`, whose fields are the sections, each defined
+  beside the code it configures (``RolloutConfig`` in :mod:`dapo_megatron.rollout.config`,
+  ``TrainerConfig`` in :mod:`dapo_megatron.trainer`, ...), re-exported here.
+"""
+
+from .docs import KeyDoc, assert_all_documented, documented_keys, parse_attribute_docs
+from .loader import ConfigError, load_config, to_flat_dict, to_yaml
+from .run import (
+    ActorConfig,
+    AlgorithmConfig,
+    BufferConfig,
+    DAPOConfig,
+    DataConfig,
+    ModelConfig,
+    ParallelConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrackingConfig,
+    TrainerConfig,
+)
+
+__all__ = [
+    "ActorConfig",
+    "AlgorithmConfig",
+    "BufferConfig",
+    "ConfigError",
+    "DAPOConfig",
+    "DataConfig",
+    "KeyDoc",
+    "ModelConfig",
+    "ParallelConfig",
+    "RewardConfig",
+    "RolloutConfig",
+    "TrackingConfig",
+    "TrainerConfig",
+    "assert_all_documented",
+    "documented_keys",
+    "load_config",
+    "parse_attribute_docs",
+    "to_flat_dict",
+    "to_yaml",
+]

@@ -1,0 +1,68 @@
+"""The run's root config, :class:`DAPOConfig`: one field per section, checks across sections.
+
+Each section's dataclass lives beside the code it configures; this module only composes
+them into the tree that ``dapo-train`` loads (YAML + dotted overrides).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dapo_megatron.actor.actor import ActorConfig
+from dapo_megatron.algorithms.advantages import AlgorithmConfig
+from dapo_megatron.data.dataset import DataConfig
+from dapo_megatron.models.config import ModelConfig
+from dapo_megatron.platform.distributed import ParallelConfig
+from dapo_megatron.rewards.config import RewardConfig
+from dapo_megatron.rollout.buffer import BufferConfig
+from dapo_megatron.rollout.config import RolloutConfig
+from dapo_megatron.tracking import TrackingConfig
+from dapo_megatron.trainer import TrainerConfig
+
+__all__ = ["DAPOConfig"]
+
+
+@dataclass
+class DAPOConfig:
+    """The whole run (``dapo-train --config X.yaml key.sub=value``).
+
+    Attributes:
+        model: what to train (HF/GGUF path, dtype, Megatron spec, FP8).
+        parallel: TP / PP sizes (DP = world / (TP × PP)).
+        data: prompt datasets (DAPO schema; empty = the embedded arithmetic task).
+        rollout: generation settings.
+        buffer: dynamic sampling, batch sizes and overlong shaping.
+        algorithm: advantage estimation.
+        actor: PPO/DAPO loss, mini/micro-batching and the optimizer.
+        reward: grader pool.
+        trainer: steps, checkpointing, validation cadence, run directory.
+        tracking: MLflow.
+    """
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+    def validate(self) -> None:
+        """Cross-section checks (each section validates itself)."""
+        if self.model.hf_path is None:
+            raise ValueError("model.hf_path is required: an HF model directory or a directory holding "
+                             "model.gguf_file")
+        if self.buffer.overlong.max_response_length != self.rollout.response_length:
+            raise ValueError(
+                f"buffer.overlong.max_response_length={self.buffer.overlong.max_response_length} must equal "
+                f"rollout.response_length={self.rollout.response_length} (Eq. 13's L_max is the generation budget)"
+            )
+        if self.actor.ppo_mini_batch_size > self.buffer.train_batch_size:
+            raise ValueError(f"actor.ppo_mini_batch_size={self.actor.ppo_mini_batch_size} groups exceeds "
+                             f"buffer.train_batch_size={self.buffer.train_batch_size}")
+        if self.buffer.train_batch_size % self.actor.ppo_mini_batch_size:
+            raise ValueError(f"buffer.train_batch_size={self.buffer.train_batch_size} must be a multiple of "
+                             f"actor.ppo_mini_batch_size={self.actor.ppo_mini_batch_size} (groups)")

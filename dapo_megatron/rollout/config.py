@@ -1,0 +1,51 @@
+"""The ``rollout.*`` section: generation settings of the training and validation rollouts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RolloutConfig:
+    """Generation settings (verl ``actor_rollout_ref.rollout.*`` names).
+
+    Attributes:
+        name: rollout engine: "hf" (transformers, CPU default) or "sglang" (GPU, colocated).
+        temperature: sampling temperature of training rollouts (the actor's logprobs use
+            the same temperature).
+        top_p: nucleus mass for training rollouts; keep 1.0 so rollout logprobs match the
+            actor's distribution.
+        top_k: -1 (off) or k.
+        response_length: max new tokens per response (L_max of the paper's Eq. 13); must
+            equal ``buffer.overlong.max_response_length``.
+        update_weights_bucket_megabytes: bucket size of the weight sync (MiB).
+        gpu_memory_utilization: SGLang ``mem_fraction_static`` (GPU only).
+        val_n: responses per DISTINCT validation problem (the k of avg@k / pass@k). Rows
+            that are copies of one problem (same data_source, prompt, ground truth) are
+            sampled once as a group of val_n: the AIME 2024 parquet (30 problems × 32
+            copies) with val_n=32 gives the paper's avg@32 over 30 × 32 samples.
+        val_temperature: validation sampling temperature (paper: 1.0).
+        val_top_p: validation top-p (paper: 0.7).
+        val_max_prompts: validate on the first this many distinct problems (0 = all).
+    """
+
+    name: str = "hf"
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    response_length: int = 20480
+    update_weights_bucket_megabytes: int = 512
+    gpu_memory_utilization: float = 0.5
+    val_n: int = 32
+    val_temperature: float = 1.0
+    val_top_p: float = 0.7
+    val_max_prompts: int = 0
+
+    def validate(self) -> None:
+        if self.name not in ("hf", "sglang"):
+            raise ValueError(f"rollout.name={self.name!r} must be 'hf' or 'sglang'")
+        for key in ("response_length", "update_weights_bucket_megabytes", "val_n"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"rollout.{key}={getattr(self, key)!r} must be >= 1")
+        if self.val_max_prompts < 0:
+            raise ValueError(f"rollout.val_max_prompts={self.val_max_prompts} must be >= 0 (0 = all)")
