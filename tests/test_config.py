@@ -150,7 +150,7 @@ def test_wrong_type_names_key_expected_type_and_value(tmp_path):
 
 
 def test_validate_runs_in_every_section_and_names_the_dotted_field(tmp_path):
-    with pytest.raises(ValueError, match=r"^actor\.optim\.lr=-1\.0 must be > 0$"):
+    with pytest.raises(ConfigError, match=r"^actor\.optim\.lr=-1\.0 must be > 0$"):
         load_config(RunSchema, None, ["actor.optim.lr=-1.0"])
     with pytest.raises(ValueError, match=r"^trainer\.save_freq=0 must be -1 \(never\) or >= 1"):
         load_config(RunSchema, None, ["trainer.save_freq=0"])
@@ -163,6 +163,69 @@ def test_validate_runs_in_every_section_and_names_the_dotted_field(tmp_path):
     # a TrainerConfig used as the root: no prefix
     with pytest.raises(ValueError, match=r"^seed=-1 must be >= 0$"):
         load_config(TrainerConfig, None, ["seed=-1"])
+
+
+def test_real_schema_errors_begin_once_with_the_dotted_key():
+    """Every section's message names the field relative to it; the loader adds the path once."""
+    from dapo_megatron.config import DAPOConfig
+
+    base = ["model.hf_path=/models/x"]
+    for override, message in [
+        ("buffer.n=1", "buffer.n=1: dynamic sampling (filter_groups) needs n >= 2"),
+        ("buffer.overlong.overlong_buffer_len=30000", "buffer.overlong.overlong_buffer_len=30000 must be <= "
+                                                      "max_response_length=20480"),
+        ("parallel.pipeline_model_parallel_size=0", "parallel.pipeline_model_parallel_size=0 must be >= 1"),
+        ("actor.optim.lr=0.0", "actor.optim.lr=0.0 must be > 0"),
+        ("actor.ppo_epochs=0", "actor.ppo_epochs=0 must be >= 1"),
+        ("rollout.name=vllm", "rollout.name='vllm' must be 'hf' or 'sglang'"),
+        ("data.max_prompt_length=0", "data.max_prompt_length=0 must be a positive int"),
+        ("data.arithmetic.style=poem", "data.arithmetic.style='poem' must be 'plain' or 'word'"),
+        # across sections: 100 steps × 1 epoch × 512/32 mini-batches = 1600 optimizer steps
+        ("actor.optim.lr_warmup_steps=1600", "actor.optim.lr_warmup_steps=1600 must be smaller than the run's "
+                                             "1600 optimizer steps"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            load_config(DAPOConfig, None, [*base, override])
+        assert str(e.value).startswith(message), (override, str(e.value))
+        key = override.split("=")[0]
+        assert str(e.value).count(key.rpartition(".")[0] + ".") == 1, str(e.value)
+    load_config(DAPOConfig, None, [*base, "actor.optim.lr_warmup_steps=1599"])
+
+
+def test_config_errors_prefixes_run_time_checks_once():
+    from dapo_megatron.config import config_errors
+    from dapo_megatron.platform import ParallelConfig
+
+    with pytest.raises(ConfigError, match=r"^parallel\.tensor_model_parallel_size=2 × pipeline_model_parallel_size"
+                                          r"=1 does not divide the world size 3"):
+        with config_errors("parallel"):
+            ParallelConfig(2, 1).check_world_size(3)
+    with pytest.raises(ConfigError, match=r"^parallel\.x=1$"):  # already prefixed: unchanged
+        with config_errors("parallel"):
+            raise ValueError("parallel.x=1")
+
+
+def test_validate_convention_is_enforced():
+    @dataclass
+    class NeedsArgs:
+        a: int = 0
+        """a."""
+
+        def validate(self, world_size):
+            pass
+
+    @dataclass
+    class ReturnsSelf:
+        a: int = 0
+        """a."""
+
+        def validate(self):
+            return self
+
+    with pytest.raises(TypeError, match="NeedsArgs.validate must take no arguments"):
+        load_config(NeedsArgs)
+    with pytest.raises(TypeError, match="ReturnsSelf.validate must return None"):
+        load_config(ReturnsSelf)
 
 
 def test_trainer_config_run_dir_and_resume_path(tmp_path):

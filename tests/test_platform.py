@@ -67,10 +67,15 @@ def test_megatron_rng_tracker_forks_streams_on_cpu():
 
 
 def test_parallel_config_rejects_bad_layouts():
-    with pytest.raises(ValueError, match="not divisible by TP×PP"):
-        ParallelConfig(2, 2).validate(world_size=2)
-    with pytest.raises(ValueError, match="must both be >= 1"):
-        ParallelConfig(0, 1).validate(world_size=2)
+    with pytest.raises(ValueError, match=r"^tensor_model_parallel_size=2 × pipeline_model_parallel_size=2 does "
+                                         r"not divide the world size 2: launch torchrun with --nproc_per_node a "
+                                         r"multiple of 4"):
+        ParallelConfig(2, 2).check_world_size(2)
+    ParallelConfig(2, 2).check_world_size(8)
+    with pytest.raises(ValueError, match="^tensor_model_parallel_size=0 must be >= 1$"):
+        ParallelConfig(0, 1).validate()
+    with pytest.raises(ValueError, match="^pipeline_model_parallel_size=0 must be >= 1$"):
+        ParallelConfig(1, 0).validate()
 
 
 def _tp2_step(result_path: str) -> None:

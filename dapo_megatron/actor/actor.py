@@ -81,27 +81,36 @@ class OptimConfig:
     eps: float = 1e-8
     clip_grad: float = 1.0
 
-    def validate(self, total_steps: int) -> None:
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the bad field."""
         if not self.lr > 0:
-            raise ValueError(f"actor.optim.lr={self.lr} must be > 0")
+            raise ValueError(f"lr={self.lr} must be > 0")
         if self.lr_decay_style not in ("constant", "linear", "cosine", "inverse-square-root"):
             raise ValueError(
-                f"actor.optim.lr_decay_style={self.lr_decay_style!r} must be constant, linear, cosine or "
-                "inverse-square-root"
+                f"lr_decay_style={self.lr_decay_style!r} must be constant, linear, cosine or inverse-square-root"
             )
         if not 0 <= self.lr_warmup_init <= self.lr:
-            raise ValueError(f"actor.optim.lr_warmup_init={self.lr_warmup_init} must be in [0, lr={self.lr}]")
+            raise ValueError(f"lr_warmup_init={self.lr_warmup_init} must be in [0, lr={self.lr}]")
         if not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"actor.optim.min_lr={self.min_lr} must be in [0, lr={self.lr}]")
-        if self.lr_warmup_steps < 0 or total_steps <= self.lr_warmup_steps:
+            raise ValueError(f"min_lr={self.min_lr} must be in [0, lr={self.lr}]")
+        if self.lr_warmup_steps < 0:
+            raise ValueError(f"lr_warmup_steps={self.lr_warmup_steps} must be >= 0")
+        for name in ("weight_decay", "clip_grad"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.eps <= 0:
+            raise ValueError(f"eps={self.eps} must be > 0")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas={tuple(self.betas)} must be two numbers in [0, 1)")
+
+    def check_total_steps(self, total_steps: int) -> None:
+        """Raise ``ValueError`` unless the warm-up ends within the run's ``total_steps``
+        optimizer updates (Megatron's scheduler counts updates, not rollout steps)."""
+        if total_steps <= self.lr_warmup_steps:
             raise ValueError(
-                f"total_steps={total_steps} optimizer steps must exceed actor.optim.lr_warmup_steps="
-                f"{self.lr_warmup_steps} (>= 0); count optimizer updates, not rollout steps"
+                f"lr_warmup_steps={self.lr_warmup_steps} must be smaller than the run's {total_steps} "
+                "optimizer steps (the warm-up counts optimizer updates, not rollout steps)"
             )
-        if self.weight_decay < 0 or self.clip_grad < 0 or self.eps <= 0:
-            raise ValueError("actor.optim.weight_decay and clip_grad must be >= 0 and eps > 0")
-        if not all(0 <= b < 1 for b in self.betas) or len(self.betas) != 2:
-            raise ValueError(f"actor.optim.betas={self.betas} must be two numbers in [0, 1)")
 
 
 @dataclass
@@ -149,16 +158,18 @@ class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
 
     def validate(self) -> None:
-        if self.ppo_mini_batch_size < 1 or self.ppo_epochs < 1 or self.ppo_max_token_len_per_gpu < 1:
-            raise ValueError("actor.ppo_mini_batch_size, ppo_epochs and ppo_max_token_len_per_gpu must be >= 1")
+        """Raise ``ValueError`` naming the bad field (``optim`` validates itself)."""
+        for name in ("ppo_mini_batch_size", "ppo_epochs", "ppo_max_token_len_per_gpu"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.loss_agg_mode not in SUPPORTED_LOSS_AGG_MODES:
             raise ValueError(
-                f"actor.loss_agg_mode={self.loss_agg_mode!r} is not one of {SUPPORTED_LOSS_AGG_MODES} "
+                f"loss_agg_mode={self.loss_agg_mode!r} is not one of {SUPPORTED_LOSS_AGG_MODES} "
                 "(the modes whose micro-batch split can be made exact)"
             )
         if self.micro_batch_layout not in (None, "thd", "bshd"):
             raise ValueError(
-                f"actor.micro_batch_layout={self.micro_batch_layout!r} must be null (auto), 'thd' (packed) or "
+                f"micro_batch_layout={self.micro_batch_layout!r} must be null (auto), 'thd' (packed) or "
                 "'bshd' (padded rows)"
             )
 
@@ -266,7 +277,8 @@ class MegatronActor:
                 "rank's single pipeline stage"
             )
         actor_cfg.validate()
-        actor_cfg.optim.validate(total_steps)
+        actor_cfg.optim.validate()
+        actor_cfg.optim.check_total_steps(total_steps)
         self.cfg = actor_cfg
         self.vocab_size = vocab_size
         config = chunks[0].config

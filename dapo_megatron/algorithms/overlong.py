@@ -134,15 +134,11 @@ class OverlongConfig:
     overlong_buffer_len: int = 4096
     penalty_factor: float = 1.0
 
-    def validate(self) -> "OverlongConfig":
-        """Check the fields; raise ValueError naming the bad field. Returns self."""
+    def validate(self) -> None:
+        """Check the fields; raise ValueError naming the bad field."""
         if not isinstance(self.enable, bool):
-            raise ValueError(f"OverlongConfig.enable={self.enable!r} must be a bool")
-        try:
-            _validate_lengths(self.max_response_length, self.overlong_buffer_len, self.penalty_factor)
-        except ValueError as err:
-            raise ValueError(f"OverlongConfig: {err}") from None
-        return self
+            raise ValueError(f"enable={self.enable!r} must be a bool")
+        _validate_lengths(self.max_response_length, self.overlong_buffer_len, self.penalty_factor)
 
     def penalty(self, response_length: torch.Tensor) -> torch.Tensor:
         """float32 ``[batch]`` penalty of :func:`soft_overlong_penalty`, zeros when disabled."""

@@ -10,7 +10,7 @@
 """
 
 from .docs import KeyDoc, assert_all_documented, documented_keys, parse_attribute_docs
-from .loader import ConfigError, load_config, to_flat_dict, to_yaml
+from .loader import ConfigError, config_errors, load_config, to_flat_dict, to_yaml
 from .run import (
     ActorConfig,
     AlgorithmConfig,
@@ -40,6 +40,7 @@ __all__ = [
     "TrackingConfig",
     "TrainerConfig",
     "assert_all_documented",
+    "config_errors",
     "documented_keys",
     "load_config",
     "parse_attribute_docs",

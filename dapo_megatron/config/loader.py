@@ -1,44 +1,31 @@
-"""Typed run configuration: dataclass schemas, YAML files and dotted CLI overrides.
+"""The config loader: dataclass schema + YAML file + dotted CLI overrides -> validated tree.
 
-Every module owns a small dataclass config (megatron-core style: ``TransformerConfig``,
-``OptimizerConfig``; verl names where verl has one). The trainer composes them into
-one tree, e.g.::
-
-    @dataclass
-    class DAPOConfig:
-        \"\"\"Attributes:
-            trainer: loop length, checkpoint cadence, run directory.
-            actor: Megatron actor (parallelism, optimizer, micro-batches).
-        \"\"\"
-        trainer: TrainerConfig = field(default_factory=TrainerConfig)
-        actor: ActorConfig = field(default_factory=ActorConfig)
-
-    cfg = load_config(DAPOConfig, "examples/configs/qwen7b.yaml",
-                      ["trainer.total_training_steps=3", "actor.optim.lr=1e-6"])
-
-This module is the mechanism only. ``load_config`` builds an OmegaConf structured config
-from the schema (struct mode: no key that the schema lacks), merges the YAML file, then
-each override in order, converts the result back to the schema's dataclasses and runs
-every ``validate()`` method bottom-up. Supported field types: ``int``, ``float``,
-``bool``, ``str``, ``Optional[...]``, ``Literal[...]``, ``Enum``, ``list[...]`` /
-``dict[str, ...]`` of those, and nested dataclasses (OmegaConf 2.3+ semantics: an int
-is accepted for a float field, a bool is not accepted for an int field).
+``load_config(DAPOConfig, "examples/configs/dapo_smollm2_cpu.yaml", ["actor.optim.lr=1e-6"])``
+builds an OmegaConf structured config from the schema (struct mode: no key that the schema
+lacks), merges the YAML file, then each override in order, converts the result back to
+the schema's dataclasses and runs every section's ``validate()``, innermost first.
+Supported field types: ``int``, ``float``, ``bool``, ``str``, ``Optional[...]``,
+``Literal[...]``, ``Enum``, ``list[...]`` / ``dict[str, ...]`` of those, and nested
+dataclasses (OmegaConf 2.3+ semantics: an int is accepted for a float field, a bool is
+not accepted for an int field).
 
 Strictness: every dataclass field is strict (an unknown key is an error). A ``dict[str, V]``
 field is an open mapping: YAML and overrides may add any key under it, at any depth
 (``model.extra_transformer_config.recompute_granularity=full``), with values checked
 against ``V`` (``Any`` accepts everything); the dict field itself must exist.
 
-Conventions for schema authors:
+Validation convention for schema authors (one for every section):
 
-* document every field in the class docstring's ``Attributes:`` section (Google style,
-  ``name: text`` with indented continuation lines); :func:`assert_all_documented` fails
-  on a missing or stale entry;
-* ``validate(self) -> None`` (no other required arguments) raises ``ValueError`` whose
-  message starts with the field name, e.g. ``"save_freq=-2 must be -1 (never) or >= 1"``;
-  :func:`load_config` prefixes the dotted path of the section, giving
-  ``"trainer.save_freq=-2 must be ..."``. ``validate`` methods that need arguments (e.g.
-  ``ParallelConfig.validate(world_size)``) are not called here.
+* ``validate(self) -> None`` checks the section's own fields and raises ``ValueError``
+  whose message starts with ``field=value``, e.g. ``"save_freq=-2 must be -1 (never) or
+  >= 1"``. It knows nothing of where the section sits in the tree: :func:`load_config`
+  prefixes the dotted path once, giving ``"trainer.save_freq=-2 must be ..."``.
+  Nested sections are validated by the walk, not by their parent's ``validate``.
+* Checks across sections belong to the root's ``validate`` (``DAPOConfig``) and name
+  every key in full.
+* Checks that need a run-time fact (the world size, the optimizer step count) are
+  methods ``check_<fact>(value) -> None`` of the section, with the same message form;
+  a caller that knows the section's path wraps them in :func:`config_errors`.
 
 Source: OmegaConf structured configs (``OmegaConf.structured``, ``OmegaConf.merge``,
 ``OmegaConf.from_dotlist``, ``OmegaConf.to_object``); key names follow verl's
@@ -47,6 +34,7 @@ Source: OmegaConf structured configs (``OmegaConf.structured``, ``OmegaConf.merg
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import enum
@@ -54,11 +42,11 @@ import inspect
 import os
 import types
 import typing
-from typing import Any, Literal, Sequence, TypeVar
+from typing import Any, Iterator, Literal, Sequence, TypeVar
 
 T = TypeVar("T")
 
-__all__ = ["ConfigError", "load_config", "to_flat_dict", "to_yaml"]
+__all__ = ["ConfigError", "config_errors", "load_config", "to_flat_dict", "to_yaml"]
 
 
 class ConfigError(ValueError):
@@ -265,8 +253,35 @@ def _parse_override(item: str) -> tuple[str, str]:
     return key, value
 
 
+@contextlib.contextmanager
+def config_errors(path: str) -> Iterator[None]:
+    """Re-raise a ``ValueError`` of the block as a :class:`ConfigError` whose message
+    begins with ``path`` (a section's dotted key, e.g. ``"parallel"``) exactly once.
+
+    For checks that need run-time facts, e.g.
+    ``with config_errors("parallel"): cfg.parallel.check_world_size(world)``
+    turns ``"tensor_model_parallel_size=2 ..."`` into ``"parallel.tensor_model_parallel_size=2 ..."``.
+    """
+    prefix = f"{path}." if path and not path.endswith(".") else path
+    try:
+        yield
+    except ConfigError as e:
+        if not prefix or str(e).startswith(prefix):
+            raise
+        raise ConfigError(f"{prefix}{e}") from None
+    except ValueError as e:
+        msg = str(e)
+        raise ConfigError(msg if not prefix or msg.startswith(prefix) else f"{prefix}{msg}") from None
+
+
 def _validate_tree(obj: Any, path: str = "") -> None:
-    """Call every ``validate()`` bottom-up; prefix errors with the section's dotted path."""
+    """Call every section's ``validate()``, innermost first, under :func:`config_errors`.
+
+    Raises:
+        TypeError: a ``validate`` that takes arguments or returns a value (the convention
+            is ``validate(self) -> None``; checks against run-time facts are separate methods).
+        ConfigError: a ``validate`` raised ``ValueError``; the message gets the dotted path.
+    """
     if not dataclasses.is_dataclass(obj) or isinstance(obj, type):
         return
     for f in dataclasses.fields(obj):
@@ -279,19 +294,16 @@ def _validate_tree(obj: Any, path: str = "") -> None:
     method = getattr(obj, "validate", None)
     if method is None:
         return
-    required = [
-        p for p in inspect.signature(method).parameters.values()
-        if p.default is inspect.Parameter.empty
-        and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
-    ]
-    if required:  # needs run-time arguments (e.g. world size): the caller runs it later
-        return
-    try:
-        method()
-    except ValueError as e:
-        if not path or str(e).startswith(path):
-            raise
-        raise ValueError(f"{path}{e}") from None
+    name = type(obj).__qualname__
+    if any(p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+           for p in inspect.signature(method).parameters.values()):
+        raise TypeError(f"{name}.validate must take no arguments (validate(self) -> None); "
+                        "name a check that needs run-time facts check_<fact>(...) instead")
+    with config_errors(path):
+        result = method()
+    if result is not None:
+        raise TypeError(f"{name}.validate must return None (raise ValueError on a bad value), "
+                        f"got {type(result).__name__}")
 
 
 def load_config(schema: type[T], yaml_path: str | None = None, overrides: Sequence[str] = ()) -> T:
@@ -319,9 +331,10 @@ def load_config(schema: type[T], yaml_path: str | None = None, overrides: Sequen
             full dotted key, the closest valid key, the valid keys of that section), a value
             of the wrong type (for a key below a dict field: the dict's value type)
             or outside a ``Literal`` (message: the key, the expected type, the value), a
-            malformed override, or a YAML file whose top level is not a mapping.
-        ValueError: a ``validate()`` method rejected a value; the message starts with
-            the dotted field, e.g. ``trainer.save_freq=-2 must be ...``.
+            malformed override, a YAML file whose top level is not a mapping, or a value
+            that a ``validate()`` rejected (the message starts with the dotted field,
+            once, e.g. ``trainer.save_freq=-2 must be ...``).
+        TypeError: a section's ``validate`` does not follow ``validate(self) -> None``.
     """
     from omegaconf import OmegaConf
 

@@ -19,6 +19,8 @@ from dapo_megatron.rollout.config import RolloutConfig
 from dapo_megatron.tracking import TrackingConfig
 from dapo_megatron.trainer import TrainerConfig
 
+from .loader import config_errors
+
 __all__ = ["DAPOConfig"]
 
 
@@ -51,7 +53,7 @@ class DAPOConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def validate(self) -> None:
-        """Cross-section checks (each section validates itself)."""
+        """Checks across sections (each section validates itself); messages name every key in full."""
         if self.model.hf_path is None:
             raise ValueError("model.hf_path is required: an HF model directory or a directory holding "
                              "model.gguf_file")
@@ -66,3 +68,7 @@ class DAPOConfig:
         if self.buffer.train_batch_size % self.actor.ppo_mini_batch_size:
             raise ValueError(f"buffer.train_batch_size={self.buffer.train_batch_size} must be a multiple of "
                              f"actor.ppo_mini_batch_size={self.actor.ppo_mini_batch_size} (groups)")
+        updates = self.trainer.total_training_steps * self.actor.ppo_epochs * (
+            self.buffer.train_batch_size // self.actor.ppo_mini_batch_size)
+        with config_errors("actor.optim"):  # trainer.total_training_steps × ppo_epochs × mini-batches per step
+            self.actor.optim.check_total_steps(updates)

@@ -67,26 +67,28 @@ class ArithmeticConfig:
 
     def __post_init__(self) -> None:
         self.operators = tuple(self.operators)
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the bad field."""
         if not self.operators:
-            raise ValueError("ArithmeticConfig.operators is empty; use e.g. ('+',)")
+            raise ValueError("operators=() is empty; use e.g. ('+',)")
         bad = [op for op in self.operators if op not in OPERATORS]
         if bad:
-            raise ValueError(f"ArithmeticConfig.operators has unsupported {bad}; choose from {OPERATORS}")
+            raise ValueError(f"operators={self.operators!r} has unsupported {bad}; choose from {OPERATORS}")
         if self.min_operand > self.max_operand:
-            raise ValueError(
-                f"ArithmeticConfig.min_operand ({self.min_operand}) > max_operand ({self.max_operand})"
-            )
+            raise ValueError(f"min_operand={self.min_operand} must be <= max_operand={self.max_operand}")
         if "/" in self.operators and self.min_operand <= 0 <= self.max_operand:
-            raise ValueError("ArithmeticConfig: '/' needs a divisor range without 0; set min_operand >= 1")
+            raise ValueError(f"min_operand={self.min_operand}: '/' needs a divisor range without 0; "
+                             "set min_operand >= 1")
         if self.style not in ("plain", "word"):
-            raise ValueError(f"ArithmeticConfig.style must be 'plain' or 'word', got {self.style!r}")
+            raise ValueError(f"style={self.style!r} must be 'plain' or 'word'")
         if self.style == "plain":
             for key in ("{a}", "{b}"):
                 if key not in self.template:
-                    raise ValueError(f"ArithmeticConfig.template must contain {key}, got {self.template!r}")
+                    raise ValueError(f"template={self.template!r} must contain {key}")
         for name in ("num_train_problems", "num_val_problems"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"ArithmeticConfig.{name} must be > 0")
+                raise ValueError(f"{name}={getattr(self, name)} must be > 0")
 
 
 def _solve(a: int, op: str, b: int) -> int:
@@ -113,6 +115,7 @@ def generate_problems(num_problems: int, seed: int, config: ArithmeticConfig | N
     if num_problems <= 0:
         raise ValueError(f"num_problems must be > 0, got {num_problems}")
     cfg = config or ArithmeticConfig()
+    cfg.validate()
     rng = random.Random(seed)
     lo, hi = cfg.min_operand, cfg.max_operand
     problems = []

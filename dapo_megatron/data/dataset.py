@@ -94,13 +94,14 @@ class DataConfig:
             self.val_files = [self.val_files]
         self.train_files = list(self.train_files)
         self.val_files = list(self.val_files)
-        if not isinstance(self.max_prompt_length, int) or self.max_prompt_length <= 0:
-            raise ValueError(
-                f"DataConfig.max_prompt_length must be a positive int (tokens), got "
-                f"{self.max_prompt_length!r}"
-            )
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the bad field (``arithmetic`` validates itself)."""
+        if isinstance(self.max_prompt_length, bool) or not isinstance(self.max_prompt_length, int) \
+                or self.max_prompt_length <= 0:
+            raise ValueError(f"max_prompt_length={self.max_prompt_length!r} must be a positive int (tokens)")
         if not self.prompt_key:
-            raise ValueError("DataConfig.prompt_key must name the messages column, e.g. 'prompt'")
+            raise ValueError("prompt_key='' must name the messages column, e.g. 'prompt'")
 
 
 @dataclass(frozen=True)
@@ -484,6 +485,7 @@ def load_from_config(cfg: DataConfig, tokenizer: Any, split: str = "train") -> P
     """
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    cfg.validate()
     files = cfg.train_files if split == "train" else cfg.val_files
     if not files:
         raise ValueError(

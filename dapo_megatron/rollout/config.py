@@ -42,10 +42,11 @@ class RolloutConfig:
     val_max_prompts: int = 0
 
     def validate(self) -> None:
+        """Raise ``ValueError`` naming the bad field."""
         if self.name not in ("hf", "sglang"):
-            raise ValueError(f"rollout.name={self.name!r} must be 'hf' or 'sglang'")
+            raise ValueError(f"name={self.name!r} must be 'hf' or 'sglang'")
         for key in ("response_length", "update_weights_bucket_megabytes", "val_n"):
             if getattr(self, key) < 1:
-                raise ValueError(f"rollout.{key}={getattr(self, key)!r} must be >= 1")
+                raise ValueError(f"{key}={getattr(self, key)!r} must be >= 1")
         if self.val_max_prompts < 0:
-            raise ValueError(f"rollout.val_max_prompts={self.val_max_prompts} must be >= 0 (0 = all)")
+            raise ValueError(f"val_max_prompts={self.val_max_prompts} must be >= 0 (0 = all)")
