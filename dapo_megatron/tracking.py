@@ -36,28 +36,25 @@ MLFLOW_BATCH_LIMIT = 100  # params per log_batch call
 
 @dataclass
 class TrackingConfig:
-    """Tracking settings (``trainer.tracking.*``).
-
-    Attributes:
-        tracking_uri: MLflow tracking URI; ``None`` means ``sqlite:///<run_dir>/mlflow.db``.
-        experiment_name: MLflow experiment (created if missing).
-        run_name: MLflow run name; ``None`` lets MLflow choose.
-        run_id: continue this existing MLflow run (store ``Tracker.run_id`` in the
-            trainer checkpoint and pass it back on resume); ``None`` starts a new run.
-        use_mlflow: ``False`` writes only the JSONL file.
-        http_max_retries: value for ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` (HTTP URIs).
-        http_timeout_s: value for ``MLFLOW_HTTP_REQUEST_TIMEOUT`` in seconds.
-        metrics_file: JSONL file name inside the run directory.
-    """
+    """Tracking settings (``tracking.*``)."""
 
     tracking_uri: str | None = None
+    """MLflow tracking URI; ``None`` means ``sqlite:///<run_dir>/mlflow.db``."""
     experiment_name: str = "dapo"
+    """MLflow experiment (created if missing)."""
     run_name: str | None = None
+    """MLflow run name; ``None`` lets MLflow choose."""
     run_id: str | None = None
+    """continue this existing MLflow run (store ``Tracker.run_id`` in the trainer checkpoint and
+    pass it back on resume); ``None`` starts a new run."""
     use_mlflow: bool = True
+    """``False`` writes only the JSONL file."""
     http_max_retries: int = 0
+    """value for ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` (HTTP URIs)."""
     http_timeout_s: int = 5
+    """value for ``MLFLOW_HTTP_REQUEST_TIMEOUT`` in seconds."""
     metrics_file: str = "metrics.jsonl"
+    """JSONL file name inside the run directory."""
 
 
 _MLFLOW_NAME_BAD = re.compile(r"[^0-9A-Za-z_\-. :/]")

@@ -48,42 +48,36 @@ logger = logging.getLogger("dapo_megatron.trainer")
 
 @dataclass
 class TrainerConfig:
-    """The training loop, its checkpoints and the run directory (verl ``trainer.*`` names).
-
-    Attributes:
-        project_name: MLflow experiment / project name; part of the default run directory.
-        experiment_name: this run's name (MLflow run name); part of the default run
-            directory.
-        total_training_steps: number of DAPO training steps (each: rollout, reward,
-            dynamic sampling, actor updates, weight sync); >= 1.
-        save_freq: save a checkpoint every this many steps (and after the last step);
-            -1 never saves.
-        test_freq: evaluate (avg@k / pass@k on the validation set) every this many steps;
-            -1 never evaluates.
-        seed: base random seed; Megatron derives the TP-rank model-parallel RNG stream
-            from it; the data order and sampling seeds derive from it too. >= 0.
-        default_local_dir: run directory holding ``checkpoints/`` (and logs); None means
-            ``runs/<project_name>/<experiment_name>`` (see :attr:`run_dir`). Must be on a
-            file system shared by all ranks.
-        resume_mode: ``"auto"`` resumes from ``<run dir>/checkpoints/latest`` when it
-            exists, ``"disable"`` always starts from step 0, any other value is the path
-            of a ``step_<k>`` checkpoint directory to resume from.
-        val_before_train: validate once before the first step (logged at step 0) when
-            ``test_freq`` > 0, so a run's validation curve has its starting point.
-        max_ckpt_to_keep: keep only this many newest checkpoints (verl
-            ``max_actor_ckpt_to_keep``); None keeps all. >= 1.
-    """
+    """The training loop, its checkpoints and the run directory (verl ``trainer.*`` names)."""
 
     project_name: str = "dapo-megatron"
+    """MLflow experiment / project name; part of the default run directory."""
     experiment_name: str = "default"
+    """this run's name (MLflow run name); part of the default run directory."""
     total_training_steps: int = 100
+    """number of DAPO training steps (each: rollout, reward, dynamic sampling, actor updates, weight
+    sync); >= 1."""
     save_freq: int = -1
+    """save a checkpoint every this many steps (and after the last step); -1 never saves."""
     test_freq: int = -1
+    """evaluate (avg@k / pass@k on the validation set) every this many steps; -1 never evaluates."""
     seed: int = 1
+    """base random seed; Megatron derives the TP-rank model-parallel RNG stream from it; the data
+    order and sampling seeds derive from it too. >= 0."""
     default_local_dir: Optional[str] = None
+    """run directory holding ``checkpoints/`` (and logs); None means
+    ``runs/<project_name>/<experiment_name>`` (see :attr:`run_dir`). Must be on a file system
+    shared by all ranks."""
     resume_mode: str = "auto"
+    """``"auto"`` resumes from ``<run dir>/checkpoints/latest`` when it exists, ``"disable"`` always
+    starts from step 0, any other value is the path of a ``step_<k>`` checkpoint directory to
+    resume from."""
     val_before_train: bool = True
+    """validate once before the first step (logged at step 0) when ``test_freq`` > 0, so a run's
+    validation curve has its starting point."""
     max_ckpt_to_keep: Optional[int] = None
+    """keep only this many newest checkpoints (verl ``max_actor_ckpt_to_keep``), >= 1; None keeps
+    all."""
 
     @property
     def run_dir(self) -> str:

@@ -54,32 +54,28 @@ SUPPORTED_LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean")
 
 @dataclass
 class OptimConfig:
-    """AdamW (Megatron ``optimizer="adam"``, decoupled weight decay) and LR schedule.
-
-    Attributes:
-        lr: peak learning rate (DAPO: 1e-6).
-        lr_warmup_steps: linear warm-up length in optimizer steps (Megatron's
-            ``OptimizerParamScheduler`` counts optimizer updates; DAPO's 20 rollout
-            steps with 16 updates each are 320 here).
-        lr_warmup_init: LR at step 0 of the warm-up (Megatron ``lr_warmup_init``).
-        lr_decay_style: ``"constant"`` (DAPO), ``"linear"``, ``"cosine"`` or
-            ``"inverse-square-root"`` after the warm-up.
-        min_lr: floor of the decay styles other than constant.
-        weight_decay: decoupled weight decay (not applied to biases and norms).
-        betas: Adam (beta1, beta2).
-        eps: Adam epsilon.
-        clip_grad: max global grad norm (0 disables clipping; the norm is still logged).
-    """
+    """AdamW (Megatron ``optimizer="adam"``, decoupled weight decay) and LR schedule."""
 
     lr: float = 1e-6
+    """peak learning rate (DAPO: 1e-6)."""
     lr_warmup_steps: int = 0
+    """linear warm-up length in optimizer steps (Megatron's ``OptimizerParamScheduler`` counts
+    optimizer updates; DAPO's 20 rollout steps with 16 updates each are 320 here)."""
     lr_warmup_init: float = 0.0
+    """LR at step 0 of the warm-up (Megatron ``lr_warmup_init``)."""
     lr_decay_style: str = "constant"
+    """``"constant"`` (DAPO), ``"linear"``, ``"cosine"`` or ``"inverse-square-root"`` after the
+    warm-up."""
     min_lr: float = 0.0
+    """floor of the decay styles other than constant."""
     weight_decay: float = 0.1
+    """decoupled weight decay (not applied to biases and norms)."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """Adam (beta1, beta2)."""
     eps: float = 1e-8
+    """Adam epsilon."""
     clip_grad: float = 1.0
+    """max global grad norm (0 disables clipping; the norm is still logged)."""
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the bad field."""
@@ -115,47 +111,45 @@ class OptimConfig:
 
 @dataclass
 class ActorConfig:
-    """Policy-update settings (verl ``actor_rollout_ref.actor`` names).
-
-    Attributes:
-        ppo_mini_batch_size: prompts per mini-batch (one optimizer step each); a
-            mini-batch holds ``ppo_mini_batch_size × n`` responses. Used by the
-            trainer to cut the rollout batch; the actor trains one mini-batch per call.
-        ppo_epochs: passes over the rollout batch (trainer loop).
-        ppo_max_token_len_per_gpu: token budget (prompt + response) of one
-            micro-batch on one GPU (:func:`~dapo_megatron.actor.packing.split_by_token_budget`).
-        clip_ratio_low, clip_ratio_high: DAPO decoupled clip (0.2, 0.28).
-        clip_ratio_c: dual-clip constant (> 1) or None.
-        loss_agg_mode: ``"token-mean"`` (DAPO) or ``"seq-mean-token-mean"`` (GRPO
-            ablation; each micro-batch weighted by its share of sequences).
-        entropy_coeff: entropy bonus weight (0: entropy is logged only, no gradient).
-        tis_cap: truncated importance sampling cap against ``Sample.rollout_logprobs``, or None.
-        use_packed_seq_params: pass ``PackedSeqParams(qkv_format="thd")`` to the model
-            (TE attention on GPU) instead of a block-diagonal ``[1, 1, T, T]`` mask. None:
-            auto (True when the model's core attention is ``TEDotProductAttention``).
-        micro_batch_layout: how a micro-batch is laid out for the model. ``"thd"``: all
-            samples packed into one row (with ``PackedSeqParams`` on TE, else a dense
-            block-diagonal ``[1, 1, T, T]`` mask whose attention cost grows with ``T²``
-            of the whole micro-batch). ``"bshd"``: one right-padded row per sample with
-            Megatron's plain causal mask (no mask tensor; right padding never reaches a
-            real token), attention cost ``n · S²`` with ``S`` the longest sample. None:
-            auto, ``"thd"`` with packed-sequence params (TE, GPU), ``"bshd"`` otherwise
-            (CPU / local spec; ``benchmarks/bench_actor.py`` measures both).
-        optim: AdamW, learning-rate schedule and gradient clipping (:class:`OptimConfig`).
-    """
+    """Policy-update settings (verl ``actor_rollout_ref.actor`` names)."""
 
     ppo_mini_batch_size: int = 32
+    """prompts per mini-batch (one optimizer step each); a mini-batch holds ``ppo_mini_batch_size ×
+    n`` responses. Used by the trainer to cut the rollout batch; the actor trains one mini-batch
+    per call."""
     ppo_epochs: int = 1
+    """passes over the rollout batch (trainer loop)."""
     ppo_max_token_len_per_gpu: int = 16384
+    """token budget (prompt + response) of one micro-batch on one GPU
+    (:func:`~dapo_megatron.actor.packing.split_by_token_budget`)."""
     clip_ratio_low: float = 0.2
+    """eps_low of DAPO's decoupled clip: the ratio is clipped below at 1 - eps_low (paper: 0.2)."""
     clip_ratio_high: float = 0.28
+    """eps_high of DAPO's decoupled clip (clip-higher): the ratio is clipped above at 1 + eps_high
+    (paper: 0.28)."""
     clip_ratio_c: Optional[float] = None
+    """dual-clip constant (> 1) or None."""
     loss_agg_mode: str = "token-mean"
+    """``"token-mean"`` (DAPO) or ``"seq-mean-token-mean"`` (GRPO ablation; each micro-batch
+    weighted by its share of sequences)."""
     entropy_coeff: float = 0.0
+    """entropy bonus weight (0: entropy is logged only, no gradient)."""
     tis_cap: Optional[float] = None
+    """truncated importance sampling cap against ``Sample.rollout_logprobs``, or None."""
     use_packed_seq_params: Optional[bool] = None
+    """pass ``PackedSeqParams(qkv_format="thd")`` to the model (TE attention on GPU) instead of a
+    block-diagonal ``[1, 1, T, T]`` mask. None: auto (True when the model's core attention is
+    ``TEDotProductAttention``)."""
     micro_batch_layout: Optional[str] = None
+    """how a micro-batch is laid out for the model. ``"thd"``: all samples packed into one row (with
+    ``PackedSeqParams`` on TE, else a dense block-diagonal ``[1, 1, T, T]`` mask whose attention
+    cost grows with ``T²`` of the whole micro-batch). ``"bshd"``: one right-padded row per sample
+    with Megatron's plain causal mask (no mask tensor; right padding never reaches a real token),
+    attention cost ``n · S²`` with ``S`` the longest sample. None: auto, ``"thd"`` with
+    packed-sequence params (TE, GPU), ``"bshd"`` otherwise (CPU / local spec;
+    ``benchmarks/bench_actor.py`` measures both)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
+    """AdamW, learning-rate schedule and gradient clipping (:class:`OptimConfig`)."""
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the bad field (``optim`` validates itself)."""

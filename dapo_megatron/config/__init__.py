@@ -9,7 +9,7 @@
   ``TrainerConfig`` in :mod:`dapo_megatron.trainer`, ...), re-exported here.
 """
 
-from .docs import KeyDoc, assert_all_documented, documented_keys, parse_attribute_docs
+from .docs import KeyDoc, assert_all_documented, documented_keys, field_docs
 from .loader import ConfigError, config_errors, load_config, to_flat_dict, to_yaml
 from .run import (
     ActorConfig,
@@ -42,8 +42,8 @@ __all__ = [
     "assert_all_documented",
     "config_errors",
     "documented_keys",
+    "field_docs",
     "load_config",
-    "parse_attribute_docs",
     "to_flat_dict",
     "to_yaml",
 ]

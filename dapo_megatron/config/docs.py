@@ -1,16 +1,33 @@
-"""Config key documentation: ``dapo-train --list-keys`` and the all-documented check."""
+"""Config key documentation: ``dapo-train --list-keys`` and the all-documented check.
+
+A field is documented by the string literal right below it in the class body, an
+attribute docstring (PEP 257; read by Sphinx autodoc, shown by editors on hover, used by
+torchtitan's job config)::
+
+    @dataclass
+    class TrainerConfig:
+        save_freq: int = -1
+        \"\"\"save a checkpoint every this many steps (and after the last step); -1 never saves.\"\"\"
+
+The text is taken from the syntax tree of the class's source file (:mod:`ast`: the
+literal is the statement after the field's annotated assignment), not parsed out of
+prose, and whitespace is collapsed to one line. Fields inherited from a base class are
+documented by the base's body.
+"""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import functools
 import inspect
-import re
+import linecache
 from dataclasses import dataclass
 from typing import Any
 
 from .loader import _field_types, _is_dataclass_type, _plain, _section_type, _type_name
 
-__all__ = ["KeyDoc", "assert_all_documented", "documented_keys", "parse_attribute_docs"]
+__all__ = ["KeyDoc", "assert_all_documented", "documented_keys", "field_docs"]
 
 
 @dataclass(frozen=True)
@@ -21,7 +38,7 @@ class KeyDoc:
         key: dotted key, e.g. ``trainer.save_freq``.
         type: readable type, e.g. ``int``, ``str | None``, ``one of 'auto', 'disable'``.
         default: the default value (a section's key shows the class name).
-        doc: the text of the ``Attributes:`` entry ("" when undocumented).
+        doc: the field's docstring on one line ("" when undocumented).
     """
 
     key: str
@@ -33,53 +50,51 @@ class KeyDoc:
         return f"{self.key} ({self.type}, default {self.default!r}): {self.doc or '(undocumented)'}"
 
 
-_SECTION_HEADER = re.compile(r"^\s*(Attributes|Args|Arguments|Fields)\s*:\s*$")
-_OTHER_HEADER = re.compile(
-    r"^\s*(Returns|Raises|Yields|Examples?|Notes?|Methods|See Also|References)\s*:\s*$"
-)
-_ENTRY = re.compile(
-    r"^(\s*)([A-Za-z_]\w*(?:\s*[,/]\s*[A-Za-z_]\w*)*)\s*(\([^)]*\))?\s*:\s*(.*)$"
-)
+@functools.lru_cache(maxsize=None)
+def _class_bodies(path: str) -> dict[str, list[ast.stmt]]:
+    """Qualified class name (``Outer.Inner``, ``f.<locals>.C``) → class body, for one file."""
+    source = "".join(linecache.getlines(path))
+    bodies: dict[str, list[ast.stmt]] = {}
+
+    def visit(node: ast.AST, scope: tuple[str, ...]) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                bodies.setdefault(".".join((*scope, child.name)), child.body)
+                visit(child, (*scope, child.name))
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, (*scope, child.name, "<locals>"))
+            else:
+                visit(child, scope)
+
+    visit(ast.parse(source, path), ())
+    return bodies
 
 
-def parse_attribute_docs(cls: type) -> dict[str, str]:
-    """Field name → text from the ``Attributes:`` section of ``cls``'s docstring (and bases').
+def _own_field_docs(cls: type) -> dict[str, str]:
+    """Field name → docstring for the annotated assignments in ``cls``'s own body."""
+    try:
+        path = inspect.getsourcefile(cls)
+    except TypeError:  # a built-in class
+        return {}
+    body = _class_bodies(path).get(cls.__qualname__, []) if path else []
+    docs: dict[str, str] = {}
+    for stmt, nxt in zip(body, body[1:]):
+        if (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[stmt.target.id] = " ".join(nxt.value.value.split())
+    return docs
 
-    Google style: an entry is ``name: text`` (or ``name (type): text``) indented under
-    the header; more-indented lines continue it. Entries of subclasses win. One entry
-    may document several fields: ``clip_ratio_low, clip_ratio_high: text`` or
-    ``a / b: text`` give every listed name the same text.
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Field name → its docstring (one line) for ``cls`` and its bases; a subclass wins.
+
+    A class without a readable source file (defined in an interactive session) has none.
     """
     docs: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
-        text = klass.__dict__.get("__doc__")
-        if not text:
-            continue
-        lines = inspect.cleandoc(text).splitlines()
-        in_section, entry_indent, current = False, None, None
-        for line in lines:
-            if _SECTION_HEADER.match(line):
-                in_section, entry_indent, current = True, None, None
-                continue
-            if not in_section:
-                continue
-            if _OTHER_HEADER.match(line):
-                in_section = False
-                continue
-            if not line.strip():
-                continue
-            indent = len(line) - len(line.lstrip())
-            m = _ENTRY.match(line)
-            if m and (entry_indent is None or indent == entry_indent):
-                entry_indent = indent
-                current = [n.strip() for n in re.split(r"[,/]", m.group(2))]
-                for name in current:
-                    docs[name] = m.group(4).strip()
-            elif current is not None and entry_indent is not None and indent > entry_indent:
-                for name in current:
-                    docs[name] = f"{docs[name]} {line.strip()}".strip()
-            elif entry_indent is not None and indent < entry_indent:
-                in_section = False  # dedent below the entries ends the section
+        if klass is not object:
+            docs.update(_own_field_docs(klass))
     return docs
 
 
@@ -87,7 +102,7 @@ def documented_keys(schema: type) -> list[KeyDoc]:
     """Every key of ``schema`` (sections and leaves, depth first) with type, default, doc.
 
     Defaults come from the dataclass defaults (``default_factory`` is called), docs from
-    each class's ``Attributes:`` docstring section (:func:`parse_attribute_docs`).
+    the field docstrings (:func:`field_docs`).
 
     Raises:
         TypeError: ``schema`` is not a dataclass type.
@@ -97,7 +112,7 @@ def documented_keys(schema: type) -> list[KeyDoc]:
     out: list[KeyDoc] = []
 
     def walk(cls: type, prefix: str) -> None:
-        docs = parse_attribute_docs(cls)
+        docs = field_docs(cls)
         types_ = _field_types(cls)
         for f in dataclasses.fields(cls):
             if not f.init:
@@ -121,37 +136,14 @@ def documented_keys(schema: type) -> list[KeyDoc]:
 
 
 def assert_all_documented(schema: type) -> None:
-    """Raise unless every key of ``schema`` has a non-empty ``Attributes:`` entry.
-
-    Also rejects stale entries (documented names that are not fields).
+    """Raise unless every key of ``schema`` has a non-empty field docstring.
 
     Raises:
-        ValueError: listing every undocumented dotted key (and every stale entry as
-            ``Class.name``), with the fix.
+        ValueError: listing every undocumented dotted key, with the fix.
     """
     missing = [k.key for k in documented_keys(schema) if not k.doc]
-    stale: list[str] = []
-    seen: set[type] = set()
-
-    def walk(cls: type) -> None:
-        if cls in seen:
-            return
-        seen.add(cls)
-        names = set(_field_types(cls))
-        stale.extend(f"{cls.__qualname__}.{n}" for n in parse_attribute_docs(cls) if n not in names)
-        for tp in _field_types(cls).values():
-            sub = _section_type(tp)
-            if sub is not None:
-                walk(sub)
-
-    walk(schema)
-    problems = []
     if missing:
-        problems.append("undocumented keys: " + ", ".join(missing))
-    if stale:
-        problems.append("documented names that are not fields: " + ", ".join(stale))
-    if problems:
         raise ValueError(
-            f"config schema {schema.__qualname__}: " + "; ".join(problems)
-            + ". Add/fix 'name: description' lines under 'Attributes:' in the class docstrings."
+            f"config schema {schema.__qualname__}: undocumented keys: " + ", ".join(missing)
+            + '. Put a docstring on the line below each field: name: int = 0 then """what it does."""'
         )

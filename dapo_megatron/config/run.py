@@ -26,31 +26,28 @@ __all__ = ["DAPOConfig"]
 
 @dataclass
 class DAPOConfig:
-    """The whole run (``dapo-train --config X.yaml key.sub=value``).
-
-    Attributes:
-        model: what to train (HF/GGUF path, dtype, Megatron spec, FP8).
-        parallel: TP / PP sizes (DP = world / (TP × PP)).
-        data: prompt datasets (DAPO schema; empty = the embedded arithmetic task).
-        rollout: generation settings.
-        buffer: dynamic sampling, batch sizes and overlong shaping.
-        algorithm: advantage estimation.
-        actor: PPO/DAPO loss, mini/micro-batching and the optimizer.
-        reward: grader pool.
-        trainer: steps, checkpointing, validation cadence, run directory.
-        tracking: MLflow.
-    """
+    """The whole run (``dapo-train --config X.yaml key.sub=value``)."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
+    """what to train (HF/GGUF path, dtype, Megatron spec, FP8)."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """TP / PP sizes (DP = world / (TP × PP))."""
     data: DataConfig = field(default_factory=DataConfig)
+    """prompt datasets (DAPO schema; empty = the embedded arithmetic task)."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """generation settings."""
     buffer: BufferConfig = field(default_factory=BufferConfig)
+    """dynamic sampling, batch sizes and overlong shaping."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """advantage estimation."""
     actor: ActorConfig = field(default_factory=ActorConfig)
+    """PPO/DAPO loss, mini/micro-batching and the optimizer."""
     reward: RewardConfig = field(default_factory=RewardConfig)
+    """grader pool."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """steps, checkpointing, validation cadence, run directory."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    """MLflow."""
 
     def validate(self) -> None:
         """Checks across sections (each section validates itself); messages name every key in full."""

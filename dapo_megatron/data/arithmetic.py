@@ -41,29 +41,27 @@ WORD_TEMPLATES = {
 
 @dataclass
 class ArithmeticConfig:
-    """Settings of the arithmetic generator (``data.arithmetic.*``).
-
-    Attributes:
-        num_train_problems: rows written for training when ``data.train_files`` is empty.
-        num_val_problems: rows written for validation when ``data.val_files`` is empty.
-        min_operand, max_operand: inclusive operand range (integers). For ``"/"``
-            these bound the divisor and the quotient; the dividend is their product.
-        operators: subset of ``("+", "-", "*", "/")``, drawn uniformly per problem.
-        allow_negative: if False, ``"-"`` orders operands so the answer is >= 0.
-        style: ``"plain"`` (``template``) or ``"word"`` (short story per operator).
-        template: format string with ``{a}``, ``{op}``, ``{b}`` for ``style="plain"``.
-        system_prompt: optional system message put before the user message.
-    """
+    """Settings of the arithmetic generator (``data.arithmetic.*``)."""
 
     num_train_problems: int = 1024
+    """rows written for training when ``data.train_files`` is empty."""
     num_val_problems: int = 64
+    """rows written for validation when ``data.val_files`` is empty."""
     min_operand: int = 1
+    """smallest operand (inclusive). For ``"/"`` the operand range bounds the divisor and the
+    quotient; the dividend is their product."""
     max_operand: int = 20
+    """largest operand (inclusive); see ``min_operand`` for ``"/"``."""
     operators: tuple[str, ...] = ("+",)
+    """subset of ``("+", "-", "*", "/")``, drawn uniformly per problem."""
     allow_negative: bool = False
+    """if False, ``"-"`` orders operands so the answer is >= 0."""
     style: str = "plain"
+    """``"plain"`` (``template``) or ``"word"`` (short story per operator)."""
     template: str = DEFAULT_TEMPLATE
+    """format string with ``{a}``, ``{op}``, ``{b}`` for ``style="plain"``."""
     system_prompt: str | None = None
+    """optional system message put before the user message."""
 
     def __post_init__(self) -> None:
         self.operators = tuple(self.operators)

@@ -63,29 +63,25 @@ class DatasetError(ValueError):
 
 @dataclass
 class DataConfig:
-    """Prompt data settings (names follow verl's ``data.*`` config).
-
-    Attributes:
-        train_files: parquet/jsonl file(s) in DAPO schema. Empty means the
-            embedded arithmetic task (see :func:`resolve_data_files`).
-        val_files: validation file(s); empty means an arithmetic validation set.
-        max_prompt_length: prompts whose chat-templated length exceeds this many
-            tokens are filtered out (and counted).
-        prompt_key: column holding the chat messages.
-        skip_invalid_rows: skip (and count) broken rows instead of raising.
-        shuffle: reshuffle the training prompts every epoch.
-        seed: seed of the per-epoch shuffle and of the arithmetic generator.
-        arithmetic: the embedded arithmetic task (used when files are empty).
-    """
+    """Prompt data settings (names follow verl's ``data.*`` config)."""
 
     train_files: list[str] = field(default_factory=list)
+    """parquet/jsonl file(s) in DAPO schema. Empty means the embedded arithmetic task (see
+    :func:`resolve_data_files`)."""
     val_files: list[str] = field(default_factory=list)
+    """validation file(s); empty means an arithmetic validation set."""
     max_prompt_length: int = 512
+    """prompts whose chat-templated length exceeds this many tokens are filtered out (and counted)."""
     prompt_key: str = "prompt"
+    """column holding the chat messages."""
     skip_invalid_rows: bool = False
+    """skip (and count) broken rows instead of raising."""
     shuffle: bool = True
+    """reshuffle the training prompts every epoch."""
     seed: int = 1
+    """seed of the per-epoch shuffle and of the arithmetic generator."""
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
+    """the embedded arithmetic task (used when files are empty)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.train_files, str):

@@ -23,16 +23,12 @@ from . import cpu_compat
 
 @dataclass
 class ParallelConfig:
-    """Model-parallel layout (Megatron names).
-
-    Attributes:
-        tensor_model_parallel_size: TP degree; divides the world size.
-        pipeline_model_parallel_size: PP degree; TP × PP divides the world size,
-            and DP = world / (TP × PP).
-    """
+    """Model-parallel layout (Megatron names)."""
 
     tensor_model_parallel_size: int = 1
+    """TP degree; divides the world size."""
     pipeline_model_parallel_size: int = 1
+    """PP degree; TP × PP divides the world size, and DP = world / (TP × PP)."""
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming a size below 1."""

@@ -49,36 +49,33 @@ class RewardPoolLike(Protocol):
 class BufferConfig:
     """Dynamic-sampling settings (verl ``data`` / ``actor_rollout_ref.rollout`` / ``algorithm.filter_groups``
     names where they exist).
-
-    Attributes:
-        train_batch_size: N, prompt groups per training step (verl ``data.train_batch_size``).
-        n: G, responses per prompt (verl ``rollout.n``); >= 2 when ``filter_groups``
-            (a single response can never have mixed accuracy).
-        gen_batch_size: prompts per generation batch (verl ``data.gen_batch_size``); a
-            ``generate_batch()`` call may return at most this many groups.
-        max_num_gen_batches: cap on generation batches per step, >= 1 (verl's 0 =
-            "unlimited" is NOT accepted: with too hard or too easy data it loops forever).
-        filter_groups: dynamic sampling on (verl ``algorithm.filter_groups.enable``);
-            off keeps every group (GRPO ablation).
-        filter_metric: ``"acc"`` (raw accuracy, default and recommended), ``"score"``
-            (grader score before shaping) or ``"reward"`` (shaped reward).
-        on_cap: ``"error"`` or ``"train_on_kept"`` (see the module docstring).
-        overlong: soft overlong punishment settings (``max_response_length`` should be
-            the rollout ``max_new_tokens``).
-        overlong_filter: mask truncated responses (finish_reason "length") out of the
-            loss: sets ``Sample.loss_mask_zero`` (they still count for their group's
-            advantage statistics).
     """
 
     train_batch_size: int = 512
+    """N, prompt groups per training step (verl ``data.train_batch_size``)."""
     n: int = 16
+    """G, responses per prompt (verl ``rollout.n``); >= 2 when ``filter_groups`` (a single response
+    can never have mixed accuracy)."""
     gen_batch_size: int = 512
+    """prompts per generation batch (verl ``data.gen_batch_size``); a ``generate_batch()`` call may
+    return at most this many groups."""
     max_num_gen_batches: int = 10
+    """cap on generation batches per step, >= 1 (verl's 0 = "unlimited" is NOT accepted: with too
+    hard or too easy data it loops forever)."""
     filter_groups: bool = True
+    """dynamic sampling on (verl ``algorithm.filter_groups.enable``); off keeps every group (GRPO
+    ablation)."""
     filter_metric: str = "acc"
+    """``"acc"`` (raw accuracy, default and recommended), ``"score"`` (grader score before shaping)
+    or ``"reward"`` (shaped reward)."""
     on_cap: str = "error"
+    """``"error"`` or ``"train_on_kept"`` (see the module docstring)."""
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    """soft overlong punishment settings (``max_response_length`` should be the rollout
+    ``max_new_tokens``)."""
     overlong_filter: bool = False
+    """mask truncated responses (finish_reason "length") out of the loss: sets
+    ``Sample.loss_mask_zero`` (they still count for their group's advantage statistics)."""
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the bad field (``overlong`` validates itself)."""
