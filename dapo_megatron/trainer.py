@@ -37,8 +37,8 @@ import torch.distributed as dist
 
 from dapo_megatron.rollout.types import Group, Sample
 
-if TYPE_CHECKING:  # the config package imports TrainerConfig from here
-    from dapo_megatron.config import DAPOConfig
+if TYPE_CHECKING:  # config.run imports TrainerConfig from here
+    from dapo_megatron.config.run import DAPOConfig
 
 logger = logging.getLogger("dapo_megatron.trainer")
 
@@ -294,7 +294,7 @@ class DAPOTrainer:
         tracking = dataclasses.replace(cfg.tracking, run_id=cfg.tracking.run_id or mlflow_run_id)
         self.tracker = Tracker(self.run_dir, tracking, rank=self.rank)
         if self.step == 0:
-            from dapo_megatron.config import to_flat_dict
+            from dapo_megatron.config.loader import to_flat_dict
 
             self.tracker.log_params(to_flat_dict(cfg))
             for split, ds in (("train", self.train_data), ("val", self.val_data)):

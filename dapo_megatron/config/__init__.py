@@ -11,19 +11,20 @@
 
 from .docs import KeyDoc, assert_all_documented, documented_keys, field_docs
 from .loader import ConfigError, config_errors, load_config, to_flat_dict, to_yaml
-from .run import (
-    ActorConfig,
-    AlgorithmConfig,
-    BufferConfig,
-    DAPOConfig,
-    DataConfig,
-    ModelConfig,
-    ParallelConfig,
-    RewardConfig,
-    RolloutConfig,
-    TrackingConfig,
-    TrainerConfig,
-)
+
+_SECTIONS = ("ActorConfig", "AlgorithmConfig", "BufferConfig", "DAPOConfig", "DataConfig", "ModelConfig",
+             "ParallelConfig", "RewardConfig", "RolloutConfig", "TrackingConfig", "TrainerConfig")
+
+
+def __getattr__(name):
+    # The root and section classes load on first use: the loader is a mechanism that code
+    # the sections configure (the trainer: to_flat_dict) imports without an import circle.
+    if name in _SECTIONS:
+        from . import run
+
+        return getattr(run, name)
+    raise AttributeError(f"module 'dapo_megatron.config' has no attribute {name!r}")
+
 
 __all__ = [
     "ActorConfig",

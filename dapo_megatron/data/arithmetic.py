@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from dapo_megatron.data.schema import write_dapo_rows
 
 DATA_SOURCE = "arithmetic"
 DEFAULT_TEMPLATE = "Compute {a} {op} {b}. Reply with just the number."
@@ -178,10 +180,6 @@ def write_arithmetic_dataset(
     Returns:
         ``path``.
     """
-    from dataclasses import replace
-
-    from dapo_megatron.data.dataset import write_dapo_rows
-
     cfg = config or ArithmeticConfig()
     overrides = {
         k: v
