@@ -154,3 +154,34 @@ def test_cpu_grad_norm_accumulates_in_float64():
     same, dtype, rel = out.split()
     assert same == "True" and dtype == "torch.float32"
     assert float(rel) < 1e-7
+
+
+def test_non_leaf_grad_read_under_the_mode_is_silent_and_unchanged():
+    """megatron's DistributedOptimizer reads ``.grad`` of its fp32 shard views (non-leaf)
+    before assigning it: the same value as without the layer, and no UserWarning."""
+    out = _run_isolated(
+        """
+        import warnings
+        import torch
+        from dapo_megatron.platform import cpu_compat
+
+        def read(t):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                g = t.grad
+            return g, len(caught)
+
+        p = torch.nn.Parameter(torch.ones(6))
+        print(read(p.view(-1)[2:5]))  # plain torch warns
+        cpu_compat.activate(force=True)
+        shard = p.view(-1)[2:5]  # what distrib_optimizer builds for an fp32 parameter
+        print(read(shard))
+        shard.grad = torch.full((3,), 0.5)
+        print(read(shard)[0].tolist())
+        kept = (p * 2).sum()
+        kept.retain_grad()
+        kept.backward()
+        print(read(kept)[0].item(), read(p)[0].tolist())
+        """
+    )
+    assert out.strip().splitlines() == ["(None, 1)", "(None, 0)", "[0.5, 0.5, 0.5]", "1.0 [2.0, 2.0, 2.0, 2.0, 2.0, 2.0]"]

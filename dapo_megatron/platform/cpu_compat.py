@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import warnings
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -69,6 +70,26 @@ def _cpu_device(device):
     return device
 
 
+_GRAD = torch._C.TensorBase.__dict__["grad"]  # the ``.grad`` descriptor; the mode sees its bound __get__
+
+
+def _non_leaf_grad(getter, args: tuple, kwargs: dict):
+    """``.grad`` of a non-leaf tensor (the getter's own value), without torch's "not a leaf
+    Tensor" UserWarning.
+
+    megatron-core 0.16.1's DistributedOptimizer keeps the shards of fp32 parameters as views
+    (``model_param.view(-1)[start:end]``, non-leaf; distrib_optimizer.py notes the group
+    "throws grad-access warning"), assigns their ``.grad`` by hand and reads it in
+    ``zero_grad`` before the first assignment. Under this mode the warning is attributed to
+    this module's frame, once per rank, for a read that is by design. The value is the
+    getter's: None until megatron assigns a gradient, then that tensor.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf",
+                                category=UserWarning)
+        return getter(*args, **kwargs)
+
+
 class _CudaToCpuMode(TorchFunctionMode):
     """Rewrites CUDA placements to CPU inside every torch function call."""
 
@@ -79,6 +100,8 @@ class _CudaToCpuMode(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if func is torch.Tensor.cuda:
             return args[0]
+        if name == "__get__" and getattr(func, "__self__", None) is _GRAD and not args[0].is_leaf:
+            return _non_leaf_grad(func, args, kwargs)
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             dtype = args[0].dtype
             if dtype in _TYPE_NAMES:
