@@ -14,11 +14,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 
+_ENV_HELP = """environment:
+  DAPO_SHOW_WARNINGS=1  print the third-party warnings and INFO logs that dapo-train hides
+                        (the list and the reasons: dapo_megatron/platform/console.py)"""
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="dapo-train", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="dapo-train", description=__doc__.split("\n\n")[0], epilog=_ENV_HELP,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML file with DAPOConfig keys (optional)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
@@ -27,15 +33,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
-    from dapo_megatron.config import DAPOConfig, documented_keys, load_config, to_yaml
+def _input_error(err: Exception) -> int:
+    """A bad config or dataset: rank 0 prints it as one line (every rank hits the same one),
+    no traceback; the exit status is 2, argparse's for bad usage."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"dapo-train: error: {err}", file=sys.stderr, flush=True)
+    return 2
 
+
+def main(argv=None) -> int:
+    from dapo_megatron.platform.console import quiet_third_party
+
+    quiet_third_party()  # before anything imports megatron-core (its import-time warnings)
     args = parse_args(argv)
+
+    from dapo_megatron.config import ConfigError, DAPOConfig, documented_keys, load_config, to_yaml
+    from dapo_megatron.data import DatasetError
+
     if args.list_keys:
         for key in documented_keys(DAPOConfig):
             print(key)
         return 0
-    cfg = load_config(DAPOConfig, args.config, args.overrides)
+    try:
+        cfg = load_config(DAPOConfig, args.config, args.overrides)
+        if not args.print_config:
+            cfg.check_world_size(int(os.environ.get("WORLD_SIZE", "1")))
+    except (ConfigError, FileNotFoundError) as err:
+        return _input_error(err)
     if args.print_config:
         print(to_yaml(cfg))
         return 0
@@ -47,12 +71,22 @@ def main(argv=None) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     init_distributed(cfg.parallel, seed=cfg.trainer.seed)
-    if dist.get_rank() != 0:
+    rank = dist.get_rank()
+    if rank != 0:
         logging.getLogger().setLevel(logging.WARNING)
     try:
-        DAPOTrainer(cfg).fit()
+        trainer = DAPOTrainer(cfg)
+        trainer.fit()
+    except (ConfigError, DatasetError) as err:  # e.g. a broken dataset row: same on every rank
+        return _input_error(err)
     finally:
         destroy_distributed()
+    if rank == 0:
+        where = os.path.join(trainer.run_dir, cfg.tracking.metrics_file)
+        if cfg.tracking.use_mlflow:
+            where += f"; MLflow: mlflow ui --backend-store-uri {trainer.tracker.tracking_uri}"
+        logging.getLogger("dapo_megatron.train").info("done: %d of %d steps; metrics in %s", trainer.step,
+                                                      cfg.trainer.total_training_steps, where)
     return 0
 
 

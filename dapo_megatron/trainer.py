@@ -541,6 +541,13 @@ class DAPOTrainer:
                          f"[prompt] {self._decode(s.prompt_ids)}\n[response] {self._decode(s.response_ids)}\n")
         self.tracker.log_text("\n".join(lines), f"samples/step_{self.step:06d}.txt")
 
+    def _validate_and_report(self) -> dict[str, float]:
+        """:meth:`validate`, and its overall scores as one log line on rank 0."""
+        metrics = self.validate()
+        overall = " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k.count("/") == 1)
+        logger.info("step %d validation: %s", self.step, overall)
+        return metrics
+
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:
         """Train until ``trainer.total_training_steps``; returns the last step's metrics."""
@@ -548,11 +555,13 @@ class DAPOTrainer:
         last: dict[str, float] = {}
         try:
             if self.step == 0 and t.val_before_train and t.test_freq > 0:
-                self.tracker.log_metrics(self.validate(), step=0)
+                val = self._validate_and_report()
+                self.tracker.log_metrics(val, step=0)
+                self.progress.update(0, val)
             while self.step < t.total_training_steps:
                 metrics = self.train_step()
                 if t.test_freq > 0 and (self.step % t.test_freq == 0 or self.step == t.total_training_steps):
-                    metrics.update(self.validate())
+                    metrics.update(self._validate_and_report())
                 self.tracker.log_metrics(metrics, step=self.step)
                 self._log_samples(self._last_samples)
                 if t.save_freq > 0 and (self.step % t.save_freq == 0 or self.step == t.total_training_steps):

@@ -19,7 +19,7 @@ from dapo_megatron.rollout.config import RolloutConfig
 from dapo_megatron.tracking import TrackingConfig
 from dapo_megatron.trainer import TrainerConfig
 
-from .loader import config_errors
+from .loader import ConfigError, config_errors
 
 __all__ = ["DAPOConfig"]
 
@@ -69,3 +69,18 @@ class DAPOConfig:
             self.buffer.train_batch_size // self.actor.ppo_mini_batch_size)
         with config_errors("actor.optim"):  # trainer.total_training_steps × ppo_epochs × mini-batches per step
             self.actor.optim.check_total_steps(updates)
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise :class:`ConfigError` unless a launch of ``world_size`` processes fits this run:
+        TP × PP divides it and the DP size divides ``buffer.gen_batch_size`` (each DP rank reads
+        an equal share of every generation batch)."""
+        with config_errors("parallel"):
+            self.parallel.check_world_size(world_size)
+        p = self.parallel
+        dp = world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+        if self.buffer.gen_batch_size % dp:
+            raise ConfigError(
+                f"buffer.gen_batch_size={self.buffer.gen_batch_size} must be divisible by the DP size {dp} "
+                f"(world size {world_size} / (TP {p.tensor_model_parallel_size} × PP "
+                f"{p.pipeline_model_parallel_size}))"
+            )
