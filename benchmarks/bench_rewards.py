@@ -5,7 +5,7 @@ RewardPool, and their ratio (the cost of process isolation, measured in the same
 run). Responses are synthetic by default; with ``--data DIR`` (containing
 gsm8k_train.jsonl and aime-2024.parquet) real ground truths are used.
 
-    python3 benchmarks/bench_rewards.py [--num 1000] [--workers 2] [--data ../shared/data]
+    python3 benchmarks/bench_rewards.py [--num 1000] [--workers 2] [--data DIR]
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The DAPO training loop (DESIGN.md §1), to be read top to bottom.
+"""The DAPO training loop (docs/design.md §1), to be read top to bottom.
 
 Every rank runs this same code under ``torchrun`` (SPMD). One step:
 

@@ -1,7 +1,7 @@
 """The example configs and launchers: they load, they hold the DAPO paper's settings, and
 the H100 launchers turn their environment into the torchrun command and config overrides.
 
-The paper numbers (arXiv 2503.14476, Section 4.1; DESIGN.md §3) are the specification of
+The paper numbers (arXiv 2503.14476, Section 4.1; docs/design.md §3.6) are the specification of
 the H100 configs, so they are spelled out here independently of the YAML files.
 """
 

@@ -1,4 +1,4 @@
-"""CPU compatibility layer and process-group setup (DESIGN.md §5)."""
+"""CPU compatibility layer, process-group setup and the console filters (docs/design.md §5)."""
 
 import subprocess
 import sys

@@ -5,8 +5,7 @@ the distributed optimizer and the LR scheduler. Every forward and backward runs
 through ``megatron.core.pipeline_parallel.get_forward_backward_func()``, so the
 same code serves PP = 1 and the 1F1B pipeline schedule.
 
-Loss scaling (DESIGN.md §6, "loss normalisation that changes with micro-batch
-count or DP size"). DAPO's token-level loss of a mini-batch is
+Loss scaling (docs/design.md §3.4). DAPO's token-level loss of a mini-batch is
 ``sum over all valid tokens / N`` with ``N`` the valid-token count of the whole
 mini-batch (all micro-batches, all DP ranks). megatron-core 0.16.1 would rescale
 that in two places, and both are switched off here:

@@ -1,6 +1,6 @@
 """DAPO algorithm core, pure torch: policy loss, group advantages, overlong shaping.
 
-See DESIGN.md section 3 and arXiv 2503.14476. No engine, process-group or CUDA
+The equations: docs/design.md §3 and arXiv 2503.14476. No engine, process-group or CUDA
 dependency; callers pass the mini-batch-global token count for ``token-mean``.
 """
 

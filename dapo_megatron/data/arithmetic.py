@@ -3,13 +3,12 @@
 ``data_source = "arithmetic"``; the reward grader registered for it accepts a
 response when its LAST integer equals ``reward_model.ground_truth``.
 
-Why this default: DESIGN.md section 5 measured SmolLM2-135M-Instruct at
-temperature 1.0 on "Compute a + b. Reply with just the number." with operands
-1-20 at ~9 % accuracy with 4 of 8 groups mixed (neither all right nor all
-wrong), so DAPO's dynamic sampling keeps groups and the reward has room to rise.
-Harder phrasings ("Answer: N" on the last line) scored 0 of 64. The default
-template and operand range reproduce that regime; operators, range and a word
-problem phrasing are configurable.
+Why this default: DAPO needs a task in the regime where a group of samples is often
+mixed (neither all right nor all wrong): dynamic sampling keeps only those groups, and the
+reward needs room to rise. SmolLM2-135M-Instruct at temperature 1.0 on "Compute a + b.
+Reply with just the number." with operands 1-20 sits there (``python -m
+dapo_megatron.data.probe``; benchmarks/README.md has the figures). Operators, range and a
+word-problem phrasing are configurable.
 
 Generation is deterministic from the seed (``random.Random(seed)``, whose
 ``randint`` stream is stable across CPython 3 versions), and

@@ -1,9 +1,9 @@
-"""Run megatron-core on CPU processes (gloo) when CUDA is absent.
+"""Run megatron-core on CPU processes (gloo) when CUDA is absent (docs/design.md §5.1).
 
-megatron-core assumes a CUDA device in a handful of places. This module patches
+megatron-core 0.16.1 assumes a CUDA device in a handful of places. This module patches
 exactly those, and nothing else, so that the same actor code runs on a 2-core
 laptop (tests, the CPU quick start) and on H100s (where :func:`activate` is a
-no-op). The list was measured with megatron-core 0.16.1 (DESIGN.md §5):
+no-op):
 
 1. ``torch.cuda.current_device()`` returns ``"cpu"``: Megatron passes it as the
    ``device=`` of new tensors (buffers, RoPE, grad buffers).
@@ -19,13 +19,13 @@ no-op). The list was measured with megatron-core 0.16.1 (DESIGN.md §5):
    ``device="cuda"`` (or ``torch.device("cuda", i)``) in tensor factory calls and
    ``.to()`` to CPU, makes ``Tensor.cuda()`` return the tensor itself, and makes
    ``Tensor.type()`` report CPU float tensors as ``torch.cuda.FloatTensor`` (and
-   bf16/fp16 likewise): Megatron's optimizers assert on that string.
+   bf16/fp16 likewise): Megatron's optimizers assert on that string. It reads ``.grad``
+   of a non-leaf tensor without torch's "not a leaf" warning (:func:`_non_leaf_grad`).
 
 5. The gradient-norm kernel: without Apex/TE, megatron-core falls back to
-   ``local_multi_tensor_l2_norm`` (one fp32 ``torch.norm`` per tensor), which on this
-   CPU is off by up to ~1e-4 relative per tensor, and by a shape-dependent amount, so
-   TP=1 and TP=2 reported grad norms differing by 1.3e-5 on SmolLM2 although their
-   gradients agree to 7e-7. :func:`_l2_norm_fp64` accumulates in float64 instead
+   ``local_multi_tensor_l2_norm`` (one fp32 ``torch.norm`` per tensor), whose CPU rounding
+   depends on the tensor's shape, so the same gradients gave different norms at TP=1 and
+   TP=2. :func:`_l2_norm_fp64` accumulates in float64 instead
    (``megatron.core.optimizer.clip_grads.l2_norm_impl``); GPUs keep Apex/TE's kernel.
 
 Items 1-4 do not change numerics: they only choose the device or RNG that

@@ -1,7 +1,7 @@
 """Sandboxed grading: every grading call runs in a killable worker process with a
 wall-clock timeout.
 
-Why processes and not threads or signals (DESIGN.md section 6): a pathological
+Why processes and not threads or signals (docs/design.md §4): a pathological
 answer (``\\boxed{9^{9^{9^{9^{9}}}}}``) makes sympy compute for hours inside C
 code that no signal or thread can interrupt; ``signal.alarm`` only works on the
 main thread; a timed-out thread-pool task keeps its thread forever. A hung worker
