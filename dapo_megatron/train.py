@@ -24,6 +24,7 @@ _ENV_HELP = """environment:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    """``--config``, ``--print-config``, ``--list-keys`` and the dotted overrides of ``argv``."""
     p = argparse.ArgumentParser(prog="dapo-train", description=__doc__.split("\n\n")[0], epilog=_ENV_HELP,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML file with DAPOConfig keys (optional)")
@@ -42,6 +43,8 @@ def _input_error(err: Exception) -> int:
 
 
 def main(argv=None) -> int:
+    """Run ``dapo-train`` on this rank; returns the exit status (0, or 2 for a bad config or
+    dataset, printed by rank 0 as one line). Other errors propagate with their traceback."""
     from dapo_megatron.platform.console import quiet_third_party
 
     quiet_third_party()  # before anything imports megatron-core (its import-time warnings)

@@ -152,6 +152,7 @@ class DistributedGrader:
         self.pool = pool
 
     def grade(self, requests: Sequence[tuple]) -> list[dict]:
+        """``RewardPool.grade`` of ``requests`` (the same list on every rank), in order; collective."""
         rank, world = dist.get_rank(), dist.get_world_size()
         mine = self.pool.grade(list(requests[rank::world])) if len(requests) > rank else []
         parts = _all_gather_objects(mine)
@@ -386,6 +387,8 @@ class DAPOTrainer:
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict[str, float]:
+        """One DAPO step (docs/design.md §1); collective. Advances ``self.step`` and returns
+        the step's metrics ``{name: float}`` (rank 0's are the ones logged)."""
         from dapo_megatron.algorithms import compute_group_advantages
         from dapo_megatron.rollout.buffer import logprob_mismatch_metrics
 
@@ -514,6 +517,8 @@ class DAPOTrainer:
 
     # ------------------------------------------------------------------ checkpoint
     def save(self) -> None:
+        """Write the checkpoint of ``self.step`` (atomic, :func:`~dapo_megatron.checkpointing.save_checkpoint`);
+        collective."""
         from dapo_megatron.bridge.dist_ckpt import write_model_meta
         from dapo_megatron.checkpointing import save_checkpoint
 
