@@ -34,17 +34,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _input_error(err: Exception) -> int:
-    """A bad config or dataset: rank 0 prints it as one line (every rank hits the same one),
-    no traceback; the exit status is 2, argparse's for bad usage."""
-    if os.environ.get("RANK", "0") == "0":
+def _input_error(err: Exception, every_rank: bool = False) -> int:
+    """Print bad input as one line without a traceback; the exit status is 2 (argparse's).
+
+    A config error is the same on every rank: rank 0 alone prints it. An error met after
+    start-up (a broken dataset row) may be met by some ranks only, so each that meets it
+    prints it (``every_rank``), naming its rank when it is not rank 0.
+    """
+    rank = os.environ.get("RANK", "0")
+    if rank == "0":
         print(f"dapo-train: error: {err}", file=sys.stderr, flush=True)
+    elif every_rank:
+        print(f"dapo-train: error (rank {rank}): {err}", file=sys.stderr, flush=True)
     return 2
 
 
 def main(argv=None) -> int:
-    """Run ``dapo-train`` on this rank; returns the exit status (0, or 2 for a bad config or
-    dataset, printed by rank 0 as one line). Other errors propagate with their traceback."""
+    """Run ``dapo-train`` on this rank; returns the exit status: 0, or 2 for a bad config
+    (printed by rank 0 as one line) or dataset (:func:`_input_error`). Other errors propagate
+    with their traceback."""
     from dapo_megatron.platform.console import quiet_third_party
 
     quiet_third_party()  # before anything imports megatron-core (its import-time warnings)
@@ -80,8 +88,8 @@ def main(argv=None) -> int:
     try:
         trainer = DAPOTrainer(cfg)
         trainer.fit()
-    except (ConfigError, DatasetError) as err:  # e.g. a broken dataset row: same on every rank
-        return _input_error(err)
+    except (ConfigError, DatasetError) as err:  # e.g. a broken dataset row
+        return _input_error(err, every_rank=True)
     finally:
         destroy_distributed()
     if rank == 0:
