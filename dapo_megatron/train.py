@@ -16,6 +16,7 @@ import argparse
 import logging
 import os
 import sys
+import time
 
 
 _ENV_HELP = """environment:
@@ -34,6 +35,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+RANK0_GRACE_S = 60.0  # how long a silent torchrun rank waits for rank 0 to print a config error
+
+
 def _input_error(err: Exception, every_rank: bool = False) -> int:
     """Print bad input as one line without a traceback; the exit status is 2 (argparse's).
 
@@ -46,6 +50,11 @@ def _input_error(err: Exception, every_rank: bool = False) -> int:
         print(f"dapo-train: error: {err}", file=sys.stderr, flush=True)
     elif every_rank:
         print(f"dapo-train: error (rank {rank}): {err}", file=sys.stderr, flush=True)
+    elif "TORCHELASTIC_RUN_ID" in os.environ:
+        # torchrun stops every worker as soon as one exits non-zero: a silent rank that exits
+        # first would kill rank 0 before it prints. Rank 0 fails the same way within seconds,
+        # and its exit ends this wait.
+        time.sleep(RANK0_GRACE_S)
     return 2
 
 
