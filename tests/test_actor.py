@@ -405,6 +405,6 @@ def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="micro_batch_layout"):
         ActorConfig(micro_batch_layout="sbhd").validate()
     with pytest.raises(ValueError, match="lr_warmup_steps"):
-        OptimConfig(lr_warmup_steps=20).validate(total_steps=20)
+        OptimConfig(lr_warmup_steps=20).check_total_steps(20)
     with pytest.raises(ValueError, match="lr_decay_style"):
-        OptimConfig(lr_decay_style="wsd").validate(total_steps=20)
+        OptimConfig(lr_decay_style="wsd").validate()

@@ -1,10 +1,10 @@
 """Sandboxed grading: every grading call runs in a killable worker process with a
 wall-clock timeout.
 
-Why processes and not threads or signals: a pathological answer
-(``\\boxed{9^{9^{9^{9^{9}}}}}``) makes sympy compute for hours inside C code
-that no signal or thread can interrupt; ``signal.alarm`` only works on the main
-thread; a timed-out thread-pool task keeps its thread forever. A hung worker
+Why processes and not threads or signals (docs/design.md §4): a pathological
+answer (``\\boxed{9^{9^{9^{9^{9}}}}}``) makes sympy compute for hours inside C
+code that no signal or thread can interrupt; ``signal.alarm`` only works on the
+main thread; a timed-out thread-pool task keeps its thread forever. A hung worker
 process is killed (SIGKILL) and replaced, and its item scores -1.
 
 Each worker is a fresh interpreter, ``python -m dapo_megatron.rewards.worker``
