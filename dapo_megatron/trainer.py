@@ -422,6 +422,13 @@ class DAPOTrainer:
         t0 = time.perf_counter()
         self._old_logprobs(samples)
         metrics.update(logprob_mismatch_metrics(samples))
+        # the surplus groups carried over from the last step (first in `groups`) were sampled by the
+        # previous policy; only the groups generated in this step measure the weight sync, so the
+        # "_fresh" gap is ~fp32 round-off when the engine holds the actor's weights
+        fresh = [s for g in groups[int(rollout_metrics["rollout/surplus_in"]):] for s in g.samples]
+        if fresh:
+            metrics.update({k.replace("logprob_diff", "logprob_diff_fresh"): v
+                            for k, v in logprob_mismatch_metrics(fresh).items()})
         timing["old_logprob"] = time.perf_counter() - t0
 
         # 6. ppo_epochs × mini-batches of ppo_mini_batch_size groups

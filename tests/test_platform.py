@@ -78,9 +78,11 @@ def test_parallel_config_rejects_bad_layouts():
         ParallelConfig(1, 0).validate()
 
 
-def _tp2_step(result_path: str) -> None:
+def _train_three_steps(tp: int, init_sd=None):
+    """Build the tiny GPT at TP=``tp`` (``init_sd``: TP=1 weights to load, or None for the
+    seeded init), train 3 Adam steps (distributed optimizer, clipping) on fixed data; returns
+    (initial full weights or None, losses, grad norms, the DDP-wrapped model)."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -88,18 +90,28 @@ def _tp2_step(result_path: str) -> None:
     from megatron.core.transformer import TransformerConfig
 
     from dapo_megatron.platform import init_distributed
+    from test_actor import _local_shards
 
-    init_distributed(ParallelConfig(2, 1), seed=5)
+    init_distributed(ParallelConfig(tp, 1), seed=5)
     cfg = TransformerConfig(
         num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
         normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
-        add_bias_linear=False, tensor_model_parallel_size=2, use_cpu_initialization=True,
+        add_bias_linear=False, tensor_model_parallel_size=tp, use_cpu_initialization=True,
         hidden_dropout=0.0, attention_dropout=0.0,
     )
     model = GPTModel(
         cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=64, max_sequence_length=32,
         position_embedding_type="rope",
     )
+    if init_sd is None:  # TP=1, DP=2: both ranks start from rank 0's weights
+        for p in model.parameters():
+            dist.broadcast(p.data, src=0)
+        init_sd = {n: p.detach().clone() for n, p in model.named_parameters()}
+    else:
+        shards = _local_shards(model, init_sd, cfg)
+        for n, p in model.named_parameters():
+            p.data.copy_(shards[n])
+        init_sd = None
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
     opt = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True, clip_grad=1.0), [ddp]
@@ -107,7 +119,7 @@ def _tp2_step(result_path: str) -> None:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 64, (2, 8), generator=g)
     pos = torch.arange(8).expand(2, 8)
-    losses = []
+    losses, norms = [], []
     for _ in range(3):
         opt.zero_grad()
         ddp.zero_grad_buffer()
@@ -117,21 +129,49 @@ def _tp2_step(result_path: str) -> None:
         ok, grad_norm, _ = opt.step()
         assert ok
         losses.append(loss.item())
+        norms.append(float(grad_norm))
+    return init_sd, losses, norms, ddp
+
+
+def _tp2_step(result_path: str) -> None:
+    """TP=1 reference first (the 2 ranks as DP=2 replicas of the same batch: the DP mean of two
+    equal gradients is exact), then TP=2 from the same initial weights in the same processes."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from test_actor import _weight_errors
+
+    init_sd, ref_losses, ref_norms, ref = _train_three_steps(tp=1)
+    ref_sd = {n: p.detach().clone() for n, p in ref.module.named_parameters()}
+    _, losses, norms, ddp = _train_three_steps(tp=2, init_sd=init_sd)
+    errors = _weight_errors(ddp.module, ref_sd, ddp.module.config)
+    moved = {n: float((ref_sd[n] - w).abs().max()) for n, w in init_sd.items()}
     gathered = [None, None]
-    dist.all_gather_object(gathered, losses)
+    dist.all_gather_object(gathered, dict(losses=losses, norms=norms, errors=errors))
     if dist.get_rank() == 0:
-        torch.save({"losses": gathered, "tp": ps.get_tensor_model_parallel_world_size()}, result_path)
+        torch.save({"ranks": gathered, "tp": ps.get_tensor_model_parallel_world_size(), "ref_losses": ref_losses,
+                    "ref_norms": ref_norms, "moved": moved}, result_path)
 
 
 @pytest.mark.dist
 def test_tp2_train_steps_on_two_gloo_processes(tmp_path):
+    """3 Adam steps at TP=2 give the TP=1 losses, grad norms and weights (each rank's shard)."""
     path = str(tmp_path / "out.pt")
     spawn(_tp2_step, 2, path)
     out = torch.load(path)
     assert out["tp"] == 2
-    rank0, rank1 = out["losses"]
-    assert rank0 == rank1  # TP ranks see the same (all-reduced) loss
-    assert rank0[-1] < rank0[0]  # the distributed optimizer actually updates the weights
+    rank0, rank1 = out["ranks"]
+    assert rank0["losses"] == rank1["losses"]  # TP ranks see the same (all-reduced) loss
+    assert out["ref_losses"][-1] < out["ref_losses"][0]
+    for r in (rank0, rank1):
+        for got, want in zip(r["losses"] + r["norms"], out["ref_losses"] + out["ref_norms"]):
+            assert abs(got - want) <= 1e-5 * abs(want), (got, want)
+        # lr 1e-2: 3 Adam steps move every tensor by 2.8e-2 to 3.0e-2 (max |dw|); the TP=2 shards
+        # differ from TP=1 by <= 1.9e-6 (fp32 round-off in the gradients); a missing or wrong
+        # gradient reduction moves elements by ~lr
+        worst = max(r["errors"], key=r["errors"].get)
+        assert r["errors"][worst] < 1e-5, (worst, r["errors"][worst])
+    assert min(out["moved"].values()) > 1e-2
 
 
 def test_cpu_grad_norm_accumulates_in_float64():

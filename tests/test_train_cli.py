@@ -1,6 +1,7 @@
 """The dapo-train CLI and config: keys documented, bad keys/values rejected by name, broken
 dataset rows stop the run with their index (or are skipped and counted), and a GSM8K file
-converted by tools/prepare_gsm8k.py goes through a full training step."""
+converted by tools/prepare_gsm8k.py goes through a training step (its data path: every
+advantage and the gradient are 0 there)."""
 
 from __future__ import annotations
 
@@ -130,8 +131,12 @@ def test_broken_row_stops_the_run_with_its_index(gsm8k_with_broken_row, smollm2_
 
 
 @pytest.mark.slow
-def test_converted_gsm8k_runs_a_full_step_skipping_and_counting_the_broken_row(
+def test_converted_gsm8k_data_path_runs_a_zero_advantage_step_skipping_and_counting_the_broken_row(
         gsm8k_with_broken_row, smollm2_gguf, tmp_path):
+    """Data handling only: a converted GSM8K file goes through rollout, the openai/gsm8k grader,
+    the buffer and an optimizer step, but every group is constant (24 tokens never reach the
+    answer), so the advantages and the gradient are exactly 0; the DAPO update itself is
+    tested on groups with a gradient by test_trainer_e2e and test_trainer_parallel_parity."""
     from mlflow.tracking import MlflowClient
 
     out = _cli("--config", CPU_YAML, f"model.hf_path={smollm2_gguf[0]}", f"trainer.default_local_dir={tmp_path}",
