@@ -76,7 +76,7 @@ def test_7b_example_fits_an_80gb_h100():
 def test_32b_example_needs_a_rollout_tp():
     cfg, hf = _cfg("32b"), _qwen("32b")
     total, layer_split, layer_norms = _counts(hf)
-    h, tp, pp, dp = 5120, 8, 2, GPUS["32b"] // 16
+    h, tp, dp = 5120, 8, GPUS["32b"] // 16  # PP=2: 32 layers per stage
     padded_vocab = 149 * 1024  # 152064 rows padded to a multiple of 128 x TP = 1024
     # the last stage holds the most: 32 layers, the LM head and the final norm
     P = 32 * (layer_split // tp + layer_norms) + padded_vocab * h // tp + h

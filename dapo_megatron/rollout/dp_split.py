@@ -16,7 +16,16 @@ Algorithm:
      ``use_dynamic_bsz``); a sample longer than the budget gets a micro-batch of its own
      (with a warning);
   3. equal counts: ranks with fewer micro-batches than the maximum split their heaviest
-     splittable micro-batch in two (balanced by tokens) until the counts match.
+     splittable micro-batch in two (balanced by tokens) until the counts match;
+  4. fallback, when a rank of step 1 holds fewer samples than another rank's micro-batch
+     count (e.g. one very long sample alone on a rank): the whole batch is packed
+     first-fit-decreasing, micro-batches are split until their count K is a multiple of
+     ``dp_size`` and whole micro-batches are dealt K / dp_size per rank, heaviest first to
+     the lightest rank with room (token balance within one micro-batch, with a warning).
+     Any plan needs ``dp_size`` equal counts of non-empty micro-batches, so a plan exists iff
+     some multiple of ``dp_size`` lies between the minimum micro-batch count of the batch and
+     the number of samples; the fallback fails only when its first-fit-decreasing count,
+     rounded up to a multiple of ``dp_size``, exceeds the number of samples.
 """
 
 from __future__ import annotations
@@ -43,13 +52,14 @@ def _balance_ranks(lengths: list[int], dp_size: int) -> list[list[int]]:
     return ranks
 
 
-def _pack(indices: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+def _pack(indices: list[int], lengths: list[int], budget: int, warn: bool = True) -> list[list[int]]:
     bins: list[list[int]] = []
     loads: list[int] = []
     for i in sorted(indices, key=lambda i: (-lengths[i], i)):
         if lengths[i] > budget:
-            warnings.warn(f"sample {i} has {lengths[i]} tokens, more than max_tokens_per_micro_batch={budget}: "
-                          "it gets a micro-batch of its own (raise the budget to avoid memory spikes)")
+            if warn:
+                warnings.warn(f"sample {i} has {lengths[i]} tokens, more than max_tokens_per_micro_batch={budget}: "
+                              "it gets a micro-batch of its own (raise the budget to avoid memory spikes)")
             bins.append([i])
             loads.append(lengths[i])
             continue
@@ -76,6 +86,38 @@ def _split_in_two(mb: list[int], lengths: list[int]) -> tuple[list[int], list[in
     return a, b
 
 
+def _split_heaviest(mbs: list[list[int]], lengths: list[int]) -> bool:
+    """Split the heaviest micro-batch holding >= 2 samples in two, in place; False if none can be."""
+    splittable = [k for k, mb in enumerate(mbs) if len(mb) >= 2]
+    if not splittable:
+        return False
+    k = max(splittable, key=lambda k: (sum(lengths[i] for i in mbs[k]), -k))
+    mbs[k:k + 1] = list(_split_in_two(mbs[k], lengths))
+    return True
+
+
+def _deal_micro_batches(lengths: list[int], dp_size: int, budget: int) -> list[list[list[int]]]:
+    """Step 4 of the module docstring: pack the whole batch, split to a multiple of dp_size, deal."""
+    mbs = _pack(list(range(len(lengths))), lengths, budget, warn=False)
+    total = -(-len(mbs) // dp_size) * dp_size
+    if total > len(lengths):
+        raise ValueError(f"the batch of {len(lengths)} samples needs {len(mbs)} micro-batches of at most "
+                         f"max_tokens_per_micro_batch={budget} tokens (first-fit-decreasing), and no multiple of "
+                         f"dp_size={dp_size} between that and {len(lengths)} (one non-empty micro-batch per sample at "
+                         "most) lets every rank run the same count; raise the budget or the batch size")
+    while len(mbs) < total:  # fewer micro-batches than samples: one holds >= 2
+        _split_heaviest(mbs, lengths)
+    per_rank = total // dp_size
+    plan: list[list[list[int]]] = [[] for _ in range(dp_size)]
+    heap = [(0, r) for r in range(dp_size)]  # (tokens, rank) of the ranks with room
+    for mb in sorted(mbs, key=lambda mb: (-sum(lengths[i] for i in mb), min(mb))):
+        tokens, r = heapq.heappop(heap)
+        plan[r].append(mb)
+        if len(plan[r]) < per_rank:
+            heapq.heappush(heap, (tokens + sum(lengths[i] for i in mb), r))
+    return plan
+
+
 def split_for_dp(samples: Sequence[Sample], dp_size: int, max_tokens_per_micro_batch: int) -> list[list[list[int]]]:
     """Plan the DP split and micro-batches of one (mini-)batch.
 
@@ -92,9 +134,13 @@ def split_for_dp(samples: Sequence[Sample], dp_size: int, max_tokens_per_micro_b
         single over-long sample.
 
     Raises:
-        ValueError: ``dp_size`` or the budget < 1; fewer samples than ``dp_size``; or a rank
-            that cannot be cut into as many micro-batches as another rank needs (too few
-            samples), naming both counts.
+        ValueError: ``dp_size`` or the budget < 1; fewer samples than ``dp_size``; or the
+            batch packs into so many micro-batches (first-fit-decreasing) that no multiple of
+            ``dp_size`` fits between that count and the number of samples (step 4), naming
+            both counts.
+
+    Warns:
+        UserWarning: a sample longer than the budget; the step-4 fallback (coarser balance).
     """
     if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
         raise ValueError(f"dp_size must be an int >= 1, got {dp_size!r}")
@@ -107,17 +153,16 @@ def split_for_dp(samples: Sequence[Sample], dp_size: int, max_tokens_per_micro_b
     lengths = _lengths(samples)
     plan = [_pack(r, lengths, max_tokens_per_micro_batch) for r in _balance_ranks(lengths, dp_size)]
     target = max(len(mbs) for mbs in plan)
-    for rank, mbs in enumerate(plan):
-        while len(mbs) < target:
-            splittable = [k for k, mb in enumerate(mbs) if len(mb) >= 2]
-            if not splittable:
-                n = sum(len(mb) for mb in mbs)
-                raise ValueError(f"DP rank {rank} holds {n} samples but every rank needs {target} micro-batches "
-                                 f"(max_tokens_per_micro_batch={max_tokens_per_micro_batch}); raise the budget or "
-                                 "the batch size so each rank has at least as many samples as micro-batches")
-            k = max(splittable, key=lambda k: (sum(lengths[i] for i in mbs[k]), -k))
-            a, b = _split_in_two(mbs[k], lengths)
-            mbs[k:k + 1] = [a, b]
+    for mbs in plan:
+        while len(mbs) < target and _split_heaviest(mbs, lengths):
+            pass
+    short = [r for r, mbs in enumerate(plan) if len(mbs) < target]
+    if short:
+        warnings.warn(f"DP rank {short[0]} of the token-balanced split holds {sum(map(len, plan[short[0]]))} samples "
+                      f"but another rank needs {target} micro-batches (max_tokens_per_micro_batch="
+                      f"{max_tokens_per_micro_batch}): dealing whole micro-batches to the ranks instead, token "
+                      "balance within one micro-batch")
+        plan = _deal_micro_batches(lengths, dp_size, max_tokens_per_micro_batch)
     return [[sorted(mb) for mb in mbs] for mbs in plan]
 
 

@@ -150,8 +150,7 @@ def check_engine_kwargs(engine_kwargs: Optional[dict], key: str = "rollout.engin
     names, source = engine_argument_names()
     for name in kwargs:
         if name in MANAGED_ENGINE_ARGS:
-            raise ValueError(f"{key}.{name} is set by dapo-megatron from {MANAGED_ENGINE_ARGS[name]}; "
-                             f"remove it from {key}")
+            raise ValueError(f"{key}.{name} is set by dapo-megatron from {MANAGED_ENGINE_ARGS[name]}; remove it")
         if name not in names:
             close = difflib.get_close_matches(name, sorted(names), n=3)
             raise ValueError(f"{key}.{name} is not an sglang.Engine argument (a field of {source})"
