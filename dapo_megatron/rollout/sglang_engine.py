@@ -579,8 +579,8 @@ class SGLangServerEngine(_SGLangMemory, RolloutEngine):
         base_url: e.g. ``"http://10.0.0.5:30000"``.
         param_specs: ``(specs, aliases)`` of the served model (e.g. from
             :func:`dapo_megatron.rollout.engine.hf_param_specs`) for the sync checks.
-        device: device the broadcast tensors are moved to (``"cuda"`` for NCCL, ``"cpu"``
-            for gloo).
+        device: device the broadcast tensors are moved to (a CUDA device for NCCL, ``"cpu"``
+            for gloo); None: this rank's device (:func:`dapo_megatron.platform.device`).
         timeout_s: HTTP timeout per call, seconds.
         update_bucket_mb: bucket size of ``update_weights`` in MiB.
         enable_memory_saver: the server was launched with ``--enable-memory-saver``.
@@ -588,13 +588,17 @@ class SGLangServerEngine(_SGLangMemory, RolloutEngine):
     """
 
     def __init__(self, base_url: str, param_specs: tuple[dict[str, ParamSpec], dict[str, str]], *,
-                 device: str = "cuda", timeout_s: float = 600.0, update_bucket_mb: int = 512,
+                 device: Optional[str] = None, timeout_s: float = 600.0, update_bucket_mb: int = 512,
                  enable_memory_saver: bool = True, weights_cpu_backup: bool = False):
         super().__init__()
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
         self.base_url = base_url.rstrip("/")
         self._specs = param_specs
+        if device is None:
+            from dapo_megatron.platform import device as rank_device
+
+            device = rank_device()
         self.device = torch.device(device)
         self.timeout_s = timeout_s
         self.update_bucket_bytes = int(update_bucket_mb) * 2**20
