@@ -8,7 +8,7 @@ states them, not with the estimator's helpers.
 import pytest
 import torch
 
-from dapo_megatron.config import DAPOConfig, load_config
+from dapo_megatron.config import ConfigError, DAPOConfig, load_config
 from dapo_megatron.platform.memory import GB, H100_80GB, ModelShape, check_memory, estimate_from_config
 from test_examples import GPUS, H100, QWEN2_5
 
@@ -90,7 +90,7 @@ def test_32b_example_needs_a_rollout_tp():
     assert not est.fits and est.kv_tokens == 0
     assert any("KV cache holds 0 tokens" in p and "rollout tensor parallel size" in p for p in est.problems)
     assert any(p.startswith("weight sync") for p in est.problems)
-    with pytest.raises(MemoryError, match=r"do not fit one GPU(.|\n)*rollout\.gpu_memory_utilization"):
+    with pytest.raises(ConfigError, match=r"do not fit one GPU(.|\n)*rollout\.gpu_memory_utilization"):
         check_memory(cfg, hf, GPUS["32b"])
 
     for rollout_tp, kv_heads in ((8, 1), (4, 2)):  # 8 KV heads over the engine's GPUs

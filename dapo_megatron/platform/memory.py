@@ -315,10 +315,13 @@ def check_memory(cfg, hf_config, world_size: int, **kwargs) -> MemoryEstimate:
     """:func:`estimate_from_config`, raising when the run cannot fit.
 
     Raises:
-        MemoryError: with the estimate's report and, per problem, the knobs to turn.
+        ConfigError: (a ``ValueError``) with, per problem, the numbers and the settings to
+            change, then the estimate's report; ``dapo-train`` prints it from rank 0.
     """
+    from dapo_megatron.config import ConfigError
+
     est = estimate_from_config(cfg, hf_config, world_size, **kwargs)
     if not est.fits:
-        raise MemoryError("the colocated actor + SGLang engine do not fit one GPU:\n- "
+        raise ConfigError("the colocated actor + SGLang engine do not fit one GPU:\n- "
                           + "\n- ".join(est.problems) + "\n" + est.report())
     return est
