@@ -196,18 +196,23 @@ def _build_engine(cfg: DAPOConfig, hf_config, tokenizer):
 
         dtype = cfg.model.torch_dtype()
         hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
-        return HFEngine(hf_model, dtype=dtype, device=device, eos_token_ids=eos,
+        from dapo_megatron.platform import device
+
+        return HFEngine(hf_model, dtype=dtype, device=device(), eos_token_ids=eos,
                         update_bucket_mb=rollout.update_weights_bucket_megabytes)
     if rollout.name == "sglang":
+        from dapo_megatron.platform import local_device_index
         from dapo_megatron.rollout.sglang_engine import SGLangEngine
 
         return SGLangEngine(
             model_path=cfg.model.hf_path,
             mem_fraction_static=rollout.gpu_memory_utilization,
             tp_size=1,
-            dtype=cfg.model.params_dtype,
+            dtype=cfg.model.torch_dtype(),
+            base_gpu_id=local_device_index(),  # this rank's GPU: torchrun sets no CUDA_VISIBLE_DEVICES
+            deterministic=rollout.deterministic,
             update_bucket_mb=rollout.update_weights_bucket_megabytes,
+            engine_kwargs=rollout.engine_kwargs,
         )
     raise ValueError(f"rollout.name={rollout.name!r} must be 'hf' or 'sglang'")
 
@@ -262,6 +267,15 @@ class DAPOTrainer:
 
         # model: Megatron actor (trains) and its HF twin in the engine (generates)
         self.hf_config = load_hf_config(cfg.model.hf_path, cfg.model.gguf_file)
+        if cfg.rollout.name == "sglang" and torch.cuda.is_available():
+            # colocated actor + engine per GPU: stop now, not at the first OOM minutes later
+            from dapo_megatron.platform import device
+            from dapo_megatron.platform.memory import check_memory
+
+            gpu_bytes = torch.cuda.get_device_properties(device()).total_memory
+            estimate = check_memory(cfg, self.hf_config, self.world, gpu_bytes=gpu_bytes)
+            if self.rank == 0:
+                logger.info("%s", estimate.report())
         model = build_gpt_model(self.hf_config, cfg.model)
         resuming = t.resume_path is not None or (
             t.resume_mode == "auto" and read_latest_step(self.run_dir) is not None
@@ -349,11 +363,38 @@ class DAPOTrainer:
         self.gen_batches_done += 1
         return self._generate_groups(records, params, first)
 
+    def _free_allocator_cache(self) -> None:
+        """Hand the actor's cached-but-free GPU blocks back to the driver.
+
+        SGLang maps its weights and KV cache outside PyTorch's caching allocator
+        (torch_memory_saver), so blocks the actor freed but the allocator still caches are
+        invisible to it: wait for the actor's last kernels (synchronize), then empty the
+        cache. Called before every wake-up and weight sync of the engine."""
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+    def _wake_engine(self) -> None:
+        """Give the engine its memory back before generating, with valid weights.
+
+        A wake-up that leaves the weights invalid (released by ``sleep`` without a backup
+        and not synced since, see ``RolloutEngine.weights_valid``) is followed by a full
+        re-sync, so no rollout ever samples from garbage. Collective: every rank re-syncs
+        when any engine needs it (the sync gathers over the model-parallel group)."""
+        self._free_allocator_cache()
+        self.engine.wake_up()
+        lost = any(_all_gather_objects(not self.engine.weights_valid))
+        if lost:
+            logger.warning("a rollout engine woke up without valid weights; re-syncing weight version %d",
+                           self.step)
+            self._sync_weights()
+
     def _sync_weights(self) -> float:
         """Megatron shards → HF tensors (bucketed, collective) → this rank's engine.
         Returns the bytes sent."""
         from dapo_megatron.bridge import iter_hf_weights
 
+        self._free_allocator_cache()
         nbytes = 0
 
         def counted(it):
@@ -396,9 +437,9 @@ class DAPOTrainer:
 
         # 1-3. rollout, rewards, dynamic sampling
         t0 = time.perf_counter()
-        self.engine.wake_up()
+        self._wake_engine()
         groups, rollout_metrics = self.buffer.collect(self._generate_batch)
-        self.engine.sleep()
+        self.engine.sleep()  # weights too: the actor needs the memory; step 7 syncs them back
         timing["gen"] = time.perf_counter() - t0
         metrics.update(rollout_metrics)
         samples = [s for g in groups for s in g.samples]
@@ -503,9 +544,9 @@ class DAPOTrainer:
         mine = list(range(self.rank, len(problems), self.world))
         params = self._sampling_params(n=r.val_n, temperature=r.val_temperature, top_p=r.val_top_p,
                                        seed=self.cfg.trainer.seed + 7919 * self.step)
-        self.engine.wake_up()
+        self._wake_engine()
         outputs = self.engine.generate([problems[i].prompt_ids for i in mine], params, mine) if mine else []
-        self.engine.sleep()
+        self.engine.sleep(keep_weights=True)  # no update before the next rollout: the weights stay valid
         requests, owners = [], []
         for i, comps in zip(mine, outputs):
             rec = problems[i]

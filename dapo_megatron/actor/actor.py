@@ -43,6 +43,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from dapo_megatron.platform import distributed as pdist
 from dapo_megatron.rollout.types import Sample
 
 from .logprobs import vocab_parallel_logprobs_and_entropy
@@ -378,8 +379,7 @@ class MegatronActor:
         self.length_buckets = layout == "bshd"
         self.length_bucket_overhead_tokens = 64
         self.pad_to = self.tp_size if config.sequence_parallel else 1
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else (
-            torch.device("cpu"))
+        self.device = pdist.device()
 
     # ------------------------------------------------------------------ helpers
     def _make_micro_batches(self, micro_batches, with_targets: bool) -> tuple[list[_MicroBatch], list[int]]:
@@ -509,7 +509,8 @@ class MegatronActor:
         outs = self._run_schedule(mbs, forward_step, forward_only=True)
         counts = [sum(mb.batch.response_lens) for mb in mbs]
         total = sum(counts)
-        flat = torch.zeros(2, total, dtype=torch.float32, device=self.device)
+        # broadcast over the PP group below: on that group's device (CUDA under NCCL)
+        flat = torch.zeros(2, total, dtype=torch.float32, device=pdist.collective_device(self.pp_group))
         if self._is_last_stage():
             lps, ents = [], []
             for mb, out in zip(mbs, outs):
@@ -542,15 +543,14 @@ class MegatronActor:
         Returns:
             ``(global_num_tokens, global_num_seqs)``.
         """
-        local = torch.zeros(2, dtype=torch.float64)
-        for mb in micro_batches:
-            for s in mb:
-                if not s.loss_mask_zero and len(s.response_ids):
-                    local[0] += len(s.response_ids)
-                    local[1] += 1
+        kept = [s for mb in micro_batches for s in mb if not s.loss_mask_zero and len(s.response_ids)]
+        # counted in python, all-reduced over DP on the group's device (a CPU tensor fails under NCCL)
+        local = torch.tensor([sum(len(s.response_ids) for s in kept), len(kept)], dtype=torch.float64,
+                             device=pdist.collective_device(self.dp_group))
         if dist.is_initialized():
             dist.all_reduce(local, group=self.dp_group)
-        return int(local[0]), int(local[1])
+        n_tok, n_seq = local.tolist()
+        return int(n_tok), int(n_seq)
 
     def forward_backward(
         self, micro_batches: Sequence[Sequence[Sample]], temperature: float = 1.0,
@@ -642,9 +642,11 @@ class MegatronActor:
 
         outs = self._run_schedule(mbs, forward_step, forward_only=False)
 
-        sums = torch.zeros(len(_SUM_KEYS), dtype=torch.float64, device=self.device)
-        mins = torch.full((1,), float("inf"), dtype=torch.float64, device=self.device)
-        maxs = torch.full((1,), float("-inf"), dtype=torch.float64, device=self.device)
+        # all-reduced over PP and DP below: on the groups' device (NCCL: this rank's GPU)
+        dev = pdist.collective_device(self.dp_group)
+        sums = torch.zeros(len(_SUM_KEYS), dtype=torch.float64, device=dev)
+        mins = torch.full((1,), float("inf"), dtype=torch.float64, device=dev)
+        maxs = torch.full((1,), float("-inf"), dtype=torch.float64, device=dev)
         if self._is_last_stage():
             for out in outs:
                 sums += torch.stack([out[k].double().reshape(()) for k in _SUM_KEYS]).to(sums.device)

@@ -220,7 +220,7 @@ def _gather_tp(param: torch.Tensor, split: str, tp_size: int) -> list[torch.Tens
     local = param.detach().contiguous()
     group = ps.get_tensor_model_parallel_group()
     if dist.get_backend(group) == "nccl":
-        out = torch.empty((tp_size, *local.shape), dtype=local.dtype, device=local.device)
+        out = local.new_empty((tp_size, *local.shape))  # on the parameter's device, as NCCL needs
         dist.all_gather_into_tensor(out, local, group=group)
         return list(out.unbind(0))
     shards = [torch.empty_like(local) for _ in range(tp_size)]
@@ -273,7 +273,7 @@ def iter_hf_weights(
     pp_group = ps.get_pipeline_model_parallel_group() if pp_size > 1 else None
     pp_ranks = dist.get_process_group_ranks(pp_group) if pp_size > 1 else None
     any_param = next(iter(params.values()))
-    dtype, device = any_param.dtype, any_param.device
+    dtype = any_param.dtype
     elem = torch.empty((), dtype=dtype).element_size()
 
     buckets: list[list[_Entry]] = []
@@ -306,7 +306,8 @@ def iter_hf_weights(
                 flat = torch.cat([t.reshape(-1) for _, t in named]) if len(named) > 1 else named[0][1].reshape(-1)
                 flat = flat.contiguous()
             else:
-                flat = torch.empty(total, dtype=dtype, device=device)
+                # the owner broadcasts a buffer on its parameters' device: allocate on the same one
+                flat = any_param.new_empty(total)
             dist.broadcast(flat, src=pp_ranks[owner], group=pp_group)
             named, offset = [], 0
             for entry in bucket:
