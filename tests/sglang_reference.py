@@ -109,3 +109,13 @@ def reconstruct(bucket_dict: dict, tensor_bucket=None) -> list[tuple[str, torch.
         assert m.end_idx - m.start_idx == m.numel, m
         out.append((m.name, flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape)))
     return out
+
+
+def worker_load(payload: bytes, tensor_bucket=None) -> list[tuple[str, torch.Tensor]]:
+    """What SGLang TP worker ``i`` does with entry ``i`` of a ``flattened_bucket`` update: deserialize
+    (``managers/tp_worker.py`` ``update_weights_from_tensor``) and reconstruct (clones, so the tensors
+    outlive the sender's reusable buffer). With SGLang's module installed the payload must pass its
+    ``SafeUnpickler``; without it the package pickles its CPU stand-in metadata class, which only a
+    plain unpickler loads."""
+    obj = deserialize(payload) if tensor_bucket is not None else pickle.loads(payload)
+    return [(name, t.clone()) for name, t in reconstruct(obj, tensor_bucket)]

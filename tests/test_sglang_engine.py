@@ -17,6 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
+import sglang_reference
 from dapo_megatron.rollout.buckets import bucket_metadata, dtype_from_name, dtype_name, iter_buckets
 from dapo_megatron.rollout.engine import InvalidWeightsError, ParamSpec, SamplingParams
 from dapo_megatron.rollout.sglang_engine import (
@@ -317,11 +318,14 @@ class _SpyEngine:
     release/resume_memory_occupation -> None)."""
 
     instances = []
+    tensor_bucket = None  # SGLang's tensor_bucket module when installed (tests/sglang_reference.py)
 
     def __init__(self, **kwargs):
         self.kwargs = kwargs
         self.calls = []
         self.flush_result = _FlushCacheReqOutput(True)
+        self.loaded = []  # per update call: per TP worker, the (name, tensor) it loaded
+        self.tensor_bucket = _SpyEngine.tensor_bucket
         _SpyEngine.instances.append(self)
 
     def generate(self, input_ids, sampling_params, return_logprob):
@@ -329,7 +333,11 @@ class _SpyEngine:
         return [sglang_item([7, 2], [-0.5, -0.25], "stop") for _ in input_ids]
 
     def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
-        self.calls.append(("update_weights_from_tensor", [n for n, _ in named_tensors], flush_cache))
+        # load_format="flattened_bucket": one serialized bucket per TP worker, decoded as SGLang's worker does
+        assert load_format == "flattened_bucket" and len(named_tensors) == self.kwargs["tp_size"]
+        per_rank = [sglang_reference.worker_load(p, self.tensor_bucket) for p in named_tensors]
+        self.calls.append(("update_weights_from_tensor", [n for n, _ in per_rank[0]], flush_cache))
+        self.loaded.append(per_rank)
         return True, "Succeeded to update model weights."
 
     def flush_cache(self):
@@ -353,12 +361,18 @@ def fake_sglang(monkeypatch):
     import sys
     import types
 
-    mod = types.ModuleType("sglang")
-    mod.Engine = _SpyEngine
-    mod.__version__ = "0.5.11"
+    from dapo_megatron.rollout import flat_bucket
+
+    flat_bucket._sglang_metadata_class.cache_clear()
+    _SpyEngine.tensor_bucket = sglang_reference.install_tensor_bucket(monkeypatch.setitem)
+    mod = sys.modules.get("sglang") if _SpyEngine.tensor_bucket is not None else None
+    mod = mod or types.ModuleType("sglang")  # SGLang's real tensor_bucket, if any, hangs below this stub
     monkeypatch.setitem(sys.modules, "sglang", mod)
+    monkeypatch.setattr(mod, "Engine", _SpyEngine, raising=False)
+    monkeypatch.setattr(mod, "__version__", "0.5.11", raising=False)
     _SpyEngine.instances.clear()
-    return mod
+    yield mod
+    flat_bucket._sglang_metadata_class.cache_clear()
 
 
 @pytest.fixture()
