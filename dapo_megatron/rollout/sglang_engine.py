@@ -326,17 +326,40 @@ def http_post(base_url: str, path: str, payload: Optional[dict], timeout: float,
     url = base_url.rstrip("/") + path
     data = json.dumps(payload if payload is not None else {}).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+    body = _http_call(req, url, timeout)
+    if text:
+        return body.decode(errors="replace")
+    return json.loads(body) if body.strip() else None
+
+
+def http_get(base_url: str, path: str, timeout: float) -> Any:
+    """GET ``base_url + path``: the decoded JSON body (None for an empty body, e.g. ``/health``'s
+    200). Raises ``RuntimeError`` as :func:`http_post` does."""
+    url = base_url.rstrip("/") + path
+    body = _http_call(urllib.request.Request(url, method="GET"), url, timeout)
+    return json.loads(body) if body.strip() else None
+
+
+def _http_call(req: urllib.request.Request, url: str, timeout: float) -> bytes:
+    """One HTTP request, every failure a ``RuntimeError`` naming the URL: an error status (with
+    SGLang's message), an unreachable server, or no answer within ``timeout`` seconds (a hung
+    server must not hang the trainer)."""
+    import socket
+
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            body = resp.read()
+            return resp.read()
     except urllib.error.HTTPError as err:
         raise RuntimeError(f"SGLang server {url} returned HTTP {err.code}: "
                            f"{sglang_error_message(err.read())}") from None
     except urllib.error.URLError as err:
+        if isinstance(err.reason, (TimeoutError, socket.timeout)):
+            raise RuntimeError(f"SGLang server {url} did not answer within {timeout:g} s") from None
         raise RuntimeError(f"SGLang server {url} unreachable: {err.reason}") from None
-    if text:
-        return body.decode(errors="replace")
-    return json.loads(body) if body.strip() else None
+    except (TimeoutError, socket.timeout):  # the connection opened, the answer never came
+        raise RuntimeError(f"SGLang server {url} did not answer within {timeout:g} s") from None
+    except (ConnectionError, OSError) as err:  # reset or closed mid-answer: the server died
+        raise RuntimeError(f"SGLang server {url} unreachable: {err}") from None
 
 
 def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,

@@ -1,0 +1,157 @@
+"""rollout.mode=server: weights from one rank per pipeline stage into separate SGLang servers.
+
+Two stand-in servers (tests/sglang_standin.py: real HTTP servers on 127.0.0.1 in their own
+processes, joining real gloo groups and receiving the flattened-bucket broadcast as SGLang's
+``_update_bucketed_weights_from_distributed`` does) take the sync of a TP=1/PP=2 actor (two
+stages, two senders, two groups) and of a TP=2 actor (one sender, its TP peer in step); what
+each server received must equal the HF export bit for bit. Then the failure paths: a server
+that refuses an update stops every rank with its URL (no hang: the TP peer keeps the
+bridge's collectives in step), and a dead, hung or unhealthy server fails the health check
+naming its URL within the timeout.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from dapo_megatron.platform import spawn
+from dapo_megatron.rollout.sglang_engine import http_post
+from sglang_standin import StandIn
+
+BUCKET = 20_000
+
+
+def _sync_worker(tp, pp, urls, out_dir, fail_url=None, timeout_s=60):
+    import torch.distributed as dist
+
+    from conftest import random_hf_model, tiny_hf_config
+    from dapo_megatron.bridge import export_hf_state_dict, iter_hf_weights, load_hf_weights
+    from dapo_megatron.models import ModelConfig, build_gpt_model
+    from dapo_megatron.platform import ParallelConfig, init_distributed
+    from dapo_megatron.rollout.engine import hf_param_specs
+    from dapo_megatron.rollout.server_sync import check_health, connect_servers, query_server, sync_servers
+    from megatron.core import parallel_state as ps
+
+    init_distributed(ParallelConfig(tp, pp), seed=0)
+    rank = dist.get_rank()
+    hf_config = tiny_hf_config("qwen2_bias")
+    model = build_gpt_model(hf_config, ModelConfig(transformer_impl="local"))
+    load_hf_weights(model, random_hf_model(hf_config, seed=1).state_dict())
+    export = export_hf_state_dict(model)
+    servers = [query_server(u, 30) for u in urls]
+    stage, stages = ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()
+    sender = connect_servers(servers, stage=stage, num_stages=stages,
+                             is_sender=ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0,
+                             device="cpu", timeout_s=timeout_s, bucket_bytes=BUCKET, backend="gloo")
+    check_health(urls, 10)
+    if fail_url is not None and rank == 0:
+        http_post(fail_url, "/control", {"fail_next_update": "Failed to update parameter online: boom"}, 10)
+    dist.barrier()
+    result = {"rank": rank}
+    try:
+        result["bytes"] = sync_servers(iter_hf_weights(model, bucket_bytes=BUCKET, pp_broadcast=False), sender=sender,
+                                       urls=urls, timeout_s=timeout_s, param_specs=hf_param_specs(hf_config), version=1,
+                                       coordinator=rank == 0, stage=stage, num_stages=stages)
+    except RuntimeError as err:
+        result["error"] = str(err)
+    if rank == 0:
+        result["export"] = {n: base64.b64encode(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).decode()
+                            for n, t in export.items()}
+        result["export_shapes"] = {n: list(t.shape) for n, t in export.items()}
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+@pytest.fixture(scope="module")
+def _servers():
+    servers = [StandIn(), StandIn()]
+    yield servers
+    for s in servers:
+        s.stop()
+
+
+@pytest.fixture()
+def two_servers(_servers):
+    for s in _servers:
+        http_post(s.url, "/control", {"reset": True}, 10)
+    return _servers
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 1)], ids=["actor_pp2", "actor_tp2"])
+def test_each_server_receives_the_hf_export_bitwise(tp, pp, two_servers, tmp_path):
+    urls = [s.url for s in two_servers]
+    spawn(_sync_worker, 2, tp, pp, urls, str(tmp_path))
+    r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in range(2))
+    assert "error" not in r0 and "error" not in r1, (r0.get("error"), r1.get("error"))
+    export = r0["export"]
+    for url in urls:
+        got = http_post(url, "/received", None, 30)
+        names = [r[0] for r in got["received"]]
+        assert sorted(names) == sorted(export), "every HF tensor once per server"
+        for name, raw, shape, _, group in got["received"]:
+            assert raw == export[name] and shape == r0["export_shapes"][name], name
+        groups = {r[4] for r in got["received"]}
+        assert groups == ({"dapo_weights_pp0", "dapo_weights_pp1"} if pp == 2 else {"dapo_weights_pp0"})
+        if pp == 2:  # each stage sent its own layers: the embedding from stage 0, the LM head from stage 1
+            group_of = {r[0]: r[4] for r in got["received"]}
+            assert group_of["model.embed_tokens.weight"] == "dapo_weights_pp0"
+            assert group_of["lm_head.weight"] == group_of["model.norm.weight"] == "dapo_weights_pp1"
+        assert got["flat_broadcasts"] >= 3, "one broadcast per bucket, several buckets"
+        assert got["flushes"] == 1 and got["control"] == [["/pause_generation", "abort"],
+                                                          ["/continue_generation", None]]
+    total = sum(len(base64.b64decode(v)) for v in export.values())
+    assert r0["bytes"] + r1["bytes"] == total, "each byte sent once (per stage, not broadcast over PP)"
+    if tp == 2:
+        assert r1["bytes"] == 0, "the TP peer only takes part in the bridge's TP gathers"
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_a_server_that_refuses_an_update_stops_every_rank_naming_it(two_servers, tmp_path):
+    urls = [s.url for s in two_servers]
+    # a 10 s bound: the broadcast the refusing server never joins ends there (gloo), so the ranks exit
+    spawn(_sync_worker, 2, 2, 1, urls, str(tmp_path), urls[1], 10)
+    r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in range(2))
+    assert r0["error"] == r1["error"]
+    assert f"SGLang server {urls[1]}/update_weights_from_distributed returned HTTP 400" in r0["error"]
+    assert "Failed to update parameter online: boom" in r0["error"]
+    assert http_post(urls[0], "/received", None, 30)["flushes"] == 0, "no flush after a failed sync"
+
+
+def test_health_check_names_a_dead_a_hung_and_an_unhealthy_server():
+    from dapo_megatron.rollout.server_sync import check_health, query_server
+
+    alive, hung, sick, dead = StandIn(), StandIn(), StandIn(), StandIn()
+    try:
+        dead.stop()
+        http_post(hung.url, "/control", {"hang_health": True}, 10)
+        http_post(sick.url, "/control", {"healthy": False}, 10)
+        check_health([alive.url], 5)
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError) as err:
+            check_health([alive.url, hung.url, sick.url, dead.url], 1.0)
+        assert time.monotonic() - t0 < 10, "every server checked at once, each within the timeout"
+        msg = str(err.value)
+        assert f"{hung.url}/health did not answer within 1 s" in msg
+        assert f"{sick.url}/health returned HTTP 503" in msg
+        assert f"{dead.url}/health unreachable" in msg
+        assert alive.url + "/" not in msg
+
+        info = query_server(alive.url, 5)
+        assert info.tp_size == 1 and info.enable_memory_saver and info.version == "0.5.11"
+        http_post(alive.url, "/control", {"server_info": {"dp_size": 2}}, 10)
+        with pytest.raises(RuntimeError, match=rf"{alive.url} runs with dp_size=2: rollout.mode=server needs one "
+                                               "server per replica"):
+            query_server(alive.url, 5)
+    finally:
+        http_post(hung.url, "/control", {"hang_health": False}, 10)
+        for s in (alive, hung, sick):
+            s.stop()
