@@ -77,7 +77,8 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(DAPOConfig, args.config, args.overrides)
         if not args.print_config:
-            cfg.check_world_size(int(os.environ.get("WORLD_SIZE", "1")))
+            local = os.environ.get("LOCAL_WORLD_SIZE")  # torchrun: the ranks of this node
+            cfg.check_world_size(int(os.environ.get("WORLD_SIZE", "1")), int(local) if local else None)
     except (ConfigError, FileNotFoundError) as err:
         return _input_error(err)
     if args.print_config:

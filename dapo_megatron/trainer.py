@@ -2,9 +2,11 @@
 
 Every rank runs this same code under ``torchrun`` (SPMD). One step:
 
-1. rollout: each rank reads its DP shard of a generation batch of prompts, the ranks
-   of a model-parallel group split those prompts between their colocated engines,
-   and the groups are all-gathered so that every rank holds the same global list;
+1. rollout: each rank reads its DP shard of a generation batch of prompts; the whole
+   batch is dealt over the rollout engines (colocated: one per group of
+   ``rollout.tensor_model_parallel_size`` ranks; server mode: one per
+   ``rollout.server_urls`` entry, after a health check of every server), and the groups are
+   all-gathered so that every rank holds the same global list;
 2. rewards: every rank grades a slice of the responses in its killable grader pool
    and the results are all-gathered (:class:`DistributedGrader`);
 3. buffer: dynamic sampling and overlong shaping run identically on every rank
@@ -14,7 +16,9 @@ Every rank runs this same code under ``torchrun`` (SPMD). One step:
 6. updates: ``ppo_epochs`` × mini-batches, each split over DP ranks by token count and
    cut into micro-batches by a token budget, with the DAPO token-mean loss normalised
    by the mini-batch's global token count;
-7. weight sync: Megatron shards → HF tensors in buckets → the engine;
+7. weight sync: Megatron shards → HF tensors in buckets → the engines (colocated: every
+   rank of a rollout group hands its GPU's copy to the group's engine; server mode: one
+   rank per pipeline stage broadcasts its stage to the servers);
 8. metrics → MLflow; validation every ``test_freq`` steps; checkpoint every ``save_freq``.
 
 Determinism: every response is sampled with its own seed, derived from ``trainer.seed``
@@ -185,7 +189,54 @@ def _load_tokenizer(model_cfg):
 
 
 def _build_engine(cfg: DAPOConfig, hf_config, tokenizer):
-    """The colocated rollout engine of this rank, with random weights (synced next)."""
+    """This rank's rollout engine and the engine layout: ``(engine, num_engines, engine_index)``.
+
+    colocated: ranks are cut into rollout groups of ``rollout.tensor_model_parallel_size``
+    consecutive ranks (:func:`~dapo_megatron.rollout.layout.rollout_group_ranks`, a gloo group
+    each); the group's first rank creates the engine (with random or checkpoint weights,
+    synced next), the others are :class:`~dapo_megatron.rollout.engine_group.EngineGroupMember`
+    s. server: a :class:`~dapo_megatron.rollout.server_sync.ServerRollout` on every rank.
+    ``engine_index`` is the engine this rank drives (None: it generates nothing).
+    """
+    from megatron.core import parallel_state as ps
+
+    from dapo_megatron.rollout.engine import hf_param_specs
+    from dapo_megatron.rollout.engine_group import EngineGroupMember, RolloutGroup
+    from dapo_megatron.rollout.layout import rollout_engines, rollout_group_ranks
+
+    rollout = cfg.rollout
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rollout.mode == "server":
+        from dapo_megatron.platform import device
+        from dapo_megatron.rollout.server_sync import ServerRollout
+
+        servers = ServerRollout(
+            rollout.server_urls, hf_param_specs(hf_config), stage=ps.get_pipeline_model_parallel_rank(),
+            num_stages=ps.get_pipeline_model_parallel_world_size(),
+            is_sender=ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0,
+            device=device(), timeout_s=rollout.server_timeout_s,
+            generate_timeout_s=rollout.server_generate_timeout_s,
+            bucket_bytes=rollout.update_weights_bucket_megabytes * 2**20)
+        return servers, servers.num_engines, servers.engine_index
+    tp = rollout.tensor_model_parallel_size
+    num_engines, engine_index = rollout_engines(rank, world, rollout_tp=tp)
+    group = RolloutGroup.single(rank)
+    if tp > 1:
+        for ranks in rollout_group_ranks(world, tp):  # every rank creates every group (torch's rule)
+            pg = dist.new_group(list(ranks), backend="gloo")
+            if rank in ranks:
+                group = RolloutGroup(ranks, rank, pg)
+        if not group.is_leader:
+            return (EngineGroupMember(group, hf_param_specs(hf_config),
+                                      transport="flat_bucket" if rollout.name == "sglang" else None,
+                                      update_bucket_mb=rollout.update_weights_bucket_megabytes),
+                    num_engines, engine_index)
+    engine = _build_leader_engine(cfg, hf_config, tokenizer, group)
+    return engine, num_engines, engine_index
+
+
+def _build_leader_engine(cfg: DAPOConfig, hf_config, tokenizer, group):
+    """The engine of this rank's rollout group (this rank leads it)."""
     rollout = cfg.rollout
     eos = sorted({tokenizer.eos_token_id, *([hf_config.eos_token_id] if isinstance(hf_config.eos_token_id, int)
                                             else (hf_config.eos_token_id or []))} - {None})
@@ -207,7 +258,8 @@ def _build_engine(cfg: DAPOConfig, hf_config, tokenizer):
         return SGLangEngine(
             model_path=cfg.model.hf_path,
             mem_fraction_static=rollout.gpu_memory_utilization,
-            tp_size=1,
+            tp_size=rollout.tensor_model_parallel_size,
+            group=group,
             dtype=cfg.model.torch_dtype(),
             base_gpu_id=local_device_index(),  # this rank's GPU: torchrun sets no CUDA_VISIBLE_DEVICES
             deterministic=rollout.deterministic,
@@ -267,7 +319,11 @@ class DAPOTrainer:
 
         # model: Megatron actor (trains) and its HF twin in the engine (generates)
         self.hf_config = load_hf_config(cfg.model.hf_path, cfg.model.gguf_file)
-        if cfg.rollout.name == "sglang" and torch.cuda.is_available():
+        if cfg.rollout.mode == "colocated" and cfg.rollout.name == "sglang":  # the HF engine does not shard
+            from dapo_megatron.rollout.layout import check_rollout_tp_fits_model
+
+            check_rollout_tp_fits_model(self.hf_config, cfg.rollout.tensor_model_parallel_size)
+        if cfg.rollout.name == "sglang" and cfg.rollout.mode == "colocated" and torch.cuda.is_available():
             # colocated actor + engine per GPU: stop now, not at the first OOM minutes later
             from dapo_megatron.platform import device
             from dapo_megatron.platform.memory import check_memory
@@ -285,7 +341,8 @@ class DAPOTrainer:
         updates_per_step = cfg.actor.ppo_epochs * (cfg.buffer.train_batch_size // cfg.actor.ppo_mini_batch_size)
         self.actor = MegatronActor(model, cfg.actor, t.total_training_steps * updates_per_step,
                                    vocab_size=self.hf_config.vocab_size)
-        self.engine = _build_engine(cfg, self.hf_config, self.tokenizer)
+        self.engine, self.num_engines, self.engine_index = _build_engine(cfg, self.hf_config, self.tokenizer)
+        self.server_mode = cfg.rollout.mode == "server"
 
         # rewards and the dynamic-sampling buffer (replicated on every rank)
         self.reward_pool = RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
@@ -332,22 +389,32 @@ class DAPOTrainer:
         return SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=r.top_k,
                               max_new_tokens=r.response_length, seed=seed)
 
+    def _engine_share(self, num_prompts: int) -> list[int]:
+        """The prompts (positions in a list every rank holds) this rank's engine samples."""
+        from dapo_megatron.rollout.layout import engine_share
+
+        if self.engine_index is None:
+            return []
+        return engine_share(num_prompts, self.num_engines, self.engine_index)
+
     def _generate_groups(self, records, params, first_group_id: int) -> list[Group]:
-        """Generate ``params.n`` responses for each of this DP rank's ``records``, split over
-        the model-parallel ranks, and return the groups of ALL DP ranks: every rank gets
-        the same list, ordered by DP rank then prompt position, with consecutive group ids."""
+        """Generate ``params.n`` responses for each prompt of the generation batch (every DP
+        rank's ``records``), dealt over the rollout engines, and return the groups: every rank
+        gets the same list, ordered by DP rank then prompt position, with consecutive group ids."""
         from dapo_megatron.rollout.engine import completions_to_group
 
-        mine = list(range(self.mp_rank, len(records), self.mp_size))
-        # global position of each prompt in the generation batch seeds its responses, so the
-        # rollout does not depend on the TP/PP/DP layout
-        seeds = [first_group_id + self.dp_rank * len(records) + i for i in mine]
-        outputs = self.engine.generate([records[i].prompt_ids for i in mine], params, seeds) if mine else []
-        local = [(self.dp_rank, i, records[i].index, out) for i, out in zip(mine, outputs)]
-        gathered = sorted((x for part in _all_gather_objects(local) for x in part), key=lambda x: x[:2])
+        # the batch in global order (DP rank, position); position g seeds its responses, so the
+        # rollout depends neither on the actor's TP/PP/DP nor on the engines' layout
+        batch = [index for part in _all_gather_objects([r.index for r in records], group=_dp_group())
+                 for index in part] if self.dp_size > 1 else [r.index for r in records]
+        mine = self._engine_share(len(batch))
+        prompts = [self.train_data[batch[g]].prompt_ids for g in mine]
+        outputs = self.engine.generate(prompts, params, [first_group_id + g for g in mine]) if mine else []
+        gathered = sorted((x for part in _all_gather_objects(list(zip(mine, outputs))) for x in part),
+                          key=lambda x: x[0])
         groups = []
-        for k, (_, _, index, completions) in enumerate(gathered):
-            rec = self.train_data[index]
+        for k, (g, completions) in enumerate(gathered):
+            rec = self.train_data[batch[g]]
             groups.append(completions_to_group(first_group_id + k, rec.prompt_ids, completions,
                                                prompt_index=rec.index, data_source=rec.data_source,
                                                ground_truth=rec.ground_truth, extra_info=rec.extra_info))
@@ -390,11 +457,16 @@ class DAPOTrainer:
             self._sync_weights()
 
     def _sync_weights(self) -> float:
-        """Megatron shards → HF tensors (bucketed, collective) → this rank's engine.
-        Returns the bytes sent."""
+        """Megatron shards → HF tensors (bucketed, collective) → this rank's engine, or, in
+        server mode, from one rank per pipeline stage into the servers. Returns the bytes sent."""
         from dapo_megatron.bridge import iter_hf_weights
 
         self._free_allocator_cache()
+        bucket = self.cfg.rollout.update_weights_bucket_megabytes * 2**20
+        if self.server_mode:  # the stage's own tensors (no PP broadcast); DP > 0 ranks hold copies
+            stream = (iter_hf_weights(self.actor.model_chunks, bucket_bytes=bucket, pp_broadcast=False)
+                      if self.dp_rank == 0 else None)
+            return float(sum(_all_gather_objects(self.engine.sync(stream, version=self.step))))
         nbytes = 0
 
         def counted(it):
@@ -403,7 +475,6 @@ class DAPOTrainer:
                 nbytes += tensor.numel() * tensor.element_size()
                 yield name, tensor
 
-        bucket = self.cfg.rollout.update_weights_bucket_megabytes * 2**20
         self.engine.update_weights(counted(iter_hf_weights(self.actor.model_chunks, bucket_bytes=bucket)),
                                    version=self.step)
         return float(nbytes)
@@ -437,6 +508,8 @@ class DAPOTrainer:
 
         # 1-3. rollout, rewards, dynamic sampling
         t0 = time.perf_counter()
+        if self.server_mode:  # a dead server stops the step here, named, not in a hung request
+            self.engine.check_health()
         self._wake_engine()
         groups, rollout_metrics = self.buffer.collect(self._generate_batch)
         self.engine.sleep()  # weights too: the actor needs the memory; step 7 syncs them back
@@ -521,8 +594,8 @@ class DAPOTrainer:
         30 × 32 samples, not 960 × 32. ``rollout.val_max_prompts`` (> 0) keeps the first M
         distinct problems (in file order of their first copy).
 
-        Problems are dealt round-robin over all ranks (each generates on its colocated
-        engine, ``rollout.val_temperature`` / ``val_top_p`` / ``top_k``, at most
+        Problems are dealt round-robin over the rollout engines
+        (:func:`~dapo_megatron.rollout.layout.engine_share`; ``rollout.val_temperature`` / ``val_top_p`` / ``top_k``, at most
         ``rollout.response_length`` new tokens); response j of problem i is seeded by
         ``(trainer.seed + 7919 * step, i, j)``, so the samples do not depend on the world
         size. Responses are decoded with ``skip_special_tokens=True`` and graded (0/1
@@ -541,7 +614,7 @@ class DAPOTrainer:
         problems = [rec for rec, _ in unique_prompts(self.val_data.records)]
         if r.val_max_prompts > 0:
             problems = problems[:r.val_max_prompts]
-        mine = list(range(self.rank, len(problems), self.world))
+        mine = self._engine_share(len(problems))
         params = self._sampling_params(n=r.val_n, temperature=r.val_temperature, top_p=r.val_top_p,
                                        seed=self.cfg.trainer.seed + 7919 * self.step)
         self._wake_engine()

@@ -23,13 +23,16 @@ It follows SGLang 0.5.11's HTTP contract (``python/sglang/srt/entrypoints/http_s
 Test controls: ``POST /control`` with ``{"healthy": false}`` (health answers 503),
 ``{"hang_health": true}`` (health never answers), ``{"fail_next_update": "message"}`` (the next
 weight update answers 400 ``{"success": false}`` without joining the broadcast) or
-``{"server_info": {...}}`` (fields merged into ``/server_info``'s answer); ``{"reset": true}``
-forgets everything received and every control set.
+``{"server_info": {...}}`` (fields merged into ``/server_info``'s answer),
+``{"digest_only": true}`` (keep each received tensor's sha256, not its bytes); ``{"reset": true}``
+forgets everything received and every control set. ``/received`` also lists every route
+called, in order, as ``calls``.
 """
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import multiprocessing as mp
 import socket
@@ -46,8 +49,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _raw(t: torch.Tensor) -> str:
-    return base64.b64encode(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).decode()
+def _raw(t: torch.Tensor, digest: bool = False) -> str:
+    data = t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    return hashlib.sha256(data).hexdigest() if digest else base64.b64encode(data).decode()
 
 
 def serve(http_port: int, ready, tp_size: int = 1) -> None:
@@ -63,7 +67,8 @@ def serve(http_port: int, ready, tp_size: int = 1) -> None:
     # every other one until its collective is done. The stand-in does the same.
     scheduler = threading.Lock()
     state = {"groups": {}, "received": [], "flushes": 0, "memory": [], "control": [], "healthy": True,
-             "hang_health": False, "fail_next_update": None, "flat_broadcasts": 0, "server_info": {}}
+             "hang_health": False, "fail_next_update": None, "flat_broadcasts": 0, "server_info": {}, "calls": [],
+             "digest_only": False}
 
     def flattened_receive(names, dtypes, shapes, group):
         named = [(n, torch.empty(s, dtype=dtype_from_name(d))) for n, d, s in zip(names, dtypes, shapes)]
@@ -115,6 +120,7 @@ def serve(http_port: int, ready, tp_size: int = 1) -> None:
             self.wfile.write(body)
 
         def do_GET(self):
+            state["calls"].append(self.path)
             if self.path == "/health":
                 while state["hang_health"]:
                     time.sleep(0.1)
@@ -128,6 +134,8 @@ def serve(http_port: int, ready, tp_size: int = 1) -> None:
 
         def do_POST(self):
             req = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+            if self.path not in ("/received", "/control"):
+                state["calls"].append(self.path)
             if self.path == "/generate":
                 out = []
                 for row, (ids, sp) in enumerate(zip(req["input_ids"], req["sampling_params"])):
@@ -150,8 +158,8 @@ def serve(http_port: int, ready, tp_size: int = 1) -> None:
                 with scheduler:
                     tensors = receive(req)
                 for name, t in tensors:
-                    state["received"].append((name, _raw(t), list(t.shape), str(t.dtype).removeprefix("torch."),
-                                              req.get("group_name")))
+                    state["received"].append((name, _raw(t, state["digest_only"]), list(t.shape),
+                                              str(t.dtype).removeprefix("torch."), req.get("group_name")))
                 self.reply(200, {"success": True, "message": "Succeeded to update parameter online."})
             elif self.path == "/flush_cache":
                 state["flushes"] += 1
@@ -165,14 +173,15 @@ def serve(http_port: int, ready, tp_size: int = 1) -> None:
             elif self.path == "/received":
                 self.reply(200, {"received": state["received"], "flushes": state["flushes"],
                                  "memory": state["memory"], "control": state["control"],
-                                 "flat_broadcasts": state["flat_broadcasts"]})
+                                 "flat_broadcasts": state["flat_broadcasts"], "calls": state["calls"]})
             elif self.path == "/control":
                 if req.pop("reset", False):  # a fresh server for the next test
                     for group in state["groups"].values():  # torch refuses a second group of one name
                         torch.distributed.destroy_process_group(group)
                     state["groups"].clear()
                     state.update(received=[], flushes=0, memory=[], control=[], healthy=True, hang_health=False,
-                                 fail_next_update=None, flat_broadcasts=0, server_info={})
+                                 fail_next_update=None, flat_broadcasts=0, server_info={}, calls=[],
+                                 digest_only=False)
                 state.update(req)
                 self.reply(200, None)
             elif self.path in ("/release_memory_occupation", "/resume_memory_occupation"):

@@ -155,3 +155,63 @@ def test_health_check_names_a_dead_a_hung_and_an_unhealthy_server():
         http_post(hung.url, "/control", {"hang_health": False}, 10)
         for s in (alive, hung, sick):
             s.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.timeout(1500)
+def test_trainer_in_server_mode_checks_health_generates_and_syncs_every_step(tmp_path, smollm2_gguf):
+    """dapo-train (SmolLM2, PP=2 on 2 gloo ranks) with rollout.mode=server against two
+    stand-in servers: each step starts with /health of both, the generation batch is dealt
+    over the two servers (rank e drives server e), and both receive every HF tensor of both
+    stages at start and after the step (the trained weights differ from the loaded ones).
+    Then a dead server stops the run at start naming its URL."""
+    import subprocess
+    import sys
+
+    from test_trainer_parallel_parity import REPO, STEP
+
+    servers = [StandIn(), StandIn()]
+    try:
+        urls = [s.url for s in servers]
+        for url in urls:
+            http_post(url, "/control", {"digest_only": True}, 10)
+
+        def run(run_dir, *extra):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                   "-m", "dapo_megatron.train", "--config", os.path.join(REPO, "examples/configs/dapo_smollm2_cpu.yaml"),
+                   f"model.hf_path={smollm2_gguf[0]}", f"trainer.default_local_dir={run_dir}",
+                   "parallel.pipeline_model_parallel_size=2", *STEP, "buffer.filter_groups=false",
+                   "rollout.name=sglang", "rollout.mode=server", f"rollout.server_urls=[{','.join(urls)}]",
+                   "rollout.server_timeout_s=30", "rollout.update_weights_bucket_megabytes=64", *extra]
+            env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+            return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+
+        out = run(tmp_path / "run")
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        with open(tmp_path / "run" / "metrics.jsonl") as f:
+            (row,) = [json.loads(line) for line in f]
+        assert row["rollout/num_gen_batches"] >= 1 and row["perf/sync_GBps"] > 0
+        got = [http_post(url, "/received", None, 30) for url in urls]
+        for g in got:
+            calls = [c for c in g["calls"] if c != "/update_weights_from_distributed"]
+            # start: info, both stages' groups, the first sync; step 1: health, generate(s), the sync
+            assert calls[:3] == ["/server_info", "/init_weights_update_group", "/init_weights_update_group"], calls
+            sync = ["/pause_generation", "/flush_cache", "/continue_generation"]
+            assert calls[3:6] == sync and calls[6] == "/health" and calls[-3:] == sync, calls
+            assert "/generate" in calls[7:-3], "each server generated part of the batch"
+            names = [r[0] for r in g["received"]]
+            half = len(names) // 2
+            assert names[:half] == names[half:] and len(set(names[:half])) == half, "two full syncs, each once"
+            assert {r[4] for r in g["received"]} == {"dapo_weights_pp0", "dapo_weights_pp1"}
+            changed = sum(a[1] != b[1] for a, b in zip(g["received"][:half], g["received"][half:]))
+            assert changed >= half // 2, f"only {changed} of {half} tensors changed by the step"
+        assert got[0]["received"] == got[1]["received"], "both servers received the same bytes"
+
+        servers[1].stop()
+        out = run(tmp_path / "dead")
+        assert out.returncode != 0
+        assert f"SGLang server {urls[1]}/server_info unreachable" in out.stdout + out.stderr
+    finally:
+        for s in servers:
+            s.stop()

@@ -412,3 +412,100 @@ def sync_servers(stage_tensors: Optional[Iterable[NamedTensor]], *, sender: Opti
     if box[0]:
         raise RuntimeError("; ".join(box[0]))
     return sender.bytes_sent if sender is not None else 0
+
+
+class ServerRollout:
+    """``rollout.mode: server`` as one trainer rank sees it; build it on every rank (collective).
+
+    Rank 0 queries every server (``/server_info``) and the answers are broadcast; the sender of
+    each pipeline stage (its DP-0, TP-0 rank) creates the stage's weight-update group
+    (:func:`connect_servers`); rank ``e`` drives server ``e`` for generation
+    (:func:`~dapo_megatron.rollout.layout.rollout_engines`).
+
+    The trainer treats it as its engine: :meth:`generate` on a driving rank, :meth:`sleep` /
+    :meth:`wake_up` are nothing (the servers have GPUs of their own), :meth:`check_health`
+    starts every step, :meth:`sync` sends the weights.
+
+    Args:
+        urls: ``rollout.server_urls``.
+        param_specs: ``(specs, aliases)`` of the served model (the sync's completeness check).
+        stage, num_stages: this rank's pipeline stage and the PP size.
+        is_sender: this rank sends its stage's weights (DP rank 0 and TP rank 0).
+        device: the senders' flat buffers (this rank's GPU: NCCL; CPU: gloo).
+        timeout_s: ``rollout.server_timeout_s``; generate_timeout_s:
+            ``rollout.server_generate_timeout_s``.
+        bucket_bytes: ``rollout.update_weights_bucket_megabytes`` in bytes.
+        backend: of the weight-update groups; None: NCCL on a CUDA device, else gloo.
+    """
+
+    def __init__(self, urls: Sequence[str], param_specs, *, stage: int, num_stages: int, is_sender: bool,
+                 device: torch.device | str, timeout_s: float, generate_timeout_s: float, bucket_bytes: int,
+                 backend: Optional[str] = None):
+        from dapo_megatron.rollout.layout import rollout_engines
+
+        self.urls = list(urls)
+        self.param_specs = param_specs
+        self.stage, self.num_stages = int(stage), int(num_stages)
+        self.timeout_s, self.generate_timeout_s = float(timeout_s), float(generate_timeout_s)
+        self.rank = dist.get_rank()
+        self.num_engines, self.engine_index = rollout_engines(self.rank, dist.get_world_size(), mode="server",
+                                                              num_servers=len(self.urls))
+        box: list = [None]
+        if self.rank == 0:
+            try:
+                box[0] = _each(self.urls, lambda url: query_server(url, self.timeout_s))
+            except RuntimeError as err:
+                box[0] = f"rollout.server_urls: {err}"
+        dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], str):
+            raise RuntimeError(box[0])
+        self.servers: list[ServerInfo] = box[0]
+        self.sender = connect_servers(self.servers, stage=stage, num_stages=num_stages, is_sender=is_sender,
+                                      device=device, timeout_s=timeout_s, bucket_bytes=bucket_bytes,
+                                      backend=backend)
+        self.weight_version = 0
+        self.weights_valid = True  # the servers loaded their checkpoint; the first sync follows
+
+    def check_health(self) -> None:
+        """:func:`check_health` of every server from rank 0; every rank raises the same error."""
+        box = [None]
+        if self.rank == 0:
+            try:
+                check_health(self.urls, self.timeout_s)
+            except RuntimeError as err:
+                box[0] = str(err)
+        dist.broadcast_object_list(box, src=0)
+        if box[0]:
+            raise RuntimeError(box[0])
+
+    def generate(self, prompt_ids, params, prompt_seeds=None):
+        """One ``/generate`` request to this rank's server (a driving rank only); see
+        :meth:`~dapo_megatron.rollout.engine.RolloutEngine.generate`."""
+        from dapo_megatron.rollout.sglang_engine import build_generate_request, parse_generate_output
+
+        if self.engine_index is None:
+            raise RuntimeError(f"rank {self.rank} drives no server (rollout.server_urls has {self.num_engines})")
+        if not self.weights_valid:
+            raise RuntimeError("the servers' weights are partly updated by a failed sync; a full sync must succeed "
+                               "before generating")
+        url = self.urls[self.engine_index]
+        out = http_post(url, "/generate", build_generate_request(prompt_ids, params, prompt_seeds),
+                        self.generate_timeout_s)
+        return parse_generate_output(out, len(prompt_ids), params.n)
+
+    def sleep(self, keep_weights: bool = False) -> None:
+        """Nothing: the servers do not share the trainer's GPUs."""
+
+    def wake_up(self) -> None:
+        """Nothing (see :meth:`sleep`)."""
+
+    def sync(self, stage_tensors: Optional[Iterable[NamedTensor]], version: int) -> int:
+        """:func:`sync_servers` of this rank's part of the bridge stream; collective. Returns the
+        bytes this rank sent. On failure the weights count as invalid and the error (naming the
+        server) is raised on every rank."""
+        self.weights_valid = False
+        nbytes = sync_servers(stage_tensors, sender=self.sender, urls=self.urls, timeout_s=self.timeout_s,
+                              param_specs=self.param_specs, version=version, coordinator=self.rank == 0,
+                              stage=self.stage, num_stages=self.num_stages)
+        self.weight_version, self.weights_valid = version, True
+        return nbytes
