@@ -366,22 +366,27 @@ def init_custom_process_group(backend: str, init_method: str, world_size: int, r
                               timeout: timedelta = timedelta(minutes=10)):
     """Create a process group outside the default one (trainer rank 0 + engine workers).
 
-    The same construction SGLang's ``init_weights_update_group`` uses on its side
-    (``rendezvous`` on a TCP store, ``PrefixStore(group_name)``, ``_new_process_group_helper``),
-    so both ends meet. Works with ``"nccl"`` (GPU) and ``"gloo"`` (CPU tests).
+    The same construction SGLang's ``init_weights_update_group`` uses on its side (a TCP
+    store, ``PrefixStore(group_name)``, ``_new_process_group_helper``), so both ends meet.
+    Works with ``"nccl"`` (GPU) and ``"gloo"`` (CPU tests).
+
+    The store is built here, not by ``rendezvous(init_method)``: under torchrun
+    (``TORCHELASTIC_USE_AGENT_STORE=True``) ``rendezvous`` makes every rank, rank 0 included,
+    a client of a store it expects the elastic agent to host (torch
+    ``distributed/rendezvous.py`` ``_create_c10d_store``), so nobody would serve the port and
+    the servers' workers would time out connecting. Rank 0 hosts it, as ``rendezvous`` does
+    outside torchrun (``TCPStore(..., is_master=rank == 0, multi_tenant=True)``).
     """
     import inspect
+    import urllib.parse
 
-    from torch.distributed.distributed_c10d import (
-        Backend,
-        PrefixStore,
-        _new_process_group_helper,
-        _world,
-        rendezvous,
-    )
+    from torch.distributed import TCPStore
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
-    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    parsed = urllib.parse.urlparse(init_method)
+    if parsed.scheme != "tcp" or parsed.hostname is None or parsed.port is None:
+        raise ValueError(f"init_method={init_method!r} must be tcp://host:port")
+    store = TCPStore(parsed.hostname, parsed.port, world_size, rank == 0, timeout=timeout, multi_tenant=True)
     store = PrefixStore(group_name, store)
     params = inspect.signature(_new_process_group_helper).parameters
     opts = {"backend_options": None} if "backend_options" in params else {"pg_options": None}
