@@ -19,4 +19,4 @@ print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torc
       "megatron-core", megatron.core.__version__, "sglang", sglang.__version__,
       "gpus", torch.cuda.device_count(), torch.cuda.get_device_name(0))
 PY
-python -m pytest -q -x tests/test_config.py
+python -m pytest -q -x tests/unit/config/test_config.py

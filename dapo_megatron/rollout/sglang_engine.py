@@ -3,7 +3,7 @@
 SGLang is imported lazily (it needs CUDA); everything that does not need it — request
 building, response parsing, bucketing, metadata order, error reporting, the HTTP client
 and the weight-update process group — is plain python and tested on CPU
-(``tests/test_sglang_engine.py``). ``tests/gpu/test_sglang_contract.py`` checks the real
+(``tests/unit/rollout/test_sglang_engine.py``). ``tests/gpu/test_sglang_contract.py`` checks the real
 engine on a CUDA machine.
 
 SGLang APIs used (sglang >= 0.5; ``python/sglang/srt/entrypoints/engine.py`` and

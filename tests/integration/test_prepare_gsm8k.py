@@ -9,10 +9,11 @@ import sys
 import pyarrow.parquet as pq
 import pytest
 
+from conftest import REPO
+
 from dapo_megatron.data.dataset import read_dapo_rows
 from dapo_megatron.data.gsm8k import GSM8KFormatError, INSTRUCTION, convert_gsm8k, extract_ground_truth
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOOL = os.path.join(REPO, "tools", "prepare_gsm8k.py")
 SHARED_GSM8K = os.path.join(REPO, "..", "shared", "data", "gsm8k_train.jsonl")
 

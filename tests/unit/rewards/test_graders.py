@@ -1,5 +1,5 @@
 """Answer extraction and comparison of each grader, run in-process (the sandbox is
-tested in test_rewards_pool.py). Cases cover the extraction faults other RL stacks shipped: answers cut
+tested in test_pool.py). Cases cover the extraction faults other RL stacks shipped: answers cut
 off by a last-N-characters window, nested braces in \\boxed{}, \\fbox, thousands separators, a fallback to
 any number in the text, invalid UTF-8."""
 
@@ -10,6 +10,8 @@ from fractions import Fraction
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from conftest import REPO
 
 from dapo_megatron.rewards.registry import grade_in_process, normalize_request, resolve_grader
 from dapo_megatron.rewards.text import last_boxed_content, parse_exact_number, sanitize_text
@@ -183,7 +185,7 @@ def test_parse_exact_number(p, q):
 def test_no_dynamic_evaluation_in_reward_code():
     """No grader source calls eval/exec/compile/sympify/parse_expr (they execute model text)."""
     forbidden = {"eval", "exec", "compile", "sympify", "parse_expr", "parse_latex", "__import__"}
-    root = pathlib.Path(__file__).resolve().parents[1] / "dapo_megatron" / "rewards"
+    root = pathlib.Path(REPO) / "dapo_megatron" / "rewards"
     files = sorted(root.glob("*.py"))
     assert files
     for path in files:

@@ -15,7 +15,8 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
+
 
 STEP = [
     "trainer.total_training_steps=1", "trainer.save_freq=-1", "trainer.test_freq=-1",

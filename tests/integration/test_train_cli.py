@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
+
 CPU_YAML = os.path.join(REPO, "examples", "configs", "dapo_smollm2_cpu.yaml")
 
 

@@ -17,9 +17,10 @@ import textwrap
 import pytest
 import yaml
 
+from conftest import REPO
+
 from dapo_megatron.config import DAPOConfig, load_config
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(REPO, "examples", "configs", "*.yaml")))
 SCRIPTS = sorted(glob.glob(os.path.join(REPO, "examples", "*.sh")))
 H100 = {

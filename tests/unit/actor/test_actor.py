@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dapo_megatron.platform import ParallelConfig, spawn
-from test_packing import random_samples, tiny_gpt_config, tiny_gpt_model
+from unit.actor.test_packing import random_samples, tiny_gpt_config, tiny_gpt_model
 
 VOCAB_PADDED = 64
 VOCAB = 61  # the last 3 columns are Megatron vocab padding, masked out of the softmax

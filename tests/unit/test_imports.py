@@ -3,7 +3,9 @@
 import ast
 import os
 
-PKG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "dapo_megatron")
+from conftest import REPO
+
+PKG = os.path.join(REPO, "dapo_megatron")
 
 
 def _module_files() -> dict[str, str]:

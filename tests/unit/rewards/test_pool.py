@@ -10,10 +10,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import REPO
+
 from dapo_megatron.rewards import TIMEOUT_RESULT, RewardPool, compute_score
 from dapo_megatron.rewards.registry import grade_in_process, normalize_request
 
-DATA = pathlib.Path(__file__).resolve().parents[1] / ".." / "shared" / "data"
+DATA = pathlib.Path(REPO) / ".." / "shared" / "data"
 TIMEOUT_S = 1.5
 PATHOLOGICAL = "We get $\\boxed{9^{9^{9^{9^{9}}}}}$"  # sympy evaluates this integer power for hours
 

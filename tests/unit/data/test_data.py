@@ -12,6 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from conftest import REPO
+
 from dapo_megatron.data.arithmetic import ArithmeticConfig, generate_problems, write_arithmetic_dataset
 from dapo_megatron.data.dataset import (
     DataConfig,
@@ -26,7 +28,6 @@ from dapo_megatron.data.dataset import (
     write_dapo_rows,
 )
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED = os.path.join(REPO, "..", "shared", "data")
 
 WORDS = ["<unk>", "<user>", "<system>", "<assistant>", "<end>"] + [f"w{i}" for i in range(50)]

@@ -90,7 +90,7 @@ def _train_three_steps(tp: int, init_sd=None):
     from megatron.core.transformer import TransformerConfig
 
     from dapo_megatron.platform import init_distributed
-    from test_actor import _local_shards
+    from unit.actor.test_actor import _local_shards
 
     init_distributed(ParallelConfig(tp, 1), seed=5)
     cfg = TransformerConfig(
@@ -139,7 +139,7 @@ def _tp2_step(result_path: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from test_actor import _weight_errors
+    from unit.actor.test_actor import _weight_errors
 
     init_sd, ref_losses, ref_norms, ref = _train_three_steps(tp=1)
     ref_sd = {n: p.detach().clone() for n, p in ref.module.named_parameters()}

@@ -13,7 +13,8 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
+
 EVAL = os.path.join(REPO, "tools", "eval.py")
 TO_MEGATRON = os.path.join(REPO, "tools", "convert_hf_to_megatron.py")
 

@@ -1,5 +1,5 @@
 """Public test cases of peer graders, run through our graders (in-process; the
-sandbox is tested in test_rewards_pool.py).
+sandbox is tested in test_pool.py).
 
 Each block cites where its cases come from (repository and test file, issue or
 pull request), using the texts published there. Where this project deliberately

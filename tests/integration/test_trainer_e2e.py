@@ -18,7 +18,8 @@ import time
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO
+
 SCRIPT = os.path.join(REPO, "examples", "run_dapo_smollm2_cpu.sh")
 
 # Small enough for CI (~15 s a step), large enough for dynamic sampling to keep groups.

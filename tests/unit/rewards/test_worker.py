@@ -13,10 +13,12 @@ import time
 
 import pytest
 
+from conftest import REPO
+
 from dapo_megatron.rewards import RewardPool
 from dapo_megatron.rewards import pool as pool_module
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(REPO)
 
 # graded at top level, no guard: with multiprocessing's spawn the worker re-imported
 # this script (or failed to find "<stdin>") and crashed
