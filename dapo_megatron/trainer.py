@@ -39,6 +39,7 @@ from dapo_megatron.rollout.types import Group, Sample
 
 if TYPE_CHECKING:  # config.run imports TrainerConfig from here
     from dapo_megatron.config.run import DAPOConfig
+    from dapo_megatron.platform import ParallelDims
 
 logger = logging.getLogger("dapo_megatron.trainer")
 
@@ -216,14 +217,12 @@ def _build_engine(cfg: DAPOConfig, hf_config, tokenizer):
 class DAPOTrainer:
     """Owns the actor, the engine, the data stream, the buffer and the tracker of one run.
 
-    Build it on every rank after :func:`dapo_megatron.platform.init_distributed`; then
-    :meth:`fit`. Construction resumes from ``<run_dir>/checkpoints/latest`` when
-    ``trainer.resume_mode`` allows it.
+    Build it on every rank with the :class:`~dapo_megatron.platform.ParallelDims` that
+    :func:`dapo_megatron.platform.init_distributed` returned; then :meth:`fit`. Construction
+    resumes from ``<run_dir>/checkpoints/latest`` when ``trainer.resume_mode`` allows it.
     """
 
-    def __init__(self, cfg: DAPOConfig):
-        from megatron.core import parallel_state as ps
-
+    def __init__(self, cfg: DAPOConfig, parallel: ParallelDims):
         from dapo_megatron.actor import MegatronActor
         from dapo_megatron.bridge import load_hf_weights, open_hf_source
         from dapo_megatron.checkpointing import load_checkpoint, read_latest_step
@@ -236,10 +235,10 @@ class DAPOTrainer:
         self.cfg = cfg
         t = cfg.trainer
         self.run_dir = os.path.abspath(t.run_dir)
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        self.mp_group = ps.get_model_parallel_group()
-        self.mp_rank, self.mp_size = dist.get_rank(self.mp_group), dist.get_world_size(self.mp_group)
+        self.parallel = parallel
+        self.rank, self.world = parallel.rank, parallel.world_size
+        self.dp_rank, self.dp_size = parallel.dp_rank, parallel.dp_size
+        self.mp_rank, self.mp_size = parallel.mp_rank, parallel.mp_size
         os.makedirs(self.run_dir, exist_ok=True)
 
         # data first: a broken dataset stops the run before minutes of model loading
@@ -262,15 +261,16 @@ class DAPOTrainer:
 
         # model: Megatron actor (trains) and its HF twin in the engine (generates)
         self.hf_config = load_hf_config(cfg.model.hf_path, cfg.model.gguf_file)
-        model = build_gpt_model(self.hf_config, cfg.model)
+        model = build_gpt_model(self.hf_config, cfg.model, parallel=parallel)
         resuming = t.resume_path is not None or (
             t.resume_mode == "auto" and read_latest_step(self.run_dir) is not None
         )
         if not resuming:  # a resumed run loads its weights from the checkpoint below
-            load_hf_weights(model, open_hf_source(cfg.model.hf_path, cfg.model.gguf_file), strict=True)
+            load_hf_weights(model, open_hf_source(cfg.model.hf_path, cfg.model.gguf_file), strict=True,
+                            parallel=parallel)
         updates_per_step = cfg.actor.ppo_epochs * (cfg.buffer.train_batch_size // cfg.actor.ppo_mini_batch_size)
         self.actor = MegatronActor(model, cfg.actor, t.total_training_steps * updates_per_step,
-                                   vocab_size=self.hf_config.vocab_size)
+                                   parallel=parallel, vocab_size=self.hf_config.vocab_size)
         self.engine = _build_engine(cfg, self.hf_config, self.tokenizer)
 
         # rewards and the dynamic-sampling buffer (replicated on every rank)
@@ -363,8 +363,9 @@ class DAPOTrainer:
                 yield name, tensor
 
         bucket = self.cfg.rollout.update_weights_bucket_megabytes * 2**20
-        self.engine.update_weights(counted(iter_hf_weights(self.actor.model_chunks, bucket_bytes=bucket)),
-                                   version=self.step)
+        self.engine.update_weights(
+            counted(iter_hf_weights(self.actor.model_chunks, parallel=self.parallel, bucket_bytes=bucket)),
+            version=self.step)
         return float(nbytes)
 
     def _dp_shard(self, samples: list[Sample]) -> list[list[int]]:
@@ -381,7 +382,7 @@ class DAPOTrainer:
         lps = self.actor.compute_logprobs([[samples[i] for i in mb] for mb in shard],
                                           temperature=self.cfg.rollout.temperature)
         mine = [i for mb in shard for i in mb]
-        for part in _all_gather_objects([(i, lp.tolist()) for i, lp in zip(mine, lps)], group=_dp_group()):
+        for part in _all_gather_objects([(i, lp.tolist()) for i, lp in zip(mine, lps)], group=self.parallel.dp_group):
             for i, lp in part:
                 samples[i].old_logprobs = lp
 
@@ -540,6 +541,7 @@ class DAPOTrainer:
         }
         save_checkpoint(self.run_dir, self.step, self.actor.model_chunks, self.actor.optimizer,
                         self.actor.scheduler, state, max_ckpt_to_keep=self.cfg.trainer.max_ckpt_to_keep,
+                        parallel=self.parallel,
                         write_extra=lambda d: write_model_meta(d, self.actor.model_chunks, self.hf_config,
                                                                self.tokenizer))
 
@@ -585,9 +587,3 @@ class DAPOTrainer:
             self.tracker.finish()
             self.reward_pool.close()
         return last
-
-
-def _dp_group():
-    from megatron.core import parallel_state as ps
-
-    return ps.get_data_parallel_group()

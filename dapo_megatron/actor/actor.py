@@ -43,6 +43,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from dapo_megatron.platform import ParallelDims
 from dapo_megatron.rollout.types import Sample
 
 from .logprobs import vocab_parallel_logprobs_and_entropy
@@ -225,6 +226,8 @@ class MegatronActor:
             into its contiguous buffers and the optimizer shards them).
         actor_cfg: :class:`ActorConfig`.
         total_steps: optimizer steps of the whole run (the LR schedule's horizon).
+        parallel: this rank's layout (TP group of the vocab-parallel logprobs, PP group of
+            the last-stage broadcasts, DP group of the token counts and metrics).
         vocab_size: real tokenizer vocabulary; logits columns beyond it (Megatron's
             vocab padding) are excluded from the softmax. None: no padding.
 
@@ -256,8 +259,8 @@ class MegatronActor:
     micro-batches to each call; DP ranks pass their own shard of the mini-batch.
     """
 
-    def __init__(self, model_chunks, actor_cfg: ActorConfig, total_steps: int, *, vocab_size: Optional[int] = None):
-        from megatron.core import parallel_state as ps
+    def __init__(self, model_chunks, actor_cfg: ActorConfig, total_steps: int, *, parallel: ParallelDims,
+                 vocab_size: Optional[int] = None):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -276,10 +279,11 @@ class MegatronActor:
         self.vocab_size = vocab_size
         config = chunks[0].config
         self.config = config
-        self.pp_size = ps.get_pipeline_model_parallel_world_size()
-        self.tp_size = ps.get_tensor_model_parallel_world_size()
-        self.dp_group = ps.get_data_parallel_group()
-        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.parallel = parallel
+        self.pp_size = parallel.pp_size
+        self.tp_size = parallel.tp_size
+        self.dp_group = parallel.dp_group
+        self.pp_group = parallel.pp_group
 
         # (1)-(3) of the module docstring: no 1/num_microbatches, no 1/DP, no 1/num_tokens
         config.calculate_per_token_loss = True
@@ -437,11 +441,13 @@ class MegatronActor:
         b = mb.batch
         if not self.logits_at_labels_only:
             return vocab_parallel_logprobs_and_entropy(
-                output_tensor, b.labels, vocab_size=self.vocab_size, temperature=temperature
+                output_tensor, b.labels, vocab_size=self.vocab_size, temperature=temperature,
+                tp_group=self.parallel.tp_group,
             )
         labels = b.labels.reshape(-1).index_select(0, mb.label_index).unsqueeze(0)  # [1, N]
         lp, ent = vocab_parallel_logprobs_and_entropy(
-            output_tensor, labels, vocab_size=self.vocab_size, temperature=temperature
+            output_tensor, labels, vocab_size=self.vocab_size, temperature=temperature,
+            tp_group=self.parallel.tp_group,
         )
         zeros = lp.new_zeros(b.labels.numel())
         return tuple(zeros.index_copy(0, mb.label_index, x[0]).view(b.labels.shape) for x in (lp, ent))
@@ -460,15 +466,11 @@ class MegatronActor:
         )
 
     def _is_last_stage(self) -> bool:
-        from megatron.core import parallel_state as ps
-
-        return ps.is_pipeline_last_stage()
+        return self.parallel.is_pp_last
 
     def _broadcast_from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
         if self.pp_size > 1:
-            from megatron.core import parallel_state as ps
-
-            dist.broadcast(t, src=ps.get_pipeline_model_parallel_last_rank(), group=self.pp_group)
+            dist.broadcast(t, src=self.parallel.pp_last_rank, group=self.pp_group)
         return t
 
     # ------------------------------------------------------------------ public API

@@ -19,13 +19,13 @@ def _worker(hf_dir: str, samples: list, out_path: str) -> None:
     from dapo_megatron.models import build_gpt_model, load_hf_config
     from dapo_megatron.platform import init_distributed
 
-    init_distributed(seed=0)
+    par = init_distributed(seed=0)
     cfg = load_hf_config(hf_dir)
-    model = build_gpt_model(cfg)
-    load_hf_weights(model, SafetensorsSource(hf_dir), strict=True)
+    model = build_gpt_model(cfg, parallel=par)
+    load_hf_weights(model, SafetensorsSource(hf_dir), strict=True, parallel=par)
     actor = MegatronActor(
         model, ActorConfig(optim=OptimConfig(lr=1e-5, weight_decay=0.0, clip_grad=1.0)), total_steps=4,
-        vocab_size=cfg.vocab_size,
+        parallel=par, vocab_size=cfg.vocab_size,
     )
     before = actor.compute_logprobs([samples[:2], samples[2:]], TEMPERATURE)
     for s, lp in zip(samples, before):

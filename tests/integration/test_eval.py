@@ -193,15 +193,15 @@ from dapo_megatron.platform import destroy_distributed, init_distributed
 def main(hf_dir, run_dir, expected_path):
     cfg = load_config(DAPOConfig, None, [f"model.hf_path={hf_dir}", "model.transformer_impl=local",
                                          f"trainer.default_local_dir={run_dir}"])
-    init_distributed(cfg.parallel, seed=1)
+    par = init_distributed(cfg.parallel, seed=1)
     hf_config = load_hf_config(hf_dir)
-    model = build_gpt_model(hf_config, cfg.model)
-    load_hf_weights(model, open_hf_source(hf_dir), strict=True)
+    model = build_gpt_model(hf_config, cfg.model, parallel=par)
+    load_hf_weights(model, open_hf_source(hf_dir), strict=True, parallel=par)
     torch.manual_seed(3)
     with torch.no_grad():  # "trained" weights: not the ones of hf_dir
         for p in model.parameters():
             p.add_(0.05 * torch.randn_like(p))
-    actor = MegatronActor(model, ActorConfig(), 10, vocab_size=hf_config.vocab_size)
+    actor = MegatronActor(model, ActorConfig(), 10, vocab_size=hf_config.vocab_size, parallel=par)
     ddp, opt = actor.model_chunks[0], actor.optimizer  # one optimizer step: Adam state to save
     ids = torch.randint(0, hf_config.vocab_size, (2, 8))
     opt.zero_grad()
@@ -214,8 +214,10 @@ def main(hf_dir, run_dir, expected_path):
     # as DAPOTrainer.save: the model meta (HF config, tokenizer, dapo_megatron.json) is
     # written inside the checkpoint's atomic commit
     save_checkpoint(run_dir, 1, actor.model_chunks, actor.optimizer, actor.scheduler, {"step": 1},
-                    write_extra=lambda d: write_model_meta(d, actor.model_chunks, hf_config, tokenizer))
-    save_file({k: v.contiguous() for k, v in export_hf_state_dict(actor.model_chunks).items()}, expected_path)
+                    write_extra=lambda d: write_model_meta(d, actor.model_chunks, hf_config, tokenizer),
+                    parallel=par)
+    exported = export_hf_state_dict(actor.model_chunks, parallel=par)
+    save_file({k: v.contiguous() for k, v in exported.items()}, expected_path)
     destroy_distributed()
 
 if __name__ == "__main__":

@@ -12,23 +12,23 @@ from dapo_megatron.platform import ParallelConfig, spawn
 
 
 def _worker(hf_dir: str, ids: torch.Tensor, out_dir: str) -> None:
-    from megatron.core import parallel_state as ps
-
     from dapo_megatron.actor.logprobs import vocab_parallel_logprobs
     from dapo_megatron.bridge import SafetensorsSource, load_hf_weights
     from dapo_megatron.models import ModelConfig, build_gpt_model, load_hf_config
     from dapo_megatron.platform import init_distributed
 
-    init_distributed(ParallelConfig(2, 1), seed=0)
+    par = init_distributed(ParallelConfig(2, 1), seed=0)
     cfg = load_hf_config(hf_dir)
     # no random init (every parameter is overwritten by the strict load): saves CPU time
-    model = build_gpt_model(cfg, ModelConfig(extra_transformer_config={"perform_initialization": False})).eval()
-    report = load_hf_weights(model, SafetensorsSource(hf_dir), strict=True)
+    model = build_gpt_model(cfg, ModelConfig(extra_transformer_config={"perform_initialization": False}),
+                            parallel=par).eval()
+    report = load_hf_weights(model, SafetensorsSource(hf_dir), strict=True, parallel=par)
     with torch.no_grad():
         logits = model(ids, torch.arange(ids.shape[1]).expand_as(ids), None)
-        lp = vocab_parallel_logprobs(logits[:, :-1].float(), ids[:, 1:], vocab_size=cfg.vocab_size)
+        lp = vocab_parallel_logprobs(logits[:, :-1].float(), ids[:, 1:], vocab_size=cfg.vocab_size,
+                                     tp_group=par.tp_group)
     torch.save({"lp": lp, "local_vocab": logits.shape[-1], "loaded": len(report.loaded),
-                "tp": ps.get_tensor_model_parallel_world_size(), "groups": model.config.num_query_groups},
+                "tp": par.tp_size, "groups": model.config.num_query_groups},
                os.path.join(out_dir, f"rank{os.environ['RANK']}.pt"))
 
 

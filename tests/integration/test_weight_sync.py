@@ -53,14 +53,14 @@ def _sync_worker(family: str, out_path: str) -> None:
     from dapo_megatron.platform import ParallelConfig, init_distributed
     from dapo_megatron.rollout.hf_engine import HFEngine
 
-    init_distributed(ParallelConfig(2, 1), seed=0)
+    par = init_distributed(ParallelConfig(2, 1), seed=0)
     hf_config = tiny_hf_config(family)
     source = random_hf_model(hf_config, seed=1)
-    model = build_gpt_model(hf_config, ModelConfig(transformer_impl="local"))
-    load_hf_weights(model, source.state_dict())
+    model = build_gpt_model(hf_config, ModelConfig(transformer_impl="local"), parallel=par)
+    load_hf_weights(model, source.state_dict(), parallel=par)
     cfg = ActorConfig(ppo_mini_batch_size=1, ppo_max_token_len_per_gpu=64)
     cfg.optim.lr, cfg.optim.weight_decay = 1e-2, 0.0
-    actor = MegatronActor(model, cfg, total_steps=4, vocab_size=hf_config.vocab_size)
+    actor = MegatronActor(model, cfg, total_steps=4, vocab_size=hf_config.vocab_size, parallel=par)
     samples = _samples(hf_config.vocab_size)
     temperature = 0.8
     for s, lp in zip(samples, actor.compute_logprobs([samples], temperature)):
@@ -75,7 +75,7 @@ def _sync_worker(family: str, out_path: str) -> None:
     for label, bucket_bytes in (("bucket_smaller_than_a_tensor", 1024), ("bucket_larger_than_model", 2**30)):
         for p in engine.model.parameters():  # scramble, so each sync must rewrite every tensor
             p.data.normal_()
-        engine.update_weights(iter_hf_weights(actor.model_chunks, bucket_bytes=bucket_bytes), version=1)
+        engine.update_weights(iter_hf_weights(actor.model_chunks, parallel=par, bucket_bytes=bucket_bytes), version=1)
         eng_lp = _engine_logprobs(engine, samples, temperature)
         results[label] = max(float((a - b).abs().max()) for a, b in zip(actor_lp, eng_lp))
     before = _engine_logprobs(HFEngine(source, eos_token_ids=[0]), samples, temperature)
@@ -108,12 +108,13 @@ def _smollm2_worker(gguf_dir: str, gguf_file: str, out_path: str) -> None:
     from dapo_megatron.rollout.engine import SamplingParams, completions_to_group
     from dapo_megatron.rollout.hf_engine import HFEngine
 
-    init_distributed(ParallelConfig(2, 1), seed=0)
+    par = init_distributed(ParallelConfig(2, 1), seed=0)
     hf_config = load_hf_config(gguf_dir, gguf_file)
-    model = build_gpt_model(hf_config, ModelConfig(hf_path=gguf_dir, gguf_file=gguf_file, transformer_impl="local"))
-    load_hf_weights(model, open_hf_source(gguf_dir, gguf_file))
+    model = build_gpt_model(hf_config, ModelConfig(hf_path=gguf_dir, gguf_file=gguf_file, transformer_impl="local"),
+                            parallel=par)
+    load_hf_weights(model, open_hf_source(gguf_dir, gguf_file), parallel=par)
     actor = MegatronActor(model, ActorConfig(ppo_max_token_len_per_gpu=1024), total_steps=1,
-                          vocab_size=hf_config.vocab_size)
+                          vocab_size=hf_config.vocab_size, parallel=par)
     tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
     engine = HFEngine(gguf_dir, gguf_file=gguf_file)  # its own GGUF import, independent of the bridge
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)

@@ -22,7 +22,7 @@ VOCAB, SEQ, BATCH = 64, 8, 2
 
 
 def _build(tp: int):
-    """Tiny GPT + DDP + distributed optimizer + scheduler on the current world."""
+    """Tiny GPT + DDP + distributed optimizer + scheduler on the current world, and its layout."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -32,7 +32,7 @@ def _build(tp: int):
 
     from dapo_megatron.platform import init_distributed
 
-    init_distributed(ParallelConfig(tp, 1), seed=11)
+    par = init_distributed(ParallelConfig(tp, 1), seed=11)
     cfg = TransformerConfig(
         num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
         normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
@@ -51,19 +51,17 @@ def _build(tp: int):
         opt, init_lr=2e-3, max_lr=1e-2, min_lr=1e-3, lr_warmup_steps=3, lr_decay_steps=10,
         lr_decay_style="cosine", start_wd=0.0, end_wd=0.0, wd_incr_steps=10, wd_incr_style="constant",
     )
-    return ddp, opt, sched
+    return ddp, opt, sched, par
 
 
-def _seed_this_rank():
+def _seed_this_rank(par):
     """Trainer-style seeding per DP rank (TP ranks must share data and dropout masks).
 
     Megatron keeps the default streams equal across TP ranks and makes only the
     tracker's model-parallel stream TP-rank specific, so with DP=2 the default streams
     differ per rank and with TP=2 the tracker stream does.
     """
-    from megatron.core import parallel_state as ps
-
-    r = ps.get_data_parallel_rank()
+    r = par.dp_rank
     random.seed(100 + r)
     np.random.seed(200 + r)
     torch.manual_seed(300 + r)
@@ -109,15 +107,15 @@ def _out(out_dir, name):
 
 
 def _run_full(out_dir, tp, steps):
-    ddp, opt, sched = _build(tp)
-    _seed_this_rank()
+    ddp, opt, sched, par = _build(tp)
+    _seed_this_rank(par)
     hist = [_train_step(ddp, opt, sched) for _ in range(steps)]
     torch.save({"hist": hist, "params": _params(ddp)}, _out(out_dir, "full"))
 
 
 def _run_first_half(out_dir, run_dir, tp, steps):
-    ddp, opt, sched = _build(tp)
-    _seed_this_rank()
+    ddp, opt, sched, par = _build(tp)
+    _seed_this_rank(par)
     hist = [_train_step(ddp, opt, sched) for _ in range(steps)]
     import torch.distributed as dist
 
@@ -128,8 +126,8 @@ def _run_first_half(out_dir, run_dir, tp, steps):
 
 
 def _run_second_half(out_dir, run_dir, tp, steps):
-    ddp, opt, sched = _build(tp)
-    _seed_this_rank()  # a fresh process seeds as usual; load must win over this
+    ddp, opt, sched, par = _build(tp)
+    _seed_this_rank(par)  # a fresh process seeds as usual; load must win over this
     state = ckpt.load_checkpoint(run_dir, [ddp], opt, sched)
     probe = _rng_probe()
     hist = [_train_step(ddp, opt, sched) for _ in range(steps)]
@@ -137,8 +135,8 @@ def _run_second_half(out_dir, run_dir, tp, steps):
 
 
 def _run_crash(out_dir, run_dir):
-    ddp, opt, sched = _build(2)  # TP=2: replicated and TP-sharded weights, TP-specific RNG
-    _seed_this_rank()
+    ddp, opt, sched, par = _build(2)  # TP=2: replicated and TP-sharded weights, TP-specific RNG
+    _seed_this_rank(par)
     _train_step(ddp, opt, sched)
     ckpt.save_checkpoint(run_dir, 1, [ddp], opt, sched, {"step": 1}, max_ckpt_to_keep=2)
     at_step1, probe_step1 = _params(ddp), _rng_probe()

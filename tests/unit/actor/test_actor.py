@@ -26,7 +26,7 @@ def _actor_cfg(tis_cap=None):
     return ActorConfig(ppo_max_token_len_per_gpu=64, tis_cap=tis_cap, optim=o)
 
 
-def _local_shards(model, full_sd, cfg):
+def _local_shards(model, full_sd, cfg, par):
     """name -> the slice of the TP=1/PP=1 tensor ``full_sd[...]`` that this rank's parameter
     ``name`` holds (Megatron layouts).
 
@@ -34,10 +34,8 @@ def _local_shards(model, full_sd, cfg):
     gated fc1 is [gate; up] and each TP rank holds [gate_r; up_r]; PP stages number
     their layers locally from 0; the last stage's output layer is the tied embedding.
     """
-    from megatron.core import parallel_state as ps
-
-    tp, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    offset = ps.get_pipeline_model_parallel_rank() * (cfg.num_layers // ps.get_pipeline_model_parallel_world_size())
+    tp, r = par.tp_size, par.tp_rank
+    offset = par.pp_rank * (cfg.num_layers // par.pp_size)
     out = {}
     for name, p in model.named_parameters():
         src = name
@@ -59,25 +57,24 @@ def _local_shards(model, full_sd, cfg):
     return out
 
 
-def _load_full_weights(model, full_sd, cfg):
+def _load_full_weights(model, full_sd, cfg, par):
     """Copy TP=1/PP=1 weights into this rank's TP shard / PP stage (see :func:`_local_shards`)."""
-    shards = _local_shards(model, full_sd, cfg)
+    shards = _local_shards(model, full_sd, cfg, par)
     for name, p in model.named_parameters():
         p.data.copy_(shards[name])
 
 
-def _weight_errors(model, full_sd, cfg):
+def _weight_errors(model, full_sd, cfg, par):
     """name -> max |w - w_ref| of this rank's parameters against their slice of ``full_sd``."""
-    shards = _local_shards(model, full_sd, cfg)
+    shards = _local_shards(model, full_sd, cfg, par)
     return {name: float((p.detach() - shards[name]).abs().max()) for name, p in model.named_parameters()}
 
 
 def _full_grads(actor):
     """name -> DP-reduced gradient; all-gathers the distributed optimizer's reduce-scatter shards."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
-    group = ps.get_data_parallel_group()
+    group = actor.parallel.dp_group
     dp = dist.get_world_size(group)
     ddp = actor.model_chunks[0]
     if dp > 1:
@@ -122,14 +119,14 @@ def _reference_worker(out_path):
     from dapo_megatron.platform import init_distributed
 
     torch.use_deterministic_algorithms(True)
-    init_distributed(seed=0)
+    par = init_distributed(seed=0)
     torch.manual_seed(0)
     cfg = tiny_gpt_config(num_layers=NUM_LAYERS)
     model = tiny_gpt_model(cfg, vocab_size=VOCAB_PADDED)
     full_sd = {n: p.detach().clone() for n, p in model.named_parameters()}
     samples = _mini_batch_samples()
     direct, direct_ents = _direct_logprobs(model, samples)
-    actor = MegatronActor(model, _actor_cfg(), total_steps=10, vocab_size=VOCAB)
+    actor = MegatronActor(model, _actor_cfg(), total_steps=10, parallel=par, vocab_size=VOCAB)
 
     lps, ents = actor.compute_logprobs([samples[:4], samples[4:]], TEMPERATURE, return_entropy=True)
     g = torch.Generator().manual_seed(1)
@@ -306,12 +303,12 @@ def _dp2_worker(ref_path, out_path):
     from dapo_megatron.platform import init_distributed
 
     torch.use_deterministic_algorithms(True)
-    init_distributed(ParallelConfig(1, 1), seed=0)
+    par = init_distributed(ParallelConfig(1, 1), seed=0)
     ref = torch.load(ref_path, weights_only=False)
     cfg = tiny_gpt_config(num_layers=NUM_LAYERS)
     model = tiny_gpt_model(cfg, vocab_size=VOCAB_PADDED)
-    _load_full_weights(model, ref["full_sd"], cfg)
-    actor = MegatronActor(model, _actor_cfg(), total_steps=10, vocab_size=VOCAB)
+    _load_full_weights(model, ref["full_sd"], cfg, par)
+    actor = MegatronActor(model, _actor_cfg(), total_steps=10, parallel=par, vocab_size=VOCAB)
     order = sorted(ref["samples"], key=lambda s: -s.total_length)
     # rank 0: the 2 longest sequences (22 loss tokens) in one micro-batch; rank 1: the 8 shorter
     # ones (43 loss tokens, incl. an empty and a filtered response) in two
@@ -319,7 +316,7 @@ def _dp2_worker(ref_path, out_path):
     fb = actor.forward_backward(mine, TEMPERATURE)
     grads = _full_grads(actor)
     step = actor.train_mini_batch(mine, TEMPERATURE, global_num_tokens=int(ref["one"]["num_tokens"]))
-    weight_errors = _weight_errors(model, ref["stepped_sd"], cfg)
+    weight_errors = _weight_errors(model, ref["stepped_sd"], cfg, par)
     try:
         actor.train_mini_batch(mine, TEMPERATURE, global_num_tokens=int(ref["one"]["num_tokens"]) - 1)
         wrong_count = "accepted"
@@ -357,16 +354,16 @@ def _model_parallel_worker(ref_path, out_path, tp, pp):
     from dapo_megatron.platform import init_distributed
 
     torch.use_deterministic_algorithms(True)
-    init_distributed(ParallelConfig(tp, pp), seed=0)
+    par = init_distributed(ParallelConfig(tp, pp), seed=0)
     ref = torch.load(ref_path, weights_only=False)
     cfg = tiny_gpt_config(tp=tp, pp=pp, num_layers=NUM_LAYERS)
-    model = tiny_gpt_model(cfg, vocab_size=VOCAB_PADDED)
-    _load_full_weights(model, ref["full_sd"], cfg)
-    actor = MegatronActor(model, _actor_cfg(), total_steps=10, vocab_size=VOCAB)
+    model = tiny_gpt_model(cfg, vocab_size=VOCAB_PADDED, parallel=par)
+    _load_full_weights(model, ref["full_sd"], cfg, par)
+    actor = MegatronActor(model, _actor_cfg(), total_steps=10, parallel=par, vocab_size=VOCAB)
     samples = ref["samples"]
     lps = actor.compute_logprobs([samples[:5], samples[5:]], TEMPERATURE)
     step = actor.train_mini_batch([samples[:4], samples[4:]], TEMPERATURE)
-    weight_errors = _weight_errors(model, ref["stepped_sd"], cfg)
+    weight_errors = _weight_errors(model, ref["stepped_sd"], cfg, par)
     stepped_lps = actor.compute_logprobs([samples[:5], samples[5:]], TEMPERATURE)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, {"lps": lps, "step": step, "weight_errors": weight_errors,
@@ -406,10 +403,10 @@ def _nan_and_schedule_worker(out_path):
     from dapo_megatron.actor.actor import MegatronActor
     from dapo_megatron.platform import init_distributed
 
-    init_distributed(seed=0)
+    par = init_distributed(seed=0)
     torch.manual_seed(0)
     model = tiny_gpt_model(tiny_gpt_config(num_layers=2), vocab_size=VOCAB_PADDED)
-    actor = MegatronActor(model, _actor_cfg(tis_cap=2.0), total_steps=10, vocab_size=VOCAB)
+    actor = MegatronActor(model, _actor_cfg(tis_cap=2.0), total_steps=10, parallel=par, vocab_size=VOCAB)
     samples = _mini_batch_samples(seed=7)
     for s, lp in zip(samples, actor.compute_logprobs([samples], TEMPERATURE)):
         s.old_logprobs = lp.tolist()

@@ -99,12 +99,11 @@ CASES = [(48, 1.0), (29, 0.6)]  # 29: rank 1 holds 5 real and 19 padding columns
 
 def _tp2_worker(out_path):
     import torch.distributed as dist
-    from megatron.core import parallel_state
 
     from dapo_megatron.platform import ParallelConfig, init_distributed
 
-    init_distributed(ParallelConfig(2, 1), seed=0)
-    rank = parallel_state.get_tensor_model_parallel_rank()
+    par = init_distributed(ParallelConfig(2, 1), seed=0)
+    rank = par.tp_rank
     results = []
     for vocab_size, temperature in CASES:
         g = torch.Generator().manual_seed(3)
@@ -113,7 +112,8 @@ def _tp2_worker(out_path):
         w_lp = torch.randn(2, 7, generator=g, dtype=torch.float64)
         w_ent = torch.randn(2, 7, generator=g, dtype=torch.float64)
         shard = full[..., rank * 24:(rank + 1) * 24].clone().requires_grad_(True)
-        lp, ent = vocab_parallel_logprobs_and_entropy(shard, labels, vocab_size=vocab_size, temperature=temperature)
+        lp, ent = vocab_parallel_logprobs_and_entropy(shard, labels, vocab_size=vocab_size, temperature=temperature,
+                                                      tp_group=par.tp_group)
         ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
         grads = [torch.zeros_like(shard) for _ in range(2)]
         dist.all_gather(grads, shard.grad.contiguous())

@@ -36,16 +36,16 @@ def tiny_gpt_config(tp=1, pp=1, num_layers=2, sequence_parallel=False):
     )
 
 
-def tiny_gpt_model(cfg, vocab_size=64, tie=True):
-    """A tiny Llama-like GPTModel with the local (non-TE) spec; builds this rank's PP stage."""
-    from megatron.core import parallel_state as ps
+def tiny_gpt_model(cfg, vocab_size=64, tie=True, parallel=None):
+    """A tiny Llama-like GPTModel with the local (non-TE) spec; builds the PP stage of
+    ``parallel`` (a ``ParallelDims``; None: the only stage)."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     return GPTModel(
         cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=vocab_size, max_sequence_length=64,
         position_embedding_type="rope", share_embeddings_and_output_weights=tie,
-        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+        pre_process=parallel is None or parallel.is_pp_first, post_process=parallel is None or parallel.is_pp_last,
     )
 
 

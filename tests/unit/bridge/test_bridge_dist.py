@@ -20,17 +20,15 @@ LAYOUTS = (("tp1", 1, 1), ("tp2", 2, 1), ("pp2", 1, 2))
 CKPT_CASES = ("llama_tied", "llama_untied", "qwen2_bias", "qwen3_qknorm", "llama_gqa3")
 
 
-def megatron_logprobs(model, ids: torch.Tensor, vocab_size: int):
+def megatron_logprobs(model, ids: torch.Tensor, vocab_size: int, par):
     """Logprobs of ids[:, 1:] under a (TP- and/or PP-sharded) GPTModel; returned on the last
     PP stage (None elsewhere). PP=2 forward by hand: stage 0 sends its hidden states."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
     from dapo_megatron.actor.logprobs import vocab_parallel_logprobs
 
     pos = torch.arange(ids.shape[1]).expand_as(ids)
-    pp, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-    group_ranks = dist.get_process_group_ranks(ps.get_pipeline_model_parallel_group())
+    pp, stage, group_ranks = par.pp_size, par.pp_rank, par.pp_ranks
     with torch.no_grad():
         if stage > 0:
             hidden = torch.empty(ids.shape[1], ids.shape[0], model.config.hidden_size)
@@ -40,7 +38,8 @@ def megatron_logprobs(model, ids: torch.Tensor, vocab_size: int):
         if stage < pp - 1:
             dist.send(out.contiguous(), dst=group_ranks[stage + 1])
             return None
-        return vocab_parallel_logprobs(out[:, :-1].float(), ids[:, 1:], vocab_size=vocab_size)
+        return vocab_parallel_logprobs(out[:, :-1].float(), ids[:, 1:], vocab_size=vocab_size,
+                                       tp_group=par.tp_group)
 
 
 def _mismatches(exported: dict, reference: dict) -> list[str]:
@@ -67,61 +66,61 @@ def _worker(out_dir: str, cases: dict, ids: torch.Tensor) -> None:
     rank = int(os.environ["RANK"])
     res: dict = {"lp": {}, "export": {}, "order": {}, "ckpt": {}, "ckpt_lp": {}, "errors": {}, "padded": {}}
     for layout, tp, pp in LAYOUTS:
-        init_distributed(ParallelConfig(tp, pp), seed=11)
+        par = init_distributed(ParallelConfig(tp, pp), seed=11)
         for name, (cfg, state) in cases.items():
-            model = build_gpt_model(cfg).eval()
-            load_hf_weights(model, state)
-            lp = megatron_logprobs(model, ids, cfg.vocab_size)
+            model = build_gpt_model(cfg, parallel=par).eval()
+            load_hf_weights(model, state, parallel=par)
+            lp = megatron_logprobs(model, ids, cfg.vocab_size, par)
             if lp is not None:
                 res["lp"][(layout, name)] = lp
             res["padded"][(layout, name)] = (model.vocab_size, model.config.num_query_groups)
             # small buckets: several PP broadcasts per bucket and tensors larger than a bucket
-            exported = export_hf_state_dict(model, bucket_bytes=8192)
+            exported = export_hf_state_dict(model, bucket_bytes=8192, parallel=par)
             res["export"][(layout, name)] = _mismatches(exported, state)
             res["order"][(layout, name)] = list(exported)  # the yield order
             if layout == "pp2":  # one Megatron tensor per PP broadcast (bucket_bytes=None)
-                unbucketed = {k: v.clone() for k, v in iter_hf_weights(model)}
+                unbucketed = {k: v.clone() for k, v in iter_hf_weights(model, parallel=par)}
                 res["export"][("pp2-unbucketed", name)] = _mismatches(unbucketed, state)
 
     # TP=2 save → PP=2 load → export
-    init_distributed(ParallelConfig(2, 1), seed=12)
+    par = init_distributed(ParallelConfig(2, 1), seed=12)
     for name in CKPT_CASES:
         cfg, state = cases[name]
-        model = build_gpt_model(cfg)
-        load_hf_weights(model, state)
+        model = build_gpt_model(cfg, parallel=par)
+        load_hf_weights(model, state, parallel=par)
         save_model_checkpoint(model, os.path.join(out_dir, f"ckpt_{name}"), cfg)
-    init_distributed(ParallelConfig(1, 2), seed=13)
+    par = init_distributed(ParallelConfig(1, 2), seed=13)
     for name in CKPT_CASES:
         cfg, state = cases[name]
         groups = read_checkpoint_meta(os.path.join(out_dir, f"ckpt_{name}"))["num_query_groups"]
         # fresh random init, different from the checkpoint; padded query groups as saved
-        model = build_gpt_model(cfg, ModelConfig(query_groups_multiple=groups))
-        before = _mismatches(export_hf_state_dict(model), state)
+        model = build_gpt_model(cfg, ModelConfig(query_groups_multiple=groups), parallel=par)
+        before = _mismatches(export_hf_state_dict(model, parallel=par), state)
         load_model_checkpoint(model, os.path.join(out_dir, f"ckpt_{name}"))
-        res["ckpt"][name] = (len(before), _mismatches(export_hf_state_dict(model), state))
-        lp = megatron_logprobs(model.eval(), ids, cfg.vocab_size)  # also checks the last stage's tied copy
+        res["ckpt"][name] = (len(before), _mismatches(export_hf_state_dict(model, parallel=par), state))
+        lp = megatron_logprobs(model.eval(), ids, cfg.vocab_size, par)  # also checks the last stage's tied copy
         if lp is not None:
             res["ckpt_lp"][name] = lp
 
     # mismatches must fail loudly, naming the tensor / field
     cfg, state = cases["qwen2_bias"]
-    model = build_gpt_model(cfg)
+    model = build_gpt_model(cfg, parallel=par)
     attempts = {
-        "missing": lambda: load_hf_weights(model, {k: v for k, v in state.items() if k != "model.layers.1.mlp.up_proj.weight"}),
-        "unexpected": lambda: load_hf_weights(model, {**state, "model.layers.2.mlp.up_proj.weight": state["model.layers.1.mlp.up_proj.weight"]}),
-        "shape": lambda: load_hf_weights(model, {**state, "model.layers.0.self_attn.k_proj.weight": torch.zeros(16, 64)}),
+        "missing": lambda: load_hf_weights(model, {k: v for k, v in state.items() if k != "model.layers.1.mlp.up_proj.weight"}, parallel=par),
+        "unexpected": lambda: load_hf_weights(model, {**state, "model.layers.2.mlp.up_proj.weight": state["model.layers.1.mlp.up_proj.weight"]}, parallel=par),
+        "shape": lambda: load_hf_weights(model, {**state, "model.layers.0.self_attn.k_proj.weight": torch.zeros(16, 64)}, parallel=par),
         "ckpt_config": lambda: load_model_checkpoint(
-            build_gpt_model(tiny_hf_config("qwen2_bias", intermediate_size=128)), os.path.join(out_dir, "ckpt_qwen2_bias")),
+            build_gpt_model(tiny_hf_config("qwen2_bias", intermediate_size=128), parallel=par), os.path.join(out_dir, "ckpt_qwen2_bias")),
         "ckpt_family": lambda: load_model_checkpoint(
-            build_gpt_model(tiny_hf_config("llama_untied")), os.path.join(out_dir, "ckpt_qwen2_bias")),
+            build_gpt_model(tiny_hf_config("llama_untied"), parallel=par), os.path.join(out_dir, "ckpt_qwen2_bias")),
         "not_a_ckpt": lambda: load_model_checkpoint(model, out_dir),
-        "bucket_bytes": lambda: next(iter_hf_weights(model, bucket_bytes=0)),
-        "ckpt_groups": lambda: load_model_checkpoint(build_gpt_model(tiny_hf_config("llama_gqa3")),
+        "bucket_bytes": lambda: next(iter_hf_weights(model, bucket_bytes=0, parallel=par)),
+        "ckpt_groups": lambda: load_model_checkpoint(build_gpt_model(tiny_hf_config("llama_gqa3"), parallel=par),
                                                      os.path.join(out_dir, "ckpt_llama_gqa3")),
     }
     # second line of defence: a model whose (forged) HF config passes the config check but
     # whose tensors are not all in the checkpoint (qwen2's qkv bias vs a llama save)
-    forged = build_gpt_model(cfg)
+    forged = build_gpt_model(cfg, parallel=par)
     forged.hf_config = cases["llama_untied"][0]
     attempts["ckpt_missing_tensor"] = lambda: load_model_checkpoint(forged, os.path.join(out_dir, "ckpt_llama_untied"))
     for key, fn in attempts.items():

@@ -81,7 +81,7 @@ def test_parallel_config_rejects_bad_layouts():
 def _train_three_steps(tp: int, init_sd=None):
     """Build the tiny GPT at TP=``tp`` (``init_sd``: TP=1 weights to load, or None for the
     seeded init), train 3 Adam steps (distributed optimizer, clipping) on fixed data; returns
-    (initial full weights or None, losses, grad norms, the DDP-wrapped model)."""
+    (initial full weights or None, losses, grad norms, the DDP-wrapped model, the layout)."""
     import torch.distributed as dist
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
@@ -92,7 +92,7 @@ def _train_three_steps(tp: int, init_sd=None):
     from dapo_megatron.platform import init_distributed
     from unit.actor.test_actor import _local_shards
 
-    init_distributed(ParallelConfig(tp, 1), seed=5)
+    par = init_distributed(ParallelConfig(tp, 1), seed=5)
     cfg = TransformerConfig(
         num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64,
         normalization="RMSNorm", gated_linear_unit=True, activation_func=torch.nn.functional.silu,
@@ -108,7 +108,7 @@ def _train_three_steps(tp: int, init_sd=None):
             dist.broadcast(p.data, src=0)
         init_sd = {n: p.detach().clone() for n, p in model.named_parameters()}
     else:
-        shards = _local_shards(model, init_sd, cfg)
+        shards = _local_shards(model, init_sd, cfg, par)
         for n, p in model.named_parameters():
             p.data.copy_(shards[n])
         init_sd = None
@@ -130,26 +130,25 @@ def _train_three_steps(tp: int, init_sd=None):
         assert ok
         losses.append(loss.item())
         norms.append(float(grad_norm))
-    return init_sd, losses, norms, ddp
+    return init_sd, losses, norms, ddp, par
 
 
 def _tp2_step(result_path: str) -> None:
     """TP=1 reference first (the 2 ranks as DP=2 replicas of the same batch: the DP mean of two
     equal gradients is exact), then TP=2 from the same initial weights in the same processes."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
     from unit.actor.test_actor import _weight_errors
 
-    init_sd, ref_losses, ref_norms, ref = _train_three_steps(tp=1)
+    init_sd, ref_losses, ref_norms, ref, _ = _train_three_steps(tp=1)
     ref_sd = {n: p.detach().clone() for n, p in ref.module.named_parameters()}
-    _, losses, norms, ddp = _train_three_steps(tp=2, init_sd=init_sd)
-    errors = _weight_errors(ddp.module, ref_sd, ddp.module.config)
+    _, losses, norms, ddp, par = _train_three_steps(tp=2, init_sd=init_sd)
+    errors = _weight_errors(ddp.module, ref_sd, ddp.module.config, par)
     moved = {n: float((ref_sd[n] - w).abs().max()) for n, w in init_sd.items()}
     gathered = [None, None]
     dist.all_gather_object(gathered, dict(losses=losses, norms=norms, errors=errors))
     if dist.get_rank() == 0:
-        torch.save({"ranks": gathered, "tp": ps.get_tensor_model_parallel_world_size(), "ref_losses": ref_losses,
+        torch.save({"ranks": gathered, "tp": par.tp_size, "ref_losses": ref_losses,
                     "ref_norms": ref_norms, "moved": moved}, result_path)
 
 
