@@ -3,17 +3,19 @@
 Every rank runs this same code under ``torchrun`` (SPMD). One step:
 
 1. rollout: each rank reads its DP shard of a generation batch of prompts, the ranks
-   of a model-parallel group split those prompts between their colocated engines,
-   and the groups are all-gathered so that every rank holds the same global list;
-2. rewards: every rank grades a slice of the responses in its killable grader pool
-   and the results are all-gathered (:class:`DistributedGrader`);
+   of a model-parallel group split those prompts between their colocated engines; every
+   rank gets the record of every response (lengths, finish reasons), the token lists stay
+   where they were generated (:mod:`~dapo_megatron.rollout.step_data`);
+2. rewards: every rank grades the responses it generated in its killable grader pool and
+   the grades are all-reduced (:class:`~dapo_megatron.rollout.step_data.DistributedGrader`);
 3. buffer: dynamic sampling and overlong shaping run identically on every rank
    (:class:`~dapo_megatron.rollout.buffer.RolloutBuffer`) until N groups are kept;
 4. advantages: group-relative (:func:`~dapo_megatron.algorithms.compute_group_advantages`);
-5. old logprobs: recomputed by the actor on each rank's DP shard, then all-gathered;
-6. updates: ``ppo_epochs`` × mini-batches, each split over DP ranks by token count and
-   cut into micro-batches by a token budget, with the DAPO token-mean loss normalised
-   by the mini-batch's global token count;
+5. the plan: every mini-batch split over DP ranks by token count once (reused by every PPO
+   epoch), and each response's tokens sent to the DP rank that trains it; the old logprobs
+   are recomputed there and stay there;
+6. updates: ``ppo_epochs`` × mini-batches, each cut into micro-batches by a token budget,
+   with the DAPO token-mean loss normalised by the mini-batch's global token count;
 7. weight sync: Megatron shards → HF tensors in buckets → the engine;
 8. metrics → MLflow; validation every ``test_freq`` steps; checkpoint every ``save_freq``.
 
@@ -35,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.rollout.types import Group, Sample
+from dapo_megatron.rollout.types import HELD_BY_ALL, Group, Sample
 
 if TYPE_CHECKING:  # config.run imports TrainerConfig from here
     from dapo_megatron.config.run import DAPOConfig
@@ -141,28 +143,6 @@ def _all_gather_objects(obj: Any, group=None) -> list[Any]:
     return out
 
 
-class DistributedGrader:
-    """Shares grading across all ranks: rank r grades requests ``r::world``.
-
-    Wraps a :class:`~dapo_megatron.rewards.RewardPool` with the same ``grade`` API, so
-    the (replicated) rollout buffer sees one grader; every rank must call ``grade``
-    with the same requests (it is a collective).
-    """
-
-    def __init__(self, pool):
-        self.pool = pool
-
-    def grade(self, requests: Sequence[tuple]) -> list[dict]:
-        """``RewardPool.grade`` of ``requests`` (the same list on every rank), in order; collective."""
-        rank, world = dist.get_rank(), dist.get_world_size()
-        mine = self.pool.grade(list(requests[rank::world])) if len(requests) > rank else []
-        parts = _all_gather_objects(mine)
-        out: list[dict] = [None] * len(requests)  # type: ignore[list-item]
-        for r, part in enumerate(parts):
-            out[r::world] = part
-        return out
-
-
 def _broadcast_object(obj: Any, src: int = 0) -> Any:
     """``obj`` of rank ``src`` on every rank."""
     box = [obj]
@@ -230,6 +210,7 @@ class DAPOTrainer:
         from dapo_megatron.models import build_gpt_model, load_hf_config
         from dapo_megatron.rewards import RewardPool
         from dapo_megatron.rollout.buffer import RolloutBuffer
+        from dapo_megatron.rollout.step_data import DistributedGrader
         from dapo_megatron.tracking import ProgressBar, Tracker
 
         self.cfg = cfg
@@ -288,6 +269,9 @@ class DAPOTrainer:
             self.gen_batches_done = state["gen_batches_done"]
             self.stream.load_state_dict(state["streams"][self.dp_rank])
             self.buffer.load_state_dict(state["buffer"])
+            for g in self.buffer.surplus:  # every rank read the surplus' token lists from the checkpoint
+                for s in g.samples:
+                    s.holder = HELD_BY_ALL
             mlflow_run_id = state.get("mlflow_run_id")
             logger.info("resumed from step %d", self.step)
         self._sync_weights()
@@ -320,23 +304,29 @@ class DAPOTrainer:
 
     def _generate_groups(self, records, params, first_group_id: int) -> list[Group]:
         """Generate ``params.n`` responses for each of this DP rank's ``records``, split over
-        the model-parallel ranks, and return the groups of ALL DP ranks: every rank gets
-        the same list, ordered by DP rank then prompt position, with consecutive group ids."""
+        the model-parallel ranks, and return the groups of ALL DP ranks: every rank gets the
+        same list of records, ordered by DP rank then prompt position, with consecutive group
+        ids; the token lists only where generated (:func:`~dapo_megatron.rollout.step_data.gather_groups`)."""
         from dapo_megatron.rollout.engine import completions_to_group
+        from dapo_megatron.rollout.step_data import gather_groups
 
         mine = list(range(self.mp_rank, len(records), self.mp_size))
         # global position of each prompt in the generation batch seeds its responses, so the
         # rollout does not depend on the TP/PP/DP layout
         seeds = [first_group_id + self.dp_rank * len(records) + i for i in mine]
         outputs = self.engine.generate([records[i].prompt_ids for i in mine], params, seeds) if mine else []
-        local = [(self.dp_rank, i, records[i].index, out) for i, out in zip(mine, outputs)]
-        gathered = sorted((x for part in _all_gather_objects(local) for x in part), key=lambda x: x[:2])
-        groups = []
-        for k, (_, _, index, completions) in enumerate(gathered):
-            rec = self.train_data[index]
-            groups.append(completions_to_group(first_group_id + k, rec.prompt_ids, completions,
-                                               prompt_index=rec.index, data_source=rec.data_source,
-                                               ground_truth=rec.ground_truth, extra_info=rec.extra_info))
+        local = []
+        for i, completions in zip(mine, outputs):
+            rec = records[i]
+            local.append((self.dp_rank, i, completions_to_group(
+                -1, rec.prompt_ids, completions, prompt_index=rec.index, data_source=rec.data_source,
+                ground_truth=rec.ground_truth, extra_info=rec.extra_info)))
+        groups = gather_groups(local, n=params.n, max_local=-(-len(records) // self.mp_size),
+                               record_of=self.train_data.__getitem__)
+        for k, g in enumerate(groups):
+            g.group_id = first_group_id + k
+            for s in g.samples:
+                s.group_id = g.group_id
         return groups
 
     def _generate_batch(self) -> list[Group]:
@@ -368,23 +358,26 @@ class DAPOTrainer:
             version=self.step)
         return float(nbytes)
 
-    def _dp_shard(self, samples: list[Sample]) -> list[list[int]]:
-        """This DP rank's micro-batches (sample indices): token-balanced over DP ranks, cut by
-        ``actor.ppo_max_token_len_per_gpu``, the same micro-batch count on every rank."""
+    def _route_and_old_logprobs(self, groups: list[Group], samples: list[Sample]):
+        """The step's plan (:func:`~dapo_megatron.rollout.step_data.plan_step`), each sample's
+        tokens sent to the ranks of the DP rank that trains it, and ``Sample.old_logprobs``
+        filled there; collective. Returns ``(plan, mine)``: the plan and the indices into
+        ``samples`` of this DP rank's samples."""
         from dapo_megatron.rollout.dp_split import split_for_dp
+        from dapo_megatron.rollout.step_data import plan_step, send_tokens
 
-        return split_for_dp(samples, self.dp_size, self.cfg.actor.ppo_max_token_len_per_gpu)[self.dp_rank]
-
-    def _old_logprobs(self, samples: list[Sample]) -> None:
-        """Fill ``Sample.old_logprobs`` of every sample: each DP rank computes its shard,
-        then the shards are all-gathered over DP (mini-batches are cut from all samples)."""
-        shard = self._dp_shard(samples)
-        lps = self.actor.compute_logprobs([[samples[i] for i in mb] for mb in shard],
+        actor = self.cfg.actor
+        plan = plan_step(groups, actor.ppo_mini_batch_size, self.dp_size, actor.ppo_max_token_len_per_gpu)
+        send_tokens(samples, [self.parallel.ranks_of_dp_rank(d) for d in plan.owner])
+        mine = plan.owned(self.dp_rank)
+        # one forward-only pass over this DP rank's samples, packed by the micro-batch budget
+        # (forward-only passes need no equal micro-batch count across DP ranks)
+        micro = split_for_dp([samples[i] for i in mine], 1, actor.ppo_max_token_len_per_gpu)[0]
+        lps = self.actor.compute_logprobs([[samples[mine[j]] for j in mb] for mb in micro],
                                           temperature=self.cfg.rollout.temperature)
-        mine = [i for mb in shard for i in mb]
-        for part in _all_gather_objects([(i, lp.tolist()) for i, lp in zip(mine, lps)], group=self.parallel.dp_group):
-            for i, lp in part:
-                samples[i].old_logprobs = lp
+        for j, lp in zip([j for mb in micro for j in mb], lps):
+            samples[mine[j]].old_logprobs = lp.tolist()
+        return plan, mine
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict[str, float]:
@@ -419,32 +412,32 @@ class DAPOTrainer:
         for s, a in zip(samples, adv.tolist()):
             s.advantage = a
 
-        # 5. old logprobs (and the rollout-vs-actor mismatch they reveal)
+        # 5. the plan, the tokens to where they train, old logprobs there (and the rollout-vs-actor
+        # mismatch they reveal, pooled over DP)
         t0 = time.perf_counter()
-        self._old_logprobs(samples)
-        metrics.update(logprob_mismatch_metrics(samples))
+        plan, mine = self._route_and_old_logprobs(groups, samples)
+        dp_group = self.parallel.dp_group
+        metrics.update(logprob_mismatch_metrics([samples[i] for i in mine], group=dp_group))
         # the surplus groups carried over from the last step (first in `groups`) were sampled by the
         # previous policy; only the groups generated in this step measure the weight sync, so the
         # "_fresh" gap is ~fp32 round-off when the engine holds the actor's weights
-        fresh = [s for g in groups[int(rollout_metrics["rollout/surplus_in"]):] for s in g.samples]
-        if fresh:
+        first_fresh = sum(len(g.samples) for g in groups[:int(rollout_metrics["rollout/surplus_in"])])
+        if first_fresh < len(samples):
+            fresh = [samples[i] for i in mine if i >= first_fresh]
             metrics.update({k.replace("logprob_diff", "logprob_diff_fresh"): v
-                            for k, v in logprob_mismatch_metrics(fresh).items()})
+                            for k, v in logprob_mismatch_metrics(fresh, group=dp_group).items()})
         timing["old_logprob"] = time.perf_counter() - t0
 
-        # 6. ppo_epochs × mini-batches of ppo_mini_batch_size groups
+        # 6. ppo_epochs × mini-batches of ppo_mini_batch_size groups, each on the DP split planned above
         t0 = time.perf_counter()
-        mb_groups = cfg.actor.ppo_mini_batch_size
         actor_metrics: dict[str, list[float]] = {}
         train_tokens = 0
         for _ in range(cfg.actor.ppo_epochs):
-            for start in range(0, len(groups), mb_groups):
-                mini = [s for g in groups[start:start + mb_groups] for s in g.samples]
-                global_num_tokens = sum(len(s.response_ids) for s in mini if not s.loss_mask_zero)
-                micro_batches = [[mini[i] for i in mb] for mb in self._dp_shard(mini)]
+            for mini in plan.mini_batches:
+                micro_batches = [[samples[i] for i in mb] for mb in mini.micro_batches[self.dp_rank]]
                 out = self.actor.train_mini_batch(micro_batches, cfg.rollout.temperature,
-                                                  global_num_tokens=global_num_tokens)
-                train_tokens += sum(s.total_length for s in mini)
+                                                  global_num_tokens=mini.global_num_tokens)
+                train_tokens += mini.total_tokens
                 for k, v in out.items():
                     actor_metrics.setdefault(k, []).append(float(v))
         timing["update"] = time.perf_counter() - t0
@@ -529,7 +522,13 @@ class DAPOTrainer:
         collective."""
         from dapo_megatron.bridge.dist_ckpt import write_model_meta
         from dapo_megatron.checkpointing import save_checkpoint
+        from dapo_megatron.rollout.step_data import gather_preds, send_tokens
 
+        # rank 0 writes the trainer state: it needs the surplus groups whole (their token lists and
+        # extracted answers are on the ranks that generated them)
+        surplus = [s for g in self.buffer.surplus for s in g.samples]
+        send_tokens(surplus, [(0,)] * len(surplus))
+        gather_preds(surplus, dst=0)
         # ranks of one DP rank read the same prompts: keep one reader position per DP rank
         by_dp = dict(_all_gather_objects((self.dp_rank, self.stream.state_dict())))
         state = {
@@ -546,14 +545,22 @@ class DAPOTrainer:
                                                                self.tokenizer))
 
     def _log_samples(self, samples: list[Sample], k: int = 4) -> None:
-        if self.rank != 0:
-            return
-        lines = []
-        for s in samples[:k]:
-            lines.append(f"### group {s.group_id} | reward {s.reward:+.2f} | acc {s.acc} | pred {s.pred!r} | "
-                         f"gt {s.ground_truth!r} | {s.finish_reason}, {s.response_length} tokens\n"
-                         f"[prompt] {self._decode(s.prompt_ids)}\n[response] {self._decode(s.response_ids)}\n")
-        self.tracker.log_text("\n".join(lines), f"samples/step_{self.step:06d}.txt")
+        """The step's first ``k`` samples as text (``samples/step_<k>.txt``, written by rank 0);
+        collective. Each is formatted by the rank that generated it (rank 0 for a surplus read
+        from a checkpoint), which holds its text and extracted answer."""
+        lines = {}
+        for i, s in enumerate(samples[:k]):
+            if s.holder == self.rank or (s.holder == HELD_BY_ALL and self.rank == 0):
+                lines[i] = (f"### group {s.group_id} | reward {s.reward:+.2f} | acc {s.acc} | pred {s.pred!r} | "
+                            f"gt {s.ground_truth!r} | {s.finish_reason}, {s.response_length} tokens\n"
+                            f"[prompt] {self._decode(s.prompt_ids)}\n[response] {self._decode(s.response_ids)}\n")
+        if self.world > 1:
+            parts = [None] * self.world if self.rank == 0 else None
+            dist.gather_object(lines, parts, dst=0)
+            if self.rank == 0:
+                lines = {i: line for part in parts for i, line in part.items()}
+        if self.rank == 0:
+            self.tracker.log_text("\n".join(lines[i] for i in sorted(lines)), f"samples/step_{self.step:06d}.txt")
 
     def _validate_and_report(self) -> dict[str, float]:
         """:meth:`validate`, and its overall scores as one log line on rank 0."""
