@@ -368,7 +368,8 @@ class DAPOTrainer:
 
         actor = self.cfg.actor
         plan = plan_step(groups, actor.ppo_mini_batch_size, self.dp_size, actor.ppo_max_token_len_per_gpu)
-        send_tokens(samples, [self.parallel.ranks_of_dp_rank(d) for d in plan.owner])
+        ranks_of = [self.parallel.ranks_of_dp_rank(d) for d in range(self.dp_size)]
+        send_tokens(samples, [ranks_of[d] for d in plan.owner])
         mine = plan.owned(self.dp_rank)
         # one forward-only pass over this DP rank's samples, packed by the micro-batch budget
         # (forward-only passes need no equal micro-batch count across DP ranks)
