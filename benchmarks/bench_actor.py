@@ -11,8 +11,8 @@ for each ``actor.micro_batch_layout``:
 in four variants: ``thd`` (one packed row, dense block-diagonal ``[T, T]`` mask, LM head
 on every position: the path before the CPU optimisation), ``bshd-full`` (padded rows,
 plain causal mask, LM head on every position), ``bshd-1call`` (+ LM head on the response
-label positions only, ``MegatronActor.logits_at_labels_only``) and ``bshd`` (the CPU
-default: + rows grouped by length into a few model calls, ``MegatronActor.length_buckets``),
+label positions only, ``ActorPlan.logits_at_labels_only``) and ``bshd`` (the CPU
+default: + rows grouped by length into a few model calls, ``ActorPlan.length_buckets``),
 on the same rollout-shaped micro-batches as the README main job (prompts ~50 tokens,
 responses 1-24 tokens, ``--budget`` tokens per micro-batch = ``ppo_max_token_len_per_gpu``).
 Throughput counts real (unpadded) tokens. Both layouts see the same weights and samples,
@@ -94,8 +94,7 @@ def main(argv=None) -> None:
         model.load_state_dict(state, strict=False)
         cfg = ActorConfig(ppo_max_token_len_per_gpu=args.budget, micro_batch_layout=layout)
         actor = MegatronActor(model, cfg, total_steps=10, vocab_size=hf_config.vocab_size)
-        actor.logits_at_labels_only = labels_only
-        actor.length_buckets = buckets
+        actor.plan = actor.plan.replace(logits_at_labels_only=labels_only, length_buckets=buckets)
         lps = actor.compute_logprobs(mbs)
         for s, lp in zip(samples, lps):
             s.old_logprobs = lp.tolist()

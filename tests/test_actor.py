@@ -133,19 +133,20 @@ def _reference_worker(out_path):
     ent_three = actor.forward_backward([samples[:5], samples[5:]], TEMPERATURE)
     ent_grads_three = _full_grads(actor)
     actor.cfg.entropy_coeff = 0.0
-    layout_default, labels_only_default = actor.layout, actor.logits_at_labels_only
+    default_plan = actor.plan
+    layout_default, labels_only_default = default_plan.layout, default_plan.logits_at_labels_only
     # one packed row + block-diagonal mask, LM head on every position: the pre-optimisation path
-    actor.layout, actor.build_attention_mask, actor.logits_at_labels_only = "thd", True, False
+    actor.plan = default_plan.replace(layout="thd", build_attention_mask=True, logits_at_labels_only=False,
+                                      length_buckets=False)
     thd_lps = actor.compute_logprobs([samples[:4], samples[4:]], TEMPERATURE)
     thd_one = actor.forward_backward([samples], TEMPERATURE)
     thd_grads_one = _full_grads(actor)
-    actor.layout, actor.build_attention_mask, actor.logits_at_labels_only = layout_default, False, True
     # length buckets at zero overhead: every distinct length its own model call
-    actor.length_bucket_overhead_tokens = 0
+    actor.plan = default_plan.replace(length_bucket_overhead_tokens=0)
     bucket_lps = actor.compute_logprobs([samples[:4], samples[4:]], TEMPERATURE)
     bucket_one = actor.forward_backward([samples], TEMPERATURE)
     bucket_grads_one = _full_grads(actor)
-    actor.length_bucket_overhead_tokens = 64
+    actor.plan = default_plan
     step = actor.train_mini_batch([samples], TEMPERATURE, global_num_tokens=int(one["num_tokens"]))
     torch.save(dict(full_sd=full_sd, samples=samples, direct=direct, lps=lps, ents=ents, one=one, three=three,
                     grads_one=grads_one, grads_three=grads_three, step=step,
