@@ -17,6 +17,9 @@ Algorithm:
      (with a warning);
   3. equal counts: ranks with fewer micro-batches than the maximum split their heaviest
      splittable micro-batch in two (balanced by tokens) until the counts match.
+
+With ``share_prompts`` the unit of steps 1-3 is a prompt's group of samples instead of a
+sample, weighted by the tokens the shared-prompt forward computes (the prompt once).
 """
 
 from __future__ import annotations
@@ -32,51 +35,81 @@ def _lengths(samples: Sequence[Sample]) -> list[int]:
     return [s.total_length for s in samples]
 
 
-def _balance_ranks(lengths: list[int], dp_size: int) -> list[list[int]]:
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    heap = [(0, 0, r) for r in range(dp_size)]  # (tokens, num_samples, rank)
+# An *item* is what the planner places: a list of sample indices that must share a micro-batch,
+# weighted by the tokens it computes. Without shared prompts every sample is its own item
+# (weight prompt + response); with them, the samples of one prompt are one item (weight: the
+# prompt once plus every response), cut into items that fit the budget where needed.
+
+
+def _prompt_items(samples: Sequence[Sample], budget: int) -> list[list[int]]:
+    """Samples with identical prompt_ids as items, in order of first appearance; a prompt whose
+    responses overflow the budget is cut, in order, into items that fit (each with its prompt)."""
+    by_prompt: dict[tuple, list[int]] = {}
+    for i, s in enumerate(samples):
+        by_prompt.setdefault(tuple(s.prompt_ids), []).append(i)
+    items: list[list[int]] = []
+    for idx in by_prompt.values():
+        cur: list[int] = []
+        for i in idx:
+            if cur and _weight(samples, cur + [i]) > budget:
+                items.append(cur)
+                cur = []
+            cur.append(i)
+        items.append(cur)
+    return items
+
+
+def _weight(samples: Sequence[Sample], item: list[int]) -> int:
+    """Tokens an item computes: its prompt once (all its samples share it) plus every response."""
+    return len(samples[item[0]].prompt_ids) + sum(len(samples[i].response_ids) for i in item)
+
+
+def _balance_ranks(weights: list[int], dp_size: int) -> list[list[int]]:
+    order = sorted(range(len(weights)), key=lambda i: (-weights[i], i))
+    heap = [(0, 0, r) for r in range(dp_size)]  # (tokens, num_items, rank)
     ranks: list[list[int]] = [[] for _ in range(dp_size)]
     for i in order:
         tokens, count, r = heapq.heappop(heap)
         ranks[r].append(i)
-        heapq.heappush(heap, (tokens + lengths[i], count + 1, r))
+        heapq.heappush(heap, (tokens + weights[i], count + 1, r))
     return ranks
 
 
-def _pack(indices: list[int], lengths: list[int], budget: int) -> list[list[int]]:
+def _pack(indices: list[int], weights: list[int], budget: int) -> list[list[int]]:
     bins: list[list[int]] = []
     loads: list[int] = []
-    for i in sorted(indices, key=lambda i: (-lengths[i], i)):
-        if lengths[i] > budget:
-            warnings.warn(f"sample {i} has {lengths[i]} tokens, more than max_tokens_per_micro_batch={budget}: "
+    for i in sorted(indices, key=lambda i: (-weights[i], i)):
+        if weights[i] > budget:
+            warnings.warn(f"sample {i} has {weights[i]} tokens, more than max_tokens_per_micro_batch={budget}: "
                           "it gets a micro-batch of its own (raise the budget to avoid memory spikes)")
             bins.append([i])
-            loads.append(lengths[i])
+            loads.append(weights[i])
             continue
         for b in range(len(bins)):
-            if loads[b] + lengths[i] <= budget:
+            if loads[b] + weights[i] <= budget:
                 bins[b].append(i)
-                loads[b] += lengths[i]
+                loads[b] += weights[i]
                 break
         else:
             bins.append([i])
-            loads.append(lengths[i])
+            loads.append(weights[i])
     return bins
 
 
-def _split_in_two(mb: list[int], lengths: list[int]) -> tuple[list[int], list[int]]:
+def _split_in_two(mb: list[int], weights: list[int]) -> tuple[list[int], list[int]]:
     a, b, la, lb = [], [], 0, 0
-    for i in sorted(mb, key=lambda i: (-lengths[i], i)):
+    for i in sorted(mb, key=lambda i: (-weights[i], i)):
         if la <= lb:
             a.append(i)
-            la += lengths[i]
+            la += weights[i]
         else:
             b.append(i)
-            lb += lengths[i]
+            lb += weights[i]
     return a, b
 
 
-def split_for_dp(samples: Sequence[Sample], dp_size: int, max_tokens_per_micro_batch: int) -> list[list[list[int]]]:
+def split_for_dp(samples: Sequence[Sample], dp_size: int, max_tokens_per_micro_batch: int, *,
+                 share_prompts: bool = False) -> list[list[list[int]]]:
     """Plan the DP split and micro-batches of one (mini-)batch.
 
     Args:
@@ -84,6 +117,11 @@ def split_for_dp(samples: Sequence[Sample], dp_size: int, max_tokens_per_micro_b
             Token count of a sample = ``Sample.total_length`` (prompt + response).
         dp_size: number of data-parallel ranks, >= 1.
         max_tokens_per_micro_batch: token budget of a packed micro-batch, >= 1.
+        share_prompts: the actor encodes a prompt once per micro-batch
+            (``actor.shared_prompt``): keep the samples of one prompt (a GRPO group) on one
+            rank and in one micro-batch, and count the prompt once in the budget. A group
+            is cut only where it overflows the budget, or where a rank needs more
+            micro-batches (or the batch more items) than whole groups give.
 
     Returns:
         ``plan[rank][micro_batch]`` = sorted list of indices into ``samples``. Every sample
@@ -104,21 +142,36 @@ def split_for_dp(samples: Sequence[Sample], dp_size: int, max_tokens_per_micro_b
     if len(samples) < dp_size:
         raise ValueError(f"cannot split {len(samples)} samples over dp_size={dp_size} ranks: every rank needs at "
                          "least one sample; raise train_batch_size * n or lower the DP size")
-    lengths = _lengths(samples)
-    plan = [_pack(r, lengths, max_tokens_per_micro_batch) for r in _balance_ranks(lengths, dp_size)]
+    budget = max_tokens_per_micro_batch
+    items = _prompt_items(samples, budget) if share_prompts else [[i] for i in range(len(samples))]
+
+    def split_item(k: int) -> None:  # item k -> two items (each keeps its own prompt)
+        a, b = _split_in_two(items[k], _lengths(samples))
+        items[k:k + 1] = [sorted(a), sorted(b)]
+
+    while len(items) < dp_size:  # every rank needs an item: cut the largest group
+        split_item(max(range(len(items)), key=lambda k: (len(items[k]), -k)))
+    weights = [_weight(samples, it) for it in items]
+    plan = [_pack(r, weights, budget) for r in _balance_ranks(weights, dp_size)]
     target = max(len(mbs) for mbs in plan)
     for rank, mbs in enumerate(plan):
         while len(mbs) < target:
-            splittable = [k for k, mb in enumerate(mbs) if len(mb) >= 2]
+            splittable = [k for k, mb in enumerate(mbs) if len(mb) >= 2 or len(items[mb[0]]) >= 2]
             if not splittable:
-                n = sum(len(mb) for mb in mbs)
+                n = sum(len(items[i]) for mb in mbs for i in mb)
                 raise ValueError(f"DP rank {rank} holds {n} samples but every rank needs {target} micro-batches "
                                  f"(max_tokens_per_micro_batch={max_tokens_per_micro_batch}); raise the budget or "
                                  "the batch size so each rank has at least as many samples as micro-batches")
-            k = max(splittable, key=lambda k: (sum(lengths[i] for i in mbs[k]), -k))
-            a, b = _split_in_two(mbs[k], lengths)
-            mbs[k:k + 1] = [a, b]
-    return [[sorted(mb) for mb in mbs] for mbs in plan]
+            k = max(splittable, key=lambda k: (sum(weights[i] for i in mbs[k]), -k))
+            if len(mbs[k]) == 1:  # one group alone: cut it into two items
+                a, b = _split_in_two(items[mbs[k][0]], _lengths(samples))
+                items.extend([sorted(a), sorted(b)])
+                weights.extend([_weight(samples, sorted(a)), _weight(samples, sorted(b))])
+                mbs[k:k + 1] = [[len(items) - 2], [len(items) - 1]]
+            else:
+                a, b = _split_in_two(mbs[k], weights)
+                mbs[k:k + 1] = [a, b]
+    return [[sorted(i for it in mb for i in items[it]) for mb in mbs] for mbs in plan]
 
 
 def padding_stats(samples: Sequence[Sample], plan: list[list[list[int]]], *, pad_to_multiple: int = 1,
