@@ -161,6 +161,13 @@ class ActorConfig:
     shared_prompt: str = "auto"
     optim: OptimConfig = field(default_factory=OptimConfig)
 
+    def __post_init__(self) -> None:
+        # YAML 1.1 reads `on` / `off` as booleans, and OmegaConf hands this str field "True" / "False"
+        # (from a file or a `actor.shared_prompt=off` override): take them for what the user wrote
+        spelled = {True: "on", False: "off", "True": "on", "False": "off", "true": "on", "false": "off"}
+        if isinstance(self.shared_prompt, (bool, str)) and self.shared_prompt in spelled:
+            self.shared_prompt = spelled[self.shared_prompt]
+
     def validate(self) -> None:
         if self.ppo_mini_batch_size < 1 or self.ppo_epochs < 1 or self.ppo_max_token_len_per_gpu < 1:
             raise ValueError("actor.ppo_mini_batch_size, ppo_epochs and ppo_max_token_len_per_gpu must be >= 1")

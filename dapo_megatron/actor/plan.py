@@ -19,6 +19,23 @@ recipe). With ``model.fp8`` set, every micro-batch is padded so that ``B * T`` i
 multiple of that size, combined (lcm) with the sequence-parallel multiple on ``T``
 (:func:`dapo_megatron.actor.packing.row_multiple`). Padding tokens sit outside every
 label slot, so no logprob, loss, token count or metric sees them (tested).
+
+Shared prompt (``actor.shared_prompt``, Prefix Grouper, arXiv 2506.05433). A GRPO
+group's prompt is encoded once per micro-batch; each response attends to the prompt's
+keys and values and to its own, at positions continuing the prompt
+(:mod:`dapo_megatron.actor.packing`). It runs where the attention takes an explicit
+mask and RoPE can follow ``position_ids``: megatron-core's local ``DotProductAttention``
+(the mask replaces the causal one) with ``position_embedding_type='rope'`` (the actor
+hooks ``rotary_pos_emb``) or learned absolute positions. The Transformer Engine path does
+not have it: with ``PackedSeqParams`` TE attends within each ``cu_seqlens`` segment and
+megatron-core applies RoPE from each segment's start, so the shared form would need a
+second attention call per layer (response queries over ``[prompt KV, own KV]``, varlen,
+bottom-right causal) and RoPE offsets per segment; that is GPU-only code which no test
+here can run, so ``auto`` resolves to off there (the reason is logged and kept in
+:attr:`ActorPlan.shared_prompt_off_reason`) and ``on`` is an error naming it. TE with the
+BSHD layout fails the same check: ``TEDotProductAttention`` applies its spec's causal
+mask type and ignores an arbitrary mask. Context parallelism, multi-latent attention and
+fused RoPE are refused for the same kind of reason.
 """
 
 from __future__ import annotations
@@ -135,8 +152,9 @@ def _shared_prompt_unsupported(model, config, use_packed_seq_params: bool, te_at
 
 
 def gpt_model_of(module):
-    """The ``GPTModel`` inside a model chunk (found by its ``decoder`` and ``output_layer``), or None."""
-    return next((m for m in module.modules() if hasattr(m, "output_layer") and hasattr(m, "decoder")), None)
+    """The ``GPTModel`` inside a model chunk (found by its ``decoder`` and ``post_process``; a
+    stage before the last one has no ``output_layer``), or None."""
+    return next((m for m in module.modules() if hasattr(m, "decoder") and hasattr(m, "post_process")), None)
 
 
 def resolve_actor_plan(actor_cfg, model, *, tp_size: int) -> ActorPlan:
