@@ -98,16 +98,21 @@ def _mini_batch_samples(seed=5):
     return samples
 
 
-def _reference_worker(out_path):
-    from dapo_megatron.actor.actor import MegatronActor
+def reference_model():
+    """The TP=1 tiny model (world of one, seeded) and a copy of its weights for the parallel runs."""
     from dapo_megatron.platform import init_distributed
 
     torch.use_deterministic_algorithms(True)
     init_distributed(seed=0)
     torch.manual_seed(0)
-    cfg = tiny_gpt_config(num_layers=NUM_LAYERS)
-    model = tiny_gpt_model(cfg, vocab_size=VOCAB_PADDED)
-    full_sd = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model = tiny_gpt_model(tiny_gpt_config(num_layers=NUM_LAYERS), vocab_size=VOCAB_PADDED)
+    return model, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _reference_worker(out_path):
+    from dapo_megatron.actor.actor import MegatronActor
+
+    model, full_sd = reference_model()
     samples = _mini_batch_samples()
     direct = _direct_logprobs(model, samples)
     actor = MegatronActor(model, _actor_cfg(), total_steps=10, vocab_size=VOCAB)
@@ -303,9 +308,8 @@ def test_dp2_with_uneven_ranks_equals_dp1(reference, tmp_path):
     assert "global_num_tokens" in out["wrong_count"]
 
 
-def _model_parallel_worker(ref_path, out_path, tp, pp):
-    import torch.distributed as dist
-
+def model_parallel_actor(ref_path, tp, pp, actor_cfg):
+    """(actor, reference dict) on this rank of a TP x PP world, with the reference's TP=1 weights."""
     from dapo_megatron.actor.actor import MegatronActor
     from dapo_megatron.platform import init_distributed
 
@@ -315,7 +319,13 @@ def _model_parallel_worker(ref_path, out_path, tp, pp):
     cfg = tiny_gpt_config(tp=tp, pp=pp, num_layers=NUM_LAYERS)
     model = tiny_gpt_model(cfg, vocab_size=VOCAB_PADDED)
     _load_full_weights(model, ref["full_sd"], cfg)
-    actor = MegatronActor(model, _actor_cfg(), total_steps=10, vocab_size=VOCAB)
+    return MegatronActor(model, actor_cfg, total_steps=10, vocab_size=VOCAB), ref
+
+
+def _model_parallel_worker(ref_path, out_path, tp, pp):
+    import torch.distributed as dist
+
+    actor, ref = model_parallel_actor(ref_path, tp, pp, _actor_cfg())
     samples = ref["samples"]
     lps = actor.compute_logprobs([samples[:5], samples[5:]], TEMPERATURE)
     step = actor.train_mini_batch([samples[:4], samples[4:]], TEMPERATURE)

@@ -9,19 +9,14 @@ rows or on the label rows only, at TP=1, TP=2 and PP=2. Also: FP8 padding (force
 count; the plan's choices and errors.
 """
 
-import math
-
 import pytest
 import torch
 
-from dapo_megatron.platform import ParallelConfig, spawn
-from test_actor import _full_grads, _load_full_weights
+from dapo_megatron.platform import spawn
+from test_actor import VOCAB, _full_grads, _rel, model_parallel_actor, reference_model
 from test_packing import _sample, tiny_gpt_config, tiny_gpt_model
 
-VOCAB_PADDED = 64
-VOCAB = 61
 TEMPERATURE = 0.8
-NUM_LAYERS = 4
 KEYS = ("loss", "pg_loss", "pg_clipfrac_lower", "pg_clipfrac_upper", "ppo_kl", "entropy", "num_tokens")
 
 
@@ -86,14 +81,8 @@ CUT = [list(range(0, 7)), list(range(7, 13))]  # group 1 is split over two micro
 def _reference_worker(out_path):
     from dapo_megatron.actor.actor import MegatronActor
     from dapo_megatron.actor.micro_batch import make_micro_batches
-    from dapo_megatron.platform import init_distributed
 
-    torch.use_deterministic_algorithms(True)
-    init_distributed(seed=0)
-    torch.manual_seed(0)
-    cfg = tiny_gpt_config(num_layers=NUM_LAYERS)
-    model = tiny_gpt_model(cfg, vocab_size=VOCAB_PADDED)
-    full_sd = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model, full_sd = reference_model()
     actor = MegatronActor(model, _actor_cfg(shared_prompt="on"), total_steps=10, vocab_size=VOCAB)
     samples = _groups()
     _old_logprobs(samples)
@@ -127,10 +116,6 @@ def reference(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("shared") / "ref.pt")
     spawn(_reference_worker, 1, path)
     return torch.load(path, weights_only=False)
-
-
-def _rel(a, b):
-    return abs(a - b) / max(abs(b), 1e-30)
 
 
 def _assert_same_computation(got, want, tol=1e-5):
@@ -192,16 +177,7 @@ def test_auto_shares_only_where_it_saves_tokens(reference):
 def _model_parallel_worker(ref_path, out_path, tp, pp):
     import torch.distributed as dist
 
-    from dapo_megatron.actor.actor import MegatronActor
-    from dapo_megatron.platform import init_distributed
-
-    torch.use_deterministic_algorithms(True)
-    init_distributed(ParallelConfig(tp, pp), seed=0)
-    ref = torch.load(ref_path, weights_only=False)
-    cfg = tiny_gpt_config(tp=tp, pp=pp, num_layers=NUM_LAYERS)
-    model = tiny_gpt_model(cfg, vocab_size=VOCAB_PADDED)
-    _load_full_weights(model, ref["full_sd"], cfg)
-    actor = MegatronActor(model, _actor_cfg(shared_prompt="on"), total_steps=10, vocab_size=VOCAB)
+    actor, ref = model_parallel_actor(ref_path, tp, pp, _actor_cfg(shared_prompt="on"))
     res = {"plan": actor.plan, "paths": _compare_paths(actor, ref["samples"], CUT),
            "last_stage": dist.get_rank() == dist.get_world_size() - 1}
     gathered = [None] * dist.get_world_size()
