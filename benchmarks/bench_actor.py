@@ -9,7 +9,7 @@ for each ``actor.micro_batch_layout``:
 - ``forward_backward`` (forward + DAPO loss + backward + DP grad finalisation),
 
 in five variants: ``thd`` (one packed row, dense block-diagonal ``[T, T]`` mask, LM head
-on every position: the path before the CPU optimisation), ``bshd-full`` (padded rows,
+on every position: the TE layout's packing, run on CPU), ``bshd-full`` (padded rows,
 plain causal mask, LM head on every position), ``bshd-1call`` (+ LM head on the response
 label positions only, ``ActorPlan.logits_at_labels_only``) and ``bshd`` (the CPU
 default: + rows grouped by length into a few model calls, ``ActorPlan.length_buckets``),

@@ -33,7 +33,7 @@ checkpoint or the new one, never a half-written one.
 
 Launcher requirement: megatron-core's torch_dist writer can start a multiprocessing
 manager; a script launched with ``torchrun script.py`` whose module-level code is not
-under ``if __name__ == "__main__":`` re-executes in that child and hangs (DESIGN.md §5).
+under ``if __name__ == "__main__":`` re-executes in that child and hangs (docs/design.md §5.2).
 Saves here are synchronous (``async_sharded_save=False``), but keep the guard in every
 entry point.
 

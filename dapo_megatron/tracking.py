@@ -36,28 +36,25 @@ MLFLOW_BATCH_LIMIT = 100  # params per log_batch call
 
 @dataclass
 class TrackingConfig:
-    """Tracking settings (``trainer.tracking.*``).
-
-    Attributes:
-        tracking_uri: MLflow tracking URI; ``None`` means ``sqlite:///<run_dir>/mlflow.db``.
-        experiment_name: MLflow experiment (created if missing).
-        run_name: MLflow run name; ``None`` lets MLflow choose.
-        run_id: continue this existing MLflow run (store ``Tracker.run_id`` in the
-            trainer checkpoint and pass it back on resume); ``None`` starts a new run.
-        use_mlflow: ``False`` writes only the JSONL file.
-        http_max_retries: value for ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` (HTTP URIs).
-        http_timeout_s: value for ``MLFLOW_HTTP_REQUEST_TIMEOUT`` in seconds.
-        metrics_file: JSONL file name inside the run directory.
-    """
+    """Tracking settings (``tracking.*``)."""
 
     tracking_uri: str | None = None
+    """MLflow tracking URI; ``None`` means ``sqlite:///<run_dir>/mlflow.db``."""
     experiment_name: str = "dapo"
+    """MLflow experiment (created if missing)."""
     run_name: str | None = None
+    """MLflow run name; ``None`` lets MLflow choose."""
     run_id: str | None = None
+    """continue this existing MLflow run (store ``Tracker.run_id`` in the trainer checkpoint and
+    pass it back on resume); ``None`` starts a new run."""
     use_mlflow: bool = True
+    """``False`` writes only the JSONL file."""
     http_max_retries: int = 0
+    """value for ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` (HTTP URIs)."""
     http_timeout_s: int = 5
+    """value for ``MLFLOW_HTTP_REQUEST_TIMEOUT`` in seconds."""
     metrics_file: str = "metrics.jsonl"
+    """JSONL file name inside the run directory."""
 
 
 _MLFLOW_NAME_BAD = re.compile(r"[^0-9A-Za-z_\-. :/]")
@@ -297,35 +294,48 @@ class ProgressBar:
     Args:
         total: number of steps.
         rank: global rank; ``None`` reads ``torch.distributed`` or ``$RANK``.
-        keys: metric names to show (default: all given, up to 4).
+        keys: metrics shown after each step, labelled by their last ``/`` part without a
+            ``_mean`` suffix (default :data:`PROGRESS_KEYS`: reward accuracy ``acc`` and shaped
+            reward ``reward`` of the step's responses).
         desc: bar label.
 
-    ``update(step, metrics)`` moves the bar to ``step`` (1-based count of
-    finished steps) and shows the chosen metrics.
+    ``update(step, metrics)`` moves the bar to ``step`` (1-based count of finished steps)
+    and shows the chosen metrics, plus the last validation score seen: the overall
+    ``val/avg@k`` of the latest ``metrics`` that held one stays on the bar (as
+    ``val_avg@k``) until the next validation replaces it.
     """
+
+    PROGRESS_KEYS = ("reward/acc_mean", "reward/reward_mean")
+    _VAL_SCORE = re.compile(r"^val/avg@\d+$")
 
     def __init__(self, total: int, rank: int | None = None, keys: tuple[str, ...] | None = None, desc: str = "train"):
         self.rank = _default_rank() if rank is None else rank
-        self.keys = keys
+        self.keys = self.PROGRESS_KEYS if keys is None else tuple(keys)
+        self._last_val: dict[str, str] = {}
         self._bar = None
         if self.rank == 0:
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=total, desc=desc, dynamic_ncols=True)
 
+    @staticmethod
+    def _format(v: Any) -> Any:
+        v = v.item() if hasattr(v, "item") else v
+        return f"{v:.4g}" if isinstance(v, float) and math.isfinite(v) else v
+
     def update(self, step: int, metrics: Mapping[str, Any] | None = None) -> None:
         """Set the bar to ``step`` steps done and show ``metrics`` (no-op off rank 0)."""
         if self._bar is None:
             return
         if metrics:
-            keys = self.keys or tuple(list(metrics)[:4])
             shown = {}
-            for k in keys:
+            for k in self.keys:
                 if k in metrics:
-                    v = metrics[k]
-                    v = v.item() if hasattr(v, "item") else v
-                    shown[k.split("/")[-1]] = f"{v:.4g}" if isinstance(v, float) and math.isfinite(v) else v
-            self._bar.set_postfix(shown, refresh=False)
+                    shown[k.split("/")[-1].removesuffix("_mean")] = self._format(metrics[k])
+            val = {f"val_{k[4:]}": self._format(v) for k, v in metrics.items() if self._VAL_SCORE.match(k)}
+            if val:
+                self._last_val = val
+            self._bar.set_postfix({**shown, **self._last_val}, refresh=False)
         self._bar.update(max(0, step - self._bar.n))
 
     def close(self) -> None:

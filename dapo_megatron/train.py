@@ -14,11 +14,19 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+import time
+
+
+_ENV_HELP = """environment:
+  DAPO_SHOW_WARNINGS=1  print the third-party warnings and INFO logs that dapo-train hides
+                        (the list and the reasons: dapo_megatron/platform/console.py)"""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="dapo-train", description=__doc__.split("\n\n")[0],
+    """``--config``, ``--print-config``, ``--list-keys`` and the dotted overrides of ``argv``."""
+    p = argparse.ArgumentParser(prog="dapo-train", description=__doc__.split("\n\n")[0], epilog=_ENV_HELP,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML file with DAPOConfig keys (optional)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
@@ -27,15 +35,51 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv=None) -> int:
-    from dapo_megatron.config import DAPOConfig, documented_keys, load_config, to_yaml
+RANK0_GRACE_S = 60.0  # how long a silent torchrun rank waits for rank 0 to print a config error
 
+
+def _input_error(err: Exception, every_rank: bool = False) -> int:
+    """Print bad input as one line without a traceback; the exit status is 2 (argparse's).
+
+    A config error is the same on every rank: rank 0 alone prints it. An error met after
+    start-up (a broken dataset row) may be met by some ranks only, so each that meets it
+    prints it (``every_rank``), naming its rank when it is not rank 0.
+    """
+    rank = os.environ.get("RANK", "0")
+    if rank == "0":
+        print(f"dapo-train: error: {err}", file=sys.stderr, flush=True)
+    elif every_rank:
+        print(f"dapo-train: error (rank {rank}): {err}", file=sys.stderr, flush=True)
+    elif "TORCHELASTIC_RUN_ID" in os.environ:
+        # torchrun stops every worker as soon as one exits non-zero: a silent rank that exits
+        # first would kill rank 0 before it prints. Rank 0 fails the same way within seconds,
+        # and its exit ends this wait.
+        time.sleep(RANK0_GRACE_S)
+    return 2
+
+
+def main(argv=None) -> int:
+    """Run ``dapo-train`` on this rank; returns the exit status: 0, or 2 for a bad config
+    (printed by rank 0 as one line) or dataset (:func:`_input_error`). Other errors propagate
+    with their traceback."""
+    from dapo_megatron.platform.console import quiet_third_party
+
+    quiet_third_party()  # before anything imports megatron-core (its import-time warnings)
     args = parse_args(argv)
+
+    from dapo_megatron.config import ConfigError, DAPOConfig, documented_keys, load_config, to_yaml
+    from dapo_megatron.data import DatasetError
+
     if args.list_keys:
         for key in documented_keys(DAPOConfig):
             print(key)
         return 0
-    cfg = load_config(DAPOConfig, args.config, args.overrides)
+    try:
+        cfg = load_config(DAPOConfig, args.config, args.overrides)
+        if not args.print_config:
+            cfg.check_world_size(int(os.environ.get("WORLD_SIZE", "1")))
+    except (ConfigError, FileNotFoundError) as err:
+        return _input_error(err)
     if args.print_config:
         print(to_yaml(cfg))
         return 0
@@ -47,12 +91,22 @@ def main(argv=None) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     init_distributed(cfg.parallel, seed=cfg.trainer.seed)
-    if dist.get_rank() != 0:
+    rank = dist.get_rank()
+    if rank != 0:
         logging.getLogger().setLevel(logging.WARNING)
     try:
-        DAPOTrainer(cfg).fit()
+        trainer = DAPOTrainer(cfg)
+        trainer.fit()
+    except (ConfigError, DatasetError) as err:  # e.g. a broken dataset row
+        return _input_error(err, every_rank=True)
     finally:
         destroy_distributed()
+    if rank == 0:
+        where = os.path.join(trainer.run_dir, cfg.tracking.metrics_file)
+        if cfg.tracking.use_mlflow:
+            where += f"; MLflow: mlflow ui --backend-store-uri {trainer.tracker.tracking_uri}"
+        logging.getLogger("dapo_megatron.train").info("done: %d of %d steps; metrics in %s", trainer.step,
+                                                      cfg.trainer.total_training_steps, where)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The DAPO training loop (DESIGN.md §1), to be read top to bottom.
+"""The DAPO training loop (docs/design.md §1), to be read top to bottom.
 
 Every rank runs this same code under ``torchrun`` (SPMD). One step:
 
@@ -29,15 +29,104 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any, Optional, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.config import DAPOConfig
 from dapo_megatron.rollout.types import Group, Sample
 
+if TYPE_CHECKING:  # config.run imports TrainerConfig from here
+    from dapo_megatron.config.run import DAPOConfig
+
 logger = logging.getLogger("dapo_megatron.trainer")
+
+
+# --------------------------------------------------------------------------- config
+
+
+@dataclass
+class TrainerConfig:
+    """The training loop, its checkpoints and the run directory (verl ``trainer.*`` names)."""
+
+    project_name: str = "dapo-megatron"
+    """MLflow experiment / project name; part of the default run directory."""
+    experiment_name: str = "default"
+    """this run's name (MLflow run name); part of the default run directory."""
+    total_training_steps: int = 100
+    """number of DAPO training steps (each: rollout, reward, dynamic sampling, actor updates, weight
+    sync); >= 1."""
+    save_freq: int = -1
+    """save a checkpoint every this many steps (and after the last step); -1 never saves."""
+    test_freq: int = -1
+    """evaluate (avg@k / pass@k on the validation set) every this many steps; -1 never evaluates."""
+    seed: int = 1
+    """base random seed; Megatron derives the TP-rank model-parallel RNG stream from it; the data
+    order and sampling seeds derive from it too. >= 0."""
+    default_local_dir: Optional[str] = None
+    """run directory holding ``checkpoints/`` (and logs); None means
+    ``runs/<project_name>/<experiment_name>`` (see :attr:`run_dir`). Must be on a file system
+    shared by all ranks."""
+    resume_mode: str = "auto"
+    """``"auto"`` resumes from ``<run dir>/checkpoints/latest`` when it exists, ``"disable"`` always
+    starts from step 0, any other value is the path of a ``step_<k>`` checkpoint directory to
+    resume from."""
+    val_before_train: bool = True
+    """validate once before the first step (logged at step 0) when ``test_freq`` > 0, so a run's
+    validation curve has its starting point."""
+    max_ckpt_to_keep: Optional[int] = None
+    """keep only this many newest checkpoints (verl ``max_actor_ckpt_to_keep``), >= 1; None keeps
+    all."""
+
+    @property
+    def run_dir(self) -> str:
+        """``default_local_dir``, or ``runs/<project_name>/<experiment_name>`` when None."""
+        if self.default_local_dir:
+            return self.default_local_dir
+        return os.path.join("runs", self.project_name, self.experiment_name)
+
+    @property
+    def resume_path(self) -> str | None:
+        """The explicit checkpoint directory of ``resume_mode``, or None for auto/disable."""
+        return None if self.resume_mode in ("auto", "disable") else self.resume_mode
+
+    def validate(self) -> None:
+        """Check ranges and names.
+
+        Raises:
+            ValueError: naming the field, its value and the accepted values.
+        """
+        for name in ("project_name", "experiment_name"):
+            value = getattr(self, name)
+            if not value or not value.strip():
+                raise ValueError(f"{name}={value!r} must be a non-empty name")
+        if self.total_training_steps < 1:
+            raise ValueError(f"total_training_steps={self.total_training_steps} must be >= 1")
+        for name in ("save_freq", "test_freq"):
+            value = getattr(self, name)
+            if value != -1 and value < 1:
+                raise ValueError(f"{name}={value} must be -1 (never) or >= 1 (every N steps)")
+        if self.seed < 0:
+            raise ValueError(f"seed={self.seed} must be >= 0")
+        if self.default_local_dir is not None and not self.default_local_dir.strip():
+            raise ValueError(
+                "default_local_dir='' must be a directory path, or null for "
+                "runs/<project_name>/<experiment_name>"
+            )
+        if self.max_ckpt_to_keep is not None and self.max_ckpt_to_keep < 1:
+            raise ValueError(
+                f"max_ckpt_to_keep={self.max_ckpt_to_keep} must be >= 1, or null to keep all"
+            )
+        if not self.resume_mode:
+            raise ValueError("resume_mode='' must be 'auto', 'disable' or a checkpoint directory")
+        path = self.resume_path
+        if path is not None and not os.path.isdir(path):
+            raise ValueError(
+                f"resume_mode={path!r} is neither 'auto', 'disable' nor an existing checkpoint "
+                "directory (expected <run dir>/checkpoints/step_<k>)"
+            )
+
 
 
 # --------------------------------------------------------------------------- helpers
@@ -63,6 +152,7 @@ class DistributedGrader:
         self.pool = pool
 
     def grade(self, requests: Sequence[tuple]) -> list[dict]:
+        """``RewardPool.grade`` of ``requests`` (the same list on every rank), in order; collective."""
         rank, world = dist.get_rank(), dist.get_world_size()
         mine = self.pool.grade(list(requests[rank::world])) if len(requests) > rank else []
         parts = _all_gather_objects(mine)
@@ -205,7 +295,7 @@ class DAPOTrainer:
         tracking = dataclasses.replace(cfg.tracking, run_id=cfg.tracking.run_id or mlflow_run_id)
         self.tracker = Tracker(self.run_dir, tracking, rank=self.rank)
         if self.step == 0:
-            from dapo_megatron.config import to_flat_dict
+            from dapo_megatron.config.loader import to_flat_dict
 
             self.tracker.log_params(to_flat_dict(cfg))
             for split, ds in (("train", self.train_data), ("val", self.val_data)):
@@ -299,6 +389,8 @@ class DAPOTrainer:
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict[str, float]:
+        """One DAPO step (docs/design.md §1); collective. Advances ``self.step`` and returns
+        the step's metrics ``{name: float}`` (rank 0's are the ones logged)."""
         from dapo_megatron.algorithms import compute_group_advantages
         from dapo_megatron.rollout.buffer import logprob_mismatch_metrics
 
@@ -332,6 +424,13 @@ class DAPOTrainer:
         t0 = time.perf_counter()
         self._old_logprobs(samples)
         metrics.update(logprob_mismatch_metrics(samples))
+        # the surplus groups carried over from the last step (first in `groups`) were sampled by the
+        # previous policy; only the groups generated in this step measure the weight sync, so the
+        # "_fresh" gap is ~fp32 round-off when the engine holds the actor's weights
+        fresh = [s for g in groups[int(rollout_metrics["rollout/surplus_in"]):] for s in g.samples]
+        if fresh:
+            metrics.update({k.replace("logprob_diff", "logprob_diff_fresh"): v
+                            for k, v in logprob_mismatch_metrics(fresh).items()})
         timing["old_logprob"] = time.perf_counter() - t0
 
         # 6. ppo_epochs × mini-batches of ppo_mini_batch_size groups
@@ -431,6 +530,8 @@ class DAPOTrainer:
 
     # ------------------------------------------------------------------ checkpoint
     def save(self) -> None:
+        """Write the checkpoint of ``self.step`` (atomic, :func:`~dapo_megatron.checkpointing.save_checkpoint`);
+        collective."""
         from dapo_megatron.bridge.dist_ckpt import write_model_meta
         from dapo_megatron.checkpointing import save_checkpoint
 
@@ -458,6 +559,13 @@ class DAPOTrainer:
                          f"[prompt] {self._decode(s.prompt_ids)}\n[response] {self._decode(s.response_ids)}\n")
         self.tracker.log_text("\n".join(lines), f"samples/step_{self.step:06d}.txt")
 
+    def _validate_and_report(self) -> dict[str, float]:
+        """:meth:`validate`, and its overall scores as one log line on rank 0."""
+        metrics = self.validate()
+        overall = " ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k.count("/") == 1)
+        logger.info("step %d validation: %s", self.step, overall)
+        return metrics
+
     # ------------------------------------------------------------------ loop
     def fit(self) -> dict[str, float]:
         """Train until ``trainer.total_training_steps``; returns the last step's metrics."""
@@ -465,11 +573,13 @@ class DAPOTrainer:
         last: dict[str, float] = {}
         try:
             if self.step == 0 and t.val_before_train and t.test_freq > 0:
-                self.tracker.log_metrics(self.validate(), step=0)
+                val = self._validate_and_report()
+                self.tracker.log_metrics(val, step=0)
+                self.progress.update(0, val)
             while self.step < t.total_training_steps:
                 metrics = self.train_step()
                 if t.test_freq > 0 and (self.step % t.test_freq == 0 or self.step == t.total_training_steps):
-                    metrics.update(self.validate())
+                    metrics.update(self._validate_and_report())
                 self.tracker.log_metrics(metrics, step=self.step)
                 self._log_samples(self._last_samples)
                 if t.save_freq > 0 and (self.step % t.save_freq == 0 or self.step == t.total_training_steps):

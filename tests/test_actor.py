@@ -26,17 +26,19 @@ def _actor_cfg(tis_cap=None):
     return ActorConfig(ppo_max_token_len_per_gpu=64, tis_cap=tis_cap, optim=o)
 
 
-def _load_full_weights(model, full_sd, cfg):
-    """Copy TP=1/PP=1 weights into this rank's TP shard / PP stage (Megatron layouts).
+def _local_shards(model, full_sd, cfg):
+    """name -> the slice of the TP=1/PP=1 tensor ``full_sd[...]`` that this rank's parameter
+    ``name`` holds (Megatron layouts).
 
     QKV rows are grouped per query group, so TP takes contiguous row blocks; the
     gated fc1 is [gate; up] and each TP rank holds [gate_r; up_r]; PP stages number
-    their layers locally from 0.
+    their layers locally from 0; the last stage's output layer is the tied embedding.
     """
     from megatron.core import parallel_state as ps
 
     tp, r = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     offset = ps.get_pipeline_model_parallel_rank() * (cfg.num_layers // ps.get_pipeline_model_parallel_world_size())
+    out = {}
     for name, p in model.named_parameters():
         src = name
         if name.startswith("decoder.layers."):
@@ -53,7 +55,21 @@ def _load_full_weights(model, full_sd, cfg):
             else:
                 full = full.chunk(tp, p.partition_dim)[r]
         assert full.shape == p.shape, (name, full.shape, p.shape)
-        p.data.copy_(full)
+        out[name] = full
+    return out
+
+
+def _load_full_weights(model, full_sd, cfg):
+    """Copy TP=1/PP=1 weights into this rank's TP shard / PP stage (see :func:`_local_shards`)."""
+    shards = _local_shards(model, full_sd, cfg)
+    for name, p in model.named_parameters():
+        p.data.copy_(shards[name])
+
+
+def _weight_errors(model, full_sd, cfg):
+    """name -> max |w - w_ref| of this rank's parameters against their slice of ``full_sd``."""
+    shards = _local_shards(model, full_sd, cfg)
+    return {name: float((p.detach() - shards[name]).abs().max()) for name, p in model.named_parameters()}
 
 
 def _full_grads(actor):
@@ -75,16 +91,19 @@ def _full_grads(actor):
 
 
 def _direct_logprobs(model, samples):
-    """Each sequence alone through the bare GPTModel, torch.log_softmax on the real vocabulary."""
-    out = []
+    """Each sequence alone through the bare GPTModel, torch.log_softmax on the real vocabulary:
+    per sample, the logprobs of its response tokens and the entropy (nats) of the full
+    temperature-scaled distribution at each of those positions."""
+    lps, ents = [], []
     with torch.no_grad():
         for s in samples:
             ids = torch.tensor([s.prompt_ids + s.response_ids])
             logits = model(ids, torch.arange(ids.shape[1])[None], None)[0, :, :VOCAB] / TEMPERATURE
-            logp = torch.log_softmax(logits.float(), -1)
             P = len(s.prompt_ids)
-            out.append(logp[P - 1:P - 1 + len(s.response_ids)].gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0])
-    return out
+            logp = torch.log_softmax(logits.double(), -1)[P - 1:P - 1 + len(s.response_ids)]
+            lps.append(logp.gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0].float())
+            ents.append(-(logp.exp() * logp).sum(-1).float())
+    return lps, ents
 
 
 def _mini_batch_samples(seed=5):
@@ -114,7 +133,7 @@ def _reference_worker(out_path):
 
     model, full_sd = reference_model()
     samples = _mini_batch_samples()
-    direct = _direct_logprobs(model, samples)
+    direct, direct_ents = _direct_logprobs(model, samples)
     actor = MegatronActor(model, _actor_cfg(), total_steps=10, vocab_size=VOCAB)
 
     lps, ents = actor.compute_logprobs([samples[:4], samples[4:]], TEMPERATURE, return_entropy=True)
@@ -153,7 +172,12 @@ def _reference_worker(out_path):
     bucket_grads_one = _full_grads(actor)
     actor.plan = default_plan
     step = actor.train_mini_batch([samples], TEMPERATURE, global_num_tokens=int(one["num_tokens"]))
-    torch.save(dict(full_sd=full_sd, samples=samples, direct=direct, lps=lps, ents=ents, one=one, three=three,
+    # the TP=1 optimizer step that the parallel layouts must reproduce
+    stepped_sd = {n: p.detach().clone() for n, p in model.named_parameters()}
+    stepped_lps = actor.compute_logprobs([samples[:4], samples[4:]], TEMPERATURE)
+    torch.save(dict(full_sd=full_sd, samples=samples, direct=direct, direct_ents=direct_ents, lps=lps, ents=ents,
+                    one=one, three=three,
+                    stepped_sd=stepped_sd, stepped_lps=stepped_lps,
                     grads_one=grads_one, grads_three=grads_three, step=step,
                     seq_one=seq_one, seq_three=seq_three, seq_grads_one=seq_grads_one,
                     seq_grads_three=seq_grads_three, ent_one=ent_one, ent_three=ent_three,
@@ -174,11 +198,31 @@ def _rel(a, b):
     return abs(a - b) / max(abs(b), 1e-30)
 
 
+# Weights after one optimizer step against the TP=1 reference. Adam's first update is about
+# lr * sign(grad) = 5e-4 on every element (the largest move of every tensor of the reference
+# is 5.00e-4 to 5.01e-4); fp32 round-off in the gradients moves it by <= 1.6e-6 here (TP=2, elements
+# whose gradient is near Adam's eps), <= 1.6e-7 elsewhere. A wrong or missing gradient
+# reduction moves elements by ~lr.
+STEPPED_WEIGHT_ATOL = 1e-5
+
+
+def test_reference_step_moves_every_weight(reference):
+    """The post-step comparisons below are meaningful: each tensor moved by far more than their bound."""
+    moved = {n: float((reference["stepped_sd"][n] - w).abs().max()) for n, w in reference["full_sd"].items()}
+    assert min(moved.values()) > 40 * STEPPED_WEIGHT_ATOL, moved
+    change = max(float((a - b).abs().max()) for a, b in zip(reference["stepped_lps"], reference["lps"]) if a.numel())
+    assert change > 0.1  # and the logprobs changed by far more than their 1e-5 bound
+
+
 def test_compute_logprobs_equals_direct_forward(reference):
     assert len(reference["lps"]) == 10 and reference["lps"][3].numel() == 0
     for got, ref in zip(reference["lps"], reference["direct"]):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
-    assert all(bool((e > 0).all()) and bool((e <= math.log(VOCAB) + 1e-5).all()) for e in reference["ents"])
+    # entropy of the temperature-scaled distribution over the real vocabulary (padding columns
+    # excluded), against -sum p log p of the direct forward
+    assert [e.shape for e in reference["ents"]] == [e.shape for e in reference["direct_ents"]]
+    for got, ref in zip(reference["ents"], reference["direct_ents"]):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
 
 def test_micro_batch_split_gives_identical_gradient(reference):
@@ -281,6 +325,7 @@ def _dp2_worker(ref_path, out_path):
     fb = actor.forward_backward(mine, TEMPERATURE)
     grads = _full_grads(actor)
     step = actor.train_mini_batch(mine, TEMPERATURE, global_num_tokens=int(ref["one"]["num_tokens"]))
+    weight_errors = _weight_errors(model, ref["stepped_sd"], cfg)
     try:
         actor.train_mini_batch(mine, TEMPERATURE, global_num_tokens=int(ref["one"]["num_tokens"]) - 1)
         wrong_count = "accepted"
@@ -288,7 +333,8 @@ def _dp2_worker(ref_path, out_path):
         wrong_count = str(e)
     local_tokens = sum(len(s.response_ids) for mb in mine for s in mb if not s.loss_mask_zero)
     if dist.get_rank() == 0:
-        torch.save(dict(fb=fb, grads=grads, step=step, wrong_count=wrong_count, local_tokens=local_tokens), out_path)
+        torch.save(dict(fb=fb, grads=grads, step=step, wrong_count=wrong_count, local_tokens=local_tokens,
+                        weight_errors=weight_errors), out_path)
 
 
 @pytest.mark.dist
@@ -305,6 +351,8 @@ def test_dp2_with_uneven_ranks_equals_dp1(reference, tmp_path):
     den = sum(float(g.norm() ** 2) for g in reference["grads_one"].values())
     assert math.sqrt(num / den) < 1e-6
     assert _rel(out["step"]["grad_norm"], reference["step"]["grad_norm"]) < 1e-6
+    worst = max(out["weight_errors"], key=out["weight_errors"].get)  # after the (distributed) optimizer step
+    assert out["weight_errors"][worst] < STEPPED_WEIGHT_ATOL, (worst, out["weight_errors"][worst])
     assert "global_num_tokens" in out["wrong_count"]
 
 
@@ -329,8 +377,11 @@ def _model_parallel_worker(ref_path, out_path, tp, pp):
     samples = ref["samples"]
     lps = actor.compute_logprobs([samples[:5], samples[5:]], TEMPERATURE)
     step = actor.train_mini_batch([samples[:4], samples[4:]], TEMPERATURE)
+    weight_errors = _weight_errors(actor.model_chunks[0].module, ref["stepped_sd"], actor.config)
+    stepped_lps = actor.compute_logprobs([samples[:5], samples[5:]], TEMPERATURE)
     gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, {"lps": lps, "step": step})
+    dist.all_gather_object(gathered, {"lps": lps, "step": step, "weight_errors": weight_errors,
+                                      "stepped_lps": stepped_lps})
     if dist.get_rank() == 0:
         torch.save(gathered, out_path)
 
@@ -338,7 +389,9 @@ def _model_parallel_worker(ref_path, out_path, tp, pp):
 @pytest.mark.dist
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
 def test_tp2_and_pp2_match_tp1(reference, tmp_path, tp, pp):
-    """TP=2 and PP=2 (1F1B, tied embeddings): same loss, grad norm, logprobs."""
+    """TP=2 and PP=2 (1F1B, tied embeddings): same loss, grad norm and logprobs, and after the
+    optimizer step the same weights (each rank's shard / stage, both tied embedding copies at
+    PP=2) and logprobs as TP=1."""
     ref_path = str(tmp_path / "ref.pt")
     torch.save(reference, ref_path)
     out_path = str(tmp_path / "mp.pt")
@@ -350,6 +403,14 @@ def test_tp2_and_pp2_match_tp1(reference, tmp_path, tp, pp):
         assert _rel(r["step"]["loss"], reference["step"]["loss"]) < 1e-5
         assert _rel(r["step"]["grad_norm"], reference["step"]["grad_norm"]) < 1e-5
         assert r["step"]["skipped"] == 0.0
+        # after the optimizer step: every weight (tied embedding copies included) and the logprobs
+        for got, want in zip(r["stepped_lps"], reference["stepped_lps"]):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        worst = max(r["weight_errors"], key=r["weight_errors"].get)
+        assert r["weight_errors"][worst] < STEPPED_WEIGHT_ATOL, (worst, r["weight_errors"][worst])
+    if pp == 2:  # the last stage holds its own copy of the tied embedding: the output layer
+        assert "output_layer.weight" in ranks[1]["weight_errors"]
+        assert "embedding.word_embeddings.weight" in ranks[0]["weight_errors"]
 
 
 def _nan_and_schedule_worker(out_path):
@@ -416,6 +477,6 @@ def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="micro_batch_layout"):
         ActorConfig(micro_batch_layout="sbhd").validate()
     with pytest.raises(ValueError, match="lr_warmup_steps"):
-        OptimConfig(lr_warmup_steps=20).validate(total_steps=20)
+        OptimConfig(lr_warmup_steps=20).check_total_steps(20)
     with pytest.raises(ValueError, match="lr_decay_style"):
-        OptimConfig(lr_decay_style="wsd").validate(total_steps=20)
+        OptimConfig(lr_decay_style="wsd").validate()

@@ -1,4 +1,4 @@
-"""Group-relative advantages: stability on near-constant groups (DESIGN.md section 6)."""
+"""Group-relative advantages: stability on near-constant groups (docs/design.md §3.1)."""
 
 import math
 import statistics

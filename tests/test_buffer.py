@@ -184,8 +184,8 @@ def test_filter_groups_off_keeps_everything():
     assert [g.samples[0].prompt_index for g in out] == [0, 1] and m["rollout/dropped_all_wrong"] == 0
 
 
-@pytest.mark.parametrize("kw,field", [(dict(max_num_gen_batches=0), "max_num_gen_batches"),
-                                      (dict(n=1), "BufferConfig.n"), (dict(filter_metric="std"), "filter_metric"),
+@pytest.mark.parametrize("kw,field", [(dict(max_num_gen_batches=0), "^max_num_gen_batches=0 must be"),
+                                      (dict(n=1), "^n=1: dynamic sampling"), (dict(filter_metric="std"), "filter_metric"),
                                       (dict(on_cap="skip"), "on_cap"), (dict(train_batch_size=0), "train_batch_size")])
 def test_config_validation(kw, field):
     with pytest.raises(ValueError, match=field):
@@ -193,7 +193,7 @@ def test_config_validation(kw, field):
 
 
 def test_bad_generation_batch_rejected():
-    with pytest.raises(ValueError, match="BufferConfig.n=4"):
+    with pytest.raises(ValueError, match="buffer.n=4 requires exactly n"):
         make_buffer().collect(Script([[make_group(0, "CWC")]]))
     with pytest.raises(ValueError, match="gen_batch_size=1"):
         make_buffer(gen_batch_size=1).collect(Script([["CWCW", "CWCW"]]))

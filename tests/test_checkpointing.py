@@ -1,4 +1,4 @@
-"""Trainer checkpointing: exact resume, crash atomicity, per-rank RNG (DESIGN.md §6 "Resume").
+"""Trainer checkpointing: exact resume, crash atomicity, per-rank RNG, the buffer surplus and reader position kept.
 
 The 2-process tests build a tiny GPTModel (dropout on, so RNG matters) with Megatron DDP,
 the distributed optimizer sharded over DP=2 and a warm-up LR scheduler, and compare a

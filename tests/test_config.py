@@ -13,7 +13,7 @@ from dapo_megatron.config import (
     assert_all_documented,
     documented_keys,
     load_config,
-    parse_attribute_docs,
+    field_docs,
     to_flat_dict,
     to_yaml,
 )
@@ -26,18 +26,15 @@ class Precision(enum.Enum):
 
 @dataclass
 class OptimSection:
-    """Optimizer.
-
-    Attributes:
-        lr: peak learning rate.
-        weight_decay: decoupled weight decay
-            (AdamW), continued on a second line.
-        betas: Adam betas.
-    """
+    """Optimizer."""
 
     lr: float = 1e-6
+    """peak learning rate."""
     weight_decay: float = 0.01
+    """decoupled weight decay
+    (AdamW), continued on a second line."""
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    """Adam betas."""
 
     def validate(self):
         if self.lr <= 0:
@@ -46,32 +43,26 @@ class OptimSection:
 
 @dataclass
 class ActorSection:
-    """Actor.
-
-    Attributes:
-        optim: optimizer settings.
-        loss_agg_mode: token-mean (DAPO) or seq-mean-token-mean (GRPO).
-        precision: parameter dtype.
-        ppo_micro_batch_size: micro-batch size in responses, or null for automatic.
-    """
+    """Actor."""
 
     optim: OptimSection = field(default_factory=OptimSection)
+    """optimizer settings."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    """token-mean (DAPO) or seq-mean-token-mean (GRPO)."""
     precision: Precision = Precision.BF16
+    """parameter dtype."""
     ppo_micro_batch_size: Optional[int] = None
+    """micro-batch size in responses, or null for automatic."""
 
 
 @dataclass
 class RunSchema:
-    """Sample root schema.
-
-    Attributes:
-        trainer: loop settings.
-        actor: actor settings.
-    """
+    """Sample root schema."""
 
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """loop settings."""
     actor: ActorSection = field(default_factory=ActorSection)
+    """actor settings."""
 
 
 def _write(tmp_path, data) -> str:
@@ -150,7 +141,7 @@ def test_wrong_type_names_key_expected_type_and_value(tmp_path):
 
 
 def test_validate_runs_in_every_section_and_names_the_dotted_field(tmp_path):
-    with pytest.raises(ValueError, match=r"^actor\.optim\.lr=-1\.0 must be > 0$"):
+    with pytest.raises(ConfigError, match=r"^actor\.optim\.lr=-1\.0 must be > 0$"):
         load_config(RunSchema, None, ["actor.optim.lr=-1.0"])
     with pytest.raises(ValueError, match=r"^trainer\.save_freq=0 must be -1 \(never\) or >= 1"):
         load_config(RunSchema, None, ["trainer.save_freq=0"])
@@ -163,6 +154,69 @@ def test_validate_runs_in_every_section_and_names_the_dotted_field(tmp_path):
     # a TrainerConfig used as the root: no prefix
     with pytest.raises(ValueError, match=r"^seed=-1 must be >= 0$"):
         load_config(TrainerConfig, None, ["seed=-1"])
+
+
+def test_real_schema_errors_begin_once_with_the_dotted_key():
+    """Every section's message names the field relative to it; the loader adds the path once."""
+    from dapo_megatron.config import DAPOConfig
+
+    base = ["model.hf_path=/models/x"]
+    for override, message in [
+        ("buffer.n=1", "buffer.n=1: dynamic sampling (filter_groups) needs n >= 2"),
+        ("buffer.overlong.overlong_buffer_len=30000", "buffer.overlong.overlong_buffer_len=30000 must be <= "
+                                                      "max_response_length=20480"),
+        ("parallel.pipeline_model_parallel_size=0", "parallel.pipeline_model_parallel_size=0 must be >= 1"),
+        ("actor.optim.lr=0.0", "actor.optim.lr=0.0 must be > 0"),
+        ("actor.ppo_epochs=0", "actor.ppo_epochs=0 must be >= 1"),
+        ("rollout.name=vllm", "rollout.name='vllm' must be 'hf' or 'sglang'"),
+        ("data.max_prompt_length=0", "data.max_prompt_length=0 must be a positive int"),
+        ("data.arithmetic.style=poem", "data.arithmetic.style='poem' must be 'plain' or 'word'"),
+        # across sections: 100 steps × 1 epoch × 512/32 mini-batches = 1600 optimizer steps
+        ("actor.optim.lr_warmup_steps=1600", "actor.optim.lr_warmup_steps=1600 must be smaller than the run's "
+                                             "1600 optimizer steps"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            load_config(DAPOConfig, None, [*base, override])
+        assert str(e.value).startswith(message), (override, str(e.value))
+        key = override.split("=")[0]
+        assert str(e.value).count(key.rpartition(".")[0] + ".") == 1, str(e.value)
+    load_config(DAPOConfig, None, [*base, "actor.optim.lr_warmup_steps=1599"])
+
+
+def test_config_errors_prefixes_run_time_checks_once():
+    from dapo_megatron.config import config_errors
+    from dapo_megatron.platform import ParallelConfig
+
+    with pytest.raises(ConfigError, match=r"^parallel\.tensor_model_parallel_size=2 × pipeline_model_parallel_size"
+                                          r"=1 does not divide the world size 3"):
+        with config_errors("parallel"):
+            ParallelConfig(2, 1).check_world_size(3)
+    with pytest.raises(ConfigError, match=r"^parallel\.x=1$"):  # already prefixed: unchanged
+        with config_errors("parallel"):
+            raise ValueError("parallel.x=1")
+
+
+def test_validate_convention_is_enforced():
+    @dataclass
+    class NeedsArgs:
+        a: int = 0
+        """a."""
+
+        def validate(self, world_size):
+            pass
+
+    @dataclass
+    class ReturnsSelf:
+        a: int = 0
+        """a."""
+
+        def validate(self):
+            return self
+
+    with pytest.raises(TypeError, match="NeedsArgs.validate must take no arguments"):
+        load_config(NeedsArgs)
+    with pytest.raises(TypeError, match="ReturnsSelf.validate must return None"):
+        load_config(ReturnsSelf)
 
 
 def test_trainer_config_run_dir_and_resume_path(tmp_path):
@@ -203,73 +257,70 @@ def test_documented_keys_lists_type_default_and_doc():
     assert docs["actor.optim.betas"].type == "list[float]"
     assert docs["actor"].default == "ActorSection" and docs["actor"].doc == "actor settings."
     assert docs["trainer.max_ckpt_to_keep"].doc.startswith("keep only this many newest checkpoints")
-    assert len(docs) == 2 + 10 + 4 + 3  # sections + trainer + actor + optim fields
+    # depth first: each section's key, then its fields in declaration order
+    assert [k for k in docs if not k.startswith("trainer.")] == [
+        "trainer", "actor", "actor.optim", "actor.optim.lr", "actor.optim.weight_decay", "actor.optim.betas",
+        "actor.loss_agg_mode", "actor.precision", "actor.ppo_micro_batch_size"]
+    assert [k for k in docs if k.startswith("trainer.")] == [f"trainer.{n}" for n in TrainerConfig.__dataclass_fields__]
 
 
 def test_assert_all_documented_passes_on_sample_and_lists_gaps():
     assert_all_documented(RunSchema)
     assert_all_documented(TrainerConfig)
+    assert_all_documented(DictSchema)  # a subclass: the base's fields documented by the base's body
 
     @dataclass
     class Inner:
-        """Inner.
-
-        Attributes:
-            a: documented.
-            gone: no longer a field.
-        """
+        """Inner."""
 
         a: int = 0
+        """documented."""
         b: int = 0
+        # a comment is not documentation
 
     @dataclass
     class Outer:
         """Outer.
 
         Attributes:
-            inner: documented section.
+            c: the old Google-style entry no longer documents a key.
         """
 
         inner: Inner = field(default_factory=Inner)
+        """documented section."""
         c: str = ""
 
     with pytest.raises(ValueError) as e:
         assert_all_documented(Outer)
     msg = str(e.value)
-    assert "undocumented keys: inner.b, c" in msg
-    assert "Inner.gone" in msg
+    assert "undocumented keys: inner.b, c." in msg and '"""what it does."""' in msg
 
 
-def test_parse_attribute_docs_stops_at_next_section_and_reads_bases():
+def test_field_docs_read_the_literal_below_each_field_and_the_bases():
+    @dataclass
     class Base:
-        """Base.
+        x: int = 0
+        """from the base."""
+        y: int = 0
+        """replaced below."""
 
-        Attributes:
-            x: from the base.
-        """
-
+    @dataclass
     class Child(Base):
-        """Child.
+        y: int = 1
+        """typed entry
+        continued,   on one line."""
+        z: int = 2
+        w: int = 3
+        """documents w, not z."""
+        LIMIT = 4
+        """not a field: no annotation."""
 
-        Attributes:
-            y (int): typed entry
-                continued.
-            lo, hi: a shared entry.
-            start / end: another shared
-                entry.
-
-        Raises:
-            z: not an attribute.
-        """
-
-    assert parse_attribute_docs(Child) == {
+    assert field_docs(Child) == {
         "x": "from the base.",
-        "y": "typed entry continued.",
-        "lo": "a shared entry.",
-        "hi": "a shared entry.",
-        "start": "another shared entry.",
-        "end": "another shared entry.",
+        "y": "typed entry continued, on one line.",
+        "w": "documents w, not z.",
     }
+    assert field_docs(Base) == {"x": "from the base.", "y": "replaced below."}
 
 
 def test_key_doc_prints_one_line():
@@ -282,30 +333,24 @@ def test_key_doc_prints_one_line():
 # ---------------------------------------------------------------- dict fields: open mappings
 @dataclass
 class ModelSection:
-    """Model.
-
-    Attributes:
-        name: model name.
-        extra: free-form TransformerConfig kwargs.
-        sizes: named integer sizes.
-        tags: optional mapping, None by default.
-    """
+    """Model."""
 
     name: str = "m"
+    """model name."""
     extra: dict[str, Any] = field(default_factory=dict)
+    """free-form TransformerConfig kwargs."""
     sizes: dict[str, int] = field(default_factory=lambda: {"base": 1})
+    """named integer sizes."""
     tags: Optional[dict[str, str]] = None
+    """optional mapping, None by default."""
 
 
 @dataclass
 class DictSchema(RunSchema):
-    """The sample root plus a section holding dict fields.
-
-    Attributes:
-        model: model settings.
-    """
+    """The sample root plus a section holding dict fields."""
 
     model: ModelSection = field(default_factory=ModelSection)
+    """model settings."""
 
 
 def test_dict_field_takes_new_keys_from_yaml_and_overrides(tmp_path):

@@ -1,12 +1,26 @@
-"""PromptStream (DALI CPU pipeline): DP sharding, per-epoch reshuffle, exact resume."""
+"""PromptStream (DALI CPU pipeline): DP sharding, per-epoch reshuffle, exact resume.
+
+The tests that read batches need DALI and skip without it; argument checks, the epoch
+permutation and the missing-install error run everywhere."""
+
+import importlib.util
+import sys
 
 import numpy as np
 import pytest
 
-pytest.importorskip("nvidia.dali", reason="NVIDIA DALI (nvidia-dali-cuda120) is not installed")
+from dapo_megatron.data.dataset import PromptRecord
+from dapo_megatron.data.stream import PromptStream, epoch_permutation
 
-from dapo_megatron.data.dataset import PromptRecord  # noqa: E402
-from dapo_megatron.data.stream import PromptStream, epoch_permutation  # noqa: E402
+
+def _have_dali() -> bool:
+    try:
+        return importlib.util.find_spec("nvidia.dali") is not None
+    except ModuleNotFoundError:  # no `nvidia` namespace package at all
+        return False
+
+
+needs_dali = pytest.mark.skipif(not _have_dali(), reason="NVIDIA DALI (nvidia-dali-cuda120) is not installed")
 
 
 def make_dataset(n):
@@ -17,6 +31,7 @@ def take(stream, steps):
     return [[r.index for r in stream.next_batch()] for _ in range(steps)]
 
 
+@needs_dali
 def test_shards_disjoint_and_cover_each_epoch():
     n, bs, dp = 50, 4, 3  # global batch 12: 4 steps per epoch, 2 prompts unused
     ds = make_dataset(n)
@@ -36,6 +51,7 @@ def test_shards_disjoint_and_cover_each_epoch():
         assert seen == epoch_permutation(n, 5, epoch)[:48].tolist()
 
 
+@needs_dali
 def test_global_batch_independent_of_dp_size():
     ds = make_dataset(40)
     single = PromptStream(ds, 8, 0, 1, seed=3)
@@ -44,6 +60,7 @@ def test_global_batch_independent_of_dp_size():
         assert [r.index for r in single.next_batch()] == sum(([r.index for r in s.next_batch()] for s in pair), [])
 
 
+@needs_dali
 def test_reshuffled_each_epoch_and_reproducible():
     ds = make_dataset(30)
     a = take(PromptStream(ds, 10, seed=11), 9)  # 3 epochs
@@ -56,11 +73,13 @@ def test_reshuffled_each_epoch_and_reproducible():
     assert epochs[0] != epochs[1] and epochs[1] != epochs[2] and epochs[0] != epochs[2]
 
 
+@needs_dali
 def test_no_shuffle_keeps_file_order():
     out = take(PromptStream(make_dataset(9), 3, shuffle=False), 4)
     assert out == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [0, 1, 2]]
 
 
+@needs_dali
 def test_drop_last_false_wraps_and_balances_ranks():
     n, bs, dp = 10, 2, 2  # 3 steps of 4: the last pads with 2 prompts from the epoch start
     ds = make_dataset(n)
@@ -75,6 +94,7 @@ def test_drop_last_false_wraps_and_balances_ranks():
     assert set(seen) == set(range(n))
 
 
+@needs_dali
 @pytest.mark.parametrize("stop", [1, 5, 6, 7, 13])  # mid-epoch, at the epoch boundary, next epoch
 def test_exact_resume_mid_epoch(stop):
     ds = make_dataset(37)
@@ -91,6 +111,7 @@ def test_exact_resume_mid_epoch(stop):
         assert head + tail == full
 
 
+@needs_dali
 def test_resume_with_different_dp_size_same_global_batch():
     ds = make_dataset(40)
     one = PromptStream(ds, 8, 0, 1, seed=2)
@@ -129,9 +150,9 @@ def test_epoch_permutation_properties():
 
 
 def test_missing_dali_gives_install_hint(monkeypatch):
-    import sys
-
-    monkeypatch.setitem(sys.modules, "nvidia.dali", None)  # makes `import nvidia.dali` fail
+    """Runs with or without DALI installed: a None entry in sys.modules makes every
+    `import nvidia.dali` fail, even after DALI was imported by the tests above."""
+    monkeypatch.setitem(sys.modules, "nvidia.dali", None)
     s = PromptStream(make_dataset(4), 2)
     with pytest.raises(ImportError, match="pip install nvidia-dali-cuda120"):
         s.next_batch()

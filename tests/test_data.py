@@ -198,15 +198,17 @@ def test_file_errors(tmp_path, tokenizer):
 
 
 def test_config_validation():
-    with pytest.raises(ValueError, match="max_prompt_length"):
-        DataConfig(max_prompt_length=0)
+    with pytest.raises(ValueError, match="^max_prompt_length=0 must be a positive int"):
+        DataConfig(max_prompt_length=0).validate()
     assert DataConfig(train_files="x.parquet").train_files == ["x.parquet"]
-    with pytest.raises(ValueError, match="operators"):
-        ArithmeticConfig(operators=("^",))
-    with pytest.raises(ValueError, match="min_operand"):
-        ArithmeticConfig(min_operand=5, max_operand=2)
-    with pytest.raises(ValueError, match="template"):
-        ArithmeticConfig(template="Compute {a}.")
+    with pytest.raises(ValueError, match=r"^operators=\('\^',\) has unsupported"):
+        ArithmeticConfig(operators=("^",)).validate()
+    with pytest.raises(ValueError, match="^min_operand=5 must be <= max_operand=2"):
+        ArithmeticConfig(min_operand=5, max_operand=2).validate()
+    with pytest.raises(ValueError, match="^template="):
+        ArithmeticConfig(template="Compute {a}.").validate()
+    with pytest.raises(ValueError, match="^min_operand=5 must be <= max_operand=2"):  # checked before writing
+        generate_problems(3, seed=0, config=ArithmeticConfig(min_operand=5, max_operand=2))
 
 
 # --------------------------------------------------------------------------- arithmetic

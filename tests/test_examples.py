@@ -1,7 +1,7 @@
 """The example configs and launchers: they load, they hold the DAPO paper's settings, and
 the H100 launchers turn their environment into the torchrun command and config overrides.
 
-The paper numbers (arXiv 2503.14476, Section 4.1; DESIGN.md §3) are the specification of
+The paper numbers (arXiv 2503.14476, Section 4.1; docs/design.md §3.6) are the specification of
 the H100 configs, so they are spelled out here independently of the YAML files.
 """
 
@@ -149,7 +149,7 @@ def test_h100_layout_fits_the_model(size, monkeypatch):
 
     cfg = _load(H100[size])
     tp, pp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size
-    cfg.parallel.validate(GPUS[size])
+    cfg.parallel.check_world_size(GPUS[size])
     dp = GPUS[size] // (tp * pp)
     assert cfg.buffer.gen_batch_size % dp == 0
     hf = Qwen2Config(vocab_size=152064, max_position_embeddings=32768, rms_norm_eps=1e-6,
@@ -205,7 +205,7 @@ def test_h100_launcher_passes_env_and_overrides(size, tmp_path, fake_inputs):
     script = os.path.join(REPO, "examples", f"run_dapo_qwen2_5_{size}_h100.sh")
     env = dict(fake_inputs, NNODES="3", NODE_RANK="2", MASTER_ADDR="10.1.2.3", MASTER_PORT="12345",
                RUN_DIR=str(tmp_path / "run"))
-    out = _dry_run(script, tmp_path, env, "trainer.total_training_steps=7", "rollout.val_n=4",
+    out = _dry_run(script, tmp_path, env, "trainer.total_training_steps=70", "rollout.val_n=4",
                    "model.extra_transformer_config.recompute_num_layers=2")
     assert out.returncode == 0, out.stderr
     argv = (tmp_path / "args.txt").read_text().split("\n")
@@ -218,7 +218,7 @@ def test_h100_launcher_passes_env_and_overrides(size, tmp_path, fake_inputs):
     assert printed["data"]["train_files"] == [fake_inputs["TRAIN_FILE"]]
     assert printed["data"]["val_files"] == [fake_inputs["VAL_FILE"]]
     assert printed["trainer"]["default_local_dir"] == str(tmp_path / "run")
-    assert printed["trainer"]["total_training_steps"] == 7 and printed["rollout"]["val_n"] == 4
+    assert printed["trainer"]["total_training_steps"] == 70 and printed["rollout"]["val_n"] == 4
     # a key below the dict field is overridden, its siblings keep the YAML's values
     assert printed["model"]["extra_transformer_config"] == {"recompute_granularity": "full",
                                                             "recompute_method": "uniform", "recompute_num_layers": 2}

@@ -77,11 +77,11 @@ def test_overlong_filter_mask():
 
 def test_overlong_config():
     cfg = OverlongConfig(enable=True, max_response_length=16, overlong_buffer_len=4, penalty_factor=1.0)
-    assert cfg.validate() is cfg
+    assert cfg.validate() is None
     torch.testing.assert_close(cfg.penalty(torch.tensor([12, 14, 20])), torch.tensor([0.0, -0.5, -1.0]))
     off = OverlongConfig(enable=False, max_response_length=16, overlong_buffer_len=4, penalty_factor=1.0)
     assert off.penalty(torch.tensor([100])).tolist() == [0.0]
-    with pytest.raises(ValueError, match="OverlongConfig: overlong_buffer_len"):
+    with pytest.raises(ValueError, match="^overlong_buffer_len=16 must be <= max_response_length=8"):
         OverlongConfig(enable=True, max_response_length=8, overlong_buffer_len=16, penalty_factor=1.0).validate()
-    with pytest.raises(ValueError, match="OverlongConfig.enable"):
+    with pytest.raises(ValueError, match="^enable='yes' must be a bool"):
         OverlongConfig(enable="yes", max_response_length=8, overlong_buffer_len=4, penalty_factor=1.0).validate()

@@ -1,5 +1,5 @@
 """DAPO policy loss: hand-computed values for every mode and clip branch, and the
-token-mean invariance to micro-batching and DP (DESIGN.md sections 3 and 6)."""
+token-mean invariance to micro-batching and DP (docs/design.md §3.4)."""
 
 import math
 import os

@@ -1,5 +1,7 @@
 """Answer extraction and comparison of each grader, run in-process (the sandbox is
-tested in test_rewards_pool.py). Cases cover the fault classes of DESIGN.md section 6."""
+tested in test_rewards_pool.py). Cases cover the extraction faults other RL stacks shipped: answers cut
+off by a last-N-characters window, nested braces in \\boxed{}, \\fbox, thousands separators, a fallback to
+any number in the text, invalid UTF-8."""
 
 import ast
 import pathlib

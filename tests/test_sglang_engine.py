@@ -8,6 +8,7 @@ from (name, dtype, shape) and receives one ``broadcast(src=0)`` per tensor, in o
 the client under test is ``SGLangServerEngine``.
 """
 
+import base64
 import json
 import multiprocessing as mp
 import socket
@@ -190,7 +191,9 @@ def _serve(http_port, ready):
                 for name, dt, shape in zip(req["names"], req["dtypes"], req["shapes"]):
                     t = torch.empty(shape, dtype=dtype_from_name(dt))
                     torch.distributed.broadcast(t, src=0, group=state["group"])
-                    state["received"].append((name, t.float().sum().item(), list(t.shape), dt))
+                    # the raw bytes go back (base64): the client compares them bit for bit
+                    raw = base64.b64encode(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).decode()
+                    state["received"].append((name, raw, list(t.shape), dt))
                 self.reply(200, {"success": True, "message": "ok"})
             elif self.path == "/flush_cache":
                 state["flushes"] += 1
@@ -244,9 +247,11 @@ def test_server_engine_http_generate_and_distributed_weight_sync(sglang_standin)
     assert eng.weight_version == 5
     got = http_post(sglang_standin, "/received", None, timeout=30)
     assert [r[0] for r in got["received"]] == [n for n, _ in tensors], "same metadata order on both sides"
-    for (name, t), (rname, rsum, rshape, rdt) in zip(tensors, got["received"]):
+    for (name, t), (rname, raw, rshape, rdt) in zip(tensors, got["received"]):
         assert rshape == list(t.shape) and rdt == dtype_name(t.dtype)
-        assert abs(rsum - t.float().sum().item()) < 1e-5
+        # bitwise, element by element: a permuted, transposed or re-rounded tensor fails here
+        sent = t.contiguous().view(-1).view(torch.uint8)
+        assert torch.equal(torch.frombuffer(bytearray(base64.b64decode(raw)), dtype=torch.uint8), sent), name
     assert got["flushes"] == 1
 
     # checks before anything is sent: unknown name, wrong shape, never-updated parameter

@@ -251,7 +251,7 @@ def test_plan_resolution_fp8_alignment_and_shared_prompt_support(tmp_path):
         te.replace(shared_prompt="on")
     from dapo_megatron.actor.actor import ActorConfig
 
-    with pytest.raises(ValueError, match="actor.shared_prompt"):
+    with pytest.raises(ValueError, match="^shared_prompt='yes'"):  # the loader prefixes the section
         ActorConfig(shared_prompt="yes").validate()
     # YAML 1.1 reads on / off as booleans: a file or an override still means what it says
     from dapo_megatron.config import DAPOConfig, load_config

@@ -150,6 +150,16 @@ def test_progress_bar_rank0_only(capsys):
     bar.close()
     err = capsys.readouterr().err
     assert "loss=0.5" in err and "other" not in err and "3/4" in err
+    # the default: reward accuracy and reward of the step, and the last validation score, kept
+    bar = ProgressBar(3, rank=0)
+    bar.update(0, {"val/avg@4": 0.125, "val/pass@4": 0.5, "val/aime/avg@4": 0.9})
+    bar.update(1, {"reward/acc_mean": 0.25, "reward/reward_mean": -0.5, "actor/pg_loss": 0.1})
+    postfix = bar._bar.postfix
+    bar.update(2, {"reward/acc_mean": 0.5, "reward/reward_mean": 0.0, "val/avg@4": 0.375})
+    bar.close()
+    assert postfix == "acc=0.25, reward=-0.5, val_avg@4=0.125"
+    err = capsys.readouterr().err
+    assert "acc=0.5, reward=0, val_avg@4=0.375" in err and "pass" not in err and "aime" not in err
     quiet = ProgressBar(4, rank=1)
     quiet.update(2, {"actor/loss": 1.0})
     quiet.close()

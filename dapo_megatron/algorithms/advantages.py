@@ -13,8 +13,19 @@ near-constant group into a blow-up), the std is the unbiased sample std like
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
+
+
+@dataclass
+class AlgorithmConfig:
+    """Advantage estimation (verl ``algorithm.*``)."""
+
+    norm_adv_by_std_in_grpo: bool = True
+    """divide by the group std (DAPO/GRPO); False gives Dr. GRPO's mean-centred advantage."""
+    adv_eps: float = 1e-6
+    """epsilon added to the group std."""
 
 
 def _group_ids(group_index, batch: int, device: torch.device) -> tuple[torch.Tensor, int]:

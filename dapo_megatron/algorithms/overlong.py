@@ -120,29 +120,22 @@ def overlong_filter_mask(truncated: torch.Tensor | Sequence[str]) -> torch.Tenso
 
 @dataclass
 class OverlongConfig:
-    """Soft overlong punishment settings (verl ``reward_model.overlong_buffer``).
-
-    Attributes:
-        enable: apply the penalty (verl ``overlong_buffer.enable``).
-        max_response_length: ``L_max`` in generated tokens (paper: 20,480).
-        overlong_buffer_len: ``L_cache`` in tokens (paper: 4,096; verl ``overlong_buffer.len``).
-        penalty_factor: scale of the penalty (paper: 1.0; verl ``overlong_buffer.penalty_factor``).
-    """
+    """Soft overlong punishment settings (verl ``reward_model.overlong_buffer``)."""
 
     enable: bool = True
+    """apply the penalty (verl ``overlong_buffer.enable``)."""
     max_response_length: int = 20480
+    """``L_max`` in generated tokens (paper: 20,480)."""
     overlong_buffer_len: int = 4096
+    """``L_cache`` in tokens (paper: 4,096; verl ``overlong_buffer.len``)."""
     penalty_factor: float = 1.0
+    """scale of the penalty (paper: 1.0; verl ``overlong_buffer.penalty_factor``)."""
 
-    def validate(self) -> "OverlongConfig":
-        """Check the fields; raise ValueError naming the bad field. Returns self."""
+    def validate(self) -> None:
+        """Check the fields; raise ValueError naming the bad field."""
         if not isinstance(self.enable, bool):
-            raise ValueError(f"OverlongConfig.enable={self.enable!r} must be a bool")
-        try:
-            _validate_lengths(self.max_response_length, self.overlong_buffer_len, self.penalty_factor)
-        except ValueError as err:
-            raise ValueError(f"OverlongConfig: {err}") from None
-        return self
+            raise ValueError(f"enable={self.enable!r} must be a bool")
+        _validate_lengths(self.max_response_length, self.overlong_buffer_len, self.penalty_factor)
 
     def penalty(self, response_length: torch.Tensor) -> torch.Tensor:
         """float32 ``[batch]`` penalty of :func:`soft_overlong_penalty`, zeros when disabled."""

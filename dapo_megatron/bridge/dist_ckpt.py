@@ -86,7 +86,7 @@ def save_model_checkpoint(model_chunks, ckpt_dir: str, hf_config, tokenizer=None
     """Save the model as a torch_dist distributed checkpoint plus its HF config (collective).
 
     Every rank calls it. The launching script must have an ``if __name__ == "__main__":``
-    guard (torch_dist's writer may start worker processes; DESIGN.md §5).
+    guard (torch_dist's writer may start worker processes; docs/design.md §5.2).
 
     Args:
         model_chunks: model (chunks) from ``build_gpt_model``.

@@ -1,8 +1,9 @@
 """Prompt data: DAPO-schema datasets, the arithmetic default task, the DALI prompt stream.
 
+* :mod:`~dapo_megatron.data.schema`: the DAPO row schema, ``DatasetError``,
+  ``read_dapo_rows`` / ``write_dapo_rows`` (parquet/jsonl, every row validated).
 * :mod:`~dapo_megatron.data.dataset`: ``DataConfig``, ``PromptRecord``,
-  ``DatasetError``, ``load_prompt_dataset`` (parquet/jsonl, validation,
-  chat template, length filter), ``resolve_data_files``.
+  ``load_prompt_dataset`` (chat template, length filter), ``resolve_data_files``.
 * :mod:`~dapo_megatron.data.arithmetic`: ``ArithmeticConfig``,
   ``write_arithmetic_dataset`` (the embedded default task).
 * :mod:`~dapo_megatron.data.gsm8k`: GSM8K -> DAPO schema (``tools/prepare_gsm8k.py``).
@@ -14,15 +15,15 @@ _EXPORTS = {
     "ArithmeticConfig": "arithmetic",
     "write_arithmetic_dataset": "arithmetic",
     "DataConfig": "dataset",
-    "DatasetError": "dataset",
-    "DatasetStats": "dataset",
+    "DatasetError": "schema",
+    "DatasetStats": "schema",
     "PromptDataset": "dataset",
     "PromptRecord": "dataset",
     "load_from_config": "dataset",
     "load_prompt_dataset": "dataset",
-    "read_dapo_rows": "dataset",
+    "read_dapo_rows": "schema",
     "resolve_data_files": "dataset",
-    "write_dapo_rows": "dataset",
+    "write_dapo_rows": "schema",
     "PromptStream": "stream",
 }
 

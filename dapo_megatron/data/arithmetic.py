@@ -3,13 +3,12 @@
 ``data_source = "arithmetic"``; the reward grader registered for it accepts a
 response when its LAST integer equals ``reward_model.ground_truth``.
 
-Why this default: DESIGN.md section 5 measured SmolLM2-135M-Instruct at
-temperature 1.0 on "Compute a + b. Reply with just the number." with operands
-1-20 at ~9 % accuracy with 4 of 8 groups mixed (neither all right nor all
-wrong), so DAPO's dynamic sampling keeps groups and the reward has room to rise.
-Harder phrasings ("Answer: N" on the last line) scored 0 of 64. The default
-template and operand range reproduce that regime; operators, range and a word
-problem phrasing are configurable.
+Why this default: DAPO needs a task in the regime where a group of samples is often
+mixed (neither all right nor all wrong): dynamic sampling keeps only those groups, and the
+reward needs room to rise. SmolLM2-135M-Instruct at temperature 1.0 on "Compute a + b.
+Reply with just the number." with operands 1-20 sits there (``python -m
+dapo_megatron.data.probe``; benchmarks/README.md has the figures). Operators, range and a
+word-problem phrasing are configurable.
 
 Generation is deterministic from the seed (``random.Random(seed)``, whose
 ``randint`` stream is stable across CPython 3 versions), and
@@ -24,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from dapo_megatron.data.schema import write_dapo_rows
 
 DATA_SOURCE = "arithmetic"
 DEFAULT_TEMPLATE = "Compute {a} {op} {b}. Reply with just the number."
@@ -41,52 +42,52 @@ WORD_TEMPLATES = {
 
 @dataclass
 class ArithmeticConfig:
-    """Settings of the arithmetic generator (``data.arithmetic.*``).
-
-    Attributes:
-        num_train_problems: rows written for training when ``data.train_files`` is empty.
-        num_val_problems: rows written for validation when ``data.val_files`` is empty.
-        min_operand, max_operand: inclusive operand range (integers). For ``"/"``
-            these bound the divisor and the quotient; the dividend is their product.
-        operators: subset of ``("+", "-", "*", "/")``, drawn uniformly per problem.
-        allow_negative: if False, ``"-"`` orders operands so the answer is >= 0.
-        style: ``"plain"`` (``template``) or ``"word"`` (short story per operator).
-        template: format string with ``{a}``, ``{op}``, ``{b}`` for ``style="plain"``.
-        system_prompt: optional system message put before the user message.
-    """
+    """Settings of the arithmetic generator (``data.arithmetic.*``)."""
 
     num_train_problems: int = 1024
+    """rows written for training when ``data.train_files`` is empty."""
     num_val_problems: int = 64
+    """rows written for validation when ``data.val_files`` is empty."""
     min_operand: int = 1
+    """smallest operand (inclusive). For ``"/"`` the operand range bounds the divisor and the
+    quotient; the dividend is their product."""
     max_operand: int = 20
+    """largest operand (inclusive); see ``min_operand`` for ``"/"``."""
     operators: tuple[str, ...] = ("+",)
+    """subset of ``("+", "-", "*", "/")``, drawn uniformly per problem."""
     allow_negative: bool = False
+    """if False, ``"-"`` orders operands so the answer is >= 0."""
     style: str = "plain"
+    """``"plain"`` (``template``) or ``"word"`` (short story per operator)."""
     template: str = DEFAULT_TEMPLATE
+    """format string with ``{a}``, ``{op}``, ``{b}`` for ``style="plain"``."""
     system_prompt: str | None = None
+    """optional system message put before the user message."""
 
     def __post_init__(self) -> None:
         self.operators = tuple(self.operators)
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the bad field."""
         if not self.operators:
-            raise ValueError("ArithmeticConfig.operators is empty; use e.g. ('+',)")
+            raise ValueError("operators=() is empty; use e.g. ('+',)")
         bad = [op for op in self.operators if op not in OPERATORS]
         if bad:
-            raise ValueError(f"ArithmeticConfig.operators has unsupported {bad}; choose from {OPERATORS}")
+            raise ValueError(f"operators={self.operators!r} has unsupported {bad}; choose from {OPERATORS}")
         if self.min_operand > self.max_operand:
-            raise ValueError(
-                f"ArithmeticConfig.min_operand ({self.min_operand}) > max_operand ({self.max_operand})"
-            )
+            raise ValueError(f"min_operand={self.min_operand} must be <= max_operand={self.max_operand}")
         if "/" in self.operators and self.min_operand <= 0 <= self.max_operand:
-            raise ValueError("ArithmeticConfig: '/' needs a divisor range without 0; set min_operand >= 1")
+            raise ValueError(f"min_operand={self.min_operand}: '/' needs a divisor range without 0; "
+                             "set min_operand >= 1")
         if self.style not in ("plain", "word"):
-            raise ValueError(f"ArithmeticConfig.style must be 'plain' or 'word', got {self.style!r}")
+            raise ValueError(f"style={self.style!r} must be 'plain' or 'word'")
         if self.style == "plain":
             for key in ("{a}", "{b}"):
                 if key not in self.template:
-                    raise ValueError(f"ArithmeticConfig.template must contain {key}, got {self.template!r}")
+                    raise ValueError(f"template={self.template!r} must contain {key}")
         for name in ("num_train_problems", "num_val_problems"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"ArithmeticConfig.{name} must be > 0")
+                raise ValueError(f"{name}={getattr(self, name)} must be > 0")
 
 
 def _solve(a: int, op: str, b: int) -> int:
@@ -113,6 +114,7 @@ def generate_problems(num_problems: int, seed: int, config: ArithmeticConfig | N
     if num_problems <= 0:
         raise ValueError(f"num_problems must be > 0, got {num_problems}")
     cfg = config or ArithmeticConfig()
+    cfg.validate()
     rng = random.Random(seed)
     lo, hi = cfg.min_operand, cfg.max_operand
     problems = []
@@ -177,10 +179,6 @@ def write_arithmetic_dataset(
     Returns:
         ``path``.
     """
-    from dataclasses import replace
-
-    from dapo_megatron.data.dataset import write_dapo_rows
-
     cfg = config or ArithmeticConfig()
     overrides = {
         k: v

@@ -107,7 +107,7 @@ def convert_gsm8k(
     Raises:
         GSM8KFormatError: bad input line. ValueError: ``split_val`` out of range.
     """
-    from dapo_megatron.data.dataset import write_dapo_rows
+    from dapo_megatron.data.schema import write_dapo_rows
 
     pairs = read_gsm8k(input_path)
     if not 0 <= split_val < len(pairs):

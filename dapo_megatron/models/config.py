@@ -37,47 +37,44 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 
 @dataclass
 class ModelConfig:
-    """What to build and how (megatron-core / Megatron-LM argument names where they exist).
-
-    Attributes:
-        hf_path: HF model directory (config.json + safetensors) or a directory holding a
-            GGUF file; ``None`` when the caller passes an HF config object directly.
-        gguf_file: file name of the GGUF inside ``hf_path`` (e.g. SmolLM2's
-            ``SmolLM2-135M-Instruct.Q4_1.gguf``); ``None`` for safetensors.
-        params_dtype: dtype of the Megatron parameters: "float32", "bfloat16" or "float16".
-        make_vocab_size_divisible_by: the embedding/output rows are padded to a multiple
-            of ``make_vocab_size_divisible_by × TP`` (Megatron-LM convention).
-        transformer_impl: "local" (megatron-core modules, works on CPU), "transformer_engine"
-            (TE spec, CUDA only) or "auto" (TE when CUDA and TE are available).
-        fp8: None, "e4m3" or "hybrid" (``TransformerConfig.fp8``); needs TE and CUDA
-            compute capability ≥ 8.9.
-        fp8_recipe: "delayed", "tensorwise", "mxfp8" or "blockwise"
-            (``TransformerConfig.fp8_recipe``), checked against the installed TE version.
-        first_last_layers_bf16: keep the first/last layers out of FP8.
-        num_layers_at_start_in_bf16 / num_layers_at_end_in_bf16: how many.
-        pad_query_groups: when TP does not divide the KV heads (SmolLM2: 3 KV heads at
-            TP=2), add all-zero query groups (q/k/v rows and o_proj columns) up to a multiple
-            of TP. Exact: a zero group's output is multiplied by zero o_proj columns, and its
-            gradients are exactly zero, so it stays zero under AdamW. The bridge adds the
-            groups on import and drops them on export. False: raise instead.
-        query_groups_multiple: pad query groups to a multiple of lcm(TP, this) (set it to the
-            saving run's padded group count to reload a padded checkpoint at another TP).
-        extra_transformer_config: further ``TransformerConfig`` fields, set last (expert use).
-    """
+    """What to build and how (megatron-core / Megatron-LM argument names where they exist)."""
 
     hf_path: Optional[str] = None
+    """HF model directory (config.json + safetensors) or a directory holding a GGUF file; ``None``
+    when the caller passes an HF config object directly."""
     gguf_file: Optional[str] = None
+    """file name of the GGUF inside ``hf_path`` (e.g. SmolLM2's
+    ``SmolLM2-135M-Instruct.Q4_1.gguf``); ``None`` for safetensors."""
     params_dtype: str = "float32"
+    """dtype of the Megatron parameters: "float32", "bfloat16" or "float16"."""
     make_vocab_size_divisible_by: int = 128
+    """the embedding/output rows are padded to a multiple of ``make_vocab_size_divisible_by × TP``
+    (Megatron-LM convention)."""
     transformer_impl: str = "auto"
+    """"local" (megatron-core modules, works on CPU), "transformer_engine" (TE spec, CUDA only) or
+    "auto" (TE when CUDA and TE are available)."""
     fp8: Optional[str] = None
+    """None, "e4m3" or "hybrid" (``TransformerConfig.fp8``); needs TE and CUDA compute capability ≥
+    8.9."""
     fp8_recipe: str = "delayed"
+    """"delayed", "tensorwise", "mxfp8" or "blockwise" (``TransformerConfig.fp8_recipe``), checked
+    against the installed TE version."""
     first_last_layers_bf16: bool = False
+    """keep the first/last layers out of FP8."""
     num_layers_at_start_in_bf16: int = 1
+    """how many first layers stay out of FP8 when ``first_last_layers_bf16``."""
     num_layers_at_end_in_bf16: int = 1
+    """how many last layers stay out of FP8 when ``first_last_layers_bf16``."""
     pad_query_groups: bool = True
+    """when TP does not divide the KV heads (SmolLM2: 3 KV heads at TP=2), add all-zero query groups
+    (q/k/v rows and o_proj columns) up to a multiple of TP. Exact: a zero group's output is
+    multiplied by zero o_proj columns, and its gradients are exactly zero, so it stays zero under
+    AdamW. The bridge adds the groups on import and drops them on export. False: raise instead."""
     query_groups_multiple: Optional[int] = None
+    """pad query groups to a multiple of lcm(TP, this) (set it to the saving run's padded group
+    count to reload a padded checkpoint at another TP)."""
     extra_transformer_config: dict[str, Any] = field(default_factory=dict)
+    """further ``TransformerConfig`` fields, set last (expert use)."""
 
     def torch_dtype(self) -> torch.dtype:
         """``params_dtype`` as a ``torch.dtype``; ValueError naming ``model.params_dtype``."""

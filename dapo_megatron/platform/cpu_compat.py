@@ -1,9 +1,9 @@
-"""Run megatron-core on CPU processes (gloo) when CUDA is absent.
+"""Run megatron-core on CPU processes (gloo) when CUDA is absent (docs/design.md §5.1).
 
-megatron-core assumes a CUDA device in a handful of places. This module patches
+megatron-core 0.16.1 assumes a CUDA device in a handful of places. This module patches
 exactly those, and nothing else, so that the same actor code runs on a 2-core
 laptop (tests, the CPU quick start) and on H100s (where :func:`activate` is a
-no-op). The list was measured with megatron-core 0.16.1 (DESIGN.md §5):
+no-op):
 
 1. ``torch.cuda.current_device()`` returns ``"cpu"``: Megatron passes it as the
    ``device=`` of new tensors (buffers, RoPE, grad buffers).
@@ -19,13 +19,13 @@ no-op). The list was measured with megatron-core 0.16.1 (DESIGN.md §5):
    ``device="cuda"`` (or ``torch.device("cuda", i)``) in tensor factory calls and
    ``.to()`` to CPU, makes ``Tensor.cuda()`` return the tensor itself, and makes
    ``Tensor.type()`` report CPU float tensors as ``torch.cuda.FloatTensor`` (and
-   bf16/fp16 likewise): Megatron's optimizers assert on that string.
+   bf16/fp16 likewise): Megatron's optimizers assert on that string. It reads ``.grad``
+   of a non-leaf tensor without torch's "not a leaf" warning (:func:`_non_leaf_grad`).
 
 5. The gradient-norm kernel: without Apex/TE, megatron-core falls back to
-   ``local_multi_tensor_l2_norm`` (one fp32 ``torch.norm`` per tensor), which on this
-   CPU is off by up to ~1e-4 relative per tensor, and by a shape-dependent amount, so
-   TP=1 and TP=2 reported grad norms differing by 1.3e-5 on SmolLM2 although their
-   gradients agree to 7e-7. :func:`_l2_norm_fp64` accumulates in float64 instead
+   ``local_multi_tensor_l2_norm`` (one fp32 ``torch.norm`` per tensor), whose CPU rounding
+   depends on the tensor's shape, so the same gradients gave different norms at TP=1 and
+   TP=2. :func:`_l2_norm_fp64` accumulates in float64 instead
    (``megatron.core.optimizer.clip_grads.l2_norm_impl``); GPUs keep Apex/TE's kernel.
 
 Items 1-4 do not change numerics: they only choose the device or RNG that
@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import math
 import threading
+import warnings
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -69,6 +70,26 @@ def _cpu_device(device):
     return device
 
 
+_GRAD = torch._C.TensorBase.__dict__["grad"]  # the ``.grad`` descriptor; the mode sees its bound __get__
+
+
+def _non_leaf_grad(getter, args: tuple, kwargs: dict):
+    """``.grad`` of a non-leaf tensor (the getter's own value), without torch's "not a leaf
+    Tensor" UserWarning.
+
+    megatron-core 0.16.1's DistributedOptimizer keeps the shards of fp32 parameters as views
+    (``model_param.view(-1)[start:end]``, non-leaf; distrib_optimizer.py notes the group
+    "throws grad-access warning"), assigns their ``.grad`` by hand and reads it in
+    ``zero_grad`` before the first assignment. Under this mode the warning is attributed to
+    this module's frame, once per rank, for a read that is by design. The value is the
+    getter's: None until megatron assigns a gradient, then that tensor.
+    """
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf",
+                                category=UserWarning)
+        return getter(*args, **kwargs)
+
+
 class _CudaToCpuMode(TorchFunctionMode):
     """Rewrites CUDA placements to CPU inside every torch function call."""
 
@@ -79,6 +100,8 @@ class _CudaToCpuMode(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if func is torch.Tensor.cuda:
             return args[0]
+        if name == "__get__" and getattr(func, "__self__", None) is _GRAD and not args[0].is_leaf:
+            return _non_leaf_grad(func, args, kwargs)
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             dtype = args[0].dtype
             if dtype in _TYPE_NAMES:

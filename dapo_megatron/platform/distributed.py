@@ -23,29 +23,27 @@ from . import cpu_compat
 
 @dataclass
 class ParallelConfig:
-    """Model-parallel layout (Megatron names).
-
-    Attributes:
-        tensor_model_parallel_size: TP degree; divides the world size.
-        pipeline_model_parallel_size: PP degree; TP × PP divides the world size,
-            and DP = world / (TP × PP).
-    """
+    """Model-parallel layout (Megatron names)."""
 
     tensor_model_parallel_size: int = 1
+    """TP degree; divides the world size."""
     pipeline_model_parallel_size: int = 1
+    """PP degree; TP × PP divides the world size, and DP = world / (TP × PP)."""
 
-    def validate(self, world_size: int) -> None:
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming a size below 1."""
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise ``ValueError`` unless TP × PP divides ``world_size`` (the launched processes)."""
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
-        if tp < 1 or pp < 1:
-            raise ValueError(
-                f"parallel.tensor_model_parallel_size={tp} and pipeline_model_parallel_size={pp} "
-                "must both be >= 1"
-            )
         if world_size % (tp * pp) != 0:
             raise ValueError(
-                f"world size {world_size} is not divisible by TP×PP = {tp}×{pp}: launch "
-                f"torchrun with --nproc_per_node a multiple of {tp * pp}, or change "
-                "parallel.tensor_model_parallel_size / pipeline_model_parallel_size"
+                f"tensor_model_parallel_size={tp} × pipeline_model_parallel_size={pp} does not divide "
+                f"the world size {world_size}: launch torchrun with --nproc_per_node a multiple of "
+                f"{tp * pp}, or change the parallel sizes"
             )
 
 
@@ -107,7 +105,8 @@ def init_distributed(
         dist.init_process_group(
             backend="nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s)
         )
-    parallel.validate(dist.get_world_size())
+    parallel.validate()
+    parallel.check_world_size(dist.get_world_size())
     if parallel_state.model_parallel_is_initialized():
         if (
             parallel_state.get_tensor_model_parallel_world_size() != parallel.tensor_model_parallel_size

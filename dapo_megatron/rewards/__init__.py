@@ -9,7 +9,8 @@ MATH with math-verify (:mod:`.math_boxed`), GSM8K (:mod:`.gsm8k`) and the
 embedded arithmetic task (:mod:`.arithmetic`).
 """
 
+from dapo_megatron.rewards.config import RewardConfig
 from dapo_megatron.rewards.pool import TIMEOUT_RESULT, RewardPool, compute_score
 from dapo_megatron.rewards.registry import DATA_SOURCES, resolve_grader
 
-__all__ = ["DATA_SOURCES", "TIMEOUT_RESULT", "RewardPool", "compute_score", "resolve_grader"]
+__all__ = ["DATA_SOURCES", "TIMEOUT_RESULT", "RewardConfig", "RewardPool", "compute_score", "resolve_grader"]

@@ -2,8 +2,11 @@
 verl ``reward_score/gsm8k.py`` strict mode).
 
 Only the ``#### N`` marker counts; a response without it is wrong (no fallback to
-the last number in the text). Commas and a ``$`` sign are removed and the values
-are compared exactly (``72``, ``72.0``, ``72.00`` are equal).
+the last number in the text), and the whole response is searched (verl's
+last-300-characters window drops an answer followed by more text, verl PR #7274).
+Thousands separators (``1,200``, LaTeX ``9{,}500``) and a ``$`` / ``\\$`` sign are
+removed and the values are compared exactly as fractions (``72``, ``72.0``,
+``72.00`` are equal; ``72.0000001`` is not).
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ import re
 
 from dapo_megatron.rewards.text import parse_exact_number
 
-_ANSWER_RE = re.compile(r"####\s*\$?\s*(-?[\d,]*\.?\d+)")
+# a comma (or TeX "{,}") only separates thousands between groups of exactly three digits:
+# "#### 1,2" reads 1, not 12
+_ANSWER_RE = re.compile(r"####\s*(?:\\?\$)?\s*(-?(?:\d{1,3}(?:(?:,|\{,\})\d{3})+(?!\d)|\d+)(?:\.\d+)?|-?\.\d+)")
 
 
 def extract_hash_answer(text: str) -> str | None:
@@ -20,7 +25,7 @@ def extract_hash_answer(text: str) -> str | None:
     matches = _ANSWER_RE.findall(text)
     if not matches:
         return None
-    return matches[-1].replace(",", "")
+    return matches[-1].replace("{,}", "").replace(",", "")
 
 
 def gold_answer(ground_truth: str) -> str:

@@ -9,8 +9,11 @@ deliberate differences from verl:
   can cut the answer line off);
 - ``\\boxed{}`` is unwrapped brace-balanced; thousands separators ``8,000`` and
   ``9{,}500`` are removed; ``\\text{...}`` units after a number are dropped;
-- two answers that are both plain numbers (``0.5``, ``1/2``, ``\\frac{1}{2}``)
-  are compared by exact value as well as by string.
+- two answers that are both exact numbers (``0.5``, ``1/2``, ``\\frac{1}{2}``,
+  ``2^{10}``, ``10!``, ``2\\sqrt{2}``; :func:`~dapo_megatron.rewards.exact.parse_exact`)
+  are compared by exact value as well as by string. A decimal never matches a
+  value it can only approximate (``0.333`` is not ``\\frac{1}{3}``): this grader
+  has no tolerance, as the paper's rule-based reward.
 
 Runs in the calling process without a timeout; grade model text through
 :func:`dapo_megatron.rewards.compute_score` or :class:`~dapo_megatron.rewards.RewardPool`.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import re
 
+from dapo_megatron.rewards import exact
 from dapo_megatron.rewards.text import (
     last_boxed_content,
     parse_exact_number,
@@ -106,7 +110,10 @@ def answers_match(pred: str, gold: str) -> bool:
     if pred == gold:
         return True
     a, b = parse_exact_number(pred), parse_exact_number(gold)
-    return a is not None and b is not None and a == b
+    if a is not None and b is not None:  # plain literals (AIME integers): regex + Fraction, no parser
+        return a == b
+    a, b = exact.parse_exact(pred), exact.parse_exact(gold)
+    return a is not None and b is not None and exact.compare(a, b) is True
 
 
 def grade(solution_str: str, ground_truth: str) -> dict:

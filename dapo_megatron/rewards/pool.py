@@ -1,35 +1,43 @@
 """Sandboxed grading: every grading call runs in a killable worker process with a
 wall-clock timeout.
 
-Why processes and not threads or signals (DESIGN.md section 6): a pathological
+Why processes and not threads or signals (docs/design.md §4): a pathological
 answer (``\\boxed{9^{9^{9^{9^{9}}}}}``) makes sympy compute for hours inside C
 code that no signal or thread can interrupt; ``signal.alarm`` only works on the
 main thread; a timed-out thread-pool task keeps its thread forever. A hung worker
 process is killed (SIGKILL) and replaced, and its item scores -1.
 
-Workers are started with the ``spawn`` (default) or ``forkserver`` context: the
-trainer runs under torchrun with torch threads, and forking such a process is
-unsafe. A spawned child re-imports the launching script as ``__mp_main__``, so
-that script needs an ``if __name__ == "__main__":`` guard (as any torchrun
-entry point should have). Workers ignore SIGINT (the parent decides), limit
-their address space (``memory_limit_mb`` above what they use after import),
-and each grades one item at a time, so one slow item never delays a timeout
-verdict on another.
+Each worker is a fresh interpreter, ``python -m dapo_megatron.rewards.worker``
+(:mod:`dapo_megatron.rewards.worker`), talking JSON lines over its stdin/stdout
+pipes. No Python code runs in a forked copy of the caller (``subprocess``
+execs the new interpreter at once; the trainer runs under torchrun with torch
+threads, and forking such a process is unsafe) and, unlike ``multiprocessing``'s spawn,
+the caller's ``__main__`` is never re-imported: ``compute_score`` works from a
+script without an ``if __name__ == "__main__":`` guard, from ``python -`` on
+stdin and from a notebook. The worker runs with its working directory and
+``PYTHONPATH`` set to the directory holding this ``dapo_megatron`` package, and
+reports the package it imported, so it always grades with the caller's code.
+Workers ignore SIGINT (the parent decides), limit their address space
+(``memory_limit_mb`` above what they use after import), die with the process
+that started them, and each grades one item at a time, so one slow item never
+delays a timeout verdict on another.
 """
 
 from __future__ import annotations
 
 import atexit
 import collections
+import json
 import logging
-import multiprocessing as mp
-import multiprocessing.connection as mp_connection
 import os
-import signal
+import selectors
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Sequence
 
+import dapo_megatron
 from dapo_megatron.rewards.registry import normalize_request
 
 logger = logging.getLogger(__name__)
@@ -41,83 +49,97 @@ def _timeout_result() -> dict:
     return dict(TIMEOUT_RESULT)
 
 
-def _error_result(message: str) -> dict:
+def error_result(message: str) -> dict:
+    """The result of an item that could not be graded (scores -1)."""
     return {"score": -1.0, "acc": False, "pred": None, "error": message[:500]}
 
 
-def _vm_size_bytes() -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmSize:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+def package_dir() -> str:
+    """The real path of the ``dapo_megatron`` package this process imported."""
+    return os.path.dirname(os.path.realpath(dapo_megatron.__file__))
 
 
-def _worker_main(conn, memory_limit_mb: int | None) -> None:
-    """Worker loop: warm up graders, report ready, then grade ``(index, request)`` messages."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from dapo_megatron.rewards import registry
-
-    registry.warmup()
+def _worker_command(memory_limit_mb: int | None) -> list[str]:
+    """argv of one worker process (the test suite swaps it to simulate start-up failures)."""
+    if not sys.executable:
+        raise RuntimeError("RewardPool starts its workers with sys.executable, which is empty in this interpreter")
+    command = [sys.executable, "-m", "dapo_megatron.rewards.worker", "--parent-pid", str(os.getpid())]
     if memory_limit_mb is not None:
-        try:
-            import resource
-
-            current = _vm_size_bytes()
-            if current is not None:
-                limit = current + int(memory_limit_mb) * 1024 * 1024
-                resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-        except (ImportError, ValueError, OSError):  # not Linux, or a hard limit already lower
-            pass
-    conn.send(("ready", os.getpid()))
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            return
-        if message is None:
-            return
-        index, (key, solution, ground_truth) = message
-        try:
-            result = registry.grade_in_process(key, solution, ground_truth)
-        except Exception as err:  # a grader bug or MemoryError on hostile text: score it -1
-            result = _error_result(f"{type(err).__name__}: {err}")
-        try:
-            conn.send((index, result))
-        except (BrokenPipeError, OSError):
-            return
+        command += ["--memory-limit-mb", str(int(memory_limit_mb))]
+    return command
 
 
 class _Worker:
-    def __init__(self, ctx, memory_limit_mb: int | None):
-        parent_conn, child_conn = ctx.Pipe(duplex=True)
-        self.process = ctx.Process(
-            target=_worker_main, args=(child_conn, memory_limit_mb), daemon=True, name="dapo-reward-worker"
+    """One worker process and the parent's end of its two pipes."""
+
+    def __init__(self, memory_limit_mb: int | None):
+        root = os.path.dirname(package_dir())  # the directory that holds dapo_megatron/
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+        self.process = subprocess.Popen(
+            _worker_command(memory_limit_mb),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            cwd=root,  # sys.path[0] of "python -m": the caller's cwd could hold another dapo_megatron
+            env=env,
         )
-        self.process.start()
-        child_conn.close()
-        self.conn = parent_conn
+        self.fd = self.process.stdout.fileno()
+        self.buffer = bytearray()
         self.started_at = time.monotonic()
         self.ready = False
         self.task: int | None = None
         self.deadline = float("inf")
 
+    def send(self, message: dict) -> None:
+        """Write one request line; raises OSError (BrokenPipeError) if the worker is gone."""
+        self.process.stdin.write((json.dumps(message) + "\n").encode("ascii"))
+        self.process.stdin.flush()
+
+    def receive(self) -> list[dict] | None:
+        """Complete messages now readable (call when the selector reports the pipe
+        readable, so ``os.read`` does not block); None at end of stream (the worker died)."""
+        try:
+            chunk = os.read(self.fd, 1 << 16)
+        except OSError:
+            return None
+        if not chunk:
+            return None
+        self.buffer += chunk
+        *lines, rest = self.buffer.split(b"\n")
+        self.buffer = bytearray(rest)
+        return [json.loads(line) for line in lines if line]
+
+    def exit_code(self) -> int | None:
+        try:
+            return self.process.wait(timeout=1)
+        except subprocess.TimeoutExpired:
+            return None
+
     def kill(self) -> None:
-        if self.process.is_alive():
+        if self.process.poll() is None:
             self.process.kill()
-        self.process.join(timeout=5)
-        self.conn.close()
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:  # unkillable (D state): do not hang the caller
+            logger.warning("reward worker %d did not exit after SIGKILL", self.process.pid)
+        self._close_pipes()
 
     def stop(self) -> None:
+        """Close its stdin (the worker's signal to exit), give it a second, then kill it."""
+        self._close_pipes(stdout=False)
         try:
-            self.conn.send(None)
-        except (BrokenPipeError, OSError):
+            self.process.wait(timeout=1)
+        except subprocess.TimeoutExpired:
             pass
-        self.process.join(timeout=1)
         self.kill()
+
+    def _close_pipes(self, stdout: bool = True) -> None:
+        pipes = (self.process.stdin, self.process.stdout) if stdout else (self.process.stdin,)
+        for pipe in pipes:
+            try:
+                pipe.close()
+            except OSError:  # unflushed bytes to a dead worker
+                pass
 
 
 class RewardPool:
@@ -129,11 +151,15 @@ class RewardPool:
             the item is handed to a ready worker, > 0. An item over the limit gets
             ``{"score": -1.0, "acc": False, "pred": None, "timeout": True}`` and its
             worker is killed and replaced.
-        start_method: ``"spawn"`` (default) or ``"forkserver"``; never ``"fork"``.
         memory_limit_mb: address-space headroom per worker above its size after
             importing the graders (Linux ``RLIMIT_AS``); ``None`` disables it. A
             grader that runs out gets a ``MemoryError`` and scores -1.
         startup_timeout_s: how long a new worker may take to import and warm up.
+
+    Workers are ``python -m dapo_megatron.rewards.worker`` processes (see the module
+    docstring): any caller works, with or without a ``__main__`` guard. Linux kills a
+    worker when the thread that started it exits; a pool created in a short-lived
+    thread then replaces its workers on the next :meth:`grade`.
 
     Each result is a dict with ``score`` (float, +1/-1), ``acc`` (bool), ``pred``
     (str or None), plus ``timeout: True`` on timeout or ``error`` (str) when the
@@ -148,7 +174,6 @@ class RewardPool:
         num_workers: int = 2,
         timeout_s: float = 5.0,
         *,
-        start_method: str = "spawn",
         memory_limit_mb: int | None = 4096,
         startup_timeout_s: float = 120.0,
     ):
@@ -156,23 +181,21 @@ class RewardPool:
             raise ValueError(f"num_workers={num_workers!r} must be an int >= 1")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r} must be > 0 seconds")
-        if start_method not in ("spawn", "forkserver"):
-            raise ValueError(
-                f"start_method={start_method!r} must be 'spawn' or 'forkserver' "
-                "(forking a process that holds torch threads is unsafe)"
-            )
         if memory_limit_mb is not None and not memory_limit_mb > 0:
             raise ValueError(f"memory_limit_mb={memory_limit_mb!r} must be > 0 or None")
         self.num_workers = num_workers
         self.timeout_s = float(timeout_s)
         self.memory_limit_mb = memory_limit_mb
         self.startup_timeout_s = float(startup_timeout_s)
-        self._ctx = mp.get_context(start_method)
         self._lock = threading.Lock()
         self._closed = False
         self.num_timeouts = 0  # items that hit the wall-clock limit since construction
         self.num_restarts = 0  # workers killed and replaced since construction
-        self._workers = [_Worker(self._ctx, memory_limit_mb) for _ in range(num_workers)]
+        self._package_dir = package_dir()  # each worker must report the same one
+        self._selector = selectors.DefaultSelector()  # epoll on Linux: no FD_SETSIZE limit
+        self._workers: list[_Worker] = []
+        for _ in range(num_workers):
+            self._start_worker()
 
     # -- public API ---------------------------------------------------------
 
@@ -218,6 +241,7 @@ class RewardPool:
             for worker in self._workers:
                 worker.stop()
             self._workers = []
+            self._selector.close()
 
     def __enter__(self) -> "RewardPool":
         return self
@@ -233,11 +257,19 @@ class RewardPool:
 
     # -- scheduling ---------------------------------------------------------
 
+    def _start_worker(self, index: int | None = None) -> None:
+        worker = _Worker(self.memory_limit_mb)
+        self._selector.register(worker.fd, selectors.EVENT_READ, worker)
+        if index is None:
+            self._workers.append(worker)
+        else:
+            self._workers[index] = worker
+
     def _replace(self, worker: _Worker) -> None:
+        self._selector.unregister(worker.fd)
         worker.kill()
         self.num_restarts += 1
-        index = self._workers.index(worker)
-        self._workers[index] = _Worker(self._ctx, self.memory_limit_mb)
+        self._start_worker(self._workers.index(worker))
 
     def _finish(self, worker: _Worker, results: list, result: dict) -> None:
         if "error" in result:
@@ -271,9 +303,10 @@ class RewardPool:
             for worker in self._workers:
                 if pending and worker.ready and worker.task is None:
                     index = pending.popleft()
+                    key, solution, ground_truth = requests[index]
                     try:
-                        worker.conn.send((index, requests[index]))
-                    except (BrokenPipeError, OSError):
+                        worker.send({"index": index, "key": key, "solution": solution, "ground_truth": ground_truth})
+                    except OSError:  # BrokenPipeError: the worker died while idle
                         pending.appendleft(index)
                         self._replace(worker)
                         continue
@@ -288,34 +321,33 @@ class RewardPool:
                     raise RuntimeError("RewardPool has no workers")
                 break
             wait_s = max(0.0, min(waits))
-            ready_conns = mp_connection.wait([w.conn for w in self._workers], timeout=wait_s)
-            for worker in list(self._workers):
-                if worker.conn not in ready_conns:
-                    continue
-                try:
-                    message = worker.conn.recv()
-                except (EOFError, OSError):
+            for event_key, _ in self._selector.select(timeout=wait_s):
+                worker = event_key.data
+                messages = worker.receive()
+                if messages is None:  # end of stream: the worker died
+                    code = worker.exit_code()
                     if worker.task is not None:
-                        worker.process.join(timeout=1)
-                        code = worker.process.exitcode
                         if attempts[worker.task] < 2:  # the worker may have died before this item
                             pending.appendleft(worker.task)
                             worker.task = None
                         else:
-                            self._finish(worker, results, _error_result(f"grader worker died (exit code {code})"))
+                            self._finish(worker, results, error_result(f"grader worker died (exit code {code})"))
                     elif not worker.ready:
                         raise RuntimeError(
-                            f"reward worker failed to start (exit code {worker.process.exitcode}); "
-                            "does the launching script have an `if __name__ == '__main__':` guard?"
-                        ) from None
+                            f"reward worker exited during start-up (exit code {code}); its error is on stderr above"
+                        )
                     self._replace(worker)
                     continue
-                if message[0] == "ready":
-                    worker.ready = True
-                else:
-                    index, result = message
-                    if index == worker.task:
-                        self._finish(worker, results, result)
+                for message in messages:
+                    if "ready" in message:
+                        if message["package"] != self._package_dir:
+                            raise RuntimeError(
+                                f"reward worker imported dapo_megatron from {message['package']}, "
+                                f"this process from {self._package_dir}"
+                            )
+                        worker.ready = True
+                    elif message["index"] == worker.task:
+                        self._finish(worker, results, message["result"])
             now = time.monotonic()
             for worker in list(self._workers):
                 if worker.task is not None and now >= worker.deadline:

@@ -6,6 +6,7 @@ buckets, the dynamic-sampling buffer and the DP split of a training batch.
 
 from dapo_megatron.rollout.buckets import bucket_metadata, iter_buckets
 from dapo_megatron.rollout.buffer import BufferConfig, RolloutBuffer, logprob_mismatch_metrics
+from dapo_megatron.rollout.config import RolloutConfig
 from dapo_megatron.rollout.dp_split import padding_stats, split_for_dp
 from dapo_megatron.rollout.engine import (
     Completion,
@@ -25,6 +26,7 @@ __all__ = [
     "Group",
     "HFEngine",
     "RolloutBuffer",
+    "RolloutConfig",
     "RolloutEngine",
     "SGLangEngine",
     "SGLangServerEngine",

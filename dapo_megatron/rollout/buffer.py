@@ -49,56 +49,50 @@ class RewardPoolLike(Protocol):
 class BufferConfig:
     """Dynamic-sampling settings (verl ``data`` / ``actor_rollout_ref.rollout`` / ``algorithm.filter_groups``
     names where they exist).
-
-    Attributes:
-        train_batch_size: N, prompt groups per training step (verl ``data.train_batch_size``).
-        n: G, responses per prompt (verl ``rollout.n``); >= 2 when ``filter_groups``
-            (a single response can never have mixed accuracy).
-        gen_batch_size: prompts per generation batch (verl ``data.gen_batch_size``); a
-            ``generate_batch()`` call may return at most this many groups.
-        max_num_gen_batches: cap on generation batches per step, >= 1 (verl's 0 =
-            "unlimited" is NOT accepted: with too hard or too easy data it loops forever).
-        filter_groups: dynamic sampling on (verl ``algorithm.filter_groups.enable``);
-            off keeps every group (GRPO ablation).
-        filter_metric: ``"acc"`` (raw accuracy, default and recommended), ``"score"``
-            (grader score before shaping) or ``"reward"`` (shaped reward).
-        on_cap: ``"error"`` or ``"train_on_kept"`` (see the module docstring).
-        overlong: soft overlong punishment settings (``max_response_length`` should be
-            the rollout ``max_new_tokens``).
-        overlong_filter: mask truncated responses (finish_reason "length") out of the
-            loss: sets ``Sample.loss_mask_zero`` (they still count for their group's
-            advantage statistics).
     """
 
     train_batch_size: int = 512
+    """N, prompt groups per training step (verl ``data.train_batch_size``)."""
     n: int = 16
+    """G, responses per prompt (verl ``rollout.n``); >= 2 when ``filter_groups`` (a single response
+    can never have mixed accuracy)."""
     gen_batch_size: int = 512
+    """prompts per generation batch (verl ``data.gen_batch_size``); a ``generate_batch()`` call may
+    return at most this many groups."""
     max_num_gen_batches: int = 10
+    """cap on generation batches per step, >= 1 (verl's 0 = "unlimited" is NOT accepted: with too
+    hard or too easy data it loops forever)."""
     filter_groups: bool = True
+    """dynamic sampling on (verl ``algorithm.filter_groups.enable``); off keeps every group (GRPO
+    ablation)."""
     filter_metric: str = "acc"
+    """``"acc"`` (raw accuracy, default and recommended), ``"score"`` (grader score before shaping)
+    or ``"reward"`` (shaped reward)."""
     on_cap: str = "error"
+    """``"error"`` or ``"train_on_kept"`` (see the module docstring)."""
     overlong: OverlongConfig = field(default_factory=OverlongConfig)
+    """soft overlong punishment settings (``max_response_length`` should be the rollout
+    ``max_new_tokens``)."""
     overlong_filter: bool = False
+    """mask truncated responses (finish_reason "length") out of the loss: sets
+    ``Sample.loss_mask_zero`` (they still count for their group's advantage statistics)."""
 
-    def validate(self) -> "BufferConfig":
-        """Raise ``ValueError`` naming the bad field; returns self."""
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the bad field (``overlong`` validates itself)."""
         for name in ("train_batch_size", "n", "gen_batch_size", "max_num_gen_batches"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 hint = " (0 = unlimited is not supported: it can loop forever)" if name == "max_num_gen_batches" else ""
-                raise ValueError(f"BufferConfig.{name} must be an int >= 1, got {v!r}{hint}")
+                raise ValueError(f"{name}={v!r} must be an int >= 1{hint}")
         if self.filter_groups and self.n < 2:
-            raise ValueError(f"BufferConfig.n={self.n}: dynamic sampling (filter_groups) needs n >= 2 responses "
+            raise ValueError(f"n={self.n}: dynamic sampling (filter_groups) needs n >= 2 responses "
                              "per prompt, else every group has constant accuracy and is dropped")
         if self.filter_metric not in FILTER_METRICS:
-            raise ValueError(f"BufferConfig.filter_metric={self.filter_metric!r} must be one of {FILTER_METRICS}")
+            raise ValueError(f"filter_metric={self.filter_metric!r} must be one of {FILTER_METRICS}")
         if self.on_cap not in ON_CAP:
-            raise ValueError(f"BufferConfig.on_cap={self.on_cap!r} must be one of {ON_CAP}")
+            raise ValueError(f"on_cap={self.on_cap!r} must be one of {ON_CAP}")
         if not isinstance(self.overlong, OverlongConfig):
-            raise ValueError("BufferConfig.overlong must be a dapo_megatron.algorithms.OverlongConfig")
-        if self.overlong.enable:
-            self.overlong.validate()
-        return self
+            raise ValueError("overlong must be a dapo_megatron.algorithms.OverlongConfig")
 
 
 def _sample_to_dict(s: Sample) -> dict:
@@ -124,7 +118,10 @@ class RolloutBuffer:
     """
 
     def __init__(self, config: BufferConfig, reward_pool: RewardPoolLike, decode: Callable[[list[int]], str]):
-        self.config = config.validate()
+        config.validate()
+        if config.overlong.enable:
+            config.overlong.validate()
+        self.config = config
         self.reward_pool = reward_pool
         self.decode = decode
         self._surplus: list[Group] = []
@@ -152,11 +149,11 @@ class RolloutBuffer:
             raise ValueError(f"generate_batch() call {batch_index} must return a non-empty list of Group")
         if len(groups) > cfg.gen_batch_size:
             raise ValueError(f"generate_batch() call {batch_index} returned {len(groups)} groups, more than "
-                             f"BufferConfig.gen_batch_size={cfg.gen_batch_size}")
+                             f"buffer.gen_batch_size={cfg.gen_batch_size}")
         for g in groups:
             if len(g.samples) != cfg.n:
                 raise ValueError(f"group {g.group_id} of generation batch {batch_index} has {len(g.samples)} "
-                                 f"responses; BufferConfig.n={cfg.n} requires exactly n per prompt")
+                                 f"responses; buffer.n={cfg.n} requires exactly n per prompt")
         return groups
 
     def grade(self, groups: list[Group]) -> None:

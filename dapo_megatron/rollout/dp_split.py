@@ -16,10 +16,21 @@ Algorithm:
      ``use_dynamic_bsz``); a sample longer than the budget gets a micro-batch of its own
      (with a warning);
   3. equal counts: ranks with fewer micro-batches than the maximum split their heaviest
-     splittable micro-batch in two (balanced by tokens) until the counts match.
+     splittable micro-batch in two (balanced by tokens) until the counts match;
+  4. fallback, when a rank of step 1 holds fewer samples than another rank's micro-batch
+     count (e.g. one very long sample alone on a rank): the whole batch is packed
+     first-fit-decreasing, micro-batches are split until their count K is a multiple of
+     ``dp_size`` and whole micro-batches are dealt K / dp_size per rank, heaviest first to
+     the lightest rank with room (token balance within one micro-batch, with a warning).
+     Any plan needs ``dp_size`` equal counts of non-empty micro-batches, so a plan exists iff
+     some multiple of ``dp_size`` lies between the minimum micro-batch count of the batch and
+     the number of samples; the fallback fails only when its first-fit-decreasing count,
+     rounded up to a multiple of ``dp_size``, exceeds the number of samples.
 
-With ``share_prompts`` the unit of steps 1-3 is a prompt's group of samples instead of a
-sample, weighted by the tokens the shared-prompt forward computes (the prompt once).
+With ``share_prompts`` the unit of steps 1-4 is an *item*, a prompt's group of samples,
+weighted by the tokens the shared-prompt forward computes (the prompt once plus every
+response); a group is cut into two items only where it overflows the budget or where a
+split needs it (an item for every rank; a micro-batch holding a single group).
 """
 
 from __future__ import annotations
@@ -35,77 +46,130 @@ def _lengths(samples: Sequence[Sample]) -> list[int]:
     return [s.total_length for s in samples]
 
 
-# An *item* is what the planner places: a list of sample indices that must share a micro-batch,
-# weighted by the tokens it computes. Without shared prompts every sample is its own item
-# (weight prompt + response); with them, the samples of one prompt are one item (weight: the
-# prompt once plus every response), cut into items that fit the budget where needed.
+class _Items:
+    """What the planner places: lists of sample indices that must share a micro-batch, with the
+    tokens each computes. Without shared prompts every sample is its own item (weight prompt +
+    response, item index = sample index); with them, the samples of one prompt form one item
+    (weight: the prompt once plus every response), cut in order into items that fit the budget."""
+
+    def __init__(self, samples: Sequence[Sample], budget: int, share_prompts: bool):
+        self.samples = samples
+        self.items: list[list[int]] = []
+        if not share_prompts:
+            self.items = [[i] for i in range(len(samples))]
+        else:
+            by_prompt: dict[tuple, list[int]] = {}
+            for i, s in enumerate(samples):
+                by_prompt.setdefault(tuple(s.prompt_ids), []).append(i)
+            for idx in by_prompt.values():
+                cur: list[int] = []
+                for i in idx:
+                    if cur and self._weight(cur + [i]) > budget:
+                        self.items.append(cur)
+                        cur = []
+                    cur.append(i)
+                self.items.append(cur)
+        self.weights = [self._weight(it) for it in self.items]
+
+    def _weight(self, item: list[int]) -> int:
+        return len(self.samples[item[0]].prompt_ids) + sum(len(self.samples[i].response_ids) for i in item)
+
+    def split(self, k: int) -> tuple[int, int]:
+        """Cut item ``k`` (>= 2 samples) into two new items, balanced by tokens; their indices."""
+        a, b = _split_in_two(self.items[k], _lengths(self.samples))
+        for part in (sorted(a), sorted(b)):
+            self.items.append(part)
+            self.weights.append(self._weight(part))
+        return len(self.items) - 2, len(self.items) - 1
+
+    def num_samples(self, mbs: list[list[int]]) -> int:
+        return sum(len(self.items[it]) for mb in mbs for it in mb)
+
+    def samples_of(self, mbs: list[list[int]]) -> list[list[int]]:
+        return [sorted(i for it in mb for i in self.items[it]) for mb in mbs]
 
 
-def _prompt_items(samples: Sequence[Sample], budget: int) -> list[list[int]]:
-    """Samples with identical prompt_ids as items, in order of first appearance; a prompt whose
-    responses overflow the budget is cut, in order, into items that fit (each with its prompt)."""
-    by_prompt: dict[tuple, list[int]] = {}
-    for i, s in enumerate(samples):
-        by_prompt.setdefault(tuple(s.prompt_ids), []).append(i)
-    items: list[list[int]] = []
-    for idx in by_prompt.values():
-        cur: list[int] = []
-        for i in idx:
-            if cur and _weight(samples, cur + [i]) > budget:
-                items.append(cur)
-                cur = []
-            cur.append(i)
-        items.append(cur)
-    return items
-
-
-def _weight(samples: Sequence[Sample], item: list[int]) -> int:
-    """Tokens an item computes: its prompt once (all its samples share it) plus every response."""
-    return len(samples[item[0]].prompt_ids) + sum(len(samples[i].response_ids) for i in item)
-
-
-def _balance_ranks(weights: list[int], dp_size: int) -> list[list[int]]:
-    order = sorted(range(len(weights)), key=lambda i: (-weights[i], i))
-    heap = [(0, 0, r) for r in range(dp_size)]  # (tokens, num_items, rank)
+def _balance_ranks(lengths: list[int], dp_size: int) -> list[list[int]]:
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    heap = [(0, 0, r) for r in range(dp_size)]  # (tokens, num_samples, rank)
     ranks: list[list[int]] = [[] for _ in range(dp_size)]
     for i in order:
         tokens, count, r = heapq.heappop(heap)
         ranks[r].append(i)
-        heapq.heappush(heap, (tokens + weights[i], count + 1, r))
+        heapq.heappush(heap, (tokens + lengths[i], count + 1, r))
     return ranks
 
 
-def _pack(indices: list[int], weights: list[int], budget: int) -> list[list[int]]:
+def _pack(indices: list[int], lengths: list[int], budget: int, warn: bool = True) -> list[list[int]]:
     bins: list[list[int]] = []
     loads: list[int] = []
-    for i in sorted(indices, key=lambda i: (-weights[i], i)):
-        if weights[i] > budget:
-            warnings.warn(f"sample {i} has {weights[i]} tokens, more than max_tokens_per_micro_batch={budget}: "
-                          "it gets a micro-batch of its own (raise the budget to avoid memory spikes)")
+    for i in sorted(indices, key=lambda i: (-lengths[i], i)):
+        if lengths[i] > budget:
+            if warn:
+                warnings.warn(f"sample {i} has {lengths[i]} tokens, more than max_tokens_per_micro_batch={budget}: "
+                              "it gets a micro-batch of its own (raise the budget to avoid memory spikes)")
             bins.append([i])
-            loads.append(weights[i])
+            loads.append(lengths[i])
             continue
         for b in range(len(bins)):
-            if loads[b] + weights[i] <= budget:
+            if loads[b] + lengths[i] <= budget:
                 bins[b].append(i)
-                loads[b] += weights[i]
+                loads[b] += lengths[i]
                 break
         else:
             bins.append([i])
-            loads.append(weights[i])
+            loads.append(lengths[i])
     return bins
 
 
-def _split_in_two(mb: list[int], weights: list[int]) -> tuple[list[int], list[int]]:
+def _split_in_two(mb: list[int], lengths: list[int]) -> tuple[list[int], list[int]]:
     a, b, la, lb = [], [], 0, 0
-    for i in sorted(mb, key=lambda i: (-weights[i], i)):
+    for i in sorted(mb, key=lambda i: (-lengths[i], i)):
         if la <= lb:
             a.append(i)
-            la += weights[i]
+            la += lengths[i]
         else:
             b.append(i)
-            lb += weights[i]
+            lb += lengths[i]
     return a, b
+
+
+def _split_heaviest(mbs: list[list[int]], its: _Items) -> bool:
+    """Split the heaviest micro-batch holding >= 2 samples in two, in place (a micro-batch of one
+    group cuts the group into two items); False if none can be."""
+    splittable = [k for k, mb in enumerate(mbs) if len(mb) >= 2 or len(its.items[mb[0]]) >= 2]
+    if not splittable:
+        return False
+    k = max(splittable, key=lambda k: (sum(its.weights[i] for i in mbs[k]), -k))
+    if len(mbs[k]) == 1:
+        a, b = its.split(mbs[k][0])
+        mbs[k:k + 1] = [[a], [b]]
+    else:
+        mbs[k:k + 1] = list(_split_in_two(mbs[k], its.weights))
+    return True
+
+
+def _deal_micro_batches(its: _Items, dp_size: int, budget: int) -> list[list[list[int]]]:
+    """Step 4 of the module docstring: pack the whole batch, split to a multiple of dp_size, deal."""
+    n = len(its.samples)
+    mbs = _pack(list(range(len(its.items))), its.weights, budget, warn=False)
+    total = -(-len(mbs) // dp_size) * dp_size
+    if total > n:
+        raise ValueError(f"the batch of {n} samples needs {len(mbs)} micro-batches of at most "
+                         f"max_tokens_per_micro_batch={budget} tokens (first-fit-decreasing), and no multiple of "
+                         f"dp_size={dp_size} between that and {n} (one non-empty micro-batch per sample at "
+                         "most) lets every rank run the same count; raise the budget or the batch size")
+    while len(mbs) < total:  # fewer micro-batches than samples: one holds >= 2
+        _split_heaviest(mbs, its)
+    per_rank = total // dp_size
+    plan: list[list[list[int]]] = [[] for _ in range(dp_size)]
+    heap = [(0, r) for r in range(dp_size)]  # (tokens, rank) of the ranks with room
+    for mb in sorted(mbs, key=lambda mb: (-sum(its.weights[i] for i in mb), min(mb))):
+        tokens, r = heapq.heappop(heap)
+        plan[r].append(mb)
+        if len(plan[r]) < per_rank:
+            heapq.heappush(heap, (tokens + sum(its.weights[i] for i in mb), r))
+    return plan
 
 
 def split_for_dp(samples: Sequence[Sample], dp_size: int, max_tokens_per_micro_batch: int, *,
@@ -120,8 +184,7 @@ def split_for_dp(samples: Sequence[Sample], dp_size: int, max_tokens_per_micro_b
         share_prompts: the actor encodes a prompt once per micro-batch
             (``actor.shared_prompt``): keep the samples of one prompt (a GRPO group) on one
             rank and in one micro-batch, and count the prompt once in the budget. A group
-            is cut only where it overflows the budget, or where a rank needs more
-            micro-batches (or the batch more items) than whole groups give.
+            is cut only where it overflows the budget, or where a split needs it.
 
     Returns:
         ``plan[rank][micro_batch]`` = sorted list of indices into ``samples``. Every sample
@@ -130,9 +193,13 @@ def split_for_dp(samples: Sequence[Sample], dp_size: int, max_tokens_per_micro_b
         single over-long sample.
 
     Raises:
-        ValueError: ``dp_size`` or the budget < 1; fewer samples than ``dp_size``; or a rank
-            that cannot be cut into as many micro-batches as another rank needs (too few
-            samples), naming both counts.
+        ValueError: ``dp_size`` or the budget < 1; fewer samples than ``dp_size``; or the
+            batch packs into so many micro-batches (first-fit-decreasing) that no multiple of
+            ``dp_size`` fits between that count and the number of samples (step 4), naming
+            both counts.
+
+    Warns:
+        UserWarning: a sample longer than the budget; the step-4 fallback (coarser balance).
     """
     if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
         raise ValueError(f"dp_size must be an int >= 1, got {dp_size!r}")
@@ -143,35 +210,25 @@ def split_for_dp(samples: Sequence[Sample], dp_size: int, max_tokens_per_micro_b
         raise ValueError(f"cannot split {len(samples)} samples over dp_size={dp_size} ranks: every rank needs at "
                          "least one sample; raise train_batch_size * n or lower the DP size")
     budget = max_tokens_per_micro_batch
-    items = _prompt_items(samples, budget) if share_prompts else [[i] for i in range(len(samples))]
-
-    def split_item(k: int) -> None:  # item k -> two items (each keeps its own prompt)
-        a, b = _split_in_two(items[k], _lengths(samples))
-        items[k:k + 1] = [sorted(a), sorted(b)]
-
-    while len(items) < dp_size:  # every rank needs an item: cut the largest group
-        split_item(max(range(len(items)), key=lambda k: (len(items[k]), -k)))
-    weights = [_weight(samples, it) for it in items]
-    plan = [_pack(r, weights, budget) for r in _balance_ranks(weights, dp_size)]
+    its = _Items(samples, budget, share_prompts)
+    while len(its.items) < dp_size:  # every rank needs an item: cut the largest group
+        k = max(range(len(its.items)), key=lambda k: (len(its.items[k]), -k))
+        its.split(k)
+        del its.items[k], its.weights[k]
+    plan = [_pack(r, its.weights, budget) for r in _balance_ranks(its.weights, dp_size)]
     target = max(len(mbs) for mbs in plan)
-    for rank, mbs in enumerate(plan):
-        while len(mbs) < target:
-            splittable = [k for k, mb in enumerate(mbs) if len(mb) >= 2 or len(items[mb[0]]) >= 2]
-            if not splittable:
-                n = sum(len(items[i]) for mb in mbs for i in mb)
-                raise ValueError(f"DP rank {rank} holds {n} samples but every rank needs {target} micro-batches "
-                                 f"(max_tokens_per_micro_batch={max_tokens_per_micro_batch}); raise the budget or "
-                                 "the batch size so each rank has at least as many samples as micro-batches")
-            k = max(splittable, key=lambda k: (sum(weights[i] for i in mbs[k]), -k))
-            if len(mbs[k]) == 1:  # one group alone: cut it into two items
-                a, b = _split_in_two(items[mbs[k][0]], _lengths(samples))
-                items.extend([sorted(a), sorted(b)])
-                weights.extend([_weight(samples, sorted(a)), _weight(samples, sorted(b))])
-                mbs[k:k + 1] = [[len(items) - 2], [len(items) - 1]]
-            else:
-                a, b = _split_in_two(mbs[k], weights)
-                mbs[k:k + 1] = [a, b]
-    return [[sorted(i for it in mb for i in items[it]) for mb in mbs] for mbs in plan]
+    for mbs in plan:
+        while len(mbs) < target and _split_heaviest(mbs, its):
+            pass
+    short = [r for r, mbs in enumerate(plan) if len(mbs) < target]
+    if short:
+        warnings.warn(f"DP rank {short[0]} of the token-balanced split holds {its.num_samples(plan[short[0]])} "
+                      f"samples but another rank needs {target} micro-batches (max_tokens_per_micro_batch="
+                      f"{max_tokens_per_micro_batch}): dealing whole micro-batches to the ranks instead, token "
+                      "balance within one micro-batch")
+        its = _Items(samples, budget, share_prompts)  # afresh: the split above cut some groups
+        plan = _deal_micro_batches(its, dp_size, budget)
+    return [its.samples_of(mbs) for mbs in plan]
 
 
 def padding_stats(samples: Sequence[Sample], plan: list[list[list[int]]], *, pad_to_multiple: int = 1,

@@ -82,7 +82,7 @@ def sample_rows(probs: torch.Tensor, generators: Sequence[torch.Generator]) -> t
     cumulative sum of the row), i.e. ``P(i) = probs[b, i] / sum(probs[b])``; a token of
     probability 0 is never returned. ``torch.multinomial(probs[b], 1, generator=g)`` draws
     from the same distribution but consumes ``V`` exponentials per row (49,152 for
-    SmolLM2): that was 13 % of CPU generation time. A row's token depends only on its own
+    SmolLM2), a visible share of CPU generation time (benchmarks/README.md). A row's token depends only on its own
     probabilities and generator state, never on the other rows.
 
     Args:

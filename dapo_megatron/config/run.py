@@ -1,0 +1,86 @@
+"""The run's root config, :class:`DAPOConfig`: one field per section, checks across sections.
+
+Each section's dataclass lives beside the code it configures; this module only composes
+them into the tree that ``dapo-train`` loads (YAML + dotted overrides).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dapo_megatron.actor.actor import ActorConfig
+from dapo_megatron.algorithms.advantages import AlgorithmConfig
+from dapo_megatron.data.dataset import DataConfig
+from dapo_megatron.models.config import ModelConfig
+from dapo_megatron.platform.distributed import ParallelConfig
+from dapo_megatron.rewards.config import RewardConfig
+from dapo_megatron.rollout.buffer import BufferConfig
+from dapo_megatron.rollout.config import RolloutConfig
+from dapo_megatron.tracking import TrackingConfig
+from dapo_megatron.trainer import TrainerConfig
+
+from .loader import ConfigError, config_errors
+
+__all__ = ["DAPOConfig"]
+
+
+@dataclass
+class DAPOConfig:
+    """The whole run (``dapo-train --config X.yaml key.sub=value``)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """what to train (HF/GGUF path, dtype, Megatron spec, FP8)."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """TP / PP sizes (DP = world / (TP × PP))."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """prompt datasets (DAPO schema; empty = the embedded arithmetic task)."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """generation settings."""
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    """dynamic sampling, batch sizes and overlong shaping."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """advantage estimation."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """PPO/DAPO loss, mini/micro-batching and the optimizer."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """grader pool."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """steps, checkpointing, validation cadence, run directory."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    """MLflow."""
+
+    def validate(self) -> None:
+        """Checks across sections (each section validates itself); messages name every key in full."""
+        if self.model.hf_path is None:
+            raise ValueError("model.hf_path is required: an HF model directory or a directory holding "
+                             "model.gguf_file")
+        if self.buffer.overlong.max_response_length != self.rollout.response_length:
+            raise ValueError(
+                f"buffer.overlong.max_response_length={self.buffer.overlong.max_response_length} must equal "
+                f"rollout.response_length={self.rollout.response_length} (Eq. 13's L_max is the generation budget)"
+            )
+        if self.actor.ppo_mini_batch_size > self.buffer.train_batch_size:
+            raise ValueError(f"actor.ppo_mini_batch_size={self.actor.ppo_mini_batch_size} groups exceeds "
+                             f"buffer.train_batch_size={self.buffer.train_batch_size}")
+        if self.buffer.train_batch_size % self.actor.ppo_mini_batch_size:
+            raise ValueError(f"buffer.train_batch_size={self.buffer.train_batch_size} must be a multiple of "
+                             f"actor.ppo_mini_batch_size={self.actor.ppo_mini_batch_size} (groups)")
+        updates = self.trainer.total_training_steps * self.actor.ppo_epochs * (
+            self.buffer.train_batch_size // self.actor.ppo_mini_batch_size)
+        with config_errors("actor.optim"):  # trainer.total_training_steps × ppo_epochs × mini-batches per step
+            self.actor.optim.check_total_steps(updates)
+
+    def check_world_size(self, world_size: int) -> None:
+        """Raise :class:`ConfigError` unless a launch of ``world_size`` processes fits this run:
+        TP × PP divides it and the DP size divides ``buffer.gen_batch_size`` (each DP rank reads
+        an equal share of every generation batch)."""
+        with config_errors("parallel"):
+            self.parallel.check_world_size(world_size)
+        p = self.parallel
+        dp = world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
+        if self.buffer.gen_batch_size % dp:
+            raise ConfigError(
+                f"buffer.gen_batch_size={self.buffer.gen_batch_size} must be divisible by the DP size {dp} "
+                f"(world size {world_size} / (TP {p.tensor_model_parallel_size} × PP "
+                f"{p.pipeline_model_parallel_size}))"
+            )

@@ -1,0 +1,106 @@
+"""The main job's console: our progress and results; known third-party noise filtered here.
+
+:func:`quiet_third_party` (``dapo-train`` calls it before anything imports megatron-core)
+hides exactly
+
+* the warnings of :data:`KNOWN_BENIGN_WARNINGS`, each matched by category, emitting module
+  and the start of its text, with the reason it is benign, and
+* the INFO records of :data:`QUIET_LOGGERS` (megatron-core's dumps of the DDP and optimizer
+  configs and its list of every parameter of each gradient bucket, 180 lines for
+  SmolLM2; MLflow's "Creating initial MLflow database tables"); their warnings stay.
+
+Every other warning and log record is printed as usual. ``DAPO_SHOW_WARNINGS=1`` in the
+environment turns the filtering off, so the hidden lines are printed again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+SHOW_WARNINGS_ENV = "DAPO_SHOW_WARNINGS"
+
+
+@dataclass(frozen=True)
+class BenignWarning:
+    """One known warning that says nothing the user can act on.
+
+    Attributes:
+        category: its warning class.
+        module: regular expression matched against the emitting module's name.
+        message: regular expression matched at the start of the text (``warnings.filterwarnings``).
+        why: the reason it is safe to hide.
+        cpu_only: hide it only on a machine without CUDA (on a GPU it is advice worth seeing).
+    """
+
+    category: type[Warning]
+    module: str
+    message: str
+    why: str
+    cpu_only: bool = False
+
+
+KNOWN_BENIGN_WARNINGS: tuple[BenignWarning, ...] = (
+    BenignWarning(
+        UserWarning, r"megatron\.core\.", r"Transformer Engine and Apex are not installed",
+        "megatron-core 0.16.1 (optimizer/, clip_grads, fsdp mixed_precision) falls back to its torch "
+        "implementations, which is what a CPU run uses; a GPU without TE should still see it", cpu_only=True),
+    BenignWarning(
+        UserWarning, r"megatron\.core\.models\.", r"Apex is not installed\. Falling back to Torch Norm",
+        "printed at import of the local layer spec; this stack never uses Apex (TE norms on GPU, "
+        "torch norms on CPU)"),
+    BenignWarning(
+        UserWarning, r"megatron\.core\.transformer\.transformer_config", r"full scope is deprecated",
+        "megatron-core 0.16.1's TransformerConfig warns about its own default cuda_graph_scope='full' "
+        "(CUDA graphs are off here)"),
+    BenignWarning(
+        UserWarning, r"megatron\.core\.tensor_parallel\.layers",
+        r"When using async grad allreduce it is recommended to set the environment variable "
+        r"CUDA_DEVICE_MAX_CONNECTIONS",
+        "a CUDA stream-scheduling hint, meaningless on CPU (the GPU launchers and the Docker image set "
+        "CUDA_DEVICE_MAX_CONNECTIONS=1)", cpu_only=True),
+    BenignWarning(
+        FutureWarning, r"torch\.distributed\.c10d_logger",
+        r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
+        "torch 2.13 renamed the collectives megatron-core 0.16.1 calls (distributed/param_and_grad_buffer.py, "
+        "tensor_parallel/mappings.py); the operation is the same"),
+)
+
+# INFO records that are configuration dumps, not progress; WARNING and above still print.
+QUIET_LOGGERS: tuple[str, ...] = ("megatron.core", "mlflow.store.db.utils")
+
+
+def show_warnings(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """True when ``DAPO_SHOW_WARNINGS`` is set to anything but ``""``/``0``/``false``/``no``."""
+    value = (os.environ if environ is None else environ).get(SHOW_WARNINGS_ENV, "")
+    return value.strip().lower() not in ("", "0", "false", "no")
+
+
+def quiet_third_party(on_cpu: Optional[bool] = None, environ: Optional[Mapping[str, str]] = None) -> bool:
+    """Install the filters of this module in this process (idempotent).
+
+    Args:
+        on_cpu: whether this machine has no CUDA (default: ``not torch.cuda.is_available()``);
+            decides the ``cpu_only`` entries.
+        environ: the environment to read ``DAPO_SHOW_WARNINGS`` from (default ``os.environ``).
+
+    Returns:
+        False, installing nothing, when ``DAPO_SHOW_WARNINGS`` asks to see everything.
+    """
+    if show_warnings(environ):
+        return False
+    if on_cpu is None:
+        import torch
+
+        on_cpu = not torch.cuda.is_available()
+    for w in KNOWN_BENIGN_WARNINGS:
+        if on_cpu or not w.cpu_only:
+            warnings.filterwarnings("ignore", message=w.message, category=w.category, module=w.module)
+    for name in QUIET_LOGGERS:
+        logger = logging.getLogger(name)
+        if logger.level < logging.WARNING:  # NOTSET (inherit the root's INFO) included
+            logger.setLevel(logging.WARNING)
+    return True

@@ -1,0 +1,48 @@
+"""The ``rollout.*`` section: generation settings of the training and validation rollouts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RolloutConfig:
+    """Generation settings (verl ``actor_rollout_ref.rollout.*`` names)."""
+
+    name: str = "hf"
+    """rollout engine: "hf" (transformers, CPU default) or "sglang" (GPU, colocated)."""
+    temperature: float = 1.0
+    """sampling temperature of training rollouts (the actor's logprobs use the same temperature)."""
+    top_p: float = 1.0
+    """nucleus mass for training rollouts; keep 1.0 so rollout logprobs match the actor's
+    distribution."""
+    top_k: int = -1
+    """-1 (off) or k."""
+    response_length: int = 20480
+    """max new tokens per response (L_max of the paper's Eq. 13); must equal
+    ``buffer.overlong.max_response_length``."""
+    update_weights_bucket_megabytes: int = 512
+    """bucket size of the weight sync (MiB)."""
+    gpu_memory_utilization: float = 0.5
+    """SGLang ``mem_fraction_static`` (GPU only)."""
+    val_n: int = 32
+    """responses per DISTINCT validation problem (the k of avg@k / pass@k). Rows that are copies of
+    one problem (same data_source, prompt, ground truth) are sampled once as a group of val_n:
+    the AIME 2024 parquet (30 problems × 32 copies) with val_n=32 gives the paper's avg@32 over
+    30 × 32 samples."""
+    val_temperature: float = 1.0
+    """validation sampling temperature (paper: 1.0)."""
+    val_top_p: float = 0.7
+    """validation top-p (paper: 0.7)."""
+    val_max_prompts: int = 0
+    """validate on the first this many distinct problems (0 = all)."""
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the bad field."""
+        if self.name not in ("hf", "sglang"):
+            raise ValueError(f"name={self.name!r} must be 'hf' or 'sglang'")
+        for key in ("response_length", "update_weights_bucket_megabytes", "val_n"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key}={getattr(self, key)!r} must be >= 1")
+        if self.val_max_prompts < 0:
+            raise ValueError(f"val_max_prompts={self.val_max_prompts} must be >= 0 (0 = all)")
