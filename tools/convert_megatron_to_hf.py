@@ -86,9 +86,21 @@ def main(argv=None) -> None:
     meta = read_checkpoint_meta(args.ckpt)
     hf_config = load_checkpoint_hf_config(args.ckpt)
     parallel = init_distributed(ParallelConfig(args.tp, args.pp))
+    # the layer spec of the save when this machine can build it (TE needs CUDA), else the local
+    # spec: both read the same checkpoint keys (bridge.dist_ckpt.write_model_meta)
+    saved_impl = meta.get("transformer_impl", "local")
+    impl = "local"
+    if saved_impl == "transformer_engine":
+        from dapo_megatron.models.config import resolve_transformer_impl
+
+        if resolve_transformer_impl(ModelConfig(transformer_impl="auto")) == "transformer_engine":
+            impl = saved_impl
+        elif int(os.environ.get("RANK", "0")) == 0:
+            print("[convert] the checkpoint was saved with the Transformer Engine spec; loading it with the local "
+                  "spec (no CUDA / TE here): same keys, same weights", flush=True)
     model_cfg = ModelConfig(params_dtype=meta.get("params_dtype", "float32"),
                             make_vocab_size_divisible_by=meta.get("make_vocab_size_divisible_by", 128),
-                            query_groups_multiple=meta.get("num_query_groups"))
+                            query_groups_multiple=meta.get("num_query_groups"), transformer_impl=impl)
     model = build_gpt_model(hf_config, model_cfg, parallel=parallel)
     load_model_checkpoint(model, args.ckpt, strict=True)
     state = export_hf_state_dict(model, parallel=parallel)

@@ -21,8 +21,8 @@ Usage::
   loader reads the model and skips the ``optimizer.*`` entries). It is converted to a
   temporary HF directory by ``tools/convert_megatron_to_hf.py`` (one process, TP=PP=1),
   deleted at exit (``--keep-converted DIR`` keeps it). A checkpoint saved with the
-  Transformer Engine spec must be converted where TE is installed (its parameter names
-  differ from the local spec's). A run directory is rejected: name one of its
+  Transformer Engine spec converts anywhere: both specs write the same checkpoint keys
+  (``bridge.dist_ckpt.write_model_meta``). A run directory is rejected: name one of its
   ``checkpoints/step_<k>``.
 
 Duplicate prompts: DAPO-schema evaluation files often repeat each problem (the AIME 2024
@@ -93,7 +93,8 @@ class EvalConfig:
         tp: SGLang tensor-parallel size (engine "sglang").
         gpu_memory_utilization: SGLang ``mem_fraction_static``.
         dtype: "float32", "bfloat16" or "float16"; None: float32 on CPU, bfloat16 on CUDA.
-        device: "cpu", "cuda", "cuda:1", ... (engine "hf"); None: cuda if available.
+        device: "cpu", "cuda", "cuda:1", ... (engine "hf"); None: this rank's device
+            (``dapo_megatron.platform.device()``: cuda:LOCAL_RANK % GPUs, else cpu).
         batch_size: prompts per ``generate`` call (each with ``n`` samples); 0 = all at once.
         seed: base sampler seed.
         num_workers: grader processes.
@@ -289,7 +290,9 @@ def build_engine(cfg: EvalConfig, hf_dir: str, gguf_file: Optional[str], tokeniz
                             mem_fraction_static=cfg.gpu_memory_utilization, enable_memory_saver=False)
     from dapo_megatron.rollout.hf_engine import HFEngine
 
-    device = cfg.device or ("cuda" if cuda else "cpu")
+    from dapo_megatron.platform import device as rank_device
+
+    device = cfg.device or str(rank_device())
     engine = HFEngine(hf_dir, dtype=getattr(torch, dtype_name), device=device, gguf_file=gguf_file)
     eos = set(engine.eos_token_ids)
     if tokenizer.eos_token_id is not None:

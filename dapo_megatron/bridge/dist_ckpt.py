@@ -6,7 +6,8 @@ Layout of a checkpoint directory::
       metadata.json, common.pt, __*.distcp   megatron.core.dist_checkpointing (torch_dist)
       config.json                            the HF config (the model's architecture)
       tokenizer files                        when a tokenizer was given (export needs only the dir)
-      dapo_megatron.json                     padded vocab, TP/PP, params dtype of the save, format version
+      dapo_megatron.json                     padded vocab, TP/PP, params dtype and layer spec
+                                             (transformer_impl) of the save, format version
 
 The save is atomic: everything is written to ``<ckpt_dir>.tmp`` and renamed at the end,
 so a crashed save never leaves a directory that looks complete.
@@ -55,7 +56,16 @@ def model_sharded_state_dict(model_chunks) -> dict:
 def write_model_meta(ckpt_dir: str, model_chunks, hf_config, tokenizer=None) -> None:
     """Write what makes a torch_dist directory a convertible model checkpoint: the HF config
     (config.json), the tokenizer files (if given) and ``dapo_megatron.json`` (padded vocab,
-    padded query groups, TP/PP and dtype of the save). Rank 0 only; no collective.
+    padded query groups, TP/PP, dtype and ``transformer_impl`` of the save). Rank 0 only; no
+    collective.
+
+    Local and Transformer Engine specs write the same checkpoint keys: megatron-core 0.16.1's
+    local layer spec maps its separate norms to TE's fused names
+    (``gpt_layer_specs.get_gpt_layer_local_spec``: ``sharded_state_dict_keys_map``
+    ``input_layernorm.`` → ``self_attention.linear_qkv.layer_norm_``), TE's
+    ``TEDotProductAttention`` adds no key, and the ``_extra_state`` objects (TE's FP8 scaling
+    metadata; ``None`` for local layers, whose ``set_extra_state`` ignores it) hold no
+    weights. So a checkpoint of either spec loads into a model of either spec.
 
     :func:`save_model_checkpoint` calls it, and so does the trainer for its own checkpoints
     (``dapo_megatron.checkpointing``), which then convert with the same tools.
@@ -72,6 +82,9 @@ def write_model_meta(ckpt_dir: str, model_chunks, hf_config, tokenizer=None) -> 
         "pipeline_model_parallel_size": model.config.pipeline_model_parallel_size,
         "num_model_chunks": len(_as_list(model_chunks)),
         "num_query_groups": model.config.num_query_groups,
+        # the layer spec of the save ("local" / "transformer_engine"): the converter builds the
+        # same one where it can (TE needs CUDA); both write the same checkpoint keys
+        "transformer_impl": getattr(model, "transformer_impl", "local"),
     }
     model_cfg = getattr(model, "model_cfg", None)
     if model_cfg is not None:

@@ -215,7 +215,7 @@ def _gather_tp(param: torch.Tensor, split: str, parallel: ParallelDims) -> list[
     local = param.detach().contiguous()
     group = parallel.tp_group
     if dist.get_backend(group) == "nccl":
-        out = torch.empty((tp_size, *local.shape), dtype=local.dtype, device=local.device)
+        out = local.new_empty((tp_size, *local.shape))  # on the parameter's device, as NCCL needs
         dist.all_gather_into_tensor(out, local, group=group)
         return list(out.unbind(0))
     shards = [torch.empty_like(local) for _ in range(tp_size)]
@@ -263,7 +263,7 @@ def iter_hf_weights(
     plan = _export_plan(layout, params, parallel)
     pp_size, pp_rank, pp_group, pp_ranks = parallel.pp_size, parallel.pp_rank, parallel.pp_group, parallel.pp_ranks
     any_param = next(iter(params.values()))
-    dtype, device = any_param.dtype, any_param.device
+    dtype = any_param.dtype
     elem = torch.empty((), dtype=dtype).element_size()
 
     buckets: list[list[_Entry]] = []
@@ -296,7 +296,8 @@ def iter_hf_weights(
                 flat = torch.cat([t.reshape(-1) for _, t in named]) if len(named) > 1 else named[0][1].reshape(-1)
                 flat = flat.contiguous()
             else:
-                flat = torch.empty(total, dtype=dtype, device=device)
+                # the owner broadcasts a buffer on its parameters' device: allocate on the same one
+                flat = any_param.new_empty(total)
             dist.broadcast(flat, src=pp_ranks[owner], group=pp_group)
             named, offset = [], 0
             for entry in bucket:

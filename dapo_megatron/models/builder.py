@@ -90,7 +90,8 @@ def build_gpt_model(
         ``share_embeddings_and_output_weights`` = ``hf_config.tie_word_embeddings`` (with
         PP > 1 megatron-core keeps a copy on the last stage, synchronised through the
         embedding group), RoPE from :func:`gpt_rope_kwargs`. The HF config is attached
-        as ``model.hf_config`` and the real vocab size as ``model.real_vocab_size``.
+        as ``model.hf_config``, the real vocab size as ``model.real_vocab_size`` and the layer
+        spec it was built with as ``model.transformer_impl``.
 
     Raises:
         ValueError: see :func:`hf_to_transformer_config`; ``vp_stage`` without
@@ -125,4 +126,5 @@ def build_gpt_model(
     model.hf_config = hf_config
     model.real_vocab_size = hf_config.vocab_size
     model.model_cfg = model_cfg
+    model.transformer_impl = resolve_transformer_impl(model_cfg)  # "local" / "transformer_engine", as built
     return model

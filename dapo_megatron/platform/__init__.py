@@ -2,17 +2,27 @@
 
 from .cpu_compat import activate as activate_cpu_compat
 from .launch import spawn
-from .distributed import ParallelConfig, destroy_distributed, device, free_port, init_distributed
+from .distributed import (
+    ParallelConfig,
+    collective_device,
+    destroy_distributed,
+    device,
+    free_port,
+    init_distributed,
+    local_device_index,
+)
 from .parallel_dims import ParallelDims, rollout_groups
 
 __all__ = [
     "ParallelConfig",
     "ParallelDims",
     "activate_cpu_compat",
+    "collective_device",
     "destroy_distributed",
     "device",
     "free_port",
     "init_distributed",
+    "local_device_index",
     "rollout_groups",
     "spawn",
 ]

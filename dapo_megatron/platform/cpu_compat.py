@@ -151,8 +151,11 @@ def _patch_megatron_rng() -> None:
 def _l2_norm_fp64(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
     """Drop-in for ``megatron.core.utils.local_multi_tensor_l2_norm`` (same arguments,
     same ``([norm] float32, None)`` result) that accumulates squares in float64."""
-    total = sum(float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2 for tl in tensor_lists for t in tl)
-    return torch.tensor([math.sqrt(total)], dtype=torch.float32), None
+    tensors = [t for tl in tensor_lists for t in tl]
+    total = sum(float(torch.linalg.vector_norm(t, dtype=torch.float64)) ** 2 for t in tensors)
+    # on the gradients' device, like the fused kernel: megatron all-reduces it over the DP group
+    ref = tensors[0] if tensors else noop_flag
+    return ref.new_tensor([math.sqrt(total)], dtype=torch.float32), None
 
 
 def _patch_megatron_grad_norm() -> None:

@@ -64,11 +64,53 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def local_device_index() -> int:
+    """CUDA device index of this rank: ``LOCAL_RANK % torch.cuda.device_count()``.
+
+    Under torchrun every process of a node sees all its GPUs and ``LOCAL_RANK`` picks
+    one. Under Slurm with one GPU per task (``CUDA_VISIBLE_DEVICES`` holds that GPU only)
+    ``device_count()`` is 1 while ``LOCAL_RANK`` still counts the node's tasks, so the
+    index is 0 on every rank, not ``LOCAL_RANK`` (an invalid device ordinal).
+
+    Raises:
+        RuntimeError: no CUDA device is visible.
+    """
+    count = torch.cuda.device_count()
+    if count < 1:
+        raise RuntimeError("local_device_index: no CUDA device is visible to this process "
+                           "(check CUDA_VISIBLE_DEVICES and the container's --gpus flag)")
+    return int(os.environ.get("LOCAL_RANK", "0")) % count
+
+
 def device() -> torch.device:
-    """The device this rank computes on: ``cuda:LOCAL_RANK`` or ``cpu``."""
+    """The device this rank computes on: ``cuda:<local_device_index()>``, or ``cpu``.
+
+    Every choice of a CUDA device in the package goes through here (the actor, the
+    colocated engines' GPU, ``torch.cuda.set_device``), so they all agree.
+    """
     if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        return torch.device("cuda", local_device_index())
     return torch.device("cpu")
+
+
+def group_backend(group=None) -> str:
+    """The backend name of ``group`` (``None``: the default group), e.g. ``"nccl"`` / ``"gloo"``."""
+    return str(dist.get_backend(group)).lower()
+
+
+def collective_device(group=None) -> torch.device:
+    """The device of every tensor this package hands to a collective over ``group``.
+
+    NCCL moves CUDA tensors only ("No backend type associated with device type cpu"
+    for a CPU tensor), and they must be on this rank's device; gloo is given CPU tensors
+    here. A tensor built for a collective (counts, metrics, broadcast buffers) is
+    allocated with ``device=collective_device(group)``; tensors that already live on the
+    compute device (parameters, activations) are on it whenever the backend is NCCL,
+    because NCCL is only chosen when CUDA is available (:func:`init_distributed`).
+    ``tests/integration/test_collective_devices.py`` checks every collective of an actor step and a
+    trainer-like flow against this function under an NCCL answer.
+    """
+    return device() if group_backend(group) == "nccl" else torch.device("cpu")
 
 
 def init_distributed(

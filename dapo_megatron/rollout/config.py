@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -36,6 +37,15 @@ class RolloutConfig:
     """validation top-p (paper: 0.7)."""
     val_max_prompts: int = 0
     """validate on the first this many distinct problems (0 = all)."""
+    deterministic: bool = False
+    """SGLang only: launch the engine with ``enable_deterministic_inference``, the only mode in
+    which SGLang honours the per-response sampling seeds, so GPU rollouts repeat exactly; slower
+    generation (PyTorch sampler, batch-invariant kernels, no piecewise CUDA graphs). False: GPU
+    rollouts are not seed-reproducible (the HF engine always is)."""
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    """SGLang only: further ``sglang.Engine`` arguments (``ServerArgs`` fields), e.g.
+    ``load_format: dummy`` (weights are synced from the actor right after start) or
+    ``enable_weights_cpu_backup: true``; every key is checked against SGLang's argument list."""
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the bad field."""
@@ -46,3 +56,10 @@ class RolloutConfig:
                 raise ValueError(f"{key}={getattr(self, key)!r} must be >= 1")
         if self.val_max_prompts < 0:
             raise ValueError(f"val_max_prompts={self.val_max_prompts} must be >= 0 (0 = all)")
+        if self.name != "sglang" and (self.engine_kwargs or self.deterministic):
+            raise ValueError(f"engine_kwargs and deterministic apply to the 'sglang' engine only (name={self.name!r}; "
+                             "the HF engine is always seed-reproducible)")
+        if self.engine_kwargs:
+            from dapo_megatron.rollout.sglang_engine import check_engine_kwargs
+
+            check_engine_kwargs(self.engine_kwargs, key="engine_kwargs")

@@ -26,6 +26,11 @@ from dapo_megatron.rollout.types import Group, Sample
 FINISH_REASONS = ("stop", "length")
 
 
+class InvalidWeightsError(RuntimeError):
+    """``generate`` was called while the engine's weights are not valid (see
+    :attr:`RolloutEngine.weights_valid`)."""
+
+
 @dataclass
 class SamplingParams:
     """Sampling parameters of one ``generate`` call (SGLang / verl names).
@@ -326,6 +331,16 @@ class RolloutEngine(abc.ABC):
     (error naming the ones that were not), then ``weight_version`` becomes ``version``.
     A sync may also be split over several calls with ``finish=False`` (e.g. one per PP
     stage) followed by :meth:`finish_weight_update`.
+
+    Weight validity (:attr:`weights_valid`): the engine knows whether the weights it would
+    generate with are those of :attr:`weight_version`. They are not during a sync (partly
+    loaded) or after an aborted one, after a :meth:`sleep` that released them without a
+    backup (SGLang's ``release_memory_occupation`` unmaps the memory; ``resume`` maps it
+    back without its contents), and before the first sync of an engine started without
+    real weights (SGLang ``load_format="dummy"``). ``generate`` raises
+    :class:`InvalidWeightsError` while they are invalid; a caller re-syncs
+    (``update_weights``) after a :meth:`wake_up` that left them invalid, or sleeps with
+    ``keep_weights=True`` where the weights must survive.
     """
 
     #: bucket size used by ``update_weights`` (bytes); engines may override.
@@ -334,6 +349,7 @@ class RolloutEngine(abc.ABC):
     def __init__(self):
         self._weight_version = 0
         self._tracker: Optional[WeightSyncTracker] = None
+        self._weights_valid = True
 
     # ---- generation ---------------------------------------------------------------
     @abc.abstractmethod
@@ -353,12 +369,30 @@ class RolloutEngine(abc.ABC):
         """
 
     @abc.abstractmethod
-    def sleep(self) -> None:
-        """Free accelerator memory (weights and KV cache) while the actor trains (colocated mode)."""
+    def sleep(self, keep_weights: bool = False) -> None:
+        """Free accelerator memory while the actor trains (colocated mode): the KV cache (and
+        CUDA graphs), and the weights too unless ``keep_weights``. Released weights that the
+        engine cannot restore make :attr:`weights_valid` False until the next sync."""
 
     @abc.abstractmethod
     def wake_up(self) -> None:
-        """Take memory back before generating; weights are those of the last sync."""
+        """Take memory back before generating. The weights are those of the last sync only
+        if :attr:`weights_valid` (check it, and re-sync when it is False)."""
+
+    # ---- weight validity ----------------------------------------------------------
+    @property
+    def weights_valid(self) -> bool:
+        """True when the engine holds the complete weights of :attr:`weight_version`
+        (see the class docstring for when they are not)."""
+        return self._weights_valid
+
+    def _require_valid_weights(self) -> None:
+        """Raise :class:`InvalidWeightsError` unless :attr:`weights_valid` (every ``generate``)."""
+        if not self._weights_valid:
+            raise InvalidWeightsError(
+                f"{type(self).__name__}.generate: the engine's weights are not valid (released by sleep() "
+                "without a backup, or a weight sync is unfinished or was aborted); call update_weights() with "
+                "the full set first")
 
     # ---- weight sync --------------------------------------------------------------
     @property
@@ -410,6 +444,7 @@ class RolloutEngine(abc.ABC):
                                "is unfinished; call finish_weight_update() first")
         if not tracker.in_progress:
             tracker.begin(version)
+        self._weights_valid = False  # partly loaded until finish_weight_update()
 
         def checked():
             for item in named_tensors:
@@ -427,11 +462,13 @@ class RolloutEngine(abc.ABC):
         updated: re-send the full set before generating again."""
         if self._tracker is not None:
             self._tracker.abort()
+        self._weights_valid = False
 
     def finish_weight_update(self) -> int:
         """End the current sync: raise ``RuntimeError`` naming every engine parameter that was
-        never updated; otherwise set and return ``weight_version``."""
+        never updated; otherwise set and return ``weight_version`` (the weights are valid)."""
         version = self._weight_tracker().finish()
         self._on_sync_finished()
         self._weight_version = version
+        self._weights_valid = True
         return version

@@ -189,9 +189,11 @@ class HFEngine(RolloutEngine):
         Raises:
             ValueError: malformed ``prompt_ids`` (empty prompt, id outside the vocabulary).
             RuntimeError: the engine is asleep (call ``wake_up()``).
+            InvalidWeightsError: a weight sync is unfinished or was aborted.
         """
         if self._asleep:
             raise RuntimeError("HFEngine.generate called while asleep; call wake_up() first")
+        self._require_valid_weights()
         validate_prompt_ids(prompt_ids, self.vocab_size)
         if self.num_threads is not None:
             torch.set_num_threads(self.num_threads)
@@ -276,14 +278,16 @@ class HFEngine(RolloutEngine):
         return results
 
     # ---- memory -------------------------------------------------------------------
-    def sleep(self) -> None:
-        """Colocated mode: on CUDA, move the weights to CPU and ``torch.cuda.empty_cache()``
-        so the actor can use the memory (the KV cache lives only inside ``generate``).
-        On CPU there is nothing to free: only the asleep flag is set."""
+    def sleep(self, keep_weights: bool = False) -> None:
+        """Colocated mode: on CUDA, move the weights to CPU (unless ``keep_weights``) and
+        ``torch.cuda.empty_cache()`` so the actor can use the memory (the KV cache lives
+        only inside ``generate``). The weights are kept either way (:attr:`weights_valid`
+        is unchanged). On CPU there is nothing to free: only the asleep flag is set."""
         if self._asleep:
             return
         if self.device.type == "cuda":
-            self.model.to("cpu")
+            if not keep_weights:
+                self.model.to("cpu")
             torch.cuda.empty_cache()
         self._asleep = True
 
@@ -292,7 +296,7 @@ class HFEngine(RolloutEngine):
         if not self._asleep:
             return
         if self.device.type == "cuda":
-            self.model.to(self.device)
+            self.model.to(self.device)  # a no-op when the weights stayed (keep_weights)
         self._asleep = False
 
     @property

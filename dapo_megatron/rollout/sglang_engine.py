@@ -1,27 +1,51 @@
 """SGLang rollout engines (GPU): colocated offline ``sglang.Engine`` and a server mode.
 
-SGLang is imported lazily (it needs CUDA); everything that does not need it — request
-building, response parsing, bucketing, metadata order, error reporting, the HTTP client
-and the weight-update process group — is plain python and tested on CPU
-(``tests/unit/rollout/test_sglang_engine.py``). ``tests/gpu/test_sglang_contract.py`` checks the real
+SGLang is imported lazily (it needs CUDA); everything that does not need it — engine
+arguments, request building, response parsing, bucketing, metadata order, error
+reporting, the memory bookkeeping of sleep / wake, the HTTP client and the weight-update
+process group — is plain python and tested on CPU (``tests/unit/rollout/test_sglang_engine.py``).
+``tests/gpu/test_sglang_contract.py`` and ``tests/gpu/full_image_check.sh`` check the real
 engine on a CUDA machine.
 
-SGLang APIs used (sglang >= 0.5; ``python/sglang/srt/entrypoints/engine.py`` and
-``http_server.py``):
+Versions: written against sglang 0.5.11 (the Docker image's pin); every API below exists
+from 0.5.5 on (setup.py's lower bound; ``cuda_graph`` became a memory tag in 0.5.5,
+``enable_weights_cpu_backup`` / ``enable_deterministic_inference`` / ``sampling_seed``
+in 0.5.3), read in the sources of each release's wheel. Files are those of
+``python/sglang/srt/`` in sglang 0.5.11:
 
+* ``Engine(**kwargs)`` builds ``server_args.ServerArgs(**kwargs)``
+  (``entrypoints/engine.py``): the colocated engine passes ``model_path, dtype, tp_size,
+  mem_fraction_static, enable_memory_saver, base_gpu_id`` (the GPU of this rank: every
+  rank's engine on its own device), ``enable_deterministic_inference`` and the checked
+  ``rollout.engine_kwargs`` (:func:`check_engine_kwargs`).
 * ``Engine.generate(input_ids=[[...]], sampling_params=[{...}], return_logprob=True)`` →
   one dict per row with ``meta_info.output_token_logprobs`` = ``[(logprob, token_id, text)]``
   and ``meta_info.finish_reason`` = ``{"type": "stop" | "length" | "abort", ...}``.
-* ``Engine.update_weights_from_tensor(named_tensors, load_format=None, flush_cache=True)``,
-  ``Engine.flush_cache()``, ``Engine.release_memory_occupation()`` /
-  ``resume_memory_occupation()`` (the engine must be launched with
-  ``enable_memory_saver=True``).
-* HTTP: ``POST /generate`` (same fields), ``POST /init_weights_update_group``
-  (``master_address, master_port, rank_offset, world_size, group_name, backend``),
-  ``POST /update_weights_from_distributed`` (``names, dtypes, shapes, group_name,
-  flush_cache``; the server then receives one ``broadcast(src=0)`` per tensor in the
-  order of ``names``), ``POST /flush_cache``, ``POST /release_memory_occupation``,
-  ``POST /resume_memory_occupation``. Results are ``{"success": bool, "message": str}``.
+* ``Engine.update_weights_from_tensor(named_tensors, load_format=None, flush_cache=True)``
+  → ``(success, message)``; ``Engine.flush_cache()`` → ``FlushCacheReqOutput(success,
+  message)`` (``managers/io_struct.py``); ``Engine.release_memory_occupation(tags)`` /
+  ``resume_memory_occupation(tags)`` → None (``managers/tokenizer_control_mixin.py``).
+* Memory tags (``constants.py``): ``kv_cache``, ``weights``, ``cuda_graph``. Releasing
+  ``weights`` unmaps their memory (``managers/scheduler_update_weights_mixin.py``,
+  ``release_memory_occupation``: ``memory_saver_adapter.pause("weights")``);
+  ``resume`` maps it back WITHOUT its contents unless the engine was launched with
+  ``enable_weights_cpu_backup`` (``model_executor/model_runner.py``: the weights region
+  is created with ``enable_cpu_backup``). Hence :attr:`RolloutEngine.weights_valid`.
+* Sampling seeds: ``sampling_seed`` is honoured only with
+  ``enable_deterministic_inference`` (``sampling/sampling_batch_info.py``: the seed
+  tensor is built only ``if enable_deterministic``; ``layers/sampler.py``). Without it
+  SGLang samples from its own generator: GPU rollouts are NOT seed-reproducible, and
+  ``rollout.deterministic`` is the switch (see :class:`SGLangEngine`).
+* HTTP (``entrypoints/http_server.py``): ``POST /generate`` (same fields) → JSON, errors
+  ``{"error": {"message"}}``; ``POST /init_weights_update_group`` (``master_address,
+  master_port, rank_offset, world_size, group_name, backend``) and ``POST
+  /update_weights_from_distributed`` (``names, dtypes, shapes, group_name, flush_cache``;
+  the server then receives one ``broadcast(src=0)`` per tensor in the order of ``names``)
+  → JSON ``{"success", "message"}`` (400 on failure); ``POST /flush_cache`` → PLAIN TEXT
+  ("Cache flushed..." with 200, the failure message with 400); ``POST
+  /release_memory_occupation`` / ``/resume_memory_occupation`` (``{"tags": [...]}``) →
+  JSON ``null``, errors ``{"error": {"message"}}``. Request validation errors are
+  FastAPI's 422 ``{"detail": [...]}``. :func:`sglang_error_message` reads all of them.
 
 Logprobs: SGLang returns the logprob of each sampled token under its processed sampling
 distribution (temperature applied; with top-p/top-k, see its ``SGLANG_RETURN_ORIGINAL_LOGPROB``
@@ -60,6 +84,79 @@ def _import_sglang():
         raise ImportError("SGLangEngine needs the `sglang` package and a CUDA GPU: pip install -e .[gpu] "
                           "(or use rollout engine 'hf' on CPU)") from err
     return sglang
+
+
+# ---------------------------------------------------------------------------- engine arguments
+#: SGLang's ``--dtype`` choices (``server_args.py``) and the spellings of ``model.params_dtype``.
+_SGLANG_DTYPES = {"auto": "auto", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16",
+                  "fp16": "float16", "half": "float16", "float32": "float32", "fp32": "float32",
+                  "float": "float32"}
+
+#: Engine arguments the engine sets itself, and where the user sets them instead.
+MANAGED_ENGINE_ARGS = {
+    "model_path": "model.hf_path",
+    "dtype": "model.params_dtype",
+    "tp_size": "the engine's tensor parallel size (tp_size)",
+    "mem_fraction_static": "rollout.gpu_memory_utilization",
+    "enable_memory_saver": "enable_memory_saver (needed for sleep / wake_up)",
+    "base_gpu_id": "the GPU of this rank (LOCAL_RANK % torch.cuda.device_count())",
+    "enable_deterministic_inference": "rollout.deterministic",
+}
+
+
+def sglang_dtype(dtype: Any) -> str:
+    """SGLang's ``dtype`` string for a ``torch.dtype`` or a dtype name (``"bf16"`` →
+    ``"bfloat16"``, ``"fp32"`` → ``"float32"``).
+
+    Raises:
+        ValueError: a dtype SGLang does not serve in, naming the accepted spellings.
+    """
+    name = dtype_name(dtype) if isinstance(dtype, torch.dtype) else str(dtype)
+    if name not in _SGLANG_DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not an SGLang dtype; use one of {sorted(_SGLANG_DTYPES)}")
+    return _SGLANG_DTYPES[name]
+
+
+def engine_argument_names() -> tuple[frozenset, str]:
+    """``(names, source)``: the keyword arguments ``sglang.Engine`` accepts.
+
+    The fields of the installed ``sglang.srt.server_args.ServerArgs`` when SGLang imports,
+    else those of the pinned version's source
+    (:data:`dapo_megatron.rollout.sglang_server_args.SERVER_ARGS_FIELDS`).
+    """
+    try:
+        import dataclasses
+
+        from sglang.srt.server_args import ServerArgs
+        import sglang
+
+        return frozenset(f.name for f in dataclasses.fields(ServerArgs)), f"sglang {sglang.__version__} ServerArgs"
+    except Exception:  # not installed, or no CUDA to import it: the pinned list
+        from dapo_megatron.rollout.sglang_server_args import SERVER_ARGS_FIELDS, SGLANG_VERSION
+
+        return SERVER_ARGS_FIELDS, f"sglang {SGLANG_VERSION} ServerArgs (pinned list)"
+
+
+def check_engine_kwargs(engine_kwargs: Optional[dict], key: str = "rollout.engine_kwargs") -> dict:
+    """Check extra ``sglang.Engine`` arguments; returns them as a plain dict.
+
+    Raises:
+        ValueError: a key the engine sets itself (naming the setting to use instead), or a
+            key that is no ``sglang.Engine`` argument (with close names), naming ``key.<name>``.
+    """
+    import difflib
+
+    kwargs = dict(engine_kwargs or {})
+    names, source = engine_argument_names()
+    for name in kwargs:
+        if name in MANAGED_ENGINE_ARGS:
+            raise ValueError(f"{key}.{name} is set by dapo-megatron from {MANAGED_ENGINE_ARGS[name]}; remove it")
+        if name not in names:
+            close = difflib.get_close_matches(name, sorted(names), n=3)
+            raise ValueError(f"{key}.{name} is not an sglang.Engine argument (a field of {source})"
+                             + (f"; did you mean {', '.join(close)}?" if close else "")
+                             + "; see `python -m sglang.launch_server --help` for the list")
+    return kwargs
 
 
 # ---------------------------------------------------------------------------- requests
@@ -150,10 +247,16 @@ def parse_generate_output(outputs: Any, num_prompts: int, n: int) -> GenerationO
 
 
 def check_result(result: Any, what: str) -> None:
-    """Raise ``RuntimeError`` when an SGLang control call reports failure.
+    """Raise ``RuntimeError`` with SGLang's message when a control call reports failure.
 
-    SGLang returns ``(success, message)`` tuples from the offline engine and
-    ``{"success": bool, "message": str}`` over HTTP; ``None`` counts as success.
+    Result forms (sglang 0.5.11): ``(success, message)`` tuples (offline
+    ``update_weights_from_tensor``), objects with ``.success`` / ``.message``
+    (``FlushCacheReqOutput`` of the offline ``flush_cache``), ``{"success", "message"}``
+    dicts (HTTP weight-update endpoints) and ``None`` (release / resume memory: success).
+
+    Raises:
+        RuntimeError: ``success`` is False (SGLang's message included), or the result has
+            none of these forms.
     """
     if result is None:
         return
@@ -161,10 +264,13 @@ def check_result(result: Any, what: str) -> None:
         ok, msg = result[0], (result[1] if len(result) > 1 else "")
     elif isinstance(result, dict) and "success" in result:
         ok, msg = bool(result["success"]), result.get("message", "")
+    elif hasattr(result, "success"):
+        ok, msg = bool(result.success), getattr(result, "message", "")
     else:
-        return
+        raise RuntimeError(f"SGLang {what} returned an unexpected result {str(result)[:200]!r} "
+                           "(expected (success, message), .success or None)")
     if not ok:
-        raise RuntimeError(f"SGLang {what} failed: {msg}")
+        raise RuntimeError(f"SGLang {what} failed: {msg or '(SGLang gave no message; see the server log)'}")
 
 
 def distributed_update_request(bucket: Sequence[tuple[str, torch.Tensor]], group_name: str,
@@ -182,12 +288,35 @@ def distributed_update_request(bucket: Sequence[tuple[str, torch.Tensor]], group
 
 
 # ---------------------------------------------------------------------------- HTTP
-def http_post(base_url: str, path: str, payload: Optional[dict], timeout: float) -> Any:
-    """POST JSON to ``base_url + path`` and return the decoded JSON (or None for an empty body).
+def sglang_error_message(body: bytes) -> str:
+    """SGLang's message in an error response body: ``{"message"}`` (weight-update endpoints),
+    ``{"error": {"message"}}`` (generate, release / resume memory), FastAPI's 422
+    ``{"detail": ...}``, or the plain text of ``/flush_cache``."""
+    text = body.decode(errors="replace").strip()
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return text[:1000] or "(empty response body)"
+    if isinstance(obj, dict):
+        err = obj.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])[:1000]
+        for k in ("message", "error", "detail"):
+            if obj.get(k):
+                return (obj[k] if isinstance(obj[k], str) else json.dumps(obj[k]))[:1000]
+    return text[:1000]
+
+
+def http_post(base_url: str, path: str, payload: Optional[dict], timeout: float, *, text: bool = False) -> Any:
+    """POST JSON to ``base_url + path``.
+
+    Returns:
+        the decoded JSON body (None for an empty body or JSON ``null``), or with ``text``
+        the body as a string (``/flush_cache`` answers plain text).
 
     Raises:
-        RuntimeError: HTTP error status or unreachable server, naming the endpoint and
-            including the server's message.
+        RuntimeError: HTTP error status (naming the endpoint, with SGLang's message) or an
+            unreachable server.
     """
     url = base_url.rstrip("/") + path
     data = json.dumps(payload if payload is not None else {}).encode()
@@ -197,9 +326,11 @@ def http_post(base_url: str, path: str, payload: Optional[dict], timeout: float)
             body = resp.read()
     except urllib.error.HTTPError as err:
         raise RuntimeError(f"SGLang server {url} returned HTTP {err.code}: "
-                           f"{err.read().decode(errors='replace')[:500]}") from None
+                           f"{sglang_error_message(err.read())}") from None
     except urllib.error.URLError as err:
         raise RuntimeError(f"SGLang server {url} unreachable: {err.reason}") from None
+    if text:
+        return body.decode(errors="replace")
     return json.loads(body) if body.strip() else None
 
 
@@ -256,56 +387,154 @@ class _Background:
 
 
 # ---------------------------------------------------------------------------- engines
-def _memory_tags_except_weights() -> list[str]:
-    """SGLang's memory tags other than ``"weights"`` (``kv_cache``, and ``cuda_graph`` in
-    newer versions): what ``wake_up`` still has to resume after a sync while asleep."""
-    try:
-        from sglang.srt.constants import GPU_MEMORY_ALL_TYPES
-    except ImportError:  # older SGLang: weights and kv_cache only
-        return ["kv_cache"]
-    return [t for t in GPU_MEMORY_ALL_TYPES if t != "weights"]
+#: SGLang's memory tags (``sglang.srt.constants.GPU_MEMORY_TYPE_*``, all three since 0.5.5),
+#: in the order its scheduler resumes them.
+KV_CACHE, WEIGHTS, CUDA_GRAPH = "kv_cache", "weights", "cuda_graph"
+MEMORY_TAGS = (CUDA_GRAPH, WEIGHTS, KV_CACHE)
 
 
-class SGLangEngine(RolloutEngine):
-    """Colocated offline ``sglang.Engine`` in this process (one per node / TP group).
+class _SGLangMemory:
+    """Sleep / wake bookkeeping shared by the offline and the server engine.
+
+    Keeps the set of released memory tags, releases ``kv_cache`` and ``cuda_graph`` (and
+    ``weights`` unless ``keep_weights``) on :meth:`sleep`, resumes only ``weights`` before a
+    sync into a sleeping engine (the KV cache stays released until :meth:`wake_up`, as in
+    verl's colocated flow), and marks the weights invalid when they are released without a
+    CPU backup. Subclasses provide ``_release(tags)``, ``_resume(tags)``, ``_flush()`` and
+    set ``enable_memory_saver``, ``weights_cpu_backup``, ``_released``, ``_flush_pending``.
+    """
+
+    @property
+    def is_asleep(self) -> bool:
+        """Some memory is released: ``generate`` is refused until :meth:`wake_up`."""
+        return bool(self._released)
+
+    def sleep(self, keep_weights: bool = False) -> None:
+        """Release the KV cache and CUDA graphs, and the weights unless ``keep_weights``.
+
+        Released weights come back with their contents only when the engine keeps a CPU
+        backup (``enable_weights_cpu_backup``); otherwise :attr:`weights_valid` turns False
+        and the next ``update_weights`` (allowed while asleep) restores them.
+
+        Raises:
+            RuntimeError: the engine was launched without the memory saver, or SGLang
+                reports a failure.
+        """
+        if not self.enable_memory_saver:
+            raise RuntimeError(f"{type(self).__name__}.sleep needs the engine launched with the memory saver "
+                               "(enable_memory_saver=True / --enable-memory-saver)")
+        tags = [t for t in MEMORY_TAGS if t not in self._released and (t != WEIGHTS or not keep_weights)]
+        if not tags:
+            return
+        self._release(tags)
+        self._released.update(tags)
+        if WEIGHTS in tags and not self.weights_cpu_backup:
+            self._weights_valid = False  # the memory comes back without its contents
+
+    def wake_up(self) -> None:
+        """Resume every released tag; flush the prefix cache when a sync happened while asleep.
+        Check :attr:`weights_valid` afterwards: weights released without a backup and not
+        re-synced since are garbage."""
+        if self._released:
+            tags = [t for t in MEMORY_TAGS if t in self._released]
+            self._resume(tags)
+            self._released.clear()
+        if self._flush_pending:
+            self._flush()
+            self._flush_pending = False
+
+    def _bring_weights_back(self) -> None:
+        """Before loading a bucket into a sleeping engine: map the weights' memory back."""
+        if WEIGHTS in self._released:
+            self._resume([WEIGHTS])
+            self._released.discard(WEIGHTS)
+
+    def _on_sync_finished(self) -> None:
+        if KV_CACHE in self._released:
+            self._flush_pending = True  # the KV cache is released; flush after wake_up
+        else:
+            self._flush()
+
+    def _check_can_generate(self) -> None:
+        if self._released:
+            raise RuntimeError(f"{type(self).__name__}.generate called while asleep "
+                               f"({sorted(self._released)} released); call wake_up() first")
+        self._require_valid_weights()
+
+
+class SGLangEngine(_SGLangMemory, RolloutEngine):
+    """Colocated offline ``sglang.Engine`` in this process, on this rank's GPU.
 
     Args:
         model_path: HF model directory (config, tokenizer, initial weights).
-        dtype: ``"bfloat16"`` (default), another SGLang dtype string, or a ``torch.dtype``.
-        tp_size: SGLang tensor parallel size.
-        mem_fraction_static: share of GPU memory for weights + KV cache.
-        enable_memory_saver: needed for ``sleep``/``wake_up`` (release/resume memory).
+        dtype: a ``torch.dtype`` or a name (``"bfloat16"``, ``"bf16"``, ``"float32"``, ...;
+            :func:`sglang_dtype`).
+        tp_size: SGLang tensor parallel size (GPUs ``base_gpu_id .. base_gpu_id + tp_size - 1``).
+        mem_fraction_static: share of the GPU's memory for weights + KV cache
+            (``rollout.gpu_memory_utilization``).
+        enable_memory_saver: needed for ``sleep`` / ``wake_up`` (release / resume memory).
+        base_gpu_id: first GPU of the engine; None: this rank's GPU,
+            :func:`dapo_megatron.platform.local_device_index` (torchrun sets no
+            ``CUDA_VISIBLE_DEVICES``: without it every rank's engine would start on GPU 0).
+        deterministic: launch with ``enable_deterministic_inference``: SGLang honours the
+            per-response ``sampling_seed`` only then, so rollouts repeat exactly (same
+            prompts, seeds, weights, batch composition no longer matters). Cost: it forces
+            the PyTorch sampling backend, batch-invariant attention (FlashAttention 3 on
+            H100, FlashInfer/Triton elsewhere) and kernels, and disables piecewise CUDA
+            graphs (``server_args.py`` ``_handle_deterministic_inference``), so generation is
+            slower. False (default): GPU rollouts are not seed-reproducible.
         update_bucket_mb: bucket size of ``update_weights`` in MiB.
-        engine_kwargs: further ``sglang.Engine`` (``ServerArgs``) arguments.
+        engine_kwargs: further ``sglang.Engine`` (``ServerArgs``) arguments, checked by
+            :func:`check_engine_kwargs` (e.g. ``load_format: dummy``: random weights at start,
+            since the trainer syncs right after; the weights then count as invalid until the
+            first sync; ``enable_weights_cpu_backup: true``: released weights survive sleep).
 
     ``update_weights`` checks names and shapes against the HF model built from the
     checkpoint's config on the meta device, streams buckets through
     ``update_weights_from_tensor(flush_cache=False)`` and flushes the prefix cache once at
     the end of a complete sync.
+
+    Raises:
+        ValueError: a bad ``dtype`` or ``engine_kwargs`` key. ImportError: no SGLang.
     """
 
     def __init__(self, model_path: str, *, dtype: Any = "bfloat16", tp_size: int = 1,
-                 mem_fraction_static: float = 0.5, enable_memory_saver: bool = True, update_bucket_mb: int = 512,
+                 mem_fraction_static: float = 0.5, enable_memory_saver: bool = True,
+                 base_gpu_id: Optional[int] = None, deterministic: bool = False, update_bucket_mb: int = 512,
                  engine_kwargs: Optional[dict] = None):
         super().__init__()
+        dtype = sglang_dtype(dtype)
+        extra = check_engine_kwargs(engine_kwargs, key="engine_kwargs")
         sglang = _import_sglang()
+        if base_gpu_id is None:
+            from dapo_megatron.platform import local_device_index
+
+            base_gpu_id = local_device_index()
         self.model_path = model_path
         self.update_bucket_bytes = int(update_bucket_mb) * 2**20
         self.enable_memory_saver = enable_memory_saver
-        if isinstance(dtype, torch.dtype):
-            dtype = dtype_name(dtype)
+        self.weights_cpu_backup = bool(extra.get("enable_weights_cpu_backup", False))
+        self.deterministic = bool(deterministic)
+        self.base_gpu_id = int(base_gpu_id)
         self.engine = sglang.Engine(model_path=model_path, dtype=dtype, tp_size=tp_size,
                                     mem_fraction_static=mem_fraction_static,
-                                    enable_memory_saver=enable_memory_saver, **(engine_kwargs or {}))
-        self._asleep = False
-        self._weights_resident = True  # False between sleep() and the next weight load / wake_up()
+                                    enable_memory_saver=enable_memory_saver, base_gpu_id=self.base_gpu_id,
+                                    enable_deterministic_inference=self.deterministic, **extra)
+        self._released: set[str] = set()
         self._flush_pending = False
+        # load_format="dummy": random weights until the first sync
+        self._weights_valid = extra.get("load_format", "auto") != "dummy"
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
                  prompt_seeds: Optional[Sequence[int]] = None) -> GenerationOutput:
-        """See :meth:`RolloutEngine.generate`; raises ``RuntimeError`` on aborted rows or when asleep."""
-        if self._asleep:
-            raise RuntimeError("SGLangEngine.generate called while asleep; call wake_up() first")
+        """See :meth:`RolloutEngine.generate`.
+
+        Raises:
+            RuntimeError: aborted rows, or called while asleep.
+            InvalidWeightsError: the weights were released without a backup (or never
+                loaded, ``load_format="dummy"``) and not synced since.
+        """
+        self._check_can_generate()
         req = build_generate_request(prompt_ids, params, prompt_seeds)
         out = self.engine.generate(**req)
         return parse_generate_output(out, len(prompt_ids), params.n)
@@ -316,54 +545,24 @@ class SGLangEngine(RolloutEngine):
         return hf_param_specs(AutoConfig.from_pretrained(self.model_path))
 
     def _load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        if not self._weights_resident:  # synced while asleep: bring back the weights only (KV cache later)
-            check_result(self.engine.resume_memory_occupation(tags=["weights"]), "resume_memory_occupation(weights)")
-            self._weights_resident = True
+        self._bring_weights_back()
         check_result(self.engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=False),
                      f"update_weights_from_tensor ({len(bucket)} tensors, first {bucket[0][0]!r})")
 
-    def _on_sync_finished(self) -> None:
-        if self._asleep:
-            self._flush_pending = True  # the KV cache is released; flush after wake_up
-        else:
-            check_result(self.engine.flush_cache(), "flush_cache")
+    def _release(self, tags: list[str]) -> None:
+        check_result(self.engine.release_memory_occupation(tags=tags), f"release_memory_occupation({tags})")
 
-    def sleep(self) -> None:
-        """Release weights and KV cache GPU memory (``release_memory_occupation``).
+    def _resume(self, tags: list[str]) -> None:
+        check_result(self.engine.resume_memory_occupation(tags=tags), f"resume_memory_occupation({tags})")
 
-        ``update_weights`` may be called while asleep (the trainer syncs right after the
-        actor's update): it first resumes only the weights (``tags=["weights"]``), so the
-        KV cache stays released until :meth:`wake_up`, as in verl's colocated flow.
-        """
-        if not self.enable_memory_saver:
-            raise RuntimeError("SGLangEngine.sleep needs enable_memory_saver=True at construction")
-        if not self._asleep:
-            check_result(self.engine.release_memory_occupation(), "release_memory_occupation")
-            self._asleep = True
-            self._weights_resident = False
-
-    def wake_up(self) -> None:
-        """Take the memory back (``resume_memory_occupation``). SGLang does not back up the
-        released weights unless launched with ``enable_weights_cpu_backup``: sync weights
-        (``update_weights``) after ``wake_up`` and before generating, as the trainer does
-        after every step."""
-        if self._asleep:
-            if self._weights_resident:
-                rest = _memory_tags_except_weights()
-                check_result(self.engine.resume_memory_occupation(tags=rest), f"resume_memory_occupation({rest})")
-            else:
-                check_result(self.engine.resume_memory_occupation(), "resume_memory_occupation")
-            self._asleep = False
-            self._weights_resident = True
-            if self._flush_pending:
-                check_result(self.engine.flush_cache(), "flush_cache")
-                self._flush_pending = False
+    def _flush(self) -> None:
+        check_result(self.engine.flush_cache(), "flush_cache")
 
     def shutdown(self) -> None:
         self.engine.shutdown()
 
 
-class SGLangServerEngine(RolloutEngine):
+class SGLangServerEngine(_SGLangMemory, RolloutEngine):
     """Client of a separately launched SGLang server (``python -m sglang.launch_server``).
 
     Generation goes over HTTP ``/generate``. Weights go over a process group shared by
@@ -371,30 +570,44 @@ class SGLangServerEngine(RolloutEngine):
     :meth:`init_weights_update_group`; each bucket is announced with
     ``/update_weights_from_distributed`` (names, dtypes, shapes in order) and its tensors
     are then broadcast from rank 0 in that order. Only one trainer rank (the one holding
-    the gathered full tensors) may call ``update_weights``.
+    the gathered full tensors) may call ``update_weights``. Sleep / wake go through
+    ``/release_memory_occupation`` and ``/resume_memory_occupation`` with the same tags and
+    weight-validity rules as :class:`SGLangEngine`. Seeds apply only when the server was
+    launched with ``--enable-deterministic-inference``.
 
     Args:
         base_url: e.g. ``"http://10.0.0.5:30000"``.
         param_specs: ``(specs, aliases)`` of the served model (e.g. from
             :func:`dapo_megatron.rollout.engine.hf_param_specs`) for the sync checks.
-        device: device the broadcast tensors are moved to (``"cuda"`` for NCCL, ``"cpu"``
-            for gloo).
+        device: device the broadcast tensors are moved to (a CUDA device for NCCL, ``"cpu"``
+            for gloo); None: this rank's device (:func:`dapo_megatron.platform.device`).
         timeout_s: HTTP timeout per call, seconds.
         update_bucket_mb: bucket size of ``update_weights`` in MiB.
+        enable_memory_saver: the server was launched with ``--enable-memory-saver``.
+        weights_cpu_backup: the server was launched with ``--enable-weights-cpu-backup``.
     """
 
     def __init__(self, base_url: str, param_specs: tuple[dict[str, ParamSpec], dict[str, str]], *,
-                 device: str = "cuda", timeout_s: float = 600.0, update_bucket_mb: int = 512):
+                 device: Optional[str] = None, timeout_s: float = 600.0, update_bucket_mb: int = 512,
+                 enable_memory_saver: bool = True, weights_cpu_backup: bool = False):
         super().__init__()
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
         self.base_url = base_url.rstrip("/")
         self._specs = param_specs
+        if device is None:
+            from dapo_megatron.platform import device as rank_device
+
+            device = rank_device()
         self.device = torch.device(device)
         self.timeout_s = timeout_s
         self.update_bucket_bytes = int(update_bucket_mb) * 2**20
+        self.enable_memory_saver = enable_memory_saver
+        self.weights_cpu_backup = weights_cpu_backup
         self.group = None
         self.group_name: Optional[str] = None
+        self._released: set[str] = set()
+        self._flush_pending = False
 
     def _post(self, path: str, payload: Optional[dict] = None) -> Any:
         result = http_post(self.base_url, path, payload, self.timeout_s)
@@ -404,8 +617,10 @@ class SGLangServerEngine(RolloutEngine):
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
                  prompt_seeds: Optional[Sequence[int]] = None) -> GenerationOutput:
         """See :meth:`RolloutEngine.generate` (one batched ``/generate`` request)."""
+        self._check_can_generate()
         req = build_generate_request(prompt_ids, params, prompt_seeds)
-        return parse_generate_output(self._post("/generate", req), len(prompt_ids), params.n)
+        out = http_post(self.base_url, "/generate", req, self.timeout_s)
+        return parse_generate_output(out, len(prompt_ids), params.n)
 
     def init_weights_update_group(self, master_address: str, master_port: int, world_size: int,
                                   group_name: str = "weight_update_group", backend: str = "nccl") -> None:
@@ -425,19 +640,19 @@ class SGLangServerEngine(RolloutEngine):
     def _load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         if self.group is None:
             raise RuntimeError("SGLangServerEngine.update_weights: call init_weights_update_group() first")
+        self._bring_weights_back()
         call = _Background(self._post, "/update_weights_from_distributed",
                            distributed_update_request(bucket, self.group_name, flush_cache=False))
         for _, tensor in bucket:
             torch.distributed.broadcast(tensor.detach().to(self.device).contiguous(), src=0, group=self.group)
         call.join(self.timeout_s)
 
-    def _on_sync_finished(self) -> None:
-        self._post("/flush_cache")
+    def _release(self, tags: list[str]) -> None:
+        self._post("/release_memory_occupation", {"tags": tags})
 
-    def sleep(self) -> None:
-        """``/release_memory_occupation`` (server launched with ``--enable-memory-saver``)."""
-        self._post("/release_memory_occupation")
+    def _resume(self, tags: list[str]) -> None:
+        self._post("/resume_memory_occupation", {"tags": tags})
 
-    def wake_up(self) -> None:
-        """``/resume_memory_occupation``."""
-        self._post("/resume_memory_occupation")
+    def _flush(self) -> None:
+        # plain text on success ("Cache flushed. ..."); HTTP 400 with the message otherwise
+        http_post(self.base_url, "/flush_cache", None, self.timeout_s, text=True)

@@ -34,21 +34,12 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from dapo_megatron.platform.distributed import collective_device
 from dapo_megatron.rollout.dp_split import split_for_dp
 from dapo_megatron.rollout.types import HELD_BY_ALL, Group, Sample
 
 FINISH_REASONS = ("stop", "length")
 """The finish reasons an engine reports (``rollout.engine.Completion``), coded by position."""
-
-
-def collective_device(group=None) -> torch.device:
-    """The device of tensors handed to a collective over ``group``: this rank's GPU under
-    NCCL (which moves CUDA tensors only), the CPU under gloo."""
-    if str(dist.get_backend(group)).lower() == "nccl":
-        from dapo_megatron.platform import device
-
-        return device()
-    return torch.device("cpu")
 
 
 def _world(group=None) -> tuple[int, int]:
@@ -197,13 +188,14 @@ class StepPlan:
 
 
 def plan_step(groups: Sequence[Group], groups_per_mini_batch: int, dp_size: int,
-              max_tokens_per_micro_batch: int) -> StepPlan:
+              max_tokens_per_micro_batch: int, *, share_prompts: bool = False) -> StepPlan:
     """Cut the step's groups into mini-batches and split each over DP (no communication).
 
     Mini-batch ``m`` holds groups ``[m * groups_per_mini_batch, (m + 1) * groups_per_mini_batch)``
     (the last may be smaller); its samples are split with
     :func:`~dapo_megatron.rollout.dp_split.split_for_dp` from their lengths alone, so every
-    rank computes the same plan, and every PPO epoch reuses it.
+    rank computes the same plan, and every PPO epoch reuses it. ``share_prompts``: as there
+    (the actor encodes a prompt once per micro-batch).
 
     Raises:
         ValueError: as :func:`~dapo_megatron.rollout.dp_split.split_for_dp`.
@@ -213,7 +205,7 @@ def plan_step(groups: Sequence[Group], groups_per_mini_batch: int, dp_size: int,
     minis, start = [], 0
     for first in range(0, len(groups), groups_per_mini_batch):
         mini = [s for g in groups[first:first + groups_per_mini_batch] for s in g.samples]
-        split = split_for_dp(mini, dp_size, max_tokens_per_micro_batch)
+        split = split_for_dp(mini, dp_size, max_tokens_per_micro_batch, share_prompts=share_prompts)
         micro = tuple(tuple(tuple(start + i for i in mb) for mb in rank_mbs) for rank_mbs in split)
         for dp_rank, rank_mbs in enumerate(micro):
             for mb in rank_mbs:

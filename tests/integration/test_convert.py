@@ -106,3 +106,53 @@ def test_sharded_safetensors_output_reads_back(tmp_path):
     assert sorted(back) == sorted(state) and all(torch.equal(back[k], state[k]) for k in state)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     assert torch.equal(reloaded.model.layers[1].self_attn.q_norm.weight, state["model.layers.1.self_attn.q_norm.weight"])
+
+
+def _te_style_checkpoint_worker(hf_dir, ckpt_dir):
+    """A checkpoint as the Transformer Engine spec writes it: the same keys as the local spec
+    (megatron-core's local spec maps its norms to TE's fused names), FP8 metadata payloads in
+    every ``_extra_state`` object, and ``transformer_impl: transformer_engine`` in the meta."""
+    import json
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    from dapo_megatron.bridge import load_hf_weights, open_hf_source
+    from dapo_megatron.bridge.dist_ckpt import META_FILE, model_sharded_state_dict, write_model_meta
+    from dapo_megatron.models import ModelConfig, build_gpt_model, load_hf_config
+    from dapo_megatron.platform import init_distributed
+
+    par = init_distributed()
+    hf_config = load_hf_config(hf_dir)
+    model = build_gpt_model(hf_config, ModelConfig(transformer_impl="local"), parallel=par)
+    load_hf_weights(model, open_hf_source(hf_dir), strict=True, parallel=par)
+    sharded = model_sharded_state_dict(model)
+    extra = [v for v in sharded["model"].values() if isinstance(v, ShardedObject)]
+    assert extra and all(o.key.endswith("._extra_state") for o in extra)
+    keys = {v.key for v in sharded["model"].values()}
+    assert "decoder.layers.self_attention.linear_qkv.layer_norm_weight" in keys  # TE's fused-norm name
+    for o in extra:  # TE keeps serialized FP8 scaling state here (the local spec: None)
+        o.data = torch.frombuffer(bytearray(b"fp8 amax history and scales"), dtype=torch.uint8).clone()
+    os.makedirs(ckpt_dir)
+    dist_checkpointing.save(sharded, ckpt_dir, sharded_strategy=("torch_dist", 1))
+    write_model_meta(ckpt_dir, model, hf_config)
+    path = os.path.join(ckpt_dir, META_FILE)
+    meta = json.load(open(path))
+    assert meta["transformer_impl"] == "local"  # what this model was built with
+    meta["transformer_impl"] = "transformer_engine"  # what a TE-spec save records
+    json.dump(meta, open(path, "w"))
+
+
+def test_transformer_engine_checkpoint_converts_to_hf_without_te(tmp_path):
+    from dapo_megatron.platform import spawn
+
+    hf = random_hf_model(tiny_hf_config("qwen2_bias"), seed=5)
+    hf.save_pretrained(tmp_path / "hf")
+    spawn(_te_style_checkpoint_worker, 1, str(tmp_path / "hf"), str(tmp_path / "ckpt"))
+    out = _run([TO_HF, "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "back")])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "saved with the Transformer Engine spec; loading it with the local spec" in out.stdout
+    src, back = _load_safetensors_dir(str(tmp_path / "hf")), _load_safetensors_dir(str(tmp_path / "back"))
+    assert sorted(back) == sorted(src)
+    for k in src:
+        assert torch.equal(back[k], src[k]), k

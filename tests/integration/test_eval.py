@@ -228,19 +228,9 @@ if __name__ == "__main__":
 @pytest.fixture(scope="module")
 def tiny_llama_with_smollm2_tokenizer(smollm2_gguf, tmp_path_factory):
     """A random 2-layer Llama HF directory with SmolLM2's tokenizer (vocab 49,152)."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from conftest import tiny_llama_with_smollm2_tokenizer_dir
 
-    path, fname = smollm2_gguf
-    tok = AutoTokenizer.from_pretrained(path, gguf_file=fname)
-    hf_dir = tmp_path_factory.mktemp("tiny_hf")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id)
-    LlamaForCausalLM(cfg).float().save_pretrained(hf_dir)
-    tok.save_pretrained(hf_dir)
-    return str(hf_dir)
+    return tiny_llama_with_smollm2_tokenizer_dir(smollm2_gguf, tmp_path_factory.mktemp("tiny_hf"))
 
 
 @pytest.mark.slow

@@ -1,15 +1,24 @@
-"""docker/: the Dockerfile's base and pins, no PyPI apex or Transformer Engine, and the SGLang
-requirement filter (static checks of the committed files; nothing is built)."""
+"""docker/: the image's Python set is one resolved set (docker/constraints.txt), it agrees
+with setup.py, its base carries the CUDA of that set's torch, and every install uses it.
 
-import importlib.util
+The resolution itself (``docker/resolve.sh``: uv pip compile for Python 3.12 on x86_64
+manylinux_2_34) needs PyPI and is not run here; these tests read its committed output.
+"""
+
+from __future__ import annotations
+
+import ast
 import os
 import re
 import shlex
-import zipfile
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 from conftest import REPO
 
 DOCKER_DIR = os.path.join(REPO, "docker")
+CONSTRAINTS = "/opt/dapo/constraints.txt"  # where the Dockerfile copies docker/constraints.txt
 
 
 def _dockerfile_instructions(text: str) -> list[tuple[str, str]]:
@@ -50,17 +59,21 @@ def _pip_installs(instructions, args):
             if token not in ("&&", "||", ";", "|"):
                 cmd.append(token)
                 continue
+            while cmd and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", cmd[0]):  # VAR=value prefixes
+                cmd = cmd[1:]
             if cmd[:2] == ["pip", "install"] or cmd[:4] == ["python", "-m", "pip", "install"]:
                 commands.append(cmd)
                 start = 2 if cmd[0] == "pip" else 4
-                specs += [t for t in cmd[start:] if not t.startswith("-")]
+                args_ = cmd[start:]
+                specs += [t for i, t in enumerate(args_) if not t.startswith("-")
+                          and (i == 0 or args_[i - 1] not in ("-c", "-r", "--constraint", "--requirement"))]
             cmd = []
     return specs, commands
 
 
+
 def _load_dockerfile():
-    path = os.path.join(DOCKER_DIR, "Dockerfile")
-    instructions = _dockerfile_instructions(open(path, encoding="utf-8").read())
+    instructions = _dockerfile_instructions(open(os.path.join(DOCKER_DIR, "Dockerfile"), encoding="utf-8").read())
     args = {}
     for word, rest in instructions:
         if word == "ARG" and "=" in rest:
@@ -69,73 +82,71 @@ def _load_dockerfile():
     return instructions, args
 
 
-def test_dockerfile_uses_ngc_base_and_pins_the_stack():
-    instructions, args = _load_dockerfile()
-    froms = [rest.replace("${BASE_IMAGE}", args.get("BASE_IMAGE", "")) for w, rest in instructions if w == "FROM"]
-    assert len(froms) == 1 and re.fullmatch(r"nvcr\.io/nvidia/pytorch:\d\d\.\d\d-py3", froms[0]), froms
-    specs, commands = _pip_installs(instructions, args)
-    pinned = {}
-    for spec in specs:
-        m = re.fullmatch(r"([A-Za-z0-9_.-]+)==([0-9][0-9A-Za-z.+-]*)", spec)
+def _pins(path) -> dict[str, str]:
+    """``name -> version`` of the ``name==version`` lines of a requirements file (names canonical)."""
+    out = {}
+    for line in open(path, encoding="utf-8"):
+        m = re.match(r"([A-Za-z0-9][A-Za-z0-9_.-]*)(\[[^\]]*\])?==([^\s#;]+)", line)
         if m:
-            pinned[m.group(1).lower()] = m.group(2)
-    mcore = tuple(int(x) for x in pinned["megatron-core"].split(".")[:2])
-    assert mcore >= (0, 17), "the image has Python 3.12: pin megatron-core 0.17 or newer"
-    assert "math-verify" in pinned and "mlflow" in pinned
-    assert any(re.fullmatch(r"nvidia-dali-cuda1[23]0", name) for name in pinned), pinned
-    # SGLang: downloaded at a pinned version, installed from that wheel without its torch pin
-    runs = " ".join(rest for w, rest in instructions if w == "RUN")
-    for name, value in args.items():
-        runs = runs.replace("${%s}" % name, value)
-    assert re.search(r"pip download --no-deps \"?sglang==\d+\.\d+\.\d+", runs)
-    assert any("--no-deps" in c and any("sglang" in t for t in c) for c in commands)
-    # this package: editable, with the GPU extra, without dependency resolution
-    assert any("--no-deps" in c and "-e" in c and any(t.startswith(".[gpu]") for t in c) for c in commands)
+            out[canonicalize_name(m.group(1))] = m.group(3)
+    return out
 
 
-def test_dockerfile_never_installs_pypi_apex_or_transformer_engine():
+def _setup_requirements() -> tuple[list[str], dict[str, list[str]]]:
+    tree = ast.parse(open(os.path.join(REPO, "setup.py"), encoding="utf-8").read())
+    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
+    kw = {k.arg: ast.literal_eval(k.value) for k in call.keywords if k.arg in ("install_requires", "extras_require")}
+    return kw["install_requires"], kw["extras_require"]
+
+
+def test_base_image_carries_the_cuda_of_the_resolved_torch():
     instructions, args = _load_dockerfile()
-    specs, _ = _pip_installs(instructions, args)
-    names = {re.split(r"[=<>!~\[;@ ]", s.strip("\"'"), maxsplit=1)[0].lower() for s in specs}
-    assert "apex" not in names
-    assert not {n for n in names if n.replace("_", "-").startswith("transformer-engine")}
-    assert "torch" not in names  # NVIDIA's torch from the base stays
+    pins = _pins(os.path.join(DOCKER_DIR, "constraints.txt"))
+    froms = [rest.replace("${BASE_IMAGE}", args.get("BASE_IMAGE", "")) for w, rest in instructions if w == "FROM"]
+    assert len(froms) == 1
+    m = re.fullmatch(r"nvidia/cuda:(\d+\.\d+\.\d+)-cudnn-devel-ubuntu24\.04", froms[0])
+    assert m, froms  # devel: nvcc compiles Transformer Engine's torch extension; Ubuntu 24.04: Python 3.12
+    assert m.group(1) == pins["cuda-toolkit"], "the base's CUDA is the one torch's wheels were built with"
+    # SGLang's pin of torch (and of the kernels built for it) is the torch of the set
+    assert pins["torch"] == "2.11.0" and pins["sglang"] == "0.5.11" and pins["sglang-kernel"] == "0.4.2"
+    assert pins["transformer-engine"] == pins["transformer-engine-torch"] == pins["transformer-engine-cu13"]
 
 
-def _sglang_requirements_module():
-    spec = importlib.util.spec_from_file_location("sglang_requirements", os.path.join(DOCKER_DIR, "sglang_requirements.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def test_every_install_uses_the_constraints_and_nothing_from_pypi_apex():
+    instructions, args = _load_dockerfile()
+    specs, commands = _pip_installs(instructions, args)
+    copies = [rest for w, rest in instructions if w == "COPY"]
+    assert any("docker/constraints.txt" in c and "/opt/dapo/" in c for c in copies)
+    for cmd in commands:
+        if "-e" in cmd:  # this package: editable, without dependency resolution
+            assert "--no-deps" in cmd and any(t.startswith(".[gpu]") for t in cmd), cmd
+        else:
+            assert "-c" in cmd and cmd[cmd.index("-c") + 1] == CONSTRAINTS, cmd
+    assert any("transformer-engine[pytorch,core_cu13]" in c and "--no-build-isolation" in c for c in commands)
+    names = {canonicalize_name(re.split(r"[=<>!~\[;@ ]", s, maxsplit=1)[0]) for s in specs if not s.startswith(".")}
+    pins = _pins(os.path.join(DOCKER_DIR, "constraints.txt"))
+    assert "apex" not in names and "apex" not in pins  # the PyPI "apex" is an unrelated web toolkit
+    assert not [n for n in pins if n.endswith("-cu12")], "one CUDA major (13) in the image"
+    assert names <= set(pins) | {"pip"}, names - set(pins)
 
 
-def test_sglang_requirement_filter_drops_base_packages_and_unrequested_extras(tmp_path):
-    mod = _sglang_requirements_module()
-    metadata = "\n".join([
-        "Metadata-Version: 2.1",
-        "Name: sglang",
-        "Requires-Dist: torch==2.11.0",
-        "Requires-Dist: Torch_Audio==2.11.0",
-        "Requires-Dist: torchaudio==2.11.0",
-        "Requires-Dist: transformer_engine[pytorch]>=2.4",
-        "Requires-Dist: transformers==5.6.0",
-        "Requires-Dist: orjson",
-        'Requires-Dist: torchcodec==0.11.1; sys_platform != "darwin"',
-        'Requires-Dist: pytest; extra == "test"',
-        'Requires-Dist: sentencepiece; python_version >= "3.10" and extra == "srt"',
-    ])
-    wheel = tmp_path / "sglang-0.0.0-py3-none-any.whl"
-    with zipfile.ZipFile(wheel, "w") as z:
-        z.writestr("sglang-0.0.0.dist-info/METADATA", metadata)
-    assert mod.read_metadata(str(wheel)) == metadata
-    assert mod.filtered_requirements(metadata) == [
-        "Torch_Audio==2.11.0",  # not the torchaudio distribution: kept
-        "transformers==5.6.0",
-        "orjson",
-        'torchcodec==0.11.1; sys_platform != "darwin"',
-    ]
-    assert mod.filtered_requirements(metadata, frozenset({"srt"}))[-1] == 'sentencepiece; python_version >= "3.10"'
-    bad = tmp_path / "not-a-wheel.whl"
-    with zipfile.ZipFile(bad, "w") as z:
-        z.writestr("x.txt", "")
-    assert mod.main([str(bad)]) == 2
+def test_setup_py_and_the_image_agree():
+    pins = _pins(os.path.join(DOCKER_DIR, "constraints.txt"))
+    install, extras = _setup_requirements()
+    for spec in install + extras["gpu"] + extras["dev"]:
+        req = Requirement(spec)
+        name = canonicalize_name(req.name)
+        if name == "nvidia-dali-cuda120":  # the DALI build for CUDA 12; the CUDA 13 image has its twin
+            name = "nvidia-dali-cuda130"
+        assert name in pins, f"setup.py requires {spec} but the image does not install it"
+        assert req.specifier.contains(pins[name], prereleases=True), f"setup.py {spec} vs the image's {pins[name]}"
+    assert pins["megatron-core"] == "0.16.1"  # the version the CPU suite runs
+
+
+def test_constraints_honour_the_pins_of_requirements_in():
+    want = _pins(os.path.join(DOCKER_DIR, "requirements.in"))
+    pins = _pins(os.path.join(DOCKER_DIR, "constraints.txt"))
+    assert want and all(pins[n] == v for n, v in want.items()), {n: (v, pins.get(n)) for n, v in want.items()}
+    text = open(os.path.join(DOCKER_DIR, "uv.toml"), encoding="utf-8").read()
+    assert f'version = "{pins["transformer-engine-torch"]}"' in text
+    assert f'transformer_engine_cu13=={pins["transformer-engine"]}' in text

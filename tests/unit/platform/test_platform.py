@@ -295,3 +295,28 @@ def test_console_filters_match_megatron_core_at_import():
                  "full scope is deprecated"):
         assert text in runs["show"] and text not in runs["quiet"], text
     assert "Warning" not in runs["quiet"], runs["quiet"][-2000:]
+
+
+def test_local_device_index_wraps_local_rank_over_visible_gpus(monkeypatch):
+    """Slurm with one GPU per task: LOCAL_RANK counts the node's tasks, one device is visible."""
+    from dapo_megatron.platform import device, local_device_index
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for local_rank, count, want in [("3", 1, 0), ("11", 8, 3), ("5", 8, 5), ("0", 2, 0)]:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda c=count: c)
+        assert local_device_index() == want
+        assert device() == torch.device("cuda", want)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(RuntimeError, match="no CUDA device is visible"):
+        local_device_index()
+
+
+def test_collective_device_follows_the_group_backend(monkeypatch):
+    import dapo_megatron.platform.distributed as pdist
+
+    monkeypatch.setattr(pdist, "device", lambda: torch.device("cuda", 2))
+    monkeypatch.setattr(pdist, "group_backend", lambda group=None: "nccl")
+    assert pdist.collective_device() == torch.device("cuda", 2)
+    monkeypatch.setattr(pdist, "group_backend", lambda group=None: "gloo")
+    assert pdist.collective_device() == torch.device("cpu")

@@ -1,0 +1,327 @@
+"""Per-GPU memory estimate of a colocated run (Megatron actor + SGLang engine on one GPU).
+
+Fail before minutes of model loading when a layout cannot fit, with the numbers and the
+knobs to turn. Arithmetic only (no GPU, no model): the inputs are the HF config and the
+run config, so it runs anywhere (``tests/unit/platform/test_memory.py`` checks the 7B and 32B H100
+examples). It is an estimate of the largest terms, not a measurement; nothing here has
+been compared with a GPU run yet.
+
+Bytes per GPU, with ``P`` the parameters of the largest pipeline stage on one TP rank
+(embedding / LM head rows padded to ``make_vocab_size_divisible_by × TP``, norms
+replicated) and ``DP = world / (TP × PP)``:
+
+* actor, resident for the whole run (megatron-core distributed optimizer, Megatron-LM's
+  "bf16 params, fp32 grads" row: ``6 + 12 / DP`` bytes per parameter): parameters
+  ``P × bytes(params_dtype)``; the gradient buffer ``4 P`` (``grad_reduce_in_fp32``);
+  fp32 main parameters ``4 P / DP`` (only for 16-bit params) and Adam's two moments
+  ``8 P / DP``, sharded over DP. Adam's moments are allocated at the first optimizer
+  step, after the engine has sized its KV cache (see the rollout phase). FP8 adds TE's
+  cached FP8 weight and its transpose, ``2 P``.
+* actor activations of one micro-batch of ``T = actor.ppo_max_token_len_per_gpu`` tokens
+  (training only): per layer and token, the tensors kept for backward are
+  ``2 · (4h + ((n_q + 2 n_kv) d + n_q d + 3 f) / TP)`` bytes in bf16 (two norm inputs,
+  two norm outputs at ``h``; q, k, v and the attention output; the gated MLP's two fc1
+  outputs and its fc2 input; fused attention keeps no score matrix), ``h`` not divided by
+  TP (no sequence parallelism). Full recompute (``recompute_granularity=full``) keeps
+  only each checkpointed block's input ``2 h T`` and recomputes one block
+  (``recompute_num_layers`` layers) at a time; ``block`` keeps the other layers whole.
+  With PP the first stage holds ``PP`` micro-batches in flight (1F1B). The LM head
+  works on the response label rows only (≤ T rows): bf16 logits, their fp32 copy, the
+  softmax and its gradient, 16 bytes per ``[T, V/TP]`` element
+  (``actor/logprobs.py``).
+* engine (SGLang, one per rank; ``rollout_tp`` GPUs per engine): its weights ``2 · N /
+  rollout_tp`` (bf16, ``N`` = all parameters) and the KV cache. SGLang sizes the KV pool
+  from the memory free when it starts (sglang 0.5.11
+  ``model_executor/model_runner_kv_cache_mixin.py`` ``_profile_available_bytes``:
+  ``rest = free_after_load − free_before_load × (1 − mem_fraction_static)``), i.e.
+  ``KV = gpu_memory_utilization × F0 − weights`` with ``F0`` the memory free at its start
+  (the GPU minus the actor's resident state, before Adam's moments, minus the overhead).
+  A KV token costs ``2 · L · max(1, n_kv / rollout_tp) · d · 2`` bytes
+  (``pool_configurator.py`` ``_compute_cell_size``); the pool must hold at least one
+  sequence of ``data.max_prompt_length + rollout.response_length`` tokens.
+* overhead: CUDA contexts of the trainer and of SGLang's scheduler, NCCL buffers,
+  allocator fragmentation: a constant (``overhead_bytes``, 4 GB by default), plus SGLang's
+  working memory outside its static pool (CUDA graphs, decode activations, sampling
+  buffers: ``engine_runtime_bytes``, 3 GB by default). Both are assumptions.
+
+Phases (the engine sleeps while the actor trains):
+
+* rollout: the engine's static pool is ``gpu_memory_utilization × F0``; what is left,
+  ``(1 − gpu_memory_utilization) × F0``, must hold Adam's moments and SGLang's runtime;
+* train: actor resident + activations + overhead ≤ GPU (engine memory released);
+* sync (weights resumed into the sleeping engine): actor resident + engine weights +
+  three buckets in flight + overhead ≤ GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+GB = 10**9
+#: H100 SXM / PCIe "80 GB" as marketed (decimal); the driver reports ~85.0e9 bytes.
+H100_80GB = 80 * GB
+DEFAULT_OVERHEAD = 4 * GB
+DEFAULT_ENGINE_RUNTIME = 3 * GB
+_BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
+
+
+@dataclass
+class ModelShape:
+    """What the estimate needs of an HF config (Llama / Qwen2 / Qwen3)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_hf(cls, hf_config) -> "ModelShape":
+        h, nh = hf_config.hidden_size, hf_config.num_attention_heads
+        model_type = getattr(hf_config, "model_type", "llama")
+        return cls(
+            hidden=h, layers=hf_config.num_hidden_layers, heads=nh,
+            kv_heads=getattr(hf_config, "num_key_value_heads", None) or nh,
+            head_dim=getattr(hf_config, "head_dim", None) or h // nh, ffn=hf_config.intermediate_size,
+            vocab=hf_config.vocab_size, tied=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+            qk_norm=model_type == "qwen3",
+        )
+
+    def layer_params(self) -> tuple[int, int]:
+        """``(split over TP, replicated)`` parameters of one decoder layer."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        split = self.hidden * (q + 2 * kv) + q * self.hidden + 3 * self.hidden * self.ffn
+        if self.qkv_bias:
+            split += q + 2 * kv
+        replicated = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+        return split, replicated
+
+    def total_params(self) -> int:
+        """All parameters of the HF model (unpadded vocabulary, tied embeddings once)."""
+        split, rep = self.layer_params()
+        emb = self.vocab * self.hidden
+        return self.layers * (split + rep) + emb * (1 if self.tied else 2) + self.hidden
+
+    def kv_bytes_per_token(self, tp: int, dtype_bytes: int = 2) -> int:
+        """SGLang's KV cell: K and V of every layer, ``max(1, n_kv // tp)`` heads per GPU."""
+        return 2 * self.layers * max(1, self.kv_heads // tp) * self.head_dim * dtype_bytes
+
+    def activation_bytes_per_token(self, tp: int) -> int:
+        """bf16 bytes kept for backward by one layer per token (module docstring)."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        return 2 * (4 * self.hidden + (q + 2 * kv + q + 3 * self.ffn) // tp)
+
+
+@dataclass
+class MemoryEstimate:
+    """The estimate of one rank's GPU (bytes); see the module docstring for each term.
+
+    Attributes:
+        gpu_bytes: memory of the GPU.
+        parts: named terms (``actor_params``, ``actor_grads``, ``actor_main_params``,
+            ``actor_adam``, ``actor_fp8_weights``, ``activations``, ``logits``,
+            ``engine_weights``, ``kv_cache``, ``overhead``, ``engine_runtime``,
+            ``sync_buffers``).
+        phases: bytes in use in the ``rollout``, ``train`` and ``sync`` phases.
+        kv_tokens: tokens the KV pool holds; ``max_sequence_tokens`` the longest sequence.
+        problems: why it does not fit (each with the knobs to turn); empty when it fits.
+    """
+
+    gpu_bytes: int
+    parts: dict[str, int]
+    phases: dict[str, int]
+    kv_tokens: int
+    max_sequence_tokens: int
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def report(self) -> str:
+        """One line per term and phase, in GB (10^9 bytes)."""
+        def gb(x):
+            return f"{x / GB:7.2f} GB"
+
+        lines = [f"per-GPU memory estimate (GPU {gb(self.gpu_bytes)}):"]
+        lines += [f"  {k:<18} {gb(v)}" for k, v in self.parts.items()]
+        lines.append(f"  KV pool {self.kv_tokens:,} tokens (longest sequence {self.max_sequence_tokens:,})")
+        lines += [f"  phase {k:<12} {gb(v)} in use" for k, v in self.phases.items()]
+        return "\n".join(lines)
+
+
+def estimate_memory(
+    hf_config,
+    *,
+    tp: int,
+    pp: int,
+    world_size: int,
+    params_dtype: str = "bfloat16",
+    fp8: bool = False,
+    make_vocab_size_divisible_by: int = 128,
+    recompute: Optional[dict[str, Any]] = None,
+    micro_batch_tokens: int,
+    gpu_memory_utilization: float,
+    max_sequence_tokens: int,
+    rollout_tp: int = 1,
+    bucket_bytes: int = 512 * 2**20,
+    gpu_bytes: int = H100_80GB,
+    overhead_bytes: int = DEFAULT_OVERHEAD,
+    engine_runtime_bytes: int = DEFAULT_ENGINE_RUNTIME,
+) -> MemoryEstimate:
+    """Estimate one rank's GPU memory (module docstring); never raises for a layout that
+    does not fit: read :attr:`MemoryEstimate.problems` (or use :func:`check_memory`).
+
+    Args:
+        hf_config: HF config of the model.
+        tp, pp, world_size: actor layout (DP = world / (TP × PP)).
+        params_dtype: ``model.params_dtype``. fp8: ``model.fp8`` is set.
+        make_vocab_size_divisible_by: vocabulary padding multiple (× TP).
+        recompute: ``TransformerConfig`` recompute fields (``recompute_granularity``,
+            ``recompute_method``, ``recompute_num_layers``), e.g. the run's
+            ``model.extra_transformer_config``.
+        micro_batch_tokens: ``actor.ppo_max_token_len_per_gpu``.
+        gpu_memory_utilization: SGLang ``mem_fraction_static``.
+        max_sequence_tokens: ``data.max_prompt_length + rollout.response_length``.
+        rollout_tp: GPUs per SGLang engine (its tensor parallel size); 1 by default.
+        bucket_bytes: ``rollout.update_weights_bucket_megabytes`` in bytes.
+        gpu_bytes: memory of one GPU (default: an 80 GB H100).
+        overhead_bytes, engine_runtime_bytes: the assumptions of the module docstring.
+
+    Raises:
+        ValueError: a layout that cannot exist (world not divisible by TP × PP, layers not
+            divisible by PP, an unknown dtype).
+    """
+    shape = ModelShape.from_hf(hf_config)
+    if world_size % (tp * pp) or shape.layers % pp:
+        raise ValueError(f"world {world_size} / TP {tp} × PP {pp} / {shape.layers} layers: not a valid layout")
+    if params_dtype not in _BYTES:
+        raise ValueError(f"model.params_dtype={params_dtype!r} is not one of {sorted(_BYTES)}")
+    dp = world_size // (tp * pp)
+    T = int(micro_batch_tokens)
+    multiple = make_vocab_size_divisible_by * tp
+    padded_vocab = -(-shape.vocab // multiple) * multiple
+    split, rep = shape.layer_params()
+    layers_per_stage = shape.layers // pp
+    emb_rows = padded_vocab * shape.hidden // tp
+    # stage 0 holds the embedding, the last stage the LM head (a tied copy with PP > 1)
+    head = emb_rows if (pp > 1 or not shape.tied) else 0
+    first = layers_per_stage * (split // tp + rep) + emb_rows + (head + shape.hidden if pp == 1 else 0)
+    last = layers_per_stage * (split // tp + rep) + head + shape.hidden
+    P = max(first, last)
+    pb = _BYTES[params_dtype]
+    parts = {
+        "actor_params": P * pb,
+        "actor_grads": P * 4,
+        "actor_main_params": (P * 4 // dp) if pb < 4 else 0,
+        "actor_adam": P * 8 // dp,
+        "actor_fp8_weights": 2 * P if fp8 else 0,
+    }
+
+    # activations of one micro-batch on the stage that holds the most
+    rc = dict(recompute or {})
+    per_token_layer = shape.activation_bytes_per_token(tp)
+    in_flight = pp  # 1F1B: stage 0 holds PP micro-batches
+    if rc.get("recompute_granularity") == "full":
+        k = int(rc.get("recompute_num_layers") or 1)
+        if rc.get("recompute_method", "uniform") == "block":  # the first k layers recomputed, the rest kept
+            kept = (layers_per_stage - min(k, layers_per_stage)) * per_token_layer * T
+            stored = min(k, layers_per_stage) * 2 * shape.hidden * T + kept
+            working = per_token_layer * T
+        else:  # uniform: every block of k layers checkpointed at its input
+            stored = -(-layers_per_stage // k) * 2 * shape.hidden * T
+            working = k * per_token_layer * T
+    else:
+        stored, working = layers_per_stage * per_token_layer * T, 0
+    parts["activations"] = in_flight * stored + working
+    parts["logits"] = 16 * T * (padded_vocab // tp)
+
+    engine_weights = 2 * shape.total_params() // rollout_tp
+    resident_at_start = parts["actor_params"] + parts["actor_grads"] + parts["actor_main_params"] \
+        + parts["actor_fp8_weights"]
+    resident = resident_at_start + parts["actor_adam"]
+    free_at_engine_start = gpu_bytes - resident_at_start - overhead_bytes
+    static_pool = int(gpu_memory_utilization * free_at_engine_start)
+    kv = static_pool - engine_weights
+    kv_cell = shape.kv_bytes_per_token(rollout_tp)
+    kv_tokens = max(0, kv) // kv_cell
+    parts.update(engine_weights=engine_weights, kv_cache=max(0, kv), overhead=overhead_bytes,
+                 engine_runtime=engine_runtime_bytes, sync_buffers=3 * bucket_bytes)
+    phases = {
+        "rollout": resident + overhead_bytes + static_pool + engine_runtime_bytes,
+        "train": resident + parts["activations"] + parts["logits"] + overhead_bytes,
+        "sync": resident + engine_weights + parts["sync_buffers"] + overhead_bytes,
+    }
+
+    def gb(x):
+        return f"{x / GB:.1f} GB"
+
+    problems = []
+    if kv_tokens < max_sequence_tokens:
+        problems.append(
+            f"the SGLang KV cache holds {kv_tokens:,} tokens, fewer than one sequence of {max_sequence_tokens:,} "
+            f"(data.max_prompt_length + rollout.response_length): its static pool rollout.gpu_memory_utilization="
+            f"{gpu_memory_utilization} × {gb(free_at_engine_start)} free = {gb(static_pool)} minus its weights "
+            f"{gb(engine_weights)} (rollout TP {rollout_tp}). Raise the rollout tensor parallel size (weights / TP), "
+            f"rollout.gpu_memory_utilization, or the actor's TP/PP (a smaller resident actor)")
+    if phases["rollout"] > gpu_bytes:
+        problems.append(
+            f"rollout: the memory left beside SGLang's static pool, (1 - {gpu_memory_utilization}) × "
+            f"{gb(free_at_engine_start)} = {gb(free_at_engine_start - static_pool)}, does not hold Adam's moments "
+            f"{gb(parts['actor_adam'])} (allocated at the first step) and SGLang's runtime "
+            f"{gb(engine_runtime_bytes)}: lower rollout.gpu_memory_utilization, or add data-parallel ranks / "
+            f"raise TP/PP (smaller optimizer shards)")
+    if phases["train"] > gpu_bytes:
+        problems.append(
+            f"train: the actor needs {gb(phases['train'])} (resident {gb(resident)}, activations "
+            f"{gb(parts['activations'])}, LM-head logits {gb(parts['logits'])}): lower "
+            f"actor.ppo_max_token_len_per_gpu (now {T:,}), turn on full recompute "
+            f"(model.extra_transformer_config.recompute_granularity=full), or raise TP/PP")
+    if phases["sync"] > gpu_bytes:
+        problems.append(
+            f"weight sync: the actor ({gb(resident)}) and the engine's weights ({gb(engine_weights)}, rollout TP "
+            f"{rollout_tp}) are resident together: raise the rollout tensor parallel size or the actor's TP/PP, "
+            f"or lower rollout.update_weights_bucket_megabytes")
+    return MemoryEstimate(gpu_bytes, parts, phases, kv_tokens, int(max_sequence_tokens), problems)
+
+
+def estimate_from_config(cfg, hf_config, world_size: int, *, rollout_tp: Optional[int] = None,
+                         gpu_bytes: int = H100_80GB, **kwargs) -> MemoryEstimate:
+    """:func:`estimate_memory` for a :class:`~dapo_megatron.config.DAPOConfig`.
+
+    ``rollout_tp`` None: ``cfg.rollout.tensor_model_parallel_size`` when the config has
+    that key, else 1 (one engine per GPU).
+    """
+    if rollout_tp is None:
+        rollout_tp = int(getattr(cfg.rollout, "tensor_model_parallel_size", 1) or 1)
+    return estimate_memory(
+        hf_config, tp=cfg.parallel.tensor_model_parallel_size, pp=cfg.parallel.pipeline_model_parallel_size,
+        world_size=world_size, params_dtype=cfg.model.params_dtype, fp8=cfg.model.fp8 is not None,
+        make_vocab_size_divisible_by=cfg.model.make_vocab_size_divisible_by,
+        recompute=cfg.model.extra_transformer_config, micro_batch_tokens=cfg.actor.ppo_max_token_len_per_gpu,
+        gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
+        max_sequence_tokens=cfg.data.max_prompt_length + cfg.rollout.response_length, rollout_tp=rollout_tp,
+        bucket_bytes=cfg.rollout.update_weights_bucket_megabytes * 2**20, gpu_bytes=gpu_bytes, **kwargs)
+
+
+def check_memory(cfg, hf_config, world_size: int, **kwargs) -> MemoryEstimate:
+    """:func:`estimate_from_config`, raising when the run cannot fit.
+
+    Raises:
+        ConfigError: (a ``ValueError``) with, per problem, the numbers and the settings to
+            change, then the estimate's report; ``dapo-train`` prints it from rank 0.
+    """
+    from dapo_megatron.config.loader import ConfigError  # not the package: config.run imports the trainer
+
+    est = estimate_from_config(cfg, hf_config, world_size, **kwargs)
+    if not est.fits:
+        raise ConfigError("the colocated actor + SGLang engine do not fit one GPU:\n- "
+                          + "\n- ".join(est.problems) + "\n" + est.report())
+    return est

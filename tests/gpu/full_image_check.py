@@ -1,0 +1,200 @@
+"""The checks of ``tests/gpu/full_image_check.sh`` that need the Docker image (SGLang,
+Transformer Engine, ≥ 2 GPUs). Each is a subcommand; the shell script runs them (some
+under torchrun) and prints one line per check.
+
+* ``engines`` (torchrun, 2 ranks): each rank's colocated ``SGLangEngine`` starts on its
+  own GPU (the engines start one after the other; the memory each takes comes from its
+  rank's GPU only), then sleep -> sync new weights while asleep -> wake -> generate: the
+  logprobs of the generated tokens match a teacher-forced transformers forward of the NEW
+  weights at the sampling temperature; a plain sleep -> wake leaves the weights invalid
+  (``InvalidWeightsError``) until a sync; ``sleep(keep_weights=True)`` keeps them.
+* ``fp8`` (torchrun, 1 rank): FP8 (hybrid, tensorwise) forward / backward of the actor
+  with THD packing on Transformer Engine: micro-batches of lengths that are not multiples
+  of 16 train (not skipped, finite grad norm) and the FP8 logprobs stay close to the bf16
+  ones of the same weights.
+* ``make-model DIR``: a tiny Llama with a tokenizer built here (byte-level BPE with a
+  ChatML template, no download) for the DAPO step.
+* ``dapo-metrics RUN_DIR``: checks the metrics of the DAPO step the shell script ran with
+  ``dapo-train`` (2 ranks, SGLang rollouts): every step and validation logged, finite
+  loss, and the rollout-vs-actor logprob gap small.
+
+Adding a check (e.g. a TP=2 engine sync or a server-mode sync): write ``check_<name>()``
+here, add it to :data:`SUBCOMMANDS`, and one ``run_check`` line in the shell script.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)  # test_sglang_contract's tiny checkpoints and oracle
+sys.path.insert(0, os.path.dirname(HERE))  # tests/: unit.actor.test_packing's random samples
+
+import torch  # noqa: E402
+
+T = 0.7
+
+
+def _gaps(outputs, prompts, model):
+    from test_sglang_contract import logprob_gaps
+
+    return logprob_gaps(outputs, prompts, model, T)
+
+
+def check_engines(workdir: str) -> None:
+    import torch.distributed as dist
+
+    from dapo_megatron.platform import init_distributed, local_device_index
+    from dapo_megatron.rollout.engine import InvalidWeightsError, SamplingParams
+    from dapo_megatron.rollout.sglang_engine import SGLangEngine
+    from test_sglang_contract import PROMPTS, tiny_checkpoint
+
+    init_distributed()
+    rank, world, gpu = dist.get_rank(), dist.get_world_size(), local_device_index()
+    assert world >= 2 and torch.cuda.device_count() >= world, "needs one GPU per rank"
+    old = tiny_checkpoint(os.path.join(workdir, f"old{rank}"), seed=0)
+    new = tiny_checkpoint(os.path.join(workdir, f"new{rank}"), seed=3)
+    total = torch.cuda.get_device_properties(gpu).total_memory
+
+    engine = None
+    for starting in range(world):  # one engine at a time: attribute every GPU's memory drop
+        free_before = [torch.cuda.mem_get_info(i)[0] for i in range(world)]
+        if rank == starting:
+            engine = SGLangEngine(os.path.join(workdir, f"old{rank}"), dtype="bfloat16", mem_fraction_static=0.3,
+                                  base_gpu_id=gpu, update_bucket_mb=1,
+                                  engine_kwargs={"skip_tokenizer_init": True, "random_seed": 0})
+        dist.barrier()
+        drop = [free_before[i] - torch.cuda.mem_get_info(i)[0] for i in range(world)]
+        if rank == starting:
+            assert drop[gpu] > 0.2 * total, f"rank {rank}'s engine took {drop[gpu] / 1e9:.1f} GB of GPU {gpu}"
+            others = [i for i in range(world) if i != gpu and drop[i] > 1e9]
+            assert not others, f"rank {rank}'s engine also took memory on GPUs {others}: {drop}"
+        dist.barrier()
+
+    params = SamplingParams(n=2, temperature=T, max_new_tokens=12, seed=rank)
+    named = [(k, v.to(torch.bfloat16).cuda()) for k, v in new.state_dict().items() if k != "lm_head.weight"]
+    free_awake = torch.cuda.mem_get_info(gpu)[0]
+    engine.sleep()
+    assert torch.cuda.mem_get_info(gpu)[0] > free_awake + 0.1 * total, "sleep released little memory"
+    engine.update_weights(named, version=1)  # the trainer's sync while the engine sleeps
+    engine.wake_up()
+    out = engine.generate(PROMPTS, params)
+    gap_new, gap_old = _gaps(out, PROMPTS, new), _gaps(out, PROMPTS, old)
+    assert float(gap_new.max()) <= 0.1 and float(gap_new.mean()) <= 0.02, (float(gap_new.max()), float(gap_new.mean()))
+    assert float(gap_old.mean()) > 5 * float(gap_new.mean()), "generation follows the old weights"
+
+    engine.sleep()
+    engine.wake_up()
+    try:
+        engine.generate(PROMPTS, params)
+        raise AssertionError("generate ran on weights released without a backup")
+    except InvalidWeightsError:
+        pass
+    engine.update_weights(named, version=2)
+    engine.sleep(keep_weights=True)
+    engine.wake_up()
+    kept = _gaps(engine.generate(PROMPTS, params), PROMPTS, new)
+    assert float(kept.max()) <= 0.1, float(kept.max())
+    engine.shutdown()
+    dist.barrier()
+    if rank == 0:
+        print(f"engines on GPUs 0..{world - 1}; rollout vs new weights max |d| {float(gap_new.max()):.3f}, "
+              f"mean {float(gap_new.mean()):.4f} (vs old weights mean {float(gap_old.mean()):.2f})")
+
+
+def check_fp8() -> None:
+    from unit.actor.test_packing import random_samples
+
+    from dapo_megatron.actor.actor import ActorConfig, MegatronActor, OptimConfig
+    from dapo_megatron.bridge import export_hf_state_dict, load_hf_weights
+    from dapo_megatron.models import ModelConfig, build_gpt_model
+    from dapo_megatron.platform import init_distributed
+    from transformers import LlamaConfig
+
+    parallel = init_distributed()
+    hf_config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                            tie_word_embeddings=False)
+    samples = random_samples(12, 512, seed=3, max_prompt=23, max_resp=37, min_resp=5)  # odd lengths
+    g = torch.Generator().manual_seed(0)
+    for s in samples:
+        s.advantage = float(torch.randn((), generator=g))
+
+    def actor(fp8):
+        cfg = ModelConfig(transformer_impl="transformer_engine", params_dtype="bfloat16",
+                          fp8="hybrid" if fp8 else None, fp8_recipe="tensorwise")
+        torch.manual_seed(0)
+        model = build_gpt_model(hf_config, cfg, parallel=parallel)
+        return model, MegatronActor(model, ActorConfig(ppo_max_token_len_per_gpu=512, micro_batch_layout="thd",
+                                                       use_packed_seq_params=True, optim=OptimConfig(lr=1e-4)),
+                                    total_steps=4, parallel=parallel, vocab_size=512)
+
+    ref_model, ref = actor(fp8=False)
+    weights = export_hf_state_dict(ref.model_chunks, parallel=parallel)
+    model, act = actor(fp8=True)
+    load_hf_weights(model, weights, strict=True, parallel=parallel)  # the same weights in both
+    lp16 = ref.compute_logprobs([samples[:6], samples[6:]], T)
+    lp8 = act.compute_logprobs([samples[:6], samples[6:]], T)
+    diff = torch.cat([(a - b).abs() for a, b in zip(lp8, lp16)])
+    assert torch.isfinite(diff).all() and float(diff.mean()) <= 0.1, (float(diff.max()), float(diff.mean()))
+    for s, lp in zip(samples, lp8):
+        s.old_logprobs = lp.tolist()
+    n_tok = sum(len(s.response_ids) for s in samples)
+    out = act.train_mini_batch([samples[:6], samples[6:]], T, global_num_tokens=n_tok)
+    assert out["skipped"] == 0.0 and math.isfinite(out["grad_norm"]) and out["num_tokens"] == n_tok, out
+    print(f"fp8 vs bf16 logprobs max |d| {float(diff.max()):.3f}, mean {float(diff.mean()):.4f}; "
+          f"train step loss {out['loss']:.4f}, grad norm {out['grad_norm']:.3f}")
+
+
+def make_model(path: str) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from dapo_megatron.data.arithmetic import generate_problems
+
+    corpus = [p["question"] for p in generate_problems(256, seed=0)] + [str(i) for i in range(100)]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=512, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                         "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    tok.save_pretrained(path)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      tie_word_embeddings=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path)
+    print(f"tiny Llama + BPE tokenizer ({len(tok)} tokens) in {path}")
+
+
+def dapo_metrics(run_dir: str) -> None:
+    rows = {}
+    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+        for line in f:
+            row = json.loads(line)
+            rows.setdefault(row["step"], {}).update(row)
+    assert {0, 1, 2} <= set(rows), f"logged steps {sorted(rows)}"
+    for step in (1, 2):
+        r = rows[step]
+        assert math.isfinite(r["actor/pg_loss"]) and math.isfinite(r["actor/grad_norm"]), r
+        # SGLang (bf16) sampled what the actor (bf16, TE) recomputes from the synced weights
+        assert r["rollout/logprob_diff_mean"] < 0.05, r["rollout/logprob_diff_mean"]
+    assert all(math.isfinite(rows[s]["val/avg@2"]) for s in (0, 1, 2))
+    print(f"steps 1-2 logged; rollout vs actor logprob gap mean {rows[1]['rollout/logprob_diff_mean']:.4f} / "
+          f"{rows[2]['rollout/logprob_diff_mean']:.4f}, max {rows[2]['rollout/logprob_diff_max']:.3f}")
+
+
+SUBCOMMANDS = {"engines": check_engines, "fp8": check_fp8, "make-model": make_model, "dapo-metrics": dapo_metrics}
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2 or sys.argv[1] not in SUBCOMMANDS:
+        sys.exit(f"usage: {sys.argv[0]} {{{','.join(SUBCOMMANDS)}}} [ARG]")
+    SUBCOMMANDS[sys.argv[1]](*sys.argv[2:])

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# GPU checks for one bare H200 machine, under 8 minutes: see tests/gpu/h200_check.py for the
+# list. The machine has torch + CUDA, transformers, safetensors and pytest; megatron-core
+# (the only other package the checks import) is brought as a wheel in .whl/ at the repository
+# root (ignored by git; carry it to the machine), fetched beforehand on any machine with PyPI:
+#
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#       --platform manylinux_2_28_x86_64 megatron-core==0.16.1 -d .whl      # 2.6 MB
+#
+# Usage:  bash tests/gpu/h200_check.sh [--only NAME ...]      (--cpu: the same checks on CPU)
+# Prints one line per check and "N passed, N failed"; exit status 1 when a check failed.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+export PYTHONPATH="$PWD"
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 2
+    export PYTHONPATH="/tmp/site:$PWD"
+fi
+if ! python3 -c "import megatron.core" 2> /dev/null; then
+    echo "FAIL setup: megatron-core is not importable; put its wheel in .whl/ (see this script's header)"
+    echo "0 passed, 1 failed"
+    exit 1
+fi
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
+timeout 470 python3 tests/gpu/h200_check.py "$@"
+status=$?
+if [[ $status -eq 124 ]]; then
+    echo "FAIL timeout: tests/gpu/h200_check.py ran past 470 s"
+fi
+exit $status
