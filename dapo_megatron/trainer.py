@@ -155,49 +155,6 @@ def _mean(xs: Sequence[float]) -> float:
     return float(sum(xs) / len(xs)) if xs else 0.0
 
 
-def _load_tokenizer(model_cfg):
-    from transformers import AutoTokenizer
-
-    kwargs = {"gguf_file": model_cfg.gguf_file} if model_cfg.gguf_file else {}
-    tok = AutoTokenizer.from_pretrained(model_cfg.hf_path, **kwargs)
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    return tok
-
-
-def _build_engine(cfg: DAPOConfig, hf_config, tokenizer):
-    """The colocated rollout engine of this rank, with random weights (synced next)."""
-    rollout = cfg.rollout
-    eos = sorted({tokenizer.eos_token_id, *([hf_config.eos_token_id] if isinstance(hf_config.eos_token_id, int)
-                                            else (hf_config.eos_token_id or []))} - {None})
-    if rollout.name == "hf":
-        from transformers import AutoModelForCausalLM
-
-        from dapo_megatron.rollout.hf_engine import HFEngine
-
-        dtype = cfg.model.torch_dtype()
-        hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-        from dapo_megatron.platform import device
-
-        return HFEngine(hf_model, dtype=dtype, device=device(), eos_token_ids=eos,
-                        update_bucket_mb=rollout.update_weights_bucket_megabytes)
-    if rollout.name == "sglang":
-        from dapo_megatron.platform import local_device_index
-        from dapo_megatron.rollout.sglang_engine import SGLangEngine
-
-        return SGLangEngine(
-            model_path=cfg.model.hf_path,
-            mem_fraction_static=rollout.gpu_memory_utilization,
-            tp_size=1,
-            dtype=cfg.model.torch_dtype(),
-            base_gpu_id=local_device_index(),  # this rank's GPU: torchrun sets no CUDA_VISIBLE_DEVICES
-            deterministic=rollout.deterministic,
-            update_bucket_mb=rollout.update_weights_bucket_megabytes,
-            engine_kwargs=rollout.engine_kwargs,
-        )
-    raise ValueError(f"rollout.name={rollout.name!r} must be 'hf' or 'sglang'")
-
-
 # --------------------------------------------------------------------------- trainer
 class DAPOTrainer:
     """Owns the actor, the engine, the data stream, the buffer and the tracker of one run.
@@ -215,6 +172,7 @@ class DAPOTrainer:
         from dapo_megatron.models import build_gpt_model, load_hf_config
         from dapo_megatron.rewards import RewardPool
         from dapo_megatron.rollout.buffer import RolloutBuffer
+        from dapo_megatron.rollout.factory import build_engine, load_tokenizer, training_engine_spec
         from dapo_megatron.rollout.step_data import DistributedGrader
         from dapo_megatron.tracking import ProgressBar, Tracker
 
@@ -228,7 +186,7 @@ class DAPOTrainer:
         os.makedirs(self.run_dir, exist_ok=True)
 
         # data first: a broken dataset stops the run before minutes of model loading
-        self.tokenizer = _load_tokenizer(cfg.model)
+        self.tokenizer = load_tokenizer(cfg.model.hf_path, cfg.model.gguf_file)
         data_dir = os.path.join(self.run_dir, "data")
         files = None
         if self.rank == 0:  # writes the embedded arithmetic task when no files are given
@@ -266,7 +224,7 @@ class DAPOTrainer:
         updates_per_step = cfg.actor.ppo_epochs * (cfg.buffer.train_batch_size // cfg.actor.ppo_mini_batch_size)
         self.actor = MegatronActor(model, cfg.actor, t.total_training_steps * updates_per_step,
                                    parallel=parallel, vocab_size=self.hf_config.vocab_size)
-        self.engine = _build_engine(cfg, self.hf_config, self.tokenizer)
+        self.engine = build_engine(training_engine_spec(cfg, self.tokenizer, self.hf_config), self.hf_config)
 
         # rewards and the dynamic-sampling buffer (replicated on every rank)
         self.reward_pool = RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)

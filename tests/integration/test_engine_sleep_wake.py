@@ -47,6 +47,7 @@ def _worker(hf_dir, out_dir):
 
 
 def _run(hf_dir, out_dir, variant):
+    import dapo_megatron.rollout.factory as factory
     import dapo_megatron.trainer as trainer_mod
     from dapo_megatron.bridge import export_hf_state_dict
     from dapo_megatron.config import DAPOConfig, load_config
@@ -88,14 +89,15 @@ def _run(hf_dir, out_dir, variant):
             events.append(("generate", finite, current))
             return super().generate(prompt_ids, params, prompt_seeds)
 
-    def build(cfg, hf_config, tokenizer):
+    def build(spec, hf_config):
         from transformers import AutoModelForCausalLM
 
+        assert not spec.pretrained  # the trainer's engine: random weights until the first sync
         return ForgetfulEngine(AutoModelForCausalLM.from_config(hf_config), dtype=torch.float32, device="cpu",
-                               eos_token_ids=[tokenizer.eos_token_id])
+                               eos_token_ids=list(spec.eos_token_ids))
 
-    real_build = trainer_mod._build_engine
-    trainer_mod._build_engine = build
+    real_build = factory.build_engine
+    factory.build_engine = build
     overrides = SMALL + [f"model.hf_path={hf_dir}", f"trainer.default_local_dir={out_dir}/run"]
     overrides.append(f"buffer.filter_groups={'true' if variant == 'skips' else 'false'}")
     cfg = load_config(DAPOConfig, None, overrides)
@@ -103,7 +105,7 @@ def _run(hf_dir, out_dir, variant):
     trainer = trainer_mod.DAPOTrainer(cfg, parallel)
     holder["trainer"] = trainer
     last = trainer.fit()
-    trainer_mod._build_engine = real_build
+    factory.build_engine = real_build
     torch.save({"events": events, "last": last}, os.path.join(out_dir, "events.pt"))
 
 

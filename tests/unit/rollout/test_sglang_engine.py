@@ -385,7 +385,7 @@ def test_trainer_places_each_ranks_engine_on_its_own_gpu(fake_sglang, tiny_model
     from types import SimpleNamespace
 
     from dapo_megatron.config import DAPOConfig, load_config
-    from dapo_megatron.trainer import _build_engine
+    from dapo_megatron.rollout.factory import build_engine, training_engine_spec
 
     cfg = load_config(DAPOConfig, None, [f"model.hf_path={tiny_model_dir}", "model.params_dtype=bf16",
                                          "rollout.name=sglang", "rollout.gpu_memory_utilization=0.45",
@@ -397,7 +397,7 @@ def test_trainer_places_each_ranks_engine_on_its_own_gpu(fake_sglang, tiny_model
     for local_rank, visible in [("0", 8), ("3", 8), ("7", 8), ("3", 1)]:
         monkeypatch.setenv("LOCAL_RANK", local_rank)
         monkeypatch.setattr(torch.cuda, "device_count", lambda v=visible: v)
-        eng = _build_engine(cfg, hf, tok)
+        eng = build_engine(training_engine_spec(cfg, tok, hf))
         seen[(local_rank, visible)] = eng.engine.kwargs["base_gpu_id"]
         assert eng.engine.kwargs == {
             "model_path": tiny_model_dir, "dtype": "bfloat16", "tp_size": 1, "mem_fraction_static": 0.45,
