@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-ROLLOUT_TP_KEY = "rollout.tensor_model_parallel_size"
+from dapo_megatron.platform.parallel_dims import ROLLOUT_TP_KEY
 
 
 def check_rollout_tp_fits_model(hf_config: Any, rollout_tp: int, key: str = ROLLOUT_TP_KEY) -> None:
@@ -92,23 +92,15 @@ def server_rank_offsets(tp_sizes: Sequence[int]) -> tuple[list[int], int]:
     return offsets, next_rank
 
 
-def rollout_group_ranks(world_size: int, rollout_tp: int) -> list[tuple[int, ...]]:
-    """The colocated rollout groups: ``rollout_tp`` consecutive ranks each, leader first.
-
-    Raises:
-        ValueError: as :func:`check_rollout_layout`.
-    """
-    check_rollout_layout(world_size, rollout_tp)
-    return [tuple(range(start, start + rollout_tp)) for start in range(0, world_size, rollout_tp)]
-
-
 def rollout_engines(rank: int, world_size: int, *, mode: str = "colocated", rollout_tp: int = 1,
                     num_servers: int = 0) -> tuple[int, "int | None"]:
     """``(number of engines, index of the engine this rank drives or None)``.
 
-    colocated: engine ``e`` is rollout group ``e``, driven by its leader ``e * rollout_tp``;
-    server: engine ``e`` is ``rollout.server_urls[e]``, driven by rank ``e``. Prompts go to
-    engines by :func:`engine_share`; a rank that drives none generates nothing.
+    colocated: engine ``e`` is rollout group ``e``
+    (:func:`~dapo_megatron.platform.parallel_dims.rollout_groups`), driven by its leader
+    ``e * rollout_tp``; server: engine ``e`` is ``rollout.server_urls[e]``, driven by rank
+    ``e``. Prompts go to engines by :func:`engine_share`; a rank that drives none generates
+    nothing.
     """
     if mode == "server":
         check_rollout_layout(world_size, 1, mode="server", num_servers=num_servers)
@@ -122,26 +114,23 @@ def check_rollout_layout(world_size: int, rollout_tp: int, ranks_per_node: "int 
     """Raise unless the rollout layout fits a launch of ``world_size`` ranks,
     ``ranks_per_node`` of them per node (torchrun's ``LOCAL_WORLD_SIZE``; None: unknown).
 
-    colocated: ``rollout.tensor_model_parallel_size`` divides the world size and, since one
-    engine's GPUs are one node's (SGLang's TP workers are local processes), divides the ranks
-    per node; server: at most ``world_size`` servers (server ``e`` is driven by rank ``e``).
+    colocated: :func:`~dapo_megatron.platform.parallel_dims.rollout_groups`'s rules (the
+    rollout TP divides the world size and the ranks per node: SGLang's TP workers of one
+    engine are local processes), checked when the config is loaded; server: at most
+    ``world_size`` servers (server ``e`` is driven by rank ``e``).
 
     Raises:
         ValueError: naming ``rollout.tensor_model_parallel_size`` or ``rollout.server_urls``.
     """
+    from dapo_megatron.platform.parallel_dims import rollout_groups
+
     if mode == "server":
         if not 1 <= num_servers <= world_size:
             raise ValueError(f"rollout.server_urls lists {num_servers} servers; a launch of {world_size} trainer "
                              f"ranks drives 1..{world_size} (server e is driven by rank e)")
         return
-    if isinstance(rollout_tp, bool) or not isinstance(rollout_tp, int) or rollout_tp < 1:
-        raise ValueError(f"{ROLLOUT_TP_KEY}={rollout_tp!r} must be an int >= 1")
-    if world_size % rollout_tp:
-        raise ValueError(f"{ROLLOUT_TP_KEY}={rollout_tp} must divide the world size {world_size} "
-                         "(every rank belongs to one engine's group)")
-    if ranks_per_node is not None and rollout_tp > ranks_per_node:
+    if (ranks_per_node is not None and isinstance(rollout_tp, int) and not isinstance(rollout_tp, bool)
+            and rollout_tp > ranks_per_node):
         raise ValueError(f"{ROLLOUT_TP_KEY}={rollout_tp} exceeds a node ({ranks_per_node} ranks per node): one "
                          "engine's GPUs must be on one node; use at most the GPUs of a node, or rollout.mode=server")
-    if ranks_per_node is not None and ranks_per_node % rollout_tp:
-        raise ValueError(f"{ROLLOUT_TP_KEY}={rollout_tp} must divide the ranks per node ({ranks_per_node}), or a "
-                         "rollout group would span two nodes")
+    rollout_groups(world_size, ranks_per_node or world_size, rollout_tp)
