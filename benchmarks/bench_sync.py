@@ -75,9 +75,7 @@ def _worker(args: argparse.Namespace, out_path: str) -> None:
 
     # transport floor: the sync's bytes all-gathered bucket by bucket over the TP group, then
     # one copy of each gathered bucket into preallocated (flat) parameters
-    from megatron.core import parallel_state as ps
-
-    group = ps.get_tensor_model_parallel_group()
+    group = parallel.tp_group
     tp = dist.get_world_size(group)
     dtype = next(actor.parameters()).dtype
     elem = torch.empty((), dtype=dtype).element_size()
