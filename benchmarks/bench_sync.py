@@ -4,8 +4,12 @@ Both ranks of a TP=2 world (2 gloo processes on CPU) build the same Llama-shaped
 and an HFEngine each, then time ``engine.update_weights(iter_hf_weights(actor))``: the
 TP all-gather, the Megatron → HF layout conversion (QKV de-interleave, gate/up split,
 vocab trim), the bucketing and the engine's checked copy. The reference is a plain
-``copy_`` of the same bytes (one tensor per HF parameter) measured in the same run.
-The last line is the ratio, higher is better (1.0 = as fast as memcpy).
+``copy_`` of the same bytes (one tensor per HF parameter) measured in the same run, and
+the transport floor: a bare ``all_gather_into_tensor`` of the same bytes over the actor's
+TP group (each rank contributing its half, one collective per bucket; ``all_gather`` into
+a list where the backend has no ``all_gather_into_tensor``, as the bridge does on gloo)
+plus one copy into preallocated parameters; no layout conversion, no checks. The last
+line is sync ÷ floor (GB/s over GB/s), higher is better; the goal is >= 0.9.
 
     python benchmarks/bench_sync.py [--hidden 512 --layers 8 --bucket-mb 64 --repeats 3]
 """
@@ -68,9 +72,48 @@ def _worker(args: argparse.Namespace, out_path: str) -> None:
             d.copy_(s)
     copy_s = (time.perf_counter() - t0) / args.repeats
     copy_bytes = sum(s.numel() * s.element_size() for s in src)
+
+    # transport floor: the sync's bytes all-gathered bucket by bucket over the TP group, then
+    # one copy of each gathered bucket into preallocated (flat) parameters
+    group = parallel.tp_group
+    tp = dist.get_world_size(group)
+    dtype = next(actor.parameters()).dtype
+    elem = torch.empty((), dtype=dtype).element_size()
+    total = nbytes // elem
+    chunk = max(tp, bucket // elem // tp * tp)
+    sizes = [min(chunk, total - off) // tp * tp for off in range(0, total, chunk)]
+    shards = [torch.randn(n // tp, dtype=dtype) for n in sizes if n]
+    gathered = [torch.empty(n, dtype=dtype) for n in sizes if n]
+    params = torch.empty(sum(g.numel() for g in gathered), dtype=dtype)
+    into_tensor = dist.get_backend(group) == "nccl"
+    try:  # gloo gained all_gather_into_tensor in recent torch releases
+        dist.all_gather_into_tensor(gathered[0], shards[0], group=group)
+        into_tensor = True
+    except (RuntimeError, NotImplementedError, ValueError):
+        pass
+
+    def floor() -> None:
+        off = 0
+        for shard, out in zip(shards, gathered):
+            if into_tensor:
+                dist.all_gather_into_tensor(out, shard, group=group)
+            else:
+                dist.all_gather(list(out.chunk(tp)), shard, group=group)
+            params[off:off + out.numel()].copy_(out)
+            off += out.numel()
+
+    floor()  # warm-up
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(args.repeats):
+        floor()
+    dist.barrier()
+    floor_s = (time.perf_counter() - t0) / args.repeats
+    floor_bytes = params.numel() * elem
     if dist.get_rank() == 0:
         torch.save({"sync_GBps": nbytes / sync_s / 1e9, "memcpy_GBps": copy_bytes / copy_s / 1e9,
-                    "bytes": nbytes}, out_path)
+                    "floor_GBps": floor_bytes / floor_s / 1e9, "floor_primitive":
+                    "all_gather_into_tensor" if into_tensor else "all_gather", "bytes": nbytes}, out_path)
 
 
 def main(argv=None) -> None:
@@ -92,6 +135,8 @@ def main(argv=None) -> None:
     print(f"sync GB/s:   {r['sync_GBps']:.3f}")
     print(f"memcpy GB/s: {r['memcpy_GBps']:.3f}")
     print(f"ratio sync/memcpy: {r['sync_GBps'] / r['memcpy_GBps']:.3f}")
+    print(f"floor GB/s ({r['floor_primitive']} over TP=2 + one copy): {r['floor_GBps']:.3f}")
+    print(f"ratio sync/floor: {r['sync_GBps'] / r['floor_GBps']:.3f}")
 
 
 if __name__ == "__main__":

@@ -77,7 +77,8 @@ def main(argv=None) -> int:
     try:
         cfg = load_config(DAPOConfig, args.config, args.overrides)
         if not args.print_config:
-            cfg.check_world_size(int(os.environ.get("WORLD_SIZE", "1")))
+            local = os.environ.get("LOCAL_WORLD_SIZE")  # torchrun: the ranks of this node
+            cfg.check_world_size(int(os.environ.get("WORLD_SIZE", "1")), int(local) if local else None)
     except (ConfigError, FileNotFoundError) as err:
         return _input_error(err)
     if args.print_config:
@@ -88,7 +89,9 @@ def main(argv=None) -> int:
     from dapo_megatron.trainer import DAPOTrainer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    parallel = init_distributed(cfg.parallel, seed=cfg.trainer.seed)
+    # colocated: ranks per engine; server mode: every rank is its own (trainer) rank of the rollout
+    rollout_tp = cfg.rollout.tensor_model_parallel_size if cfg.rollout.mode == "colocated" else 1
+    parallel = init_distributed(cfg.parallel, seed=cfg.trainer.seed, rollout_tp=rollout_tp)
     rank = parallel.rank
     if rank != 0:
         logging.getLogger().setLevel(logging.WARNING)

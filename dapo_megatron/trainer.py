@@ -2,9 +2,10 @@
 
 Every rank runs this same code under ``torchrun`` (SPMD). One step:
 
-1. rollout: each rank reads its DP shard of a generation batch of prompts, the ranks
-   of a model-parallel group split those prompts between their colocated engines; every
-   rank gets the record of every response (lengths, finish reasons), the token lists stay
+1. rollout: each rank reads its DP shard of a generation batch of prompts; the whole batch
+   is dealt over the rollout engines (colocated: one per group of
+   ``rollout.tensor_model_parallel_size`` ranks; server mode: one per ``rollout.server_urls``
+   entry, after a health check of every server); every rank gets the record of every response (lengths, finish reasons), the token lists stay
    where they were generated (:mod:`~dapo_megatron.rollout.step_data`);
 2. rewards: every rank grades the responses it generated in its killable grader pool and
    the grades are all-reduced (:class:`~dapo_megatron.rollout.step_data.DistributedGrader`);
@@ -16,7 +17,9 @@ Every rank runs this same code under ``torchrun`` (SPMD). One step:
    are recomputed there and stay there;
 6. updates: ``ppo_epochs`` × mini-batches, each cut into micro-batches by a token budget,
    with the DAPO token-mean loss normalised by the mini-batch's global token count;
-7. weight sync: Megatron shards → HF tensors in buckets → the engine;
+7. weight sync: Megatron shards → HF tensors in buckets → the engines (colocated: every
+   rank of a rollout group hands its GPU's copy to the group's engine; server mode: one
+   rank per pipeline stage broadcasts its stage to the servers);
 8. metrics → MLflow; validation every ``test_freq`` steps; checkpoint every ``save_freq``.
 
 Determinism: every response is sampled with its own seed, derived from ``trainer.seed``
@@ -172,7 +175,7 @@ class DAPOTrainer:
         from dapo_megatron.models import build_gpt_model, load_hf_config
         from dapo_megatron.rewards import RewardPool
         from dapo_megatron.rollout.buffer import RolloutBuffer
-        from dapo_megatron.rollout.factory import build_engine, load_tokenizer, training_engine_spec
+        from dapo_megatron.rollout.factory import build_training_rollout, load_tokenizer
         from dapo_megatron.rollout.step_data import DistributedGrader
         from dapo_megatron.tracking import ProgressBar, Tracker
 
@@ -205,7 +208,11 @@ class DAPOTrainer:
 
         # model: Megatron actor (trains) and its HF twin in the engine (generates)
         self.hf_config = load_hf_config(cfg.model.hf_path, cfg.model.gguf_file)
-        if cfg.rollout.name == "sglang" and torch.cuda.is_available():
+        if cfg.rollout.mode == "colocated" and cfg.rollout.name == "sglang":  # the HF engine does not shard
+            from dapo_megatron.rollout.layout import check_rollout_tp_fits_model
+
+            check_rollout_tp_fits_model(self.hf_config, cfg.rollout.tensor_model_parallel_size)
+        if cfg.rollout.name == "sglang" and cfg.rollout.mode == "colocated" and torch.cuda.is_available():
             # colocated actor + engine per GPU: stop now, not at the first OOM minutes later
             from dapo_megatron.platform import device
             from dapo_megatron.platform.memory import check_memory
@@ -224,7 +231,9 @@ class DAPOTrainer:
         updates_per_step = cfg.actor.ppo_epochs * (cfg.buffer.train_batch_size // cfg.actor.ppo_mini_batch_size)
         self.actor = MegatronActor(model, cfg.actor, t.total_training_steps * updates_per_step,
                                    parallel=parallel, vocab_size=self.hf_config.vocab_size)
-        self.engine = build_engine(training_engine_spec(cfg, self.tokenizer, self.hf_config), self.hf_config)
+        self.engine, self.num_engines, self.engine_index = build_training_rollout(cfg, self.tokenizer,
+                                                                                  self.hf_config, parallel)
+        self.server_mode = cfg.rollout.mode == "server"
 
         # rewards and the dynamic-sampling buffer (replicated on every rank)
         self.reward_pool = RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
@@ -274,26 +283,47 @@ class DAPOTrainer:
         return SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=r.top_k,
                               max_new_tokens=r.response_length, seed=seed)
 
+    def _engine_share(self, num_prompts: int) -> list[int]:
+        """The prompts (positions in a list every rank holds) this rank's engine samples."""
+        from dapo_megatron.rollout.layout import engine_share
+
+        if self.engine_index is None:
+            return []
+        return engine_share(num_prompts, self.num_engines, self.engine_index)
+
+    def _global_batch(self, indices: list[int]) -> list[int]:
+        """The dataset indices of the whole generation batch, every DP rank's ``indices`` in DP
+        order (all DP ranks read equally many); one int64 all-gather over the DP group."""
+        if self.dp_size == 1:
+            return list(indices)
+        from dapo_megatron.platform import collective_device
+
+        mine = torch.tensor(indices, dtype=torch.int64, device=collective_device(self.parallel.dp_group))
+        parts = [torch.empty_like(mine) for _ in range(self.dp_size)]
+        dist.all_gather(parts, mine, group=self.parallel.dp_group)
+        return torch.cat(parts).cpu().tolist()
+
     def _generate_groups(self, records, params, first_group_id: int) -> list[Group]:
-        """Generate ``params.n`` responses for each of this DP rank's ``records``, split over
-        the model-parallel ranks, and return the groups of ALL DP ranks: every rank gets the
-        same list of records, ordered by DP rank then prompt position, with consecutive group
-        ids; the token lists only where generated (:func:`~dapo_megatron.rollout.step_data.gather_groups`)."""
+        """Generate ``params.n`` responses for each prompt of the generation batch (every DP
+        rank's ``records``), dealt over the rollout engines, and return the groups: every rank
+        gets the same list of records, ordered by DP rank then prompt position, with consecutive
+        group ids; the token lists only where generated (:func:`~dapo_megatron.rollout.step_data.gather_groups`)."""
         from dapo_megatron.rollout.engine import completions_to_group
         from dapo_megatron.rollout.step_data import gather_groups
 
-        mine = list(range(self.mp_rank, len(records), self.mp_size))
-        # global position of each prompt in the generation batch seeds its responses, so the
-        # rollout does not depend on the TP/PP/DP layout
-        seeds = [first_group_id + self.dp_rank * len(records) + i for i in mine]
-        outputs = self.engine.generate([records[i].prompt_ids for i in mine], params, seeds) if mine else []
+        # the batch in global order (DP rank, position); position g seeds its responses, so the
+        # rollout depends neither on the actor's TP/PP/DP nor on the engines' layout
+        batch = self._global_batch([r.index for r in records])
+        mine = self._engine_share(len(batch))
+        prompts = [self.train_data[batch[g]].prompt_ids for g in mine]
+        outputs = self.engine.generate(prompts, params, [first_group_id + g for g in mine]) if mine else []
         local = []
-        for i, completions in zip(mine, outputs):
-            rec = records[i]
-            local.append((self.dp_rank, i, completions_to_group(
+        for g, completions in zip(mine, outputs):
+            rec = self.train_data[batch[g]]
+            local.append((0, g, completions_to_group(  # (0, g): ordered by global position
                 -1, rec.prompt_ids, completions, prompt_index=rec.index, data_source=rec.data_source,
                 ground_truth=rec.ground_truth, extra_info=rec.extra_info)))
-        groups = gather_groups(local, n=params.n, max_local=-(-len(records) // self.mp_size),
+        groups = gather_groups(local, n=params.n, max_local=-(-len(batch) // self.num_engines),
                                record_of=self.train_data.__getitem__)
         for k, g in enumerate(groups):
             g.group_id = first_group_id + k
@@ -338,11 +368,16 @@ class DAPOTrainer:
             self._sync_weights()
 
     def _sync_weights(self) -> float:
-        """Megatron shards → HF tensors (bucketed, collective) → this rank's engine.
-        Returns the bytes sent."""
+        """Megatron shards → HF tensors (bucketed, collective) → this rank's engine, or, in
+        server mode, from one rank per pipeline stage into the servers. Returns the bytes sent."""
         from dapo_megatron.bridge import iter_hf_weights
 
         self._free_allocator_cache()
+        bucket = self.cfg.rollout.update_weights_bucket_megabytes * 2**20
+        if self.server_mode:  # the stage's own tensors (no PP broadcast); DP > 0 ranks hold copies
+            stream = (iter_hf_weights(self.actor.model_chunks, parallel=self.parallel, bucket_bytes=bucket,
+                                      pp_broadcast=False) if self.dp_rank == 0 else None)
+            return float(sum(_all_gather_objects(self.engine.sync(stream, version=self.step))))
         nbytes = 0
 
         def counted(it):
@@ -351,7 +386,6 @@ class DAPOTrainer:
                 nbytes += tensor.numel() * tensor.element_size()
                 yield name, tensor
 
-        bucket = self.cfg.rollout.update_weights_bucket_megabytes * 2**20
         self.engine.update_weights(
             counted(iter_hf_weights(self.actor.model_chunks, parallel=self.parallel, bucket_bytes=bucket)),
             version=self.step)
@@ -391,6 +425,8 @@ class DAPOTrainer:
 
         # 1-3. rollout, rewards, dynamic sampling
         t0 = time.perf_counter()
+        if self.server_mode:  # a dead server stops the step here, named, not in a hung request
+            self.engine.check_health()
         self._wake_engine()
         groups, rollout_metrics = self.buffer.collect(self._generate_batch)
         self.engine.sleep()  # weights too: the actor needs the memory; step 7 syncs them back
@@ -479,8 +515,8 @@ class DAPOTrainer:
         30 × 32 samples, not 960 × 32. ``rollout.val_max_prompts`` (> 0) keeps the first M
         distinct problems (in file order of their first copy).
 
-        Problems are dealt round-robin over all ranks (each generates on its colocated
-        engine, ``rollout.val_temperature`` / ``val_top_p`` / ``top_k``, at most
+        Problems are dealt round-robin over the rollout engines
+        (:func:`~dapo_megatron.rollout.layout.engine_share`; ``rollout.val_temperature`` / ``val_top_p`` / ``top_k``, at most
         ``rollout.response_length`` new tokens); response j of problem i is seeded by
         ``(trainer.seed + 7919 * step, i, j)``, so the samples do not depend on the world
         size. Responses are decoded with ``skip_special_tokens=True`` and graded (0/1
@@ -499,7 +535,7 @@ class DAPOTrainer:
         problems = [rec for rec, _ in unique_prompts(self.val_data.records)]
         if r.val_max_prompts > 0:
             problems = problems[:r.val_max_prompts]
-        mine = list(range(self.rank, len(problems), self.world))
+        mine = self._engine_share(len(problems))
         params = self._sampling_params(n=r.val_n, temperature=r.val_temperature, top_p=r.val_top_p,
                                        seed=self.cfg.trainer.seed + 7919 * self.step)
         self._wake_engine()

@@ -224,7 +224,7 @@ def _gather_tp(param: torch.Tensor, split: str, parallel: ParallelDims) -> list[
 
 
 def iter_hf_weights(
-    model_chunks, *, parallel: ParallelDims, bucket_bytes: Optional[int] = None
+    model_chunks, *, parallel: ParallelDims, bucket_bytes: Optional[int] = None, pp_broadcast: bool = True
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream the model as full HF-named tensors; a COLLECTIVE generator.
 
@@ -246,6 +246,10 @@ def iter_hf_weights(
         model_chunks: model (chunks) built by ``build_gpt_model``; DDP wrappers allowed.
         parallel: the layout the model was built for (TP group gathers, PP group broadcasts).
         bucket_bytes: bound on the bytes of HF tensors per PP broadcast, or None.
+        pp_broadcast: False: yield only the tensors of this rank's pipeline stage and skip
+            the broadcast over the PP group (a receiver fed by one rank per stage, e.g. the
+            servers of ``rollout.mode=server``); the TP gather stays collective over the
+            stage's TP group, and the plan over the PP group.
 
     Yields:
         ``(hf_name, tensor)``: full HF shape, the parameter dtype, the parameter device.
@@ -282,6 +286,8 @@ def iter_hf_weights(
 
     for bucket in buckets:
         owner = bucket[0].owner
+        if not pp_broadcast and owner != pp_rank:
+            continue  # another stage sends it
         named: list[tuple[str, torch.Tensor]] = []
         if pp_rank == owner:
             for entry in bucket:
@@ -290,7 +296,7 @@ def iter_hf_weights(
                     raise ValueError(f"Megatron parameter {entry.megatron!r} has dtype {param.dtype}, others "
                                      f"{dtype}: export needs one parameter dtype")
                 named.extend(megatron_to_hf(layout, entry.megatron, _gather_tp(param, entry.split, parallel)))
-        if pp_size > 1:
+        if pp_size > 1 and pp_broadcast:
             total = sum(e.numel for e in bucket)
             if pp_rank == owner:
                 flat = torch.cat([t.reshape(-1) for _, t in named]) if len(named) > 1 else named[0][1].reshape(-1)

@@ -70,12 +70,22 @@ class DAPOConfig:
         with config_errors("actor.optim"):  # trainer.total_training_steps × ppo_epochs × mini-batches per step
             self.actor.optim.check_total_steps(updates)
 
-    def check_world_size(self, world_size: int) -> None:
-        """Raise :class:`ConfigError` unless a launch of ``world_size`` processes fits this run:
-        TP × PP divides it and the DP size divides ``buffer.gen_batch_size`` (each DP rank reads
-        an equal share of every generation batch)."""
+    def check_world_size(self, world_size: int, ranks_per_node: int | None = None) -> None:
+        """Raise :class:`ConfigError` unless a launch of ``world_size`` processes
+        (``ranks_per_node`` per node, None: unknown) fits this run: TP × PP divides it, the DP
+        size divides ``buffer.gen_batch_size`` (each DP rank reads an equal share of every
+        generation batch), and the rollout layout fits
+        (:func:`~dapo_megatron.rollout.layout.check_rollout_layout`)."""
+        from dapo_megatron.rollout.layout import check_rollout_layout
+
         with config_errors("parallel"):
             self.parallel.check_world_size(world_size)
+        r = self.rollout
+        try:
+            check_rollout_layout(world_size, r.tensor_model_parallel_size, ranks_per_node, mode=r.mode,
+                                 num_servers=len(r.server_urls))
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         p = self.parallel
         dp = world_size // (p.tensor_model_parallel_size * p.pipeline_model_parallel_size)
         if self.buffer.gen_batch_size % dp:

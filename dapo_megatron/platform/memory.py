@@ -29,7 +29,7 @@ replicated) and ``DP = world / (TP × PP)``:
   works on the response label rows only (≤ T rows): bf16 logits, their fp32 copy, the
   softmax and its gradient, 16 bytes per ``[T, V/TP]`` element
   (``actor/logprobs.py``).
-* engine (SGLang, one per rank; ``rollout_tp`` GPUs per engine): its weights ``2 · N /
+* engine (SGLang, one per rollout group of ``rollout_tp`` GPUs, ``rollout.tensor_model_parallel_size``): its weights ``2 · N /
   rollout_tp`` (bf16, ``N`` = all parameters) and the KV cache. SGLang sizes the KV pool
   from the memory free when it starts (sglang 0.5.11
   ``model_executor/model_runner_kv_cache_mixin.py`` ``_profile_available_bytes``:
@@ -296,11 +296,11 @@ def estimate_from_config(cfg, hf_config, world_size: int, *, rollout_tp: Optiona
                          gpu_bytes: int = H100_80GB, **kwargs) -> MemoryEstimate:
     """:func:`estimate_memory` for a :class:`~dapo_megatron.config.DAPOConfig`.
 
-    ``rollout_tp`` None: ``cfg.rollout.tensor_model_parallel_size`` when the config has
-    that key, else 1 (one engine per GPU).
+    ``rollout_tp`` None: ``cfg.rollout.tensor_model_parallel_size`` (the GPUs of one
+    colocated engine; 1: one engine per GPU).
     """
     if rollout_tp is None:
-        rollout_tp = int(getattr(cfg.rollout, "tensor_model_parallel_size", 1) or 1)
+        rollout_tp = cfg.rollout.tensor_model_parallel_size
     return estimate_memory(
         hf_config, tp=cfg.parallel.tensor_model_parallel_size, pp=cfg.parallel.pipeline_model_parallel_size,
         world_size=world_size, params_dtype=cfg.model.params_dtype, fp8=cfg.model.fp8 is not None,

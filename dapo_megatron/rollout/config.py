@@ -11,7 +11,26 @@ class RolloutConfig:
     """Generation settings (verl ``actor_rollout_ref.rollout.*`` names)."""
 
     name: str = "hf"
-    """rollout engine: "hf" (transformers, CPU default) or "sglang" (GPU, colocated)."""
+    """rollout engine: "hf" (transformers, CPU default) or "sglang" (GPU)."""
+    mode: str = "colocated"
+    """"colocated": the engines share the trainer's GPUs (they sleep while the actor trains);
+    "server": SGLang servers the user started (``python -m sglang.launch_server``, on other GPUs
+    or nodes) listed in ``server_urls``; weights go to them over one NCCL group per pipeline
+    stage (examples/run_dapo_server_mode.sh)."""
+    tensor_model_parallel_size: int = 1
+    """colocated: GPUs per engine (verl's name). The world is cut into rollout groups of this
+    many consecutive ranks on one node; each group's first rank creates one engine spanning the
+    group's GPUs and the others serve it; prompts are dealt over engines. Must divide the world
+    size, fit in one node, and suit the model's heads (checked at start). Server mode: each
+    server has its own ``--tp-size``; leave this at 1."""
+    server_urls: list[str] = field(default_factory=list)
+    """server mode: the servers' base URLs (``http://host:port``); server ``e`` is driven by
+    trainer rank ``e`` (so at most world-size servers)."""
+    server_timeout_s: float = 60.0
+    """server mode: bound (seconds) on every control call (health, pause, flush, group init) and
+    on each bucket of the weight sync; a server silent that long stops the step naming it."""
+    server_generate_timeout_s: float = 3600.0
+    """server mode: bound (seconds) on one ``/generate`` call (a whole generation batch)."""
     temperature: float = 1.0
     """sampling temperature of training rollouts (the actor's logprobs use the same temperature)."""
     top_p: float = 1.0
@@ -51,6 +70,34 @@ class RolloutConfig:
         """Raise ``ValueError`` naming the bad field."""
         if self.name not in ("hf", "sglang"):
             raise ValueError(f"name={self.name!r} must be 'hf' or 'sglang'")
+        if self.mode not in ("colocated", "server"):
+            raise ValueError(f"mode={self.mode!r} must be 'colocated' or 'server'")
+        tp = self.tensor_model_parallel_size
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+            raise ValueError(f"tensor_model_parallel_size={tp!r} must be an int >= 1")
+        if self.mode == "server":
+            if self.name != "sglang":
+                raise ValueError(f"mode='server' needs name='sglang' (got name={self.name!r})")
+            if not self.server_urls:
+                raise ValueError("server_urls is empty: mode='server' needs the URLs of the SGLang servers you "
+                                 "started (python -m sglang.launch_server ... --host 0.0.0.0 --port 30000)")
+            bad = [u for u in self.server_urls if not str(u).startswith(("http://", "https://"))]
+            if bad:
+                raise ValueError(f"server_urls={bad} must start with http:// or https://")
+            if len(set(self.server_urls)) != len(self.server_urls):
+                raise ValueError(f"server_urls={list(self.server_urls)} lists a server twice")
+            if self.engine_kwargs:
+                raise ValueError(f"engine_kwargs={self.engine_kwargs} configure colocated engines; a server takes "
+                                 "its flags on its command line (python -m sglang.launch_server --help)")
+            if tp != 1:
+                raise ValueError(f"tensor_model_parallel_size={tp} applies to colocated engines; in mode='server' "
+                                 "each server has its own --tp-size: leave it at 1")
+            for key in ("server_timeout_s", "server_generate_timeout_s"):
+                if not getattr(self, key) > 0:
+                    raise ValueError(f"{key}={getattr(self, key)!r} must be > 0 seconds")
+        elif self.server_urls:
+            raise ValueError(f"server_urls={list(self.server_urls)} is set but mode={self.mode!r}: set "
+                             "mode: server to use them")
         for key in ("response_length", "update_weights_bucket_megabytes", "val_n"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)!r} must be >= 1")

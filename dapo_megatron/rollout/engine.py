@@ -408,6 +408,16 @@ class RolloutEngine(abc.ABC):
     def _load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
         """Copy validated full tensors (canonical or alias HF names) into the engine."""
 
+    def _load_stream(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load a stream of validated full tensors: by default in buckets of
+        ``update_bucket_bytes`` through :meth:`_load_bucket`. Engines that pack buckets
+        themselves (SGLang's flattened buckets, :mod:`dapo_megatron.rollout.engine_group`)
+        override this instead."""
+        from dapo_megatron.rollout.buckets import iter_buckets
+
+        for bucket in iter_buckets(named_tensors, self.update_bucket_bytes):
+            self._load_bucket(bucket)
+
     def _on_sync_finished(self) -> None:
         """Hook after a complete sync (e.g. flush a prefix cache)."""
 
@@ -436,8 +446,6 @@ class RolloutEngine(abc.ABC):
             On any error the buckets before the offending tensor are already loaded (as in
             SGLang): call :meth:`abort_weight_update` and re-send the full set.
         """
-        from dapo_megatron.rollout.buckets import iter_buckets
-
         tracker = self._weight_tracker()
         if tracker.in_progress and tracker.version != version:
             raise RuntimeError(f"update_weights(version={version}) while the sync of version {tracker.version} "
@@ -452,8 +460,7 @@ class RolloutEngine(abc.ABC):
                 tracker.check_and_mark(name, tensor)
                 yield name, tensor
 
-        for bucket in iter_buckets(checked(), self.update_bucket_bytes):
-            self._load_bucket(bucket)
+        self._load_stream(checked())
         if finish:
             self.finish_weight_update()
 

@@ -120,18 +120,21 @@ def training_engine_spec(cfg: DAPOConfig, tokenizer, hf_config) -> EngineSpec:
     return EngineSpec(
         name=rollout.name, model_path=cfg.model.hf_path, dtype=cfg.model.torch_dtype(),
         eos_token_ids=stop_token_ids(tokenizer, hf_config, cfg.model.hf_path), gguf_file=cfg.model.gguf_file,
-        pretrained=False, tp_size=1, mem_fraction_static=rollout.gpu_memory_utilization,
+        pretrained=False, tp_size=rollout.tensor_model_parallel_size,
+        mem_fraction_static=rollout.gpu_memory_utilization,
         base_gpu_id=base_gpu_id, deterministic=rollout.deterministic,
         update_bucket_mb=rollout.update_weights_bucket_megabytes, engine_kwargs=dict(rollout.engine_kwargs or {}),
     )
 
 
-def build_engine(spec: EngineSpec, hf_config=None) -> RolloutEngine:
+def build_engine(spec: EngineSpec, hf_config=None, group=None) -> RolloutEngine:
     """The engine ``spec`` describes.
 
     Args:
         spec: see :class:`EngineSpec`.
         hf_config: the model's HF config; needed for ``name="hf"`` with ``pretrained=False``.
+        group: ``sglang`` with ``tp_size > 1``: the
+            :class:`~dapo_megatron.rollout.engine_group.RolloutGroup` this process leads.
 
     Raises:
         ValueError: ``pretrained=False`` without ``hf_config``; the engines' own errors.
@@ -143,7 +146,8 @@ def build_engine(spec: EngineSpec, hf_config=None) -> RolloutEngine:
         return SGLangEngine(model_path=spec.model_path, dtype=spec.dtype, tp_size=spec.tp_size,
                             mem_fraction_static=spec.mem_fraction_static,
                             enable_memory_saver=spec.enable_memory_saver, base_gpu_id=spec.base_gpu_id,
-                            deterministic=spec.deterministic, engine_kwargs=spec.engine_kwargs or None, **bucket)
+                            deterministic=spec.deterministic, engine_kwargs=spec.engine_kwargs or None, group=group,
+                            **bucket)
     from dapo_megatron.platform import device as rank_device
     from dapo_megatron.rollout.hf_engine import HFEngine
 
@@ -159,3 +163,42 @@ def build_engine(spec: EngineSpec, hf_config=None) -> RolloutEngine:
     return HFEngine(model, dtype=spec.dtype, device=spec.device or rank_device(),
                     eos_token_ids=list(spec.eos_token_ids), **extra, **bucket)
 
+
+
+def build_training_rollout(cfg: DAPOConfig, tokenizer, hf_config, parallel) -> tuple[Any, int, Optional[int]]:
+    """The trainer's rollout on this rank: ``(engine, num_engines, engine_index)``, where
+    ``engine_index`` is the engine this rank drives (None: it generates nothing); collective in
+    server mode.
+
+    colocated (``rollout.mode``): ``parallel``'s rollout groups of
+    ``rollout.tensor_model_parallel_size`` ranks; the group's leader builds the engine
+    (:func:`training_engine_spec`; SGLang spans the group's GPUs), the other ranks are
+    :class:`~dapo_megatron.rollout.engine_group.EngineGroupMember` s feeding its weight sync.
+    server: a :class:`~dapo_megatron.rollout.server_sync.ServerRollout` on every rank (rank
+    ``e`` drives ``rollout.server_urls[e]``; each pipeline stage's DP-0/TP-0 rank sends it).
+    """
+    from dapo_megatron.rollout.engine import hf_param_specs
+    from dapo_megatron.rollout.engine_group import EngineGroupMember, RolloutGroup
+
+    rollout = cfg.rollout
+    if rollout.mode == "server":
+        from dapo_megatron.platform import device
+        from dapo_megatron.rollout.server_sync import ServerRollout
+
+        servers = ServerRollout(
+            rollout.server_urls, hf_param_specs(hf_config), stage=parallel.pp_rank, num_stages=parallel.pp_size,
+            is_sender=parallel.tp_rank == 0 and parallel.dp_rank == 0, device=device(),
+            timeout_s=rollout.server_timeout_s, generate_timeout_s=rollout.server_generate_timeout_s,
+            bucket_bytes=rollout.update_weights_bucket_megabytes * 2**20)
+        return servers, servers.num_engines, servers.engine_index
+    index = parallel.rollout_index if parallel.is_rollout_leader else None
+    if parallel.rollout_tp_size == 1:
+        return build_engine(training_engine_spec(cfg, tokenizer, hf_config), hf_config), parallel.num_engines, index
+    group = RolloutGroup(parallel.rollout_group_ranks, parallel.rank, parallel.rollout_group)
+    if not group.is_leader:
+        return (EngineGroupMember(group, hf_param_specs(hf_config),
+                                  transport="flat_bucket" if rollout.name == "sglang" else None,
+                                  update_bucket_mb=rollout.update_weights_bucket_megabytes),
+                parallel.num_engines, None)
+    spec = training_engine_spec(cfg, tokenizer, hf_config)  # the HF engine ignores tp_size: one full copy
+    return build_engine(spec, hf_config, group=group if spec.name == "sglang" else None), parallel.num_engines, index

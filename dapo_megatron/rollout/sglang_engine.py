@@ -22,7 +22,8 @@ in 0.5.3), read in the sources of each release's wheel. Files are those of
   one dict per row with ``meta_info.output_token_logprobs`` = ``[(logprob, token_id, text)]``
   and ``meta_info.finish_reason`` = ``{"type": "stop" | "length" | "abort", ...}``.
 * ``Engine.update_weights_from_tensor(named_tensors, load_format=None, flush_cache=True)``
-  → ``(success, message)``; ``Engine.flush_cache()`` → ``FlushCacheReqOutput(success,
+  → ``(success, message)``; with ``load_format="flattened_bucket"``, ``named_tensors`` is the
+  list of serialized flattened buckets, one per TP worker (see ``rollout/engine_group.py``); ``Engine.flush_cache()`` → ``FlushCacheReqOutput(success,
   message)`` (``managers/io_struct.py``); ``Engine.release_memory_occupation(tags)`` /
   ``resume_memory_occupation(tags)`` → None (``managers/tokenizer_control_mixin.py``).
 * Memory tags (``constants.py``): ``kv_cache``, ``weights``, ``cuda_graph``. Releasing
@@ -59,7 +60,7 @@ import threading
 import urllib.error
 import urllib.request
 from datetime import timedelta
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 
@@ -75,6 +76,10 @@ from dapo_megatron.rollout.engine import (
     sample_seed,
     validate_prompt_ids,
 )
+
+
+if TYPE_CHECKING:
+    from dapo_megatron.rollout.engine_group import RolloutGroup
 
 
 def _import_sglang():
@@ -321,39 +326,67 @@ def http_post(base_url: str, path: str, payload: Optional[dict], timeout: float,
     url = base_url.rstrip("/") + path
     data = json.dumps(payload if payload is not None else {}).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+    body = _http_call(req, url, timeout)
+    if text:
+        return body.decode(errors="replace")
+    return json.loads(body) if body.strip() else None
+
+
+def http_get(base_url: str, path: str, timeout: float) -> Any:
+    """GET ``base_url + path``: the decoded JSON body (None for an empty body, e.g. ``/health``'s
+    200). Raises ``RuntimeError`` as :func:`http_post` does."""
+    url = base_url.rstrip("/") + path
+    body = _http_call(urllib.request.Request(url, method="GET"), url, timeout)
+    return json.loads(body) if body.strip() else None
+
+
+def _http_call(req: urllib.request.Request, url: str, timeout: float) -> bytes:
+    """One HTTP request, every failure a ``RuntimeError`` naming the URL: an error status (with
+    SGLang's message), an unreachable server, or no answer within ``timeout`` seconds (a hung
+    server must not hang the trainer)."""
+    import socket
+
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            body = resp.read()
+            return resp.read()
     except urllib.error.HTTPError as err:
         raise RuntimeError(f"SGLang server {url} returned HTTP {err.code}: "
                            f"{sglang_error_message(err.read())}") from None
     except urllib.error.URLError as err:
+        if isinstance(err.reason, (TimeoutError, socket.timeout)):
+            raise RuntimeError(f"SGLang server {url} did not answer within {timeout:g} s") from None
         raise RuntimeError(f"SGLang server {url} unreachable: {err.reason}") from None
-    if text:
-        return body.decode(errors="replace")
-    return json.loads(body) if body.strip() else None
+    except (TimeoutError, socket.timeout):  # the connection opened, the answer never came
+        raise RuntimeError(f"SGLang server {url} did not answer within {timeout:g} s") from None
+    except (ConnectionError, OSError) as err:  # reset or closed mid-answer: the server died
+        raise RuntimeError(f"SGLang server {url} unreachable: {err}") from None
 
 
 def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
                               timeout: timedelta = timedelta(minutes=10)):
     """Create a process group outside the default one (trainer rank 0 + engine workers).
 
-    The same construction SGLang's ``init_weights_update_group`` uses on its side
-    (``rendezvous`` on a TCP store, ``PrefixStore(group_name)``, ``_new_process_group_helper``),
-    so both ends meet. Works with ``"nccl"`` (GPU) and ``"gloo"`` (CPU tests).
+    The same construction SGLang's ``init_weights_update_group`` uses on its side (a TCP
+    store, ``PrefixStore(group_name)``, ``_new_process_group_helper``), so both ends meet.
+    Works with ``"nccl"`` (GPU) and ``"gloo"`` (CPU tests).
+
+    The store is built here, not by ``rendezvous(init_method)``: under torchrun
+    (``TORCHELASTIC_USE_AGENT_STORE=True``) ``rendezvous`` makes every rank, rank 0 included,
+    a client of a store it expects the elastic agent to host (torch
+    ``distributed/rendezvous.py`` ``_create_c10d_store``), so nobody would serve the port and
+    the servers' workers would time out connecting. Rank 0 hosts it, as ``rendezvous`` does
+    outside torchrun (``TCPStore(..., is_master=rank == 0, multi_tenant=True)``).
     """
     import inspect
+    import urllib.parse
 
-    from torch.distributed.distributed_c10d import (
-        Backend,
-        PrefixStore,
-        _new_process_group_helper,
-        _world,
-        rendezvous,
-    )
+    from torch.distributed import TCPStore
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 
-    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
+    parsed = urllib.parse.urlparse(init_method)
+    if parsed.scheme != "tcp" or parsed.hostname is None or parsed.port is None:
+        raise ValueError(f"init_method={init_method!r} must be tcp://host:port")
+    store = TCPStore(parsed.hostname, parsed.port, world_size, rank == 0, timeout=timeout, multi_tenant=True)
     store = PrefixStore(group_name, store)
     params = inspect.signature(_new_process_group_helper).parameters
     opts = {"backend_options": None} if "backend_options" in params else {"pg_options": None}
@@ -463,7 +496,9 @@ class _SGLangMemory:
 
 
 class SGLangEngine(_SGLangMemory, RolloutEngine):
-    """Colocated offline ``sglang.Engine`` in this process, on this rank's GPU.
+    """Colocated offline ``sglang.Engine`` in this process, on this rank's GPU, or, with
+    ``tp_size > 1``, on the GPUs of this rank's rollout group (this rank leads it; the other
+    ranks are :class:`~dapo_megatron.rollout.engine_group.EngineGroupMember` s).
 
     Args:
         model_path: HF model directory (config, tokenizer, initial weights).
@@ -488,28 +523,49 @@ class SGLangEngine(_SGLangMemory, RolloutEngine):
             :func:`check_engine_kwargs` (e.g. ``load_format: dummy``: random weights at start,
             since the trainer syncs right after; the weights then count as invalid until the
             first sync; ``enable_weights_cpu_backup: true``: released weights survive sleep).
+        group: this rank's :class:`~dapo_megatron.rollout.engine_group.RolloutGroup` (``tp_size``
+            ranks, this one first); None: this process alone (with ``tp_size > 1`` its one copy
+            of each bucket is read by every TP worker, across GPUs).
 
     ``update_weights`` checks names and shapes against the HF model built from the
-    checkpoint's config on the meta device, streams buckets through
-    ``update_weights_from_tensor(flush_cache=False)`` and flushes the prefix cache once at
-    the end of a complete sync.
+    checkpoint's config on the meta device, sends every bucket as one flattened bucket per
+    TP worker, each packed on the GPU of the group rank that worker runs on
+    (:func:`~dapo_megatron.rollout.engine_group.sync_flat_buckets`,
+    ``update_weights_from_tensor(load_format="flattened_bucket", flush_cache=False)``), and
+    flushes the prefix cache once at the end of a complete sync.
 
     Raises:
-        ValueError: a bad ``dtype`` or ``engine_kwargs`` key. ImportError: no SGLang.
+        ValueError: a bad ``dtype`` or ``engine_kwargs`` key, a group this rank does not lead
+            or whose size is not ``tp_size``, or fewer visible GPUs than the engine spans.
+        ImportError: no SGLang.
     """
 
     def __init__(self, model_path: str, *, dtype: Any = "bfloat16", tp_size: int = 1,
                  mem_fraction_static: float = 0.5, enable_memory_saver: bool = True,
                  base_gpu_id: Optional[int] = None, deterministic: bool = False, update_bucket_mb: int = 512,
-                 engine_kwargs: Optional[dict] = None):
+                 engine_kwargs: Optional[dict] = None, group: Optional["RolloutGroup"] = None):
         super().__init__()
+        from dapo_megatron.rollout.engine_group import RolloutGroup
+
         dtype = sglang_dtype(dtype)
         extra = check_engine_kwargs(engine_kwargs, key="engine_kwargs")
+        group = group or RolloutGroup.single(torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
+        if not group.is_leader or group.size not in (1, tp_size):
+            raise ValueError(f"SGLangEngine(tp_size={tp_size}) is created by the leader of a rollout group of "
+                             f"{tp_size} ranks (or by one process alone); got rank {group.rank} of group {group.ranks}")
         sglang = _import_sglang()
         if base_gpu_id is None:
             from dapo_megatron.platform import local_device_index
 
             base_gpu_id = local_device_index()
+        if torch.cuda.is_available() and torch.cuda.device_count() < base_gpu_id + tp_size:
+            raise ValueError(
+                f"rollout.tensor_model_parallel_size={tp_size}: the engine of rank {group.rank} spans GPUs "
+                f"{base_gpu_id}..{base_gpu_id + tp_size - 1}, but this process sees {torch.cuda.device_count()} "
+                "GPU(s): give every rank all GPUs of its node (torchrun does; under Slurm do not bind one GPU "
+                "per task)")
+        self.group = group
+        self.tp_size = int(tp_size)
         self.model_path = model_path
         self.update_bucket_bytes = int(update_bucket_mb) * 2**20
         self.enable_memory_saver = enable_memory_saver
@@ -544,10 +600,38 @@ class SGLangEngine(_SGLangMemory, RolloutEngine):
 
         return hf_param_specs(AutoConfig.from_pretrained(self.model_path))
 
-    def _load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+    def _load_stream(self, named_tensors) -> None:
+        """Every bucket as one flattened bucket per TP worker, each from the GPU of its rollout-group
+        rank (:func:`~dapo_megatron.rollout.engine_group.sync_flat_buckets`); the prefix cache is
+        flushed once when the sync finishes (``_on_sync_finished``)."""
+        from dapo_megatron.rollout.engine_group import sync_flat_buckets
+        from dapo_megatron.rollout.flat_bucket import FlatBucketPacker
+
         self._bring_weights_back()
-        check_result(self.engine.update_weights_from_tensor(named_tensors=bucket, flush_cache=False),
-                     f"update_weights_from_tensor ({len(bucket)} tensors, first {bucket[0][0]!r})")
+        if getattr(self, "_packer", None) is None or self._packer.bucket_bytes != self.update_bucket_bytes:
+            from dapo_megatron.platform import device as rank_device
+
+            self._packer = FlatBucketPacker(self.update_bucket_bytes, rank_device())
+        expected = None
+        if torch.cuda.is_available() and self.group.size == self.tp_size:  # TP worker i: GPU base_gpu_id + i
+            expected = [str(torch.cuda.get_device_properties(self.base_gpu_id + i).uuid) for i in range(self.tp_size)]
+        sync_flat_buckets(named_tensors, self.group, self._packer, apply=self._update_from_payloads,
+                          expected_devices=expected)
+
+    def _update_from_payloads(self, payloads: list[bytes]) -> None:
+        """``Engine.update_weights_from_tensor`` with one serialized flattened bucket per TP rank
+        (sglang 0.5.11 ``entrypoints/engine.py``: with ``load_format="flattened_bucket"`` the
+        list is passed through as ``serialized_named_tensors``, entry i to TP worker i). An engine
+        driven by one process alone hands its one copy to every worker, which then reads it from
+        that GPU (what ``update_weights_from_tensor`` does itself without a load format)."""
+        if len(payloads) == 1 and self.tp_size > 1:
+            payloads = payloads * self.tp_size
+        check_result(self.engine.update_weights_from_tensor(named_tensors=payloads, load_format="flattened_bucket",
+                                                            flush_cache=False),
+                     f"update_weights_from_tensor (flattened_bucket, {len(payloads)} TP rank(s))")
+
+    def _load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:  # pragma: no cover - _load_stream
+        raise NotImplementedError("SGLangEngine loads whole streams (_load_stream)")
 
     def _release(self, tags: list[str]) -> None:
         check_result(self.engine.release_memory_occupation(tags=tags), f"release_memory_occupation({tags})")

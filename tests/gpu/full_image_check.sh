@@ -11,8 +11,13 @@
 #   two_engines        two colocated SGLang engines on two GPUs: sleep -> sync -> wake -> generate
 #   fp8_thd_step       FP8 forward / backward with THD packing on Transformer Engine
 #   dapo_step_sglang   dapo-train, 2 ranks (DP=2), SGLang rollouts (load_format=dummy), 2 steps + validations
-# More checks (a TP=2 engine's sync, a server-mode sync) are one run_check line each below
-# and a subcommand of tests/gpu/full_image_check.py.
+#   dapo_step_rollout_tp2  the same with rollout.tensor_model_parallel_size=2: one engine over both
+#                      GPUs, each rank's flattened bucket read by the TP worker on its GPU (CUDA IPC)
+#   dapo_step_server   dapo-train, 1 rank on GPU 0, rollout.mode=server into a sglang.launch_server
+#                      on GPU 1 (weights over NCCL, flattened buckets; health check every step)
+# In the last three, the rollout-vs-actor logprob gap (dapo-metrics) shows the engine generated
+# with the synced weights (they start as load_format=dummy random weights).
+# More checks are one run_check line each below and a subcommand of tests/gpu/full_image_check.py.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -54,22 +59,49 @@ run_check sglang_contract sglang_contract
 run_check two_engines $TORCHRUN --nproc_per_node 2 tests/gpu/full_image_check.py engines "$WORK"
 run_check fp8_thd_step $TORCHRUN --nproc_per_node 1 tests/gpu/full_image_check.py fp8
 
-dapo_step() {
+dapo_step() {  # dapo_step NPROC RUN_NAME [override ...]
+    local nproc=$1 run=$2
+    shift 2
     python tests/gpu/full_image_check.py make-model "$WORK/tiny" \
-    && $TORCHRUN --nproc_per_node 2 -m dapo_megatron.train \
+    && $TORCHRUN --nproc_per_node "$nproc" -m dapo_megatron.train \
         model.hf_path="$WORK/tiny" model.params_dtype=bfloat16 model.transformer_impl=transformer_engine \
         rollout.name=sglang rollout.gpu_memory_utilization=0.3 rollout.response_length=16 \
-        rollout.engine_kwargs.load_format=dummy rollout.engine_kwargs.skip_tokenizer_init=true \
         rollout.val_n=2 rollout.val_max_prompts=4 \
         buffer.train_batch_size=2 buffer.n=4 buffer.gen_batch_size=4 buffer.max_num_gen_batches=2 \
         buffer.filter_groups=false buffer.overlong.max_response_length=16 buffer.overlong.overlong_buffer_len=4 \
         actor.ppo_mini_batch_size=1 actor.ppo_max_token_len_per_gpu=1024 actor.optim.lr_warmup_steps=0 \
         trainer.total_training_steps=2 trainer.test_freq=1 trainer.save_freq=2 trainer.val_before_train=true \
-        trainer.default_local_dir="$WORK/run" \
-        data.arithmetic.num_train_problems=32 data.arithmetic.num_val_problems=8 \
-    && python tests/gpu/full_image_check.py dapo-metrics "$WORK/run"
+        trainer.default_local_dir="$WORK/$run" \
+        data.arithmetic.num_train_problems=32 data.arithmetic.num_val_problems=8 "$@" \
+    && python tests/gpu/full_image_check.py dapo-metrics "$WORK/$run"
 }
-run_check dapo_step_sglang dapo_step
+COLOCATED=(rollout.engine_kwargs.load_format=dummy rollout.engine_kwargs.skip_tokenizer_init=true)
+run_check dapo_step_sglang dapo_step 2 run "${COLOCATED[@]}"
+run_check dapo_step_rollout_tp2 dapo_step 2 run_tp2 "${COLOCATED[@]}" rollout.tensor_model_parallel_size=2
+
+server_step() {  # a server on GPU 1 (started here, stopped after), the trainer on GPU 0
+    python tests/gpu/full_image_check.py make-model "$WORK/tiny" || return 1
+    local port=31000 status=1 waited=0
+    python -m sglang.launch_server --model-path "$WORK/tiny" --tp-size 1 --base-gpu-id 1 --port $port \
+        --host 127.0.0.1 --mem-fraction-static 0.3 --load-format dummy --skip-tokenizer-init \
+        > "$WORK/server.log" 2>&1 &
+    local pid=$!
+    until curl -sf "http://127.0.0.1:$port/health" > /dev/null; do  # SGLang answers 503 while starting
+        sleep 2
+        waited=$((waited + 2))
+        if [[ $waited -ge 300 ]] || ! kill -0 $pid 2> /dev/null; then
+            tail -n 40 "$WORK/server.log"
+            kill $pid 2> /dev/null
+            return 1
+        fi
+    done
+    CUDA_VISIBLE_DEVICES=0 dapo_step 1 run_server rollout.mode=server "rollout.server_urls=[http://127.0.0.1:$port]" \
+        && status=0
+    kill $pid 2> /dev/null
+    wait $pid 2> /dev/null
+    return $status
+}
+run_check dapo_step_server server_step
 
 echo "$PASSED passed, $FAILED failed"
 [[ $FAILED -eq 0 ]]

@@ -114,9 +114,10 @@ def test_h100_config_holds_the_paper_settings(size):
     assert m.params_dtype == "bfloat16" and m.transformer_impl == "transformer_engine"
     assert m.fp8 == "hybrid" and m.first_last_layers_bf16
     assert r.name == "sglang"
-    # full activation recompute of every layer, as megatron-core TransformerConfig fields
+    # full activation recompute of every layer and sequence parallel (actor TP > 1), as
+    # megatron-core TransformerConfig fields
     assert m.extra_transformer_config == {"recompute_granularity": "full", "recompute_method": "uniform",
-                                          "recompute_num_layers": 1}
+                                          "recompute_num_layers": 1, "sequence_parallel": True}
 
 
 def test_aime_validation_is_30_problems_times_val_n(shared_data_dir):
@@ -162,6 +163,14 @@ def test_h100_layout_fits_the_model(size, monkeypatch):
     assert tc.num_query_groups % tp == 0 and tc.num_layers % pp == 0
     # the YAML's extra_transformer_config reaches megatron-core (activation recompute)
     assert (tc.recompute_granularity, tc.recompute_method, tc.recompute_num_layers) == ("full", "uniform", 1)
+    assert tc.sequence_parallel == (tp > 1), "sequence parallel wherever the actor's TP > 1"
+    # the rollout: engines of rollout TP GPUs within a node, sharding the heads as SGLang does
+    from dapo_megatron.rollout.layout import check_rollout_tp_fits_model
+
+    rollout_tp = cfg.rollout.tensor_model_parallel_size
+    assert cfg.rollout.mode == "colocated" and rollout_tp == {"7b": 2, "32b": 8}[size]
+    cfg.check_world_size(GPUS[size], 8)
+    check_rollout_tp_fits_model(hf, rollout_tp)
     monkeypatch.setattr(mc, "_cuda_capability", lambda: (9, 0))
     monkeypatch.setattr(mc, "_te_version", lambda: mc.FP8_RECIPE_MIN_TE[cfg.model.fp8_recipe])
     mc.validate_fp8(cfg.model, hf.num_hidden_layers, pp)
@@ -222,7 +231,8 @@ def test_h100_launcher_passes_env_and_overrides(size, tmp_path, fake_inputs):
     assert printed["trainer"]["total_training_steps"] == 70 and printed["rollout"]["val_n"] == 4
     # a key below the dict field is overridden, its siblings keep the YAML's values
     assert printed["model"]["extra_transformer_config"] == {"recompute_granularity": "full",
-                                                            "recompute_method": "uniform", "recompute_num_layers": 2}
+                                                            "recompute_method": "uniform", "recompute_num_layers": 2,
+                                                            "sequence_parallel": True}
     # everything else is the YAML's
     assert printed["actor"]["optim"]["lr"] == 1e-6 and printed["buffer"]["n"] == 16
 
@@ -252,3 +262,32 @@ def test_shared_launcher_needs_its_four_arguments(tmp_path, fake_inputs):
     assert out.returncode == 2 and "usage:" in out.stderr and "DEFAULT_NNODES" in out.stderr
     out = _dry_run(launcher, tmp_path, fake_inputs, "examples/configs/none.yaml", "/m", "runs/x", "1")
     assert out.returncode == 2 and "config examples/configs/none.yaml not found" in out.stderr
+
+
+def test_server_mode_launcher_points_the_trainer_at_the_servers(tmp_path, fake_inputs):
+    """ROLE=trainer: the 32B config in rollout.mode=server with one URL per server; the
+    printed config is the one dapo-train would run (its checks passed); ROLE=servers starts
+    one sglang.launch_server per server on its own GPUs (a shim records the arguments)."""
+    script = os.path.join(REPO, "examples", "run_dapo_server_mode.sh")
+    env = dict(fake_inputs, ROLE="trainer", SERVER_ADDR="10.0.0.9", NUM_SERVERS="2", NNODES="4")
+    out = _dry_run(script, tmp_path, env, "trainer.total_training_steps=70")
+    assert out.returncode == 0, out.stderr
+    printed = yaml.safe_load(out.stdout)
+    r = printed["rollout"]
+    assert (r["mode"], r["server_urls"], r["tensor_model_parallel_size"]) == (
+        "server", ["http://10.0.0.9:30000", "http://10.0.0.9:30001"], 1)
+    assert printed["trainer"]["total_training_steps"] == 70
+    argv = (tmp_path / "args.txt").read_text().split("\n")
+    assert argv[argv.index("--nnodes") + 1] == "4"
+
+    bin_dir = tmp_path / "bin"
+    (bin_dir / "python").write_text('#!/usr/bin/env bash\necho "$@" >> "$SHIM_ARGS.servers"; sleep 1\n')
+    (bin_dir / "python").chmod(0o755)
+    out = _dry_run(script, tmp_path, dict(fake_inputs, ROLE="servers", NUM_SERVERS="2", SERVER_TP="4"))
+    assert out.returncode == 0, out.stderr
+    lines = sorted((tmp_path / "args.txt.servers").read_text().splitlines())
+    assert len(lines) == 2 and all(line.startswith("-m sglang.launch_server --model-path ") for line in lines)
+    assert "--tp-size 4 --base-gpu-id 0 --host 0.0.0.0 --port 30000" in lines[0]
+    assert "--tp-size 4 --base-gpu-id 4 --host 0.0.0.0 --port 30001" in lines[1]
+    out = _dry_run(script, tmp_path, fake_inputs)
+    assert out.returncode == 2 and "set ROLE=servers" in out.stderr

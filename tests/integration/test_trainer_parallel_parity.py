@@ -81,3 +81,19 @@ def test_first_step_loss_and_grad_norm_match_across_layouts(tmp_path, smollm2_gg
         for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
             assert _rel(got[key], ref[key]) <= REL_BOUND, (name, key, got[key], ref[key])
         assert got["rollout/logprob_diff_max"] <= LOGPROB_GAP_MAX, (name, got["rollout/logprob_diff_max"])
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+def test_rollout_tensor_parallel_groups_sample_the_same_rollout(tmp_path, smollm2_gguf):
+    """rollout.tensor_model_parallel_size=2: one engine per 2 ranks (the leader's; its peer only
+    feeds the sync), the batch dealt over engines, not over model-parallel ranks. Against one
+    engine per rank: the same responses and rewards, both with a TP=2 actor (the group is the
+    actor's TP group) and with DP=2 (the group spans both DP ranks, so the engine samples both
+    ranks' prompts)."""
+    ref = _first_step(tmp_path, smollm2_gguf, tp=1, pp=1)
+    for tp, pp in ((2, 1), (1, 1)):
+        got = _first_step(tmp_path, smollm2_gguf, tp, pp, "rollout.tensor_model_parallel_size=2", dp=2 // (tp * pp))
+        for key in ("rollout/gen_tokens", "reward/reward_mean", "rollout/kept_groups", "rollout/num_gen_batches"):
+            assert got[key] == ref[key], (tp, pp, key, got[key], ref[key])
+        assert _rel(got["actor/pg_loss"], ref["actor/pg_loss"]) <= REL_BOUND

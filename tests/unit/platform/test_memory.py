@@ -56,8 +56,9 @@ def test_7b_example_fits_an_80gb_h100():
     resident_at_start = 2 * P + 4 * P + 4 * P // dp + 2 * P  # bf16 params, fp32 grads, fp32 main, FP8 copies
     free = H100_80GB - resident_at_start - 4 * GB
     static = int(0.5 * free)  # rollout.gpu_memory_utilization = 0.5 of the memory free at the engine's start
-    weights = 2 * total  # one bf16 engine per GPU
-    kv_tokens = (static - weights) // (2 * L * 4 * 128 * 2)  # K and V, 4 KV heads of 128, bf16
+    assert cfg.rollout.tensor_model_parallel_size == 2  # one engine per 2 GPUs
+    weights = 2 * total // 2  # half the bf16 weights per GPU
+    kv_tokens = (static - weights) // (2 * L * 2 * 128 * 2)  # K and V, 4 KV heads of 128 over 2 GPUs, bf16
     T = 22528
     activations = L * 2 * h * T + 2 * (4 * h + ((28 + 8) * 128 + 28 * 128 + 3 * 18944) // tp) * T  # full recompute
     logits = 16 * T * 152064 // tp
@@ -68,12 +69,12 @@ def test_7b_example_fits_an_80gb_h100():
     assert est.parts["activations"] == activations and est.parts["logits"] == logits
     assert est.phases["train"] == resident_at_start + 8 * P // dp + activations + logits + 4 * GB
     assert est.fits, est.problems
-    assert kv_tokens > 10 * est.max_sequence_tokens == 10 * (2048 + 20480)
+    assert kv_tokens > 30 * est.max_sequence_tokens == 30 * (2048 + 20480)
     assert est.phases["rollout"] == resident_at_start + 8 * P // dp + 4 * GB + static + 3 * GB < H100_80GB
     check_memory(cfg, hf, GPUS["7b"])  # no error
 
 
-def test_32b_example_needs_a_rollout_tp():
+def test_32b_example_fits_with_its_rollout_tp_and_not_without():
     cfg, hf = _cfg("32b"), _qwen("32b")
     total, layer_split, layer_norms = _counts(hf)
     h, tp, dp = 5120, 8, GPUS["32b"] // 16  # PP=2: 32 layers per stage
@@ -85,13 +86,18 @@ def test_32b_example_needs_a_rollout_tp():
     static = int(0.6 * free)
     assert 2 * total > static, "a full bf16 copy of the 32B weights exceeds the engine's whole static pool"
 
-    est = estimate_from_config(cfg, hf, GPUS["32b"])  # rollout TP 1 (the trainer's engine today)
+    # one engine per GPU (rollout TP 1): a full bf16 copy per GPU does not fit
+    est = estimate_from_config(cfg, hf, GPUS["32b"], rollout_tp=1)
     assert est.parts["actor_params"] == 2 * P and est.parts["engine_weights"] == 2 * total
     assert not est.fits and est.kv_tokens == 0
     assert any("KV cache holds 0 tokens" in p and "rollout tensor parallel size" in p for p in est.problems)
     assert any(p.startswith("weight sync") for p in est.problems)
     with pytest.raises(ConfigError, match=r"do not fit one GPU(.|\n)*rollout\.gpu_memory_utilization"):
-        check_memory(cfg, hf, GPUS["32b"])
+        check_memory(cfg, hf, GPUS["32b"], rollout_tp=1)
+    # the example's own rollout TP (8: one engine per node) passes the check the trainer runs
+    assert cfg.rollout.tensor_model_parallel_size == 8
+    est = check_memory(cfg, hf, GPUS["32b"])
+    assert est.parts["engine_weights"] == 2 * total // 8 and est.fits
 
     for rollout_tp, kv_heads in ((8, 1), (4, 2)):  # 8 KV heads over the engine's GPUs
         est = estimate_from_config(cfg, hf, GPUS["32b"], rollout_tp=rollout_tp)

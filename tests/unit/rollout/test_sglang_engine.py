@@ -2,21 +2,20 @@
 metadata order, error reporting, and the server-mode client over a real HTTP round trip
 with a real (gloo) weight-update process group.
 
-The server in the dist test is a small stand-in written here that follows SGLang's HTTP
-contract (the receiving side of ``/update_weights_from_distributed`` allocates each tensor
+The server in the dist test is the stand-in of tests/sglang_standin.py that follows SGLang's
+HTTP contract (the receiving side of ``/update_weights_from_distributed`` allocates each tensor
 from (name, dtype, shape) and receives one ``broadcast(src=0)`` per tensor, in order);
 the client under test is ``SGLangServerEngine``.
 """
 
 import base64
 import json
-import multiprocessing as mp
-import socket
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
 
+import sglang_reference
+from sglang_standin import StandIn, free_port
 from dapo_megatron.rollout.buckets import bucket_metadata, dtype_from_name, dtype_name, iter_buckets
 from dapo_megatron.rollout.engine import InvalidWeightsError, ParamSpec, SamplingParams
 from dapo_megatron.rollout.sglang_engine import (
@@ -147,97 +146,12 @@ def test_distributed_update_request_keeps_bucket_order():
 
 
 # ------------------------------------------------------------------ server mode over HTTP + gloo
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _serve(http_port, ready):
-    """SGLang-contract stand-in server (runs in a spawned process)."""
-    from dapo_megatron.rollout.buckets import dtype_from_name
-    from dapo_megatron.rollout.sglang_engine import init_custom_process_group
-
-    state = {"group": None, "received": [], "flushes": 0, "memory": []}
-
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *a):
-            pass
-
-        def reply(self, code, obj):
-            body = json.dumps(obj).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def reply_text(self, code, text):  # sglang 0.5.11 http_server.py /flush_cache: a plain-text Response
-            body = text.encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "text/plain; charset=utf-8")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def do_POST(self):
-            req = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
-            if self.path == "/generate":
-                out = []
-                for row, (ids, sp) in enumerate(zip(req["input_ids"], req["sampling_params"])):
-                    resp = [ids[-1] + 1 + k for k in range(sp["max_new_tokens"])]
-                    out.append({"output_ids": resp, "meta_info": {
-                        "finish_reason": {"type": "length", "length": len(resp)},
-                        "output_token_logprobs": [[-0.5 * (row + 1), t, None] for t in resp]}})
-                self.reply(200, out)
-            elif self.path == "/init_weights_update_group":
-                state["group"] = init_custom_process_group(
-                    req["backend"], f"tcp://{req['master_address']}:{req['master_port']}", req["world_size"],
-                    req["rank_offset"], req["group_name"])
-                self.reply(200, {"success": True, "message": "ok"})
-            elif self.path == "/update_weights_from_distributed":
-                for name, dt, shape in zip(req["names"], req["dtypes"], req["shapes"]):
-                    t = torch.empty(shape, dtype=dtype_from_name(dt))
-                    torch.distributed.broadcast(t, src=0, group=state["group"])
-                    # the raw bytes go back (base64): the client compares them bit for bit
-                    raw = base64.b64encode(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).decode()
-                    state["received"].append((name, raw, list(t.shape), dt))
-                self.reply(200, {"success": True, "message": "ok"})
-            elif self.path == "/flush_cache":
-                state["flushes"] += 1
-                self.reply_text(200, "Cache flushed.\nPlease check backend logs for more details. "
-                                     "(When there are running or waiting requests, the operation will not be "
-                                     "performed.)\n")
-            elif self.path == "/received":
-                self.reply(200, {"received": state["received"], "flushes": state["flushes"],
-                                 "memory": state["memory"]})
-            elif self.path in ("/release_memory_occupation", "/resume_memory_occupation"):
-                if "weights" in req.get("tags", []) and self.path.startswith("/release"):
-                    # _create_error_response of an exception raised in the scheduler
-                    self.reply(400, {"error": {"message": "release_memory_occupation should be called only "
-                                                          "when server is idle."}})
-                else:
-                    state["memory"].append((self.path, req.get("tags")))
-                    self.reply(200, None)  # the endpoint returns None: JSON null
-            else:
-                self.reply(404, {"error": self.path})
-
-    server = ThreadingHTTPServer(("127.0.0.1", http_port), Handler)
-    ready.set()
-    server.serve_forever()
-
 
 @pytest.fixture()
 def sglang_standin():
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    ready = ctx.Event()
-    proc = ctx.Process(target=_serve, args=(port, ready), daemon=True)
-    proc.start()
-    assert ready.wait(60), "stand-in server did not start"
-    yield f"http://127.0.0.1:{port}"
-    proc.terminate()
-    proc.join(10)
+    server = StandIn()
+    yield server.url
+    server.stop()
 
 
 def server_specs():
@@ -264,7 +178,7 @@ def test_server_engine_http_generate_and_distributed_weight_sync(sglang_standin)
     assert eng.weight_version == 5
     got = http_post(sglang_standin, "/received", None, timeout=30)
     assert [r[0] for r in got["received"]] == [n for n, _ in tensors], "same metadata order on both sides"
-    for (name, t), (rname, raw, rshape, rdt) in zip(tensors, got["received"]):
+    for (name, t), (rname, raw, rshape, rdt, _) in zip(tensors, got["received"]):
         assert rshape == list(t.shape) and rdt == dtype_name(t.dtype)
         # bitwise, element by element: a permuted, transposed or re-rounded tensor fails here
         sent = t.contiguous().view(-1).view(torch.uint8)
@@ -317,11 +231,14 @@ class _SpyEngine:
     release/resume_memory_occupation -> None)."""
 
     instances = []
+    tensor_bucket = None  # SGLang's tensor_bucket module when installed (tests/sglang_reference.py)
 
     def __init__(self, **kwargs):
         self.kwargs = kwargs
         self.calls = []
         self.flush_result = _FlushCacheReqOutput(True)
+        self.loaded = []  # per update call: per TP worker, the (name, tensor) it loaded
+        self.tensor_bucket = _SpyEngine.tensor_bucket
         _SpyEngine.instances.append(self)
 
     def generate(self, input_ids, sampling_params, return_logprob):
@@ -329,7 +246,11 @@ class _SpyEngine:
         return [sglang_item([7, 2], [-0.5, -0.25], "stop") for _ in input_ids]
 
     def update_weights_from_tensor(self, named_tensors, load_format=None, flush_cache=True):
-        self.calls.append(("update_weights_from_tensor", [n for n, _ in named_tensors], flush_cache))
+        # load_format="flattened_bucket": one serialized bucket per TP worker, decoded as SGLang's worker does
+        assert load_format == "flattened_bucket" and len(named_tensors) == self.kwargs["tp_size"]
+        per_rank = [sglang_reference.worker_load(p, self.tensor_bucket) for p in named_tensors]
+        self.calls.append(("update_weights_from_tensor", [n for n, _ in per_rank[0]], flush_cache))
+        self.loaded.append(per_rank)
         return True, "Succeeded to update model weights."
 
     def flush_cache(self):
@@ -353,12 +274,18 @@ def fake_sglang(monkeypatch):
     import sys
     import types
 
-    mod = types.ModuleType("sglang")
-    mod.Engine = _SpyEngine
-    mod.__version__ = "0.5.11"
+    from dapo_megatron.rollout import flat_bucket
+
+    flat_bucket._sglang_metadata_class.cache_clear()
+    _SpyEngine.tensor_bucket = sglang_reference.install_tensor_bucket(monkeypatch.setitem)
+    mod = sys.modules.get("sglang") if _SpyEngine.tensor_bucket is not None else None
+    mod = mod or types.ModuleType("sglang")  # SGLang's real tensor_bucket, if any, hangs below this stub
     monkeypatch.setitem(sys.modules, "sglang", mod)
+    monkeypatch.setattr(mod, "Engine", _SpyEngine, raising=False)
+    monkeypatch.setattr(mod, "__version__", "0.5.11", raising=False)
     _SpyEngine.instances.clear()
-    return mod
+    yield mod
+    flat_bucket._sglang_metadata_class.cache_clear()
 
 
 @pytest.fixture()

@@ -1,0 +1,511 @@
+"""Separate SGLang servers (``rollout.mode: server``): what they are, whether they are alive,
+and the weight sync into them over one NCCL group per pipeline stage.
+
+The user starts the servers (``python -m sglang.launch_server --model-path ... --tp-size k``,
+possibly on other nodes); ``rollout.server_urls`` lists them. At start-up every server's
+``GET /server_info`` (its ``ServerArgs`` as a dict; sglang 0.5.11 ``entrypoints/http_server.py``)
+gives its TP size and flags (:func:`query_server`); every step starts with ``GET /health``
+of each (:func:`check_health`), and every HTTP call has a timeout, so a dead, hung or
+unreachable server stops the step with an error naming its URL instead of hanging it.
+
+Weights (:class:`ServerWeightSender`, one per pipeline stage): the stage's sender (its DP-0,
+TP-0 rank) is rank 0 of a process group that every TP worker of every server joins
+(server ``e``'s worker ``i`` as rank ``rank_offsets[e] + i``,
+:func:`~dapo_megatron.rollout.layout.server_rank_offsets`; ``POST /init_weights_update_group``).
+Each bucket of the stage's own tensors (TP-gathered by the bridge, no pipeline broadcast) is
+announced to every server with ``POST /update_weights_from_distributed`` (names, dtypes,
+shapes in bucket order, ``load_format="flattened_bucket"``, ``flush_cache=False``), then
+broadcast from rank 0 as ONE flat ``uint8`` buffer: the server allocates the same
+``FlattenedTensorBucket`` from the announced metadata and receives into it
+(``model_executor/model_runner.py`` ``_update_bucketed_weights_from_distributed``), so the
+buffer must be packed exactly as that bucket is, which
+:class:`~dapo_megatron.rollout.flat_bucket.FlatBucketPacker` does.
+
+The stages send one after the other (stage 0 first), never at once: a server handles one
+update request at a time (while paused its tokenizer manager holds ``is_pause_cond`` for the
+whole update, ``managers/tokenizer_control_mixin.py`` ``update_weights_from_distributed``),
+so with two stages sending concurrently server A could be inside stage 0's broadcast waiting
+for server B while B is inside stage 1's waiting for A: a deadlock until the timeout. The
+servers are the bottleneck either way (each of their workers receives every byte).
+
+Around a sync (:func:`sync_servers`): generation is paused (``POST /pause_generation``, mode
+``abort``: nothing finishes on half-updated weights; the trainer's own rollout is over by
+then), and after the last stage the prefix cache is flushed and generation continues
+(``/flush_cache``, ``/continue_generation``). SGLang >= 0.5.6 has every endpoint used here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import threading
+import time
+import urllib.parse
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from dapo_megatron.rollout.buckets import dtype_name
+from dapo_megatron.rollout.flat_bucket import FlatBucketPacker
+from dapo_megatron.rollout.layout import server_rank_offsets
+from dapo_megatron.rollout.sglang_engine import http_get, http_post, init_custom_process_group
+
+NamedTensor = tuple[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """One SGLang server as its ``/server_info`` describes it."""
+
+    url: str
+    tp_size: int
+    enable_memory_saver: bool = False
+    enable_weights_cpu_backup: bool = False
+    enable_deterministic_inference: bool = False
+    version: str = "?"
+
+
+def query_server(url: str, timeout_s: float) -> ServerInfo:
+    """``GET /server_info`` of one server.
+
+    Raises:
+        RuntimeError: the server is unreachable or does not answer in time (naming the URL),
+            or it was launched with ``--dp-size`` / ``--pp-size`` > 1 (its workers would not all
+            join the weight-update group as ``rank_offset + tp_rank``: launch one server per
+            replica instead).
+    """
+    info = http_get(url, "/server_info", timeout_s)
+    if not isinstance(info, dict) or "tp_size" not in info:
+        raise RuntimeError(f"SGLang server {url}: /server_info gave no tp_size ({str(info)[:200]}); is it an SGLang "
+                           "server (python -m sglang.launch_server)?")
+    for key in ("dp_size", "pp_size"):
+        if int(info.get(key) or 1) != 1:
+            raise RuntimeError(f"SGLang server {url} runs with {key}={info[key]}: rollout.mode=server needs one "
+                               "server per replica (--tp-size only); start several servers instead")
+    return ServerInfo(url=url, tp_size=int(info["tp_size"]),
+                      enable_memory_saver=bool(info.get("enable_memory_saver", False)),
+                      enable_weights_cpu_backup=bool(info.get("enable_weights_cpu_backup", False)),
+                      enable_deterministic_inference=bool(info.get("enable_deterministic_inference", False)),
+                      version=str(info.get("version", "?")))
+
+
+def _each(urls: Sequence[str], fn) -> list:
+    """``fn(url)`` for every URL at once (threads); returns the results in order, raising one
+    ``RuntimeError`` that lists every URL that failed."""
+    results: list[Any] = [None] * len(urls)
+    errors: list[Optional[str]] = [None] * len(urls)
+
+    def run(i):
+        try:
+            results[i] = fn(urls[i])
+        except Exception as err:  # collected: all failing servers are named at once
+            errors[i] = str(err)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(urls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    failed = [e for e in errors if e is not None]
+    if failed:
+        raise RuntimeError("; ".join(failed))
+    return results
+
+
+def check_health(urls: Sequence[str], timeout_s: float) -> None:
+    """``GET /health`` of every server (at once), each within ``timeout_s``.
+
+    SGLang answers 200 when healthy and 503 while starting, shutting down or after a failed
+    health generation (``entrypoints/http_server.py`` ``health_generate``).
+
+    Raises:
+        RuntimeError: naming every server that is down, unhealthy, or silent for ``timeout_s``.
+    """
+    try:
+        _each(list(urls), lambda url: http_get(url, "/health", timeout_s))
+    except RuntimeError as err:
+        raise RuntimeError(f"rollout server health check failed: {err}") from None
+
+
+def local_address_towards(url: str) -> str:
+    """This host's IP address on the route to ``url``'s host: the address the server's workers
+    can reach the weight-update group's store at (no packet is sent: a UDP ``connect`` only
+    picks the route)."""
+    host = urllib.parse.urlparse(url).hostname or "127.0.0.1"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((socket.gethostbyname(host), 9))
+        return s.getsockname()[0]
+
+
+class _Call:
+    """An HTTP call running in a thread while this thread broadcasts."""
+
+    def __init__(self, fn, *args):
+        self.result, self.error, self.done = None, None, threading.Event()
+        threading.Thread(target=self._run, args=(fn, *args), daemon=True).start()
+
+    def _run(self, fn, *args):
+        try:
+            self.result = fn(*args)
+        except BaseException as err:  # re-raised by the broadcasting thread
+            self.error = err
+        finally:
+            self.done.set()
+
+
+class ServerWeightSender:
+    """Rank 0 of one pipeline stage's weight-update group with every TP worker of every server.
+
+    Args:
+        servers: the servers (:func:`query_server`), in ``rollout.server_urls`` order.
+        stage: this sender's pipeline stage (names the group: ``dapo_weights_pp<stage>``).
+        device: device of the flat buffers (this rank's GPU for NCCL, ``cpu`` for gloo).
+        timeout_s: bound on every HTTP call and on every broadcast.
+        bucket_bytes: bucket size in bytes.
+    """
+
+    def __init__(self, servers: Sequence[ServerInfo], stage: int, *, device: torch.device | str,
+                 timeout_s: float, bucket_bytes: int):
+        self.servers = list(servers)
+        self.stage = stage
+        self.group_name = f"dapo_weights_pp{stage}"
+        self.device = torch.device(device)
+        self.timeout_s = float(timeout_s)
+        self.packer = FlatBucketPacker(bucket_bytes, self.device)
+        self.rank_offsets, self.world_size = server_rank_offsets([s.tp_size for s in self.servers])
+        self.group = None
+        self.backend: Optional[str] = None
+        self.bytes_sent = 0
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    def init_group(self, master_address: Optional[str] = None, master_port: Optional[int] = None,
+                   backend: Optional[str] = None) -> None:
+        """Create the group: every server is asked to join (``/init_weights_update_group``, at once)
+        while this rank joins as rank 0; both sides meet at a TCP store on ``master_address``.
+
+        Args:
+            master_address: this host's address as the servers reach it; None:
+                :func:`local_address_towards` the first server.
+            master_port: a free port on it; None: one picked here.
+            backend: ``"nccl"`` (default with CUDA) or ``"gloo"``.
+        """
+        from dapo_megatron.platform import free_port
+
+        backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        self.backend = backend
+        master_address = master_address or local_address_towards(self.servers[0].url)
+        master_port = master_port or free_port()
+        calls = [_Call(http_post, s.url, "/init_weights_update_group",
+                       {"master_address": master_address, "master_port": int(master_port), "rank_offset": off,
+                        "world_size": self.world_size, "group_name": self.group_name, "backend": backend},
+                       self.timeout_s)
+                 for s, off in zip(self.servers, self.rank_offsets)]
+        self.group = init_custom_process_group(backend, f"tcp://{master_address}:{master_port}", self.world_size, 0,
+                                               self.group_name, timeout=timedelta(seconds=self.timeout_s))
+        self._join(calls, "/init_weights_update_group")
+
+    def _join(self, calls: list[_Call], what: str) -> list:
+        deadline = time.monotonic() + self.timeout_s
+        for server, call in zip(self.servers, calls):
+            if not call.done.wait(max(0.0, deadline - time.monotonic())):
+                raise RuntimeError(f"SGLang server {server.url}{what} did not answer within {self.timeout_s:g} s")
+            if call.error is not None:
+                raise call.error
+        return [c.result for c in calls]
+
+    def send(self, named_tensors: Iterable[NamedTensor]) -> list[tuple[str, tuple[int, ...]]]:
+        """Send this stage's tensors, bucket by bucket, to every server. Returns the
+        ``(name, shape)`` of every tensor sent, in order.
+
+        Raises:
+            RuntimeError: a server refused an update, died, or stalled (naming its URL); the
+                broadcast is abandoned, not waited on for the process group's 30-minute timeout.
+        """
+        if self.group is None:
+            raise RuntimeError("ServerWeightSender.send: call init_group() first")
+        try:
+            return self._send(named_tensors)
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        """Give the group up after a failed sync. A broadcast that some server never joined stays
+        pending, and shutting the process groups down at exit waits for it: an NCCL group is
+        aborted here (``ncclCommAbort``, torch's ``_abort_process_group``); a gloo group's
+        broadcast fails by itself after the group's timeout (``timeout_s``, set at
+        :meth:`init_group`). The next sync needs :meth:`init_group` again (and servers that
+        drop the group: restart them)."""
+        if self.group is not None:
+            if self.backend == "nccl":
+                dist.distributed_c10d._abort_process_group(self.group)
+            self.group = None
+
+    def _send(self, named_tensors: Iterable[NamedTensor]) -> list[tuple[str, tuple[int, ...]]]:
+        sent: list[tuple[str, tuple[int, ...]]] = []
+        for bucket in self.packer.buckets(named_tensors):
+            request = {"names": bucket.names, "dtypes": [dtype_name(e.dtype) for e in bucket.entries],
+                       "shapes": [list(e.shape) for e in bucket.entries], "group_name": self.group_name,
+                       "load_format": "flattened_bucket", "flush_cache": False}
+            calls = [_Call(http_post, url, "/update_weights_from_distributed", request, self.timeout_s)
+                     for url in self.urls]
+            work = dist.broadcast(bucket.flat, src=0, group=self.group, async_op=True)
+            self._wait(work, calls, bucket.names[0])
+            for result, url in zip(self._join(calls, "/update_weights_from_distributed"), self.urls):
+                if isinstance(result, dict) and result.get("success") is False:
+                    raise RuntimeError(f"SGLang server {url} update_weights_from_distributed failed: "
+                                       f"{result.get('message')}")
+            sent += [(e.name, e.shape) for e in bucket.entries]
+            self.bytes_sent += bucket.nbytes
+        return sent
+
+    def _wait(self, work, calls: list[_Call], first: str) -> None:
+        """Wait for the broadcast, watching the servers' HTTP calls: a server that answers with an
+        error (or whose connection drops) will never take part, so stop at once, naming it."""
+        deadline = time.monotonic() + self.timeout_s
+        while not work.is_completed():
+            for server, call in zip(self.servers, calls):
+                if call.done.is_set() and call.error is not None:
+                    raise RuntimeError(f"weight sync bucket starting at {first!r}, stage {self.stage}: {call.error}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"weight sync bucket starting at {first!r}, stage {self.stage}: the broadcast to "
+                                   f"{self.urls} did not complete within {self.timeout_s:g} s")
+            time.sleep(0.0005)
+        work.wait()
+
+
+def connect_servers(servers: Sequence[ServerInfo], *, stage: int, num_stages: int, is_sender: bool,
+                    device: torch.device | str, timeout_s: float, bucket_bytes: int,
+                    backend: Optional[str] = None, group=None) -> Optional[ServerWeightSender]:
+    """Create the weight-update group of every pipeline stage, stage by stage; collective over
+    ``group`` (default: the world).
+
+    In turn ``s`` the sender of stage ``s`` (``is_sender``: its DP-0 TP-0 rank) asks every
+    server to join ``dapo_weights_pp<s>`` and joins as rank 0; the others wait. One stage at a
+    time because a server's scheduler takes one group init at a time and blocks in it until the
+    group is complete (see the module docstring).
+
+    Returns:
+        this rank's :class:`ServerWeightSender`, or None off the senders.
+
+    Raises:
+        RuntimeError: on every rank, naming the server that did not join.
+    """
+    sender, error = None, None
+    for turn in range(num_stages):
+        if turn == stage and is_sender:
+            try:
+                sender = ServerWeightSender(servers, stage, device=device, timeout_s=timeout_s,
+                                            bucket_bytes=bucket_bytes)
+                sender.init_group(backend=backend)
+            except Exception as err:
+                error = f"creating the weight-update group of pipeline stage {stage}: {err}"
+        errors: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(errors, error, group=group)
+        if any(errors):
+            raise RuntimeError("; ".join(e for e in errors if e))
+    return sender
+
+
+def pause_servers(urls: Sequence[str], timeout_s: float) -> None:
+    """``POST /pause_generation`` (mode ``abort``) on every server."""
+    _each(list(urls), lambda url: http_post(url, "/pause_generation", {"mode": "abort"}, timeout_s))
+
+
+def flush_and_continue(urls: Sequence[str], timeout_s: float) -> None:
+    """``POST /flush_cache`` (plain-text answer) then ``/continue_generation`` on every server."""
+    def one(url):
+        http_post(url, "/flush_cache", None, timeout_s, text=True)
+        http_post(url, "/continue_generation", {}, timeout_s)
+
+    _each(list(urls), one)
+
+
+def sync_servers(stage_tensors: Optional[Iterable[NamedTensor]], *, sender: Optional[ServerWeightSender],
+                 urls: Sequence[str], timeout_s: float, param_specs, version: int, coordinator: bool,
+                 stage: int = 0, num_stages: int = 1, group=None) -> int:
+    """One weight sync into the servers; collective over ``group`` (default: the world).
+
+    Args:
+        stage_tensors: this rank's part of the bridge stream: the tensors of its pipeline stage
+            on ranks that iterate the bridge (the stage's DP-0 TP ranks; their TP gathers are
+            collective), None on the others.
+        sender: this stage's :class:`ServerWeightSender` on its sending rank, else None (the
+            rank only drives the bridge's collectives).
+        urls: every server.
+        param_specs: ``(specs, aliases)`` of the served model: after the stages sent, every rank
+            checks that each parameter was sent once with its shape (the stages' names are
+            all-gathered), so a tensor no stage sent is an error naming it, on every rank.
+        version: the weight version (for the error messages).
+        coordinator: the one rank that pauses, flushes and resumes the servers (rank 0).
+        stage, num_stages: this rank's pipeline stage and the PP size: stage ``s`` sends in
+            turn ``s`` (see the module docstring); a failed turn ends the sync for all.
+
+    Returns:
+        bytes this rank sent (0 off the senders).
+
+    Raises:
+        RuntimeError: on every rank, when any rank's sending failed (naming the server and the
+            bucket) or the stages together left parameters unsent.
+    """
+    from dapo_megatron.rollout.engine import WeightSyncTracker
+
+    error = None
+    if sender is not None:
+        sender.bytes_sent = 0
+    if coordinator:
+        try:
+            pause_servers(urls, timeout_s)
+        except Exception as err:
+            error = f"pausing generation before the weight sync: {err}"
+    errors = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)  # no stage sends into a server that is not paused
+    if any(errors):
+        raise RuntimeError(next(e for e in errors if e))
+    sent: list[tuple[str, tuple[int, ...]]] = []
+    stream = iter(stage_tensors) if stage_tensors is not None else iter(())
+    # the bridge's export plan is collective over the PP group: every stage runs it (and gathers
+    # its first bucket) before the turns, or stage 0 would wait in it for stages parked below
+    first = next(stream, None)
+    if first is not None:
+        stream = itertools.chain([first], stream)
+    del first
+    every_sent: list[tuple[str, tuple[int, ...]]] = []  # all stages' (name, shape)s, for the check below
+    failed: list[str] = []
+    for turn in range(num_stages):
+        if turn == stage:
+            if sender is not None:
+                try:
+                    sent = sender.send(stream)
+                except Exception as err:
+                    error = str(err)
+            for _ in stream:  # after a failure (or off the sender): keep the bridge's TP gathers in step
+                pass
+        reports: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(reports, (sent if turn == stage else [], error), group=group)
+        every_sent += [item for part, _ in reports for item in part]
+        failed = [e for _, e in reports if e]
+        if failed:
+            break  # later stages do not send into servers that failed; their streams are dropped
+    if not failed:
+        tracker = WeightSyncTracker(*param_specs)
+        tracker.begin(version)
+        try:
+            for name, shape in every_sent:
+                tracker.check_and_mark(name, torch.empty(shape, device="meta"))
+            tracker.finish()
+        except (KeyError, ValueError, RuntimeError) as err:
+            failed = [f"weight sync to version {version} (rollout.mode=server): {err}"]
+    if coordinator and not failed:
+        try:
+            flush_and_continue(urls, timeout_s)
+        except Exception as err:
+            failed = [f"resuming generation after the weight sync: {err}"]
+    box = [failed]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    if box[0]:
+        raise RuntimeError("; ".join(box[0]))
+    return sender.bytes_sent if sender is not None else 0
+
+
+class ServerRollout:
+    """``rollout.mode: server`` as one trainer rank sees it; build it on every rank (collective).
+
+    Rank 0 queries every server (``/server_info``) and the answers are broadcast; the sender of
+    each pipeline stage (its DP-0, TP-0 rank) creates the stage's weight-update group
+    (:func:`connect_servers`); rank ``e`` drives server ``e`` for generation
+    (:func:`~dapo_megatron.rollout.layout.rollout_engines`).
+
+    The trainer treats it as its engine: :meth:`generate` on a driving rank, :meth:`sleep` /
+    :meth:`wake_up` are nothing (the servers have GPUs of their own), :meth:`check_health`
+    starts every step, :meth:`sync` sends the weights.
+
+    Args:
+        urls: ``rollout.server_urls``.
+        param_specs: ``(specs, aliases)`` of the served model (the sync's completeness check).
+        stage, num_stages: this rank's pipeline stage and the PP size.
+        is_sender: this rank sends its stage's weights (DP rank 0 and TP rank 0).
+        device: the senders' flat buffers (this rank's GPU: NCCL; CPU: gloo).
+        timeout_s: ``rollout.server_timeout_s``; generate_timeout_s:
+            ``rollout.server_generate_timeout_s``.
+        bucket_bytes: ``rollout.update_weights_bucket_megabytes`` in bytes.
+        backend: of the weight-update groups; None: NCCL on a CUDA device, else gloo.
+    """
+
+    def __init__(self, urls: Sequence[str], param_specs, *, stage: int, num_stages: int, is_sender: bool,
+                 device: torch.device | str, timeout_s: float, generate_timeout_s: float, bucket_bytes: int,
+                 backend: Optional[str] = None):
+        from dapo_megatron.rollout.layout import rollout_engines
+
+        self.urls = list(urls)
+        self.param_specs = param_specs
+        self.stage, self.num_stages = int(stage), int(num_stages)
+        self.timeout_s, self.generate_timeout_s = float(timeout_s), float(generate_timeout_s)
+        self.rank = dist.get_rank()
+        self.num_engines, self.engine_index = rollout_engines(self.rank, dist.get_world_size(), mode="server",
+                                                              num_servers=len(self.urls))
+        box: list = [None]
+        if self.rank == 0:
+            try:
+                box[0] = _each(self.urls, lambda url: query_server(url, self.timeout_s))
+            except RuntimeError as err:
+                box[0] = f"rollout.server_urls: {err}"
+        dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], str):
+            raise RuntimeError(box[0])
+        self.servers: list[ServerInfo] = box[0]
+        self.sender = connect_servers(self.servers, stage=stage, num_stages=num_stages, is_sender=is_sender,
+                                      device=device, timeout_s=timeout_s, bucket_bytes=bucket_bytes,
+                                      backend=backend)
+        self.weight_version = 0
+        self.weights_valid = True  # the servers loaded their checkpoint; the first sync follows
+
+    def check_health(self) -> None:
+        """:func:`check_health` of every server from rank 0; every rank raises the same error."""
+        box = [None]
+        if self.rank == 0:
+            try:
+                check_health(self.urls, self.timeout_s)
+            except RuntimeError as err:
+                box[0] = str(err)
+        dist.broadcast_object_list(box, src=0)
+        if box[0]:
+            raise RuntimeError(box[0])
+
+    def generate(self, prompt_ids, params, prompt_seeds=None):
+        """One ``/generate`` request to this rank's server (a driving rank only); see
+        :meth:`~dapo_megatron.rollout.engine.RolloutEngine.generate`."""
+        from dapo_megatron.rollout.sglang_engine import build_generate_request, parse_generate_output
+
+        if self.engine_index is None:
+            raise RuntimeError(f"rank {self.rank} drives no server (rollout.server_urls has {self.num_engines})")
+        if not self.weights_valid:
+            raise RuntimeError("the servers' weights are partly updated by a failed sync; a full sync must succeed "
+                               "before generating")
+        url = self.urls[self.engine_index]
+        out = http_post(url, "/generate", build_generate_request(prompt_ids, params, prompt_seeds),
+                        self.generate_timeout_s)
+        return parse_generate_output(out, len(prompt_ids), params.n)
+
+    def sleep(self, keep_weights: bool = False) -> None:
+        """Nothing: the servers do not share the trainer's GPUs."""
+
+    def wake_up(self) -> None:
+        """Nothing (see :meth:`sleep`)."""
+
+    def sync(self, stage_tensors: Optional[Iterable[NamedTensor]], version: int) -> int:
+        """:func:`sync_servers` of this rank's part of the bridge stream; collective. Returns the
+        bytes this rank sent. On failure the weights count as invalid and the error (naming the
+        server) is raised on every rank."""
+        self.weights_valid = False
+        nbytes = sync_servers(stage_tensors, sender=self.sender, urls=self.urls, timeout_s=self.timeout_s,
+                              param_specs=self.param_specs, version=version, coordinator=self.rank == 0,
+                              stage=self.stage, num_stages=self.num_stages)
+        self.weight_version, self.weights_valid = version, True
+        return nbytes

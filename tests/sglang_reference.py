@@ -1,0 +1,121 @@
+"""SGLang's own receiving-side code for the CPU tests, where it can be had.
+
+SGLang's package imports CUDA-only dependencies at ``import sglang`` (triton, its kernels),
+but the two pieces a weight sync meets are plain python: ``FlattenedTensorBucket`` /
+``FlattenedTensorMetadata`` (``srt/weight_sync/tensor_bucket.py``, imports torch only) and
+the pickle format of ``MultiprocessingSerializer`` (``ForkingPickler`` dump, ``SafeUnpickler``
+load; ``srt/utils/common.py``). :func:`install_tensor_bucket` loads the real
+``tensor_bucket.py`` of an installed SGLang (``pip install --no-deps sglang==0.5.11`` is
+enough; its ``__init__`` is never run) under its real module name, so the package code under
+test picks up SGLang's class exactly as it would in the image. Without SGLang it returns None
+and the tests check the documented format instead (:func:`reconstruct`).
+
+:class:`SafeUnpickler` is SGLang 0.5.11's allow-list (``srt/utils/common.py`` ``SafeUnpickler``,
+module prefixes copied verbatim) so a payload whose classes SGLang would refuse fails here too.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import os
+import pickle
+import sys
+import types
+
+import torch
+
+TENSOR_BUCKET = "sglang.srt.weight_sync.tensor_bucket"
+
+# sglang 0.5.11 python/sglang/srt/utils/common.py, SafeUnpickler.ALLOWED_MODULE_PREFIXES
+ALLOWED_MODULE_PREFIXES = {
+    "builtins.", "collections.", "copyreg.", "functools.", "itertools.", "operator.", "types.", "weakref.",
+    "torch.", "torch._tensor.", "torch.storage.", "torch.nn.parameter.", "torch.autograd.function.",
+    "torch.distributed.", "torch.distributed._shard.", "torch.distributed._composable.",
+    "torch._C._distributed_c10d.", "torch._C._distributed_fsdp.", "torch.distributed.optim.",
+    "multiprocessing.resource_sharer.", "multiprocessing.reduction.", "pickletools.",
+    "peft.", "transformers.", "huggingface_hub.",
+    "sglang.srt.weight_sync.tensor_bucket.", "sglang.srt.model_executor.model_runner.", "sglang.srt.layers.",
+    "sglang.srt.utils.", "torch_npu.",
+}
+
+
+class SafeUnpickler(pickle.Unpickler):
+    """SGLang's ``SafeUnpickler``: only classes of the allowed module prefixes load."""
+
+    def find_class(self, module, name):
+        if any((module + ".").startswith(prefix) for prefix in ALLOWED_MODULE_PREFIXES):
+            return super().find_class(module, name)
+        raise RuntimeError(f"Blocked unsafe class loading ({module}.{name}), "
+                           "to prevent exploitation of CVE-2025-10164")
+
+
+def deserialize(data: bytes):
+    """``MultiprocessingSerializer.deserialize`` of sglang 0.5.11 (bytes form)."""
+    return SafeUnpickler(io.BytesIO(data)).load()
+
+
+def sglang_source_dir() -> str | None:
+    """Directory of an installed ``sglang`` package (found without importing it), or None."""
+    spec = importlib.util.find_spec("sglang") if "sglang" not in sys.modules else None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = list(spec.submodule_search_locations)[0]
+    return path if os.path.isfile(os.path.join(path, "srt", "weight_sync", "tensor_bucket.py")) else None
+
+
+def install_tensor_bucket(setitem=None):
+    """Load SGLang's real ``tensor_bucket`` module under its own name; returns it, or None.
+
+    ``setitem(mapping, key, value)`` (pytest's ``monkeypatch.setitem``) registers the module
+    and its parent packages in ``sys.modules`` so the registration is undone after a test;
+    without it they stay (spawned test workers).
+    """
+    if TENSOR_BUCKET in sys.modules:  # imported already (a full SGLang: the GPU image)
+        return sys.modules[TENSOR_BUCKET]
+    src = sglang_source_dir()
+    if src is None:
+        return None
+    setitem = setitem or (lambda m, k, v: m.__setitem__(k, v))
+    for pkg, path in (("sglang", src), ("sglang.srt", os.path.join(src, "srt")),
+                      ("sglang.srt.weight_sync", os.path.join(src, "srt", "weight_sync"))):
+        mod = types.ModuleType(pkg)
+        mod.__path__ = [path]  # a package whose __init__ is not run
+        setitem(sys.modules, pkg, mod)
+    spec = importlib.util.spec_from_file_location(TENSOR_BUCKET, os.path.join(src, "srt", "weight_sync",
+                                                                               "tensor_bucket.py"))
+    module = importlib.util.module_from_spec(spec)
+    setitem(sys.modules, TENSOR_BUCKET, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def reconstruct(bucket_dict: dict, tensor_bucket=None) -> list[tuple[str, torch.Tensor]]:
+    """What an SGLang TP worker loads from one deserialized ``flattened_bucket`` payload.
+
+    With SGLang's module: ``FlattenedTensorBucket(flattened_tensor=..., metadata=...)
+    .reconstruct_tensors()`` (sglang 0.5.11 ``model_runner.py``
+    ``_update_weights_from_flattened_bucket``). Without: the documented format, each tensor
+    ``flat[start_idx:end_idx].view(dtype).reshape(shape)`` of a 1-D uint8 ``flat``.
+    """
+    flat, metadata = bucket_dict["flattened_tensor"], bucket_dict["metadata"]
+    assert flat.dtype == torch.uint8 and flat.dim() == 1, (flat.dtype, flat.shape)
+    if tensor_bucket is not None:
+        meta = [tensor_bucket.FlattenedTensorMetadata(name=m.name, shape=m.shape, dtype=m.dtype, start_idx=m.start_idx,
+                                                      end_idx=m.end_idx, numel=m.numel) for m in metadata]
+        return tensor_bucket.FlattenedTensorBucket(flattened_tensor=flat, metadata=meta).reconstruct_tensors()
+    out = []
+    for m in metadata:
+        assert m.end_idx - m.start_idx == m.numel, m
+        out.append((m.name, flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape)))
+    return out
+
+
+def worker_load(payload: bytes, tensor_bucket=None) -> list[tuple[str, torch.Tensor]]:
+    """What SGLang TP worker ``i`` does with entry ``i`` of a ``flattened_bucket`` update: deserialize
+    (``managers/tp_worker.py`` ``update_weights_from_tensor``) and reconstruct (clones, so the tensors
+    outlive the sender's reusable buffer). With SGLang's module installed the payload must pass its
+    ``SafeUnpickler``; without it the package pickles its CPU stand-in metadata class, which only a
+    plain unpickler loads."""
+    obj = deserialize(payload) if tensor_bucket is not None else pickle.loads(payload)
+    return [(name, t.clone()) for name, t in reconstruct(obj, tensor_bucket)]

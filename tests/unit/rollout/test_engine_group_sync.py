@@ -1,0 +1,162 @@
+"""Weight sync from a Megatron actor into a colocated SGLang engine spanning a rollout group.
+
+A TP=2 actor and a TP=1 / PP=2 actor (2 gloo ranks) each sync into rollout groups of 1 rank
+(two engines of TP 1) and of 2 ranks (one engine of TP 2 led by rank 0). The package code
+runs unchanged up to ``sglang.Engine``: the flat buckets, SGLang's serializer format
+(``ForkingPickler``; CPU tensors travel through shared memory where a GPU uses CUDA IPC), the
+gather of the group's payloads over gloo, the checks and the acknowledgement. At the engine
+boundary the spy of tests/test_sglang_engine.py decodes each TP worker's payload as SGLang's
+worker does (SGLang's own ``FlattenedTensorBucket`` and unpickler allow-list where SGLang is
+installed, tests/sglang_reference.py), and every worker's tensors must equal the HF export of
+the actor bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from dapo_megatron.platform import spawn
+
+BUCKET = 20_000  # bytes: several buckets, and the 64,000-byte embedding larger than one
+
+
+def _setup(tp, pp, rollout_tp, family):
+    import sys
+    import types
+
+    import torch.distributed as dist
+
+    import sglang_reference
+    from conftest import random_hf_model, tiny_hf_config
+    from dapo_megatron.bridge import export_hf_state_dict, load_hf_weights
+    from dapo_megatron.models import ModelConfig, build_gpt_model
+    from dapo_megatron.platform import ParallelConfig, init_distributed
+    from dapo_megatron.rollout.engine_group import RolloutGroup
+    from unit.rollout.test_sglang_engine import _SpyEngine
+
+    parallel = init_distributed(ParallelConfig(tp, pp), seed=0)
+    rank = dist.get_rank()
+    hf_config = tiny_hf_config(family)
+    model = build_gpt_model(hf_config, ModelConfig(transformer_impl="local"), parallel=parallel)
+    load_hf_weights(model, random_hf_model(hf_config, seed=1).state_dict(), parallel=parallel)
+    export = export_hf_state_dict(model, parallel=parallel)
+    if rollout_tp == 1:
+        group = RolloutGroup.single(rank)
+    else:
+        group = RolloutGroup((0, 1), rank, dist.new_group([0, 1], backend="gloo"))
+    # the sglang.Engine boundary: the spy, with SGLang's real tensor_bucket below it when installed
+    _SpyEngine.tensor_bucket = sglang_reference.install_tensor_bucket()
+    fake = sys.modules.get("sglang") if _SpyEngine.tensor_bucket is not None else None
+    fake = fake or types.ModuleType("sglang")
+    fake.Engine, fake.__version__ = _SpyEngine, "0.5.11"
+    sys.modules["sglang"] = fake
+    return model, hf_config, export, group, parallel
+
+
+def _engine(group, hf_config, model_dir, bucket_bytes):
+    from dapo_megatron.rollout.engine import hf_param_specs
+    from dapo_megatron.rollout.engine_group import EngineGroupMember
+    from dapo_megatron.rollout.sglang_engine import SGLangEngine
+
+    if group.is_leader:
+        eng = SGLangEngine(model_dir, dtype="float32", tp_size=group.size, group=group, base_gpu_id=0)
+    else:
+        eng = EngineGroupMember(group, hf_param_specs(hf_config), device="cpu")
+    eng.update_bucket_bytes = bucket_bytes
+    return eng
+
+
+def _sync_worker(tp, pp, rollout_tp, family, model_dir, out_dir):
+    import torch.distributed as dist
+
+    from dapo_megatron.bridge import iter_hf_weights
+
+    model, hf_config, export, group, parallel = _setup(tp, pp, rollout_tp, family)
+    eng = _engine(group, hf_config, model_dir, BUCKET)
+    eng.update_weights(iter_hf_weights(model, parallel=parallel, bucket_bytes=BUCKET), version=1)
+    result = {"rank": dist.get_rank(), "leader": group.is_leader, "version": eng.weight_version,
+              "valid": eng.weights_valid}
+    if group.is_leader:
+        spy = eng.engine
+        result["calls"] = [c[0] for c in spy.calls]
+        result["flush_flags"] = [c[2] for c in spy.calls if c[0] == "update_weights_from_tensor"]
+        result["workers"] = []
+        for worker in range(group.size):  # what each SGLang TP worker loaded, over all update calls
+            loaded = [(n, t) for call in spy.loaded for n, t in call[worker]]
+            names = [n for n, _ in loaded]
+            mismatched = [n for n, t in loaded
+                          if t.dtype != export[n].dtype or t.shape != export[n].shape
+                          or not torch.equal(t.contiguous().view(-1).view(torch.uint8),
+                                             export[n].contiguous().view(-1).view(torch.uint8))]
+            result["workers"].append({"names": names, "mismatched": mismatched})
+        result["export_names"] = list(export)
+        result["updates"] = len(spy.loaded)
+    with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(result, f)
+
+
+@pytest.fixture()
+def model_dir(tmp_path):
+    from conftest import tiny_hf_config
+
+    tiny_hf_config("qwen2_bias").save_pretrained(tmp_path / "model")
+    return str(tmp_path / "model")
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)], ids=["actor_tp2", "actor_pp2"])
+@pytest.mark.parametrize("rollout_tp", [1, 2], ids=["rollout_tp1", "rollout_tp2"])
+def test_every_tp_worker_loads_the_hf_export_bitwise(tp, pp, rollout_tp, model_dir, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    spawn(_sync_worker, 2, tp, pp, rollout_tp, "qwen2_bias", model_dir, str(out))
+    results = [json.load(open(out / f"rank{r}.json")) for r in range(2)]
+    assert all(r["version"] == 1 and r["valid"] for r in results)
+    leaders = [r for r in results if r["leader"]]
+    assert len(leaders) == (2 if rollout_tp == 1 else 1)
+    for r in leaders:
+        assert len(r["workers"]) == rollout_tp, "one payload per SGLang TP worker"
+        assert r["updates"] >= 4, "several buckets (the test's bucket is smaller than the model)"
+        assert r["calls"] == ["update_weights_from_tensor"] * r["updates"] + ["flush_cache"], "one flush per sync"
+        assert r["flush_flags"] == [False] * r["updates"]
+        for w in r["workers"]:
+            assert w["names"] == r["export_names"], "every tensor once, in the bridge's order"
+            assert w["mismatched"] == []
+
+
+def _mismatch_worker(model_dir, out_dir):
+    """Rank 1 cuts its buckets at another size than the leader: both ranks must stop with the
+    same error naming rank 1 (instead of SGLang loading tensors under the wrong names)."""
+    import torch.distributed as dist
+
+    from dapo_megatron.bridge import iter_hf_weights
+
+    model, hf_config, _, group, parallel = _setup(2, 1, 2, "qwen2_bias")
+    eng = _engine(group, hf_config, model_dir, BUCKET if group.is_leader else BUCKET // 2)
+    try:
+        eng.update_weights(iter_hf_weights(model, parallel=parallel, bucket_bytes=BUCKET), version=1)
+        error = None
+    except RuntimeError as err:
+        error = str(err)
+    updates = len(eng.engine.loaded) if group.is_leader else None
+    with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump({"error": error, "updates": updates, "valid": eng.weights_valid}, f)
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_ranks_that_pack_different_buckets_stop_together_before_the_engine_loads(model_dir, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    spawn(_mismatch_worker, 2, model_dir, str(out))
+    r0, r1 = (json.load(open(out / f"rank{r}.json")) for r in range(2))
+    assert r0["error"] == r1["error"] and "rank 1 packed a different bucket than the leader" in r0["error"]
+    # the first bucket (the 64,000-byte embedding, larger than either bucket size) agrees; the engine is
+    # never called with the first one that does not
+    assert r0["updates"] == 1
+    assert not r0["valid"]
