@@ -318,7 +318,7 @@ def check_memory(cfg, hf_config, world_size: int, **kwargs) -> MemoryEstimate:
         ConfigError: (a ``ValueError``) with, per problem, the numbers and the settings to
             change, then the estimate's report; ``dapo-train`` prints it from rank 0.
     """
-    from dapo_megatron.config import ConfigError
+    from dapo_megatron.config.loader import ConfigError
 
     est = estimate_from_config(cfg, hf_config, world_size, **kwargs)
     if not est.fits:
