@@ -36,27 +36,27 @@ def _per_sample_padded(mb: MicroBatch, values: torch.Tensor) -> torch.Tensor:
 
 
 def logprob_loss_func(mb: MicroBatch, output_tensor: torch.Tensor, *, temperature: float,
-                      vocab_size: Optional[int], logits_at_labels_only: bool):
+                      vocab_size: Optional[int], logits_at_labels_only: bool, tp_group=None):
     """``loss_func`` of a forward-only pass (:meth:`MegatronActor.compute_logprobs`).
 
     Args:
         mb: the micro-batch.
         output_tensor: last-stage logits (see :meth:`MicroBatch.logprobs_and_entropy`).
-        temperature, vocab_size, logits_at_labels_only: as there.
+        temperature, vocab_size, logits_at_labels_only, tp_group: as there.
 
     Returns:
         ``(0.0, 0, {"logprobs": [B, T] float32, "entropy": [B, T] float32})`` (nats, at the
         label slots, 0 elsewhere); nothing is back-propagated.
     """
     lp, ent = mb.logprobs_and_entropy(output_tensor, logits_at_labels_only=logits_at_labels_only,
-                                      vocab_size=vocab_size, temperature=temperature)
+                                      vocab_size=vocab_size, temperature=temperature, tp_group=tp_group)
     zero = output_tensor.new_zeros(())
     return zero, torch.tensor(0, dtype=torch.int), {"logprobs": lp, "entropy": ent}
 
 
 def dapo_loss_func(mb: MicroBatch, output_tensor: torch.Tensor, *, actor_cfg, temperature: float,
                    vocab_size: Optional[int], logits_at_labels_only: bool, global_num_tokens: int,
-                   global_num_seqs: int):
+                   global_num_seqs: int, tp_group=None):
     """``loss_func`` of a training pass: this micro-batch's share of the mini-batch's DAPO loss.
 
     The DAPO token-level loss (arXiv 2503.14476 Eq. 12, with the decoupled clip ``[1 - eps_low,
@@ -73,7 +73,8 @@ def dapo_loss_func(mb: MicroBatch, output_tensor: torch.Tensor, *, actor_cfg, te
         output_tensor: last-stage logits ``[B, T, V/TP]`` or ``[1, N, V/TP]`` (labels only).
         actor_cfg: :class:`~dapo_megatron.actor.ActorConfig` (clip ratios, ``clip_ratio_c``,
             ``loss_agg_mode``, ``entropy_coeff``, ``tis_cap``), read at every call.
-        temperature, vocab_size, logits_at_labels_only: see :meth:`MicroBatch.logprobs_and_entropy`.
+        temperature, vocab_size, logits_at_labels_only, tp_group: see
+            :meth:`MicroBatch.logprobs_and_entropy`.
         global_num_tokens, global_num_seqs: loss tokens / sequences of the whole mini-batch.
 
     Returns:
@@ -89,7 +90,7 @@ def dapo_loss_func(mb: MicroBatch, output_tensor: torch.Tensor, *, actor_cfg, te
     cfg, mode, n_tok, n_seq = actor_cfg, actor_cfg.loss_agg_mode, global_num_tokens, global_num_seqs
     b = mb.batch
     lp, ent = mb.logprobs_and_entropy(output_tensor, logits_at_labels_only=logits_at_labels_only,
-                                      vocab_size=vocab_size, temperature=temperature)
+                                      vocab_size=vocab_size, temperature=temperature, tp_group=tp_group)
     if mode == "token-mean":
         # [B, T] tensors directly: sum(loss * mask) / N is layout-free
         views = (lp, mb.old_logprobs, mb.advantages, b.loss_mask, mb.rollout_logprobs, ent)
