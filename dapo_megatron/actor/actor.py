@@ -192,11 +192,22 @@ class ActorConfig:
 
 def _wrap_ddp(chunks, config):
     """Megatron DDP around each chunk, with the scaling rules of the module docstring: the
-    loss is back-propagated as returned and gradients are summed (not averaged) over DP."""
+    loss is back-propagated as returned and gradients are summed (not averaged) over DP.
+    bf16 / fp16 chunks are first wrapped in ``Float16Module`` (see :class:`MegatronActor`)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+    if config.bf16 or config.fp16:
+        # Mixed precision as megatron/training/training.py get_model (and verl's Megatron worker):
+        # Float16Module casts every parameter to bf16 / fp16 (the local spec's torch RMSNorm is
+        # built in fp32; TE's norms already use params_dtype), float inputs on the first stage,
+        # and the last stage's output (the logits) back to fp32. fp32 copies of the parameters
+        # and the fp32 gradients live in the distributed optimizer / DDP buffers.
+        from megatron.core.transformer.module import Float16Module
+
+        chunks = [Float16Module(config, chunk) for chunk in chunks]
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=True,
+        # bf16 params: gradients accumulate and reduce-scatter in fp32 buffers (param.main_grad)
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
         overlap_param_gather=False,
@@ -226,6 +237,11 @@ def _build_optimizer(o: OptimConfig, config, model_chunks):
         fp16=config.fp16,
         params_dtype=config.params_dtype,
         use_distributed_optimizer=True,
+        # fp32 main params, main grads and Adam moments (megatron-core 0.16.1 optimizer_config.py
+        # asserts these stay fp32 unless the precision-aware optimizer, TE's FusedAdam, is on)
+        use_precision_aware_optimizer=False,
+        main_params_dtype=torch.float32,
+        main_grads_dtype=torch.float32,
         # constant scale 1 (exact no-op on values) gives Megatron's found-inf check: a step
         # whose gradients hold NaN/inf is skipped and reported (fp16 keeps the dynamic scaler)
         loss_scale=None if config.fp16 else 1.0,
@@ -300,7 +316,16 @@ class MegatronActor:
     and ``pipeline_dtype`` (PP), ``finalize_model_grads_func``, ``no_sync_func``,
     ``grad_scale_func``.
 
-    Attributes exposed for checkpointing: ``model_chunks`` (DDP-wrapped),
+    Precision: ``config.params_dtype`` decides. fp32 trains in fp32. bf16 (or fp16) is
+    megatron-core's mixed precision, as megatron/training/training.py sets it up on GPUs:
+    the chunk is wrapped in ``Float16Module`` (every parameter, norms included, and every
+    activation in bf16; the last stage's logits cast to fp32 for the logprobs), DDP
+    accumulates and reduce-scatters fp32 gradients (``grad_reduce_in_fp32``), and the
+    distributed optimizer keeps fp32 main parameters and Adam moments, steps them, and
+    copies them back to the bf16 parameters (``tests/unit/actor/test_actor_bf16.py``).
+
+    Attributes exposed for checkpointing: ``model_chunks`` (DDP-wrapped; bf16: DDP over
+    ``Float16Module``),
     ``optimizer`` (Megatron ``DistributedOptimizer``), ``scheduler``
     (``OptimizerParamScheduler``). ``plan``: the :class:`~dapo_megatron.actor.plan.ActorPlan`
     resolved at construction (layout, mask, logits at labels only, length buckets, padding

