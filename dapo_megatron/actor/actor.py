@@ -46,10 +46,13 @@ import torch.distributed as dist
 from dapo_megatron.platform import distributed as pdist
 from dapo_megatron.rollout.types import Sample
 
+from dapo_megatron.algorithms.policy_loss import ROLLOUT_IS_LEVELS, ROLLOUT_RS_LEVELS
+
 from .logprobs import vocab_parallel_logprobs_and_entropy
 from .packing import PackedBatch, group_by_length, pack_samples
 
 SUPPORTED_LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean")
+OLD_LOGPROB_SOURCES = ("recompute", "rollout")
 
 
 @dataclass
@@ -134,8 +137,32 @@ class ActorConfig:
     weighted by its share of sequences)."""
     entropy_coeff: float = 0.0
     """entropy bonus weight (0: entropy is logged only, no gradient)."""
-    tis_cap: Optional[float] = None
-    """truncated importance sampling cap against ``Sample.rollout_logprobs``, or None."""
+    old_logprob_source: str = "recompute"
+    """where ``log pi_old`` comes from (algorithms/policy_loss.py, module docstring).
+    ``"recompute"``: the actor recomputes it with the weights before the step's first update
+    (three-policy form; tokens sampled by older weights get the ``rollout_is`` correction). The
+    recompute is skipped when the step is one mini-batch and one epoch (``pi_old = sg(pi_theta)``
+    in the training forward, the same value and gradient). ``"rollout"``: the engine's logprobs
+    are ``pi_old`` and no recompute pass runs (verl's bypass mode, two-policy form)."""
+    rollout_is: Optional[str] = "token"
+    """importance weight against the behaviour policy (verl rollout-correction name):
+    ``"token"`` (``min(pi_old / mu, C)`` per token), ``"sequence"`` (product over the response's
+    corrected tokens, truncated) or null (none)."""
+    rollout_is_threshold: float = 2.0
+    """``C``, the truncation of the ``rollout_is`` weight (verl's default 2.0)."""
+    rollout_is_scope: str = "stale"
+    """which tokens are corrected: ``"stale"`` (sampled by weights older than the actor's:
+    carried surplus, partial rollouts; on automatically when a batch holds any, a fresh batch
+    trains exactly as without correction) or ``"all"`` (also the train/inference numerics of
+    fresh tokens: Yao et al.'s TIS, verl's ``tis_imp_ratio_cap``)."""
+    rollout_rs: Optional[str] = None
+    """rejection of corrected tokens whose ``pi_old / mu`` is out of range: null (off),
+    ``"token"`` or ``"geometric"`` (the whole response, by its geometric-mean ratio). Rejected
+    tokens leave the loss and its denominator (slime PR #657)."""
+    rollout_rs_threshold: Optional[float] = None
+    """upper ratio bound (> 1) of ``rollout_rs``."""
+    rollout_rs_threshold_lower: Optional[float] = None
+    """lower ratio bound of ``rollout_rs``; null: ``1 / rollout_rs_threshold``."""
     use_packed_seq_params: Optional[bool] = None
     """pass ``PackedSeqParams(qkv_format="thd")`` to the model (TE attention on GPU) instead of a
     block-diagonal ``[1, 1, T, T]`` mask. None: auto (True when the model's core attention is
@@ -166,13 +193,61 @@ class ActorConfig:
                 f"micro_batch_layout={self.micro_batch_layout!r} must be null (auto), 'thd' (packed) or "
                 "'bshd' (padded rows)"
             )
+        if self.old_logprob_source not in OLD_LOGPROB_SOURCES:
+            raise ValueError(f"old_logprob_source={self.old_logprob_source!r} must be one of {OLD_LOGPROB_SOURCES}")
+        if self.rollout_is is not None and self.rollout_is not in ROLLOUT_IS_LEVELS:
+            raise ValueError(f"rollout_is={self.rollout_is!r} must be one of {ROLLOUT_IS_LEVELS} or null")
+        if not self.rollout_is_threshold > 0:
+            raise ValueError(f"rollout_is_threshold={self.rollout_is_threshold} must be > 0")
+        if self.rollout_is_scope not in ("stale", "all"):
+            raise ValueError(f"rollout_is_scope={self.rollout_is_scope!r} must be 'stale' or 'all'")
+        if self.rollout_rs is not None:
+            if self.rollout_rs not in ROLLOUT_RS_LEVELS:
+                raise ValueError(f"rollout_rs={self.rollout_rs!r} must be one of {ROLLOUT_RS_LEVELS} or null")
+            if self.rollout_rs_threshold is None or not self.rollout_rs_threshold > 1:
+                raise ValueError(f"rollout_rs_threshold={self.rollout_rs_threshold} must be > 1 when rollout_rs is set")
+            lower = self.rollout_rs_threshold_lower
+            if lower is not None and not 0 < lower < self.rollout_rs_threshold:
+                raise ValueError(f"rollout_rs_threshold_lower={lower} must be in (0, rollout_rs_threshold)")
+            if self.old_logprob_source == "rollout":
+                raise ValueError("rollout_rs needs the recomputed pi_old (old_logprob_source='recompute'): in bypass "
+                                 "mode pi_old is the rollout policy and no token is off it; set rollout_rs: null")
+
+    @property
+    def corrects(self) -> bool:
+        """Whether stale (or, with ``rollout_is_scope='all'``, all) tokens get the behaviour-policy
+        correction: ``rollout_is`` or ``rollout_rs`` set, and ``pi_old`` recomputed (in bypass mode
+        ``pi_old`` is the behaviour policy: every weight would be 1)."""
+        return self.old_logprob_source == "recompute" and (self.rollout_is is not None or self.rollout_rs is not None)
+
+
+@dataclass(frozen=True)
+class _Targets:
+    """What one :meth:`MegatronActor.forward_backward` call trains against (shared by its micro-batches).
+
+    ``old_from_current``: ``log pi_old = sg(log pi_theta)`` of the training forward (no
+    ``Sample.old_logprobs`` needed); ``policy_version``: the actor's weights version, tokens
+    with an older ``Sample.versions`` entry are stale; ``cfg``: the correction settings.
+    """
+
+    cfg: "ActorConfig"
+    policy_version: Optional[int]
+    old_from_current: bool
 
 
 class _MicroBatch:
-    """A packed micro-batch plus its per-token training targets ([B, T] like the inputs)."""
+    """A packed micro-batch plus its per-token training targets ([B, T] like the inputs).
+
+    With targets: ``old_logprobs``, ``advantages``, and for the behaviour-policy correction
+    ``rollout_logprobs`` and ``corrected`` (the tokens it applies to; None when there are
+    none, so an on-policy batch trains exactly as without correction). ``loss_mask`` is the
+    packed batch's mask minus the tokens ``rollout_rs`` rejects, ``is_weights`` the detached
+    ``rollout_is`` weights (None: 1), both known here unless ``old_from_current`` (then the
+    loss function computes the weights from the training forward).
+    """
 
     def __init__(self, samples: Sequence[Sample], layout: str, pad_to: int, build_mask: bool, device,
-                 with_targets: bool, use_tis: bool):
+                 targets: Optional[_Targets]):
         self.samples = list(samples)
         self.batch: PackedBatch = pack_samples(
             samples, layout=layout, pad_to_multiple_of=pad_to, build_attention_mask=build_mask, device=device
@@ -183,27 +258,54 @@ class _MicroBatch:
         # Megatron's [S, B] hidden-state order: the output layer only needs these N rows
         self.label_index = b.response_mask.reshape(-1).nonzero().squeeze(1)
         self.label_index_sb = (self.label_index % T) * B + self.label_index // T
-        if not with_targets:
+        if targets is None:
             return
+        cfg = targets.cfg
         for i, s in enumerate(samples):
-            if s.old_logprobs is None or len(s.old_logprobs) != len(s.response_ids):
+            if not targets.old_from_current and (s.old_logprobs is None or len(s.old_logprobs) != len(s.response_ids)):
                 raise ValueError(
                     f"sample {i}: old_logprobs must hold one value per response token (got "
                     f"{None if s.old_logprobs is None else len(s.old_logprobs)}, need {len(s.response_ids)}); "
                     "call MegatronActor.compute_logprobs first and store the result in Sample.old_logprobs"
                 )
-            if use_tis and len(s.rollout_logprobs) != len(s.response_ids):
-                raise ValueError(f"sample {i}: rollout_logprobs has {len(s.rollout_logprobs)} values, need "
-                                 f"{len(s.response_ids)} (tis_cap is set)")
             if not math.isfinite(s.advantage):
                 raise ValueError(f"sample {i}: advantage={s.advantage} is not finite")
-        self.old_logprobs = b.scatter_per_sample([s.old_logprobs for s in samples])
+        self.old_logprobs = (None if targets.old_from_current
+                             else b.scatter_per_sample([s.old_logprobs for s in samples]))
         self.advantages = b.scatter_per_sample([[s.advantage] * len(s.response_ids) for s in samples])
-        self.rollout_logprobs = (
-            b.scatter_per_sample([s.rollout_logprobs for s in samples]) if use_tis else None
-        )
-        self.num_loss_tokens = b.num_loss_tokens
-        self.num_loss_seqs = sum(1 for s in samples if len(s.response_ids) and not s.loss_mask_zero)
+        self.loss_mask = b.loss_mask.float()
+        self.is_weights = None
+        self.corrected = None
+        self.rollout_logprobs = None
+        self.corr_metrics: dict[str, torch.Tensor] = {}
+        if cfg.corrects:
+            if cfg.rollout_is_scope == "all":
+                flags = [[1.0] * len(s.response_ids) for s in samples]
+            else:  # tokens of weights older than the actor's
+                version = targets.policy_version
+                flags = [[1.0 if version is not None and v < version else 0.0 for v in s.token_versions()]
+                         or [0.0] * len(s.response_ids) for s in samples]
+            if any(1.0 in f for f in flags):
+                for i, s in enumerate(samples):
+                    if len(s.rollout_logprobs) != len(s.response_ids):
+                        raise ValueError(f"sample {i}: rollout_logprobs has {len(s.rollout_logprobs)} values, need "
+                                         f"{len(s.response_ids)} (the behaviour-policy correction needs them)")
+                self.corrected = b.scatter_per_sample(flags) > 0.5
+                self.rollout_logprobs = b.scatter_per_sample([s.rollout_logprobs for s in samples])
+                if self.old_logprobs is not None:
+                    self.is_weights, self.loss_mask, self.corr_metrics = self.correction(self.old_logprobs, cfg)
+        self.num_valid_tokens = b.num_loss_tokens  # before rejection
+        self.num_loss_tokens = int(self.loss_mask.sum().item())
+        self.num_loss_seqs = sum(1 for m in b.unpack(self.loss_mask) if m.sum() > 0)
+
+    def correction(self, old_logprobs: torch.Tensor, cfg: "ActorConfig"):
+        """:func:`~dapo_megatron.algorithms.policy_loss.rollout_correction` of this micro-batch."""
+        from dapo_megatron.algorithms.policy_loss import rollout_correction
+
+        return rollout_correction(
+            old_logprobs, self.rollout_logprobs, self.batch.loss_mask, tokens=self.corrected,
+            rollout_is=cfg.rollout_is, rollout_is_threshold=cfg.rollout_is_threshold, rollout_rs=cfg.rollout_rs,
+            rollout_rs_threshold=cfg.rollout_rs_threshold, rollout_rs_threshold_lower=cfg.rollout_rs_threshold_lower)
 
 
 def _per_sample_padded(batch: PackedBatch, values: torch.Tensor) -> torch.Tensor:
@@ -213,7 +315,8 @@ def _per_sample_padded(batch: PackedBatch, values: torch.Tensor) -> torch.Tensor
     return torch.stack([torch.nn.functional.pad(x, (0, r_max - x.numel())) for x in per])
 
 
-_SUM_KEYS = ("loss", "pg_loss", "pg_clipfrac_lower", "pg_clipfrac_upper", "ppo_kl", "entropy", "num_tokens")
+_SUM_KEYS = ("loss", "pg_loss", "pg_clipfrac_lower", "pg_clipfrac_upper", "ppo_kl", "entropy", "num_tokens",
+             "rollout_corr_frac", "rollout_is_mean", "rollout_is_clipfrac", "rollout_rs_masked_frac")
 
 
 class MegatronActor:
@@ -380,9 +483,11 @@ class MegatronActor:
         self.length_bucket_overhead_tokens = 64
         self.pad_to = self.tp_size if config.sequence_parallel else 1
         self.device = pdist.device()
+        self.num_model_calls = 0  # micro-batch forward passes run so far (old-logprob and training)
 
     # ------------------------------------------------------------------ helpers
-    def _make_micro_batches(self, micro_batches, with_targets: bool) -> tuple[list[_MicroBatch], list[int]]:
+    def _make_micro_batches(self, micro_batches, targets: Optional[_Targets] = None
+                            ) -> tuple[list[_MicroBatch], list[int]]:
         """Pack the caller's micro-batches; with ``length_buckets`` (BSHD) each is first cut into
         rows of similar length (:func:`~dapo_megatron.actor.packing.group_by_length`).
 
@@ -405,8 +510,7 @@ class MegatronActor:
                 order.extend(start + i for i in g)
             start += len(mb)
         mbs = [
-            _MicroBatch(mb, self.layout, self.pad_to, self.build_attention_mask, self.device, with_targets,
-                        self.cfg.tis_cap is not None)
+            _MicroBatch(mb, self.layout, self.pad_to, self.build_attention_mask, self.device, targets)
             for mb in groups
         ]
         return mbs, order
@@ -449,6 +553,7 @@ class MegatronActor:
     def _run_schedule(self, mbs: list[_MicroBatch], forward_step, forward_only: bool):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        self.num_model_calls += len(mbs)  # micro-batch forwards through this rank's model (stage)
         return get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iter(mbs),
@@ -493,7 +598,7 @@ class MegatronActor:
             flattened micro-batches; with ``return_entropy``, a tuple
             ``(logprobs, entropies)`` of two such lists.
         """
-        mbs, order = self._make_micro_batches(micro_batches, with_targets=False)
+        mbs, order = self._make_micro_batches(micro_batches)
         for m in self.model_chunks:
             m.eval()
 
@@ -507,54 +612,34 @@ class MegatronActor:
             return self._forward(model, mb), partial(loss_func, mb)
 
         outs = self._run_schedule(mbs, forward_step, forward_only=True)
-        counts = [sum(mb.batch.response_lens) for mb in mbs]
-        total = sum(counts)
+        logprobs, entropies = self._per_sample_outputs(mbs, order, outs, ("logprobs", "entropy"))
+        return (logprobs, entropies) if return_entropy else logprobs
+
+    def _per_sample_outputs(self, mbs: list[_MicroBatch], order: list[int], outs, keys: Sequence[str]):
+        """Per-sample ``[R_i]`` float32 CPU tensors of the ``[B, T]`` outputs ``keys`` of every
+        micro-batch, in the caller's flattened order, on every rank (the last PP stage computes
+        them and broadcasts them over the PP group)."""
+        total = sum(sum(mb.batch.response_lens) for mb in mbs)
         # broadcast over the PP group below: on that group's device (CUDA under NCCL)
-        flat = torch.zeros(2, total, dtype=torch.float32, device=pdist.collective_device(self.pp_group))
-        if self._is_last_stage():
-            lps, ents = [], []
-            for mb, out in zip(mbs, outs):
-                lps.extend(mb.batch.unpack(out["logprobs"]))
-                ents.extend(mb.batch.unpack(out["entropy"]))
-            if total:
-                flat[0] = torch.cat(lps).float()
-                flat[1] = torch.cat(ents).float()
+        flat = torch.zeros(len(keys), total, dtype=torch.float32, device=pdist.collective_device(self.pp_group))
+        if self._is_last_stage() and total:
+            for k, key in enumerate(keys):
+                flat[k] = torch.cat([x for mb, out in zip(mbs, outs) for x in mb.batch.unpack(out[key])]).float()
         self._broadcast_from_last_stage(flat)
         sizes = [r for mb in mbs for r in mb.batch.response_lens]
         flat = flat.cpu()
-
-        def caller_order(values):  # run order -> the caller's flattened order
-            out = [None] * len(order)
-            for i, v in zip(order, values):
-                out[i] = v
-            return out
-
-        logprobs = caller_order(torch.split(flat[0], sizes))
-        if return_entropy:
-            return logprobs, caller_order(torch.split(flat[1], sizes))
-        return logprobs
-
-    def count_loss_tokens(self, micro_batches: Sequence[Sequence[Sample]]) -> tuple[int, int]:
-        """Global (all DP ranks) number of loss tokens and loss sequences of a mini-batch.
-
-        Overlong-filtered samples (``loss_mask_zero``) and empty responses count 0.
-        A collective over the DP group: every rank must call it.
-
-        Returns:
-            ``(global_num_tokens, global_num_seqs)``.
-        """
-        kept = [s for mb in micro_batches for s in mb if not s.loss_mask_zero and len(s.response_ids)]
-        # counted in python, all-reduced over DP on the group's device (a CPU tensor fails under NCCL)
-        local = torch.tensor([sum(len(s.response_ids) for s in kept), len(kept)], dtype=torch.float64,
-                             device=pdist.collective_device(self.dp_group))
-        if dist.is_initialized():
-            dist.all_reduce(local, group=self.dp_group)
-        n_tok, n_seq = local.tolist()
-        return int(n_tok), int(n_seq)
+        results = []
+        for k in range(len(keys)):
+            per = [None] * len(order)
+            for i, v in zip(order, torch.split(flat[k], sizes)):  # run order -> the caller's order
+                per[i] = v
+            results.append(per)
+        return results
 
     def forward_backward(
         self, micro_batches: Sequence[Sequence[Sample]], temperature: float = 1.0,
-        global_num_tokens: Optional[int] = None,
+        global_num_tokens: Optional[int] = None, *, policy_version: Optional[int] = None,
+        old_from_current: bool = False, return_logprobs: bool = False,
     ) -> dict[str, float]:
         """Accumulate the DAPO policy-gradient of one mini-batch into the DDP grad buffers.
 
@@ -564,58 +649,85 @@ class MegatronActor:
 
         Args:
             micro_batches: this DP rank's micro-batches of the mini-batch. Samples need
-                ``advantage`` and ``old_logprobs`` (and ``rollout_logprobs`` with ``tis_cap``).
+                ``advantage`` and ``old_logprobs`` (unless ``old_from_current``); the
+                behaviour-policy correction (``actor.rollout_is`` / ``rollout_rs``) also reads
+                ``rollout_logprobs`` and ``versions`` of the tokens it corrects.
             temperature: the rollout's sampling temperature.
             global_num_tokens: valid loss tokens of the whole mini-batch over all
-                micro-batches and DP ranks. None: computed with :meth:`count_loss_tokens`;
-                when given it is checked against that count.
+                micro-batches and DP ranks, before ``rollout_rs`` rejection; checked against
+                the actor's own count (which it all-reduces anyway: the denominator is the
+                count after rejection). None: not checked.
+            policy_version: the actor's weights version (trainer step count): tokens with an
+                older ``Sample.versions`` entry are stale and get the correction when
+                ``actor.rollout_is_scope == "stale"``; None: no token is stale.
+            old_from_current: ``log pi_old = sg(log pi_theta)`` of this forward instead of
+                ``Sample.old_logprobs`` (exact when this is the first update since the weights
+                that would have recomputed them: one mini-batch, one epoch). Not with
+                ``rollout_rs`` (its denominator needs ``pi_old`` before the forward).
+            return_logprobs: also return the training forward's detached logprobs.
 
         Returns:
             metrics over the whole mini-batch (identical on all ranks): ``loss`` (incl.
             entropy bonus), ``pg_loss``, ``pg_clipfrac_lower``, ``pg_clipfrac_upper``,
             ``ppo_kl``, ``entropy`` (token means), ``ratio_min``, ``ratio_max``,
-            ``num_tokens``, ``num_micro_batches`` (the caller's), ``num_model_calls``
-            (micro-batches actually run, after ``length_buckets``; this DP rank).
+            ``num_tokens`` (after rejection), ``num_micro_batches`` (the caller's),
+            ``num_model_calls`` (micro-batches actually run, after ``length_buckets``; this
+            DP rank), and the correction's ``rollout_corr_frac``, ``rollout_is_mean``,
+            ``rollout_is_clipfrac``, ``rollout_rs_masked_frac`` (fractions of the valid
+            tokens; 0, 1, 0, 0 when nothing is corrected). With ``return_logprobs`` the
+            tuple ``(metrics, logprobs)``: ``list[Tensor[R_i]]`` in the caller's flattened order.
 
         Raises:
             ValueError: missing ``old_logprobs``, a ``global_num_tokens`` that differs
-                from the count of the samples, empty micro-batches.
+                from the count of the samples, empty micro-batches, ``old_from_current``
+                with ``rollout_rs``.
         """
-        mbs, _ = self._make_micro_batches(micro_batches, with_targets=True)
-        n_tok, n_seq = self.count_loss_tokens(micro_batches)
-        if global_num_tokens is not None and int(global_num_tokens) != n_tok:
+        cfg = self.cfg
+        if old_from_current and cfg.rollout_rs is not None and cfg.corrects:
+            raise ValueError("old_from_current=True with actor.rollout_rs set: the rejection changes the loss "
+                             "denominator, which must be known before the forward; recompute old_logprobs first")
+        targets = _Targets(cfg=cfg, policy_version=policy_version, old_from_current=old_from_current)
+        mbs, order = self._make_micro_batches(micro_batches, targets)
+        # counted in python, all-reduced over DP on the group's device (a CPU tensor fails under NCCL)
+        counts = torch.tensor([sum(mb.num_valid_tokens for mb in mbs), sum(mb.num_loss_tokens for mb in mbs),
+                               sum(mb.num_loss_seqs for mb in mbs)], dtype=torch.float64,
+                              device=pdist.collective_device(self.dp_group))
+        if dist.is_initialized():
+            dist.all_reduce(counts, group=self.dp_group)
+        n_valid, n_tok, n_seq = (int(x) for x in counts.tolist())
+        if global_num_tokens is not None and int(global_num_tokens) != n_valid:
             raise ValueError(
-                f"global_num_tokens={global_num_tokens} but the mini-batch holds {n_tok} loss tokens over all "
+                f"global_num_tokens={global_num_tokens} but the mini-batch holds {n_valid} loss tokens over all "
                 "micro-batches and DP ranks (overlong-filtered samples count 0); pass None to let the actor count"
             )
         for m in self.model_chunks:
             m.train()
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
-        cfg = self.cfg
         mode = cfg.loss_agg_mode
         from dapo_megatron.algorithms.policy_loss import agg_loss, compute_policy_loss
 
         def loss_func(mb: _MicroBatch, output_tensor):
             b = mb.batch
             lp, ent = self._logprobs_and_entropy(mb, output_tensor, temperature)
+            old, is_w, mask, corr = mb.old_logprobs, mb.is_weights, mb.loss_mask, mb.corr_metrics
+            if old is None:  # pi_old = sg(pi_theta): the value of the recompute this forward replaces
+                old = lp.detach()
+                if mb.corrected is not None:
+                    is_w, mask, corr = mb.correction(old, cfg)
             if mode == "token-mean":
                 # [B, T] tensors directly: sum(loss * mask) / N is layout-free
-                views = (lp, mb.old_logprobs, mb.advantages, b.loss_mask,
-                         mb.rollout_logprobs, ent)
+                views = (lp, old, mb.advantages, mask, is_w, ent)
                 weight, kwargs = 1.0, {"global_num_tokens": max(n_tok, 1)}
             else:  # seq-mean-token-mean: per-sample rows, weighted by the share of sequences
-                views = tuple(
-                    None if t is None else _per_sample_padded(b, t)
-                    for t in (lp, mb.old_logprobs, mb.advantages, b.loss_mask.float(), mb.rollout_logprobs, ent)
-                )
+                views = tuple(None if t is None else _per_sample_padded(b, t)
+                              for t in (lp, old, mb.advantages, mask, is_w, ent))
                 weight, kwargs = mb.num_loss_seqs / max(n_seq, 1), {}
-            lp_v, old_v, adv_v, mask_v, roll_v, ent_v = views
+            lp_v, old_v, adv_v, mask_v, w_v, ent_v = views
             pg_loss, m = compute_policy_loss(
                 lp_v, old_v, adv_v, mask_v,
                 clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
-                clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=mode, rollout_log_prob=roll_v,
-                tis_cap=cfg.tis_cap, **kwargs,
+                clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=mode, is_weights=w_v, **kwargs,
             )
             ent_term = agg_loss(ent_v if cfg.entropy_coeff else ent_v.detach(), mask_v, mode, **kwargs)
             pg_loss = pg_loss * weight
@@ -623,17 +735,25 @@ class MegatronActor:
             loss = pg_loss - cfg.entropy_coeff * ent_term if cfg.entropy_coeff else pg_loss
             n_local = float(mb.num_loss_tokens)
             share = n_local / max(n_tok, 1)  # token share of this micro-batch in the mini-batch
+            valid_share = mb.num_valid_tokens / max(n_valid, 1)  # the same before rejection
+            zero = torch.zeros((), dtype=torch.float32)
             reduced = {
                 "loss": loss.detach().float(),
                 "pg_loss": pg_loss.detach().float(),
                 "pg_clipfrac_lower": m["pg_clipfrac_lower"] * share,
                 "pg_clipfrac_upper": m["pg_clipfrac_upper"] * share,
                 "ppo_kl": m["ppo_kl"] * share,
-                "entropy": (ent.detach().float() * b.loss_mask).sum() / max(n_tok, 1),
+                "entropy": (ent.detach().float() * mask.float()).sum() / max(n_tok, 1),
                 "num_tokens": torch.tensor(n_local),
                 "ratio_min": m["ratio_min"] if n_local else torch.tensor(float("inf")),
                 "ratio_max": m["ratio_max"] if n_local else torch.tensor(float("-inf")),
+                "rollout_corr_frac": corr.get("rollout_corr_frac", zero) * valid_share,
+                "rollout_is_mean": corr.get("rollout_is_mean", torch.ones(())) * valid_share,
+                "rollout_is_clipfrac": corr.get("rollout_is_clipfrac", zero) * valid_share,
+                "rollout_rs_masked_frac": corr.get("rollout_rs_masked_frac", zero) * valid_share,
             }
+            if return_logprobs:
+                reduced["logprobs"] = lp.detach()
             return loss, torch.tensor(int(n_local), dtype=torch.int), reduced
 
         def forward_step(data_iterator, model):
@@ -663,6 +783,10 @@ class MegatronActor:
         metrics["ratio_max"] = float(maxs) if math.isfinite(float(maxs)) else 1.0
         metrics["num_micro_batches"] = float(len(micro_batches))
         metrics["num_model_calls"] = float(len(mbs))
+        if n_valid == 0:  # nothing to weight: the correction's neutral values
+            metrics["rollout_is_mean"] = 1.0
+        if return_logprobs:
+            return metrics, self._per_sample_outputs(mbs, order, outs, ("logprobs",))[0]
         return metrics
 
     def optimizer_step(self) -> dict[str, float]:
@@ -687,9 +811,11 @@ class MegatronActor:
 
     def train_mini_batch(
         self, micro_batches: Sequence[Sequence[Sample]], temperature: float = 1.0,
-        global_num_tokens: Optional[int] = None,
-    ) -> dict[str, float]:
-        """One optimizer step on one mini-batch: :meth:`forward_backward` + :meth:`optimizer_step`.
+        global_num_tokens: Optional[int] = None, *, policy_version: Optional[int] = None,
+        old_from_current: bool = False, return_logprobs: bool = False,
+    ):
+        """One optimizer step on one mini-batch: :meth:`forward_backward` + :meth:`optimizer_step`
+        (the keyword arguments are :meth:`forward_backward`'s).
 
         Not stepped (``skipped = 1``, weights and scheduler untouched):
 
@@ -700,11 +826,16 @@ class MegatronActor:
         - non-finite gradients (Megatron's found-inf check, see :meth:`optimizer_step`).
 
         Returns:
-            the union of both methods' metrics.
+            the union of both methods' metrics; with ``return_logprobs`` the tuple
+            ``(metrics, logprobs)`` of :meth:`forward_backward`.
         """
-        metrics = self.forward_backward(micro_batches, temperature, global_num_tokens)
+        out = self.forward_backward(micro_batches, temperature, global_num_tokens, policy_version=policy_version,
+                                    old_from_current=old_from_current, return_logprobs=return_logprobs)
+        metrics, logprobs = out if return_logprobs else (out, None)
         if metrics["num_tokens"] == 0 or not math.isfinite(metrics["loss"]):
             lr = self.optimizer.param_groups[0]["lr"]
             grad_norm = 0.0 if metrics["num_tokens"] == 0 else float("nan")
-            return {**metrics, "grad_norm": grad_norm, "lr": float(lr), "skipped": 1.0}
-        return {**metrics, **self.optimizer_step()}
+            metrics = {**metrics, "grad_norm": grad_norm, "lr": float(lr), "skipped": 1.0}
+        else:
+            metrics = {**metrics, **self.optimizer_step()}
+        return (metrics, logprobs) if return_logprobs else metrics
