@@ -108,11 +108,12 @@ def _sample_to_dict(s: Sample) -> dict:
 
 
 def _group_to_dict(g: Group) -> dict:
-    return {"group_id": g.group_id, "samples": [_sample_to_dict(s) for s in g.samples]}
+    return {"group_id": g.group_id, "samples": [_sample_to_dict(s) for s in g.samples], "prompt_seed": g.prompt_seed}
 
 
 def _group_from_dict(d: dict) -> Group:
-    return Group(group_id=int(d["group_id"]), samples=[Sample(**s) for s in d["samples"]])
+    samples = [Sample(**{**s, "versions": [tuple(v) for v in s.get("versions", [])]}) for s in d["samples"]]
+    return Group(group_id=int(d["group_id"]), samples=samples, prompt_seed=int(d.get("prompt_seed", -1)))
 
 
 class RolloutBuffer:
@@ -190,12 +191,14 @@ class RolloutBuffer:
             return [s.score for s in g.samples]
         return [s.reward for s in g.samples]
 
+    def zero_variance(self, g: Group) -> bool:
+        """Every response of the (graded) group has the same ``filter_metric`` value: zero advantage."""
+        vals = self._metric_values(g)
+        return not max(vals) - min(vals) > 0
+
     def keep_group(self, g: Group) -> bool:
         """Dynamic-sampling rule: ``max(metric) - min(metric) > 0`` over the group's responses."""
-        if not self.config.filter_groups:
-            return True
-        vals = self._metric_values(g)
-        return max(vals) - min(vals) > 0
+        return not self.config.filter_groups or not self.zero_variance(g)
 
     # ---- the step -------------------------------------------------------------------
     def drop_stale(self, groups: list[Group], policy_version: Optional[int]) -> tuple[list[Group], int]:

@@ -105,10 +105,15 @@ class Sample:
 
 @dataclass
 class Group:
-    """The G responses sampled for one prompt (a GRPO/DAPO group)."""
+    """The G responses sampled for one prompt (a GRPO/DAPO group).
+
+    ``prompt_seed``: the prompt's global position in the run, which seeds its responses
+    (``rollout.engine.sample_seed``); -1 when unknown. A streamed group in flight keeps it to
+    continue its partial responses."""
 
     group_id: int
     samples: list[Sample] = field(default_factory=list)
+    prompt_seed: int = -1
 
     @property
     def accs(self) -> list[bool]:
