@@ -410,10 +410,12 @@ class DAPOTrainer:
 
     def _dp_shard(self, samples: list[Sample]) -> list[list[int]]:
         """This DP rank's micro-batches (sample indices): token-balanced over DP ranks, cut by
-        ``actor.ppo_max_token_len_per_gpu``, the same micro-batch count on every rank."""
+        ``actor.ppo_max_token_len_per_gpu``, the same micro-batch count on every rank; with a
+        shared prompt, a group stays in one micro-batch and its prompt counts once."""
         from dapo_megatron.rollout.dp_split import split_for_dp
 
-        return split_for_dp(samples, self.dp_size, self.cfg.actor.ppo_max_token_len_per_gpu)[self.dp_rank]
+        return split_for_dp(samples, self.dp_size, self.cfg.actor.ppo_max_token_len_per_gpu,
+                            share_prompts=self.actor.plan.shares_prompts)[self.dp_rank]
 
     def _old_logprobs(self, samples: list[Sample]) -> None:
         """Fill ``Sample.old_logprobs`` of every sample: each DP rank computes its shard,
@@ -491,6 +493,10 @@ class DAPOTrainer:
         for k, vs in actor_metrics.items():
             key = k if "/" in k else f"actor/{k}"
             metrics[key] = _mean(vs)
+        # padding share of the tokens computed, and tokens computed (real) / tokens of the copied form
+        metrics["actor/padding_share"] = metrics["actor/tokens_padding"] / max(metrics["actor/tokens_computed"], 1.0)
+        metrics["actor/shared_prompt_ratio"] = (metrics["actor/tokens_computed"] - metrics["actor/tokens_padding"]
+                                                ) / max(metrics["actor/tokens_copied"], 1.0)
 
         # 7. weight sync into the engine
         t0 = time.perf_counter()

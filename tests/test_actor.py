@@ -117,16 +117,21 @@ def _mini_batch_samples(seed=5):
     return samples
 
 
-def _reference_worker(out_path):
-    from dapo_megatron.actor.actor import MegatronActor
+def reference_model():
+    """The TP=1 tiny model (world of one, seeded) and a copy of its weights for the parallel runs."""
     from dapo_megatron.platform import init_distributed
 
     torch.use_deterministic_algorithms(True)
     init_distributed(seed=0)
     torch.manual_seed(0)
-    cfg = tiny_gpt_config(num_layers=NUM_LAYERS)
-    model = tiny_gpt_model(cfg, vocab_size=VOCAB_PADDED)
-    full_sd = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model = tiny_gpt_model(tiny_gpt_config(num_layers=NUM_LAYERS), vocab_size=VOCAB_PADDED)
+    return model, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _reference_worker(out_path):
+    from dapo_megatron.actor.actor import MegatronActor
+
+    model, full_sd = reference_model()
     samples = _mini_batch_samples()
     direct, direct_ents = _direct_logprobs(model, samples)
     actor = MegatronActor(model, _actor_cfg(), total_steps=10, vocab_size=VOCAB)
@@ -152,19 +157,20 @@ def _reference_worker(out_path):
     ent_three = actor.forward_backward([samples[:5], samples[5:]], TEMPERATURE)
     ent_grads_three = _full_grads(actor)
     actor.cfg.entropy_coeff = 0.0
-    layout_default, labels_only_default = actor.layout, actor.logits_at_labels_only
+    default_plan = actor.plan
+    layout_default, labels_only_default = default_plan.layout, default_plan.logits_at_labels_only
     # one packed row + block-diagonal mask, LM head on every position: the pre-optimisation path
-    actor.layout, actor.build_attention_mask, actor.logits_at_labels_only = "thd", True, False
+    actor.plan = default_plan.replace(layout="thd", build_attention_mask=True, logits_at_labels_only=False,
+                                      length_buckets=False)
     thd_lps = actor.compute_logprobs([samples[:4], samples[4:]], TEMPERATURE)
     thd_one = actor.forward_backward([samples], TEMPERATURE)
     thd_grads_one = _full_grads(actor)
-    actor.layout, actor.build_attention_mask, actor.logits_at_labels_only = layout_default, False, True
     # length buckets at zero overhead: every distinct length its own model call
-    actor.length_bucket_overhead_tokens = 0
+    actor.plan = default_plan.replace(length_bucket_overhead_tokens=0)
     bucket_lps = actor.compute_logprobs([samples[:4], samples[4:]], TEMPERATURE)
     bucket_one = actor.forward_backward([samples], TEMPERATURE)
     bucket_grads_one = _full_grads(actor)
-    actor.length_bucket_overhead_tokens = 64
+    actor.plan = default_plan
     step = actor.train_mini_batch([samples], TEMPERATURE, global_num_tokens=int(one["num_tokens"]))
     # the TP=1 optimizer step that the parallel layouts must reproduce
     stepped_sd = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -350,9 +356,8 @@ def test_dp2_with_uneven_ranks_equals_dp1(reference, tmp_path):
     assert "global_num_tokens" in out["wrong_count"]
 
 
-def _model_parallel_worker(ref_path, out_path, tp, pp):
-    import torch.distributed as dist
-
+def model_parallel_actor(ref_path, tp, pp, actor_cfg):
+    """(actor, reference dict) on this rank of a TP x PP world, with the reference's TP=1 weights."""
     from dapo_megatron.actor.actor import MegatronActor
     from dapo_megatron.platform import init_distributed
 
@@ -362,11 +367,17 @@ def _model_parallel_worker(ref_path, out_path, tp, pp):
     cfg = tiny_gpt_config(tp=tp, pp=pp, num_layers=NUM_LAYERS)
     model = tiny_gpt_model(cfg, vocab_size=VOCAB_PADDED)
     _load_full_weights(model, ref["full_sd"], cfg)
-    actor = MegatronActor(model, _actor_cfg(), total_steps=10, vocab_size=VOCAB)
+    return MegatronActor(model, actor_cfg, total_steps=10, vocab_size=VOCAB), ref
+
+
+def _model_parallel_worker(ref_path, out_path, tp, pp):
+    import torch.distributed as dist
+
+    actor, ref = model_parallel_actor(ref_path, tp, pp, _actor_cfg())
     samples = ref["samples"]
     lps = actor.compute_logprobs([samples[:5], samples[5:]], TEMPERATURE)
     step = actor.train_mini_batch([samples[:4], samples[4:]], TEMPERATURE)
-    weight_errors = _weight_errors(model, ref["stepped_sd"], cfg)
+    weight_errors = _weight_errors(actor.model_chunks[0].module, ref["stepped_sd"], actor.config)
     stepped_lps = actor.compute_logprobs([samples[:5], samples[5:]], TEMPERATURE)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, {"lps": lps, "step": step, "weight_errors": weight_errors,

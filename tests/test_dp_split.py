@@ -206,3 +206,65 @@ def test_plan_invariants_property(lengths, dp, budget):
     else:
         # LPT: the heaviest rank got its last sample while it was the lightest, so the gap is at most one sample
         assert max(tokens) - min(tokens) <= max(lengths)
+
+
+def grouped_samples(groups):
+    """groups: list of (prompt_len, [response lengths]); prompt token ids differ per group."""
+    out = []
+    for g, (P, rlens) in enumerate(groups):
+        out += [Sample(prompt_ids=[100 + g] * P, response_ids=[5] * R, rollout_logprobs=[0.0] * R, finish_reason="stop",
+                       group_id=g) for R in rlens]
+    return out
+
+
+def shared_tokens(samples, mb):
+    """Tokens the shared-prompt forward computes for a micro-batch: each distinct prompt once."""
+    prompts = {tuple(samples[i].prompt_ids): len(samples[i].prompt_ids) for i in mb}
+    return sum(prompts.values()) + sum(len(samples[i].response_ids) for i in mb)
+
+
+def test_share_prompts_keeps_groups_whole_and_counts_the_prompt_once():
+    samples = grouped_samples([(40, [10, 12, 8, 15]), (30, [20, 5, 5, 5]), (50, [2, 2, 2, 2]), (10, [30, 1, 1, 1])])
+    # copied form: 4 * 40 + 45 = 205 tokens for group 0 alone; shared: 40 + 45 = 85
+    plan = split_for_dp(samples, 2, max_tokens_per_micro_batch=100, share_prompts=True)
+    assert len(plan) == 2 and len({len(mbs) for mbs in plan}) == 1
+    flat = sorted(i for mbs in plan for mb in mbs for i in mb)
+    assert flat == list(range(16))
+    where = {i: (r, k) for r, mbs in enumerate(plan) for k, mb in enumerate(mbs) for i in mb}
+    for g in range(4):  # every group in one micro-batch
+        assert len({where[i] for i in range(4 * g, 4 * g + 4)}) == 1
+    assert all(shared_tokens(samples, mb) <= 100 for mbs in plan for mb in mbs)
+    # without sharing, the same budget cannot even hold one group
+    assert max(len(mb) for mbs in split_for_dp(samples, 2, 100) for mb in mbs) < 4
+
+
+def test_share_prompts_cuts_a_group_only_when_it_must():
+    samples = grouped_samples([(40, [30, 30, 30, 30])])  # 160 shared tokens
+    plan = split_for_dp(samples, 1, max_tokens_per_micro_batch=100, share_prompts=True)
+    assert [[len(mb) for mb in mbs] for mbs in plan] == [[2, 2]]  # 40 + 60 each: two items of the group
+    plan = split_for_dp(samples, 2, max_tokens_per_micro_batch=1000, share_prompts=True)
+    assert sorted(len(mbs[0]) for mbs in plan) == [2, 2]  # two ranks need two items
+    # a rank that needs more micro-batches than whole groups give splits its group
+    samples = grouped_samples([(5, [50, 50]), (5, [1]), (5, [1])])
+    plan = split_for_dp(samples, 2, max_tokens_per_micro_batch=60, share_prompts=True)
+    assert len({len(mbs) for mbs in plan}) == 1 and sorted(i for mbs in plan for mb in mbs for i in mb) == [0, 1, 2, 3]
+
+
+@settings(max_examples=150, deadline=None)
+@given(groups=st.lists(st.tuples(st.integers(1, 60), st.lists(st.integers(0, 80), min_size=1, max_size=6)),
+                       min_size=1, max_size=8),
+       dp=st.integers(1, 3), budget=st.integers(1, 400))
+def test_share_prompts_plan_invariants_property(groups, dp, budget):
+    samples = grouped_samples(groups)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            plan = split_for_dp(samples, dp, budget, share_prompts=True)
+        except ValueError as err:
+            assert len(samples) < dp or "micro-batches" in str(err)
+            return
+    assert len(plan) == dp and len({len(mbs) for mbs in plan}) == 1
+    assert sorted(i for mbs in plan for mb in mbs for i in mb) == list(range(len(samples)))
+    for mbs in plan:
+        for mb in mbs:
+            assert mb and (shared_tokens(samples, mb) <= budget or len(mb) == 1)

@@ -38,6 +38,7 @@ def _versions(samples):
 
 def _effective_weights_worker(out_path):
     from dapo_megatron.actor.actor import ActorConfig, MegatronActor, OptimConfig
+    from dapo_megatron.actor.micro_batch import MicroBatch
     from dapo_megatron.platform import init_distributed
 
     init_distributed(seed=0)
@@ -62,10 +63,10 @@ def _effective_weights_worker(out_path):
             for s in samples:
                 s.old_logprobs = list(s.rollout_logprobs)
         grads = {}
-        real = MegatronActor._logprobs_and_entropy
+        real = MicroBatch.logprobs_and_entropy
 
-        def spy(self, mb, output_tensor, temperature):
-            lp, ent = real(self, mb, output_tensor, temperature)
+        def spy(mb, output_tensor, **kw):  # the per-token logprobs the loss is taken of, and their gradient
+            lp, ent = real(mb, output_tensor, **kw)
             if lp.requires_grad:
                 def keep(grad, mb=mb):
                     for s, gr in zip(mb.samples, mb.batch.unpack(grad)):
@@ -73,12 +74,12 @@ def _effective_weights_worker(out_path):
                 lp.register_hook(keep)
             return lp, ent
 
-        MegatronActor._logprobs_and_entropy = spy
+        MicroBatch.logprobs_and_entropy = spy
         try:
             metrics = actor.forward_backward([samples[:5], samples[5:]], TEMPERATURE, policy_version=POLICY_VERSION,
                                              old_from_current=variant == "skip_recompute")
         finally:
-            MegatronActor._logprobs_and_entropy = real
+            MicroBatch.logprobs_and_entropy = real
         res[variant] = {
             "grads": [grads[id(s)].tolist() for s in samples],
             "direct": [lp.tolist() for lp in direct],

@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from dapo_megatron.actor.packing import group_by_length, pack_samples, split_by_token_budget
+import math
+
+from dapo_megatron.actor.packing import group_by_length, pack_samples, padded_tokens, split_by_token_budget
 from dapo_megatron.platform import spawn
 from dapo_megatron.rollout.types import Sample
 
@@ -138,18 +140,28 @@ def _set_partitions(items):
             yield part[:k] + [[first] + part[k]] + part[k + 1:]
 
 
+def _smallest_row(longest, rows, pad, align):
+    """Brute force: the shortest row length >= longest with S % pad == 0 and rows * S % align == 0."""
+    S = longest
+    while S % pad or (rows * S) % align:
+        S += 1
+    return S
+
+
 def test_group_by_length_is_optimal_and_a_partition():
-    """Brute force over every set partition (n <= 7): the DP's cut has the minimal padded cost."""
+    """Brute force over every set partition (n <= 7): the DP's cut has the minimal padded cost,
+    also when the rows of a group must hold a multiple of the FP8 alignment in tokens."""
     g = torch.Generator().manual_seed(0)
-    for trial in range(40):
+    for trial in range(60):
         n = int(torch.randint(1, 8, (1,), generator=g))
         lens = torch.randint(1, 40, (n,), generator=g).tolist()
         pad, over = (1, 2, 4)[trial % 3], (0, 5, 64)[trial % 3]
+        align = (1, 16, 32, 16)[trial % 4]
 
         def cost(groups):
-            return sum(len(x) * (-(-max(lens[i] for i in x) // pad) * pad) + over for x in groups)
+            return sum(len(x) * _smallest_row(max(lens[i] for i in x), len(x), pad, align) + over for x in groups)
 
-        got = group_by_length(lens, pad_to_multiple_of=pad, overhead_tokens=over)
+        got = group_by_length(lens, pad_to_multiple_of=pad, align_tokens_to=align, overhead_tokens=over)
         assert sorted(i for x in got for i in x) == list(range(n))
         assert all([lens[i] for i in x] == sorted(lens[i] for i in x) for x in got)
         assert cost(got) == min(cost(p) for p in _set_partitions(list(range(n))))
@@ -160,3 +172,70 @@ def test_group_by_length_is_optimal_and_a_partition():
         group_by_length([3], overhead_tokens=-1)
     with pytest.raises(ValueError, match="at least one"):
         group_by_length([])
+
+
+def test_shared_prompt_segments_labels_positions_and_mask():
+    """Two responses (and an empty one) after one prompt, and a sample with its own prompt: the
+    prompt is packed once, responses continue its positions, label slots stay unique, and the
+    logits row of each later response's first token is the prompt's last position."""
+    s = [_sample([5, 6, 7], [8, 9]), _sample([1], [2, 3], loss_mask_zero=True), _sample([5, 6, 7], []),
+         _sample([5, 6, 7], [10, 11, 12])]
+    b = pack_samples(s, share_prompts=True, build_attention_mask=False, pad_to_multiple_of=4)
+    #                  prompt   r0     r3          | prompt r1   | pad
+    assert b.input_ids.tolist() == [[5, 6, 7, 8, 9, 10, 11, 12, 1, 2, 3, 0]]
+    assert b.position_ids.tolist() == [[0, 1, 2, 3, 4, 3, 4, 5, 0, 1, 2, 0]]
+    assert b.segment_lens == [8, 3] and b.cu_seqlens.tolist() == [0, 8, 11] and b.num_padding == 1
+    assert b.seq_lens == [5, 3, 3, 6] and b.num_copied_tokens == 17 and b.num_tokens == 12
+    # slots: r0 at 2, 3 (positions before 8, 9); r3 at 4, 5, 6 (before 10, 11, 12); r1 at 8, 9
+    assert b.labels.tolist() == [[0, 0, 8, 9, 10, 11, 12, 0, 2, 3, 0, 0]]
+    assert b.loss_mask.int().tolist() == [[0, 0, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0]]
+    assert [x.tolist() for x in b.unpack(b.labels)] == [x.response_ids for x in s]
+    rows = b.label_rows.tolist()
+    assert rows[4] == 2 and all(rows[k] == k for k in range(12) if k != 4)  # 10 is predicted after 7
+    m = ~b.attention_mask[0, 0]  # True = may attend
+    assert m[5].tolist() == [1, 1, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0]  # r3's first token: prompt + itself
+    assert m[4].tolist() == [1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0]  # r0's last token: prompt + r0
+    assert m[9].tolist() == [0] * 8 + [1, 1, 0, 0] and m[11, 11]
+    with pytest.raises(ValueError, match="PackedSeqParams"):
+        b.packed_seq_params
+    # bshd: one row per segment, the mask built although no plain-causal row would need one
+    c = pack_samples(s, layout="bshd", share_prompts=True, build_attention_mask=False)
+    assert c.input_ids.tolist() == [[5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 3, 0, 0, 0, 0, 0]]
+    assert c.attention_mask.shape == (2, 1, 8, 8) and c.label_rows.tolist()[4] == 2
+    assert [x.tolist() for x in c.unpack(c.labels)] == [x.response_ids for x in s]
+    # one non-empty response per prompt is the copied form: no mask needed, no label rows
+    d = pack_samples(s[1:3], layout="bshd", share_prompts=True, build_attention_mask=False)
+    assert d.label_rows is None and d.attention_mask is None and not d.shares_prompts
+
+
+@pytest.mark.parametrize("recipe,align", [("delayed", 16), ("tensorwise", 16), ("blockwise", 16), ("mxfp8", 32)])
+def test_fp8_alignment_padded_lengths(recipe, align):
+    """Under FP8 every micro-batch holds a multiple of megatron-core's get_fp8_align_size tokens
+    (B * T), with the shortest rows that also keep the sequence-parallel multiple."""
+    from dapo_megatron.actor.plan import fp8_align_size
+
+    assert fp8_align_size(recipe) == align
+    s = [_sample([1] * 5, [2] * 4), _sample([3] * 2, [4] * 9), _sample([5] * 7, [6])]  # lengths 9, 11, 8
+    for sp in (1, 2, 3):
+        thd = pack_samples(s, layout="thd", pad_to_multiple_of=sp, align_tokens_to=align)
+        assert thd.num_tokens == _smallest_row(28, 1, sp, align) and thd.num_tokens % math.lcm(sp, align) == 0
+        bshd = pack_samples(s, layout="bshd", pad_to_multiple_of=sp, align_tokens_to=align, build_attention_mask=False)
+        T = bshd.input_ids.shape[1]
+        assert T == _smallest_row(11, 3, sp, align) and (3 * T) % align == 0 and T % sp == 0
+        assert padded_tokens([9, 11, 8], layout="bshd", pad_to_multiple_of=sp, align_tokens_to=align) == 3 * T
+        for b in (thd, bshd):  # padding holds no label: the loss sees the same tokens
+            assert b.num_loss_tokens == 14 and b.num_padding == b.num_tokens - 28
+            assert [x.tolist() for x in b.unpack(b.labels)] == [x.response_ids for x in s]
+    assert pack_samples(s, layout="thd", align_tokens_to=16).num_tokens == 32  # 28 -> 32
+    # 3 rows: 3 * S % 32 == 0 needs S % 32 == 0 (gcd(3, 32) = 1); 2 rows would need S % 16 == 0
+    assert pack_samples(s, layout="bshd", align_tokens_to=32, build_attention_mask=False).input_ids.shape == (3, 32)
+    assert pack_samples(s[:2], layout="bshd", align_tokens_to=32, build_attention_mask=False).input_ids.shape == (2, 16)
+
+
+def test_split_by_token_budget_counts_a_shared_prompt_once():
+    group = [_sample([1] * 10, [2] * 3) for _ in range(4)] + [_sample([7] * 2, [8] * 2)]  # 13 each, then 4
+    assert [len(mb) for mb in split_by_token_budget(group, 26)] == [2, 2, 1]
+    shared = split_by_token_budget(group, 26, share_prompts=True)  # 10 + 4 * 3 = 22, then 22 + 4 = 26
+    assert [len(mb) for mb in shared] == [5]
+    # 13 + 3 + 3 = 19, a 4th response would make 22 > 21: the next micro-batch encodes the prompt again
+    assert [len(mb) for mb in split_by_token_budget(group, 21, share_prompts=True)] == [3, 2]

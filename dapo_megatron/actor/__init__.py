@@ -7,14 +7,17 @@ reads ``MegatronActor.model_chunks`` for that.
 from .actor import ActorConfig, MegatronActor, OptimConfig
 from .logprobs import vocab_parallel_entropy, vocab_parallel_logprobs, vocab_parallel_logprobs_and_entropy
 from .packing import PackedBatch, group_by_length, pack_samples, split_by_token_budget
+from .plan import ActorPlan, resolve_actor_plan
 
 __all__ = [
     "ActorConfig",
+    "ActorPlan",
     "MegatronActor",
     "OptimConfig",
     "PackedBatch",
     "group_by_length",
     "pack_samples",
+    "resolve_actor_plan",
     "split_by_token_budget",
     "vocab_parallel_entropy",
     "vocab_parallel_logprobs",

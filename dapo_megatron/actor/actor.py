@@ -48,11 +48,14 @@ from dapo_megatron.rollout.types import Sample
 
 from dapo_megatron.algorithms.policy_loss import ROLLOUT_IS_LEVELS, ROLLOUT_RS_LEVELS
 
-from .logprobs import vocab_parallel_logprobs_and_entropy
-from .packing import PackedBatch, group_by_length, pack_samples
+from .loss import SUM_KEYS, dapo_loss_func, logprob_loss_func
+from .micro_batch import MicroBatch, Targets, make_micro_batches
+from .plan import SHARED_PROMPT_MODES, gpt_model_of, resolve_actor_plan
 
 SUPPORTED_LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean")
 OLD_LOGPROB_SOURCES = ("recompute", "rollout")
+# token counts of the model calls, summed like the loss metrics (see forward_backward)
+COUNT_KEYS = ("tokens_computed", "tokens_padding", "tokens_copied")
 
 
 @dataclass
@@ -175,8 +178,24 @@ class ActorConfig:
     attention cost ``n · S²`` with ``S`` the longest sample. None: auto, ``"thd"`` with
     packed-sequence params (TE, GPU), ``"bshd"`` otherwise (CPU / local spec;
     ``benchmarks/bench_actor.py`` measures both)."""
+    shared_prompt: str = "auto"
+    """``"auto"``, ``"on"`` or ``"off"``. On: the responses of a micro-batch that share a prompt (a GRPO
+    group) are trained as one segment, the prompt encoded once, each response attending to the
+    prompt's keys and values and its own, at positions continuing the prompt (Prefix Grouper, arXiv
+    2506.05433): the same logprobs, entropy, loss and gradients as the copied form, fewer tokens.
+    The trainer then keeps a group's samples in one micro-batch and counts its prompt once in
+    ``ppo_max_token_len_per_gpu``. Auto: on where the path supports it (the local spec; the TE path
+    does not, see ``dapo_megatron.actor.plan``) and, per micro-batch, where it computes fewer
+    tokens. On where it cannot run: an error at actor construction."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """AdamW, learning-rate schedule and gradient clipping (:class:`OptimConfig`)."""
+
+    def __post_init__(self) -> None:
+        # YAML 1.1 reads `on` / `off` as booleans, and OmegaConf hands this str field "True" / "False"
+        # (from a file or a `actor.shared_prompt=off` override): take them for what the user wrote
+        spelled = {True: "on", False: "off", "True": "on", "False": "off", "true": "on", "false": "off"}
+        if isinstance(self.shared_prompt, (bool, str)) and self.shared_prompt in spelled:
+            self.shared_prompt = spelled[self.shared_prompt]
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the bad field (``optim`` validates itself)."""
@@ -193,6 +212,8 @@ class ActorConfig:
                 f"micro_batch_layout={self.micro_batch_layout!r} must be null (auto), 'thd' (packed) or "
                 "'bshd' (padded rows)"
             )
+        if self.shared_prompt not in SHARED_PROMPT_MODES:
+            raise ValueError(f"shared_prompt={self.shared_prompt!r} must be one of {SHARED_PROMPT_MODES}")
         if self.old_logprob_source not in OLD_LOGPROB_SOURCES:
             raise ValueError(f"old_logprob_source={self.old_logprob_source!r} must be one of {OLD_LOGPROB_SOURCES}")
         if self.rollout_is is not None and self.rollout_is not in ROLLOUT_IS_LEVELS:
@@ -221,102 +242,90 @@ class ActorConfig:
         return self.old_logprob_source == "recompute" and (self.rollout_is is not None or self.rollout_rs is not None)
 
 
-@dataclass(frozen=True)
-class _Targets:
-    """What one :meth:`MegatronActor.forward_backward` call trains against (shared by its micro-batches).
+def _wrap_ddp(chunks, config):
+    """Megatron DDP around each chunk, with the scaling rules of the module docstring: the
+    loss is back-propagated as returned and gradients are summed (not averaged) over DP."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    ``old_from_current``: ``log pi_old = sg(log pi_theta)`` of the training forward (no
-    ``Sample.old_logprobs`` needed); ``policy_version``: the actor's weights version, tokens
-    with an older ``Sample.versions`` entry are stale; ``cfg``: the correction settings.
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=True,
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        overlap_param_gather=False,
+        average_in_collective=False,
+        check_for_nan_in_grad=False,  # a NaN step is skipped by the optimizer instead
+    )
+    return [
+        DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=(i > 0))
+        for i, chunk in enumerate(chunks)
+    ]
+
+
+def _build_optimizer(o: OptimConfig, config, model_chunks):
+    """Megatron's distributed AdamW over the DDP chunks (``OptimizerConfig`` names)."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    opt_config = OptimizerConfig(
+        optimizer="adam",
+        lr=o.lr,
+        min_lr=o.min_lr,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.betas[0],
+        adam_beta2=o.betas[1],
+        adam_eps=o.eps,
+        clip_grad=o.clip_grad,
+        bf16=config.bf16,
+        fp16=config.fp16,
+        params_dtype=config.params_dtype,
+        use_distributed_optimizer=True,
+        # constant scale 1 (exact no-op on values) gives Megatron's found-inf check: a step
+        # whose gradients hold NaN/inf is skipped and reported (fp16 keeps the dynamic scaler)
+        loss_scale=None if config.fp16 else 1.0,
+    )
+    return get_megatron_optimizer(opt_config, model_chunks)
+
+
+def _build_scheduler(optimizer, o: OptimConfig, total_steps: int):
+    """Megatron's ``OptimizerParamScheduler``: warm-up then ``lr_decay_style`` over ``total_steps``."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=o.lr_warmup_init,
+        max_lr=o.lr,
+        min_lr=o.min_lr,
+        lr_warmup_steps=o.lr_warmup_steps,
+        lr_decay_steps=total_steps,
+        lr_decay_style=o.lr_decay_style,
+        start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        wd_incr_steps=total_steps,
+        wd_incr_style="constant",
+    )
+
+
+def _keep_label_rows(module, args, kwargs, *, index: torch.Tensor):
+    """Output-layer forward pre-hook: its ``[S, B, H]`` input -> the ``[N, 1, H]`` label rows."""
+    hidden = args[0]  # [S, B, H] after the final norm
+    rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, index)
+    return (rows.unsqueeze(1), *args[1:]), kwargs  # [N, 1, H]
+
+
+def _rotary_at_positions(module, args, output, *, position_ids: torch.Tensor):
+    """RotaryEmbedding forward hook: the embedding at ``position_ids`` instead of at ``0 .. S-1``.
+
+    megatron-core 0.16.1 ``GPTModel._preprocess`` asks ``rotary_pos_emb`` for the first ``S``
+    positions (``[S, 1, 1, D]``, ``models/common/embeddings/rotary_pos_embedding.py``), which
+    is right when RoPE only has to see relative offsets inside each sequence. A shared-prompt
+    segment needs each response at the positions that continue its prompt, so the hook
+    returns ``get_emb(max + 1)`` gathered at ``position_ids.T``: ``[S, B, 1, D]``, which the
+    unfused ``_apply_rotary_pos_emb_bshd`` broadcasts over heads exactly like ``[S, 1, 1, D]``.
     """
-
-    cfg: "ActorConfig"
-    policy_version: Optional[int]
-    old_from_current: bool
-
-
-class _MicroBatch:
-    """A packed micro-batch plus its per-token training targets ([B, T] like the inputs).
-
-    With targets: ``old_logprobs``, ``advantages``, and for the behaviour-policy correction
-    ``rollout_logprobs`` and ``corrected`` (the tokens it applies to; None when there are
-    none, so an on-policy batch trains exactly as without correction). ``loss_mask`` is the
-    packed batch's mask minus the tokens ``rollout_rs`` rejects, ``is_weights`` the detached
-    ``rollout_is`` weights (None: 1), both known here unless ``old_from_current`` (then the
-    loss function computes the weights from the training forward).
-    """
-
-    def __init__(self, samples: Sequence[Sample], layout: str, pad_to: int, build_mask: bool, device,
-                 targets: Optional[_Targets]):
-        self.samples = list(samples)
-        self.batch: PackedBatch = pack_samples(
-            samples, layout=layout, pad_to_multiple_of=pad_to, build_attention_mask=build_mask, device=device
-        )
-        b = self.batch
-        B, T = b.input_ids.shape
-        # response label positions, row-major over [B, T] (int64 [N]), and the same positions in
-        # Megatron's [S, B] hidden-state order: the output layer only needs these N rows
-        self.label_index = b.response_mask.reshape(-1).nonzero().squeeze(1)
-        self.label_index_sb = (self.label_index % T) * B + self.label_index // T
-        if targets is None:
-            return
-        cfg = targets.cfg
-        for i, s in enumerate(samples):
-            if not targets.old_from_current and (s.old_logprobs is None or len(s.old_logprobs) != len(s.response_ids)):
-                raise ValueError(
-                    f"sample {i}: old_logprobs must hold one value per response token (got "
-                    f"{None if s.old_logprobs is None else len(s.old_logprobs)}, need {len(s.response_ids)}); "
-                    "call MegatronActor.compute_logprobs first and store the result in Sample.old_logprobs"
-                )
-            if not math.isfinite(s.advantage):
-                raise ValueError(f"sample {i}: advantage={s.advantage} is not finite")
-        self.old_logprobs = (None if targets.old_from_current
-                             else b.scatter_per_sample([s.old_logprobs for s in samples]))
-        self.advantages = b.scatter_per_sample([[s.advantage] * len(s.response_ids) for s in samples])
-        self.loss_mask = b.loss_mask.float()
-        self.is_weights = None
-        self.corrected = None
-        self.rollout_logprobs = None
-        self.corr_metrics: dict[str, torch.Tensor] = {}
-        if cfg.corrects:
-            if cfg.rollout_is_scope == "all":
-                flags = [[1.0] * len(s.response_ids) for s in samples]
-            else:  # tokens of weights older than the actor's
-                version = targets.policy_version
-                flags = [[1.0 if version is not None and v < version else 0.0 for v in s.token_versions()]
-                         or [0.0] * len(s.response_ids) for s in samples]
-            if any(1.0 in f for f in flags):
-                for i, s in enumerate(samples):
-                    if len(s.rollout_logprobs) != len(s.response_ids):
-                        raise ValueError(f"sample {i}: rollout_logprobs has {len(s.rollout_logprobs)} values, need "
-                                         f"{len(s.response_ids)} (the behaviour-policy correction needs them)")
-                self.corrected = b.scatter_per_sample(flags) > 0.5
-                self.rollout_logprobs = b.scatter_per_sample([s.rollout_logprobs for s in samples])
-                if self.old_logprobs is not None:
-                    self.is_weights, self.loss_mask, self.corr_metrics = self.correction(self.old_logprobs, cfg)
-        self.num_valid_tokens = b.num_loss_tokens  # before rejection
-        self.num_loss_tokens = int(self.loss_mask.sum().item())
-        self.num_loss_seqs = sum(1 for m in b.unpack(self.loss_mask) if m.sum() > 0)
-
-    def correction(self, old_logprobs: torch.Tensor, cfg: "ActorConfig"):
-        """:func:`~dapo_megatron.algorithms.policy_loss.rollout_correction` of this micro-batch."""
-        from dapo_megatron.algorithms.policy_loss import rollout_correction
-
-        return rollout_correction(
-            old_logprobs, self.rollout_logprobs, self.batch.loss_mask, tokens=self.corrected,
-            rollout_is=cfg.rollout_is, rollout_is_threshold=cfg.rollout_is_threshold, rollout_rs=cfg.rollout_rs,
-            rollout_rs_threshold=cfg.rollout_rs_threshold, rollout_rs_threshold_lower=cfg.rollout_rs_threshold_lower)
-
-
-def _per_sample_padded(batch: PackedBatch, values: torch.Tensor) -> torch.Tensor:
-    """[B, T] values at label positions -> [n, R_max] right-padded (differentiable)."""
-    per = batch.unpack(values)
-    r_max = max((x.numel() for x in per), default=0)
-    return torch.stack([torch.nn.functional.pad(x, (0, r_max - x.numel())) for x in per])
-
-
-_SUM_KEYS = ("loss", "pg_loss", "pg_clipfrac_lower", "pg_clipfrac_upper", "ppo_kl", "entropy", "num_tokens",
-             "rollout_corr_frac", "rollout_is_mean", "rollout_is_clipfrac", "rollout_rs_masked_frac")
+    S = position_ids.shape[1]
+    if output.shape[0] != S:
+        raise RuntimeError(f"rotary embedding for {output.shape[0]} positions, the micro-batch has {S}")
+    emb = module.get_emb(int(position_ids.max()) + 1)  # [M, 1, 1, D]
+    return emb[:, 0, 0].index_select(0, position_ids.t().reshape(-1)).view(S, -1, 1, emb.shape[-1])
 
 
 class MegatronActor:
@@ -332,6 +341,10 @@ class MegatronActor:
         vocab_size: real tokenizer vocabulary; logits columns beyond it (Megatron's
             vocab padding) are excluded from the softmax. None: no padding.
 
+    Raises:
+        ValueError: several model chunks, an invalid ``actor_cfg``, or a layout the model
+            cannot run (:func:`~dapo_megatron.actor.plan.resolve_actor_plan`).
+
     Side effects on the shared ``TransformerConfig`` (``model.config``):
     ``calculate_per_token_loss=True`` (see module docstring), ``variable_seq_lengths=True``
     and ``pipeline_dtype`` (PP), ``finalize_model_grads_func``, ``no_sync_func``,
@@ -339,22 +352,9 @@ class MegatronActor:
 
     Attributes exposed for checkpointing: ``model_chunks`` (DDP-wrapped),
     ``optimizer`` (Megatron ``DistributedOptimizer``), ``scheduler``
-    (``OptimizerParamScheduler``).
-
-    Execution choices (resolved at construction, read at every call): ``layout``
-    (``"thd"`` / ``"bshd"``, see ``ActorConfig.micro_batch_layout``),
-    ``build_attention_mask`` (THD on the local spec: block-diagonal ``[1, 1, T, T]`` bool
-    mask), ``logits_at_labels_only``: the output layer (LM head, ``[H] -> [V/TP]``) runs on
-    the ``N`` response label positions only, selected from its ``[S, B, H]`` input by a
-    forward pre-hook, so the ``[T, V/TP]`` fp32 logits and their matmuls shrink to
-    ``[N, V/TP]`` (N ≈ T/4 for rollouts with ~50-token prompts and ~18-token responses).
-    True on the last PP stage when sequence parallelism is off (the hidden states then
-    hold the whole sequence on every TP rank) and the model has no MTP heads.
-    ``length_buckets`` (BSHD): every micro-batch is run as row groups of similar length
-    (:func:`~dapo_megatron.actor.packing.group_by_length`, one extra model call priced at
-    ``length_bucket_overhead_tokens`` = 64 token-slots), so a few long rows do not pad
-    the whole micro-batch; results are returned in the caller's order. Every rank of a
-    model-parallel group receives the same micro-batches, so all cut them identically.
+    (``OptimizerParamScheduler``). ``plan``: the :class:`~dapo_megatron.actor.plan.ActorPlan`
+    resolved at construction (layout, mask, logits at labels only, length buckets, padding
+    multiples, shared prompt), read at every call.
 
     Every rank of the model-parallel (TP × PP) group must pass the same
     micro-batches to each call; DP ranks pass their own shard of the mini-batch.
@@ -362,10 +362,7 @@ class MegatronActor:
 
     def __init__(self, model_chunks, actor_cfg: ActorConfig, total_steps: int, *, vocab_size: Optional[int] = None):
         from megatron.core import parallel_state as ps
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
         if len(chunks) != 1:
@@ -384,6 +381,12 @@ class MegatronActor:
         self.tp_size = ps.get_tensor_model_parallel_world_size()
         self.dp_group = ps.get_data_parallel_group()
         self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.device = pdist.device()
+        self.plan = resolve_actor_plan(actor_cfg, chunks[0], tp_size=self.tp_size)
+        gpt = gpt_model_of(chunks[0])
+        self._output_layer = getattr(gpt, "output_layer", None) if gpt is not None and gpt.post_process else None
+        self._rotary = getattr(gpt, "rotary_pos_emb", None) if getattr(gpt, "position_embedding_type", None) == (
+            "rope") else None
 
         # (1)-(3) of the module docstring: no 1/num_microbatches, no 1/DP, no 1/num_tokens
         config.calculate_per_token_loss = True
@@ -391,51 +394,9 @@ class MegatronActor:
             config.variable_seq_lengths = True  # packed micro-batches have different lengths
             if config.pipeline_dtype is None:
                 config.pipeline_dtype = config.params_dtype
-
-        ddp_config = DistributedDataParallelConfig(
-            use_distributed_optimizer=True,
-            grad_reduce_in_fp32=True,
-            overlap_grad_reduce=False,
-            overlap_param_gather=False,
-            average_in_collective=False,
-            check_for_nan_in_grad=False,  # a NaN step is skipped by the optimizer instead
-        )
-        self.model_chunks = [
-            DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=(i > 0))
-            for i, chunk in enumerate(chunks)
-        ]
-        o = actor_cfg.optim
-        opt_config = OptimizerConfig(
-            optimizer="adam",
-            lr=o.lr,
-            min_lr=o.min_lr,
-            weight_decay=o.weight_decay,
-            adam_beta1=o.betas[0],
-            adam_beta2=o.betas[1],
-            adam_eps=o.eps,
-            clip_grad=o.clip_grad,
-            bf16=config.bf16,
-            fp16=config.fp16,
-            params_dtype=config.params_dtype,
-            use_distributed_optimizer=True,
-            # constant scale 1 (exact no-op on values) gives Megatron's found-inf check: a step
-            # whose gradients hold NaN/inf is skipped and reported (fp16 keeps the dynamic scaler)
-            loss_scale=None if config.fp16 else 1.0,
-        )
-        self.optimizer = get_megatron_optimizer(opt_config, self.model_chunks)
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer,
-            init_lr=o.lr_warmup_init,
-            max_lr=o.lr,
-            min_lr=o.min_lr,
-            lr_warmup_steps=o.lr_warmup_steps,
-            lr_decay_steps=total_steps,
-            lr_decay_style=o.lr_decay_style,
-            start_wd=o.weight_decay,
-            end_wd=o.weight_decay,
-            wd_incr_steps=total_steps,
-            wd_incr_style="constant",
-        )
+        self.model_chunks = _wrap_ddp(chunks, config)
+        self.optimizer = _build_optimizer(actor_cfg.optim, config, self.model_chunks)
+        self.scheduler = _build_scheduler(self.optimizer, actor_cfg.optim, total_steps)
 
         def _finalize(model, num_tokens, pg_collection=None, force_all_reduce=False):
             # the loss is already divided by the global token count: do not divide again
@@ -444,113 +405,33 @@ class MegatronActor:
         config.finalize_model_grads_func = _finalize
         config.no_sync_func = self.model_chunks[0].no_sync
         config.grad_scale_func = self.optimizer.scale_loss
-
-        # THD needs Transformer Engine's attention; megatron-core's local DotProductAttention
-        # asserts packed_seq_params is None and gets the block-diagonal mask instead.
-        te_attention = any(type(m).__name__ == "TEDotProductAttention" for m in chunks[0].modules())
-        use_thd = actor_cfg.use_packed_seq_params
-        if use_thd and not te_attention:
-            raise ValueError(
-                "actor.use_packed_seq_params=True needs the Transformer Engine layer spec (TEDotProductAttention); "
-                "this model uses the local spec: set it to None/False (a block-diagonal mask is used)"
-            )
-        self.use_packed_seq_params = te_attention if use_thd is None else bool(use_thd)
-        layout = actor_cfg.micro_batch_layout
-        if layout is None:
-            layout = "thd" if self.use_packed_seq_params else "bshd"
-        if layout == "bshd" and actor_cfg.use_packed_seq_params:
-            raise ValueError(
-                "actor.micro_batch_layout='bshd' contradicts actor.use_packed_seq_params=True (THD only); "
-                "set one of them to null"
-            )
-        if layout == "bshd":
-            self.use_packed_seq_params = False
-        self.layout = layout
-        # the LM head runs on the response label positions only (~1/4 of the tokens in a rollout):
-        # needs the full sequence on every TP rank (no sequence parallel) and no MTP heads
-        gpt = next((m for m in chunks[0].modules() if hasattr(m, "output_layer") and hasattr(m, "decoder")), None)
-        self._output_layer = getattr(gpt, "output_layer", None) if gpt is not None and gpt.post_process else None
-        self.logits_at_labels_only = (
-            self._output_layer is not None and not config.sequence_parallel
-            and getattr(config, "mtp_num_layers", None) is None
-        )
-        # bshd rows are right-padded: Megatron's causal mask alone keeps padding out of every
-        # real token's attention, so no [n, 1, S, S] mask tensor is built
-        self.build_attention_mask = layout == "thd" and not self.use_packed_seq_params
-        # bshd: each micro-batch runs as row groups of similar length (less padding); the loss
-        # is scaled by the global token count, so the cut changes no result (tested)
-        self.length_buckets = layout == "bshd"
-        self.length_bucket_overhead_tokens = 64
-        self.pad_to = self.tp_size if config.sequence_parallel else 1
-        self.device = pdist.device()
         self.num_model_calls = 0  # micro-batch forward passes run so far (old-logprob and training)
 
     # ------------------------------------------------------------------ helpers
-    def _make_micro_batches(self, micro_batches, targets: Optional[_Targets] = None
-                            ) -> tuple[list[_MicroBatch], list[int]]:
-        """Pack the caller's micro-batches; with ``length_buckets`` (BSHD) each is first cut into
-        rows of similar length (:func:`~dapo_megatron.actor.packing.group_by_length`).
+    def _make_micro_batches(self, micro_batches, targets: Optional[Targets] = None
+                            ) -> tuple[list[MicroBatch], list[int]]:
+        return make_micro_batches(micro_batches, self.plan, device=self.device, targets=targets)
 
-        Returns:
-            ``(mbs, order)``: the packed micro-batches as run, and for each of their samples
-            (in run order) its index in the caller's flattened micro-batches.
-        """
-        if len(micro_batches) == 0 or any(len(mb) == 0 for mb in micro_batches):
-            raise ValueError("micro_batches must be a non-empty list of non-empty lists of Sample")
-        groups, order, start = [], [], 0
-        for mb in micro_batches:
-            mb = list(mb)
-            if self.length_buckets:
-                idx_groups = group_by_length([s.total_length for s in mb], pad_to_multiple_of=self.pad_to,
-                                             overhead_tokens=self.length_bucket_overhead_tokens)
-            else:
-                idx_groups = [list(range(len(mb)))]
-            for g in idx_groups:
-                groups.append([mb[i] for i in g])
-                order.extend(start + i for i in g)
-            start += len(mb)
-        mbs = [
-            _MicroBatch(mb, self.layout, self.pad_to, self.build_attention_mask, self.device, targets)
-            for mb in groups
-        ]
-        return mbs, order
-
-    def _forward(self, model, mb: _MicroBatch):
+    def _forward(self, model, mb: MicroBatch):
         """Model output of one micro-batch: logits ``[B, T, V/TP]``, or ``[1, N, V/TP]`` at the
-        ``N`` response label positions only (``logits_at_labels_only``); earlier PP stages
-        return hidden states."""
+        ``N`` response label rows only (``plan.logits_at_labels_only``); earlier PP stages
+        return hidden states. A shared-prompt micro-batch runs RoPE at its ``position_ids``."""
         b = mb.batch
-        psp = b.packed_seq_params if self.use_packed_seq_params else None
-        if not self.logits_at_labels_only:
-            return model(b.input_ids, b.position_ids, b.attention_mask, packed_seq_params=psp)
-
-        def keep_label_rows(module, args, kwargs):
-            hidden = args[0]  # [S, B, H] after the final norm
-            rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, mb.label_index_sb)
-            return (rows.unsqueeze(1), *args[1:]), kwargs  # [N, 1, H]
-
-        handle = self._output_layer.register_forward_pre_hook(keep_label_rows, with_kwargs=True)
+        psp = b.packed_seq_params if self.plan.use_packed_seq_params else None
+        handles = []
         try:
+            if b.shares_prompts and self._rotary is not None:
+                handles.append(self._rotary.register_forward_hook(
+                    partial(_rotary_at_positions, position_ids=b.position_ids)))
+            if self.plan.logits_at_labels_only:
+                handles.append(self._output_layer.register_forward_pre_hook(
+                    partial(_keep_label_rows, index=mb.label_index_sb), with_kwargs=True))
             return model(b.input_ids, b.position_ids, b.attention_mask, packed_seq_params=psp)
         finally:
-            handle.remove()
+            for h in handles:
+                h.remove()
 
-    def _logprobs_and_entropy(self, mb: _MicroBatch, output_tensor, temperature: float):
-        """Per-token logprob and entropy at the micro-batch's label positions, float32 ``[B, T]``
-        (0 elsewhere), differentiable w.r.t. ``output_tensor`` (see :meth:`_forward`)."""
-        b = mb.batch
-        if not self.logits_at_labels_only:
-            return vocab_parallel_logprobs_and_entropy(
-                output_tensor, b.labels, vocab_size=self.vocab_size, temperature=temperature
-            )
-        labels = b.labels.reshape(-1).index_select(0, mb.label_index).unsqueeze(0)  # [1, N]
-        lp, ent = vocab_parallel_logprobs_and_entropy(
-            output_tensor, labels, vocab_size=self.vocab_size, temperature=temperature
-        )
-        zeros = lp.new_zeros(b.labels.numel())
-        return tuple(zeros.index_copy(0, mb.label_index, x[0]).view(b.labels.shape) for x in (lp, ent))
-
-    def _run_schedule(self, mbs: list[_MicroBatch], forward_step, forward_only: bool):
+    def _run_schedule(self, mbs: list[MicroBatch], forward_step, forward_only: bool):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self.num_model_calls += len(mbs)  # micro-batch forwards through this rank's model (stage)
@@ -602,10 +483,8 @@ class MegatronActor:
         for m in self.model_chunks:
             m.eval()
 
-        def loss_func(mb: _MicroBatch, output_tensor):
-            lp, ent = self._logprobs_and_entropy(mb, output_tensor, temperature)
-            zero = output_tensor.new_zeros(())
-            return zero, torch.tensor(0, dtype=torch.int), {"logprobs": lp, "entropy": ent}
+        loss_func = partial(logprob_loss_func, temperature=temperature, vocab_size=self.vocab_size,
+                            logits_at_labels_only=self.plan.logits_at_labels_only)
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
@@ -615,7 +494,7 @@ class MegatronActor:
         logprobs, entropies = self._per_sample_outputs(mbs, order, outs, ("logprobs", "entropy"))
         return (logprobs, entropies) if return_entropy else logprobs
 
-    def _per_sample_outputs(self, mbs: list[_MicroBatch], order: list[int], outs, keys: Sequence[str]):
+    def _per_sample_outputs(self, mbs: list[MicroBatch], order: list[int], outs, keys: Sequence[str]):
         """Per-sample ``[R_i]`` float32 CPU tensors of the ``[B, T]`` outputs ``keys`` of every
         micro-batch, in the caller's flattened order, on every rank (the last PP stage computes
         them and broadcasts them over the PP group)."""
@@ -640,7 +519,7 @@ class MegatronActor:
         self, micro_batches: Sequence[Sequence[Sample]], temperature: float = 1.0,
         global_num_tokens: Optional[int] = None, *, policy_version: Optional[int] = None,
         old_from_current: bool = False, return_logprobs: bool = False,
-    ) -> dict[str, float]:
+    ):
         """Accumulate the DAPO policy-gradient of one mini-batch into the DDP grad buffers.
 
         Zeroes the grad buffers, runs every micro-batch through the schedule and
@@ -670,12 +549,17 @@ class MegatronActor:
             metrics over the whole mini-batch (identical on all ranks): ``loss`` (incl.
             entropy bonus), ``pg_loss``, ``pg_clipfrac_lower``, ``pg_clipfrac_upper``,
             ``ppo_kl``, ``entropy`` (token means), ``ratio_min``, ``ratio_max``,
-            ``num_tokens`` (after rejection), ``num_micro_batches`` (the caller's),
-            ``num_model_calls`` (micro-batches actually run, after ``length_buckets``; this
-            DP rank), and the correction's ``rollout_corr_frac``, ``rollout_is_mean``,
-            ``rollout_is_clipfrac``, ``rollout_rs_masked_frac`` (fractions of the valid
-            tokens; 0, 1, 0, 0 when nothing is corrected). With ``return_logprobs`` the
-            tuple ``(metrics, logprobs)``: ``list[Tensor[R_i]]`` in the caller's flattened order.
+            ``num_tokens``, ``num_micro_batches`` (the caller's), ``num_model_calls``
+            (micro-batches actually run, after ``length_buckets``; this DP rank), and the
+            token counts of the model calls over all DP ranks: ``tokens_computed`` (``B * T``,
+            padding included), ``tokens_padding`` and ``tokens_copied`` (prompt + response of
+            every sample, the tokens of the copied form), so that the padding share is
+            ``tokens_padding / tokens_computed`` and the shared-prompt ratio
+            ``(tokens_computed - tokens_padding) / tokens_copied``; the correction's
+            ``rollout_corr_frac``, ``rollout_is_mean``, ``rollout_is_clipfrac``,
+            ``rollout_rs_masked_frac`` (fractions of the valid tokens; 0, 1, 0, 0 when nothing is
+            corrected); ``num_tokens`` is after rejection. With ``return_logprobs`` the tuple
+            ``(metrics, logprobs)``: ``list[Tensor[R_i]]`` in the caller's flattened order.
 
         Raises:
             ValueError: missing ``old_logprobs``, a ``global_num_tokens`` that differs
@@ -686,7 +570,7 @@ class MegatronActor:
         if old_from_current and cfg.rollout_rs is not None and cfg.corrects:
             raise ValueError("old_from_current=True with actor.rollout_rs set: the rejection changes the loss "
                              "denominator, which must be known before the forward; recompute old_logprobs first")
-        targets = _Targets(cfg=cfg, policy_version=policy_version, old_from_current=old_from_current)
+        targets = Targets(cfg=cfg, policy_version=policy_version, old_from_current=old_from_current)
         mbs, order = self._make_micro_batches(micro_batches, targets)
         # counted in python, all-reduced over DP on the group's device (a CPU tensor fails under NCCL)
         counts = torch.tensor([sum(mb.num_valid_tokens for mb in mbs), sum(mb.num_loss_tokens for mb in mbs),
@@ -697,64 +581,16 @@ class MegatronActor:
         n_valid, n_tok, n_seq = (int(x) for x in counts.tolist())
         if global_num_tokens is not None and int(global_num_tokens) != n_valid:
             raise ValueError(
-                f"global_num_tokens={global_num_tokens} but the mini-batch holds {n_valid} loss tokens over all "
+                f"global_num_tokens={global_num_tokens} but the mini-batch holds {n_tok} loss tokens over all "
                 "micro-batches and DP ranks (overlong-filtered samples count 0); pass None to let the actor count"
             )
         for m in self.model_chunks:
             m.train()
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
-        mode = cfg.loss_agg_mode
-        from dapo_megatron.algorithms.policy_loss import agg_loss, compute_policy_loss
-
-        def loss_func(mb: _MicroBatch, output_tensor):
-            b = mb.batch
-            lp, ent = self._logprobs_and_entropy(mb, output_tensor, temperature)
-            old, is_w, mask, corr = mb.old_logprobs, mb.is_weights, mb.loss_mask, mb.corr_metrics
-            if old is None:  # pi_old = sg(pi_theta): the value of the recompute this forward replaces
-                old = lp.detach()
-                if mb.corrected is not None:
-                    is_w, mask, corr = mb.correction(old, cfg)
-            if mode == "token-mean":
-                # [B, T] tensors directly: sum(loss * mask) / N is layout-free
-                views = (lp, old, mb.advantages, mask, is_w, ent)
-                weight, kwargs = 1.0, {"global_num_tokens": max(n_tok, 1)}
-            else:  # seq-mean-token-mean: per-sample rows, weighted by the share of sequences
-                views = tuple(None if t is None else _per_sample_padded(b, t)
-                              for t in (lp, old, mb.advantages, mask, is_w, ent))
-                weight, kwargs = mb.num_loss_seqs / max(n_seq, 1), {}
-            lp_v, old_v, adv_v, mask_v, w_v, ent_v = views
-            pg_loss, m = compute_policy_loss(
-                lp_v, old_v, adv_v, mask_v,
-                clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
-                clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=mode, is_weights=w_v, **kwargs,
-            )
-            ent_term = agg_loss(ent_v if cfg.entropy_coeff else ent_v.detach(), mask_v, mode, **kwargs)
-            pg_loss = pg_loss * weight
-            ent_term = ent_term * weight
-            loss = pg_loss - cfg.entropy_coeff * ent_term if cfg.entropy_coeff else pg_loss
-            n_local = float(mb.num_loss_tokens)
-            share = n_local / max(n_tok, 1)  # token share of this micro-batch in the mini-batch
-            valid_share = mb.num_valid_tokens / max(n_valid, 1)  # the same before rejection
-            zero = torch.zeros((), dtype=torch.float32)
-            reduced = {
-                "loss": loss.detach().float(),
-                "pg_loss": pg_loss.detach().float(),
-                "pg_clipfrac_lower": m["pg_clipfrac_lower"] * share,
-                "pg_clipfrac_upper": m["pg_clipfrac_upper"] * share,
-                "ppo_kl": m["ppo_kl"] * share,
-                "entropy": (ent.detach().float() * mask.float()).sum() / max(n_tok, 1),
-                "num_tokens": torch.tensor(n_local),
-                "ratio_min": m["ratio_min"] if n_local else torch.tensor(float("inf")),
-                "ratio_max": m["ratio_max"] if n_local else torch.tensor(float("-inf")),
-                "rollout_corr_frac": corr.get("rollout_corr_frac", zero) * valid_share,
-                "rollout_is_mean": corr.get("rollout_is_mean", torch.ones(())) * valid_share,
-                "rollout_is_clipfrac": corr.get("rollout_is_clipfrac", zero) * valid_share,
-                "rollout_rs_masked_frac": corr.get("rollout_rs_masked_frac", zero) * valid_share,
-            }
-            if return_logprobs:
-                reduced["logprobs"] = lp.detach()
-            return loss, torch.tensor(int(n_local), dtype=torch.int), reduced
+        loss_func = partial(dapo_loss_func, actor_cfg=self.cfg, temperature=temperature, vocab_size=self.vocab_size,
+                            logits_at_labels_only=self.plan.logits_at_labels_only, global_num_tokens=n_tok,
+                            global_num_seqs=n_seq, global_num_valid_tokens=n_valid, return_logprobs=return_logprobs)
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
@@ -764,12 +600,14 @@ class MegatronActor:
 
         # all-reduced over PP and DP below: on the groups' device (NCCL: this rank's GPU)
         dev = pdist.collective_device(self.dp_group)
-        sums = torch.zeros(len(_SUM_KEYS), dtype=torch.float64, device=dev)
+        sums = torch.zeros(len(SUM_KEYS) + len(COUNT_KEYS), dtype=torch.float64, device=dev)
         mins = torch.full((1,), float("inf"), dtype=torch.float64, device=dev)
         maxs = torch.full((1,), float("-inf"), dtype=torch.float64, device=dev)
         if self._is_last_stage():
+            counts = [(mb.batch.num_tokens, mb.batch.num_padding, mb.batch.num_copied_tokens) for mb in mbs]
+            sums[len(SUM_KEYS):] += torch.tensor(counts, dtype=torch.float64).sum(0).to(sums.device)
             for out in outs:
-                sums += torch.stack([out[k].double().reshape(()) for k in _SUM_KEYS]).to(sums.device)
+                sums[:len(SUM_KEYS)] += torch.stack([out[k].double().reshape(()) for k in SUM_KEYS]).to(sums.device)
                 mins = torch.minimum(mins, out["ratio_min"].double().reshape(1).to(mins.device))
                 maxs = torch.maximum(maxs, out["ratio_max"].double().reshape(1).to(maxs.device))
         if dist.is_initialized():
@@ -778,7 +616,7 @@ class MegatronActor:
                 dist.all_reduce(sums, group=group)
                 dist.all_reduce(mins, op=dist.ReduceOp.MIN, group=group)
                 dist.all_reduce(maxs, op=dist.ReduceOp.MAX, group=group)
-        metrics = {k: float(v) for k, v in zip(_SUM_KEYS, sums.tolist())}
+        metrics = {k: float(v) for k, v in zip(SUM_KEYS + COUNT_KEYS, sums.tolist())}
         metrics["ratio_min"] = float(mins) if math.isfinite(float(mins)) else 1.0
         metrics["ratio_max"] = float(maxs) if math.isfinite(float(maxs)) else 1.0
         metrics["num_micro_batches"] = float(len(micro_batches))

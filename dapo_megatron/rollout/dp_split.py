@@ -26,6 +26,11 @@ Algorithm:
      some multiple of ``dp_size`` lies between the minimum micro-batch count of the batch and
      the number of samples; the fallback fails only when its first-fit-decreasing count,
      rounded up to a multiple of ``dp_size``, exceeds the number of samples.
+
+With ``share_prompts`` the unit of steps 1-4 is an *item*, a prompt's group of samples,
+weighted by the tokens the shared-prompt forward computes (the prompt once plus every
+response); a group is cut into two items only where it overflows the budget or where a
+split needs it (an item for every rank; a micro-batch holding a single group).
 """
 
 from __future__ import annotations
@@ -39,6 +44,49 @@ from dapo_megatron.rollout.types import Sample
 
 def _lengths(samples: Sequence[Sample]) -> list[int]:
     return [s.total_length for s in samples]
+
+
+class _Items:
+    """What the planner places: lists of sample indices that must share a micro-batch, with the
+    tokens each computes. Without shared prompts every sample is its own item (weight prompt +
+    response, item index = sample index); with them, the samples of one prompt form one item
+    (weight: the prompt once plus every response), cut in order into items that fit the budget."""
+
+    def __init__(self, samples: Sequence[Sample], budget: int, share_prompts: bool):
+        self.samples = samples
+        self.items: list[list[int]] = []
+        if not share_prompts:
+            self.items = [[i] for i in range(len(samples))]
+        else:
+            by_prompt: dict[tuple, list[int]] = {}
+            for i, s in enumerate(samples):
+                by_prompt.setdefault(tuple(s.prompt_ids), []).append(i)
+            for idx in by_prompt.values():
+                cur: list[int] = []
+                for i in idx:
+                    if cur and self._weight(cur + [i]) > budget:
+                        self.items.append(cur)
+                        cur = []
+                    cur.append(i)
+                self.items.append(cur)
+        self.weights = [self._weight(it) for it in self.items]
+
+    def _weight(self, item: list[int]) -> int:
+        return len(self.samples[item[0]].prompt_ids) + sum(len(self.samples[i].response_ids) for i in item)
+
+    def split(self, k: int) -> tuple[int, int]:
+        """Cut item ``k`` (>= 2 samples) into two new items, balanced by tokens; their indices."""
+        a, b = _split_in_two(self.items[k], _lengths(self.samples))
+        for part in (sorted(a), sorted(b)):
+            self.items.append(part)
+            self.weights.append(self._weight(part))
+        return len(self.items) - 2, len(self.items) - 1
+
+    def num_samples(self, mbs: list[list[int]]) -> int:
+        return sum(len(self.items[it]) for mb in mbs for it in mb)
+
+    def samples_of(self, mbs: list[list[int]]) -> list[list[int]]:
+        return [sorted(i for it in mb for i in self.items[it]) for mb in mbs]
 
 
 def _balance_ranks(lengths: list[int], dp_size: int) -> list[list[int]]:
@@ -86,39 +134,46 @@ def _split_in_two(mb: list[int], lengths: list[int]) -> tuple[list[int], list[in
     return a, b
 
 
-def _split_heaviest(mbs: list[list[int]], lengths: list[int]) -> bool:
-    """Split the heaviest micro-batch holding >= 2 samples in two, in place; False if none can be."""
-    splittable = [k for k, mb in enumerate(mbs) if len(mb) >= 2]
+def _split_heaviest(mbs: list[list[int]], its: _Items) -> bool:
+    """Split the heaviest micro-batch holding >= 2 samples in two, in place (a micro-batch of one
+    group cuts the group into two items); False if none can be."""
+    splittable = [k for k, mb in enumerate(mbs) if len(mb) >= 2 or len(its.items[mb[0]]) >= 2]
     if not splittable:
         return False
-    k = max(splittable, key=lambda k: (sum(lengths[i] for i in mbs[k]), -k))
-    mbs[k:k + 1] = list(_split_in_two(mbs[k], lengths))
+    k = max(splittable, key=lambda k: (sum(its.weights[i] for i in mbs[k]), -k))
+    if len(mbs[k]) == 1:
+        a, b = its.split(mbs[k][0])
+        mbs[k:k + 1] = [[a], [b]]
+    else:
+        mbs[k:k + 1] = list(_split_in_two(mbs[k], its.weights))
     return True
 
 
-def _deal_micro_batches(lengths: list[int], dp_size: int, budget: int) -> list[list[list[int]]]:
+def _deal_micro_batches(its: _Items, dp_size: int, budget: int) -> list[list[list[int]]]:
     """Step 4 of the module docstring: pack the whole batch, split to a multiple of dp_size, deal."""
-    mbs = _pack(list(range(len(lengths))), lengths, budget, warn=False)
+    n = len(its.samples)
+    mbs = _pack(list(range(len(its.items))), its.weights, budget, warn=False)
     total = -(-len(mbs) // dp_size) * dp_size
-    if total > len(lengths):
-        raise ValueError(f"the batch of {len(lengths)} samples needs {len(mbs)} micro-batches of at most "
+    if total > n:
+        raise ValueError(f"the batch of {n} samples needs {len(mbs)} micro-batches of at most "
                          f"max_tokens_per_micro_batch={budget} tokens (first-fit-decreasing), and no multiple of "
-                         f"dp_size={dp_size} between that and {len(lengths)} (one non-empty micro-batch per sample at "
+                         f"dp_size={dp_size} between that and {n} (one non-empty micro-batch per sample at "
                          "most) lets every rank run the same count; raise the budget or the batch size")
     while len(mbs) < total:  # fewer micro-batches than samples: one holds >= 2
-        _split_heaviest(mbs, lengths)
+        _split_heaviest(mbs, its)
     per_rank = total // dp_size
     plan: list[list[list[int]]] = [[] for _ in range(dp_size)]
     heap = [(0, r) for r in range(dp_size)]  # (tokens, rank) of the ranks with room
-    for mb in sorted(mbs, key=lambda mb: (-sum(lengths[i] for i in mb), min(mb))):
+    for mb in sorted(mbs, key=lambda mb: (-sum(its.weights[i] for i in mb), min(mb))):
         tokens, r = heapq.heappop(heap)
         plan[r].append(mb)
         if len(plan[r]) < per_rank:
-            heapq.heappush(heap, (tokens + sum(lengths[i] for i in mb), r))
+            heapq.heappush(heap, (tokens + sum(its.weights[i] for i in mb), r))
     return plan
 
 
-def split_for_dp(samples: Sequence[Sample], dp_size: int, max_tokens_per_micro_batch: int) -> list[list[list[int]]]:
+def split_for_dp(samples: Sequence[Sample], dp_size: int, max_tokens_per_micro_batch: int, *,
+                 share_prompts: bool = False) -> list[list[list[int]]]:
     """Plan the DP split and micro-batches of one (mini-)batch.
 
     Args:
@@ -126,6 +181,10 @@ def split_for_dp(samples: Sequence[Sample], dp_size: int, max_tokens_per_micro_b
             Token count of a sample = ``Sample.total_length`` (prompt + response).
         dp_size: number of data-parallel ranks, >= 1.
         max_tokens_per_micro_batch: token budget of a packed micro-batch, >= 1.
+        share_prompts: the actor encodes a prompt once per micro-batch
+            (``actor.shared_prompt``): keep the samples of one prompt (a GRPO group) on one
+            rank and in one micro-batch, and count the prompt once in the budget. A group
+            is cut only where it overflows the budget, or where a split needs it.
 
     Returns:
         ``plan[rank][micro_batch]`` = sorted list of indices into ``samples``. Every sample
@@ -150,20 +209,26 @@ def split_for_dp(samples: Sequence[Sample], dp_size: int, max_tokens_per_micro_b
     if len(samples) < dp_size:
         raise ValueError(f"cannot split {len(samples)} samples over dp_size={dp_size} ranks: every rank needs at "
                          "least one sample; raise train_batch_size * n or lower the DP size")
-    lengths = _lengths(samples)
-    plan = [_pack(r, lengths, max_tokens_per_micro_batch) for r in _balance_ranks(lengths, dp_size)]
+    budget = max_tokens_per_micro_batch
+    its = _Items(samples, budget, share_prompts)
+    while len(its.items) < dp_size:  # every rank needs an item: cut the largest group
+        k = max(range(len(its.items)), key=lambda k: (len(its.items[k]), -k))
+        its.split(k)
+        del its.items[k], its.weights[k]
+    plan = [_pack(r, its.weights, budget) for r in _balance_ranks(its.weights, dp_size)]
     target = max(len(mbs) for mbs in plan)
     for mbs in plan:
-        while len(mbs) < target and _split_heaviest(mbs, lengths):
+        while len(mbs) < target and _split_heaviest(mbs, its):
             pass
     short = [r for r, mbs in enumerate(plan) if len(mbs) < target]
     if short:
-        warnings.warn(f"DP rank {short[0]} of the token-balanced split holds {sum(map(len, plan[short[0]]))} samples "
-                      f"but another rank needs {target} micro-batches (max_tokens_per_micro_batch="
+        warnings.warn(f"DP rank {short[0]} of the token-balanced split holds {its.num_samples(plan[short[0]])} "
+                      f"samples but another rank needs {target} micro-batches (max_tokens_per_micro_batch="
                       f"{max_tokens_per_micro_batch}): dealing whole micro-batches to the ranks instead, token "
                       "balance within one micro-batch")
-        plan = _deal_micro_batches(lengths, dp_size, max_tokens_per_micro_batch)
-    return [[sorted(mb) for mb in mbs] for mbs in plan]
+        its = _Items(samples, budget, share_prompts)  # afresh: the split above cut some groups
+        plan = _deal_micro_batches(its, dp_size, budget)
+    return [its.samples_of(mbs) for mbs in plan]
 
 
 def padding_stats(samples: Sequence[Sample], plan: list[list[list[int]]], *, pad_to_multiple: int = 1,
