@@ -32,6 +32,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import torch
 
 from dapo_megatron.algorithms.overlong import OverlongConfig
+from dapo_megatron.rollout.prompt_skip import PromptSkipConfig
 from dapo_megatron.rollout.types import Group, Sample
 
 FILTER_METRICS = ("acc", "score", "reward")
@@ -77,6 +78,9 @@ class BufferConfig:
     overlong_filter: bool = False
     """mask truncated responses (finish_reason "length") out of the loss: sets
     ``Sample.loss_mask_zero`` (they still count for their group's advantage statistics)."""
+    prompt_skip: PromptSkipConfig = field(default_factory=PromptSkipConfig)
+    """GRESO prompt skipping before rollout (``rollout/prompt_skip.py``); needs
+    ``rollout.streaming``."""
     max_staleness: int = 1
     """carried work (surplus groups, partial rollouts) whose oldest token was sampled more than
     this many weight versions before the actor that would train on it is dropped and counted
