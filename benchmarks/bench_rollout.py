@@ -1,8 +1,9 @@
 """Rollout cost of dynamic sampling at high accuracy: verl's batch policy against streaming.
 
 From one SmolLM2-135M-Instruct checkpoint trained on the embedded arithmetic task to high
-accuracy (the README main job for ``--train-steps`` steps, cached under ``--run-dir`` and
-converted to HF; training accuracy >= 0.8 is checked), the rollout stage of ``--steps``
+accuracy (``--hf-dir``, an HF directory, e.g. ``tools/convert_megatron_to_hf.py`` of a main-job
+checkpoint; without it the README main job runs ``--train-steps`` steps, cached under
+``--run-dir``, and is converted; training accuracy >= 0.8 is checked and printed), the rollout stage of ``--steps``
 training steps runs twice on the real HFEngine, with the same prompts in the same order and
 the same per-response seeds:
 
@@ -149,7 +150,8 @@ class Run:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run-dir", default=os.path.join(REPO, "runs", "bench_rollout"))
-    ap.add_argument("--train-steps", type=int, default=20, help="main-job steps of the checkpoint")
+    ap.add_argument("--hf-dir", default=None, help="HF directory of the trained checkpoint (default: train one)")
+    ap.add_argument("--train-steps", type=int, default=40, help="main-job steps of the checkpoint (no --hf-dir)")
     ap.add_argument("--steps", type=int, default=10, help="rollout steps per policy")
     ap.add_argument("--num-prompts", type=int, default=64, help="arithmetic problems in the dataset")
     ap.add_argument("--train-batch", type=int, default=8, help="N groups per step")
@@ -163,7 +165,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     args = ap.parse_args()
     os.makedirs(args.run_dir, exist_ok=True)
-    hf_dir = trained_checkpoint(args.run_dir, args.train_steps)
+    hf_dir = args.hf_dir or trained_checkpoint(args.run_dir, args.train_steps)
     results = {}
     for name, streaming in (("a", False), ("b", True)):
         run = Run(args, hf_dir, streaming)
