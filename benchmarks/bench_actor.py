@@ -124,13 +124,13 @@ def main(argv=None) -> None:
     from dapo_megatron.platform import ParallelConfig, init_distributed
 
     torch.set_num_threads(args.threads)
-    init_distributed(ParallelConfig(1, 1), seed=0)
+    parallel = init_distributed(ParallelConfig(1, 1), seed=0)
     hf_config = LlamaConfig(
         vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=args.layers,
         num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=2048, tie_word_embeddings=True,
         rms_norm_eps=1e-5, rope_theta=100000.0,
     )
-    model = build_gpt_model(hf_config, ModelConfig(transformer_impl="local"))
+    model = build_gpt_model(hf_config, ModelConfig(transformer_impl="local"), parallel=parallel)
     state = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     samples = _samples(args.samples, hf_config.vocab_size, seed=1, group_size=args.group_size)
     mbs = split_by_token_budget(samples, args.budget)  # the copied form's cut, for every variant
@@ -141,10 +141,10 @@ def main(argv=None) -> None:
                 "bshd-1call": ("bshd", True, False, "off"), "bshd": ("bshd", True, True, "off"),
                 "bshd-shared": ("bshd", True, True, "on")}
     for name, (layout, labels_only, buckets, shared) in variants.items():
-        model = build_gpt_model(hf_config, ModelConfig(transformer_impl="local"))  # fresh: DDP wraps once
+        model = build_gpt_model(hf_config, ModelConfig(transformer_impl="local"), parallel=parallel)  # fresh: DDP wraps once
         model.load_state_dict(state, strict=False)
         cfg = ActorConfig(ppo_max_token_len_per_gpu=args.budget, micro_batch_layout=layout, shared_prompt=shared)
-        actor = MegatronActor(model, cfg, total_steps=10, vocab_size=hf_config.vocab_size)
+        actor = MegatronActor(model, cfg, total_steps=10, parallel=parallel, vocab_size=hf_config.vocab_size)
         actor.plan = actor.plan.replace(logits_at_labels_only=labels_only, length_buckets=buckets)
         lps = actor.compute_logprobs(mbs)
         for s, lp in zip(samples, lps):

@@ -46,18 +46,18 @@ def run(args: argparse.Namespace) -> None:
     from dapo_megatron.models import ModelConfig, build_gpt_model
     from dapo_megatron.platform import ParallelConfig, init_distributed
 
-    init_distributed(ParallelConfig(tensor_model_parallel_size=2), seed=0)
+    parallel = init_distributed(ParallelConfig(tensor_model_parallel_size=2), seed=0)
     hf_config = LlamaConfig(
         vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.ffn, num_hidden_layers=args.layers,
         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, max_position_embeddings=4096,
         tie_word_embeddings=False,
     )
-    model = build_gpt_model(hf_config, ModelConfig())
+    model = build_gpt_model(hf_config, ModelConfig(), parallel=parallel)
     bucket_bytes = int(args.bucket_mb * 2**20)
 
     def export_pass() -> int:
         total = 0
-        for _, tensor in iter_hf_weights(model, bucket_bytes=bucket_bytes):
+        for _, tensor in iter_hf_weights(model, parallel=parallel, bucket_bytes=bucket_bytes):
             total += tensor.numel() * tensor.element_size()
         return total
 

@@ -29,13 +29,13 @@ def _worker(args: argparse.Namespace, out_path: str) -> None:
     from dapo_megatron.platform import ParallelConfig, init_distributed
     from dapo_megatron.rollout.hf_engine import HFEngine
 
-    init_distributed(ParallelConfig(2, 1), seed=0)
+    parallel = init_distributed(ParallelConfig(2, 1), seed=0)
     hf_config = LlamaConfig(
         vocab_size=32000, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3 // 64 * 64,
         num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64, num_key_value_heads=max(1, args.hidden // 256),
         max_position_embeddings=512, tie_word_embeddings=False,
     )
-    actor = build_gpt_model(hf_config, ModelConfig(transformer_impl="local"))
+    actor = build_gpt_model(hf_config, ModelConfig(transformer_impl="local"), parallel=parallel)
     engine = HFEngine(AutoModelForCausalLM.from_config(hf_config), eos_token_ids=[2])
     bucket = args.bucket_mb * 2**20
 
@@ -44,7 +44,7 @@ def _worker(args: argparse.Namespace, out_path: str) -> None:
 
         def counted():
             nonlocal nbytes
-            for name, t in iter_hf_weights(actor, bucket_bytes=bucket):
+            for name, t in iter_hf_weights(actor, parallel=parallel, bucket_bytes=bucket):
                 nbytes += t.numel() * t.element_size()
                 yield name, t
 

@@ -53,11 +53,14 @@ import random
 import re
 import shutil
 import uuid
-from typing import Any, Callable, Literal
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from dapo_megatron.platform import ParallelDims
 
 logger = logging.getLogger(__name__)
 
@@ -402,6 +405,7 @@ def save_checkpoint(
     max_ckpt_to_keep: int | None = None,
     optim_sharding_type: OptimShardingType = "dp_reshardable",
     write_extra: Callable[[str], None] | None = None,
+    parallel: ParallelDims | None = None,
 ) -> str:
     """Save model, optimizer, scheduler, per-rank RNG and trainer state atomically.
 
@@ -430,6 +434,8 @@ def save_checkpoint(
             to add files that must be part of the checkpoint (the trainer writes the HF
             config, tokenizer and ``dapo_megatron.json`` there, so
             ``tools/convert_megatron_to_hf.py`` converts the step directory).
+        parallel: the run's layout, recorded in ``checkpoint_info.json`` (TP / PP / DP
+            sizes); None records none.
 
     Returns:
         The path of the complete checkpoint, ``run_dir/checkpoints/step_{step}``.
@@ -467,7 +473,7 @@ def save_checkpoint(
         _torch_save_durable(trainer_state, os.path.join(tmp_dir, TRAINER_STATE_FILENAME))
         if write_extra is not None:  # inside the atomic commit, like every other file
             write_extra(tmp_dir)
-        info = _info(step, chunks, optim_sharding_type, optimizer)
+        info = _info(step, chunks, optim_sharding_type, optimizer, parallel)
         _write_text_atomic(os.path.join(tmp_dir, INFO_FILENAME), json.dumps(info, indent=2))
     _barrier()  # every rank's files are on disk before the commit
 
@@ -482,9 +488,8 @@ def save_checkpoint(
     return final_dir
 
 
-def _info(step: int, chunks: list, sharding_type: str, optimizer: Any) -> dict[str, Any]:
-    from megatron.core import parallel_state as ps
-
+def _info(step: int, chunks: list, sharding_type: str, optimizer: Any,
+          parallel: ParallelDims | None) -> dict[str, Any]:
     info: dict[str, Any] = {
         "format_version": FORMAT_VERSION,
         "step": int(step),
@@ -492,11 +497,11 @@ def _info(step: int, chunks: list, sharding_type: str, optimizer: Any) -> dict[s
         "num_model_chunks": len(chunks),
         "optim_sharding_type": sharding_type if optimizer is not None else None,
     }
-    if ps.model_parallel_is_initialized():
+    if parallel is not None:
         info.update(
-            tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
-            pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
-            data_parallel_size=ps.get_data_parallel_world_size(),
+            tensor_model_parallel_size=parallel.tp_size,
+            pipeline_model_parallel_size=parallel.pp_size,
+            data_parallel_size=parallel.dp_size,
         )
     return info
 

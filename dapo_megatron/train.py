@@ -84,18 +84,16 @@ def main(argv=None) -> int:
         print(to_yaml(cfg))
         return 0
 
-    import torch.distributed as dist
-
     from dapo_megatron.platform import destroy_distributed, init_distributed
     from dapo_megatron.trainer import DAPOTrainer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    init_distributed(cfg.parallel, seed=cfg.trainer.seed)
-    rank = dist.get_rank()
+    parallel = init_distributed(cfg.parallel, seed=cfg.trainer.seed)
+    rank = parallel.rank
     if rank != 0:
         logging.getLogger().setLevel(logging.WARNING)
     try:
-        trainer = DAPOTrainer(cfg)
+        trainer = DAPOTrainer(cfg, parallel)
         trainer.fit()
     except ConfigError as err:  # the same on every rank (e.g. the per-GPU memory estimate): rank 0 prints it
         return _input_error(err)

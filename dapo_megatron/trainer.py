@@ -3,21 +3,23 @@
 Every rank runs this same code under ``torchrun`` (SPMD). One step:
 
 1. rollout: each rank reads its DP shard of a generation batch of prompts, the ranks
-   of a model-parallel group split those prompts between their colocated engines,
-   and the groups are all-gathered so that every rank holds the same global list;
-2. rewards: every rank grades a slice of the responses in its killable grader pool
-   and the results are all-gathered (:class:`DistributedGrader`);
+   of a model-parallel group split those prompts between their colocated engines; every
+   rank gets the record of every response (lengths, finish reasons), the token lists stay
+   where they were generated (:mod:`~dapo_megatron.rollout.step_data`);
+2. rewards: every rank grades the responses it generated in its killable grader pool and
+   the grades are all-reduced (:class:`~dapo_megatron.rollout.step_data.DistributedGrader`);
 3. buffer: dynamic sampling and overlong shaping run identically on every rank
    (:class:`~dapo_megatron.rollout.buffer.RolloutBuffer`) until N groups are kept; with
    ``rollout.streaming`` the rollout runs in rounds, graded as groups finish and stopped once
    N are kept (:class:`~dapo_megatron.rollout.streaming.StreamingCollector`: steps 1-3 at once);
 4. advantages: group-relative (:func:`~dapo_megatron.algorithms.compute_group_advantages`);
-5. old logprobs: recomputed by the actor on each rank's DP shard, then all-gathered; not
-   at all when the step is one mini-batch and one epoch (``pi_old = sg(pi_theta)`` in the
-   training forward) or with ``actor.old_logprob_source: rollout`` (the engine's logprobs);
-6. updates: ``ppo_epochs`` × mini-batches, each split over DP ranks by token count and
-   cut into micro-batches by a token budget, with the DAPO token-mean loss normalised
-   by the mini-batch's global token count;
+5. the plan: every mini-batch split over DP ranks by token count once (reused by every PPO
+   epoch), and each response's tokens sent to the DP rank that trains it; the old logprobs
+   are recomputed there and stay there; not at all when the step is one mini-batch and one
+   epoch (``pi_old = sg(pi_theta)`` in the training forward) or with
+   ``actor.old_logprob_source: rollout`` (the engine's logprobs);
+6. updates: ``ppo_epochs`` × mini-batches, each cut into micro-batches by a token budget,
+   with the DAPO token-mean loss normalised by the mini-batch's global token count;
 7. weight sync: Megatron shards → HF tensors in buckets → the engine;
 8. metrics → MLflow; validation every ``test_freq`` steps; checkpoint every ``save_freq``.
 
@@ -41,10 +43,11 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.rollout.types import Group, Sample
+from dapo_megatron.rollout.types import HELD_BY_ALL, Group, Sample
 
 if TYPE_CHECKING:  # config.run imports TrainerConfig from here
     from dapo_megatron.config.run import DAPOConfig
+    from dapo_megatron.platform import ParallelDims
 
 logger = logging.getLogger("dapo_megatron.trainer")
 
@@ -146,28 +149,6 @@ def _all_gather_objects(obj: Any, group=None) -> list[Any]:
     return out
 
 
-class DistributedGrader:
-    """Shares grading across all ranks: rank r grades requests ``r::world``.
-
-    Wraps a :class:`~dapo_megatron.rewards.RewardPool` with the same ``grade`` API, so
-    the (replicated) rollout buffer sees one grader; every rank must call ``grade``
-    with the same requests (it is a collective).
-    """
-
-    def __init__(self, pool):
-        self.pool = pool
-
-    def grade(self, requests: Sequence[tuple]) -> list[dict]:
-        """``RewardPool.grade`` of ``requests`` (the same list on every rank), in order; collective."""
-        rank, world = dist.get_rank(), dist.get_world_size()
-        mine = self.pool.grade(list(requests[rank::world])) if len(requests) > rank else []
-        parts = _all_gather_objects(mine)
-        out: list[dict] = [None] * len(requests)  # type: ignore[list-item]
-        for r, part in enumerate(parts):
-            out[r::world] = part
-        return out
-
-
 def _broadcast_object(obj: Any, src: int = 0) -> Any:
     """``obj`` of rank ``src`` on every rank."""
     box = [obj]
@@ -180,61 +161,16 @@ def _mean(xs: Sequence[float]) -> float:
     return float(sum(xs) / len(xs)) if xs else 0.0
 
 
-def _load_tokenizer(model_cfg):
-    from transformers import AutoTokenizer
-
-    kwargs = {"gguf_file": model_cfg.gguf_file} if model_cfg.gguf_file else {}
-    tok = AutoTokenizer.from_pretrained(model_cfg.hf_path, **kwargs)
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    return tok
-
-
-def _build_engine(cfg: DAPOConfig, hf_config, tokenizer):
-    """The colocated rollout engine of this rank, with random weights (synced next)."""
-    rollout = cfg.rollout
-    eos = sorted({tokenizer.eos_token_id, *([hf_config.eos_token_id] if isinstance(hf_config.eos_token_id, int)
-                                            else (hf_config.eos_token_id or []))} - {None})
-    if rollout.name == "hf":
-        from transformers import AutoModelForCausalLM
-
-        from dapo_megatron.rollout.hf_engine import HFEngine
-
-        dtype = cfg.model.torch_dtype()
-        hf_model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
-        from dapo_megatron.platform import device
-
-        return HFEngine(hf_model, dtype=dtype, device=device(), eos_token_ids=eos,
-                        update_bucket_mb=rollout.update_weights_bucket_megabytes)
-    if rollout.name == "sglang":
-        from dapo_megatron.platform import local_device_index
-        from dapo_megatron.rollout.sglang_engine import SGLangEngine
-
-        return SGLangEngine(
-            model_path=cfg.model.hf_path,
-            mem_fraction_static=rollout.gpu_memory_utilization,
-            tp_size=1,
-            dtype=cfg.model.torch_dtype(),
-            base_gpu_id=local_device_index(),  # this rank's GPU: torchrun sets no CUDA_VISIBLE_DEVICES
-            deterministic=rollout.deterministic,
-            update_bucket_mb=rollout.update_weights_bucket_megabytes,
-            engine_kwargs=rollout.engine_kwargs,
-        )
-    raise ValueError(f"rollout.name={rollout.name!r} must be 'hf' or 'sglang'")
-
-
 # --------------------------------------------------------------------------- trainer
 class DAPOTrainer:
     """Owns the actor, the engine, the data stream, the buffer and the tracker of one run.
 
-    Build it on every rank after :func:`dapo_megatron.platform.init_distributed`; then
-    :meth:`fit`. Construction resumes from ``<run_dir>/checkpoints/latest`` when
-    ``trainer.resume_mode`` allows it.
+    Build it on every rank with the :class:`~dapo_megatron.platform.ParallelDims` that
+    :func:`dapo_megatron.platform.init_distributed` returned; then :meth:`fit`. Construction
+    resumes from ``<run_dir>/checkpoints/latest`` when ``trainer.resume_mode`` allows it.
     """
 
-    def __init__(self, cfg: DAPOConfig):
-        from megatron.core import parallel_state as ps
-
+    def __init__(self, cfg: DAPOConfig, parallel: ParallelDims):
         from dapo_megatron.actor import MegatronActor
         from dapo_megatron.bridge import load_hf_weights, open_hf_source
         from dapo_megatron.checkpointing import load_checkpoint, read_latest_step
@@ -242,19 +178,21 @@ class DAPOTrainer:
         from dapo_megatron.models import build_gpt_model, load_hf_config
         from dapo_megatron.rewards import RewardPool
         from dapo_megatron.rollout.buffer import RolloutBuffer
+        from dapo_megatron.rollout.factory import build_engine, load_tokenizer, training_engine_spec
+        from dapo_megatron.rollout.step_data import DistributedGrader
         from dapo_megatron.tracking import ProgressBar, Tracker
 
         self.cfg = cfg
         t = cfg.trainer
         self.run_dir = os.path.abspath(t.run_dir)
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        self.mp_group = ps.get_model_parallel_group()
-        self.mp_rank, self.mp_size = dist.get_rank(self.mp_group), dist.get_world_size(self.mp_group)
+        self.parallel = parallel
+        self.rank, self.world = parallel.rank, parallel.world_size
+        self.dp_rank, self.dp_size = parallel.dp_rank, parallel.dp_size
+        self.mp_rank, self.mp_size = parallel.mp_rank, parallel.mp_size
         os.makedirs(self.run_dir, exist_ok=True)
 
         # data first: a broken dataset stops the run before minutes of model loading
-        self.tokenizer = _load_tokenizer(cfg.model)
+        self.tokenizer = load_tokenizer(cfg.model.hf_path, cfg.model.gguf_file)
         data_dir = os.path.join(self.run_dir, "data")
         files = None
         if self.rank == 0:  # writes the embedded arithmetic task when no files are given
@@ -286,16 +224,17 @@ class DAPOTrainer:
             estimate = check_memory(cfg, self.hf_config, self.world, gpu_bytes=gpu_bytes)
             if self.rank == 0:
                 logger.info("%s", estimate.report())
-        model = build_gpt_model(self.hf_config, cfg.model)
+        model = build_gpt_model(self.hf_config, cfg.model, parallel=parallel)
         resuming = t.resume_path is not None or (
             t.resume_mode == "auto" and read_latest_step(self.run_dir) is not None
         )
         if not resuming:  # a resumed run loads its weights from the checkpoint below
-            load_hf_weights(model, open_hf_source(cfg.model.hf_path, cfg.model.gguf_file), strict=True)
+            load_hf_weights(model, open_hf_source(cfg.model.hf_path, cfg.model.gguf_file), strict=True,
+                            parallel=parallel)
         updates_per_step = cfg.actor.ppo_epochs * (cfg.buffer.train_batch_size // cfg.actor.ppo_mini_batch_size)
         self.actor = MegatronActor(model, cfg.actor, t.total_training_steps * updates_per_step,
-                                   vocab_size=self.hf_config.vocab_size)
-        self.engine = _build_engine(cfg, self.hf_config, self.tokenizer)
+                                   parallel=parallel, vocab_size=self.hf_config.vocab_size)
+        self.engine = build_engine(training_engine_spec(cfg, self.tokenizer, self.hf_config), self.hf_config)
 
         # rewards and the dynamic-sampling buffer (replicated on every rank)
         self.reward_pool = RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
@@ -324,6 +263,9 @@ class DAPOTrainer:
             self.gen_batches_done = state["gen_batches_done"]
             self.stream.load_state_dict(state["streams"][self.dp_rank])
             self.buffer.load_state_dict(state["buffer"])
+            for g in self.buffer.surplus:  # every rank read the surplus' token lists from the checkpoint
+                for s in g.samples:
+                    s.holder = HELD_BY_ALL
             if self.collector is not None:
                 if "streaming" not in state:
                     raise ValueError(f"rollout.streaming=true but the checkpoint of step {self.step} was written by a "
@@ -362,24 +304,31 @@ class DAPOTrainer:
 
     def _generate_groups(self, records, params, first_group_id: int) -> list[Group]:
         """Generate ``params.n`` responses for each of this DP rank's ``records``, split over
-        the model-parallel ranks, and return the groups of ALL DP ranks: every rank gets
-        the same list, ordered by DP rank then prompt position, with consecutive group ids."""
+        the model-parallel ranks, and return the groups of ALL DP ranks: every rank gets the
+        same list of records, ordered by DP rank then prompt position, with consecutive group
+        ids; the token lists only where generated (:func:`~dapo_megatron.rollout.step_data.gather_groups`)."""
         from dapo_megatron.rollout.engine import completions_to_group
+        from dapo_megatron.rollout.step_data import gather_groups
 
         mine = list(range(self.mp_rank, len(records), self.mp_size))
         # global position of each prompt in the generation batch seeds its responses, so the
         # rollout does not depend on the TP/PP/DP layout
         seeds = [first_group_id + self.dp_rank * len(records) + i for i in mine]
         outputs = self.engine.generate([records[i].prompt_ids for i in mine], params, seeds) if mine else []
-        local = [(self.dp_rank, i, records[i].index, out) for i, out in zip(mine, outputs)]
-        gathered = sorted((x for part in _all_gather_objects(local) for x in part), key=lambda x: x[:2])
-        groups = []
-        for k, (_, _, index, completions) in enumerate(gathered):
-            rec = self.train_data[index]
-            groups.append(completions_to_group(first_group_id + k, rec.prompt_ids, completions,
-                                               prompt_index=rec.index, data_source=rec.data_source,
-                                               ground_truth=rec.ground_truth, extra_info=rec.extra_info,
-                                               version=self.engine.weight_version))
+        local = []
+        for i, completions in zip(mine, outputs):
+            rec = records[i]
+            local.append((self.dp_rank, i, completions_to_group(
+                -1, rec.prompt_ids, completions, prompt_index=rec.index, data_source=rec.data_source,
+                ground_truth=rec.ground_truth, extra_info=rec.extra_info)))
+        groups = gather_groups(local, n=params.n, max_local=-(-len(records) // self.mp_size),
+                               record_of=self.train_data.__getitem__)
+        version = self.engine.weight_version  # the same on every rank: the weights of the last sync
+        for k, g in enumerate(groups):
+            g.group_id = first_group_id + k
+            for s in g.samples:
+                s.group_id = g.group_id
+                s.versions = [(0, version)]
         return groups
 
     def _generate_batch(self) -> list[Group]:
@@ -447,55 +396,51 @@ class DAPOTrainer:
                 yield name, tensor
 
         bucket = self.cfg.rollout.update_weights_bucket_megabytes * 2**20
-        self.engine.update_weights(counted(iter_hf_weights(self.actor.model_chunks, bucket_bytes=bucket)),
-                                   version=self.step)
+        self.engine.update_weights(
+            counted(iter_hf_weights(self.actor.model_chunks, parallel=self.parallel, bucket_bytes=bucket)),
+            version=self.step)
         return float(nbytes)
 
-    def _dp_shard(self, samples: list[Sample]) -> list[list[int]]:
-        """This DP rank's micro-batches (sample indices): token-balanced over DP ranks, cut by
-        ``actor.ppo_max_token_len_per_gpu``, the same micro-batch count on every rank; with a
-        shared prompt, a group stays in one micro-batch and its prompt counts once."""
+    def _route_and_old_logprobs(self, groups: list[Group], samples: list[Sample], recompute: bool = True):
+        """The step's plan (:func:`~dapo_megatron.rollout.step_data.plan_step`), each sample's
+        tokens sent to the ranks of the DP rank that trains it, and ``Sample.old_logprobs``
+        filled there (``recompute``; else left for the training forward); collective. Returns ``(plan, mine)``: the plan and the indices into
+        ``samples`` of this DP rank's samples."""
         from dapo_megatron.rollout.dp_split import split_for_dp
+        from dapo_megatron.rollout.step_data import plan_step, send_tokens
 
-        return split_for_dp(samples, self.dp_size, self.cfg.actor.ppo_max_token_len_per_gpu,
-                            share_prompts=self.actor.plan.shares_prompts)[self.dp_rank]
-
-    def _old_logprobs(self, samples: list[Sample]) -> None:
-        """Fill ``Sample.old_logprobs`` of every sample: each DP rank computes its shard,
-        then the shards are all-gathered over DP (mini-batches are cut from all samples)."""
-        shard = self._dp_shard(samples)
-        lps = self.actor.compute_logprobs([[samples[i] for i in mb] for mb in shard],
+        actor, share = self.cfg.actor, self.actor.plan.shares_prompts
+        plan = plan_step(groups, actor.ppo_mini_batch_size, self.dp_size, actor.ppo_max_token_len_per_gpu,
+                         share_prompts=share)
+        ranks_of = [self.parallel.ranks_of_dp_rank(d) for d in range(self.dp_size)]
+        send_tokens(samples, [ranks_of[d] for d in plan.owner])
+        mine = plan.owned(self.dp_rank)
+        if not recompute:
+            return plan, mine
+        # one forward-only pass over this DP rank's samples, packed by the micro-batch budget
+        # (forward-only passes need no equal micro-batch count across DP ranks)
+        micro = split_for_dp([samples[i] for i in mine], 1, actor.ppo_max_token_len_per_gpu, share_prompts=share)[0]
+        lps = self.actor.compute_logprobs([[samples[mine[j]] for j in mb] for mb in micro],
                                           temperature=self.cfg.rollout.temperature)
-        mine = [i for mb in shard for i in mb]
-        for part in _all_gather_objects([(i, lp.tolist()) for i, lp in zip(mine, lps)], group=_dp_group()):
-            for i, lp in part:
-                samples[i].old_logprobs = lp
+        for j, lp in zip([j for mb in micro for j in mb], lps):
+            samples[mine[j]].old_logprobs = lp.tolist()
+        return plan, mine
 
-    def _with_gathered_logprobs(self, mini: list[Sample], shard: list[Sample], logprobs) -> list[Sample]:
-        """Copies of the samples of a mini-batch whose ``old_logprobs`` are the actor logprobs that
-        the DP ranks' training forwards computed (this rank's: ``logprobs`` of ``shard``); for the
-        mismatch metrics only, the samples themselves are not changed."""
-        index = {id(s): i for i, s in enumerate(mini)}
-        out = list(mini)
-        for part in _all_gather_objects([(index[id(s)], lp.tolist()) for s, lp in zip(shard, logprobs)],
-                                        group=_dp_group()):
-            for i, lp in part:
-                out[i] = dataclasses.replace(mini[i], old_logprobs=lp)
-        return out
-
-    def _mismatch_metrics(self, samples: list[Sample], metrics: dict[str, float]) -> None:
-        """The rollout-vs-actor logprob gap over ``samples`` (those with ``old_logprobs``): all,
-        fresh (sampled by the actor's current weights: the numerics of the sync alone) and stale."""
+    def _mismatch_metrics(self, batch: Sequence[Sample], measured: Sequence[Sample], metrics: dict[str, float]) -> None:
+        """The rollout-vs-actor logprob gap, pooled over DP: all, fresh (sampled by the actor's
+        current weights: the numerics of the sync alone) and stale; collective over DP.
+        ``measured``: this DP rank's samples of ``batch`` with the actor's ``old_logprobs``; which
+        parts are reported is decided from ``batch`` (versions are replicated), so every DP rank
+        makes the same calls."""
         from dapo_megatron.rollout.buffer import logprob_mismatch_metrics, split_fresh_stale
 
-        measured = [s for s in samples if s.old_logprobs is not None]
-        if not measured:
-            return
-        metrics.update(logprob_mismatch_metrics(measured))
-        for name, part in zip(("fresh", "stale"), split_fresh_stale(measured, self.step)):
-            if part:
+        group = self.parallel.dp_group
+        metrics.update(logprob_mismatch_metrics(measured, group=group))
+        for name, everywhere, here in zip(("fresh", "stale"), split_fresh_stale(batch, self.step),
+                                          split_fresh_stale(measured, self.step)):
+            if everywhere:
                 metrics.update({k.replace("logprob_diff", f"logprob_diff_{name}"): v
-                                for k, v in logprob_mismatch_metrics(part).items()})
+                                for k, v in logprob_mismatch_metrics(here, group=group).items()})
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict[str, float]:
@@ -529,45 +474,45 @@ class DAPOTrainer:
         for s, a in zip(samples, adv.tolist()):
             s.advantage = a
 
-        # 5. old logprobs (and the rollout-vs-actor mismatch they reveal). Not recomputed when the first
-        # training forward computes the same numbers (one mini-batch, one epoch: pi_old = sg(pi_theta)),
-        # nor in bypass mode (the engine's logprobs are pi_old)
+        # 5. the plan, the tokens to where they train, old logprobs there (and the rollout-vs-actor
+        # mismatch they reveal, pooled over DP). Not recomputed when the first training forward
+        # computes the same numbers (one mini-batch, one epoch: pi_old = sg(pi_theta)), nor in bypass
+        # mode (the engine's logprobs are pi_old)
         t0 = time.perf_counter()
         a = cfg.actor
         calls_before = self.actor.num_model_calls
-        mb_groups = a.ppo_mini_batch_size
-        one_update = a.ppo_epochs == 1 and len(groups) <= mb_groups
+        one_update = a.ppo_epochs == 1 and len(groups) <= a.ppo_mini_batch_size
         bypass = a.old_logprob_source == "rollout"
         from_training = bypass or (one_update and a.rollout_rs is None)
+        plan, mine = self._route_and_old_logprobs(groups, samples, recompute=not from_training)
         if bypass:
-            for s in samples:
-                s.old_logprobs = list(s.rollout_logprobs)
+            for i in mine:
+                samples[i].old_logprobs = list(samples[i].rollout_logprobs)
         elif not from_training:
-            self._old_logprobs(samples)
-            self._mismatch_metrics(samples, metrics)
+            self._mismatch_metrics(samples, [samples[i] for i in mine], metrics)
         timing["old_logprob"] = time.perf_counter() - t0
 
-        # 6. ppo_epochs × mini-batches of ppo_mini_batch_size groups
+        # 6. ppo_epochs × mini-batches of ppo_mini_batch_size groups, each on the DP split planned above
         t0 = time.perf_counter()
         actor_metrics: dict[str, list[float]] = {}
         train_tokens = 0
         for epoch in range(a.ppo_epochs):
-            for start in range(0, len(groups), mb_groups):
-                mini = [s for g in groups[start:start + mb_groups] for s in g.samples]
-                global_num_tokens = sum(len(s.response_ids) for s in mini if not s.loss_mask_zero)
-                micro_batches = [[mini[i] for i in mb] for mb in self._dp_shard(mini)]
+            for m, mini in enumerate(plan.mini_batches):
+                micro_batches = [[samples[i] for i in mb] for mb in mini.micro_batches[self.dp_rank]]
                 # the first update's forward runs at the weights pi_old is defined by: its logprobs
                 # are the actor's side of the mismatch metrics when no recompute ran
-                first = epoch == 0 and start == 0 and from_training
+                first = epoch == 0 and m == 0 and from_training
                 out = self.actor.train_mini_batch(micro_batches, cfg.rollout.temperature,
-                                                  global_num_tokens=global_num_tokens, policy_version=self.step,
+                                                  global_num_tokens=mini.global_num_tokens, policy_version=self.step,
                                                   old_from_current=from_training and not bypass,
                                                   return_logprobs=first)
                 if first:
                     out, lps = out
                     shard = [s for mb in micro_batches for s in mb]
-                    self._mismatch_metrics(self._with_gathered_logprobs(mini, shard, lps), metrics)
-                train_tokens += sum(s.total_length for s in mini)
+                    self._mismatch_metrics(samples[mini.start:mini.start + mini.size],
+                                           [dataclasses.replace(s, old_logprobs=lp.tolist())
+                                            for s, lp in zip(shard, lps)], metrics)
+                train_tokens += mini.total_tokens
                 for k, v in out.items():
                     actor_metrics.setdefault(k, []).append(float(v))
         timing["update"] = time.perf_counter() - t0
@@ -660,7 +605,13 @@ class DAPOTrainer:
         collective."""
         from dapo_megatron.bridge.dist_ckpt import write_model_meta
         from dapo_megatron.checkpointing import save_checkpoint
+        from dapo_megatron.rollout.step_data import gather_preds, send_tokens
 
+        # rank 0 writes the trainer state: it needs the surplus groups whole (their token lists and
+        # extracted answers are on the ranks that generated them)
+        surplus = [s for g in self.buffer.surplus for s in g.samples]
+        send_tokens(surplus, [(0,)] * len(surplus))
+        gather_preds(surplus, dst=0)
         # ranks of one DP rank read the same prompts: keep one reader position per DP rank
         by_dp = dict(_all_gather_objects((self.dp_rank, self.stream.state_dict())))
         state = {
@@ -674,18 +625,27 @@ class DAPOTrainer:
         }
         save_checkpoint(self.run_dir, self.step, self.actor.model_chunks, self.actor.optimizer,
                         self.actor.scheduler, state, max_ckpt_to_keep=self.cfg.trainer.max_ckpt_to_keep,
+                        parallel=self.parallel,
                         write_extra=lambda d: write_model_meta(d, self.actor.model_chunks, self.hf_config,
                                                                self.tokenizer))
 
     def _log_samples(self, samples: list[Sample], k: int = 4) -> None:
-        if self.rank != 0:
-            return
-        lines = []
-        for s in samples[:k]:
-            lines.append(f"### group {s.group_id} | reward {s.reward:+.2f} | acc {s.acc} | pred {s.pred!r} | "
-                         f"gt {s.ground_truth!r} | {s.finish_reason}, {s.response_length} tokens\n"
-                         f"[prompt] {self._decode(s.prompt_ids)}\n[response] {self._decode(s.response_ids)}\n")
-        self.tracker.log_text("\n".join(lines), f"samples/step_{self.step:06d}.txt")
+        """The step's first ``k`` samples as text (``samples/step_<k>.txt``, written by rank 0);
+        collective. Each is formatted by the rank that generated it (rank 0 for a surplus read
+        from a checkpoint), which holds its text and extracted answer."""
+        lines = {}
+        for i, s in enumerate(samples[:k]):
+            if s.holder == self.rank or (s.holder == HELD_BY_ALL and self.rank == 0):
+                lines[i] = (f"### group {s.group_id} | reward {s.reward:+.2f} | acc {s.acc} | pred {s.pred!r} | "
+                            f"gt {s.ground_truth!r} | {s.finish_reason}, {s.response_length} tokens\n"
+                            f"[prompt] {self._decode(s.prompt_ids)}\n[response] {self._decode(s.response_ids)}\n")
+        if self.world > 1:
+            parts = [None] * self.world if self.rank == 0 else None
+            dist.gather_object(lines, parts, dst=0)
+            if self.rank == 0:
+                lines = {i: line for part in parts for i, line in part.items()}
+        if self.rank == 0:
+            self.tracker.log_text("\n".join(lines[i] for i in sorted(lines)), f"samples/step_{self.step:06d}.txt")
 
     def _validate_and_report(self) -> dict[str, float]:
         """:meth:`validate`, and its overall scores as one log line on rank 0."""
@@ -719,12 +679,6 @@ class DAPOTrainer:
             self.tracker.finish()
             self.reward_pool.close()
         return last
-
-
-def _dp_group():
-    from megatron.core import parallel_state as ps
-
-    return ps.get_data_parallel_group()
 
 
 class _RankRows:

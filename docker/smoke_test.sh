@@ -21,4 +21,4 @@ print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torc
       "te", transformer_engine.__version__, "megatron-core", megatron.core.__version__,
       "sglang", sglang.__version__, "gpus", torch.cuda.device_count(), torch.cuda.get_device_name(0))
 PY
-python -m pytest -q -x tests/test_config.py
+python -m pytest -q -x tests/unit/config/test_config.py

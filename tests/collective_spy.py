@@ -1,6 +1,6 @@
 """Record every ``torch.distributed`` collective with the device of each tensor handed to it.
 
-Used by ``tests/test_collective_devices.py`` (CPU, gloo, an NCCL layout declared) and by
+Used by ``tests/integration/test_collective_devices.py`` (CPU, gloo, an NCCL layout declared) and by
 ``tests/gpu/h200_check.py`` (CUDA, real NCCL).
 
 * :class:`CollectiveSpy` wraps the collectives of ``torch.distributed`` and every alias of

@@ -58,12 +58,12 @@ def main(argv=None) -> None:
     from dapo_megatron.models import ModelConfig, build_gpt_model, load_hf_config
     from dapo_megatron.platform import ParallelConfig, destroy_distributed, init_distributed
 
-    init_distributed(ParallelConfig(args.tp, args.pp))
+    parallel = init_distributed(ParallelConfig(args.tp, args.pp))
     hf_config = load_hf_config(args.hf, args.gguf_file)
     model_cfg = ModelConfig(hf_path=args.hf, gguf_file=args.gguf_file, params_dtype=args.params_dtype,
                             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
-    model = build_gpt_model(hf_config, model_cfg)
-    report = load_hf_weights(model, open_hf_source(args.hf, args.gguf_file), strict=True)
+    model = build_gpt_model(hf_config, model_cfg, parallel=parallel)
+    report = load_hf_weights(model, open_hf_source(args.hf, args.gguf_file), strict=True, parallel=parallel)
     tokenizer = None
     if dist.get_rank() == 0:
         from transformers import AutoTokenizer

@@ -85,7 +85,7 @@ def main(argv=None) -> None:
 
     meta = read_checkpoint_meta(args.ckpt)
     hf_config = load_checkpoint_hf_config(args.ckpt)
-    init_distributed(ParallelConfig(args.tp, args.pp))
+    parallel = init_distributed(ParallelConfig(args.tp, args.pp))
     # the layer spec of the save when this machine can build it (TE needs CUDA), else the local
     # spec: both read the same checkpoint keys (bridge.dist_ckpt.write_model_meta)
     saved_impl = meta.get("transformer_impl", "local")
@@ -101,9 +101,9 @@ def main(argv=None) -> None:
     model_cfg = ModelConfig(params_dtype=meta.get("params_dtype", "float32"),
                             make_vocab_size_divisible_by=meta.get("make_vocab_size_divisible_by", 128),
                             query_groups_multiple=meta.get("num_query_groups"), transformer_impl=impl)
-    model = build_gpt_model(hf_config, model_cfg)
+    model = build_gpt_model(hf_config, model_cfg, parallel=parallel)
     load_model_checkpoint(model, args.ckpt, strict=True)
-    state = export_hf_state_dict(model)
+    state = export_hf_state_dict(model, parallel=parallel)
     if dist.get_rank() == 0:
         out = os.path.abspath(args.out)
         tmp = out + ".tmp"

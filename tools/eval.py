@@ -264,41 +264,22 @@ def _run_tool(cmd: list[str], what: str) -> None:
         raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
 
 
-def load_tokenizer(hf_dir: str, gguf_file: Optional[str]):
-    """``AutoTokenizer.from_pretrained`` (pad token = EOS when missing), as the trainer loads it."""
-    from transformers import AutoTokenizer
-
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    tok = AutoTokenizer.from_pretrained(hf_dir, **kwargs)
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    return tok
-
-
-def build_engine(cfg: EvalConfig, hf_dir: str, gguf_file: Optional[str], tokenizer):
-    """An :class:`~dapo_megatron.rollout.hf_engine.HFEngine` or
-    :class:`~dapo_megatron.rollout.sglang_engine.SGLangEngine` on the model, stopping on the
-    tokenizer's and the model config's EOS ids (as the trainer's engine does)."""
+def engine_spec(cfg: EvalConfig, hf_dir: str, gguf_file: Optional[str], tokenizer):
+    """The :class:`~dapo_megatron.rollout.factory.EngineSpec` of ``--engine`` on the model: its
+    weights loaded, stopping on :func:`~dapo_megatron.rollout.factory.stop_token_ids` (the
+    trainer's engine stops on the same tokens), float32 on CPU / bfloat16 on CUDA unless
+    ``--dtype``, SGLang without the memory saver (nothing else shares the GPU here)."""
     import torch
+    from transformers import AutoConfig
 
-    cuda = torch.cuda.is_available()
-    dtype_name = cfg.dtype or ("bfloat16" if cuda else "float32")
-    if cfg.engine == "sglang":
-        from dapo_megatron.rollout.sglang_engine import SGLangEngine
+    from dapo_megatron.rollout.factory import EngineSpec, stop_token_ids
 
-        return SGLangEngine(model_path=hf_dir, dtype=dtype_name, tp_size=cfg.tp,
-                            mem_fraction_static=cfg.gpu_memory_utilization, enable_memory_saver=False)
-    from dapo_megatron.rollout.hf_engine import HFEngine
-
-    from dapo_megatron.platform import device as rank_device
-
-    device = cfg.device or str(rank_device())
-    engine = HFEngine(hf_dir, dtype=getattr(torch, dtype_name), device=device, gguf_file=gguf_file)
-    eos = set(engine.eos_token_ids)
-    if tokenizer.eos_token_id is not None:
-        eos.add(int(tokenizer.eos_token_id))
-    engine.eos_token_ids = frozenset(eos)
-    return engine
+    hf_config = AutoConfig.from_pretrained(hf_dir, **({"gguf_file": gguf_file} if gguf_file else {}))
+    dtype_name = cfg.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
+    return EngineSpec(name=cfg.engine, model_path=hf_dir, dtype=getattr(torch, dtype_name),
+                      eos_token_ids=stop_token_ids(tokenizer, hf_config, hf_dir), gguf_file=gguf_file,
+                      device=cfg.device, tp_size=cfg.tp, mem_fraction_static=cfg.gpu_memory_utilization,
+                      enable_memory_saver=False)
 
 
 # --------------------------------------------------------------------------- prompts
@@ -399,6 +380,7 @@ def evaluate(cfg: EvalConfig) -> tuple[dict[str, float], list[dict]]:
     from dapo_megatron.metrics import compute_val_metrics
     from dapo_megatron.rewards import RewardPool
     from dapo_megatron.rollout.engine import SamplingParams
+    from dapo_megatron.rollout.factory import build_engine, load_tokenizer
 
     cfg.validate()
     workdir = tempfile.mkdtemp(prefix="dapo_eval_")
@@ -416,7 +398,7 @@ def evaluate(cfg: EvalConfig) -> tuple[dict[str, float], list[dict]]:
              f"{len(prompts)} prompts x n={cfg.n}")
         pool = RewardPool(num_workers=cfg.num_workers, timeout_s=cfg.timeout_s)
         try:
-            engine = build_engine(cfg, hf_dir, gguf_file, tokenizer)
+            engine = build_engine(engine_spec(cfg, hf_dir, gguf_file, tokenizer))
             params = SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                     max_new_tokens=cfg.max_new_tokens, seed=cfg.seed)
             step = cfg.batch_size or len(prompts)

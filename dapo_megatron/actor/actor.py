@@ -43,6 +43,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from dapo_megatron.platform import ParallelDims
 from dapo_megatron.platform import distributed as pdist
 from dapo_megatron.rollout.types import Sample
 
@@ -338,6 +339,8 @@ class MegatronActor:
             into its contiguous buffers and the optimizer shards them).
         actor_cfg: :class:`ActorConfig`.
         total_steps: optimizer steps of the whole run (the LR schedule's horizon).
+        parallel: this rank's layout (TP group of the vocab-parallel logprobs, PP group of
+            the last-stage broadcasts, DP group of the token counts and metrics).
         vocab_size: real tokenizer vocabulary; logits columns beyond it (Megatron's
             vocab padding) are excluded from the softmax. None: no padding.
 
@@ -360,8 +363,8 @@ class MegatronActor:
     micro-batches to each call; DP ranks pass their own shard of the mini-batch.
     """
 
-    def __init__(self, model_chunks, actor_cfg: ActorConfig, total_steps: int, *, vocab_size: Optional[int] = None):
-        from megatron.core import parallel_state as ps
+    def __init__(self, model_chunks, actor_cfg: ActorConfig, total_steps: int, *, parallel: ParallelDims,
+                 vocab_size: Optional[int] = None):
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
         chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
@@ -377,10 +380,11 @@ class MegatronActor:
         self.vocab_size = vocab_size
         config = chunks[0].config
         self.config = config
-        self.pp_size = ps.get_pipeline_model_parallel_world_size()
-        self.tp_size = ps.get_tensor_model_parallel_world_size()
-        self.dp_group = ps.get_data_parallel_group()
-        self.pp_group = ps.get_pipeline_model_parallel_group()
+        self.parallel = parallel
+        self.pp_size = parallel.pp_size
+        self.tp_size = parallel.tp_size
+        self.dp_group = parallel.dp_group
+        self.pp_group = parallel.pp_group
         self.device = pdist.device()
         self.plan = resolve_actor_plan(actor_cfg, chunks[0], tp_size=self.tp_size)
         gpt = gpt_model_of(chunks[0])
@@ -446,15 +450,11 @@ class MegatronActor:
         )
 
     def _is_last_stage(self) -> bool:
-        from megatron.core import parallel_state as ps
-
-        return ps.is_pipeline_last_stage()
+        return self.parallel.is_pp_last
 
     def _broadcast_from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
         if self.pp_size > 1:
-            from megatron.core import parallel_state as ps
-
-            dist.broadcast(t, src=ps.get_pipeline_model_parallel_last_rank(), group=self.pp_group)
+            dist.broadcast(t, src=self.parallel.pp_last_rank, group=self.pp_group)
         return t
 
     # ------------------------------------------------------------------ public API
@@ -484,7 +484,8 @@ class MegatronActor:
             m.eval()
 
         loss_func = partial(logprob_loss_func, temperature=temperature, vocab_size=self.vocab_size,
-                            logits_at_labels_only=self.plan.logits_at_labels_only)
+                            logits_at_labels_only=self.plan.logits_at_labels_only,
+                            tp_group=self.parallel.tp_group)
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
@@ -589,8 +590,9 @@ class MegatronActor:
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
         loss_func = partial(dapo_loss_func, actor_cfg=self.cfg, temperature=temperature, vocab_size=self.vocab_size,
-                            logits_at_labels_only=self.plan.logits_at_labels_only, global_num_tokens=n_tok,
-                            global_num_seqs=n_seq, global_num_valid_tokens=n_valid, return_logprobs=return_logprobs)
+                            logits_at_labels_only=self.plan.logits_at_labels_only, tp_group=self.parallel.tp_group,
+                            global_num_tokens=n_tok, global_num_seqs=n_seq, global_num_valid_tokens=n_valid,
+                            return_logprobs=return_logprobs)
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)

@@ -38,19 +38,6 @@ import torch
 import torch.distributed as dist
 
 
-def _default_tp_group():
-    """Megatron's TP group when model parallel is initialised, else None (a world of one)."""
-    if not dist.is_available() or not dist.is_initialized():
-        return None
-    try:
-        from megatron.core import parallel_state
-    except ImportError:  # pragma: no cover - megatron-core is a hard dependency
-        return None
-    if not parallel_state.model_parallel_is_initialized():
-        return None
-    return parallel_state.get_tensor_model_parallel_group()
-
-
 def _tp_rank_world(tp_group) -> tuple[int, int]:
     if tp_group is None or not dist.is_initialized():
         return 0, 1
@@ -173,8 +160,8 @@ def vocab_parallel_logprobs_and_entropy(
             excluded from the softmax. ``None``: no padding (``V_local * TP``).
         temperature: logits are divided by it first (the temperature the rollout
             sampled at, so that logprobs match the sampling distribution).
-        tp_group: the tensor-parallel process group. ``None``: Megatron's TP group
-            when ``parallel_state`` is initialised, else a world of one.
+        tp_group: the tensor-parallel process group (``ParallelDims.tp_group``);
+            ``None``: a world of one (the logits hold the whole vocabulary).
 
     Returns:
         ``(logprob, entropy)``, both float32 ``[...]`` in nats. Both are
@@ -187,8 +174,6 @@ def vocab_parallel_logprobs_and_entropy(
 
     All math is fp32. Every TP rank must call this with the same ``labels``.
     """
-    if tp_group is None:
-        tp_group = _default_tp_group()
     rank, world = _tp_rank_world(tp_group)
     vocab_size = _check_inputs(logits, labels, vocab_size, temperature, world)
     return _VocabParallelLogprobEntropy.apply(
@@ -226,8 +211,6 @@ def vocab_parallel_entropy(
     Differentiable (for an entropy bonus). Arguments as in
     :func:`vocab_parallel_logprobs_and_entropy`, without labels.
     """
-    if tp_group is None:
-        tp_group = _default_tp_group()
     rank, world = _tp_rank_world(tp_group)
     _check_inputs(logits, None, vocab_size, temperature, world)
     labels = torch.zeros(logits.shape[:-1], dtype=torch.long, device=logits.device)

@@ -37,20 +37,20 @@ def _per_sample_padded(mb: MicroBatch, values: torch.Tensor) -> torch.Tensor:
 
 
 def logprob_loss_func(mb: MicroBatch, output_tensor: torch.Tensor, *, temperature: float,
-                      vocab_size: Optional[int], logits_at_labels_only: bool):
+                      vocab_size: Optional[int], logits_at_labels_only: bool, tp_group=None):
     """``loss_func`` of a forward-only pass (:meth:`MegatronActor.compute_logprobs`).
 
     Args:
         mb: the micro-batch.
         output_tensor: last-stage logits (see :meth:`MicroBatch.logprobs_and_entropy`).
-        temperature, vocab_size, logits_at_labels_only: as there.
+        temperature, vocab_size, logits_at_labels_only, tp_group: as there.
 
     Returns:
         ``(0.0, 0, {"logprobs": [B, T] float32, "entropy": [B, T] float32})`` (nats, at the
         label slots, 0 elsewhere); nothing is back-propagated.
     """
     lp, ent = mb.logprobs_and_entropy(output_tensor, logits_at_labels_only=logits_at_labels_only,
-                                      vocab_size=vocab_size, temperature=temperature)
+                                      vocab_size=vocab_size, temperature=temperature, tp_group=tp_group)
     zero = output_tensor.new_zeros(())
     return zero, torch.tensor(0, dtype=torch.int), {"logprobs": lp, "entropy": ent}
 
@@ -58,7 +58,7 @@ def logprob_loss_func(mb: MicroBatch, output_tensor: torch.Tensor, *, temperatur
 def dapo_loss_func(mb: MicroBatch, output_tensor: torch.Tensor, *, actor_cfg, temperature: float,
                    vocab_size: Optional[int], logits_at_labels_only: bool, global_num_tokens: int,
                    global_num_seqs: int, global_num_valid_tokens: Optional[int] = None,
-                   return_logprobs: bool = False):
+                   return_logprobs: bool = False, tp_group=None):
     """``loss_func`` of a training pass: this micro-batch's share of the mini-batch's DAPO loss.
 
     The DAPO token-level loss (arXiv 2503.14476 Eq. 12, with the decoupled clip ``[1 - eps_low,
@@ -79,7 +79,8 @@ def dapo_loss_func(mb: MicroBatch, output_tensor: torch.Tensor, *, actor_cfg, te
         output_tensor: last-stage logits ``[B, T, V/TP]`` or ``[1, N, V/TP]`` (labels only).
         actor_cfg: :class:`~dapo_megatron.actor.ActorConfig` (clip ratios, ``clip_ratio_c``,
             ``loss_agg_mode``, ``entropy_coeff``, the correction settings), read at every call.
-        temperature, vocab_size, logits_at_labels_only: see :meth:`MicroBatch.logprobs_and_entropy`.
+        temperature, vocab_size, logits_at_labels_only, tp_group: see
+            :meth:`MicroBatch.logprobs_and_entropy`.
         global_num_tokens, global_num_seqs: loss tokens / sequences of the whole mini-batch
             (after ``rollout_rs`` rejection: the denominators).
         global_num_valid_tokens: loss tokens before rejection (weights the correction's
@@ -102,7 +103,7 @@ def dapo_loss_func(mb: MicroBatch, output_tensor: torch.Tensor, *, actor_cfg, te
     cfg, mode, n_tok, n_seq = actor_cfg, actor_cfg.loss_agg_mode, global_num_tokens, global_num_seqs
     n_valid = n_tok if global_num_valid_tokens is None else global_num_valid_tokens
     lp, ent = mb.logprobs_and_entropy(output_tensor, logits_at_labels_only=logits_at_labels_only,
-                                      vocab_size=vocab_size, temperature=temperature)
+                                      vocab_size=vocab_size, temperature=temperature, tp_group=tp_group)
     old, is_w, mask, corr = mb.old_logprobs, mb.is_weights, mb.loss_mask, mb.corr_metrics
     if old is None:  # pi_old = sg(pi_theta): the value of the recompute this forward replaces
         old = lp.detach()

@@ -132,7 +132,7 @@ class MicroBatch:
             rollout_rs_threshold=cfg.rollout_rs_threshold, rollout_rs_threshold_lower=cfg.rollout_rs_threshold_lower)
 
     def logprobs_and_entropy(self, output_tensor: torch.Tensor, *, logits_at_labels_only: bool,
-                             vocab_size, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+                             vocab_size, temperature: float, tp_group=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-token logprob and entropy at the label slots, float32 ``[B, T]`` (0 elsewhere).
 
         Args:
@@ -141,6 +141,7 @@ class MicroBatch:
             logits_at_labels_only: which of the two ``output_tensor`` is.
             vocab_size: the real vocabulary (columns beyond it are Megatron's padding).
             temperature: the rollout's sampling temperature.
+            tp_group: the TP group the vocabulary is split over (None: a world of one).
 
         Differentiable w.r.t. ``output_tensor``; a shared prompt row used by G responses receives
         the sum of their gradients, as its G copies do in the copied form.
@@ -151,11 +152,11 @@ class MicroBatch:
                 B, T = b.labels.shape
                 output_tensor = output_tensor.reshape(B * T, -1).index_select(0, b.label_rows).view(B, T, -1)
             return vocab_parallel_logprobs_and_entropy(
-                output_tensor, b.labels, vocab_size=vocab_size, temperature=temperature
+                output_tensor, b.labels, vocab_size=vocab_size, temperature=temperature, tp_group=tp_group
             )
         labels = b.labels.reshape(-1).index_select(0, self.label_index).unsqueeze(0)  # [1, N]
         lp, ent = vocab_parallel_logprobs_and_entropy(
-            output_tensor, labels, vocab_size=vocab_size, temperature=temperature
+            output_tensor, labels, vocab_size=vocab_size, temperature=temperature, tp_group=tp_group
         )
         zeros = lp.new_zeros(b.labels.numel())
         return tuple(zeros.index_copy(0, self.label_index, x[0]).view(b.labels.shape) for x in (lp, ent))

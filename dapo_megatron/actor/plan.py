@@ -6,7 +6,7 @@ multiples for sequence parallelism and FP8, the shared-prompt form). It is resol
 and checked once, from ``ActorConfig`` + the model (its ``TransformerConfig`` and layer
 spec) + the TP size, by :func:`resolve_actor_plan`; every call of the actor then
 reads it. None of the choices changes a result: each has a CPU test comparing it to
-the plain form (``tests/test_actor.py``, ``tests/test_shared_prompt.py``).
+the plain form (``tests/unit/actor/test_actor.py``, ``tests/unit/actor/test_shared_prompt.py``).
 
 FP8 alignment. Transformer Engine 2.x runs an FP8 GEMM only when the product of all
 input dimensions but the last is a multiple of 8 and the last one a multiple of 16

@@ -70,8 +70,6 @@ def write_model_meta(ckpt_dir: str, model_chunks, hf_config, tokenizer=None) -> 
     :func:`save_model_checkpoint` calls it, and so does the trainer for its own checkpoints
     (``dapo_megatron.checkpointing``), which then convert with the same tools.
     """
-    from megatron.core import parallel_state as ps
-
     hf_config.save_pretrained(ckpt_dir)
     if tokenizer is not None:
         tokenizer.save_pretrained(ckpt_dir)
@@ -79,8 +77,9 @@ def write_model_meta(ckpt_dir: str, model_chunks, hf_config, tokenizer=None) -> 
     meta = {
         "format_version": FORMAT_VERSION,
         "padded_vocab_size": model.vocab_size,
-        "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
-        "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+        # the layout the model was built for (build_gpt_model writes it into its TransformerConfig)
+        "tensor_model_parallel_size": model.config.tensor_model_parallel_size,
+        "pipeline_model_parallel_size": model.config.pipeline_model_parallel_size,
         "num_model_chunks": len(_as_list(model_chunks)),
         "num_query_groups": model.config.num_query_groups,
         # the layer spec of the save ("local" / "transformer_engine"): the converter builds the
@@ -177,7 +176,7 @@ def load_model_checkpoint(model_chunks, ckpt_dir: str, strict: bool = True) -> N
     """Load a :func:`save_model_checkpoint` directory into the model, at any TP/PP (collective).
 
     Args:
-        model_chunks: model (chunks) from ``build_gpt_model`` on the current parallel state.
+        model_chunks: model (chunks) from ``build_gpt_model``.
         ckpt_dir: checkpoint directory.
         strict: every tensor of the model must be in the checkpoint and vice versa
             (``StrictHandling.RAISE_ALL``), and ``load_state_dict(strict=True)``.

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,9 @@ from .mapping import (
     megatron_shard_shape,
     megatron_to_hf,
 )
+
+if TYPE_CHECKING:
+    from dapo_megatron.platform import ParallelDims
 
 # HF keys that may appear in a state dict without being weights of the model.
 _IGNORED_HF_KEYS = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
@@ -95,15 +98,9 @@ class LoadReport:
     unexpected: list[str] = field(default_factory=list)
 
 
-def _tp():
-    from megatron.core import parallel_state as ps
-
-    return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-
-
 @torch.no_grad()
 def load_hf_weights(
-    model_chunks, hf_state: Mapping[str, torch.Tensor], strict: bool = True
+    model_chunks, hf_state: Mapping[str, torch.Tensor], strict: bool = True, *, parallel: ParallelDims
 ) -> LoadReport:
     """Copy HF-named full tensors into this rank's Megatron parameter shards.
 
@@ -118,6 +115,7 @@ def load_hf_weights(
             to the parameter dtype).
         strict: raise on any missing or unexpected HF tensor (checked against the whole
             model, not only this rank's stage, so every rank raises the same error).
+        parallel: the layout the model was built for (its TP rank and size pick the shard).
 
     Returns:
         :class:`LoadReport`.
@@ -129,7 +127,7 @@ def load_hf_weights(
             tied ``lm_head.weight`` differs from ``model.embed_tokens.weight``.
     """
     layout = model_layout(model_chunks)
-    tp_rank, tp_size = _tp()
+    tp_rank, tp_size = parallel.tp_rank, parallel.tp_size
     expected = expected_hf_names(layout)
     available = set(hf_state.keys())
     report = LoadReport()
@@ -186,15 +184,13 @@ class _Entry:
         return total
 
 
-def _export_plan(layout: ModelLayout, params: dict) -> list[_Entry]:
+def _export_plan(layout: ModelLayout, params: dict, parallel: ParallelDims) -> list[_Entry]:
     """Export entries in a fixed order, with the PP stage owning each (one collective)."""
-    from megatron.core import parallel_state as ps
-
-    pp_size = ps.get_pipeline_model_parallel_world_size()
+    pp_size = parallel.pp_size
     mine = sorted(params)
     if pp_size > 1:
         held: list = [None] * pp_size
-        dist.all_gather_object(held, mine, group=ps.get_pipeline_model_parallel_group())
+        dist.all_gather_object(held, mine, group=parallel.pp_group)
     else:
         held = [mine]
     owner_of: dict[str, int] = {}
@@ -211,14 +207,13 @@ def _export_plan(layout: ModelLayout, params: dict) -> list[_Entry]:
     return plan
 
 
-def _gather_tp(param: torch.Tensor, split: str, tp_size: int) -> list[torch.Tensor]:
+def _gather_tp(param: torch.Tensor, split: str, parallel: ParallelDims) -> list[torch.Tensor]:
     """TP shards of a parameter in rank order (collective over the TP group)."""
-    from megatron.core import parallel_state as ps
-
+    tp_size = parallel.tp_size
     if split == "replicated" or tp_size == 1:
         return [param.detach()]
     local = param.detach().contiguous()
-    group = ps.get_tensor_model_parallel_group()
+    group = parallel.tp_group
     if dist.get_backend(group) == "nccl":
         out = local.new_empty((tp_size, *local.shape))  # on the parameter's device, as NCCL needs
         dist.all_gather_into_tensor(out, local, group=group)
@@ -229,7 +224,7 @@ def _gather_tp(param: torch.Tensor, split: str, tp_size: int) -> list[torch.Tens
 
 
 def iter_hf_weights(
-    model_chunks, *, bucket_bytes: Optional[int] = None
+    model_chunks, *, parallel: ParallelDims, bucket_bytes: Optional[int] = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream the model as full HF-named tensors; a COLLECTIVE generator.
 
@@ -249,6 +244,7 @@ def iter_hf_weights(
 
     Args:
         model_chunks: model (chunks) built by ``build_gpt_model``; DDP wrappers allowed.
+        parallel: the layout the model was built for (TP group gathers, PP group broadcasts).
         bucket_bytes: bound on the bytes of HF tensors per PP broadcast, or None.
 
     Yields:
@@ -260,18 +256,12 @@ def iter_hf_weights(
     Raises:
         ValueError: ``bucket_bytes`` <= 0. KeyError: a parameter no stage holds.
     """
-    from megatron.core import parallel_state as ps
-
     if bucket_bytes is not None and bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be a positive number of bytes or None, got {bucket_bytes}")
     layout = model_layout(model_chunks)
     params = local_parameters(model_chunks)
-    plan = _export_plan(layout, params)
-    _, tp_size = _tp()
-    pp_size = ps.get_pipeline_model_parallel_world_size()
-    pp_rank = ps.get_pipeline_model_parallel_rank()
-    pp_group = ps.get_pipeline_model_parallel_group() if pp_size > 1 else None
-    pp_ranks = dist.get_process_group_ranks(pp_group) if pp_size > 1 else None
+    plan = _export_plan(layout, params, parallel)
+    pp_size, pp_rank, pp_group, pp_ranks = parallel.pp_size, parallel.pp_rank, parallel.pp_group, parallel.pp_ranks
     any_param = next(iter(params.values()))
     dtype = any_param.dtype
     elem = torch.empty((), dtype=dtype).element_size()
@@ -299,7 +289,7 @@ def iter_hf_weights(
                 if param.dtype != dtype:
                     raise ValueError(f"Megatron parameter {entry.megatron!r} has dtype {param.dtype}, others "
                                      f"{dtype}: export needs one parameter dtype")
-                named.extend(megatron_to_hf(layout, entry.megatron, _gather_tp(param, entry.split, tp_size)))
+                named.extend(megatron_to_hf(layout, entry.megatron, _gather_tp(param, entry.split, parallel)))
         if pp_size > 1:
             total = sum(e.numel for e in bucket)
             if pp_rank == owner:
@@ -322,7 +312,9 @@ def iter_hf_weights(
         del named
 
 
-def export_hf_state_dict(model_chunks, *, bucket_bytes: Optional[int] = 256 * 2**20) -> dict[str, torch.Tensor]:
+def export_hf_state_dict(model_chunks, *, parallel: ParallelDims,
+                         bucket_bytes: Optional[int] = 256 * 2**20) -> dict[str, torch.Tensor]:
     """The whole model as an HF state dict on every rank (collective; built on
     :func:`iter_hf_weights`). Tensors are copies on CPU in the parameter dtype."""
-    return {name: t.detach().to("cpu", copy=True) for name, t in iter_hf_weights(model_chunks, bucket_bytes=bucket_bytes)}
+    return {name: t.detach().to("cpu", copy=True)
+            for name, t in iter_hf_weights(model_chunks, parallel=parallel, bucket_bytes=bucket_bytes)}

@@ -1,9 +1,9 @@
-"""Build a megatron-core ``GPTModel`` from an HF config on the current parallel state."""
+"""Build a megatron-core ``GPTModel`` from an HF config for one rank of a parallel layout."""
 
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from .config import (
     ModelConfig,
@@ -13,6 +13,9 @@ from .config import (
     padded_vocab_size,
     resolve_transformer_impl,
 )
+
+if TYPE_CHECKING:
+    from dapo_megatron.platform import ParallelDims
 
 
 def load_hf_config(path: str, gguf_file: Optional[str] = None):
@@ -59,6 +62,7 @@ def build_gpt_model(
     hf_config,
     model_cfg: Optional[ModelConfig] = None,
     *,
+    parallel: ParallelDims,
     pre_process: Optional[bool] = None,
     post_process: Optional[bool] = None,
     vp_stage: Optional[int] = None,
@@ -66,17 +70,19 @@ def build_gpt_model(
     """Build the ``GPTModel`` (this rank's TP shard of this rank's PP stage).
 
     Megatron's parallel state must be initialised
-    (:func:`dapo_megatron.platform.init_distributed`). Weights are randomly initialised
-    (``init_method_std`` = HF ``initializer_range``); load real ones with
+    (:func:`dapo_megatron.platform.init_distributed`, which returns ``parallel``). Weights are
+    randomly initialised (``init_method_std`` = HF ``initializer_range``); load real ones with
     :func:`dapo_megatron.bridge.load_hf_weights` or
     :func:`dapo_megatron.bridge.load_model_checkpoint`.
 
     Args:
         hf_config: HF LlamaConfig / Qwen2Config / Qwen3Config.
         model_cfg: dtype, vocab padding, spec and FP8 choices; ``ModelConfig()`` if None.
+        parallel: this rank's layout (TP size and PP stage).
         pre_process / post_process: whether this stage holds the embedding / the final
             norm and output layer; default from the PP rank (first / last stage).
-        vp_stage: virtual pipeline stage index (None without interleaving).
+        vp_stage: virtual pipeline stage index (None without interleaving); with it,
+            pass ``pre_process`` and ``post_process`` (``parallel`` has no VP size).
 
     Returns:
         ``megatron.core.models.gpt.GPTModel`` with ``vocab_size`` =
@@ -88,21 +94,23 @@ def build_gpt_model(
         spec it was built with as ``model.transformer_impl``.
 
     Raises:
-        ValueError: see :func:`hf_to_transformer_config`.
+        ValueError: see :func:`hf_to_transformer_config`; ``vp_stage`` without
+            ``pre_process`` / ``post_process``.
     """
-    from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
     from dapo_megatron.platform import ParallelConfig
 
     model_cfg = model_cfg or ModelConfig()
-    tp = ps.get_tensor_model_parallel_world_size()
-    pp = ps.get_pipeline_model_parallel_world_size()
-    config = hf_to_transformer_config(hf_config, ParallelConfig(tp, pp), model_cfg)
+    tp = parallel.tp_size
+    config = hf_to_transformer_config(hf_config, ParallelConfig(tp, parallel.pp_size), model_cfg)
+    if vp_stage is not None and (pre_process is None or post_process is None):
+        raise ValueError("build_gpt_model(vp_stage=...) needs pre_process and post_process: whether a virtual "
+                         "stage is first or last depends on the VP size, which the parallel layout does not hold")
     if pre_process is None:
-        pre_process = ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+        pre_process = parallel.is_pp_first
     if post_process is None:
-        post_process = ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage)
+        post_process = parallel.is_pp_last
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(hf_config, model_cfg),

@@ -11,9 +11,11 @@ from .distributed import (
     init_distributed,
     local_device_index,
 )
+from .parallel_dims import ParallelDims, rollout_groups
 
 __all__ = [
     "ParallelConfig",
+    "ParallelDims",
     "activate_cpu_compat",
     "collective_device",
     "destroy_distributed",
@@ -21,5 +23,6 @@ __all__ = [
     "free_port",
     "init_distributed",
     "local_device_index",
+    "rollout_groups",
     "spawn",
 ]

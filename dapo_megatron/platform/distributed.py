@@ -13,12 +13,13 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from . import cpu_compat
+from .parallel_dims import ParallelDims, rollout_groups
 
 
 @dataclass
@@ -106,7 +107,7 @@ def collective_device(group=None) -> torch.device:
     allocated with ``device=collective_device(group)``; tensors that already live on the
     compute device (parameters, activations) are on it whenever the backend is NCCL,
     because NCCL is only chosen when CUDA is available (:func:`init_distributed`).
-    ``tests/test_collective_devices.py`` checks every collective of an actor step and a
+    ``tests/integration/test_collective_devices.py`` checks every collective of an actor step and a
     trainer-like flow against this function under an NCCL answer.
     """
     return device() if group_backend(group) == "nccl" else torch.device("cpu")
@@ -116,19 +117,28 @@ def init_distributed(
     parallel: Optional[ParallelConfig] = None,
     seed: int = 1234,
     timeout_s: int = 1800,
-) -> None:
+    rollout_tp: int = 1,
+) -> ParallelDims:
     """Initialise torch.distributed, Megatron's parallel state and its RNG streams.
 
-    Idempotent for the same layout. Every rank must call it.
+    Idempotent for the same layout. Every rank must call it (it is collective).
 
     Args:
         parallel: TP/PP sizes; DP is derived from the world size.
         seed: base seed; Megatron derives the TP-rank-specific streams from it
             (``model_parallel_cuda_manual_seed``).
         timeout_s: collective timeout.
+        rollout_tp: ranks per rollout engine (``rollout.tensor_model_parallel_size``):
+            the world is cut into groups of that many consecutive ranks on one node.
+
+    Returns:
+        This rank's :class:`~.parallel_dims.ParallelDims`: the only way the package reads
+        ranks, sizes and groups (megatron-core's ``parallel_state`` is read here only).
 
     Raises:
-        ValueError: the world size does not fit ``parallel``.
+        ValueError: the world size does not fit ``parallel``, or ``rollout_tp`` does not
+            divide the world size and the ranks per node (naming
+            ``rollout.tensor_model_parallel_size``).
     """
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -149,6 +159,11 @@ def init_distributed(
         )
     parallel.validate()
     parallel.check_world_size(dist.get_world_size())
+    # before any group is built: a bad rollout layout stops every rank with the same error
+    world = dist.get_world_size()
+    # a launcher without LOCAL_WORLD_SIZE (not torchrun) is taken as one node
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    engines = rollout_groups(world, local_world, rollout_tp)
     if parallel_state.model_parallel_is_initialized():
         if (
             parallel_state.get_tensor_model_parallel_world_size() != parallel.tensor_model_parallel_size
@@ -163,6 +178,52 @@ def init_distributed(
         )
     model_parallel_cuda_manual_seed(seed)
 
+    rank = dist.get_rank()
+    index = rank // rollout_tp
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_rank_of: list = [None] * world
+    dist.all_gather_object(dp_rank_of, dp_rank)  # once per call: every rank's DP shard, for routing data to it
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    mp_group = parallel_state.get_model_parallel_group()
+    return ParallelDims(
+        world_size=world,
+        rank=rank,
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        local_world_size=local_world,
+        tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+        tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        tp_group=parallel_state.get_tensor_model_parallel_group(),
+        pp_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+        pp_group=pp_group,
+        pp_ranks=tuple(dist.get_process_group_ranks(pp_group)),
+        dp_size=parallel_state.get_data_parallel_world_size(),
+        dp_rank=dp_rank,
+        dp_group=parallel_state.get_data_parallel_group(),
+        dp_rank_of=tuple(dp_rank_of),
+        mp_size=dist.get_world_size(mp_group),
+        mp_rank=dist.get_rank(mp_group),
+        mp_group=mp_group,
+        rollout_tp_size=rollout_tp,
+        rollout_group_ranks=engines[index],
+        rollout_index=index,
+        num_engines=len(engines),
+        rollout_group=_rollout_gloo_group(engines, index) if rollout_tp > 1 else None,
+    )
+
+
+_ROLLOUT_GROUPS: dict[tuple, Any] = {}
+
+
+def _rollout_gloo_group(engines: list[tuple[int, ...]], index: int):
+    """This rank's gloo group over its rollout group. ``new_group`` is collective over the world
+    (every rank creates every group, in the same order); built once per layout and reused by a
+    repeated ``init_distributed``."""
+    key = tuple(engines)
+    if key not in _ROLLOUT_GROUPS:
+        _ROLLOUT_GROUPS[key] = [dist.new_group(list(ranks), backend="gloo") for ranks in engines]
+    return _ROLLOUT_GROUPS[key][index]
+
 
 def destroy_distributed() -> None:
     """Tear down Megatron parallel state and the default process group."""
@@ -170,5 +231,6 @@ def destroy_distributed() -> None:
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+    _ROLLOUT_GROUPS.clear()
     if dist.is_initialized():
         dist.destroy_process_group()

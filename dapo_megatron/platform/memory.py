@@ -2,7 +2,7 @@
 
 Fail before minutes of model loading when a layout cannot fit, with the numbers and the
 knobs to turn. Arithmetic only (no GPU, no model): the inputs are the HF config and the
-run config, so it runs anywhere (``tests/test_memory.py`` checks the 7B and 32B H100
+run config, so it runs anywhere (``tests/unit/platform/test_memory.py`` checks the 7B and 32B H100
 examples). It is an estimate of the largest terms, not a measurement; nothing here has
 been compared with a GPU run yet.
 
@@ -318,7 +318,7 @@ def check_memory(cfg, hf_config, world_size: int, **kwargs) -> MemoryEstimate:
         ConfigError: (a ``ValueError``) with, per problem, the numbers and the settings to
             change, then the estimate's report; ``dapo-train`` prints it from rank 0.
     """
-    from dapo_megatron.config import ConfigError
+    from dapo_megatron.config.loader import ConfigError  # not the package: config.run imports the trainer
 
     est = estimate_from_config(cfg, hf_config, world_size, **kwargs)
     if not est.fits:

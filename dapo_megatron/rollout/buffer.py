@@ -18,8 +18,11 @@ every one is wrong) has zero advantage for all its tokens and only dilutes the g
    so far with ``rollout/hit_cap = 1`` (``on_cap="train_on_kept"``).
 
 Single-process and deterministic: the same generation batches and grades give the same
-output. In a DP run the integration layer all-gathers the groups so that every rank runs
-this same logic on the same data and then takes its share (``dp_split.split_for_dp``).
+output. In a distributed run every rank runs this same logic on the same records: the
+trainer replicates each sample's lengths, finish reason and grades
+(:mod:`~dapo_megatron.rollout.step_data`), while its token lists stay on the rank that
+generated it (``Sample.response_ids`` is None elsewhere) until the step's DP plan sends
+them where they train.
 """
 
 from __future__ import annotations
@@ -30,10 +33,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
+import torch.distributed as dist
 
 from dapo_megatron.algorithms.overlong import OverlongConfig
 from dapo_megatron.rollout.prompt_skip import PromptSkipConfig
-from dapo_megatron.rollout.types import Group, Sample
+from dapo_megatron.rollout.types import HELD_BY_ALL, Group, Sample
 
 FILTER_METRICS = ("acc", "score", "reward")
 ON_CAP = ("error", "train_on_kept")
@@ -42,9 +46,11 @@ ON_CAP = ("error", "train_on_kept")
 class RewardPoolLike(Protocol):
     """What the buffer needs of ``dapo_megatron.rewards.RewardPool``."""
 
-    def grade(self, requests: Sequence[tuple[str, str, str, Optional[dict]]]) -> list[dict]:
+    def grade(self, requests: Sequence[tuple[str, Optional[str], str, Optional[dict]]]) -> list[dict]:
         """``(data_source, solution_str, ground_truth, extra_info)`` per response →
-        ``{"score": float, "acc": bool, "pred": str | None}`` per response, same order."""
+        ``{"score": float, "acc": bool, "pred": str | None}`` per response, same order.
+        ``solution_str`` is None for a response this rank does not hold: only a distributed
+        pool (:class:`~dapo_megatron.rollout.step_data.DistributedGrader`) receives those."""
 
 
 @dataclass
@@ -125,9 +131,11 @@ class RolloutBuffer:
 
     Args:
         config: :class:`BufferConfig` (validated here).
-        reward_pool: object with ``grade(requests) -> list[dict]`` (``RewardPool``).
+        reward_pool: object with ``grade(requests) -> list[dict]`` (``RewardPool``, or the
+            trainer's ``DistributedGrader``).
         decode: token ids → response text for grading (tokenizer ``decode`` with
-            ``skip_special_tokens=True``).
+            ``skip_special_tokens=True``); not called for a sample whose ``response_ids``
+            another rank holds (its request carries None, see :class:`RewardPoolLike`).
     """
 
     def __init__(self, config: BufferConfig, reward_pool: RewardPoolLike, decode: Callable[[list[int]], str]):
@@ -173,7 +181,8 @@ class RolloutBuffer:
         """Grade and shape every sample of ``groups`` in place (one ``reward_pool.grade`` call):
         sets ``score``, ``acc``, ``pred``, ``overlong_penalty``, ``reward``, ``loss_mask_zero``."""
         samples = [s for g in groups for s in g.samples]
-        requests = [(s.data_source, self.decode(s.response_ids), s.ground_truth, s.extra_info) for s in samples]
+        requests = [(s.data_source, self.decode(s.response_ids) if _grades_here(s) else None, s.ground_truth,
+                     s.extra_info) for s in samples]
         results = self.reward_pool.grade(requests)
         if len(results) != len(samples):
             raise RuntimeError(f"reward_pool.grade returned {len(results)} results for {len(samples)} requests")
@@ -325,6 +334,17 @@ class RolloutBuffer:
         }
 
 
+def _grades_here(s: Sample) -> bool:
+    """Whether this rank grades ``s``: it holds the response, and a response every rank holds
+    (:data:`~dapo_megatron.rollout.types.HELD_BY_ALL`: streamed, or read from a checkpoint) is
+    graded by rank 0 alone (the distributed grader needs exactly one grader per response)."""
+    if s.response_ids is None:
+        return False
+    if s.holder != HELD_BY_ALL:
+        return True
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
 def group_staleness(g: Group, policy_version: int) -> int:
     """Versions behind ``policy_version`` of the oldest token of the group (0 when unknown)."""
     return max((s.staleness(policy_version) for s in g.samples), default=0)
@@ -354,33 +374,53 @@ def split_fresh_stale(samples: Sequence[Sample], policy_version: int) -> tuple[l
     return fresh, stale
 
 
-def logprob_mismatch_metrics(samples: Sequence[Sample]) -> dict[str, float]:
+def logprob_mismatch_metrics(samples: Sequence[Sample], group=None) -> dict[str, float]:
     """Rollout-vs-actor logprob mismatch over all response tokens of ``samples``.
 
     ``|Sample.rollout_logprobs - Sample.old_logprobs|`` per token (nats), pooled over all
-    tokens. Samples whose ``old_logprobs`` is None (not recomputed) are skipped; samples
-    masked out of the loss (``loss_mask_zero``) are included. With top-p/top-k sampling the rollout logprobs
-    are those of the truncated distribution, so a non-zero mismatch is expected.
+    tokens. Samples whose ``old_logprobs`` is None (not recomputed, or recomputed on another
+    DP rank) are skipped; samples masked out of the loss (``loss_mask_zero``) are included.
+    With top-p/top-k sampling the rollout logprobs are those of the truncated distribution,
+    so a non-zero mismatch is expected.
+
+    Args:
+        samples: the samples; each DP rank passes its own (with their ``old_logprobs``).
+        group: the DP group to pool over (a collective then: every rank of it calls);
+            None pools ``samples`` alone. The mean is the pooled float64 sum over the pooled
+            token count (bitwise ``torch.mean`` of the concatenated tokens on one rank).
 
     Returns:
         ``{"rollout/logprob_diff_mean": mean over tokens, "rollout/logprob_diff_max": max}``.
 
     Raises:
         ValueError: a sample's two logprob lists differ in length (naming its index), or
-            no sample has ``old_logprobs``.
+            no sample (of any rank of ``group``) has ``old_logprobs``.
     """
     diffs = []
     for i, s in enumerate(samples):
         if s.old_logprobs is None:
             continue
-        if len(s.old_logprobs) != len(s.rollout_logprobs):
+        if s.rollout_logprobs is None or len(s.old_logprobs) != len(s.rollout_logprobs):
             raise ValueError(f"samples[{i}]: old_logprobs has {len(s.old_logprobs)} entries but rollout_logprobs "
-                             f"has {len(s.rollout_logprobs)} (both must cover response_ids)")
+                             f"has {None if s.rollout_logprobs is None else len(s.rollout_logprobs)} (both must "
+                             "cover response_ids)")
         diffs.append(torch.tensor(s.rollout_logprobs, dtype=torch.float64)
                      - torch.tensor(s.old_logprobs, dtype=torch.float64))
-    if not diffs:
+    d = torch.cat(diffs).abs() if diffs else torch.zeros(0, dtype=torch.float64)
+    # [sum, token count, samples with old_logprobs] and the max: exact to pool over ranks
+    totals = torch.tensor([float(d.sum()), float(d.numel()), float(len(diffs))], dtype=torch.float64)
+    peak = torch.tensor([float(d.max()) if d.numel() else float("-inf")], dtype=torch.float64)
+    if group is not None and dist.get_world_size(group) > 1:
+        from dapo_megatron.platform.distributed import collective_device
+
+        dev = collective_device(group)
+        totals, peak = totals.to(dev), peak.to(dev)
+        dist.all_reduce(totals, group=group)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+        totals, peak = totals.cpu(), peak.cpu()
+    total, count, with_old = totals.tolist()
+    if with_old == 0:
         raise ValueError("logprob_mismatch_metrics: no sample has old_logprobs; compute actor logprobs first")
-    d = torch.cat(diffs).abs()
-    if d.numel() == 0:
+    if count == 0:
         return {"rollout/logprob_diff_mean": 0.0, "rollout/logprob_diff_max": 0.0}
-    return {"rollout/logprob_diff_mean": float(d.mean()), "rollout/logprob_diff_max": float(d.max())}
+    return {"rollout/logprob_diff_mean": total / count, "rollout/logprob_diff_max": float(peak[0])}

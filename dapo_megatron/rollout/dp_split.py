@@ -72,7 +72,7 @@ class _Items:
         self.weights = [self._weight(it) for it in self.items]
 
     def _weight(self, item: list[int]) -> int:
-        return len(self.samples[item[0]].prompt_ids) + sum(len(self.samples[i].response_ids) for i in item)
+        return len(self.samples[item[0]].prompt_ids) + sum(self.samples[i].response_length for i in item)
 
     def split(self, k: int) -> tuple[int, int]:
         """Cut item ``k`` (>= 2 samples) into two new items, balanced by tokens; their indices."""

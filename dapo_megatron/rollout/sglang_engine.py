@@ -3,7 +3,7 @@
 SGLang is imported lazily (it needs CUDA); everything that does not need it — engine
 arguments, request building, response parsing, bucketing, metadata order, error
 reporting, the memory bookkeeping of sleep / wake, the HTTP client and the weight-update
-process group — is plain python and tested on CPU (``tests/test_sglang_engine.py``).
+process group — is plain python and tested on CPU (``tests/unit/rollout/test_sglang_engine.py``).
 ``tests/gpu/test_sglang_contract.py`` and ``tests/gpu/full_image_check.sh`` check the real
 engine on a CUDA machine.
 

@@ -1,14 +1,21 @@
 """Plain data records that travel between the rollout engine, the buffer and the actor.
 
-They hold python lists, not tensors: a rollout is variable-length by nature and is
-all-gathered across ranks as pickled objects (``torch.distributed.all_gather_object``),
-then packed into tensors only when the actor builds its micro-batches.
+They hold python lists, not tensors: a rollout is variable-length by nature, and is packed
+into tensors only where it crosses ranks (:mod:`dapo_megatron.rollout.step_data`) and when
+the actor builds its micro-batches. In a distributed step every rank holds a
+:class:`Sample` of every response, but its token lists (``response_ids``,
+``rollout_logprobs``) only where they are needed: on the rank that generated it
+(``holder``) and, once the step's DP plan is fixed, on the ranks that train it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+HELD_BY_ALL = -1
+"""``Sample.holder`` of a sample whose token lists every rank holds (one process; a resumed
+buffer surplus, which every rank reads from the checkpoint)."""
 
 
 @dataclass
@@ -18,9 +25,11 @@ class Sample:
     Attributes:
         prompt_ids: chat-templated prompt token ids, length P.
         response_ids: generated token ids, length R (R may be 0), EOS included when
-            the engine stopped on it.
+            the engine stopped on it; None on a rank that does not hold them (see ``holder``).
         rollout_logprobs: per-token logprob of ``response_ids`` under the engine's
-            sampling distribution (after temperature / top-p / top-k), length R, nats.
+            sampling distribution (after temperature / top-p / top-k), length R, nats;
+            float32 values (the engines' precision, which is what crosses ranks); None
+            where ``response_ids`` is.
         finish_reason: ``"stop"`` (EOS or a stop token) or ``"length"`` (hit
             ``max_new_tokens``: truncated).
         group_id: index of the prompt group this sample belongs to (unique per step).
@@ -40,11 +49,15 @@ class Sample:
             partial rollout: tokens 0-11 by version 3, aborted at the end of a step and
             continued by version 4. Empty: unknown (counted as current). The trainer's
             version is its step count: version ``k`` is the actor after ``k`` steps.
+        holder: global rank that generated the response and holds its token lists
+            (:data:`HELD_BY_ALL` when every rank does).
+        num_response_tokens: R, kept where ``response_ids`` is None (the replicated
+            decisions need the length, not the tokens).
     """
 
     prompt_ids: list[int]
-    response_ids: list[int]
-    rollout_logprobs: list[float]
+    response_ids: Optional[list[int]]
+    rollout_logprobs: Optional[list[float]]
     finish_reason: str
     group_id: int = -1
     prompt_index: int = -1
@@ -60,16 +73,23 @@ class Sample:
     old_logprobs: Optional[list[float]] = None
     loss_mask_zero: bool = False
     versions: list[tuple[int, int]] = field(default_factory=list)
+    holder: int = HELD_BY_ALL
+    num_response_tokens: Optional[int] = None
 
     @property
     def response_length(self) -> int:
-        """Number of generated tokens |y| (the length Eq. 13 of the DAPO paper uses)."""
+        """Number of generated tokens |y| (the length Eq. 13 of the DAPO paper uses), whether or
+        not this rank holds them."""
+        if self.response_ids is None:
+            if self.num_response_tokens is None:
+                raise ValueError("Sample without response_ids must carry num_response_tokens")
+            return self.num_response_tokens
         return len(self.response_ids)
 
     @property
     def total_length(self) -> int:
         """Prompt plus response tokens: the sequence length the actor trains on."""
-        return len(self.prompt_ids) + len(self.response_ids)
+        return len(self.prompt_ids) + self.response_length
 
     @property
     def truncated(self) -> bool:

@@ -31,7 +31,7 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # test_sglang_contract's tiny checkpoints and oracle
-sys.path.insert(0, os.path.dirname(HERE))  # tests/: test_packing's random samples
+sys.path.insert(0, os.path.dirname(HERE))  # tests/: unit.actor.test_packing's random samples
 
 import torch  # noqa: E402
 
@@ -106,7 +106,7 @@ def check_engines(workdir: str) -> None:
 
 
 def check_fp8() -> None:
-    from test_packing import random_samples
+    from unit.actor.test_packing import random_samples
 
     from dapo_megatron.actor.actor import ActorConfig, MegatronActor, OptimConfig
     from dapo_megatron.bridge import export_hf_state_dict, load_hf_weights
@@ -114,7 +114,7 @@ def check_fp8() -> None:
     from dapo_megatron.platform import init_distributed
     from transformers import LlamaConfig
 
-    init_distributed()
+    parallel = init_distributed()
     hf_config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                             tie_word_embeddings=False)
@@ -127,15 +127,15 @@ def check_fp8() -> None:
         cfg = ModelConfig(transformer_impl="transformer_engine", params_dtype="bfloat16",
                           fp8="hybrid" if fp8 else None, fp8_recipe="tensorwise")
         torch.manual_seed(0)
-        model = build_gpt_model(hf_config, cfg)
+        model = build_gpt_model(hf_config, cfg, parallel=parallel)
         return model, MegatronActor(model, ActorConfig(ppo_max_token_len_per_gpu=512, micro_batch_layout="thd",
                                                        use_packed_seq_params=True, optim=OptimConfig(lr=1e-4)),
-                                    total_steps=4, vocab_size=512)
+                                    total_steps=4, parallel=parallel, vocab_size=512)
 
     ref_model, ref = actor(fp8=False)
-    weights = export_hf_state_dict(ref.model_chunks)
+    weights = export_hf_state_dict(ref.model_chunks, parallel=parallel)
     model, act = actor(fp8=True)
-    load_hf_weights(model, weights, strict=True)  # the same weights in both
+    load_hf_weights(model, weights, strict=True, parallel=parallel)  # the same weights in both
     lp16 = ref.compute_logprobs([samples[:6], samples[6:]], T)
     lp8 = act.compute_logprobs([samples[:6], samples[6:]], T)
     diff = torch.cat([(a - b).abs() for a, b in zip(lp8, lp16)])

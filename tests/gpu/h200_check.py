@@ -2,7 +2,7 @@
 megatron-core and small wheels carried in ``.whl/``; no Transformer Engine, SGLang, DALI or
 network). Run it with ``bash tests/gpu/h200_check.sh``; ``--cpu`` runs the same checks on
 CPU / gloo (a dry run of everything but the CUDA specifics, part of the CPU suite through
-``tests/test_gpu_scripts.py``).
+``tests/integration/test_gpu_scripts.py``).
 
 World of one process on CUDA with NCCL, tiny random Llama (tied embeddings) and Qwen2
 (q/k/v biases, untied) models, megatron-core's local layer spec. Per family:
@@ -37,7 +37,7 @@ import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))  # tests/: conftest (tiny configs), collective_spy, test_packing
+sys.path.insert(0, os.path.dirname(HERE))  # tests/: conftest (tiny configs), collective_spy, unit.actor.test_packing
 
 import torch  # noqa: E402
 
@@ -69,7 +69,7 @@ class Checks:
 
 
 def _samples(vocab, n, seed):
-    from test_packing import random_samples
+    from unit.actor.test_packing import random_samples
 
     return random_samples(n, vocab, seed=seed, max_prompt=12, max_resp=10, min_resp=2)
 
@@ -90,10 +90,10 @@ def _oracle_logprobs(hf_model, samples, device):
 class Family:
     """One tiny model: its HF oracle on the device and the Megatron actors built from it."""
 
-    def __init__(self, name, device):
+    def __init__(self, name, device, parallel):
         from conftest import random_hf_model, tiny_hf_config
 
-        self.name, self.device = name, device
+        self.name, self.device, self.parallel = name, device, parallel
         self.hf_config = tiny_hf_config(name)
         self.hf = random_hf_model(self.hf_config, seed=3).to(device)
         self.state = {k: v.detach().cpu() for k, v in self.hf.state_dict().items()}
@@ -106,10 +106,11 @@ class Family:
         from dapo_megatron.models import ModelConfig, build_gpt_model
 
         # on CUDA megatron-core allocates the parameters on torch.cuda.current_device()
-        model = build_gpt_model(self.hf_config, ModelConfig(transformer_impl="local", params_dtype=params_dtype))
-        load_hf_weights(model, self.state, strict=True)
+        model = build_gpt_model(self.hf_config, ModelConfig(transformer_impl="local", params_dtype=params_dtype),
+                                parallel=self.parallel)
+        load_hf_weights(model, self.state, strict=True, parallel=self.parallel)
         cfg = ActorConfig(ppo_max_token_len_per_gpu=256, optim=OptimConfig(lr=1e-3, weight_decay=0.0))
-        return MegatronActor(model, cfg, total_steps=4, vocab_size=self.hf_config.vocab_size)
+        return MegatronActor(model, cfg, total_steps=4, parallel=self.parallel, vocab_size=self.hf_config.vocab_size)
 
 
 def check_logprobs(fam: Family, actor, dtype_name, max_bound, mean_bound=None):
@@ -151,8 +152,8 @@ def check_sync_parity(fam: Family, actor):
     # an engine with its own random weights, replaced by the sync
     engine = HFEngine(AutoModelForCausalLM.from_config(fam.hf_config), dtype=torch.float32, device=device(),
                       eos_token_ids=[2])
-    engine.update_weights(iter_hf_weights(actor.model_chunks, bucket_bytes=2**20), version=1)
-    want = export_hf_state_dict(actor.model_chunks)
+    engine.update_weights(iter_hf_weights(actor.model_chunks, parallel=actor.parallel, bucket_bytes=2**20), version=1)
+    want = export_hf_state_dict(actor.model_chunks, parallel=actor.parallel)
     have = dict(engine.model.named_parameters())
     off = [n for n, t in want.items() if n in have and not torch.equal(have[n].detach().cpu(), t)]
     assert not off and engine.weights_valid and engine.weight_version == 1, f"tensors differ after sync: {off[:5]}"
@@ -212,7 +213,7 @@ def main(argv=None) -> int:
     from dapo_megatron.platform import init_distributed
 
     checks = Checks(args.only)
-    init_distributed(seed=0)
+    parallel = init_distributed(seed=0)
     dev = pdist.device()
     print(f"# torch {torch.__version__}, device {dev}"
           + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else "")
@@ -221,7 +222,7 @@ def main(argv=None) -> int:
                         backend_of=pdist.group_backend)
     with spy:
         for name in FAMILIES:
-            fam = checks.run(f"setup_{name}", lambda n=name: Family(n, dev))
+            fam = checks.run(f"setup_{name}", lambda n=name: Family(n, dev, parallel))
             if fam is None:
                 continue
             actor32 = checks.run(f"actor_fp32_{name}", lambda: fam.actor("float32"))

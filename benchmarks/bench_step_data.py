@@ -1,0 +1,306 @@
+"""The step's data path alone, before and after ``rollout.step_data``: bytes moved and seconds per step.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_step_data.py [--prompts 512 --n 16 --min-response 2048
+        --max-response 20480 --dp 4 --mini-batch 32 --repeats 2 --token-scale 1.0]
+
+DP ranks on gloo (CPU processes, TP = PP = 1), one generation batch of ``--prompts`` prompts
+× ``--n`` responses, all groups kept, one PPO epoch of mini-batches of ``--mini-batch``
+groups. Response lengths are uniform in ``[min, max] × --token-scale`` tokens (seeded),
+prompts 64-512 tokens. Both paths get the same batch, generated where it is generated
+in a run: DP rank ``d`` holds the responses of prompts ``[d P / DP, (d + 1) P / DP)``.
+
+before: the path of the trainer before ``rollout.step_data`` (``dapo_megatron/trainer.py``
+at commit a92c2b1: ``_generate_groups``, ``DistributedGrader``, ``_old_logprobs``,
+``train_step``), rebuilt here: ``all_gather_object`` of every rank's completions (token ids
+and logprobs as Python lists), grades of requests ``r::world`` all-gathered as dicts, a DP
+split of all samples for the old logprobs, their all-gather over DP as Python lists, then a
+second DP split per mini-batch.
+
+after: the trainer's path (``DAPOTrainer._generate_groups`` / ``_route_and_old_logprobs``):
+:func:`~dapo_megatron.rollout.step_data.gather_groups` (int64 records),
+:class:`~dapo_megatron.rollout.step_data.DistributedGrader` (3 float64 per response
+all-reduced), :func:`~dapo_megatron.rollout.step_data.plan_step` once,
+:func:`~dapo_megatron.rollout.step_data.send_tokens` (each response once to the rank that
+trains it), old logprobs kept where computed, mismatch metrics pooled over DP.
+
+Not timed, the same in both: generating the responses, decoding and grading them (a grade
+computed from the response's last token stands in for the graders) and the actor's forward
+pass (the old logprobs are the rollout logprobs, a float32 tensor per sample, as
+``compute_logprobs`` returns them).
+
+Bytes moved: the bytes every rank receives, summed over ranks, per collective as torch
+runs it: ``all_gather_object`` pads every rank's pickle to the largest and all-gathers
+those (``torch/distributed/distributed_c10d.py``), ``all_gather`` / ``all_to_all_single``
+their tensors, ``all_reduce`` ``2 (w - 1) / w`` of its tensor per rank (the ring
+algorithm). Counted in a separate, untimed pass. Seconds: the slowest rank's wall time
+from a barrier to the end of the path, best of ``--repeats``.
+
+Last line: before / after of the seconds per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import pickle
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from dapo_megatron.platform.console import quiet_third_party  # noqa: E402
+
+quiet_third_party()  # in every spawned rank too: before megatron-core's import-time warnings
+
+VOCAB = 151_936  # Qwen2.5's vocabulary, the paper's model family
+
+
+# --------------------------------------------------------------------------- the batch
+def _records(args):
+    from dapo_megatron.data.dataset import PromptRecord
+
+    g = torch.Generator().manual_seed(args.seed)
+    lengths = torch.randint(64, 513, (args.prompts,), generator=g).tolist()
+    return [PromptRecord(index=k, data_source="math_dapo",
+                         prompt_ids=torch.randint(0, VOCAB, (n,), generator=g).tolist(), messages=[],
+                         ground_truth=str(k), extra_info={"index": k}) for k, n in enumerate(lengths)]
+
+
+def _completions(args, k):
+    """The ``n`` completions of prompt ``k`` (seeded by ``k``: the same wherever generated)."""
+    from dapo_megatron.rollout.engine import Completion
+
+    g = torch.Generator().manual_seed(args.seed * 100_003 + k)
+    lo, hi = int(args.min_response * args.token_scale), int(args.max_response * args.token_scale)
+    out = []
+    for length in torch.randint(lo, hi + 1, (args.n,), generator=g).tolist():
+        ids = torch.randint(0, VOCAB, (length,), generator=g).tolist()
+        lps = (-torch.rand(length, generator=g, dtype=torch.float32)).tolist()
+        out.append(Completion(ids, lps, "length" if length == hi else "stop"))
+    return out
+
+
+def _grade(request_text_or_ids) -> dict:
+    """The stand-in grader: +1 when the response's last token is even (half the responses)."""
+    return {"score": 1.0 if request_text_or_ids[-1] % 2 == 0 else -1.0, "acc": request_text_or_ids[-1] % 2 == 0,
+            "pred": str(request_text_or_ids[-1])}
+
+
+class _Pool:
+    """A RewardPoolLike over :func:`_grade` (the requests carry the token ids instead of the text)."""
+
+    def grade(self, requests):
+        return [_grade(r[1]) for r in requests]
+
+
+# --------------------------------------------------------------------------- byte counting
+class ByteCounter:
+    """Wraps the collectives the two paths call and adds up the bytes this rank receives."""
+
+    NAMES = ("all_gather_object", "all_gather", "all_reduce", "all_to_all_single")
+
+    def __init__(self):
+        self.bytes = 0
+        self.real = {}
+
+    def __enter__(self):
+        for name in self.NAMES:
+            self.real[name] = getattr(dist, name)
+            setattr(dist, name, getattr(self, "_" + name))
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self.real.items():
+            setattr(dist, name, fn)
+
+    def _all_gather_object(self, out, obj, group=None):
+        w = dist.get_world_size(group)
+        sizes = [None] * w
+        self.real["all_gather_object"](sizes, len(pickle.dumps(obj)), group=group)
+        self.bytes += (w - 1) * (max(sizes) + 8)  # padded pickles + their int64 sizes
+        return self.real["all_gather_object"](out, obj, group=group)
+
+    def _all_gather(self, out, t, group=None, async_op=False):
+        self.bytes += (dist.get_world_size(group) - 1) * t.numel() * t.element_size()
+        return self.real["all_gather"](out, t, group=group, async_op=async_op)
+
+    def _all_reduce(self, t, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        w = dist.get_world_size(group)
+        self.bytes += int(2 * (w - 1) / w * t.numel() * t.element_size())
+        return self.real["all_reduce"](t, op=op, group=group, async_op=async_op)
+
+    def _all_to_all_single(self, out, inp, output_split_sizes=None, input_split_sizes=None, group=None,
+                           async_op=False):
+        me = dist.get_rank(group)
+        sizes = list(output_split_sizes) if output_split_sizes is not None else \
+            [out.numel() // dist.get_world_size(group)] * dist.get_world_size(group)
+        self.bytes += (sum(sizes) - sizes[me]) * out.element_size()
+        return self.real["all_to_all_single"](out, inp, output_split_sizes=output_split_sizes,
+                                              input_split_sizes=input_split_sizes, group=group, async_op=async_op)
+
+
+# --------------------------------------------------------------------------- before
+def _all_gather_objects(obj, group=None):
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def path_before(args, par, records, local_completions):
+    """The data path of the trainer at a92c2b1 (see the module docstring)."""
+    from dapo_megatron.rollout.buffer import logprob_mismatch_metrics
+    from dapo_megatron.rollout.dp_split import split_for_dp
+    from dapo_megatron.rollout.engine import completions_to_group
+
+    # _generate_groups: every rank gets every completion
+    local = [(par.dp_rank, i, k, comps) for i, (k, comps) in enumerate(local_completions)]
+    gathered = sorted((x for part in _all_gather_objects(local) for x in part), key=lambda x: x[:2])
+    groups = []
+    for gid, (_, _, k, comps) in enumerate(gathered):
+        rec = records[k]
+        groups.append(completions_to_group(gid, rec.prompt_ids, comps, prompt_index=rec.index,
+                                           data_source=rec.data_source, ground_truth=rec.ground_truth,
+                                           extra_info=rec.extra_info))
+    samples = [s for g in groups for s in g.samples]
+    # DistributedGrader: rank r grades r::world, the results all-gathered
+    requests = [(s.data_source, s.response_ids, s.ground_truth, s.extra_info) for s in samples]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    parts = _all_gather_objects(_Pool().grade(requests[rank::world]))
+    grades = [None] * len(requests)
+    for r, part in enumerate(parts):
+        grades[r::world] = part
+    for s, res in zip(samples, grades):
+        s.score, s.acc, s.pred = res["score"], res["acc"], res["pred"]
+    # _old_logprobs: a DP split of all samples, the shards' logprobs all-gathered over DP
+    shard = split_for_dp(samples, par.dp_size, args.budget)[par.dp_rank]
+    mine = [i for mb in shard for i in mb]
+    lps = [torch.tensor(samples[i].rollout_logprobs, dtype=torch.float32) for i in mine]
+    for part in _all_gather_objects([(i, lp.tolist()) for i, lp in zip(mine, lps)], group=par.dp_group):
+        for i, lp in part:
+            samples[i].old_logprobs = lp
+    logprob_mismatch_metrics(samples)
+    # train_step: a second DP split, per mini-batch
+    plan = []
+    for start in range(0, len(groups), args.mini_batch):
+        mini = [s for g in groups[start:start + args.mini_batch] for s in g.samples]
+        plan.append((sum(len(s.response_ids) for s in mini if not s.loss_mask_zero),
+                     split_for_dp(mini, par.dp_size, args.budget)[par.dp_rank]))
+    return plan
+
+
+# --------------------------------------------------------------------------- after
+def path_after(args, par, records, local_completions):
+    """The trainer's data path (``DAPOTrainer._generate_groups`` / ``_route_and_old_logprobs``)."""
+    from dapo_megatron.rollout.buffer import logprob_mismatch_metrics
+    from dapo_megatron.rollout.dp_split import split_for_dp
+    from dapo_megatron.rollout.engine import completions_to_group
+    from dapo_megatron.rollout.step_data import DistributedGrader, gather_groups, plan_step, send_tokens
+
+    local = []
+    for i, (k, comps) in enumerate(local_completions):
+        rec = records[k]
+        local.append((par.dp_rank, i, completions_to_group(-1, rec.prompt_ids, comps, prompt_index=rec.index,
+                                                           data_source=rec.data_source,
+                                                           ground_truth=rec.ground_truth,
+                                                           extra_info=rec.extra_info)))
+    per_dp = args.prompts // par.dp_size
+    groups = gather_groups(local, n=args.n, max_local=-(-per_dp // par.mp_size), record_of=records.__getitem__)
+    for gid, g in enumerate(groups):
+        g.group_id = gid
+        for s in g.samples:
+            s.group_id = gid
+    samples = [s for g in groups for s in g.samples]
+    # the buffer's requests: the response where held, None elsewhere
+    requests = [(s.data_source, s.response_ids, s.ground_truth, s.extra_info) for s in samples]
+    for s, res in zip(samples, DistributedGrader(_Pool()).grade(requests)):
+        s.score, s.acc, s.pred = res["score"], res["acc"], res.get("pred")
+    plan = plan_step(groups, args.mini_batch, par.dp_size, args.budget)
+    ranks_of = [par.ranks_of_dp_rank(d) for d in range(par.dp_size)]
+    send_tokens(samples, [ranks_of[d] for d in plan.owner])
+    mine = plan.owned(par.dp_rank)
+    micro = split_for_dp([samples[i] for i in mine], 1, args.budget)[0]
+    lps = [torch.tensor(samples[mine[j]].rollout_logprobs, dtype=torch.float32) for mb in micro for j in mb]
+    for j, lp in zip([j for mb in micro for j in mb], lps):
+        samples[mine[j]].old_logprobs = lp.tolist()
+    logprob_mismatch_metrics([samples[i] for i in mine], group=par.dp_group)
+    return plan
+
+
+# --------------------------------------------------------------------------- the ranks
+def _worker(args, out_path):
+    from dapo_megatron.platform import ParallelConfig, init_distributed
+
+    par = init_distributed(ParallelConfig(1, 1), seed=0)
+    records = _records(args)
+    per_dp = args.prompts // par.dp_size
+    mine = range(par.dp_rank * per_dp, (par.dp_rank + 1) * per_dp)
+    results = {}
+    for name, path in (("before", path_before), ("after", path_after)):
+        local = [(k, _completions(args, k)) for k in mine]
+        with ByteCounter() as counter:
+            path(args, par, records, local)
+        total = torch.tensor([counter.bytes], dtype=torch.float64)
+        dist.all_reduce(total)
+        results[name] = {"bytes": float(total), "seconds": []}
+        gc.collect()
+        for _ in range(args.repeats):
+            local = [(k, _completions(args, k)) for k in mine]
+            dist.barrier()
+            t0 = time.perf_counter()
+            path(args, par, records, local)
+            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            results[name]["seconds"].append(float(dt))
+            del local
+            gc.collect()
+    if dist.get_rank() == 0:
+        torch.save(results, out_path)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompts", type=int, default=512)
+    p.add_argument("--n", type=int, default=16, help="responses per prompt")
+    p.add_argument("--min-response", type=int, default=2048, help="tokens, before --token-scale")
+    p.add_argument("--max-response", type=int, default=20480, help="tokens, before --token-scale")
+    p.add_argument("--token-scale", type=float, default=1.0,
+                   help="multiplies the response lengths (the paper's 2k-20k at 1.0 needs ~8 GB per rank)")
+    p.add_argument("--dp", type=int, default=4)
+    p.add_argument("--mini-batch", type=int, default=32, help="groups per mini-batch (the paper: 32 x 16)")
+    p.add_argument("--budget", type=int, default=0,
+                   help="ppo_max_token_len_per_gpu; 0: longest prompt + longest response")
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.prompts % args.dp:
+        p.error(f"--prompts={args.prompts} must be a multiple of --dp={args.dp}")
+    if not args.budget:
+        args.budget = 512 + int(args.max_response * args.token_scale)
+    import tempfile
+
+    from dapo_megatron.platform import spawn
+
+    lo, hi = int(args.min_response * args.token_scale), int(args.max_response * args.token_scale)
+    print(f"# {args.prompts} prompts x {args.n} responses of {lo}-{hi} tokens, DP={args.dp} gloo, "
+          f"mini-batch {args.mini_batch} groups, micro-batch budget {args.budget} tokens", flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "res.pt")
+        spawn(_worker, args.dp, args, out)
+        res = torch.load(out)
+    for name in ("before", "after"):
+        r = res[name]
+        print(f"{name:>6}: {r['bytes'] / 1e6:12.1f} MB moved (all ranks), "
+              f"{min(r['seconds']):8.2f} s per step (runs: {', '.join(f'{s:.2f}' for s in r['seconds'])})")
+    b, a = res["before"], res["after"]
+    print(f"bytes before / after: {b['bytes'] / a['bytes']:.1f}x")
+    print(f"seconds per step before / after: {min(b['seconds']) / min(a['seconds']):.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""One frozen object with this rank's place in every parallel layout (torchtitan's ``ParallelDims``).
+
+:func:`dapo_megatron.platform.init_distributed` builds megatron-core's process groups and
+returns a :class:`ParallelDims`; the trainer hands it to the model builder, the actor, the
+bridge, checkpointing and the engines, which read ranks, sizes and groups from it instead of
+megatron-core's module-level ``parallel_state`` (read only in ``platform/distributed.py``).
+
+Two layouts share the world (docs/design.md §2):
+
+- the actor's: TP × PP × DP in megatron-core's default rank order (``tp-cp-ep-dp-pp``: the
+  ranks of a TP group are consecutive); the model-parallel (MP) group is a DP rank's
+  TP × PP ranks, which hold the same data;
+- the rollout's: the world cut into rollout groups of ``rollout_tp_size`` consecutive ranks on
+  one node (verl's ``rollout.tensor_model_parallel_size``); each group owns one engine, whose
+  leader is the group's first rank. With ``rollout_tp_size == 1`` every rank is its own engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+ROLLOUT_TP_KEY = "rollout.tensor_model_parallel_size"
+
+
+def rollout_groups(world_size: int, local_world_size: int, rollout_tp_size: int) -> list[tuple[int, ...]]:
+    """The rollout groups of a world: consecutive blocks of ``rollout_tp_size`` global ranks.
+
+    Args:
+        world_size: number of ranks.
+        local_world_size: ranks per node (torchrun's ``LOCAL_WORLD_SIZE``); a node holds the
+            consecutive global ranks ``[k * local_world_size, (k + 1) * local_world_size)``.
+        rollout_tp_size: ranks per engine.
+
+    Returns:
+        ``groups[e]`` = the global ranks of engine ``e`` in order (``groups[e][0]`` leads it).
+
+    Raises:
+        ValueError: naming ``rollout.tensor_model_parallel_size`` when it is not an int >= 1,
+            does not divide the world size, or does not divide the ranks per node (a group
+            would span two nodes, which one engine's NVLink/IPC transport cannot serve).
+    """
+    if isinstance(rollout_tp_size, bool) or not isinstance(rollout_tp_size, int) or rollout_tp_size < 1:
+        raise ValueError(f"{ROLLOUT_TP_KEY}={rollout_tp_size!r} must be an int >= 1")
+    if world_size % rollout_tp_size:
+        raise ValueError(f"{ROLLOUT_TP_KEY}={rollout_tp_size} does not divide the world size {world_size}: "
+                         f"choose a divisor of {world_size}")
+    if local_world_size % rollout_tp_size:
+        raise ValueError(f"{ROLLOUT_TP_KEY}={rollout_tp_size} must divide the ranks per node "
+                         f"(LOCAL_WORLD_SIZE={local_world_size}): an engine's ranks must sit on one node; "
+                         f"choose a divisor of {local_world_size}")
+    return [tuple(range(start, start + rollout_tp_size)) for start in range(0, world_size, rollout_tp_size)]
+
+
+@dataclass(frozen=True, eq=False)
+class ParallelDims:
+    """This rank's ranks, sizes and process groups; built by ``init_distributed``, never mutated.
+
+    Sizes satisfy ``tp_size * pp_size * dp_size == world_size`` and
+    ``mp_size == tp_size * pp_size``; ranks are 0-based within their group. A group of size
+    one is still a process group (megatron-core's), except ``rollout_group``, which is None
+    when ``rollout_tp_size == 1`` (nothing to talk to).
+
+    Attributes:
+        world_size, rank: the default (world) group.
+        local_rank, local_world_size: this rank's index on its node and the ranks per node.
+        tp_size, tp_rank, tp_group: tensor parallelism (Megatron's TP group).
+        pp_size, pp_rank, pp_group: pipeline parallelism; ``pp_ranks`` are the global ranks of
+            this rank's pipeline, stage 0 first.
+        dp_size, dp_rank, dp_group: data parallelism (without context parallelism).
+        dp_rank_of: the DP rank of every global rank (``dp_rank_of[r]``), so a rank can address
+            the TP × PP ranks that train one DP shard (:meth:`ranks_of_dp_rank`).
+        mp_size, mp_rank, mp_group: the model-parallel group (TP × PP ranks of one DP rank).
+        rollout_tp_size: ranks per rollout engine.
+        rollout_group_ranks: global ranks of this rank's rollout group (leader first).
+        rollout_index: index of this rank's engine, ``0 .. num_engines - 1``.
+        num_engines: ``world_size // rollout_tp_size``.
+        rollout_group: a gloo group over ``rollout_group_ranks`` (None when
+            ``rollout_tp_size == 1``).
+    """
+
+    world_size: int
+    rank: int
+    local_rank: int
+    local_world_size: int
+    tp_size: int
+    tp_rank: int
+    tp_group: Any
+    pp_size: int
+    pp_rank: int
+    pp_group: Any
+    pp_ranks: tuple[int, ...]
+    dp_size: int
+    dp_rank: int
+    dp_group: Any
+    dp_rank_of: tuple[int, ...]
+    mp_size: int
+    mp_rank: int
+    mp_group: Any
+    rollout_tp_size: int
+    rollout_group_ranks: tuple[int, ...]
+    rollout_index: int
+    num_engines: int
+    rollout_group: Optional[Any] = None
+
+    def __post_init__(self) -> None:
+        if self.tp_size * self.pp_size * self.dp_size != self.world_size:
+            raise ValueError(f"tp_size={self.tp_size} × pp_size={self.pp_size} × dp_size={self.dp_size} "
+                             f"!= world_size={self.world_size}")
+        if self.mp_size != self.tp_size * self.pp_size:
+            raise ValueError(f"mp_size={self.mp_size} != tp_size × pp_size = {self.tp_size * self.pp_size}")
+        for name, size in (("rank", self.world_size), ("tp_rank", self.tp_size), ("pp_rank", self.pp_size),
+                           ("dp_rank", self.dp_size), ("mp_rank", self.mp_size),
+                           ("rollout_index", self.num_engines)):
+            if not 0 <= getattr(self, name) < size:
+                raise ValueError(f"{name}={getattr(self, name)} is not in [0, {size})")
+        if (len(self.dp_rank_of) != self.world_size or self.dp_rank_of[self.rank] != self.dp_rank
+                or sorted(self.dp_rank_of) != sorted(d for d in range(self.dp_size) for _ in range(self.mp_size))):
+            raise ValueError(f"dp_rank_of={self.dp_rank_of} must give each of the {self.world_size} ranks a DP rank, "
+                             f"{self.mp_size} ranks per DP rank, this rank's being dp_rank={self.dp_rank}")
+        if len(self.pp_ranks) != self.pp_size or self.pp_ranks[self.pp_rank] != self.rank:
+            raise ValueError(f"pp_ranks={self.pp_ranks} must list the {self.pp_size} stages with this rank "
+                             f"({self.rank}) at pp_rank={self.pp_rank}")
+        if (len(self.rollout_group_ranks) != self.rollout_tp_size or self.rank not in self.rollout_group_ranks
+                or self.num_engines * self.rollout_tp_size != self.world_size):
+            raise ValueError(f"rollout_group_ranks={self.rollout_group_ranks} must be the {self.rollout_tp_size} "
+                             f"ranks of this rank's engine ({self.num_engines} engines × {self.rollout_tp_size} "
+                             f"= world_size {self.world_size})")
+
+    @property
+    def is_pp_first(self) -> bool:
+        """This rank holds the first pipeline stage (the embedding)."""
+        return self.pp_rank == 0
+
+    @property
+    def is_pp_last(self) -> bool:
+        """This rank holds the last pipeline stage (final norm, output layer, the loss)."""
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def pp_last_rank(self) -> int:
+        """Global rank of the last stage of this rank's pipeline (the source of its broadcasts)."""
+        return self.pp_ranks[-1]
+
+    def ranks_of_dp_rank(self, dp_rank: int) -> tuple[int, ...]:
+        """Global ranks (ascending) of the model-parallel group that trains DP shard ``dp_rank``."""
+        return tuple(r for r, d in enumerate(self.dp_rank_of) if d == dp_rank)
+
+    @property
+    def rollout_leader(self) -> int:
+        """Global rank that creates and drives this rank's engine (its group's first rank)."""
+        return self.rollout_group_ranks[0]
+
+    @property
+    def rollout_rank(self) -> int:
+        """This rank's index within its rollout group (0 on the leader)."""
+        return self.rollout_group_ranks.index(self.rank)
+
+    @property
+    def is_rollout_leader(self) -> bool:
+        return self.rank == self.rollout_leader

@@ -1,0 +1,161 @@
+"""The tokenizer and the rollout engine of a model, built one way for the trainer and ``tools/eval.py``.
+
+Both callers go through :func:`load_tokenizer`, :func:`stop_token_ids` and
+:func:`build_engine`, so a model evaluated by ``tools/eval.py`` stops its responses on the
+same tokens as the engine that generated its training rollouts.
+
+Stop tokens (:func:`stop_token_ids`): the union of the tokenizer's ``eos_token_id``, the
+model config's ``eos_token_id`` (an int or a list) and, when the model directory has a
+``generation_config.json``, its ``eos_token_id``. That is what SGLang stops on:
+``ModelConfig._get_hf_eos_token_id`` (sglang 0.5.x, ``python/sglang/srt/configs/model_config.py``)
+takes the union of ``hf_config.eos_token_id`` and ``hf_generation_config.eos_token_id``, and
+its scheduler also ends a request on the tokenizer's ``eos_token_id``
+(``Req.check_finished``). The HF engine is given the same set explicitly.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from dapo_megatron.config.run import DAPOConfig
+    from dapo_megatron.rollout.engine import RolloutEngine
+
+ENGINES = ("hf", "sglang")
+
+
+def load_tokenizer(hf_path: str, gguf_file: Optional[str] = None):
+    """``AutoTokenizer.from_pretrained(hf_path[, gguf_file=...])``, its pad token set to EOS when
+    it has none (the engines pad prompt batches with it)."""
+    from transformers import AutoTokenizer
+
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    tok = AutoTokenizer.from_pretrained(hf_path, **kwargs)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def _as_ids(eos) -> set[int]:
+    if eos is None:
+        return set()
+    return {int(eos)} if isinstance(eos, int) else {int(t) for t in eos}
+
+
+def stop_token_ids(tokenizer, hf_config, model_path: Optional[str] = None) -> tuple[int, ...]:
+    """The token ids that end a response, sorted (see the module docstring for the rule).
+
+    Args:
+        tokenizer: anything with ``eos_token_id`` (int or None).
+        hf_config: the model's HF config (``eos_token_id``: int, list or None).
+        model_path: the model directory; its ``generation_config.json`` is read when present
+            (a GGUF directory has none).
+
+    Raises:
+        ValueError: none of the three names an EOS id (the engine could never stop early).
+    """
+    ids = _as_ids(getattr(tokenizer, "eos_token_id", None)) | _as_ids(getattr(hf_config, "eos_token_id", None))
+    if model_path and os.path.isfile(os.path.join(model_path, "generation_config.json")):
+        from transformers import GenerationConfig
+
+        ids |= _as_ids(GenerationConfig.from_pretrained(model_path).eos_token_id)
+    if not ids:
+        raise ValueError(f"no EOS token id in the tokenizer, config or generation_config of {model_path!r}: "
+                         "the engine could not end a response before its token budget")
+    return tuple(sorted(ids))
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Everything a rollout engine is built from; :func:`build_engine` turns it into one.
+
+    Attributes:
+        name: ``"hf"`` (transformers, CPU or GPU) or ``"sglang"`` (GPU).
+        model_path: HF (or GGUF) model directory.
+        dtype: compute dtype of the engine's weights.
+        eos_token_ids: :func:`stop_token_ids` (the HF engine is given them; SGLang derives the
+            same set from ``model_path`` and the tokenizer itself).
+        gguf_file: GGUF file name inside ``model_path`` (``hf`` only).
+        pretrained: load the weights from ``model_path``; False builds random weights from the
+            config (the trainer's engine, whose weights come from the actor's first sync).
+        device: ``hf``: the device; None is this rank's (``platform.device()``).
+        tp_size, mem_fraction_static, enable_memory_saver, base_gpu_id, deterministic,
+            engine_kwargs: ``sglang`` only, see :class:`~dapo_megatron.rollout.sglang_engine.SGLangEngine`.
+        update_bucket_mb: weight-update bucket (MiB); None keeps the engine's default.
+    """
+
+    name: str
+    model_path: str
+    dtype: torch.dtype
+    eos_token_ids: tuple[int, ...]
+    gguf_file: Optional[str] = None
+    pretrained: bool = True
+    device: Optional[str] = None
+    tp_size: int = 1
+    mem_fraction_static: float = 0.5
+    enable_memory_saver: bool = True
+    base_gpu_id: Optional[int] = None
+    deterministic: bool = False
+    update_bucket_mb: Optional[int] = None
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.name not in ENGINES:
+            raise ValueError(f"rollout engine {self.name!r} must be one of {ENGINES}")
+
+
+def training_engine_spec(cfg: DAPOConfig, tokenizer, hf_config) -> EngineSpec:
+    """The trainer's colocated engine: random weights (the actor syncs them before the first
+    rollout), ``model.params_dtype``, this rank's GPU, the ``rollout.*`` settings."""
+    rollout = cfg.rollout
+    base_gpu_id = None
+    if rollout.name == "sglang":
+        from dapo_megatron.platform import local_device_index
+
+        base_gpu_id = local_device_index()  # this rank's GPU: torchrun sets no CUDA_VISIBLE_DEVICES
+    return EngineSpec(
+        name=rollout.name, model_path=cfg.model.hf_path, dtype=cfg.model.torch_dtype(),
+        eos_token_ids=stop_token_ids(tokenizer, hf_config, cfg.model.hf_path), gguf_file=cfg.model.gguf_file,
+        pretrained=False, tp_size=1, mem_fraction_static=rollout.gpu_memory_utilization,
+        base_gpu_id=base_gpu_id, deterministic=rollout.deterministic,
+        update_bucket_mb=rollout.update_weights_bucket_megabytes, engine_kwargs=dict(rollout.engine_kwargs or {}),
+    )
+
+
+def build_engine(spec: EngineSpec, hf_config=None) -> RolloutEngine:
+    """The engine ``spec`` describes.
+
+    Args:
+        spec: see :class:`EngineSpec`.
+        hf_config: the model's HF config; needed for ``name="hf"`` with ``pretrained=False``.
+
+    Raises:
+        ValueError: ``pretrained=False`` without ``hf_config``; the engines' own errors.
+    """
+    bucket = {} if spec.update_bucket_mb is None else {"update_bucket_mb": spec.update_bucket_mb}
+    if spec.name == "sglang":
+        from dapo_megatron.rollout.sglang_engine import SGLangEngine
+
+        return SGLangEngine(model_path=spec.model_path, dtype=spec.dtype, tp_size=spec.tp_size,
+                            mem_fraction_static=spec.mem_fraction_static,
+                            enable_memory_saver=spec.enable_memory_saver, base_gpu_id=spec.base_gpu_id,
+                            deterministic=spec.deterministic, engine_kwargs=spec.engine_kwargs or None, **bucket)
+    from dapo_megatron.platform import device as rank_device
+    from dapo_megatron.rollout.hf_engine import HFEngine
+
+    if spec.pretrained:
+        model: Any = spec.model_path
+        extra = {"gguf_file": spec.gguf_file}
+    else:
+        if hf_config is None:
+            raise ValueError("build_engine: an engine with random weights (pretrained=False) needs hf_config")
+        from transformers import AutoModelForCausalLM
+
+        model, extra = AutoModelForCausalLM.from_config(hf_config, dtype=spec.dtype), {}
+    return HFEngine(model, dtype=spec.dtype, device=spec.device or rank_device(),
+                    eos_token_ids=list(spec.eos_token_ids), **extra, **bucket)
+

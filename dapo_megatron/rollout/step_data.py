@@ -1,0 +1,289 @@
+"""The step's data path across ranks: decisions replicated, token data sent once (docs/design.md §1).
+
+Every rank keeps a :class:`~dapo_megatron.rollout.types.Sample` record of every response of
+the step, so the replicated logic (the dynamic-sampling buffer, the advantages, the DP plan)
+runs identically everywhere without further communication. The token lists of a response
+(``response_ids``, ``rollout_logprobs``) stay on the rank that generated it
+(``Sample.holder``; None elsewhere, the length in ``Sample.num_response_tokens``) until the
+step's plan names the DP rank that trains it; then they travel once, as tensors, to the
+TP × PP ranks of that DP rank. In order:
+
+1. :func:`gather_groups`, per generation batch: an all-gather of ``3 + 2n`` int64 per
+   group (DP rank, position, prompt index; each response's length and finish reason).
+   Prompt ids and grading inputs come from the dataset, which every rank holds.
+2. :class:`DistributedGrader`, per generation batch: each rank grades the responses it
+   holds in its own reward pool; ``(score, acc)`` are all-reduced, 3 float64 per response.
+   The extracted answer (``pred``, for logs) stays on the holder.
+3. :func:`plan_step`, once per step: the DP split of every mini-batch
+   (:func:`~dapo_megatron.rollout.dp_split.split_for_dp`) from the replicated lengths,
+   reused by every PPO epoch; it fixes the DP rank that trains each sample.
+4. :func:`send_tokens`, once per step: one ``all_to_all_single`` of int32 words (the
+   token ids, then the float32 bits of the rollout logprobs) from each holder to the
+   ranks of the owning DP rank.
+
+The old logprobs are then computed on the ranks that train each sample and stay there; their
+mismatch metrics are pooled over DP as sums
+(:func:`~dapo_megatron.rollout.buffer.logprob_mismatch_metrics`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from dapo_megatron.platform.distributed import collective_device
+from dapo_megatron.rollout.dp_split import split_for_dp
+from dapo_megatron.rollout.types import HELD_BY_ALL, Group, Sample
+
+FINISH_REASONS = ("stop", "length")
+"""The finish reasons an engine reports (``rollout.engine.Completion``), coded by position."""
+
+
+def _world(group=None) -> tuple[int, int]:
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+# --------------------------------------------------------------------------- 1. generation
+def gather_groups(local: Sequence[tuple[int, int, Group]], *, n: int, max_local: int,
+                  record_of: Callable[[int], Any]) -> list[Group]:
+    """Every group of one generation batch on every rank, the token lists only where generated.
+
+    A collective over the world. Each rank passes the groups it generated, with their DP
+    rank and position in that DP rank's share of the batch; every rank gets all groups
+    ordered by (DP rank, position). Its own groups are returned as given (``holder`` set to
+    this rank); the others are built from their prompt's dataset record and the gathered
+    lengths and finish reasons, without token lists (``holder`` = the generating rank).
+
+    Args:
+        local: ``(dp_rank, position, group)`` per group generated here, each with ``n``
+            complete samples (``prompt_index`` set).
+        n: responses per group.
+        max_local: the most groups any rank generated (the same on every rank).
+        record_of: prompt index → its dataset record (``PromptRecord``: ``prompt_ids``,
+            ``data_source``, ``ground_truth``, ``extra_info``, ``index``).
+
+    Returns:
+        The batch's groups; ``group_id`` is left for the caller to number.
+
+    Raises:
+        ValueError: more than ``max_local`` local groups, a group without ``n`` samples, or
+            an unknown finish reason.
+    """
+    rank, world = _world()
+    if len(local) > max_local:
+        raise ValueError(f"{len(local)} local groups, more than max_local={max_local}")
+    rows = torch.full((max_local, 3 + 2 * n), -1, dtype=torch.int64)  # dp_rank -1 marks padding
+    for k, (dp_rank, position, g) in enumerate(local):
+        if len(g.samples) != n:
+            raise ValueError(f"group at DP rank {dp_rank}, position {position} has {len(g.samples)} samples, need {n}")
+        for s in g.samples:
+            if s.finish_reason not in FINISH_REASONS:
+                raise ValueError(f"finish_reason={s.finish_reason!r} is not one of {FINISH_REASONS}")
+            s.holder = rank
+        rows[k] = torch.tensor([dp_rank, position, g.samples[0].prompt_index]
+                               + [s.response_length for s in g.samples]
+                               + [FINISH_REASONS.index(s.finish_reason) for s in g.samples])
+    if world > 1:
+        dev = collective_device()
+        parts = [torch.empty_like(rows, device=dev) for _ in range(world)]
+        dist.all_gather(parts, rows.to(dev))
+        table = torch.cat(parts).cpu().tolist()
+    else:
+        table = rows.tolist()
+    mine = {(dp_rank, position): g for dp_rank, position, g in local}
+    entries = sorted((row[0], row[1], i // max_local, row) for i, row in enumerate(table) if row[0] >= 0)
+    groups = []
+    for dp_rank, position, src, row in entries:
+        if src == rank:
+            groups.append(mine[(dp_rank, position)])
+            continue
+        rec = record_of(row[2])
+        groups.append(Group(-1, [
+            Sample(prompt_ids=list(rec.prompt_ids), response_ids=None, rollout_logprobs=None,
+                   finish_reason=FINISH_REASONS[finish], prompt_index=rec.index, data_source=rec.data_source,
+                   ground_truth=rec.ground_truth,
+                   extra_info=dict(rec.extra_info) if rec.extra_info is not None else None,
+                   holder=src, num_response_tokens=length)
+            for length, finish in zip(row[3:3 + n], row[3 + n:])
+        ]))
+    return groups
+
+
+# --------------------------------------------------------------------------- 2. grading
+class DistributedGrader:
+    """Grades each response on the rank that holds it; the grades of all are replicated.
+
+    Wraps a :class:`~dapo_megatron.rewards.RewardPool` with the same ``grade`` API, so the
+    replicated rollout buffer sees one grader. A collective over the world: every rank
+    passes the same requests, with ``solution_str`` None where it does not hold the
+    response (exactly one rank holds each).
+    """
+
+    def __init__(self, pool):
+        self.pool = pool
+
+    def grade(self, requests: Sequence[tuple]) -> list[dict]:
+        """``{"score", "acc"}`` for every request, plus ``"pred"`` for the ones graded here.
+
+        Raises:
+            RuntimeError: a response held by no rank or by several (its index named).
+        """
+        mine = [i for i, r in enumerate(requests) if r[1] is not None]
+        results = self.pool.grade([requests[i] for i in mine]) if mine else []
+        table = torch.zeros(len(requests), 3, dtype=torch.float64)  # score, acc, graded here
+        for i, res in zip(mine, results):
+            table[i] = torch.tensor([float(res["score"]), 1.0 if res["acc"] else 0.0, 1.0], dtype=torch.float64)
+        _, world = _world()
+        if world > 1:  # each row is non-zero on one rank only: the sum is that rank's row, exactly
+            dev = collective_device()
+            table = table.to(dev)
+            dist.all_reduce(table)
+            table = table.cpu()
+        graded = table[:, 2]
+        if len(requests) and not bool((graded == 1).all()):
+            bad = int((graded != 1).nonzero()[0])
+            raise RuntimeError(f"response {bad} of the batch was graded by {int(graded[bad])} ranks; exactly the "
+                               "rank that generated it must hold its text")
+        out = [{"score": score, "acc": acc == 1.0} for score, acc, _ in table.tolist()]
+        for i, res in zip(mine, results):
+            out[i]["pred"] = res.get("pred")
+        return out
+
+
+# --------------------------------------------------------------------------- 3. the plan
+@dataclass(frozen=True)
+class MiniBatchPlan:
+    """One mini-batch of the step: samples ``[start, start + size)`` of the step's flat list.
+
+    Attributes:
+        micro_batches: ``micro_batches[dp_rank][k]`` = the step-global sample indices of
+            micro-batch ``k`` of that DP rank (every DP rank has the same count).
+        global_num_tokens: loss tokens of the whole mini-batch (overlong-filtered samples
+            count 0), the denominator of DAPO's token-mean loss (docs/design.md §3.4).
+        total_tokens: prompt + response tokens of the mini-batch (for throughput).
+    """
+
+    start: int
+    size: int
+    micro_batches: tuple[tuple[tuple[int, ...], ...], ...]
+    global_num_tokens: int
+    total_tokens: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """The DP split of every mini-batch of a step, and the DP rank that trains each sample."""
+
+    mini_batches: tuple[MiniBatchPlan, ...]
+    owner: tuple[int, ...]
+
+    def owned(self, dp_rank: int) -> list[int]:
+        """Step-global indices of the samples DP rank ``dp_rank`` trains, ascending."""
+        return [i for i, d in enumerate(self.owner) if d == dp_rank]
+
+
+def plan_step(groups: Sequence[Group], groups_per_mini_batch: int, dp_size: int,
+              max_tokens_per_micro_batch: int, *, share_prompts: bool = False) -> StepPlan:
+    """Cut the step's groups into mini-batches and split each over DP (no communication).
+
+    Mini-batch ``m`` holds groups ``[m * groups_per_mini_batch, (m + 1) * groups_per_mini_batch)``
+    (the last may be smaller); its samples are split with
+    :func:`~dapo_megatron.rollout.dp_split.split_for_dp` from their lengths alone, so every
+    rank computes the same plan, and every PPO epoch reuses it. ``share_prompts``: as there
+    (the actor encodes a prompt once per micro-batch).
+
+    Raises:
+        ValueError: as :func:`~dapo_megatron.rollout.dp_split.split_for_dp`.
+    """
+    samples = [s for g in groups for s in g.samples]
+    owner = [-1] * len(samples)
+    minis, start = [], 0
+    for first in range(0, len(groups), groups_per_mini_batch):
+        mini = [s for g in groups[first:first + groups_per_mini_batch] for s in g.samples]
+        split = split_for_dp(mini, dp_size, max_tokens_per_micro_batch, share_prompts=share_prompts)
+        micro = tuple(tuple(tuple(start + i for i in mb) for mb in rank_mbs) for rank_mbs in split)
+        for dp_rank, rank_mbs in enumerate(micro):
+            for mb in rank_mbs:
+                for i in mb:
+                    owner[i] = dp_rank
+        minis.append(MiniBatchPlan(
+            start=start, size=len(mini), micro_batches=micro,
+            global_num_tokens=sum(s.response_length for s in mini if not s.loss_mask_zero),
+            total_tokens=sum(s.total_length for s in mini)))
+        start += len(mini)
+    return StepPlan(mini_batches=tuple(minis), owner=tuple(owner))
+
+
+# --------------------------------------------------------------------------- 4. the tokens
+def send_tokens(samples: Sequence[Sample], destinations: Sequence[Sequence[int]], group=None) -> int:
+    """Deliver each sample's token lists from its holder to the ranks of ``destinations[i]``.
+
+    A collective over ``group`` (default: the world; ranks are ranks of ``group``): every
+    rank passes the same samples (records) and destinations. Sample ``i`` travels from
+    ``samples[i].holder`` to every destination other than the holder, as int32 words:
+    ``response_ids`` then the float32 bits of ``rollout_logprobs`` (exact for the engines'
+    float32 logprobs), all pairs in one ``all_to_all_single``. A sample held by every rank
+    (:data:`~dapo_megatron.rollout.types.HELD_BY_ALL`) does not travel. On arrival the
+    receiver's record gets both lists.
+
+    Returns:
+        The bytes this rank received.
+
+    Raises:
+        ValueError: a holder without the token lists it should send.
+    """
+    rank, world = _world(group)
+    if world == 1:
+        return 0
+    words = [2 * s.response_length for s in samples]
+    send_parts: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    recv_plan: list[list[int]] = [[] for _ in range(world)]  # per source: the sample indices, in order
+    for i, (s, dests) in enumerate(zip(samples, destinations)):
+        if s.holder == HELD_BY_ALL:
+            continue
+        for dst in dests:
+            if dst == s.holder:
+                continue
+            if s.holder == rank:
+                if s.response_ids is None or s.rollout_logprobs is None:
+                    raise ValueError(f"sample {i} is held by rank {rank}, which has no token lists for it")
+                send_parts[dst].append(torch.tensor(s.response_ids, dtype=torch.int32))
+                send_parts[dst].append(torch.tensor(s.rollout_logprobs, dtype=torch.float32).view(torch.int32))
+            elif dst == rank:
+                recv_plan[s.holder].append(i)
+    send_sizes = [sum(p.numel() for p in parts) for parts in send_parts]
+    recv_sizes = [sum(words[i] for i in idx) for idx in recv_plan]
+    dev = collective_device(group)
+    flat = [p for parts in send_parts for p in parts]
+    send = torch.cat(flat).to(dev) if flat else torch.zeros(0, dtype=torch.int32, device=dev)
+    recv = torch.empty(sum(recv_sizes), dtype=torch.int32, device=dev)
+    dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes, group=group)
+    recv = recv.cpu()
+    offset = 0
+    for idx in recv_plan:
+        for i in idx:
+            length = words[i] // 2
+            samples[i].response_ids = recv[offset:offset + length].tolist()
+            samples[i].rollout_logprobs = recv[offset + length:offset + 2 * length].view(torch.float32).tolist()
+            offset += 2 * length
+    return 4 * recv.numel()
+
+
+def gather_preds(samples: Sequence[Sample], dst: int = 0) -> None:
+    """Give rank ``dst`` the ``pred`` (extracted answer) of every sample from its holder; a
+    collective over the world (small python objects, for checkpoints and logs only)."""
+    rank, world = _world()
+    if world == 1:
+        return
+    mine = {i: s.pred for i, s in enumerate(samples) if s.holder == rank}
+    parts: Optional[list] = [None] * world if rank == dst else None
+    dist.gather_object(mine, parts, dst=dst)
+    if rank == dst:
+        for part in parts:
+            for i, pred in part.items():
+                samples[i].pred = pred

@@ -1,0 +1,158 @@
+"""tools/convert_hf_to_megatron.py and tools/convert_megatron_to_hf.py as a user runs them:
+under torchrun (TP=2) and as one plain process, on a tiny model and on SmolLM2 (GGUF)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO, random_hf_model, tiny_hf_config
+
+TO_MEGATRON = os.path.join(REPO, "tools", "convert_hf_to_megatron.py")
+TO_HF = os.path.join(REPO, "tools", "convert_megatron_to_hf.py")
+
+
+def _run(args: list[str], nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, *args] if nproc == 1 else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+
+
+def _load_safetensors_dir(path: str) -> dict:
+    from dapo_megatron.bridge import SafetensorsSource
+
+    src = SafetensorsSource(path)
+    return {k: src[k] for k in src}
+
+
+@pytest.mark.dist
+def test_tiny_model_round_trip_tp2_torchrun_then_plain_export(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_hf_config("llama_gqa3")  # 3 KV groups: the TP=2 checkpoint holds a zero 4th group
+    hf = random_hf_model(cfg, seed=3)
+    hf.save_pretrained(tmp_path / "hf")
+    out = _run([TO_MEGATRON, "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt"), "--tp", "2"], nproc=2)
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = _run([TO_HF, "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf2")])
+    assert out.returncode == 0, out.stderr[-3000:]
+    src, back = _load_safetensors_dir(str(tmp_path / "hf")), _load_safetensors_dir(str(tmp_path / "hf2"))
+    assert sorted(back) == sorted(src)
+    for k in src:
+        assert torch.equal(back[k], src[k]), k
+    assert back["model.embed_tokens.weight"].shape[0] == 250  # no vocab-padding rows
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf2").eval()
+    ids = torch.randint(0, 250, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, hf(ids).logits)
+
+
+def test_bad_inputs_stop_the_tools_with_the_name(tmp_path):
+    cfg = tiny_hf_config("qwen2_bias")
+    hf = random_hf_model(cfg, seed=4)
+    state = {k: v for k, v in hf.state_dict().items() if k != "model.layers.0.self_attn.v_proj.bias"}
+    hf.save_pretrained(tmp_path / "hf", state_dict=state)
+    out = _run([TO_MEGATRON, "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")])
+    assert out.returncode != 0 and "model.layers.0.self_attn.v_proj.bias" in out.stderr
+    assert not (tmp_path / "ckpt").exists()
+    out = _run([TO_MEGATRON, "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt"), "--tp", "2"])
+    assert out.returncode != 0 and "torchrun --nproc_per_node=2" in out.stderr
+    out = _run([TO_HF, "--ckpt", str(tmp_path / "hf"), "--out", str(tmp_path / "x")])
+    assert out.returncode != 0 and "not a dapo-megatron model checkpoint" in out.stderr
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_converts_both_ways(smollm2_gguf, smollm2_hf_dir, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path, fname = smollm2_gguf
+    out = _run([TO_MEGATRON, "--hf", path, "--gguf-file", fname, "--out", str(tmp_path / "ckpt")], timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = _run([TO_HF, "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")], timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    ref, back = _load_safetensors_dir(smollm2_hf_dir), _load_safetensors_dir(str(tmp_path / "hf"))
+    assert sorted(back) == sorted(ref) and "lm_head.weight" not in back  # tied: embedding once
+    for k in ref:
+        assert torch.equal(back[k], ref[k]), k
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert model.config.tie_word_embeddings and model.config.num_key_value_heads == 3
+    assert torch.equal(model.lm_head.weight, ref["model.embed_tokens.weight"])
+    text = "Compute 7 + 12. Reply with just the number."
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf")(text)["input_ids"] == \
+        AutoTokenizer.from_pretrained(path, gguf_file=fname)(text)["input_ids"]
+
+
+def test_sharded_safetensors_output_reads_back(tmp_path):
+    import importlib.util
+
+    from transformers import AutoModelForCausalLM
+
+    spec = importlib.util.spec_from_file_location("convert_megatron_to_hf", TO_HF)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    cfg = tiny_hf_config("qwen3_qknorm")
+    hf = random_hf_model(cfg, seed=5)
+    state = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}  # tied
+    cfg.save_pretrained(tmp_path)
+    files = tool.write_safetensors(state, str(tmp_path), shard_bytes=40_000)
+    assert len(files) > 2 and (tmp_path / "model.safetensors.index.json").exists()
+    back = _load_safetensors_dir(str(tmp_path))
+    assert sorted(back) == sorted(state) and all(torch.equal(back[k], state[k]) for k in state)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert torch.equal(reloaded.model.layers[1].self_attn.q_norm.weight, state["model.layers.1.self_attn.q_norm.weight"])
+
+
+def _te_style_checkpoint_worker(hf_dir, ckpt_dir):
+    """A checkpoint as the Transformer Engine spec writes it: the same keys as the local spec
+    (megatron-core's local spec maps its norms to TE's fused names), FP8 metadata payloads in
+    every ``_extra_state`` object, and ``transformer_impl: transformer_engine`` in the meta."""
+    import json
+
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    from dapo_megatron.bridge import load_hf_weights, open_hf_source
+    from dapo_megatron.bridge.dist_ckpt import META_FILE, model_sharded_state_dict, write_model_meta
+    from dapo_megatron.models import ModelConfig, build_gpt_model, load_hf_config
+    from dapo_megatron.platform import init_distributed
+
+    par = init_distributed()
+    hf_config = load_hf_config(hf_dir)
+    model = build_gpt_model(hf_config, ModelConfig(transformer_impl="local"), parallel=par)
+    load_hf_weights(model, open_hf_source(hf_dir), strict=True, parallel=par)
+    sharded = model_sharded_state_dict(model)
+    extra = [v for v in sharded["model"].values() if isinstance(v, ShardedObject)]
+    assert extra and all(o.key.endswith("._extra_state") for o in extra)
+    keys = {v.key for v in sharded["model"].values()}
+    assert "decoder.layers.self_attention.linear_qkv.layer_norm_weight" in keys  # TE's fused-norm name
+    for o in extra:  # TE keeps serialized FP8 scaling state here (the local spec: None)
+        o.data = torch.frombuffer(bytearray(b"fp8 amax history and scales"), dtype=torch.uint8).clone()
+    os.makedirs(ckpt_dir)
+    dist_checkpointing.save(sharded, ckpt_dir, sharded_strategy=("torch_dist", 1))
+    write_model_meta(ckpt_dir, model, hf_config)
+    path = os.path.join(ckpt_dir, META_FILE)
+    meta = json.load(open(path))
+    assert meta["transformer_impl"] == "local"  # what this model was built with
+    meta["transformer_impl"] = "transformer_engine"  # what a TE-spec save records
+    json.dump(meta, open(path, "w"))
+
+
+def test_transformer_engine_checkpoint_converts_to_hf_without_te(tmp_path):
+    from dapo_megatron.platform import spawn
+
+    hf = random_hf_model(tiny_hf_config("qwen2_bias"), seed=5)
+    hf.save_pretrained(tmp_path / "hf")
+    spawn(_te_style_checkpoint_worker, 1, str(tmp_path / "hf"), str(tmp_path / "ckpt"))
+    out = _run([TO_HF, "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "back")])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "saved with the Transformer Engine spec; loading it with the local spec" in out.stdout
+    src, back = _load_safetensors_dir(str(tmp_path / "hf")), _load_safetensors_dir(str(tmp_path / "back"))
+    assert sorted(back) == sorted(src)
+    for k in src:
+        assert torch.equal(back[k], src[k]), k

@@ -1,0 +1,45 @@
+"""The GPU scripts stay runnable: tests/gpu/h200_check.sh's dry run on CPU (every check but
+the CUDA specifics), and tests/gpu/full_image_check.sh's structure (it needs the image and
+two GPUs; its model builder runs here)."""
+
+import os
+import re
+import subprocess
+import sys
+
+from conftest import REPO
+
+GPU = os.path.join(REPO, "tests", "gpu")
+
+
+def test_h200_check_dry_run_on_cpu():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    out = subprocess.run(["bash", os.path.join(GPU, "h200_check.sh"), "--cpu"], capture_output=True, text=True,
+                         timeout=600, env=env, cwd=REPO)
+    lines = [ln for ln in out.stdout.splitlines() if ln and not ln.startswith("#")]
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert lines[-1] == f"{len(lines) - 1} passed, 0 failed", lines
+    names = [ln.split(":")[0].split()[1] for ln in lines[:-1]]
+    assert all(ln.startswith("PASS ") for ln in lines[:-1]), lines
+    for fam in ("llama_tied", "qwen2_bias"):
+        assert {f"logprobs_fp32_{fam}", f"logprobs_bf16_{fam}", f"train_step_{fam}", f"sync_parity_{fam}"} <= set(names)
+    assert {"collectives", "device_index"} <= set(names)
+
+
+def test_full_image_check_runs_only_known_subcommands(tmp_path):
+    sys.path.insert(0, GPU)
+    import full_image_check
+
+    script = open(os.path.join(GPU, "full_image_check.sh")).read()
+    assert subprocess.run(["bash", "-n", os.path.join(GPU, "full_image_check.sh")]).returncode == 0
+    used = set(re.findall(r"full_image_check\.py (\S+)", script))
+    assert used and used <= set(full_image_check.SUBCOMMANDS), used
+    # the DAPO step's model: a tokenizer with a chat template and EOS, built without a download
+    full_image_check.make_model(str(tmp_path))
+    from transformers import AutoConfig, AutoTokenizer
+
+    tok, cfg = AutoTokenizer.from_pretrained(tmp_path), AutoConfig.from_pretrained(tmp_path)
+    ids = tok.apply_chat_template([{"role": "user", "content": "Compute 3 + 4."}], add_generation_prompt=True,
+                                  tokenize=True, return_dict=False)
+    assert len(tok) <= cfg.vocab_size and cfg.eos_token_id == tok.eos_token_id
+    assert tok.decode(ids).endswith("<|im_start|>assistant\n")

@@ -1,0 +1,108 @@
+"""The per-GPU memory estimate on the H100 examples: the verdict its arithmetic gives.
+
+Expected numbers are computed here from the parameter count of the transformers model
+(built on the meta device) and the layout, term by term as the estimate's docstring
+states them, not with the estimator's helpers.
+"""
+
+import pytest
+import torch
+
+from dapo_megatron.config import ConfigError, DAPOConfig, load_config
+from dapo_megatron.platform.memory import GB, H100_80GB, ModelShape, check_memory, estimate_from_config
+from integration.test_examples import GPUS, H100, QWEN2_5
+
+
+def _qwen(name):
+    from transformers import Qwen2Config
+
+    # published Qwen2.5 config.json: vocab 152064, untied embeddings, q/k/v biases
+    return Qwen2Config(vocab_size=152064, tie_word_embeddings=False, **QWEN2_5[name])
+
+
+def _meta(hf):
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf)
+
+
+def _counts(hf):
+    """(all parameters, split-over-TP parameters of one layer, norm parameters of one layer)."""
+    model = _meta(hf)
+    total = sum(p.numel() for p in model.parameters())
+    layer = model.model.layers[0]
+    norms = sum(p.numel() for n, p in layer.named_parameters() if "norm" in n)
+    return total, sum(p.numel() for p in layer.parameters()) - norms, norms
+
+
+def _cfg(name, *overrides):
+    return load_config(DAPOConfig, H100[name], ["model.hf_path=/models/x", *overrides])
+
+
+@pytest.mark.parametrize("family", ["llama_tied", "llama_untied", "qwen2_bias", "qwen3_qknorm"])
+def test_parameter_count_matches_transformers(tiny_hf_configs, family):
+    hf = tiny_hf_configs[family]
+    assert ModelShape.from_hf(hf).total_params() == _counts(hf)[0]
+
+
+def test_7b_example_fits_an_80gb_h100():
+    cfg, hf = _cfg("7b"), _qwen("7b")
+    total, layer_split, layer_norms = _counts(hf)
+    h, L, tp, dp = 3584, 28, 4, GPUS["7b"] // 4
+    assert 152064 % (128 * tp) == 0  # no vocabulary padding at TP=4
+    # PP=1: every layer, the embedding and the untied LM head on one stage, split over TP
+    P = L * (layer_split // tp + layer_norms) + 2 * 152064 * h // tp + h
+    resident_at_start = 2 * P + 4 * P + 4 * P // dp + 2 * P  # bf16 params, fp32 grads, fp32 main, FP8 copies
+    free = H100_80GB - resident_at_start - 4 * GB
+    static = int(0.5 * free)  # rollout.gpu_memory_utilization = 0.5 of the memory free at the engine's start
+    weights = 2 * total  # one bf16 engine per GPU
+    kv_tokens = (static - weights) // (2 * L * 4 * 128 * 2)  # K and V, 4 KV heads of 128, bf16
+    T = 22528
+    activations = L * 2 * h * T + 2 * (4 * h + ((28 + 8) * 128 + 28 * 128 + 3 * 18944) // tp) * T  # full recompute
+    logits = 16 * T * 152064 // tp
+
+    est = estimate_from_config(cfg, hf, GPUS["7b"])
+    assert est.parts["actor_params"] == 2 * P and est.parts["actor_adam"] == 8 * P // dp
+    assert est.parts["engine_weights"] == weights and est.kv_tokens == kv_tokens
+    assert est.parts["activations"] == activations and est.parts["logits"] == logits
+    assert est.phases["train"] == resident_at_start + 8 * P // dp + activations + logits + 4 * GB
+    assert est.fits, est.problems
+    assert kv_tokens > 10 * est.max_sequence_tokens == 10 * (2048 + 20480)
+    assert est.phases["rollout"] == resident_at_start + 8 * P // dp + 4 * GB + static + 3 * GB < H100_80GB
+    check_memory(cfg, hf, GPUS["7b"])  # no error
+
+
+def test_32b_example_needs_a_rollout_tp():
+    cfg, hf = _cfg("32b"), _qwen("32b")
+    total, layer_split, layer_norms = _counts(hf)
+    h, tp, dp = 5120, 8, GPUS["32b"] // 16  # PP=2: 32 layers per stage
+    padded_vocab = 149 * 1024  # 152064 rows padded to a multiple of 128 x TP = 1024
+    # the last stage holds the most: 32 layers, the LM head and the final norm
+    P = 32 * (layer_split // tp + layer_norms) + padded_vocab * h // tp + h
+    resident_at_start = 2 * P + 4 * P + 4 * P // dp + 2 * P  # as for the 7B
+    free = H100_80GB - resident_at_start - 4 * GB
+    static = int(0.6 * free)
+    assert 2 * total > static, "a full bf16 copy of the 32B weights exceeds the engine's whole static pool"
+
+    est = estimate_from_config(cfg, hf, GPUS["32b"])  # rollout TP 1 (the trainer's engine today)
+    assert est.parts["actor_params"] == 2 * P and est.parts["engine_weights"] == 2 * total
+    assert not est.fits and est.kv_tokens == 0
+    assert any("KV cache holds 0 tokens" in p and "rollout tensor parallel size" in p for p in est.problems)
+    assert any(p.startswith("weight sync") for p in est.problems)
+    with pytest.raises(ConfigError, match=r"do not fit one GPU(.|\n)*rollout\.gpu_memory_utilization"):
+        check_memory(cfg, hf, GPUS["32b"])
+
+    for rollout_tp, kv_heads in ((8, 1), (4, 2)):  # 8 KV heads over the engine's GPUs
+        est = estimate_from_config(cfg, hf, GPUS["32b"], rollout_tp=rollout_tp)
+        assert est.parts["engine_weights"] == 2 * total // rollout_tp
+        assert est.kv_tokens == (static - 2 * total // rollout_tp) // (2 * 64 * kv_heads * 128 * 2)
+        assert est.fits, (rollout_tp, est.problems)
+
+
+def test_a_micro_batch_too_large_names_the_token_budget():
+    cfg = _cfg("7b", "actor.ppo_max_token_len_per_gpu=131072", "model.extra_transformer_config={}")
+    est = estimate_from_config(cfg, _qwen("7b"), GPUS["7b"])
+    assert not est.fits
+    assert any(p.startswith("train") and "actor.ppo_max_token_len_per_gpu (now 131,072)" in p
+               and "recompute_granularity=full" in p for p in est.problems)

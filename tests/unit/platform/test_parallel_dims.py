@@ -1,0 +1,138 @@
+"""ParallelDims: the rollout groups of many layouts, the validation that names the key, and the
+object init_distributed returns on a 2-process world at TP=2 / PP=2 / DP=2 with rollout TP 1 and 2."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+
+import pytest
+import torch
+
+from dapo_megatron.platform import ParallelConfig, ParallelDims, rollout_groups, spawn
+
+
+@pytest.mark.parametrize("world,local,rtp", [
+    (w, loc, r) for w, loc, r in itertools.product((1, 2, 4, 8, 16, 24), (1, 2, 4, 8), (1, 2, 4, 8))
+    if w % loc == 0 and loc % r == 0
+])
+def test_rollout_groups_are_consecutive_blocks_on_one_node(world, local, rtp):
+    groups = rollout_groups(world, local, rtp)
+    assert len(groups) == world // rtp
+    seen = []
+    for e, ranks in enumerate(groups):
+        assert ranks == tuple(range(e * rtp, (e + 1) * rtp))  # consecutive, leader first
+        assert len({r // local for r in ranks}) == 1  # one node
+        seen.extend(ranks)
+    assert seen == list(range(world))  # every rank in exactly one group
+
+
+def test_rollout_groups_reject_layouts_naming_the_key():
+    with pytest.raises(ValueError, match=r"^rollout\.tensor_model_parallel_size=3 does not divide the world size 8"):
+        rollout_groups(8, 8, 3)
+    # 4 divides the world of 12 but a group of ranks 4..7 would span the nodes {0..5} and {6..11}
+    with pytest.raises(ValueError, match=r"^rollout\.tensor_model_parallel_size=4 must divide the ranks per node "
+                                         r"\(LOCAL_WORLD_SIZE=6\)"):
+        rollout_groups(12, 6, 4)
+    with pytest.raises(ValueError, match=r"^rollout\.tensor_model_parallel_size=16 must divide the ranks per node"):
+        rollout_groups(16, 8, 16)
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match=r"^rollout\.tensor_model_parallel_size=.* must be an int >= 1"):
+            rollout_groups(8, 8, bad)
+
+
+def _dims(**overrides) -> ParallelDims:
+    fields = dict(world_size=4, rank=1, local_rank=1, local_world_size=4, tp_size=2, tp_rank=1, tp_group=None,
+                  pp_size=1, pp_rank=0, pp_group=None, pp_ranks=(1,), dp_size=2, dp_rank=0, dp_group=None,
+                  dp_rank_of=(0, 0, 1, 1),
+                  mp_size=2, mp_rank=1, mp_group=None, rollout_tp_size=2, rollout_group_ranks=(0, 1),
+                  rollout_index=0, num_engines=2)
+    return ParallelDims(**{**fields, **overrides})
+
+
+def test_parallel_dims_is_frozen_and_checks_its_sizes():
+    d = _dims()
+    assert (d.rollout_leader, d.rollout_rank, d.is_rollout_leader) == (0, 1, False)
+    assert d.is_pp_first and d.is_pp_last and d.pp_last_rank == 1
+    assert d.ranks_of_dp_rank(0) == (0, 1) and d.ranks_of_dp_rank(1) == (2, 3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        d.dp_rank = 1
+    with pytest.raises(ValueError, match=r"tp_size=2 × pp_size=1 × dp_size=1 != world_size=4"):
+        _dims(dp_size=1)
+    with pytest.raises(ValueError, match=r"^mp_size=4 != tp_size × pp_size = 2"):
+        _dims(mp_size=4)
+    with pytest.raises(ValueError, match=r"^dp_rank=2 is not in \[0, 2\)"):
+        _dims(dp_rank=2)
+    with pytest.raises(ValueError, match=r"^dp_rank_of=\(0, 1, 1, 1\) must give each"):
+        _dims(dp_rank_of=(0, 1, 1, 1))
+    with pytest.raises(ValueError, match=r"^pp_ranks=\(0,\) must list"):
+        _dims(pp_ranks=(0,))
+    with pytest.raises(ValueError, match=r"^rollout_group_ranks=\(2, 3\) must be"):
+        _dims(rollout_group_ranks=(2, 3))
+
+
+LAYOUTS = [(2, 1, 1), (2, 1, 2), (1, 2, 1), (1, 2, 2), (1, 1, 1), (1, 1, 2)]  # (TP, PP, rollout TP)
+
+
+def _layout_worker(out_path: str) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from dapo_megatron.platform import init_distributed
+
+    rank = int(os.environ["RANK"])
+    res = {}
+    for tp, pp, rtp in LAYOUTS:
+        d = init_distributed(ParallelConfig(tp, pp), seed=0, rollout_tp=rtp)
+        entry = {k: getattr(d, k) for k in (
+            "world_size", "rank", "local_rank", "local_world_size", "tp_size", "tp_rank", "pp_size", "pp_rank",
+            "pp_ranks", "dp_size", "dp_rank", "dp_rank_of", "mp_size", "mp_rank", "rollout_tp_size",
+            "rollout_group_ranks", "rollout_index", "num_engines")}
+        # the groups are megatron-core's own, not copies
+        entry["same_groups"] = (d.tp_group is parallel_state.get_tensor_model_parallel_group()
+                                and d.pp_group is parallel_state.get_pipeline_model_parallel_group()
+                                and d.dp_group is parallel_state.get_data_parallel_group()
+                                and d.mp_group is parallel_state.get_model_parallel_group())
+        if d.rollout_group is None:
+            entry["rollout_sum"] = None
+        else:  # a working gloo group over exactly the rollout ranks
+            x = torch.tensor([float(rank + 1)])
+            dist.all_reduce(x, group=d.rollout_group)
+            entry["rollout_sum"] = float(x)
+            entry["rollout_backend"] = str(dist.get_backend(d.rollout_group))
+        res[(tp, pp, rtp)] = entry
+    again = init_distributed(ParallelConfig(1, 1), seed=0, rollout_tp=2)  # repeated call: the same gloo group
+    res["reused_group"] = again.rollout_group is init_distributed(ParallelConfig(1, 1), rollout_tp=2).rollout_group
+    try:
+        init_distributed(ParallelConfig(1, 1), rollout_tp=4)
+        res["error"] = None
+    except ValueError as e:
+        res["error"] = str(e)
+    torch.save(res, out_path.format(rank=rank))
+
+
+@pytest.mark.dist
+def test_init_distributed_returns_each_layout(tmp_path):
+    path = str(tmp_path / "rank{rank}.pt")
+    spawn(_layout_worker, 2, path)
+    for rank in (0, 1):
+        res = torch.load(path.format(rank=rank), weights_only=False)
+        for tp, pp, rtp in LAYOUTS:
+            got = res[(tp, pp, rtp)]
+            dp = 2 // (tp * pp)
+            # megatron-core's default order: TP fastest, then DP, PP slowest
+            want = dict(world_size=2, rank=rank, local_rank=rank, local_world_size=2, tp_size=tp,
+                        tp_rank=rank % tp, pp_size=pp, pp_rank=rank // (tp * dp),
+                        pp_ranks=(0, 1) if pp == 2 else (rank,), dp_size=dp, dp_rank=(rank // tp) % dp,
+                        dp_rank_of=(0, 1) if dp == 2 else (0, 0),
+                        mp_size=tp * pp, mp_rank=rank if tp * pp == 2 else 0, rollout_tp_size=rtp,
+                        rollout_group_ranks=(0, 1) if rtp == 2 else (rank,), rollout_index=rank // rtp,
+                        num_engines=2 // rtp)
+            assert {k: got[k] for k in want} == want, (tp, pp, rtp)
+            assert got["same_groups"]
+            assert got["rollout_sum"] == (3.0 if rtp == 2 else None)
+            if rtp == 2:
+                assert got["rollout_backend"] == "gloo"
+        assert res["reused_group"]
+        assert res["error"].startswith("rollout.tensor_model_parallel_size=4 does not divide the world size 2")

@@ -1,0 +1,200 @@
+"""Answer extraction and comparison of each grader, run in-process (the sandbox is
+tested in test_pool.py). Cases cover the extraction faults other RL stacks shipped: answers cut
+off by a last-N-characters window, nested braces in \\boxed{}, \\fbox, thousands separators, a fallback to
+any number in the text, invalid UTF-8."""
+
+import ast
+import pathlib
+from fractions import Fraction
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import REPO
+
+from dapo_megatron.rewards.registry import grade_in_process, normalize_request, resolve_grader
+from dapo_megatron.rewards.text import last_boxed_content, parse_exact_number, sanitize_text
+
+
+def _grade(data_source, solution, ground_truth):
+    key, sol, gold, _ = normalize_request(data_source, solution, ground_truth)
+    return grade_in_process(key, sol, gold)
+
+
+# --------------------------------------------------------------------------- DAPO math
+LONG_TAIL = "\nLet me double check the steps once more." * 40  # > 300 characters after the answer
+
+
+@pytest.mark.parametrize(
+    "solution,gt,acc,pred",
+    [
+        ("Let me think.\nAnswer: 540", "540", True, "540"),
+        ("Answer: 3\nwait, that is wrong\nAnswer: 540", "540", True, "540"),
+        ("Answer: 540\nhmm\nAnswer: 3", "540", False, "3"),
+        ("Answer: 540" + LONG_TAIL, "540", True, "540"),  # verl's last-300-chars window loses this
+        ("Answer: $\\boxed{9{,}500}$", "9500", True, "9500"),
+        ("Answer: 8,000", "8000", True, "8000"),
+        ("Answer: \\$18 dollars", "18", True, "18"),
+        ("Answer: \\text{5 cm}", "5", True, "5"),
+        ("Answer: 30^\\circ", "30", True, "30"),
+        ("Answer: x = \\dfrac{1}{2}", "\\frac{1}{2}", True, "\\frac{1}{2}"),
+        ("Answer: 0.5", "\\frac{1}{2}", True, "0.5"),
+        ("answer: 42.", "42", True, "42"),
+        ("**Answer:** 42", "42", True, "42"),
+        ("The answer is 540.", "540", False, None),  # no Answer: line, no fallback to numbers
+        ("Answer:\n540", "540", False, None),
+        ("Answer: 5400", "540", False, "5400"),
+        ("Answer: 1,2", "12", False, "1,2"),
+    ],
+)
+def test_math_dapo(solution, gt, acc, pred):
+    for source in ("math_dapo", "aime-2024", "AIME2025"):
+        result = _grade(source, solution, gt)
+        assert result == {"score": 1.0 if acc else -1.0, "acc": acc, "pred": pred}
+
+
+# --------------------------------------------------------------------------- boxed math
+@pytest.mark.parametrize(
+    "solution,gt,acc,pred",
+    [
+        ("so $\\boxed{\\frac{1}{2}}$", "\\frac{1}{2}", True, "\\frac{1}{2}"),
+        ("so $\\boxed{\\frac{1}{2}}$", "0.5", True, "\\frac{1}{2}"),
+        # nested braces: first-closing-brace parsing would give "\frac{\sqrt{3"
+        ("\\boxed{\\frac{\\sqrt{3}}{2}}", "\\frac{\\sqrt{3}}{2}", True, "\\frac{\\sqrt{3}}{2}"),
+        ("\\fbox{7}", "7", True, "7"),
+        ("first \\boxed{3}, then \\boxed{7}", "7", True, "7"),
+        ("first \\boxed{3}, then \\boxed{7}", "3", False, "7"),
+        ("\\boxed{9{,}500}", "9500", True, "9{,}500"),
+        ("\\boxed{8,000}", "8000", True, "8,000"),
+        ("\\boxed{\\{1,2\\}}", "\\{1,2\\}", True, "\\{1,2\\}"),
+        ("the answer is 7", "7", False, None),  # never "any number in the text"
+        ("\\boxed{7} and finally \\boxed{\\frac{1}{2", "7", False, None),  # cut-off last box
+        ("\\boxed{}", "7", False, None),
+        ("\\boxed{2}", "so the answer is $\\boxed{2}$.", True, "2"),  # gold given as a solution
+    ],
+)
+def test_boxed_math(solution, gt, acc, pred):
+    result = _grade("lighteval/MATH", solution, gt)
+    assert result == {"score": 1.0 if acc else -1.0, "acc": acc, "pred": pred}
+
+
+# --------------------------------------------------------------------------- GSM8K
+GSM8K_ANSWER = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips.\n#### 72"
+
+
+@pytest.mark.parametrize(
+    "solution,gt,acc,pred",
+    [
+        ("48 + 24 = 72\n#### 72", "72", True, "72"),
+        ("48 + 24 = 72\n#### 72", GSM8K_ANSWER, True, "72"),
+        ("#### 1,200", "1200", True, "1200"),
+        ("#### 72.00", "72", True, "72.00"),
+        ("#### $18", "18", True, "18"),
+        ("#### -5", "-5", True, "-5"),
+        ("#### 70\nno wait\n#### 72", "72", True, "72"),
+        ("so it is 72", "72", False, None),
+        ("#### 73", GSM8K_ANSWER, False, "73"),
+    ],
+)
+def test_gsm8k(solution, gt, acc, pred):
+    assert _grade("openai/gsm8k", solution, gt) == {"score": 1.0 if acc else -1.0, "acc": acc, "pred": pred}
+
+
+# --------------------------------------------------------------------------- arithmetic
+@pytest.mark.parametrize(
+    "solution,gt,acc,pred",
+    [
+        ("12", "12", True, "12"),
+        ("The answer is 12.", "12", True, "12"),
+        ("5 + 7 = 12", "12", True, "12"),
+        ("-7", "-7", True, "-7"),
+        ("3 - 10 = -7", "-7", True, "-7"),
+        ("1,234", "1234", True, "1234"),
+        ("12 or maybe 13", "12", False, "13"),
+        ("12.5", "12", False, "12.5"),
+        ("twelve", "12", False, None),
+        ("", "0", False, None),
+    ],
+)
+def test_arithmetic(solution, gt, acc, pred):
+    assert _grade("arithmetic", solution, gt) == {"score": 1.0 if acc else -1.0, "acc": acc, "pred": pred}
+
+
+@given(st.integers(-10**9, 10**9), st.integers(-10**6, 10**6))
+def test_arithmetic_property(answer, other):
+    with_sep = f"{answer:,}"
+    result = _grade("arithmetic", f"{other} plus something gives {with_sep}", str(answer))
+    assert result["acc"] and result["pred"] == str(answer)
+    wrong = _grade("arithmetic", f"{answer} hmm, no: {answer + 1}", str(answer))
+    assert not wrong["acc"] and wrong["score"] == -1.0
+
+
+# --------------------------------------------------------------------------- dispatch / inputs
+def test_unknown_data_source_names_it():
+    with pytest.raises(ValueError, match="'my_dataset'"):
+        resolve_grader("my_dataset")
+    for source, key in [("openai/gsm8k", "gsm8k"), ("math", "boxed_math"), ("aime24", "math_dapo"), ("arithmetic", "arithmetic")]:
+        assert resolve_grader(source) == key
+
+
+@pytest.mark.parametrize("source", ["arithmetic", "openai/gsm8k"])
+def test_malformed_ground_truth_raises(source):
+    with pytest.raises(ValueError, match="ground_truth"):
+        _grade(source, "#### 5", "five")
+
+
+def test_sanitize_text():
+    assert sanitize_text(b"Answer: 5\xff\xfe") == "Answer: 5\ufffd\ufffd"
+    assert sanitize_text("a\ud800b") == "a?b"
+    assert sanitize_text("x\x00y") == "xy"
+    with pytest.raises(TypeError, match="solution_str"):
+        sanitize_text(None)
+
+
+@pytest.mark.parametrize("source", ["math_dapo", "openai/gsm8k", "arithmetic", "math"])
+@pytest.mark.parametrize("bad", [b"Answer: 4\xc3\x28 #### 4 \\boxed{4}", "Answer: \ufffd4 #### \ufffd \\boxed{\ufffd}", "\ud83d 4"])
+def test_invalid_utf8_never_crashes(source, bad):
+    result = _grade(source, bad, "4")
+    assert result["score"] in (1.0, -1.0) and isinstance(result["acc"], bool)
+
+
+# --------------------------------------------------------------------------- text helpers
+def _balanced():
+    leaf = st.text(alphabet="abcx0123456789+-^_\\ ,.", max_size=6).filter(lambda s: not s.endswith("\\"))
+    return st.recursive(leaf, lambda inner: st.lists(st.one_of(inner, inner.map(lambda s: "{" + s + "}")), max_size=3).map("".join), max_leaves=8)
+
+
+@settings(max_examples=100, deadline=None)
+@given(_balanced(), st.text(alphabet="abc 12{", max_size=10))
+def test_last_boxed_content_is_brace_balanced(content, prefix):
+    text = prefix + "\\boxed{" + content + "} and done"
+    assert last_boxed_content(text) == content
+    assert last_boxed_content(text.replace("\\boxed", "\\fbox")) == content
+
+
+@given(st.integers(-10**12, 10**12), st.integers(1, 10**6))
+def test_parse_exact_number(p, q):
+    assert parse_exact_number(f"\\frac{{{p}}}{{{q}}}") == Fraction(p, q)
+    assert parse_exact_number(f"{p}/{q}") == Fraction(p, q)
+    assert parse_exact_number(f"{p}.{q}") == Fraction(f"{p}.{q}")
+    assert parse_exact_number(f"{p}x") is None
+    assert parse_exact_number("9" * 5000) is None  # no int() on huge digit strings
+
+
+def test_no_dynamic_evaluation_in_reward_code():
+    """No grader source calls eval/exec/compile/sympify/parse_expr (they execute model text)."""
+    forbidden = {"eval", "exec", "compile", "sympify", "parse_expr", "parse_latex", "__import__"}
+    root = pathlib.Path(REPO) / "dapo_megatron" / "rewards"
+    files = sorted(root.glob("*.py"))
+    assert files
+    for path in files:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                assert node.func.id not in forbidden, f"{path.name}:{node.lineno} calls {node.func.id}"
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                owner = getattr(node.func.value, "id", None)
+                if not (owner == "re" and node.func.attr == "compile"):  # re.compile builds a regex only
+                    assert node.func.attr not in forbidden, f"{path.name}:{node.lineno} calls .{node.func.attr}"
+            if isinstance(node, ast.ImportFrom) and node.module:
+                assert not {a.name for a in node.names} & forbidden, f"{path.name} imports a dynamic evaluator"
