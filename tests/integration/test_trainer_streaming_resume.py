@@ -16,13 +16,13 @@ step-2 checkpoint are running): the process dies without cleanup, as under SIGKI
 point that does not depend on timing.
 """
 
-import json
 import os
 
 import pytest
 import torch
 
 from dapo_megatron.platform import spawn
+from integration.test_trainer_e2e import _metrics  # metrics.jsonl by step, the last row of a step wins
 
 STEPS, KILL_IN_STEP = 4, 3
 CONFIG = [
@@ -82,15 +82,6 @@ def _full_then_resume_worker(hf_dir, full_dir, killed_dir):
         start = trainer.step
         trainer.fit()
         torch.save({"start": start, **_final_state(trainer)}, os.path.join(run_dir, "final_state.pt"))
-
-
-def _metrics(run_dir):
-    rows = {}
-    with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        for line in f:
-            row = json.loads(line)
-            rows[row["step"]] = row  # a resumed run appends: the last row of a step wins
-    return rows
 
 
 @pytest.fixture(scope="module")
