@@ -10,11 +10,15 @@ Every rank runs this same code under ``torchrun`` (SPMD). One step:
 2. rewards: every rank grades the responses it generated in its killable grader pool and
    the grades are all-reduced (:class:`~dapo_megatron.rollout.step_data.DistributedGrader`);
 3. buffer: dynamic sampling and overlong shaping run identically on every rank
-   (:class:`~dapo_megatron.rollout.buffer.RolloutBuffer`) until N groups are kept;
+   (:class:`~dapo_megatron.rollout.buffer.RolloutBuffer`) until N groups are kept; with
+   ``rollout.streaming`` the rollout runs in rounds, graded as groups finish and stopped once
+   N are kept (:class:`~dapo_megatron.rollout.streaming.StreamingCollector`: steps 1-3 at once);
 4. advantages: group-relative (:func:`~dapo_megatron.algorithms.compute_group_advantages`);
 5. the plan: every mini-batch split over DP ranks by token count once (reused by every PPO
    epoch), and each response's tokens sent to the DP rank that trains it; the old logprobs
-   are recomputed there and stay there;
+   are recomputed there and stay there; not at all when the step is one mini-batch and one
+   epoch (``pi_old = sg(pi_theta)`` in the training forward) or with
+   ``actor.old_logprob_source: rollout`` (the engine's logprobs);
 6. updates: ``ppo_epochs`` × mini-batches, each cut into micro-batches by a token budget,
    with the DAPO token-mean loss normalised by the mini-batch's global token count;
 7. weight sync: Megatron shards → HF tensors in buckets → the engines (colocated: every
@@ -25,7 +29,9 @@ Every rank runs this same code under ``torchrun`` (SPMD). One step:
 Determinism: every response is sampled with its own seed, derived from ``trainer.seed``
 and the prompt's global position in the run (a generation-batch counter kept in the
 checkpoint), so the rollout is the same at any TP/PP/DP layout and a resumed run repeats
-the uninterrupted one.
+the uninterrupted one (streamed too, partial rollouts and skip history included: they are in
+the checkpoint). Versions: the engine holds weights version ``step`` while step ``step + 1``
+rolls out; every sample records the versions that sampled it (``Sample.versions``).
 """
 
 from __future__ import annotations
@@ -203,8 +209,12 @@ class DAPOTrainer:
         if b.gen_batch_size % self.dp_size:
             raise ValueError(f"buffer.gen_batch_size={b.gen_batch_size} must be divisible by the DP size "
                              f"{self.dp_size}")
-        self.stream = PromptStream(self.train_data, b.gen_batch_size // self.dp_size, self.dp_rank, self.dp_size,
-                                   seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+        if cfg.rollout.streaming:  # every rank draws the same global batches: the decisions are replicated
+            self.stream = PromptStream(self.train_data, b.gen_batch_size, 0, 1, seed=cfg.data.seed,
+                                       shuffle=cfg.data.shuffle)
+        else:
+            self.stream = PromptStream(self.train_data, b.gen_batch_size // self.dp_size, self.dp_rank, self.dp_size,
+                                       seed=cfg.data.seed, shuffle=cfg.data.shuffle)
 
         # model: Megatron actor (trains) and its HF twin in the engine (generates)
         self.hf_config = load_hf_config(cfg.model.hf_path, cfg.model.gguf_file)
@@ -239,6 +249,18 @@ class DAPOTrainer:
         self.reward_pool = RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
         self.reward_pool.wait_ready()
         self.buffer = RolloutBuffer(b, DistributedGrader(self.reward_pool), self._decode)
+        self.collector = self.prompt_queue = None
+        if cfg.rollout.streaming:
+            from dapo_megatron.rollout.prompt_skip import PromptSkipper
+            from dapo_megatron.rollout.streaming import PromptQueue, StreamingCollector
+
+            if not self.engine.supports_async:
+                raise ValueError(f"rollout.streaming=true needs an engine with asynchronous generation; "
+                                 f"{type(self.engine).__name__} has none: set rollout.streaming=false")
+            self.collector = StreamingCollector(self.buffer, PromptSkipper(b.prompt_skip, seed=t.seed),
+                                                partial_rollout=cfg.rollout.partial_rollout,
+                                                poll_tokens=cfg.rollout.stream_poll_tokens)
+            self.prompt_queue = PromptQueue(self.stream.next_batch, b.gen_batch_size, self.train_data.__getitem__)
 
         self.step = 0
         self.gen_batches_done = 0  # seeds the sampler: part of the resumable state
@@ -253,6 +275,12 @@ class DAPOTrainer:
             for g in self.buffer.surplus:  # every rank read the surplus' token lists from the checkpoint
                 for s in g.samples:
                     s.holder = HELD_BY_ALL
+            if self.collector is not None:
+                if "streaming" not in state:
+                    raise ValueError(f"rollout.streaming=true but the checkpoint of step {self.step} was written by a "
+                                     "batch (non-streaming) run; resume it with rollout.streaming=false")
+                self.collector.load_state_dict(state["streaming"])
+                self.prompt_queue.load_state_dict(state["prompt_queue"])
             mlflow_run_id = state.get("mlflow_run_id")
             logger.info("resumed from step %d", self.step)
         self._sync_weights()
@@ -325,10 +353,12 @@ class DAPOTrainer:
                 ground_truth=rec.ground_truth, extra_info=rec.extra_info)))
         groups = gather_groups(local, n=params.n, max_local=-(-len(batch) // self.num_engines),
                                record_of=self.train_data.__getitem__)
+        version = self.engine.weight_version  # the same on every rank: the weights of the last sync
         for k, g in enumerate(groups):
             g.group_id = first_group_id + k
             for s in g.samples:
                 s.group_id = g.group_id
+                s.versions = [(0, version)]
         return groups
 
     def _generate_batch(self) -> list[Group]:
@@ -340,6 +370,20 @@ class DAPOTrainer:
         first = self.gen_batches_done * self.cfg.buffer.gen_batch_size
         self.gen_batches_done += 1
         return self._generate_groups(records, params, first)
+
+    def _rollout_params(self):
+        r = self.cfg.rollout
+        return self._sampling_params(n=self.cfg.buffer.n, temperature=r.temperature, top_p=r.top_p,
+                                     seed=self.cfg.trainer.seed)
+
+    def _collect(self) -> tuple[list[Group], dict[str, float]]:
+        """Steps 1-3: the step's N groups, by whole generation batches or streamed; collective."""
+        if self.collector is None:
+            return self.buffer.collect(self._generate_batch, policy_version=self.step)
+        groups, metrics = self.collector.collect(_RankRows(self, self._rollout_params()), self.prompt_queue,
+                                                 policy_version=self.step)
+        self.gen_batches_done = self.prompt_queue.fetched
+        return groups, metrics
 
     def _free_allocator_cache(self) -> None:
         """Hand the actor's cached-but-free GPU blocks back to the driver.
@@ -391,10 +435,10 @@ class DAPOTrainer:
             version=self.step)
         return float(nbytes)
 
-    def _route_and_old_logprobs(self, groups: list[Group], samples: list[Sample]):
+    def _route_and_old_logprobs(self, groups: list[Group], samples: list[Sample], recompute: bool = True):
         """The step's plan (:func:`~dapo_megatron.rollout.step_data.plan_step`), each sample's
         tokens sent to the ranks of the DP rank that trains it, and ``Sample.old_logprobs``
-        filled there; collective. Returns ``(plan, mine)``: the plan and the indices into
+        filled there (``recompute``; else left for the training forward); collective. Returns ``(plan, mine)``: the plan and the indices into
         ``samples`` of this DP rank's samples."""
         from dapo_megatron.rollout.dp_split import split_for_dp
         from dapo_megatron.rollout.step_data import plan_step, send_tokens
@@ -405,6 +449,8 @@ class DAPOTrainer:
         ranks_of = [self.parallel.ranks_of_dp_rank(d) for d in range(self.dp_size)]
         send_tokens(samples, [ranks_of[d] for d in plan.owner])
         mine = plan.owned(self.dp_rank)
+        if not recompute:
+            return plan, mine
         # one forward-only pass over this DP rank's samples, packed by the micro-batch budget
         # (forward-only passes need no equal micro-batch count across DP ranks)
         micro = split_for_dp([samples[i] for i in mine], 1, actor.ppo_max_token_len_per_gpu, share_prompts=share)[0]
@@ -414,12 +460,27 @@ class DAPOTrainer:
             samples[mine[j]].old_logprobs = lp.tolist()
         return plan, mine
 
+    def _mismatch_metrics(self, batch: Sequence[Sample], measured: Sequence[Sample], metrics: dict[str, float]) -> None:
+        """The rollout-vs-actor logprob gap, pooled over DP: all, fresh (sampled by the actor's
+        current weights: the numerics of the sync alone) and stale; collective over DP.
+        ``measured``: this DP rank's samples of ``batch`` with the actor's ``old_logprobs``; which
+        parts are reported is decided from ``batch`` (versions are replicated), so every DP rank
+        makes the same calls."""
+        from dapo_megatron.rollout.buffer import logprob_mismatch_metrics, split_fresh_stale
+
+        group = self.parallel.dp_group
+        metrics.update(logprob_mismatch_metrics(measured, group=group))
+        for name, everywhere, here in zip(("fresh", "stale"), split_fresh_stale(batch, self.step),
+                                          split_fresh_stale(measured, self.step)):
+            if everywhere:
+                metrics.update({k.replace("logprob_diff", f"logprob_diff_{name}"): v
+                                for k, v in logprob_mismatch_metrics(here, group=group).items()})
+
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict[str, float]:
         """One DAPO step (docs/design.md §1); collective. Advances ``self.step`` and returns
         the step's metrics ``{name: float}`` (rank 0's are the ones logged)."""
         from dapo_megatron.algorithms import compute_group_advantages
-        from dapo_megatron.rollout.buffer import logprob_mismatch_metrics
 
         cfg, metrics, timing = self.cfg, {}, {}
 
@@ -428,7 +489,7 @@ class DAPOTrainer:
         if self.server_mode:  # a dead server stops the step here, named, not in a hung request
             self.engine.check_health()
         self._wake_engine()
-        groups, rollout_metrics = self.buffer.collect(self._generate_batch)
+        groups, rollout_metrics = self._collect()
         self.engine.sleep()  # weights too: the actor needs the memory; step 7 syncs them back
         timing["gen"] = time.perf_counter() - t0
         metrics.update(rollout_metrics)
@@ -450,30 +511,43 @@ class DAPOTrainer:
             s.advantage = a
 
         # 5. the plan, the tokens to where they train, old logprobs there (and the rollout-vs-actor
-        # mismatch they reveal, pooled over DP)
+        # mismatch they reveal, pooled over DP). Not recomputed when the first training forward
+        # computes the same numbers (one mini-batch, one epoch: pi_old = sg(pi_theta)), nor in bypass
+        # mode (the engine's logprobs are pi_old)
         t0 = time.perf_counter()
-        plan, mine = self._route_and_old_logprobs(groups, samples)
-        dp_group = self.parallel.dp_group
-        metrics.update(logprob_mismatch_metrics([samples[i] for i in mine], group=dp_group))
-        # the surplus groups carried over from the last step (first in `groups`) were sampled by the
-        # previous policy; only the groups generated in this step measure the weight sync, so the
-        # "_fresh" gap is ~fp32 round-off when the engine holds the actor's weights
-        first_fresh = sum(len(g.samples) for g in groups[:int(rollout_metrics["rollout/surplus_in"])])
-        if first_fresh < len(samples):
-            fresh = [samples[i] for i in mine if i >= first_fresh]
-            metrics.update({k.replace("logprob_diff", "logprob_diff_fresh"): v
-                            for k, v in logprob_mismatch_metrics(fresh, group=dp_group).items()})
+        a = cfg.actor
+        calls_before = self.actor.num_model_calls
+        one_update = a.ppo_epochs == 1 and len(groups) <= a.ppo_mini_batch_size
+        bypass = a.old_logprob_source == "rollout"
+        from_training = bypass or (one_update and a.rollout_rs is None)
+        plan, mine = self._route_and_old_logprobs(groups, samples, recompute=not from_training)
+        if bypass:
+            for i in mine:
+                samples[i].old_logprobs = list(samples[i].rollout_logprobs)
+        elif not from_training:
+            self._mismatch_metrics(samples, [samples[i] for i in mine], metrics)
         timing["old_logprob"] = time.perf_counter() - t0
 
         # 6. ppo_epochs × mini-batches of ppo_mini_batch_size groups, each on the DP split planned above
         t0 = time.perf_counter()
         actor_metrics: dict[str, list[float]] = {}
         train_tokens = 0
-        for _ in range(cfg.actor.ppo_epochs):
-            for mini in plan.mini_batches:
+        for epoch in range(a.ppo_epochs):
+            for m, mini in enumerate(plan.mini_batches):
                 micro_batches = [[samples[i] for i in mb] for mb in mini.micro_batches[self.dp_rank]]
+                # the first update's forward runs at the weights pi_old is defined by: its logprobs
+                # are the actor's side of the mismatch metrics when no recompute ran
+                first = epoch == 0 and m == 0 and from_training
                 out = self.actor.train_mini_batch(micro_batches, cfg.rollout.temperature,
-                                                  global_num_tokens=mini.global_num_tokens)
+                                                  global_num_tokens=mini.global_num_tokens, policy_version=self.step,
+                                                  old_from_current=from_training and not bypass,
+                                                  return_logprobs=first)
+                if first:
+                    out, lps = out
+                    shard = [s for mb in micro_batches for s in mb]
+                    self._mismatch_metrics(samples[mini.start:mini.start + mini.size],
+                                           [dataclasses.replace(s, old_logprobs=lp.tolist())
+                                            for s, lp in zip(shard, lps)], metrics)
                 train_tokens += mini.total_tokens
                 for k, v in out.items():
                     actor_metrics.setdefault(k, []).append(float(v))
@@ -485,6 +559,9 @@ class DAPOTrainer:
         metrics["actor/padding_share"] = metrics["actor/tokens_padding"] / max(metrics["actor/tokens_computed"], 1.0)
         metrics["actor/shared_prompt_ratio"] = (metrics["actor/tokens_computed"] - metrics["actor/tokens_padding"]
                                                 ) / max(metrics["actor/tokens_copied"], 1.0)
+        # every micro-batch forward of the step on this rank: old-logprob recompute and updates
+        metrics["actor/num_model_calls"] = float(self.actor.num_model_calls - calls_before)
+        metrics["actor/recomputed_old_logprobs"] = float(not from_training)
 
         # 7. weight sync into the engine
         t0 = time.perf_counter()
@@ -495,8 +572,9 @@ class DAPOTrainer:
         gen_tokens = metrics.get("rollout/gen_tokens", 0.0)
         metrics["perf/gen_tokens_per_s"] = gen_tokens / max(timing["gen"], 1e-9)
         metrics["perf/update_tokens_per_s"] = train_tokens / max(timing["update"], 1e-9)
-        metrics["perf/old_logprob_tokens_per_s"] = (
-            sum(s.total_length for s in samples) / max(timing["old_logprob"], 1e-9))
+        if not from_training:
+            metrics["perf/old_logprob_tokens_per_s"] = (
+                sum(s.total_length for s in samples) / max(timing["old_logprob"], 1e-9))
         metrics["perf/sync_GBps"] = nbytes / 1e9 / max(timing["sync"], 1e-9)
         for k, v in timing.items():
             metrics[f"time/{k}_s"] = v
@@ -577,6 +655,8 @@ class DAPOTrainer:
             "gen_batches_done": self.gen_batches_done,
             "streams": [by_dp[d] for d in range(self.dp_size)],
             "buffer": self.buffer.state_dict(),
+            **({"streaming": self.collector.state_dict(), "prompt_queue": self.prompt_queue.state_dict()}
+               if self.collector is not None else {}),
             "mlflow_run_id": self.tracker.run_id,
         }
         save_checkpoint(self.run_dir, self.step, self.actor.model_chunks, self.actor.optimizer,
@@ -635,3 +715,29 @@ class DAPOTrainer:
             self.tracker.finish()
             self.reward_pool.close()
         return last
+
+
+class _RankRows:
+    """The streamed rollout's :class:`~dapo_megatron.rollout.streaming.RowClient` over every rank's
+    engine; each call is a collective. Group ``g`` runs on rank ``g.prompt_seed % world`` (its
+    ``n`` rows share one prefill there), continued rows included; the rows that finished or
+    were aborted on any rank are all-gathered, so every rank sees every result."""
+
+    def __init__(self, trainer: DAPOTrainer, params):
+        self.trainer, self.params = trainer, params
+
+    def submit(self, rows) -> None:
+        from dapo_megatron.rollout.streaming import row_request
+
+        t = self.trainer
+        mine = [row_request(g, j, self.params) for g, j in rows if g.prompt_seed % t.world == t.rank]
+        if mine:
+            t.engine.submit(mine)
+
+    def poll(self, max_tokens: int):
+        t = self.trainer
+        local = t.engine.poll(max_tokens) if t.engine.num_in_flight else []
+        return [r for part in _all_gather_objects(local) for r in part]
+
+    def abort(self):
+        return [r for part in _all_gather_objects(self.trainer.engine.abort()) for r in part]

@@ -47,11 +47,14 @@ from dapo_megatron.platform import ParallelDims
 from dapo_megatron.platform import distributed as pdist
 from dapo_megatron.rollout.types import Sample
 
+from dapo_megatron.algorithms.policy_loss import ROLLOUT_IS_LEVELS, ROLLOUT_RS_LEVELS
+
 from .loss import SUM_KEYS, dapo_loss_func, logprob_loss_func
-from .micro_batch import MicroBatch, make_micro_batches
+from .micro_batch import MicroBatch, Targets, make_micro_batches
 from .plan import SHARED_PROMPT_MODES, gpt_model_of, resolve_actor_plan
 
 SUPPORTED_LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean")
+OLD_LOGPROB_SOURCES = ("recompute", "rollout")
 # token counts of the model calls, summed like the loss metrics (see forward_backward)
 COUNT_KEYS = ("tokens_computed", "tokens_padding", "tokens_copied")
 
@@ -138,8 +141,32 @@ class ActorConfig:
     weighted by its share of sequences)."""
     entropy_coeff: float = 0.0
     """entropy bonus weight (0: entropy is logged only, no gradient)."""
-    tis_cap: Optional[float] = None
-    """truncated importance sampling cap against ``Sample.rollout_logprobs``, or None."""
+    old_logprob_source: str = "recompute"
+    """where ``log pi_old`` comes from (algorithms/policy_loss.py, module docstring).
+    ``"recompute"``: the actor recomputes it with the weights before the step's first update
+    (three-policy form; tokens sampled by older weights get the ``rollout_is`` correction). The
+    recompute is skipped when the step is one mini-batch and one epoch (``pi_old = sg(pi_theta)``
+    in the training forward, the same value and gradient). ``"rollout"``: the engine's logprobs
+    are ``pi_old`` and no recompute pass runs (verl's bypass mode, two-policy form)."""
+    rollout_is: Optional[str] = "token"
+    """importance weight against the behaviour policy (verl rollout-correction name):
+    ``"token"`` (``min(pi_old / mu, C)`` per token), ``"sequence"`` (product over the response's
+    corrected tokens, truncated) or null (none)."""
+    rollout_is_threshold: float = 2.0
+    """``C``, the truncation of the ``rollout_is`` weight (verl's default 2.0)."""
+    rollout_is_scope: str = "stale"
+    """which tokens are corrected: ``"stale"`` (sampled by weights older than the actor's:
+    carried surplus, partial rollouts; on automatically when a batch holds any, a fresh batch
+    trains exactly as without correction) or ``"all"`` (also the train/inference numerics of
+    fresh tokens: Yao et al.'s TIS, verl's ``tis_imp_ratio_cap``)."""
+    rollout_rs: Optional[str] = None
+    """rejection of corrected tokens whose ``pi_old / mu`` is out of range: null (off),
+    ``"token"`` or ``"geometric"`` (the whole response, by its geometric-mean ratio). Rejected
+    tokens leave the loss and its denominator (slime PR #657)."""
+    rollout_rs_threshold: Optional[float] = None
+    """upper ratio bound (> 1) of ``rollout_rs``."""
+    rollout_rs_threshold_lower: Optional[float] = None
+    """lower ratio bound of ``rollout_rs``; null: ``1 / rollout_rs_threshold``."""
     use_packed_seq_params: Optional[bool] = None
     """pass ``PackedSeqParams(qkv_format="thd")`` to the model (TE attention on GPU) instead of a
     block-diagonal ``[1, 1, T, T]`` mask. None: auto (True when the model's core attention is
@@ -188,6 +215,32 @@ class ActorConfig:
             )
         if self.shared_prompt not in SHARED_PROMPT_MODES:
             raise ValueError(f"shared_prompt={self.shared_prompt!r} must be one of {SHARED_PROMPT_MODES}")
+        if self.old_logprob_source not in OLD_LOGPROB_SOURCES:
+            raise ValueError(f"old_logprob_source={self.old_logprob_source!r} must be one of {OLD_LOGPROB_SOURCES}")
+        if self.rollout_is is not None and self.rollout_is not in ROLLOUT_IS_LEVELS:
+            raise ValueError(f"rollout_is={self.rollout_is!r} must be one of {ROLLOUT_IS_LEVELS} or null")
+        if not self.rollout_is_threshold > 0:
+            raise ValueError(f"rollout_is_threshold={self.rollout_is_threshold} must be > 0")
+        if self.rollout_is_scope not in ("stale", "all"):
+            raise ValueError(f"rollout_is_scope={self.rollout_is_scope!r} must be 'stale' or 'all'")
+        if self.rollout_rs is not None:
+            if self.rollout_rs not in ROLLOUT_RS_LEVELS:
+                raise ValueError(f"rollout_rs={self.rollout_rs!r} must be one of {ROLLOUT_RS_LEVELS} or null")
+            if self.rollout_rs_threshold is None or not self.rollout_rs_threshold > 1:
+                raise ValueError(f"rollout_rs_threshold={self.rollout_rs_threshold} must be > 1 when rollout_rs is set")
+            lower = self.rollout_rs_threshold_lower
+            if lower is not None and not 0 < lower < self.rollout_rs_threshold:
+                raise ValueError(f"rollout_rs_threshold_lower={lower} must be in (0, rollout_rs_threshold)")
+            if self.old_logprob_source == "rollout":
+                raise ValueError("rollout_rs needs the recomputed pi_old (old_logprob_source='recompute'): in bypass "
+                                 "mode pi_old is the rollout policy and no token is off it; set rollout_rs: null")
+
+    @property
+    def corrects(self) -> bool:
+        """Whether stale (or, with ``rollout_is_scope='all'``, all) tokens get the behaviour-policy
+        correction: ``rollout_is`` or ``rollout_rs`` set, and ``pi_old`` recomputed (in bypass mode
+        ``pi_old`` is the behaviour policy: every weight would be 1)."""
+        return self.old_logprob_source == "recompute" and (self.rollout_is is not None or self.rollout_rs is not None)
 
 
 def _wrap_ddp(chunks, config):
@@ -381,11 +434,12 @@ class MegatronActor:
         config.finalize_model_grads_func = _finalize
         config.no_sync_func = self.model_chunks[0].no_sync
         config.grad_scale_func = self.optimizer.scale_loss
+        self.num_model_calls = 0  # micro-batch forward passes run so far (old-logprob and training)
 
     # ------------------------------------------------------------------ helpers
-    def _make_micro_batches(self, micro_batches, with_targets: bool) -> tuple[list[MicroBatch], list[int]]:
-        return make_micro_batches(micro_batches, self.plan, device=self.device, with_targets=with_targets,
-                                  use_tis=self.cfg.tis_cap is not None)
+    def _make_micro_batches(self, micro_batches, targets: Optional[Targets] = None
+                            ) -> tuple[list[MicroBatch], list[int]]:
+        return make_micro_batches(micro_batches, self.plan, device=self.device, targets=targets)
 
     def _forward(self, model, mb: MicroBatch):
         """Model output of one micro-batch: logits ``[B, T, V/TP]``, or ``[1, N, V/TP]`` at the
@@ -409,6 +463,7 @@ class MegatronActor:
     def _run_schedule(self, mbs: list[MicroBatch], forward_step, forward_only: bool):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        self.num_model_calls += len(mbs)  # micro-batch forwards through this rank's model (stage)
         return get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iter(mbs),
@@ -449,7 +504,7 @@ class MegatronActor:
             flattened micro-batches; with ``return_entropy``, a tuple
             ``(logprobs, entropies)`` of two such lists.
         """
-        mbs, order = self._make_micro_batches(micro_batches, with_targets=False)
+        mbs, order = self._make_micro_batches(micro_batches)
         for m in self.model_chunks:
             m.eval()
 
@@ -462,55 +517,35 @@ class MegatronActor:
             return self._forward(model, mb), partial(loss_func, mb)
 
         outs = self._run_schedule(mbs, forward_step, forward_only=True)
-        counts = [sum(mb.batch.response_lens) for mb in mbs]
-        total = sum(counts)
+        logprobs, entropies = self._per_sample_outputs(mbs, order, outs, ("logprobs", "entropy"))
+        return (logprobs, entropies) if return_entropy else logprobs
+
+    def _per_sample_outputs(self, mbs: list[MicroBatch], order: list[int], outs, keys: Sequence[str]):
+        """Per-sample ``[R_i]`` float32 CPU tensors of the ``[B, T]`` outputs ``keys`` of every
+        micro-batch, in the caller's flattened order, on every rank (the last PP stage computes
+        them and broadcasts them over the PP group)."""
+        total = sum(sum(mb.batch.response_lens) for mb in mbs)
         # broadcast over the PP group below: on that group's device (CUDA under NCCL)
-        flat = torch.zeros(2, total, dtype=torch.float32, device=pdist.collective_device(self.pp_group))
-        if self._is_last_stage():
-            lps, ents = [], []
-            for mb, out in zip(mbs, outs):
-                lps.extend(mb.batch.unpack(out["logprobs"]))
-                ents.extend(mb.batch.unpack(out["entropy"]))
-            if total:
-                flat[0] = torch.cat(lps).float()
-                flat[1] = torch.cat(ents).float()
+        flat = torch.zeros(len(keys), total, dtype=torch.float32, device=pdist.collective_device(self.pp_group))
+        if self._is_last_stage() and total:
+            for k, key in enumerate(keys):
+                flat[k] = torch.cat([x for mb, out in zip(mbs, outs) for x in mb.batch.unpack(out[key])]).float()
         self._broadcast_from_last_stage(flat)
         sizes = [r for mb in mbs for r in mb.batch.response_lens]
         flat = flat.cpu()
-
-        def caller_order(values):  # run order -> the caller's flattened order
-            out = [None] * len(order)
-            for i, v in zip(order, values):
-                out[i] = v
-            return out
-
-        logprobs = caller_order(torch.split(flat[0], sizes))
-        if return_entropy:
-            return logprobs, caller_order(torch.split(flat[1], sizes))
-        return logprobs
-
-    def count_loss_tokens(self, micro_batches: Sequence[Sequence[Sample]]) -> tuple[int, int]:
-        """Global (all DP ranks) number of loss tokens and loss sequences of a mini-batch.
-
-        Overlong-filtered samples (``loss_mask_zero``) and empty responses count 0.
-        A collective over the DP group: every rank must call it.
-
-        Returns:
-            ``(global_num_tokens, global_num_seqs)``.
-        """
-        kept = [s for mb in micro_batches for s in mb if not s.loss_mask_zero and len(s.response_ids)]
-        # counted in python, all-reduced over DP on the group's device (a CPU tensor fails under NCCL)
-        local = torch.tensor([sum(len(s.response_ids) for s in kept), len(kept)], dtype=torch.float64,
-                             device=pdist.collective_device(self.dp_group))
-        if dist.is_initialized():
-            dist.all_reduce(local, group=self.dp_group)
-        n_tok, n_seq = local.tolist()
-        return int(n_tok), int(n_seq)
+        results = []
+        for k in range(len(keys)):
+            per = [None] * len(order)
+            for i, v in zip(order, torch.split(flat[k], sizes)):  # run order -> the caller's order
+                per[i] = v
+            results.append(per)
+        return results
 
     def forward_backward(
         self, micro_batches: Sequence[Sequence[Sample]], temperature: float = 1.0,
-        global_num_tokens: Optional[int] = None,
-    ) -> dict[str, float]:
+        global_num_tokens: Optional[int] = None, *, policy_version: Optional[int] = None,
+        old_from_current: bool = False, return_logprobs: bool = False,
+    ):
         """Accumulate the DAPO policy-gradient of one mini-batch into the DDP grad buffers.
 
         Zeroes the grad buffers, runs every micro-batch through the schedule and
@@ -519,11 +554,22 @@ class MegatronActor:
 
         Args:
             micro_batches: this DP rank's micro-batches of the mini-batch. Samples need
-                ``advantage`` and ``old_logprobs`` (and ``rollout_logprobs`` with ``tis_cap``).
+                ``advantage`` and ``old_logprobs`` (unless ``old_from_current``); the
+                behaviour-policy correction (``actor.rollout_is`` / ``rollout_rs``) also reads
+                ``rollout_logprobs`` and ``versions`` of the tokens it corrects.
             temperature: the rollout's sampling temperature.
             global_num_tokens: valid loss tokens of the whole mini-batch over all
-                micro-batches and DP ranks. None: computed with :meth:`count_loss_tokens`;
-                when given it is checked against that count.
+                micro-batches and DP ranks, before ``rollout_rs`` rejection; checked against
+                the actor's own count (which it all-reduces anyway: the denominator is the
+                count after rejection). None: not checked.
+            policy_version: the actor's weights version (trainer step count): tokens with an
+                older ``Sample.versions`` entry are stale and get the correction when
+                ``actor.rollout_is_scope == "stale"``; None: no token is stale.
+            old_from_current: ``log pi_old = sg(log pi_theta)`` of this forward instead of
+                ``Sample.old_logprobs`` (exact when this is the first update since the weights
+                that would have recomputed them: one mini-batch, one epoch). Not with
+                ``rollout_rs`` (its denominator needs ``pi_old`` before the forward).
+            return_logprobs: also return the training forward's detached logprobs.
 
         Returns:
             metrics over the whole mini-batch (identical on all ranks): ``loss`` (incl.
@@ -535,15 +581,31 @@ class MegatronActor:
             padding included), ``tokens_padding`` and ``tokens_copied`` (prompt + response of
             every sample, the tokens of the copied form), so that the padding share is
             ``tokens_padding / tokens_computed`` and the shared-prompt ratio
-            ``(tokens_computed - tokens_padding) / tokens_copied``.
+            ``(tokens_computed - tokens_padding) / tokens_copied``; the correction's
+            ``rollout_corr_frac``, ``rollout_is_mean``, ``rollout_is_clipfrac``,
+            ``rollout_rs_masked_frac`` (fractions of the valid tokens; 0, 1, 0, 0 when nothing is
+            corrected); ``num_tokens`` is after rejection. With ``return_logprobs`` the tuple
+            ``(metrics, logprobs)``: ``list[Tensor[R_i]]`` in the caller's flattened order.
 
         Raises:
             ValueError: missing ``old_logprobs``, a ``global_num_tokens`` that differs
-                from the count of the samples, empty micro-batches.
+                from the count of the samples, empty micro-batches, ``old_from_current``
+                with ``rollout_rs``.
         """
-        mbs, _ = self._make_micro_batches(micro_batches, with_targets=True)
-        n_tok, n_seq = self.count_loss_tokens(micro_batches)
-        if global_num_tokens is not None and int(global_num_tokens) != n_tok:
+        cfg = self.cfg
+        if old_from_current and cfg.rollout_rs is not None and cfg.corrects:
+            raise ValueError("old_from_current=True with actor.rollout_rs set: the rejection changes the loss "
+                             "denominator, which must be known before the forward; recompute old_logprobs first")
+        targets = Targets(cfg=cfg, policy_version=policy_version, old_from_current=old_from_current)
+        mbs, order = self._make_micro_batches(micro_batches, targets)
+        # counted in python, all-reduced over DP on the group's device (a CPU tensor fails under NCCL)
+        counts = torch.tensor([sum(mb.num_valid_tokens for mb in mbs), sum(mb.num_loss_tokens for mb in mbs),
+                               sum(mb.num_loss_seqs for mb in mbs)], dtype=torch.float64,
+                              device=pdist.collective_device(self.dp_group))
+        if dist.is_initialized():
+            dist.all_reduce(counts, group=self.dp_group)
+        n_valid, n_tok, n_seq = (int(x) for x in counts.tolist())
+        if global_num_tokens is not None and int(global_num_tokens) != n_valid:
             raise ValueError(
                 f"global_num_tokens={global_num_tokens} but the mini-batch holds {n_tok} loss tokens over all "
                 "micro-batches and DP ranks (overlong-filtered samples count 0); pass None to let the actor count"
@@ -554,7 +616,8 @@ class MegatronActor:
         self.optimizer.zero_grad()
         loss_func = partial(dapo_loss_func, actor_cfg=self.cfg, temperature=temperature, vocab_size=self.vocab_size,
                             logits_at_labels_only=self.plan.logits_at_labels_only, tp_group=self.parallel.tp_group,
-                            global_num_tokens=n_tok, global_num_seqs=n_seq)
+                            global_num_tokens=n_tok, global_num_seqs=n_seq, global_num_valid_tokens=n_valid,
+                            return_logprobs=return_logprobs)
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
@@ -585,6 +648,10 @@ class MegatronActor:
         metrics["ratio_max"] = float(maxs) if math.isfinite(float(maxs)) else 1.0
         metrics["num_micro_batches"] = float(len(micro_batches))
         metrics["num_model_calls"] = float(len(mbs))
+        if n_valid == 0:  # nothing to weight: the correction's neutral values
+            metrics["rollout_is_mean"] = 1.0
+        if return_logprobs:
+            return metrics, self._per_sample_outputs(mbs, order, outs, ("logprobs",))[0]
         return metrics
 
     def optimizer_step(self) -> dict[str, float]:
@@ -609,9 +676,11 @@ class MegatronActor:
 
     def train_mini_batch(
         self, micro_batches: Sequence[Sequence[Sample]], temperature: float = 1.0,
-        global_num_tokens: Optional[int] = None,
-    ) -> dict[str, float]:
-        """One optimizer step on one mini-batch: :meth:`forward_backward` + :meth:`optimizer_step`.
+        global_num_tokens: Optional[int] = None, *, policy_version: Optional[int] = None,
+        old_from_current: bool = False, return_logprobs: bool = False,
+    ):
+        """One optimizer step on one mini-batch: :meth:`forward_backward` + :meth:`optimizer_step`
+        (the keyword arguments are :meth:`forward_backward`'s).
 
         Not stepped (``skipped = 1``, weights and scheduler untouched):
 
@@ -622,11 +691,16 @@ class MegatronActor:
         - non-finite gradients (Megatron's found-inf check, see :meth:`optimizer_step`).
 
         Returns:
-            the union of both methods' metrics.
+            the union of both methods' metrics; with ``return_logprobs`` the tuple
+            ``(metrics, logprobs)`` of :meth:`forward_backward`.
         """
-        metrics = self.forward_backward(micro_batches, temperature, global_num_tokens)
+        out = self.forward_backward(micro_batches, temperature, global_num_tokens, policy_version=policy_version,
+                                    old_from_current=old_from_current, return_logprobs=return_logprobs)
+        metrics, logprobs = out if return_logprobs else (out, None)
         if metrics["num_tokens"] == 0 or not math.isfinite(metrics["loss"]):
             lr = self.optimizer.param_groups[0]["lr"]
             grad_norm = 0.0 if metrics["num_tokens"] == 0 else float("nan")
-            return {**metrics, "grad_norm": grad_norm, "lr": float(lr), "skipped": 1.0}
-        return {**metrics, **self.optimizer_step()}
+            metrics = {**metrics, "grad_norm": grad_norm, "lr": float(lr), "skipped": 1.0}
+        else:
+            metrics = {**metrics, **self.optimizer_step()}
+        return (metrics, logprobs) if return_logprobs else metrics

@@ -25,7 +25,8 @@ import torch
 from .micro_batch import MicroBatch
 
 # the per-micro-batch values that are summed over micro-batches, PP stages and DP ranks
-SUM_KEYS = ("loss", "pg_loss", "pg_clipfrac_lower", "pg_clipfrac_upper", "ppo_kl", "entropy", "num_tokens")
+SUM_KEYS = ("loss", "pg_loss", "pg_clipfrac_lower", "pg_clipfrac_upper", "ppo_kl", "entropy", "num_tokens",
+            "rollout_corr_frac", "rollout_is_mean", "rollout_is_clipfrac", "rollout_rs_masked_frac")
 
 
 def _per_sample_padded(mb: MicroBatch, values: torch.Tensor) -> torch.Tensor:
@@ -56,7 +57,8 @@ def logprob_loss_func(mb: MicroBatch, output_tensor: torch.Tensor, *, temperatur
 
 def dapo_loss_func(mb: MicroBatch, output_tensor: torch.Tensor, *, actor_cfg, temperature: float,
                    vocab_size: Optional[int], logits_at_labels_only: bool, global_num_tokens: int,
-                   global_num_seqs: int, tp_group=None):
+                   global_num_seqs: int, global_num_valid_tokens: Optional[int] = None,
+                   return_logprobs: bool = False, tp_group=None):
     """``loss_func`` of a training pass: this micro-batch's share of the mini-batch's DAPO loss.
 
     The DAPO token-level loss (arXiv 2503.14476 Eq. 12, with the decoupled clip ``[1 - eps_low,
@@ -66,16 +68,24 @@ def dapo_loss_func(mb: MicroBatch, output_tensor: torch.Tensor, *, actor_cfg, te
     ("token-mean"), or (``seq-mean-token-mean``) the mean of its sequences' token means
     weighted by ``its sequences / global_num_seqs``, so that summing over micro-batches and
     DP ranks gives the mini-batch loss however it was cut. With ``actor_cfg.entropy_coeff``
-    the entropy (same aggregation) is subtracted, differentiably.
+    the entropy (same aggregation) is subtracted, differentiably. Tokens sampled by older
+    weights carry the micro-batch's behaviour-policy weights and rejection mask
+    (:meth:`MicroBatch.correction`, the three-policy form of ``algorithms/policy_loss.py``);
+    without ``mb.old_logprobs`` (``old_from_current``) ``log pi_old`` is this forward's own
+    detached logprobs and the weights are computed from them here.
 
     Args:
         mb: the micro-batch (with targets: old logprobs, advantages, loss mask).
         output_tensor: last-stage logits ``[B, T, V/TP]`` or ``[1, N, V/TP]`` (labels only).
         actor_cfg: :class:`~dapo_megatron.actor.ActorConfig` (clip ratios, ``clip_ratio_c``,
-            ``loss_agg_mode``, ``entropy_coeff``, ``tis_cap``), read at every call.
+            ``loss_agg_mode``, ``entropy_coeff``, the correction settings), read at every call.
         temperature, vocab_size, logits_at_labels_only, tp_group: see
             :meth:`MicroBatch.logprobs_and_entropy`.
-        global_num_tokens, global_num_seqs: loss tokens / sequences of the whole mini-batch.
+        global_num_tokens, global_num_seqs: loss tokens / sequences of the whole mini-batch
+            (after ``rollout_rs`` rejection: the denominators).
+        global_num_valid_tokens: loss tokens before rejection (weights the correction's
+            statistics); None: ``global_num_tokens``.
+        return_logprobs: also put this forward's detached logprobs in ``reduced``.
 
     Returns:
         ``(loss, num_tokens, reduced)`` as the schedule expects (module docstring): ``loss``
@@ -83,30 +93,34 @@ def dapo_loss_func(mb: MicroBatch, output_tensor: torch.Tensor, *, actor_cfg, te
         ``reduced`` 0-d float32 tensors: ``loss``, ``pg_loss`` (contributions to the mini-batch
         values), ``pg_clipfrac_lower``, ``pg_clipfrac_upper``, ``ppo_kl``, ``entropy`` (weighted
         by the token share, so their sum over micro-batches is the mini-batch token mean),
-        ``num_tokens``, ``ratio_min``, ``ratio_max`` (+inf / -inf without tokens).
+        ``num_tokens``, ``ratio_min``, ``ratio_max`` (+inf / -inf without tokens), and the
+        correction's ``rollout_corr_frac``, ``rollout_is_mean``, ``rollout_is_clipfrac``,
+        ``rollout_rs_masked_frac`` weighted by the valid-token share; with ``return_logprobs``
+        also ``logprobs`` ``[B, T]``.
     """
     from dapo_megatron.algorithms.policy_loss import agg_loss, compute_policy_loss
 
     cfg, mode, n_tok, n_seq = actor_cfg, actor_cfg.loss_agg_mode, global_num_tokens, global_num_seqs
-    b = mb.batch
+    n_valid = n_tok if global_num_valid_tokens is None else global_num_valid_tokens
     lp, ent = mb.logprobs_and_entropy(output_tensor, logits_at_labels_only=logits_at_labels_only,
                                       vocab_size=vocab_size, temperature=temperature, tp_group=tp_group)
+    old, is_w, mask, corr = mb.old_logprobs, mb.is_weights, mb.loss_mask, mb.corr_metrics
+    if old is None:  # pi_old = sg(pi_theta): the value of the recompute this forward replaces
+        old = lp.detach()
+        if mb.corrected is not None:
+            is_w, mask, corr = mb.correction(old, cfg)
     if mode == "token-mean":
         # [B, T] tensors directly: sum(loss * mask) / N is layout-free
-        views = (lp, mb.old_logprobs, mb.advantages, b.loss_mask, mb.rollout_logprobs, ent)
+        views = (lp, old, mb.advantages, mask, is_w, ent)
         weight, kwargs = 1.0, {"global_num_tokens": max(n_tok, 1)}
     else:  # seq-mean-token-mean: per-sample rows, weighted by the share of sequences
-        views = tuple(
-            None if t is None else _per_sample_padded(mb, t)
-            for t in (lp, mb.old_logprobs, mb.advantages, b.loss_mask.float(), mb.rollout_logprobs, ent)
-        )
+        views = tuple(None if t is None else _per_sample_padded(mb, t) for t in (lp, old, mb.advantages, mask, is_w, ent))
         weight, kwargs = mb.num_loss_seqs / max(n_seq, 1), {}
-    lp_v, old_v, adv_v, mask_v, roll_v, ent_v = views
+    lp_v, old_v, adv_v, mask_v, w_v, ent_v = views
     pg_loss, m = compute_policy_loss(
         lp_v, old_v, adv_v, mask_v,
         clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high,
-        clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=mode, rollout_log_prob=roll_v,
-        tis_cap=cfg.tis_cap, **kwargs,
+        clip_ratio_c=cfg.clip_ratio_c, loss_agg_mode=mode, is_weights=w_v, **kwargs,
     )
     ent_term = agg_loss(ent_v if cfg.entropy_coeff else ent_v.detach(), mask_v, mode, **kwargs)
     pg_loss = pg_loss * weight
@@ -114,15 +128,23 @@ def dapo_loss_func(mb: MicroBatch, output_tensor: torch.Tensor, *, actor_cfg, te
     loss = pg_loss - cfg.entropy_coeff * ent_term if cfg.entropy_coeff else pg_loss
     n_local = float(mb.num_loss_tokens)
     share = n_local / max(n_tok, 1)  # token share of this micro-batch in the mini-batch
+    valid_share = mb.num_valid_tokens / max(n_valid, 1)  # the same before rejection
+    zero = torch.zeros((), dtype=torch.float32)
     reduced = {
         "loss": loss.detach().float(),
         "pg_loss": pg_loss.detach().float(),
         "pg_clipfrac_lower": m["pg_clipfrac_lower"] * share,
         "pg_clipfrac_upper": m["pg_clipfrac_upper"] * share,
         "ppo_kl": m["ppo_kl"] * share,
-        "entropy": (ent.detach().float() * b.loss_mask).sum() / max(n_tok, 1),
+        "entropy": (ent.detach().float() * mask.float()).sum() / max(n_tok, 1),
         "num_tokens": torch.tensor(n_local),
         "ratio_min": m["ratio_min"] if n_local else torch.tensor(float("inf")),
         "ratio_max": m["ratio_max"] if n_local else torch.tensor(float("-inf")),
+        "rollout_corr_frac": corr.get("rollout_corr_frac", zero) * valid_share,
+        "rollout_is_mean": corr.get("rollout_is_mean", torch.ones(())) * valid_share,
+        "rollout_is_clipfrac": corr.get("rollout_is_clipfrac", zero) * valid_share,
+        "rollout_rs_masked_frac": corr.get("rollout_rs_masked_frac", zero) * valid_share,
     }
+    if return_logprobs:
+        reduced["logprobs"] = lp.detach()
     return loss, torch.tensor(int(n_local), dtype=torch.int), reduced

@@ -10,7 +10,8 @@ the same micro-batches, so all cut them identically.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
@@ -19,6 +20,26 @@ from dapo_megatron.rollout.types import Sample
 from .logprobs import vocab_parallel_logprobs_and_entropy
 from .packing import PackedBatch, group_by_length, pack_samples, padded_tokens, prompt_segments, segment_length
 from .plan import ActorPlan
+
+if TYPE_CHECKING:
+    from .actor import ActorConfig
+
+
+@dataclass(frozen=True)
+class Targets:
+    """What one :meth:`~dapo_megatron.actor.MegatronActor.forward_backward` call trains against.
+
+    Attributes:
+        cfg: the actor's config (the correction settings ``rollout_is*``, ``rollout_rs*``).
+        policy_version: the actor's weights version; a token whose ``Sample.versions`` entry
+            is older is stale. None: no token is.
+        old_from_current: ``log pi_old = sg(log pi_theta)`` of the training forward (no
+            ``Sample.old_logprobs`` needed).
+    """
+
+    cfg: "ActorConfig"
+    policy_version: Optional[int]
+    old_from_current: bool
 
 
 class MicroBatch:
@@ -31,17 +52,25 @@ class MicroBatch:
         label_index_sb: int64 ``[N]``, the hidden-state rows (Megatron's ``[S, B]`` order) whose
             logits predict those labels; with a shared prompt, a prompt's last position is
             repeated once per response that starts after it.
-        old_logprobs, advantages, rollout_logprobs: float32 ``[B, T]`` at the label slots
-            (``with_targets`` only; ``rollout_logprobs`` with TIS only).
+        old_logprobs, advantages: float32 ``[B, T]`` at the label slots (with ``targets``;
+            ``old_logprobs`` None with ``targets.old_from_current``).
+        rollout_logprobs, corrected: the behaviour policy's logprobs and the tokens the
+            correction applies to (``[B, T]``; both None when no token is corrected, so an
+            on-policy micro-batch trains exactly as without correction).
+        loss_mask: float32 ``[B, T]``, the packed batch's loss mask minus the tokens
+            ``rollout_rs`` rejects; ``is_weights`` the detached ``rollout_is`` weights (None:
+            1); ``corr_metrics`` their statistics. Known here unless ``old_from_current``
+            (then :func:`~.loss.dapo_loss_func` computes them from the training forward).
+        num_valid_tokens: response tokens in the loss before rejection.
         num_loss_tokens, num_loss_seqs: response tokens / sequences in the loss.
 
     Raises:
-        ValueError: (``with_targets``) a sample without one old logprob per response token,
-            without rollout logprobs under TIS, or with a non-finite advantage.
+        ValueError: (with ``targets``) a sample without one old logprob per response token,
+            without rollout logprobs where they are corrected, or with a non-finite advantage.
     """
 
     def __init__(self, samples: Sequence[Sample], plan: ActorPlan, *, share_prompts: bool, device,
-                 with_targets: bool, use_tis: bool):
+                 targets: Optional[Targets] = None):
         self.samples = list(samples)
         self.batch: PackedBatch = pack_samples(
             samples, layout=plan.layout, pad_to_multiple_of=plan.seq_multiple, align_tokens_to=plan.fp8_align,
@@ -54,27 +83,53 @@ class MicroBatch:
         self.label_index = b.response_mask.reshape(-1).nonzero().squeeze(1)
         rows = self.label_index if b.label_rows is None else b.label_rows.index_select(0, self.label_index)
         self.label_index_sb = (rows % T) * B + rows // T
-        if not with_targets:
+        if targets is None:
             return
+        cfg = targets.cfg
         for i, s in enumerate(samples):
-            if s.old_logprobs is None or len(s.old_logprobs) != len(s.response_ids):
+            if not targets.old_from_current and (s.old_logprobs is None or len(s.old_logprobs) != len(s.response_ids)):
                 raise ValueError(
                     f"sample {i}: old_logprobs must hold one value per response token (got "
                     f"{None if s.old_logprobs is None else len(s.old_logprobs)}, need {len(s.response_ids)}); "
                     "call MegatronActor.compute_logprobs first and store the result in Sample.old_logprobs"
                 )
-            if use_tis and len(s.rollout_logprobs) != len(s.response_ids):
-                raise ValueError(f"sample {i}: rollout_logprobs has {len(s.rollout_logprobs)} values, need "
-                                 f"{len(s.response_ids)} (tis_cap is set)")
             if not math.isfinite(s.advantage):
                 raise ValueError(f"sample {i}: advantage={s.advantage} is not finite")
-        self.old_logprobs = b.scatter_per_sample([s.old_logprobs for s in samples])
+        self.old_logprobs = (None if targets.old_from_current
+                             else b.scatter_per_sample([s.old_logprobs for s in samples]))
         self.advantages = b.scatter_per_sample([[s.advantage] * len(s.response_ids) for s in samples])
-        self.rollout_logprobs = (
-            b.scatter_per_sample([s.rollout_logprobs for s in samples]) if use_tis else None
-        )
-        self.num_loss_tokens = b.num_loss_tokens
-        self.num_loss_seqs = sum(1 for s in samples if len(s.response_ids) and not s.loss_mask_zero)
+        self.loss_mask = b.loss_mask.float()
+        self.is_weights = self.corrected = self.rollout_logprobs = None
+        self.corr_metrics: dict[str, torch.Tensor] = {}
+        if cfg.corrects:
+            if cfg.rollout_is_scope == "all":
+                flags = [[1.0] * len(s.response_ids) for s in samples]
+            else:  # the tokens of weights older than the actor's
+                version = targets.policy_version
+                flags = [[1.0 if version is not None and v < version else 0.0 for v in s.token_versions()]
+                         or [0.0] * len(s.response_ids) for s in samples]
+            if any(1.0 in f for f in flags):
+                for i, s in enumerate(samples):
+                    if len(s.rollout_logprobs) != len(s.response_ids):
+                        raise ValueError(f"sample {i}: rollout_logprobs has {len(s.rollout_logprobs)} values, need "
+                                         f"{len(s.response_ids)} (the behaviour-policy correction needs them)")
+                self.corrected = b.scatter_per_sample(flags) > 0.5
+                self.rollout_logprobs = b.scatter_per_sample([s.rollout_logprobs for s in samples])
+                if self.old_logprobs is not None:
+                    self.is_weights, self.loss_mask, self.corr_metrics = self.correction(self.old_logprobs, cfg)
+        self.num_valid_tokens = b.num_loss_tokens  # before rejection
+        self.num_loss_tokens = int(self.loss_mask.sum().item())
+        self.num_loss_seqs = sum(1 for m in b.unpack(self.loss_mask) if m.sum() > 0)
+
+    def correction(self, old_logprobs: torch.Tensor, cfg: "ActorConfig"):
+        """:func:`~dapo_megatron.algorithms.policy_loss.rollout_correction` of this micro-batch:
+        ``(is_weights, loss_mask, metrics)``."""
+        from dapo_megatron.algorithms.policy_loss import rollout_correction
+
+        return rollout_correction(
+            old_logprobs, self.rollout_logprobs, self.batch.loss_mask, tokens=self.corrected,
+            rollout_is=cfg.rollout_is, rollout_is_threshold=cfg.rollout_is_threshold, rollout_rs=cfg.rollout_rs,
+            rollout_rs_threshold=cfg.rollout_rs_threshold, rollout_rs_threshold_lower=cfg.rollout_rs_threshold_lower)
 
     def logprobs_and_entropy(self, output_tensor: torch.Tensor, *, logits_at_labels_only: bool,
                              vocab_size, temperature: float, tp_group=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,7 +178,7 @@ def _cut(samples: list[Sample], plan: ActorPlan, share: bool) -> tuple[list[list
 
 
 def make_micro_batches(micro_batches: Sequence[Sequence[Sample]], plan: ActorPlan, *, device,
-                       with_targets: bool, use_tis: bool) -> tuple[list[MicroBatch], list[int]]:
+                       targets: Optional[Targets] = None) -> tuple[list[MicroBatch], list[int]]:
     """Pack the caller's micro-batches as the plan says (shared prompt, length buckets).
 
     Returns:
@@ -148,6 +203,5 @@ def make_micro_batches(micro_batches: Sequence[Sequence[Sample]], plan: ActorPla
             runs.append(([mb[i] for i in g], share))
             order.extend(start + i for i in g)
         start += len(mb)
-    mbs = [MicroBatch(s, plan, share_prompts=share, device=device, with_targets=with_targets, use_tis=use_tis)
-           for s, share in runs]
+    mbs = [MicroBatch(s, plan, share_prompts=share, device=device, targets=targets) for s, share in runs]
     return mbs, order

@@ -59,6 +59,9 @@ class DAPOConfig:
                 f"buffer.overlong.max_response_length={self.buffer.overlong.max_response_length} must equal "
                 f"rollout.response_length={self.rollout.response_length} (Eq. 13's L_max is the generation budget)"
             )
+        if self.buffer.prompt_skip.enable and not self.rollout.streaming:
+            raise ValueError("buffer.prompt_skip.enable=true needs rollout.streaming=true (prompts are skipped as the "
+                             "streamed rollout draws them)")
         if self.actor.ppo_mini_batch_size > self.buffer.train_batch_size:
             raise ValueError(f"actor.ppo_mini_batch_size={self.actor.ppo_mini_batch_size} groups exceeds "
                              f"buffer.train_batch_size={self.buffer.train_batch_size}")

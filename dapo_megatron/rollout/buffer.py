@@ -5,7 +5,8 @@ responses whose accuracies are not all equal: a group where every response is ri
 every one is wrong) has zero advantage for all its tokens and only dilutes the gradient.
 :meth:`RolloutBuffer.collect` therefore
 
-1. starts from the surplus groups kept at the previous step (used first),
+1. starts from the surplus groups kept at earlier steps (used first), dropping those more
+   than ``max_staleness`` weight versions behind the actor (counted),
 2. calls ``generate_batch()`` for one generation batch of ungraded groups at a time,
 3. grades every response through the reward pool (text from ``decode``),
 4. shapes the reward: ``reward = score + soft overlong penalty`` (paper Eq. 13),
@@ -35,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 from dapo_megatron.algorithms.overlong import OverlongConfig
-from dapo_megatron.rollout.types import Group, Sample
+from dapo_megatron.rollout.prompt_skip import PromptSkipConfig
+from dapo_megatron.rollout.types import HELD_BY_ALL, Group, Sample
 
 FILTER_METRICS = ("acc", "score", "reward")
 ON_CAP = ("error", "train_on_kept")
@@ -82,9 +84,19 @@ class BufferConfig:
     overlong_filter: bool = False
     """mask truncated responses (finish_reason "length") out of the loss: sets
     ``Sample.loss_mask_zero`` (they still count for their group's advantage statistics)."""
+    prompt_skip: PromptSkipConfig = field(default_factory=PromptSkipConfig)
+    """GRESO prompt skipping before rollout (``rollout/prompt_skip.py``); needs
+    ``rollout.streaming``."""
+    max_staleness: int = 1
+    """carried work (surplus groups, partial rollouts) whose oldest token was sampled more than
+    this many weight versions before the actor that would train on it is dropped and counted
+    (``rollout/dropped_stale``). 1: the surplus of the previous step is used (corrected by
+    ``actor.rollout_is``), older is not; 0: nothing is carried (verl's policy: surplus discarded)."""
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the bad field (``overlong`` validates itself)."""
+        if isinstance(self.max_staleness, bool) or not isinstance(self.max_staleness, int) or self.max_staleness < 0:
+            raise ValueError(f"max_staleness={self.max_staleness!r} must be an int >= 0 (0: carry nothing)")
         for name in ("train_batch_size", "n", "gen_batch_size", "max_num_gen_batches"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -106,11 +118,12 @@ def _sample_to_dict(s: Sample) -> dict:
 
 
 def _group_to_dict(g: Group) -> dict:
-    return {"group_id": g.group_id, "samples": [_sample_to_dict(s) for s in g.samples]}
+    return {"group_id": g.group_id, "samples": [_sample_to_dict(s) for s in g.samples], "prompt_seed": g.prompt_seed}
 
 
 def _group_from_dict(d: dict) -> Group:
-    return Group(group_id=int(d["group_id"]), samples=[Sample(**s) for s in d["samples"]])
+    samples = [Sample(**{**s, "versions": [tuple(v) for v in s.get("versions", [])]}) for s in d["samples"]]
+    return Group(group_id=int(d["group_id"]), samples=samples, prompt_seed=int(d.get("prompt_seed", -1)))
 
 
 class RolloutBuffer:
@@ -168,7 +181,7 @@ class RolloutBuffer:
         """Grade and shape every sample of ``groups`` in place (one ``reward_pool.grade`` call):
         sets ``score``, ``acc``, ``pred``, ``overlong_penalty``, ``reward``, ``loss_mask_zero``."""
         samples = [s for g in groups for s in g.samples]
-        requests = [(s.data_source, None if s.response_ids is None else self.decode(s.response_ids), s.ground_truth,
+        requests = [(s.data_source, self.decode(s.response_ids) if _grades_here(s) else None, s.ground_truth,
                      s.extra_info) for s in samples]
         results = self.reward_pool.grade(requests)
         if len(results) != len(samples):
@@ -191,20 +204,34 @@ class RolloutBuffer:
             return [s.score for s in g.samples]
         return [s.reward for s in g.samples]
 
+    def zero_variance(self, g: Group) -> bool:
+        """Every response of the (graded) group has the same ``filter_metric`` value: zero advantage."""
+        vals = self._metric_values(g)
+        return not max(vals) - min(vals) > 0
+
     def keep_group(self, g: Group) -> bool:
         """Dynamic-sampling rule: ``max(metric) - min(metric) > 0`` over the group's responses."""
-        if not self.config.filter_groups:
-            return True
-        vals = self._metric_values(g)
-        return max(vals) - min(vals) > 0
+        return not self.config.filter_groups or not self.zero_variance(g)
 
     # ---- the step -------------------------------------------------------------------
-    def collect(self, generate_batch: Callable[[], list[Group]]) -> tuple[list[Group], dict[str, float]]:
+    def drop_stale(self, groups: list[Group], policy_version: Optional[int]) -> tuple[list[Group], int]:
+        """``(kept, dropped)``: the groups within ``max_staleness`` versions of ``policy_version``
+        (all of them when it is None), and how many were not."""
+        if policy_version is None:
+            return list(groups), 0
+        kept = [g for g in groups if group_staleness(g, policy_version) <= self.config.max_staleness]
+        return kept, len(groups) - len(kept)
+
+    def collect(self, generate_batch: Callable[[], list[Group]],
+                policy_version: Optional[int] = None) -> tuple[list[Group], dict[str, float]]:
         """Gather the groups of one training step.
 
         Args:
             generate_batch: returns the ungraded groups (``n`` samples each, at most
                 ``gen_batch_size`` groups) of the next generation batch.
+            policy_version: the weights version of the actor that trains on the result
+                (the trainer's step count); surplus more than ``max_staleness`` versions
+                older is dropped. None: no staleness bookkeeping.
 
         Returns:
             ``(groups, metrics)``: exactly ``train_batch_size`` graded groups (fewer only with
@@ -220,7 +247,7 @@ class RolloutBuffer:
             ValueError: a generation batch of the wrong shape.
         """
         cfg = self.config
-        kept: list[Group] = list(self._surplus)
+        kept, dropped_stale = self.drop_stale(self._surplus, policy_version)
         surplus_in = len(kept)
         self._surplus = []
         generated: list[Sample] = []
@@ -259,6 +286,8 @@ class RolloutBuffer:
                 s.group_id = i
         metrics = self._metrics(out, generated, num_batches=num_batches, surplus_in=surplus_in,
                                 dropped=(dropped_correct, dropped_wrong, dropped_other), hit_cap=hit_cap)
+        metrics["rollout/dropped_stale"] = float(dropped_stale)
+        metrics.update(staleness_metrics([s for g in out for s in g.samples], policy_version))
         return out, metrics
 
     def _metrics(self, out: list[Group], generated: list[Sample], *, num_batches: int, surplus_in: int,
@@ -303,6 +332,46 @@ class RolloutBuffer:
             "reward/reward_mean": mean(s.reward for s in generated),
             "reward/overlong_penalty_mean": mean(s.overlong_penalty for s in generated),
         }
+
+
+def _grades_here(s: Sample) -> bool:
+    """Whether this rank grades ``s``: it holds the response, and a response every rank holds
+    (:data:`~dapo_megatron.rollout.types.HELD_BY_ALL`: streamed, or read from a checkpoint) is
+    graded by rank 0 alone (the distributed grader needs exactly one grader per response)."""
+    if s.response_ids is None:
+        return False
+    if s.holder != HELD_BY_ALL:
+        return True
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def group_staleness(g: Group, policy_version: int) -> int:
+    """Versions behind ``policy_version`` of the oldest token of the group (0 when unknown)."""
+    return max((s.staleness(policy_version) for s in g.samples), default=0)
+
+
+def staleness_metrics(samples: Sequence[Sample], policy_version: Optional[int]) -> dict[str, float]:
+    """``rollout/staleness_{mean,max}``: weight versions behind ``policy_version`` over every
+    response token of ``samples`` (tokens of unknown version count 0), and
+    ``rollout/stale_samples``: samples with at least one stale token. Empty when
+    ``policy_version`` is None."""
+    if policy_version is None:
+        return {}
+    behind = [policy_version - v for s in samples for v in s.token_versions()]
+    return {
+        "rollout/staleness_mean": float(sum(behind) / len(behind)) if behind else 0.0,
+        "rollout/staleness_max": float(max(behind, default=0)),
+        "rollout/stale_samples": float(sum(1 for s in samples if s.staleness(policy_version) > 0)),
+    }
+
+
+def split_fresh_stale(samples: Sequence[Sample], policy_version: int) -> tuple[list[Sample], list[Sample]]:
+    """``(fresh, stale)``: samples whose every token the actor's current weights
+    ``policy_version`` sampled (their rollout-vs-actor gap is the numerics alone), and the
+    rest (the gap also holds the policy change)."""
+    fresh = [s for s in samples if s.staleness(policy_version) == 0]
+    stale = [s for s in samples if s.staleness(policy_version) > 0]
+    return fresh, stale
 
 
 def logprob_mismatch_metrics(samples: Sequence[Sample], group=None) -> dict[str, float]:

@@ -61,6 +61,18 @@ class RolloutConfig:
     which SGLang honours the per-response sampling seeds, so GPU rollouts repeat exactly; slower
     generation (PyTorch sampler, batch-invariant kernels, no piecewise CUDA graphs). False: GPU
     rollouts are not seed-reproducible (the HF engine always is)."""
+    streaming: bool = False
+    """streaming dynamic sampling (``rollout/streaming.py``): groups graded as their responses
+    finish, new prompts submitted as the keep rate says they are needed, the step's rollout
+    stopped as soon as ``buffer.train_batch_size`` groups are kept. False: whole generation
+    batches of ``buffer.gen_batch_size`` prompts (verl's dynamic sampling)."""
+    partial_rollout: bool = False
+    """with ``streaming``: keep the responses still being generated when the step has its N
+    groups, with their tokens, logprobs and weight versions, and continue them in the next
+    step (slime ``--partial-rollout``); False aborts and discards them."""
+    stream_poll_tokens: int = 16
+    """with ``streaming``: tokens each engine samples per round between two keep/stop decisions
+    (HF engine; SGLang polls in time slices instead)."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """SGLang only: further ``sglang.Engine`` arguments (``ServerArgs`` fields), e.g.
     ``load_format: dummy`` (weights are synced from the actor right after start) or
@@ -101,6 +113,17 @@ class RolloutConfig:
         for key in ("response_length", "update_weights_bucket_megabytes", "val_n"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)!r} must be >= 1")
+        if self.stream_poll_tokens < 1:
+            raise ValueError(f"stream_poll_tokens={self.stream_poll_tokens} must be >= 1")
+        if self.partial_rollout and not self.streaming:
+            raise ValueError("partial_rollout=true needs streaming=true (only a streamed rollout stops with responses "
+                             "in flight)")
+        if self.streaming and (self.mode != "colocated" or self.tensor_model_parallel_size != 1):
+            # the streamed rollout submits each group to its own rank's engine (trainer._RankRows);
+            # rollout groups (one engine over several ranks) and servers are not wired into it yet
+            raise ValueError(f"streaming=true runs on one colocated engine per rank (mode='colocated', "
+                             f"tensor_model_parallel_size=1); got mode={self.mode!r}, tensor_model_parallel_size="
+                             f"{self.tensor_model_parallel_size}: set streaming=false for this layout")
         if self.val_max_prompts < 0:
             raise ValueError(f"val_max_prompts={self.val_max_prompts} must be >= 0 (0 = all)")
         if self.name != "sglang" and (self.engine_kwargs or self.deterministic):

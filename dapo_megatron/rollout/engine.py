@@ -106,6 +106,69 @@ class Completion(NamedTuple):
 GenerationOutput = list[list[Completion]]
 
 
+@dataclass(frozen=True)
+class RowRequest:
+    """One response to sample (or to continue) through the asynchronous interface.
+
+    Attributes:
+        key: the caller's id of the row (hashable), unique among the engine's rows in flight.
+        prompt_ids: chat-templated prompt token ids.
+        params: sampling parameters; ``n`` is ignored (one row), ``max_new_tokens`` is the
+            budget of the WHOLE response, prefix included.
+        prompt_seed: with ``index``, the row's seed ``sample_seed(params.seed, prompt_seed,
+            index)``: the same stream as response ``index`` of ``generate(prompt_seeds=[...])``.
+        index: the response's index ``j`` in its group.
+        prefix_ids: response tokens already sampled (a partial rollout aborted at the end of
+            a step): the engine continues after them, at the same place of the row's random
+            stream, and returns only the new tokens.
+    """
+
+    key: Any
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    prompt_seed: int
+    index: int = 0
+    prefix_ids: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
+        object.__setattr__(self, "prefix_ids", tuple(int(t) for t in self.prefix_ids))
+        if not self.prompt_ids:
+            raise ValueError(f"RowRequest {self.key!r}: prompt_ids is empty")
+        if self.index < 0:
+            raise ValueError(f"RowRequest {self.key!r}: index={self.index} must be >= 0")
+
+    @property
+    def budget(self) -> int:
+        """New tokens the row may still sample: ``max_new_tokens - len(prefix_ids)``."""
+        return self.params.max_new_tokens - len(self.prefix_ids)
+
+    @property
+    def seed(self) -> Optional[int]:
+        """The row's sampler seed (:func:`sample_seed`)."""
+        return sample_seed(self.params.seed, self.prompt_seed, self.index)
+
+
+class RowResult(NamedTuple):
+    """What the engine sampled for one :class:`RowRequest`.
+
+    Attributes:
+        key: the request's key.
+        response_ids: the NEW tokens (after the request's prefix).
+        logprobs: their logprobs under the sampling distribution, nats.
+        finish_reason: ``"stop"``, ``"length"`` (the whole response reached
+            ``max_new_tokens``) or ``"abort"`` (stopped by :meth:`RolloutEngine.abort`: a
+            partial response, to be continued or discarded).
+        version: the engine's :attr:`RolloutEngine.weight_version` that sampled them.
+    """
+
+    key: Any
+    response_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    version: int
+
+
 def sample_seed(seed: Optional[int], prompt_seed: int, sample: int) -> Optional[int]:
     """The sampler seed of response ``sample`` (0..n-1) of the prompt with ``prompt_seed``.
 
@@ -159,17 +222,20 @@ def completions_to_group(
     data_source: str = "",
     ground_truth: str = "",
     extra_info: Optional[dict[str, Any]] = None,
+    version: Optional[int] = None,
 ) -> Group:
     """Wrap one prompt's completions into an ungraded :class:`Group` of :class:`Sample`.
 
     The grading fields (data_source, ground_truth, extra_info) come from the prompt's
-    dataset row (DAPO schema) and are copied into every sample.
+    dataset row (DAPO schema) and are copied into every sample; ``version`` (the engine's
+    weight version) is recorded as every sample's ``versions = [(0, version)]``.
     """
     samples = [
         Sample(prompt_ids=list(prompt_ids), response_ids=list(c.response_ids), rollout_logprobs=list(c.logprobs),
                finish_reason=c.finish_reason, group_id=group_id, prompt_index=prompt_index,
                data_source=data_source, ground_truth=ground_truth,
-               extra_info=dict(extra_info) if extra_info is not None else None)
+               extra_info=dict(extra_info) if extra_info is not None else None,
+               versions=[] if version is None else [(0, int(version))])
         for c in completions
     ]
     return Group(group_id=group_id, samples=samples)
@@ -368,6 +434,42 @@ class RolloutEngine(abc.ABC):
             ``outputs[i][j]``: the j-th :class:`Completion` of prompt i.
         """
 
+    # ---- asynchronous generation -------------------------------------------------------
+    #: whether :meth:`submit` / :meth:`poll` / :meth:`abort` are implemented
+    supports_async: bool = False
+
+    def submit(self, rows: Sequence[RowRequest]) -> None:
+        """Queue rows for generation; they start at the next :meth:`poll`. Each row is one
+        response (n=1), continued after its ``prefix_ids`` if any.
+
+        Raises:
+            NotImplementedError: this engine has no asynchronous form (use
+                ``rollout.streaming: false``).
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no asynchronous generation (submit / poll / abort); "
+                                  "set rollout.streaming: false")
+
+    def poll(self, max_tokens: Optional[int] = None) -> list[RowResult]:
+        """Advance generation and return the rows that finished (``"stop"`` / ``"length"``)
+        since the last call, in the order they finished. ``max_tokens``: how far to advance,
+        in sampled tokens per row (None: until every row in flight finishes)."""
+        raise NotImplementedError(f"{type(self).__name__} has no asynchronous generation")
+
+    def abort(self) -> list[RowResult]:
+        """Stop every row in flight or queued; returns each one's tokens so far with
+        finish reason ``"abort"`` (no tokens for rows that never started)."""
+        raise NotImplementedError(f"{type(self).__name__} has no asynchronous generation")
+
+    @property
+    def num_in_flight(self) -> int:
+        """Rows submitted and not yet returned by :meth:`poll` or :meth:`abort`."""
+        return 0
+
+    def _require_idle(self, what: str) -> None:
+        if self.num_in_flight:
+            raise RuntimeError(f"{type(self).__name__}.{what} with {self.num_in_flight} rows in flight; poll them to "
+                               "the end or abort() them first (a row must not mix weights within one generation)")
+
     @abc.abstractmethod
     def sleep(self, keep_weights: bool = False) -> None:
         """Free accelerator memory while the actor trains (colocated mode): the KV cache (and
@@ -446,6 +548,7 @@ class RolloutEngine(abc.ABC):
             On any error the buckets before the offending tensor are already loaded (as in
             SGLang): call :meth:`abort_weight_update` and re-send the full set.
         """
+        self._require_idle("update_weights")
         tracker = self._weight_tracker()
         if tracker.in_progress and tracker.version != version:
             raise RuntimeError(f"update_weights(version={version}) while the sync of version {tracker.version} "

@@ -17,12 +17,29 @@ what the actor recomputes (``old_logprobs``). With top-p / top-k the rollout log
 those of the truncated, renormalised distribution and are >= the actor's: the
 rollout-vs-actor mismatch metric then measures that truncation, not a bug.
 
-Batching: prompts are left-padded and prefilled once each; the KV cache is then repeated
-``n`` times (``Cache.batch_repeat_interleave``) so the ``n`` samples of a prompt share
-one prefill. Rows that finished are dropped from the batch (``Cache.batch_select_indices``)
-when at least a quarter of the batch is done, which shortens the tail of long generations.
-Position ids are computed from the attention mask so that left padding does not shift
+Batching (continuous): rows are admitted into one running batch whenever :meth:`HFEngine.poll`
+is called, and leave it as they stop. Admitted rows are left-padded and prefilled together,
+each distinct input once (the ``n`` rows of a fresh prompt share one prefill; a partial
+rollout continued after its prefix has its own), and their KV cache is merged into the
+running one: every layer's ``[B, heads, T, head_dim]`` key and value tensors (transformers
+``cache_utils.DynamicLayer``, grown by concatenation along ``T``) are left-padded with zeros
+to a common ``T`` under a zero attention mask and concatenated along ``B``. Rows that
+finished are dropped from the batch (``Cache.batch_select_indices``) when at least a quarter
+of it is done. Position ids come from the attention mask, so left padding does not shift
 RoPE positions: a padded row produces the same logits as the unpadded prompt.
+
+Why continuous batching and not sub-batch waves: the streaming rollout polls every engine
+for ``rollout.stream_poll_tokens`` tokens per round; with admission at every poll a row's
+completion round depends only on its own length and on the round it was submitted in, not on
+which other rows share its engine, so the replicated keep/stop decisions are the same at any
+TP/PP/DP layout. A wave would hold new rows back until the slowest row of the previous wave
+stopped. On CPU the decode step costs about rows × GEMM work, so the merge (one copy of the
+cache per admission) is cheap next to it.
+
+Seeds: row ``j`` of a prompt draws from its own ``torch.Generator`` seeded with
+``sample_seed(seed, prompt_seed, j)``, one float64 uniform per sampled token; a partial
+rollout continued after ``k`` tokens first draws ``k`` uniforms, so its random stream
+continues where it stopped.
 """
 
 from __future__ import annotations
@@ -38,9 +55,10 @@ from dapo_megatron.rollout.engine import (
     GenerationOutput,
     ParamSpec,
     RolloutEngine,
+    RowRequest,
+    RowResult,
     SamplingParams,
     resolve_prompt_seeds,
-    sample_seed,
     specs_from_module,
     validate_prompt_ids,
 )
@@ -114,6 +132,64 @@ def _eos_ids(model) -> set[int]:
     return ids
 
 
+class _Row:
+    """One row of the running batch: its request, generator, stop ids and what it sampled."""
+
+    __slots__ = ("req", "generator", "stops", "tokens", "logprobs", "alive", "sampling")
+
+    def __init__(self, req: RowRequest, generator: Optional[torch.Generator], stops: frozenset):
+        self.req, self.generator, self.stops = req, generator, stops
+        self.tokens: list[int] = []
+        self.logprobs: list[float] = []
+        self.alive = True
+        self.sampling = (req.params.temperature, req.params.top_p, req.params.top_k)
+
+
+class _RunningBatch:
+    """The rows being decoded together: their KV cache, attention mask ``[B, T]`` (1 = real
+    token), the position of each row's next input token ``[B]`` and its pending logits ``[B, V]``."""
+
+    def __init__(self, rows: list[_Row], cache, attn: torch.Tensor, next_pos: torch.Tensor, logits: torch.Tensor):
+        self.rows, self.cache, self.attn, self.next_pos, self.logits = rows, cache, attn, next_pos, logits
+
+    @property
+    def mixed_params(self) -> bool:
+        """Rows with different temperature / top-p / top-k (processed row by row)."""
+        return len({row.sampling for row in self.rows}) > 1
+
+    def select(self, keep: torch.Tensor) -> None:
+        """Keep rows ``keep`` (indices into the batch) and drop the others."""
+        self.cache.batch_select_indices(keep)
+        idx = keep.tolist()
+        self.rows = [self.rows[i] for i in idx]
+        self.attn, self.next_pos, self.logits = self.attn[keep], self.next_pos[keep], self.logits[keep]
+
+    def merge(self, other: "_RunningBatch") -> "_RunningBatch":
+        """This batch followed by ``other``, both left-padded to the longer one's cache length."""
+        ta, tb = self.attn.shape[1], other.attn.shape[1]
+        t = max(ta, tb)
+        for la, lb in zip(self.cache.layers, other.cache.layers):
+            if type(la).__name__ != "DynamicLayer" or type(lb).__name__ != "DynamicLayer":
+                raise NotImplementedError(f"HFEngine continuous batching merges full-attention caches only "
+                                          f"(cache_utils.DynamicLayer), not {type(la).__name__}")
+            la.keys = torch.cat([_left_pad(la.keys, t - ta, dim=-2), _left_pad(lb.keys, t - tb, dim=-2)], dim=0)
+            la.values = torch.cat([_left_pad(la.values, t - ta, dim=-2), _left_pad(lb.values, t - tb, dim=-2)], dim=0)
+        self.attn = torch.cat([_left_pad(self.attn, t - ta, dim=-1), _left_pad(other.attn, t - tb, dim=-1)], dim=0)
+        self.rows = self.rows + other.rows
+        self.next_pos = torch.cat([self.next_pos, other.next_pos])
+        self.logits = torch.cat([self.logits, other.logits])
+        return self
+
+
+def _left_pad(x: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    """``x`` with ``width`` zeros prepended along ``dim``."""
+    if width == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = width
+    return torch.cat([x.new_zeros(shape), x], dim=dim)
+
+
 class HFEngine(RolloutEngine):
     """Rollout engine over a transformers causal LM.
 
@@ -170,11 +246,15 @@ class HFEngine(RolloutEngine):
         self.update_bucket_bytes = int(update_bucket_mb) * 2**20
         self.num_threads = num_threads
         self._asleep = False
+        self._queue: list[RowRequest] = []  # submitted, admitted at the next poll
+        self._batch: Optional[_RunningBatch] = None
         # transformers 5.x renamed forward's ``past_key_values`` to ``cache``; support both
         forward_params = inspect.signature(type(self.model).forward).parameters
         self._cache_kw = "cache" if "cache" in forward_params else "past_key_values"
 
     # ---- generation ---------------------------------------------------------------
+    supports_async = True
+
     @torch.inference_mode()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
                  prompt_seeds: Optional[Sequence[int]] = None) -> GenerationOutput:
@@ -188,31 +268,112 @@ class HFEngine(RolloutEngine):
 
         Raises:
             ValueError: malformed ``prompt_ids`` (empty prompt, id outside the vocabulary).
-            RuntimeError: the engine is asleep (call ``wake_up()``).
+            RuntimeError: the engine is asleep (call ``wake_up()``) or has rows in flight.
             InvalidWeightsError: a weight sync is unfinished or was aborted.
         """
-        if self._asleep:
-            raise RuntimeError("HFEngine.generate called while asleep; call wake_up() first")
-        self._require_valid_weights()
+        self._require_idle("generate")
         validate_prompt_ids(prompt_ids, self.vocab_size)
+        seeds = resolve_prompt_seeds(prompt_ids, prompt_seeds)
+        self.submit([RowRequest((i, j), p, params, ps, j) for i, (p, ps) in enumerate(zip(prompt_ids, seeds))
+                     for j in range(params.n)])
+        done = {r.key: r for r in self.poll()}
+        return [[Completion(done[(i, j)].response_ids, done[(i, j)].logprobs, done[(i, j)].finish_reason)
+                 for j in range(params.n)] for i in range(len(prompt_ids))]
+
+    def submit(self, rows: Sequence[RowRequest]) -> None:
+        """Queue rows; they are admitted into the running batch at the next :meth:`poll`.
+
+        Raises:
+            ValueError: a duplicate key, a token id outside the vocabulary.
+            RuntimeError: the engine is asleep.
+        """
+        if self._asleep:
+            raise RuntimeError("HFEngine.submit called while asleep; call wake_up() first")
+        self._require_valid_weights()
+        keys = {r.key for r in self._queue} | {row.req.key for row in (self._batch.rows if self._batch else [])
+                                               if row.alive}
+        for r in rows:
+            if r.key in keys:
+                raise ValueError(f"HFEngine.submit: row key {r.key!r} is already in flight")
+            keys.add(r.key)
+            bad = [t for t in r.prompt_ids + r.prefix_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"HFEngine.submit: row {r.key!r} holds token ids {bad[:5]} outside [0, {self.vocab_size})")
+        self._queue.extend(rows)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queue) + (sum(1 for row in self._batch.rows if row.alive) if self._batch else 0)
+
+    @torch.inference_mode()
+    def poll(self, max_tokens: Optional[int] = None) -> list[RowResult]:
+        """Admit the queued rows, sample up to ``max_tokens`` tokens per row (None: until all
+        rows stop) and return the rows that stopped, in the order they stopped (rows stopping
+        at the same token in batch order).
+
+        Raises:
+            RuntimeError: the engine is asleep. InvalidWeightsError: invalid weights.
+        """
+        if self._asleep:
+            raise RuntimeError("HFEngine.poll called while asleep; call wake_up() first")
+        self._require_valid_weights()
+        if max_tokens is not None and max_tokens < 1:
+            raise ValueError(f"max_tokens={max_tokens} must be >= 1 or None")
         if self.num_threads is not None:
             torch.set_num_threads(self.num_threads)
-        n, dev = params.n, self.device
-        stop_ids = torch.tensor(sorted(self.eos_token_ids | set(params.stop_token_ids)), device=dev)
-        seeds = resolve_prompt_seeds(prompt_ids, prompt_seeds)
-        gens: Optional[list[torch.Generator]] = None  # one per response row (i * n + j)
-        if params.seed is not None:
-            gens = [torch.Generator(device=dev).manual_seed(sample_seed(params.seed, ps, j))
-                    for ps in seeds for j in range(params.n)]
+        finished: list[RowResult] = []
+        if self._queue:
+            rows, self._queue = self._queue, []
+            finished.extend(self._admit(rows))
+        steps = 0
+        while self._batch is not None and (max_tokens is None or steps < max_tokens):
+            finished.extend(self._decode_step())
+            steps += 1
+        return finished
 
-        # prefill each distinct prompt once, left-padded
-        num_prompts = len(prompt_ids)
-        max_len = max(len(p) for p in prompt_ids)
-        input_ids = torch.full((num_prompts, max_len), self.pad_token_id, dtype=torch.long, device=dev)
-        attn = torch.zeros((num_prompts, max_len), dtype=torch.long, device=dev)
-        for i, p in enumerate(prompt_ids):
-            input_ids[i, max_len - len(p):] = torch.tensor(p, dtype=torch.long, device=dev)
-            attn[i, max_len - len(p):] = 1
+    def abort(self) -> list[RowResult]:
+        """Stop every queued and running row; returns each one's tokens so far (``"abort"``)."""
+        out = [RowResult(r.key, [], [], "abort", self.weight_version) for r in self._queue]
+        if self._batch is not None:
+            out.extend(RowResult(row.req.key, list(row.tokens), list(row.logprobs), "abort", self.weight_version)
+                       for row in self._batch.rows if row.alive)
+        self._queue, self._batch = [], None
+        return out
+
+    # ---- the running batch ---------------------------------------------------------
+    def _generator(self, req: RowRequest) -> Optional[torch.Generator]:
+        """The row's generator, advanced past the draws of its prefix tokens (one per token)."""
+        if req.seed is None:
+            return None
+        g = torch.Generator(device=self.device).manual_seed(req.seed)
+        for _ in range(len(req.prefix_ids)):
+            torch.rand(1, dtype=torch.float64, device=self.device, generator=g)
+        return g
+
+    def _admit(self, reqs: list[RowRequest]) -> list[RowResult]:
+        """Prefill ``reqs`` (each distinct input once), merge them into the running batch;
+        returns the rows that have nothing left to sample (a prefix that already ends the
+        response)."""
+        done, rows = [], []
+        for r in reqs:
+            stops = self.eos_token_ids | set(r.params.stop_token_ids)
+            if r.budget <= 0 or (r.prefix_ids and r.prefix_ids[-1] in stops):
+                done.append(RowResult(r.key, [], [], "length" if r.budget <= 0 else "stop", self.weight_version))
+            else:
+                rows.append(_Row(r, self._generator(r), stops))
+        if not rows:
+            return done
+        dev = self.device
+        inputs: dict[tuple[int, ...], int] = {}
+        for row in rows:
+            inputs.setdefault(row.req.prompt_ids + row.req.prefix_ids, len(inputs))
+        distinct = list(inputs)
+        max_len = max(len(x) for x in distinct)
+        input_ids = torch.full((len(distinct), max_len), self.pad_token_id, dtype=torch.long, device=dev)
+        attn = torch.zeros((len(distinct), max_len), dtype=torch.long, device=dev)
+        for i, x in enumerate(distinct):
+            input_ids[i, max_len - len(x):] = torch.tensor(x, dtype=torch.long, device=dev)
+            attn[i, max_len - len(x):] = 1
         pos = (attn.cumsum(-1) - 1).clamp_min(0)
         from transformers import DynamicCache
 
@@ -220,62 +381,58 @@ class HFEngine(RolloutEngine):
         out = self.model(input_ids=input_ids, attention_mask=attn, position_ids=pos, use_cache=True,
                          logits_to_keep=1, **{self._cache_kw: cache})  # the cache is filled in place
         logits = out.logits[:, -1, :]
-        if n > 1:
-            cache.batch_repeat_interleave(n)
-            logits = logits.repeat_interleave(n, dim=0)
-            attn = attn.repeat_interleave(n, dim=0)
-            pos = pos.repeat_interleave(n, dim=0)
-        next_pos = pos[:, -1] + 1
+        expand = torch.tensor([inputs[row.req.prompt_ids + row.req.prefix_ids] for row in rows], device=dev)
+        if expand.numel() != len(distinct) or not bool((expand == torch.arange(len(distinct), device=dev)).all()):
+            cache.batch_select_indices(expand)
+            logits, attn, pos = logits[expand], attn[expand], pos[expand]
+        new = _RunningBatch(rows, cache, attn, pos[:, -1] + 1, logits)
+        self._batch = new if self._batch is None else self._batch.merge(new)
+        return done
 
-        num_rows = num_prompts * n
-        tokens = torch.full((num_rows, params.max_new_tokens), self.pad_token_id, dtype=torch.long)
-        logps = torch.zeros((num_rows, params.max_new_tokens), dtype=torch.float32)
-        lengths = torch.zeros(num_rows, dtype=torch.long)
-        stopped = torch.zeros(num_rows, dtype=torch.bool)
-        active = torch.arange(num_rows)  # original row index of each batch row
-        alive = torch.ones(num_rows, dtype=torch.bool)  # batch row still generating
-
-        for step in range(params.max_new_tokens):
-            z = process_logits(logits, params.temperature, params.top_p, params.top_k)
-            logp_all = torch.log_softmax(z, dim=-1)
-            probs = logp_all.exp()
-            if gens is None:
-                tok = torch.multinomial(probs, 1).squeeze(-1)
-            else:  # each row draws from its own stream (finished rows draw too: streams stay aligned)
-                tok = sample_rows(probs, [gens[r] for r in active.tolist()])
-            tok_logp = logp_all.gather(-1, tok[:, None]).squeeze(-1)
-            tok_cpu, tok_logp_cpu = tok.cpu(), tok_logp.float().cpu()
-            rows = active[alive]  # finished rows that are still in the batch record nothing
-            tokens[rows, step] = tok_cpu[alive]
-            logps[rows, step] = tok_logp_cpu[alive]
-            lengths[rows] = step + 1
-            hit = torch.isin(tok_cpu, stop_ids.cpu()) & alive
-            stopped[active[hit]] = True
-            alive &= ~hit
-            if step + 1 == params.max_new_tokens or not alive.any():
-                break
-            if int((~alive).sum()) * 4 >= alive.numel():  # compact the batch when it pays
-                keep = alive.nonzero().squeeze(-1)
-                keep_dev = keep.to(dev)
-                cache.batch_select_indices(keep_dev)
-                active, alive = active[keep], alive[keep]
-                tok, attn, next_pos = tok[keep_dev], attn[keep_dev], next_pos[keep_dev]
-            attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=-1)
-            out = self.model(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
-                             use_cache=True, **{self._cache_kw: cache})
-            logits = out.logits[:, -1, :]
-            next_pos = next_pos + 1
-
-        results: GenerationOutput = []
-        for i in range(num_prompts):
-            group = []
-            for j in range(n):
-                r = i * n + j
-                L = int(lengths[r])
-                group.append(Completion(tokens[r, :L].tolist(), logps[r, :L].tolist(),
-                                        "stop" if bool(stopped[r]) else "length"))
-            results.append(group)
-        return results
+    def _decode_step(self) -> list[RowResult]:
+        """Sample one token for every row of the running batch, record it, and run the model
+        on the sampled tokens of the rows still going. Returns the rows that stopped."""
+        b = self._batch
+        z = torch.stack([process_logits(b.logits[i:i + 1], row.req.params.temperature, row.req.params.top_p,
+                                        row.req.params.top_k)[0] for i, row in enumerate(b.rows)]) \
+            if b.mixed_params else process_logits(b.logits, *b.rows[0].sampling)
+        logp_all = torch.log_softmax(z, dim=-1)
+        probs = logp_all.exp()
+        gens = [row.generator for row in b.rows]
+        if any(g is None for g in gens):
+            tok = torch.multinomial(probs, 1).squeeze(-1)
+        else:  # each row draws from its own stream (finished rows draw too; they are never read again)
+            tok = sample_rows(probs, gens)
+        tok_logp = logp_all.gather(-1, tok[:, None]).squeeze(-1)
+        tok_cpu, tok_logp_cpu = tok.tolist(), tok_logp.float().tolist()
+        finished = []
+        for i, row in enumerate(b.rows):
+            if not row.alive:
+                continue
+            row.tokens.append(tok_cpu[i])
+            row.logprobs.append(tok_logp_cpu[i])
+            if tok_cpu[i] in row.stops:
+                reason = "stop"
+            elif len(row.tokens) >= row.req.budget:
+                reason = "length"
+            else:
+                continue
+            row.alive = False
+            finished.append(RowResult(row.req.key, row.tokens, row.logprobs, reason, self.weight_version))
+        alive = [row.alive for row in b.rows]
+        if not any(alive):
+            self._batch = None
+            return finished
+        if alive.count(False) * 4 >= len(alive):  # compact the batch when it pays
+            keep = torch.tensor([i for i, a in enumerate(alive) if a], device=self.device)
+            b.select(keep)
+            tok = tok[keep]
+        b.attn = torch.cat([b.attn, b.attn.new_ones((b.attn.shape[0], 1))], dim=-1)
+        out = self.model(input_ids=tok[:, None], attention_mask=b.attn, position_ids=b.next_pos[:, None],
+                         use_cache=True, **{self._cache_kw: b.cache})
+        b.logits = out.logits[:, -1, :]
+        b.next_pos = b.next_pos + 1
+        return finished
 
     # ---- memory -------------------------------------------------------------------
     def sleep(self, keep_weights: bool = False) -> None:
@@ -285,6 +442,7 @@ class HFEngine(RolloutEngine):
         is unchanged). On CPU there is nothing to free: only the asleep flag is set."""
         if self._asleep:
             return
+        self._require_idle("sleep")
         if self.device.type == "cuda":
             if not keep_weights:
                 self.model.to("cpu")

@@ -21,6 +21,20 @@ in 0.5.3), read in the sources of each release's wheel. Files are those of
 * ``Engine.generate(input_ids=[[...]], sampling_params=[{...}], return_logprob=True)`` →
   one dict per row with ``meta_info.output_token_logprobs`` = ``[(logprob, token_id, text)]``
   and ``meta_info.finish_reason`` = ``{"type": "stop" | "length" | "abort", ...}``.
+* Asynchronous rows (:meth:`SGLangEngine.submit` / ``poll`` / ``abort``): one
+  ``Engine.async_generate(input_ids=prompt + prefix, sampling_params, return_logprob=True,
+  rid=...)`` task per row on the engine's own event loop (``Engine.loop``, which the offline
+  ``generate`` also drives with ``run_until_complete``), and
+  ``Engine.tokenizer_manager.abort_request(rid)`` (``managers/tokenizer_manager.py``). The
+  scheduler aborts by rid PREFIX (``managers/scheduler.py`` ``abort_request``:
+  ``req.rid.startswith(recv_req.rid)``), so rids are fixed-width; a running request is
+  finished with ``FINISH_ABORT`` after one more decode step and returns the tokens (and
+  logprobs) it sampled; a queued one returns none (``_handle_abort_req``).
+  ``schedule_batch.py`` ``check_finished`` sets the abort before checking EOS / length, so an
+  aborted output that ends on a stop token or fills the budget is finished, not partial.
+  Continuation is seed-exact under ``enable_deterministic_inference``: the sampler's noise is
+  ``murmur_hash32(seed, position, token)`` (``layers/sampler.py`` ``multinomial_with_seed``),
+  so a row resubmitted as prompt + prefix draws what it would have drawn uninterrupted.
 * ``Engine.update_weights_from_tensor(named_tensors, load_format=None, flush_cache=True)``
   → ``(success, message)``; with ``load_format="flattened_bucket"``, ``named_tensors`` is the
   list of serialized flattened buckets, one per TP worker (see ``rollout/engine_group.py``); ``Engine.flush_cache()`` → ``FlushCacheReqOutput(success,
@@ -55,6 +69,9 @@ switch). With top_p == 1 and top_k == -1 this equals what the actor recomputes.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
+import itertools
 import json
 import threading
 import urllib.error
@@ -70,6 +87,8 @@ from dapo_megatron.rollout.engine import (
     GenerationOutput,
     ParamSpec,
     RolloutEngine,
+    RowRequest,
+    RowResult,
     SamplingParams,
     hf_param_specs,
     resolve_prompt_seeds,
@@ -249,6 +268,41 @@ def parse_generate_output(outputs: Any, num_prompts: int, n: int) -> GenerationO
         raise RuntimeError(f"SGLang generate returned {got} outputs, expected {num_prompts} prompts x n={n}")
     rows = [parse_completion(item, r) for r, item in enumerate(outputs)]
     return [rows[i * n:(i + 1) * n] for i in range(num_prompts)]
+
+
+def build_row_request(row: RowRequest, rid: str) -> dict[str, Any]:
+    """``Engine.async_generate`` kwargs of one :class:`~dapo_megatron.rollout.engine.RowRequest`:
+    the prompt followed by the row's prefix, the remaining budget, the row's own seed."""
+    params = dataclasses.replace(row.params, n=1, max_new_tokens=row.budget)
+    return {"input_ids": list(row.prompt_ids + row.prefix_ids), "sampling_params": build_sampling_params(params, row.seed),
+            "return_logprob": True, "rid": rid}
+
+
+def parse_row_output(item: Any, row: RowRequest, version: int, eos_token_ids: frozenset = frozenset()) -> RowResult:
+    """One SGLang output of a row (``build_row_request``) → :class:`RowResult`.
+
+    An aborted output holds the tokens sampled so far (finish reason ``"abort"``), unless it
+    already ends on a stop token (``eos_token_ids`` or the row's ``stop_token_ids``) or fills
+    the row's budget (then ``"stop"`` / ``"length"``: SGLang marks the abort before checking
+    those).
+
+    Raises:
+        RuntimeError: a failed request, or a malformed output (see :func:`parse_completion`).
+    """
+    meta = item.get("meta_info") if isinstance(item, dict) else None
+    fr = meta.get("finish_reason") if isinstance(meta, dict) else None
+    kind = fr.get("type") if isinstance(fr, dict) else fr
+    if kind == "abort":
+        entries = meta.get("output_token_logprobs") or []
+        ids, logprobs = [int(e[1]) for e in entries], [float(e[0]) for e in entries]
+        stops = set(row.params.stop_token_ids) | set(eos_token_ids)
+        if ids and ids[-1] in stops:
+            kind = "stop"
+        elif len(ids) >= row.budget:
+            kind = "length"
+        return RowResult(row.key, ids, logprobs, kind, version)
+    c = parse_completion(item, 0)
+    return RowResult(row.key, c.response_ids, c.logprobs, c.finish_reason, version)
 
 
 def check_result(result: Any, what: str) -> None:
@@ -580,6 +634,80 @@ class SGLangEngine(_SGLangMemory, RolloutEngine):
         self._flush_pending = False
         # load_format="dummy": random weights until the first sync
         self._weights_valid = extra.get("load_format", "auto") != "dummy"
+        self._tasks: dict[str, tuple[RowRequest, Any]] = {}  # rid -> (row, asyncio task), in submission order
+        self._rids = itertools.count()
+        self.poll_timeout_s = 0.5
+        self._eos: Optional[frozenset] = None
+
+    @property
+    def eos_token_ids(self) -> frozenset:
+        """The model's EOS ids (``config.json`` / ``generation_config.json``), which end a row."""
+        if self._eos is None:
+            from transformers import AutoConfig, GenerationConfig
+
+            ids = set()
+            sources = [AutoConfig.from_pretrained(self.model_path)]
+            try:
+                sources.append(GenerationConfig.from_pretrained(self.model_path))
+            except OSError:  # no generation_config.json
+                pass
+            for cfg in sources:
+                eos = getattr(cfg, "eos_token_id", None)
+                ids.update([] if eos is None else [eos] if isinstance(eos, int) else list(eos))
+            self._eos = frozenset(int(t) for t in ids)
+        return self._eos
+
+    # ---- asynchronous rows (module docstring) ----------------------------------------
+    supports_async = True
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._tasks)
+
+    def submit(self, rows: Sequence[RowRequest]) -> None:
+        """One ``async_generate`` task per row on the engine's event loop (it runs during
+        :meth:`poll` / :meth:`abort`; the scheduler process generates meanwhile)."""
+        self._check_can_generate()
+        keys = {row.key for row, _ in self._tasks.values()}
+        for row in rows:
+            if row.key in keys:
+                raise ValueError(f"SGLangEngine.submit: row key {row.key!r} is already in flight")
+            keys.add(row.key)
+            rid = f"dapo-{id(self):x}-{next(self._rids):012d}"  # fixed width: SGLang aborts by rid prefix
+            task = self.engine.loop.create_task(self.engine.async_generate(**build_row_request(row, rid)))
+            self._tasks[rid] = (row, task)
+
+    def poll(self, max_tokens: Optional[int] = None) -> list[RowResult]:
+        """Rows finished so far: waits until at least one finishes (at most ``poll_timeout_s``
+        seconds when ``max_tokens`` is set; SGLang cannot stop after a token count, so the
+        streaming round is a time slice here), or until all finish when ``max_tokens`` is None."""
+        if not self._tasks:
+            return []
+        pending = [task for _, task in self._tasks.values()]
+        if max_tokens is None:
+            self.engine.loop.run_until_complete(asyncio.wait(pending))
+        else:
+            self.engine.loop.run_until_complete(asyncio.wait(pending, timeout=self.poll_timeout_s,
+                                                             return_when=asyncio.FIRST_COMPLETED))
+        return self._collect(only_done=True)
+
+    def abort(self) -> list[RowResult]:
+        """``abort_request(rid)`` for every row in flight, then their outputs (partial, or
+        finished where the abort came too late)."""
+        for rid in self._tasks:
+            self.engine.tokenizer_manager.abort_request(rid=rid)
+        if self._tasks:
+            self.engine.loop.run_until_complete(asyncio.wait([task for _, task in self._tasks.values()]))
+        return self._collect(only_done=False)
+
+    def _collect(self, only_done: bool) -> list[RowResult]:
+        out = []
+        for rid, (row, task) in list(self._tasks.items()):
+            if only_done and not task.done():
+                continue
+            del self._tasks[rid]
+            out.append(parse_row_output(task.result(), row, self.weight_version, self.eos_token_ids))
+        return out
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
                  prompt_seeds: Optional[Sequence[int]] = None) -> GenerationOutput:

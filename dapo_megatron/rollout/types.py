@@ -43,6 +43,12 @@ class Sample:
         advantage: group-relative advantage, filled by the trainer.
         old_logprobs: actor logprobs of ``response_ids`` before the update, length R.
         loss_mask_zero: True when overlong filtering removes this sample from the loss.
+        versions: the weight versions that generated ``response_ids``, as
+            ``(first token index, version)`` spans in ascending token order: ``[(0, 3)]``
+            means every token was sampled by weights version 3; ``[(0, 3), (12, 4)]`` a
+            partial rollout: tokens 0-11 by version 3, aborted at the end of a step and
+            continued by version 4. Empty: unknown (counted as current). The trainer's
+            version is its step count: version ``k`` is the actor after ``k`` steps.
         holder: global rank that generated the response and holds its token lists
             (:data:`HELD_BY_ALL` when every rank does).
         num_response_tokens: R, kept where ``response_ids`` is None (the replicated
@@ -66,6 +72,7 @@ class Sample:
     advantage: float = 0.0
     old_logprobs: Optional[list[float]] = None
     loss_mask_zero: bool = False
+    versions: list[tuple[int, int]] = field(default_factory=list)
     holder: int = HELD_BY_ALL
     num_response_tokens: Optional[int] = None
 
@@ -88,13 +95,45 @@ class Sample:
     def truncated(self) -> bool:
         return self.finish_reason == "length"
 
+    @property
+    def oldest_version(self) -> Optional[int]:
+        """The oldest weights version among the response's tokens (None: unknown)."""
+        return min(v for _, v in self.versions) if self.versions else None
+
+    def token_versions(self) -> list[int]:
+        """Weights version of every response token, length R (empty when unknown).
+
+        Raises:
+            ValueError: spans that do not start at token 0 or are not ascending.
+        """
+        if not self.versions:
+            return []
+        starts = [start for start, _ in self.versions]
+        if starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:])):
+            raise ValueError(f"Sample.versions={self.versions!r}: spans must start at token 0 and ascend")
+        out: list[int] = []
+        ends = starts[1:] + [self.response_length]
+        for (start, version), end in zip(self.versions, ends):
+            out.extend([version] * max(0, end - start))
+        return out
+
+    def staleness(self, current_version: int) -> int:
+        """Versions behind ``current_version`` of the response's oldest token (0 when unknown)."""
+        oldest = self.oldest_version
+        return 0 if oldest is None else max(0, current_version - oldest)
+
 
 @dataclass
 class Group:
-    """The G responses sampled for one prompt (a GRPO/DAPO group)."""
+    """The G responses sampled for one prompt (a GRPO/DAPO group).
+
+    ``prompt_seed``: the prompt's global position in the run, which seeds its responses
+    (``rollout.engine.sample_seed``); -1 when unknown. A streamed group in flight keeps it to
+    continue its partial responses."""
 
     group_id: int
     samples: list[Sample] = field(default_factory=list)
+    prompt_seed: int = -1
 
     @property
     def accs(self) -> list[bool]:

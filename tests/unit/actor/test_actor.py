@@ -19,11 +19,11 @@ TEMPERATURE = 0.8
 NUM_LAYERS = 4
 
 
-def _actor_cfg(tis_cap=None):
+def _actor_cfg(**kw):
     from dapo_megatron.actor.actor import ActorConfig, OptimConfig
 
     o = OptimConfig(lr=1e-3, lr_warmup_steps=2, lr_warmup_init=5e-4, weight_decay=0.01, clip_grad=1.0)
-    return ActorConfig(ppo_max_token_len_per_gpu=64, tis_cap=tis_cap, optim=o)
+    return ActorConfig(ppo_max_token_len_per_gpu=64, optim=o, **kw)
 
 
 def _local_shards(model, full_sd, cfg, par):
@@ -418,7 +418,8 @@ def _nan_and_schedule_worker(out_path):
     par = init_distributed(seed=0)
     torch.manual_seed(0)
     model = tiny_gpt_model(tiny_gpt_config(num_layers=2), vocab_size=VOCAB_PADDED)
-    actor = MegatronActor(model, _actor_cfg(tis_cap=2.0), total_steps=10, parallel=par, vocab_size=VOCAB)
+    # every token TIS-corrected (rollout_is_scope='all'): a NaN rollout logprob reaches the loss
+    actor = MegatronActor(model, _actor_cfg(rollout_is_scope="all"), total_steps=10, parallel=par, vocab_size=VOCAB)
     samples = _mini_batch_samples(seed=7)
     for s, lp in zip(samples, actor.compute_logprobs([samples], TEMPERATURE)):
         s.old_logprobs = lp.tolist()

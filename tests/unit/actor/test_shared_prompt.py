@@ -43,7 +43,8 @@ def _actor_cfg(**kw):
     from dapo_megatron.actor.actor import ActorConfig, OptimConfig
 
     o = OptimConfig(lr=1e-3, weight_decay=0.01, clip_grad=1.0)
-    return ActorConfig(ppo_max_token_len_per_gpu=512, entropy_coeff=0.01, tis_cap=2.0, optim=o, **kw)
+    # every token TIS-corrected (rollout_is_scope="all", cap 2): the weights go through the shared form too
+    return ActorConfig(ppo_max_token_len_per_gpu=512, entropy_coeff=0.01, rollout_is_scope="all", optim=o, **kw)
 
 
 def _run(actor, samples, micro_batches):
@@ -101,7 +102,7 @@ def _reference_worker(out_path):
                                                           length_buckets=False)
                 actor.plan = res["plan"].replace(shared_prompt=mode, fp8_align=align, **change)
                 mbs, _ = make_micro_batches([[samples[i] for i in mb] for mb in CUT], actor.plan,
-                                            device="cpu", with_targets=False, use_tis=False)
+                                            device="cpu")
                 res[("fp8", align, mode, layout)] = dict(
                     run=_run(actor, samples, CUT), shapes=[tuple(m.batch.input_ids.shape) for m in mbs])
     # auto: shared where it saves tokens, the copied form where no two samples share a prompt

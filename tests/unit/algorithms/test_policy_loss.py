@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dapo_megatron.algorithms import agg_loss, compute_policy_loss
+from dapo_megatron.algorithms.policy_loss import rollout_correction
 
 # ---------------------------------------------------------------------------
 # Hand-computed example (ratios chosen to hit every branch), old_log_prob = 0
@@ -53,7 +54,7 @@ def test_hand_computed_modes(mode, expected):
     assert metrics["ratio_max"].item() == pytest.approx(1.5)  # the masked r=2.0 is ignored
     kl = -(math.log(1.5) + math.log(0.5) + math.log(1.1) + math.log(0.7) + 0.0) / 5
     assert metrics["ppo_kl"].item() == pytest.approx(kl, rel=1e-6)
-    assert "pg_clipfrac_dual" not in metrics and "tis_clipfrac" not in metrics
+    assert "pg_clipfrac_dual" not in metrics
     for v in metrics.values():
         assert isinstance(v, torch.Tensor) and v.ndim == 0 and not v.requires_grad
 
@@ -104,13 +105,68 @@ def test_truncated_importance_sampling_hand_computed():
     old = torch.zeros(1, 2, dtype=torch.float64)
     rollout = torch.tensor([[0.25, 2.0]], dtype=torch.float64).log()
     adv = torch.tensor([[1.0, -3.0]], dtype=torch.float64)
-    loss, m = compute_policy_loss(
-        log_prob, old, adv, torch.ones(1, 2), rollout_log_prob=rollout, tis_cap=2.0
-    )
+    w, mask, cm = rollout_correction(old, rollout, torch.ones(1, 2), rollout_is="token", rollout_is_threshold=2.0)
+    torch.testing.assert_close(w, torch.tensor([[2.0, 0.5]], dtype=torch.float64))
+    assert mask.tolist() == [[1.0, 1.0]] and cm["rollout_is_clipfrac"].item() == pytest.approx(0.5)
+    loss, _ = compute_policy_loss(log_prob, old, adv, mask, is_weights=w)
     assert loss.item() == pytest.approx((-1.0 * 2.0 + 3.0 * 0.5) / 2, abs=1e-12)
-    assert m["tis_clipfrac"].item() == pytest.approx(0.5)
     loss.backward()
     torch.testing.assert_close(log_prob.grad, torch.tensor([[-2.0 / 2, 1.5 / 2]], dtype=torch.float64))
+
+
+def test_rejected_tokens_leave_the_denominator():
+    # slime PR #657's example: 5 tokens, log rho = [0.1, -1.5, 0.8, -10, 0.3], rejection outside [0.5, 2]
+    log_rho = torch.tensor([[0.1, -1.5, 0.8, -10.0, 0.3]], dtype=torch.float64)
+    old, rollout = log_rho, torch.zeros_like(log_rho)
+    w, mask, cm = rollout_correction(old, rollout, torch.ones(1, 5), rollout_is="token", rollout_is_threshold=1e9,
+                                     rollout_rs="token", rollout_rs_threshold=2.0, rollout_rs_threshold_lower=0.5)
+    assert mask.tolist() == [[1.0, 0.0, 0.0, 0.0, 1.0]]
+    torch.testing.assert_close(w, log_rho.exp())  # the weights are true ratios, never zeroed by the rejection
+    assert cm["rollout_rs_masked_frac"].item() == pytest.approx(3 / 5)
+    log_prob = old.clone().requires_grad_(True)  # r = 1
+    adv = torch.ones(1, 5, dtype=torch.float64)
+    loss, _ = compute_policy_loss(log_prob, old, adv, mask, is_weights=w)
+    expected = -(math.exp(0.1) + math.exp(0.3)) / 2  # denominator 2 (unrejected), not 5
+    assert loss.item() == pytest.approx(expected, abs=1e-12)
+
+
+def test_sequence_weight_and_geometric_rejection_over_corrected_tokens_only():
+    # row 0: tokens 0-1 stale (log rho 0.2, 0.3), token 2 fresh; row 1: all stale, log rho 1.0 each
+    old = torch.tensor([[0.2, 0.3, 5.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
+    rollout = torch.zeros(2, 3, dtype=torch.float64)
+    mask = torch.ones(2, 3)
+    stale = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
+    w, keep, cm = rollout_correction(old, rollout, mask, tokens=stale, rollout_is="sequence",
+                                     rollout_is_threshold=10.0, rollout_rs="geometric", rollout_rs_threshold=2.0)
+    # sequence weight of row 0: exp(0.2 + 0.3) on its two stale tokens, 1 on the fresh one (log rho 5 ignored)
+    torch.testing.assert_close(w[0], torch.tensor([math.exp(0.5), math.exp(0.5), 1.0], dtype=torch.float64))
+    # row 1: exp(3) = 20.1 truncated at 10; its geometric mean exp(1) = 2.72 > 2 rejects the whole row
+    torch.testing.assert_close(w[1], torch.full((3,), 10.0, dtype=torch.float64))
+    assert keep.tolist() == [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
+    assert cm["rollout_corr_frac"].item() == pytest.approx(5 / 6)
+    assert cm["rollout_is_clipfrac"].item() == pytest.approx(3 / 6)
+
+
+def test_fresh_tokens_are_untouched_by_the_correction():
+    old = torch.randn(3, 4, dtype=torch.float64)
+    rollout = old + 0.5 * torch.randn(3, 4, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    w, keep, _ = rollout_correction(old, rollout, mask, tokens=torch.zeros(3, 4, dtype=torch.bool),
+                                    rollout_rs="token", rollout_rs_threshold=1.01)
+    torch.testing.assert_close(w, mask.to(torch.float64))
+    torch.testing.assert_close(keep, mask.to(torch.float64))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(rollout_is="seq"), "rollout_is"),
+    (dict(rollout_is_threshold=0.0), "rollout_is_threshold"),
+    (dict(rollout_rs="sequence", rollout_rs_threshold=2.0), "rollout_rs"),
+    (dict(rollout_rs="token"), "rollout_rs_threshold"),
+    (dict(rollout_rs="token", rollout_rs_threshold=2.0, rollout_rs_threshold_lower=3.0), "rollout_rs_threshold_lower"),
+])
+def test_rollout_correction_bad_arguments_name_the_key(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        rollout_correction(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), **kwargs)
 
 
 def test_advantages_given_per_sequence_broadcast():
@@ -137,9 +193,7 @@ def test_empty_mask_gives_zero_loss_with_graph():
         (dict(loss_agg_mode="token-sum"), "loss_agg_mode"),
         (dict(clip_ratio_c=1.0), "clip_ratio_c"),
         (dict(clip_ratio_low=-0.1), "clip_ratio_low"),
-        (dict(tis_cap=2.0), "rollout_log_prob"),
-        (dict(rollout_log_prob=torch.zeros(2, 3)), "tis_cap"),
-        (dict(rollout_log_prob=torch.zeros(2, 3), tis_cap=0.0), "tis_cap"),
+        (dict(is_weights=torch.ones(2, 2)), "is_weights"),
         (dict(global_num_tokens=0), "global_num_tokens"),
         (dict(global_num_tokens=torch.tensor([1.0, 2.0])), "global_num_tokens"),
     ],

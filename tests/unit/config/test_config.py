@@ -171,6 +171,10 @@ def test_real_schema_errors_begin_once_with_the_dotted_key():
         ("rollout.name=vllm", "rollout.name='vllm' must be 'hf' or 'sglang'"),
         ("data.max_prompt_length=0", "data.max_prompt_length=0 must be a positive int"),
         ("data.arithmetic.style=poem", "data.arithmetic.style='poem' must be 'plain' or 'word'"),
+        ("rollout.partial_rollout=true", "rollout.partial_rollout=true needs streaming=true"),
+        ("rollout.stream_poll_tokens=0", "rollout.stream_poll_tokens=0 must be >= 1"),
+        ("buffer.prompt_skip.enable=true", "buffer.prompt_skip.enable=true needs rollout.streaming=true"),
+        ("buffer.prompt_skip.skip_probability=1.0", "buffer.prompt_skip.skip_probability=1.0 must be in [0, 1)"),
         # across sections: 100 steps × 1 epoch × 512/32 mini-batches = 1600 optimizer steps
         ("actor.optim.lr_warmup_steps=1600", "actor.optim.lr_warmup_steps=1600 must be smaller than the run's "
                                              "1600 optimizer steps"),
@@ -181,6 +185,19 @@ def test_real_schema_errors_begin_once_with_the_dotted_key():
         key = override.split("=")[0]
         assert str(e.value).count(key.rpartition(".")[0] + ".") == 1, str(e.value)
     load_config(DAPOConfig, None, [*base, "actor.optim.lr_warmup_steps=1599"])
+
+
+def test_streaming_is_rejected_on_layouts_it_does_not_drive():
+    """The streamed rollout submits each group to its own rank's engine: a rollout group (one
+    engine over several ranks) or separate servers would leave groups with no engine."""
+    from dapo_megatron.config import DAPOConfig
+
+    base = ["model.hf_path=/models/x", "rollout.name=sglang", "rollout.streaming=true"]
+    for layout in (["rollout.tensor_model_parallel_size=2"],
+                   ["rollout.mode=server", "rollout.server_urls=[http://h:30000]"]):
+        with pytest.raises(ConfigError, match=r"^rollout\.streaming=true runs on one colocated engine per rank"):
+            load_config(DAPOConfig, None, [*base, *layout])
+    load_config(DAPOConfig, None, base)
 
 
 def test_config_errors_prefixes_run_time_checks_once():

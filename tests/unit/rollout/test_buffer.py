@@ -111,6 +111,56 @@ def test_over_generates_then_carries_surplus_first():
     assert script.calls == 4
 
 
+class VersionedScript(Script):
+    """Script whose groups carry the weights version they were generated with (``version``)."""
+
+    version = 0
+
+    def __call__(self):
+        batch = super().__call__()
+        for g in batch:
+            for s in g.samples:
+                s.versions = [(0, self.version)]
+        return batch
+
+
+def test_surplus_older_than_max_staleness_is_dropped_and_counted():
+    # step 1 (actor version 0) keeps 4 groups: 2 train, 2 carried; step 2 (version 1) needs only 1
+    # of them, the other is carried again; at step 3 (version 2) it is 2 versions old and dropped
+    buf = make_buffer(max_staleness=1)
+    script = VersionedScript([["CWWW", "CCWW", "CCCW", "WCWC"], ["CWCW", "CCWW"]])
+    out, m = buf.collect(script, policy_version=0)
+    assert m["rollout/surplus_out"] == 2 and m["rollout/dropped_stale"] == 0 and m["rollout/staleness_max"] == 0
+    buf.config.train_batch_size = 1
+    script.version = 1
+    out, m = buf.collect(script, policy_version=1)
+    assert [g.samples[0].prompt_index for g in out] == [2] and m["rollout/num_gen_batches"] == 0
+    assert m["rollout/staleness_mean"] == 1.0 and m["rollout/stale_samples"] == 4
+    buf.config.train_batch_size = 2
+    script.version = 2
+    out, m = buf.collect(script, policy_version=2)
+    assert m["rollout/dropped_stale"] == 1 and m["rollout/surplus_in"] == 0
+    assert [g.samples[0].prompt_index for g in out] == [4, 5] and m["rollout/staleness_max"] == 0
+
+
+def test_max_staleness_zero_carries_nothing():
+    buf = make_buffer(max_staleness=0)
+    script = VersionedScript([["CWWW", "CCWW", "CCCW"], ["CWCW", "CCWW"]])
+    buf.collect(script, policy_version=0)
+    script.version = 1
+    out, m = buf.collect(script, policy_version=1)
+    assert m["rollout/dropped_stale"] == 1 and [g.samples[0].prompt_index for g in out] == [3, 4]
+
+
+def test_token_versions_of_a_partial_rollout():
+    s = make_group(0, "C", lengths=[5]).samples[0]
+    s.versions = [(0, 3), (2, 4)]
+    assert s.token_versions() == [3, 3, 4, 4, 4] and s.oldest_version == 3 and s.staleness(5) == 2
+    s.versions = [(1, 3)]
+    with pytest.raises(ValueError, match="start at token 0"):
+        s.token_versions()
+
+
 def test_cap_reached_raises_naming_the_knob():
     buf = make_buffer(max_num_gen_batches=3)
     script = Script([["WWWW", "CWWW"], ["CCCC", "WWWW"], ["WWWW", "WWWW"], ["CWCW", "CWCW"]])
@@ -186,7 +236,8 @@ def test_filter_groups_off_keeps_everything():
 
 @pytest.mark.parametrize("kw,field", [(dict(max_num_gen_batches=0), "^max_num_gen_batches=0 must be"),
                                       (dict(n=1), "^n=1: dynamic sampling"), (dict(filter_metric="std"), "filter_metric"),
-                                      (dict(on_cap="skip"), "on_cap"), (dict(train_batch_size=0), "train_batch_size")])
+                                      (dict(on_cap="skip"), "on_cap"), (dict(train_batch_size=0), "train_batch_size"),
+                                      (dict(max_staleness=-1), "max_staleness")])
 def test_config_validation(kw, field):
     with pytest.raises(ValueError, match=field):
         make_buffer(**kw)

@@ -266,6 +266,50 @@ class _SpyEngine:
     def shutdown(self):
         self.calls.append(("shutdown",))
 
+    # the asynchronous boundary (sglang 0.5.11): Engine.loop, Engine.async_generate(..., rid=),
+    # Engine.tokenizer_manager.abort_request(rid=). The scheduler stand-in samples one token per
+    # event-loop tick (token = 4 + position % 9, logprob -position / 100) and finishes an aborted
+    # request with the tokens it has, as FINISH_ABORT does.
+    @property
+    def loop(self):
+        import asyncio
+
+        if not hasattr(self, "_loop"):
+            self._loop = asyncio.new_event_loop()
+        return self._loop
+
+    @property
+    def tokenizer_manager(self):
+        spy = self
+
+        class _TokenizerManager:
+            def abort_request(self, rid="", abort_all=False):
+                spy.calls.append(("abort_request", rid))
+                spy.aborted.add(rid)
+
+        return _TokenizerManager()
+
+    aborted: set = set()
+
+    async def async_generate(self, input_ids, sampling_params, return_logprob, rid):
+        import asyncio
+
+        self.calls.append(("async_generate", list(input_ids), dict(sampling_params), return_logprob, rid))
+        ids, lps = [], []
+        stops = set(sampling_params.get("stop_token_ids", []))
+        while True:
+            if any(rid.startswith(a) for a in self.aborted):  # the scheduler matches rid prefixes
+                return sglang_item(ids, lps, "abort") if ids else {
+                    "text": "", "output_ids": [], "meta_info": {"finish_reason": {"type": "abort", "message": "x"}}}
+            await asyncio.sleep(0.001 * (1 + len(input_ids) % 3))
+            position = len(input_ids) + len(ids)
+            ids.append(4 + position % 9)
+            lps.append(-position / 100)
+            if ids[-1] in stops:
+                return sglang_item(ids, lps, "stop")
+            if len(ids) >= sampling_params["max_new_tokens"]:
+                return sglang_item(ids, lps, "length")
+
 
 @pytest.fixture()
 def fake_sglang(monkeypatch):
@@ -424,6 +468,53 @@ def test_sleep_wake_sync_order_and_weight_validity(fake_sglang, tiny_model_dir):
     spy.flush_result = _FlushCacheReqOutput(False, "Another flush_cache is already in progress.")
     with pytest.raises(RuntimeError, match="flush_cache failed: Another flush_cache is already in progress"):
         eng.update_weights(weights, version=3)
+
+
+def test_async_rows_submit_poll_abort_at_the_sglang_boundary(fake_sglang, tiny_model_dir):
+    """Each row is one async_generate task with prompt + prefix, its remaining budget and its own
+    seed, under a fixed-width rid; abort() aborts every rid in flight and returns the partial
+    outputs; an aborted output that already ends on a stop token counts as stopped."""
+    from dapo_megatron.rollout.engine import RowRequest, sample_seed
+    from dapo_megatron.rollout.sglang_engine import SGLangEngine
+
+    eng = SGLangEngine(tiny_model_dir, base_gpu_id=0)
+    spy = eng.engine
+    spy.aborted = set()
+    p = SamplingParams(max_new_tokens=40, stop_token_ids=(12,), seed=3)
+    short = SamplingParams(max_new_tokens=2, seed=3)
+    eng.submit([RowRequest("a", [1, 2], short, 7, 0), RowRequest("b", [1, 2, 3], p, 7, 1, prefix_ids=[5, 6]),
+                RowRequest("c", [1], SamplingParams(max_new_tokens=40, seed=3), 8, 0)])
+    calls = [c for c in spy.calls if c[0] == "async_generate"]
+    assert calls == [] and eng.num_in_flight == 3, "tasks start when the loop runs (poll / abort)"
+    done = eng.poll(max_tokens=1)
+    calls = {c[4]: c for c in spy.calls if c[0] == "async_generate"}
+    assert len(calls) == 3 and len({len(r) for r in calls}) == 1, "fixed-width rids"
+    by_prompt = {tuple(c[1]): c for c in calls.values()}
+    b = by_prompt[(1, 2, 3, 5, 6)]  # the continued row: its prefix follows the prompt
+    assert b[2]["max_new_tokens"] == 38 and b[2]["sampling_seed"] == sample_seed(3, 7, 1) and b[3] is True
+    assert by_prompt[(1, 2)][2]["sampling_seed"] == sample_seed(3, 7, 0)
+    assert [(r.key, r.response_ids, r.finish_reason) for r in done] == [("a", [6, 7], "length")]
+    out = {r.key: r for r in eng.abort()}
+    assert eng.num_in_flight == 0 and sorted(out) == ["b", "c"]
+    assert {c[1] for c in spy.calls if c[0] == "abort_request"} == set(calls) - {by_prompt[(1, 2)][4]}
+    assert out["c"].finish_reason == "abort" and out["c"].response_ids[:2] == [5, 6]
+    assert out["c"].logprobs[:2] == [-0.01, -0.02] and out["c"].version == eng.weight_version
+    assert out["b"].finish_reason in ("abort", "stop")  # 12 is a stop id, reached at position 8
+    assert out["b"].response_ids[0] == 4 + 5 % 9
+
+
+def test_aborted_output_that_already_finished():
+    from dapo_megatron.rollout.engine import RowRequest
+    from dapo_megatron.rollout.sglang_engine import parse_row_output
+
+    row = RowRequest("k", [1], SamplingParams(max_new_tokens=5, stop_token_ids=(9,)), 0, 0, prefix_ids=[4, 4])
+    item = lambda ids: sglang_item(ids, [-0.5] * len(ids), "abort") if ids else {
+        "meta_info": {"finish_reason": {"type": "abort"}}}
+    assert parse_row_output(item([5, 9]), row, 2).finish_reason == "stop"
+    assert parse_row_output(item([5, 2]), row, 2, eos_token_ids=frozenset({2})).finish_reason == "stop"
+    assert parse_row_output(item([5, 6, 7]), row, 2).finish_reason == "length"  # 2 + 3 = the 5-token budget
+    assert parse_row_output(item([5]), row, 2) == ("k", [5], [-0.5], "abort", 2)
+    assert parse_row_output(item([]), row, 2) == ("k", [], [], "abort", 2)
 
 
 def test_cpu_weight_backup_keeps_weights_valid_across_sleep(fake_sglang, tiny_model_dir):
