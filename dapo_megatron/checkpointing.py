@@ -292,14 +292,18 @@ def _torch_optimizers_of_cpu_distributed_optimizer(optimizer: Any) -> list:
 
 
 def _allocate_torch_adam_state(optimizer: Any) -> None:
-    """Give a never-stepped ``DistributedOptimizer`` an optimizer state before loading.
+    """Give a never-stepped ``DistributedOptimizer`` the state torch's Adam would create.
 
     Without Apex/Transformer Engine (CPU), megatron-core 0.16.1 wraps a plain
     ``torch.optim.Adam`` whose per-parameter state (including ``step``) only exists after
-    the first step, and ``DistributedOptimizer.state_dict()`` asserts on it. A step with
-    zero gradients, ``lr=0`` and ``weight_decay=0`` allocates the state without changing
-    any parameter; the load then overwrites every allocated value. With Apex/TE (GPU),
-    megatron-core allocates the state itself and this is a no-op.
+    the first step, and ``DistributedOptimizer.state_dict()`` asserts ``len(steps) == 1``
+    on it (``megatron/core/optimizer/distrib_optimizer.py``, ``state_dict``): both a load
+    and a save before the first optimizer step (a step that kept no group) need a state.
+    A step with zero gradients, ``lr=0`` and ``weight_decay=0`` allocates it without
+    changing any parameter (moments stay 0); its ``step`` is then set back to 0, so the
+    state equals the one ``torch.optim.Adam._init_group`` creates at the first real step
+    and a save here changes nothing in the run that goes on. A load overwrites every
+    value. With Apex/TE (GPU), megatron-core handles the empty state and this is a no-op.
     """
     for inner in _torch_optimizers_of_cpu_distributed_optimizer(optimizer):
         if len(inner.state) > 0:
@@ -317,6 +321,8 @@ def _allocate_torch_adam_state(optimizer: Any) -> None:
             g["lr"], g["weight_decay"] = lr, wd
         for p in created:
             p.grad = None
+        for state in inner.state.values():  # one tensor per parameter, as Adam creates them
+            state["step"] = torch.zeros_like(state["step"])
 
 
 def _restore_torch_adam_steps(optimizer: Any) -> None:
@@ -347,8 +353,7 @@ def _full_sharded_state_dict(
 ) -> dict[str, Any]:
     state = _model_sharded_state_dict(model_chunks)
     if optimizer is not None:
-        if is_loading:
-            _allocate_torch_adam_state(optimizer)
+        _allocate_torch_adam_state(optimizer)  # no-op once the optimizer has stepped
         state["optimizer"] = optimizer.sharded_state_dict(
             state, is_loading=is_loading, metadata=_optimizer_metadata(optimizer, sharding_type)
         )

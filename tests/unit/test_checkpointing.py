@@ -134,6 +134,15 @@ def _run_second_half(out_dir, run_dir, tp, steps):
     torch.save({"state": state, "probe": probe, "hist": hist, "params": _params(ddp)}, _out(out_dir, "second"))
 
 
+def _run_save_before_first_step(out_dir, run_dir, tp, steps):
+    """Save before any optimizer step (a first step that kept no group), then train on."""
+    ddp, opt, sched, par = _build(tp)
+    _seed_this_rank(par)
+    ckpt.save_checkpoint(run_dir, 0, [ddp], opt, sched, {"step": 0})
+    hist = [_train_step(ddp, opt, sched) for _ in range(steps)]
+    torch.save({"hist": hist, "params": _params(ddp)}, _out(out_dir, "early"))
+
+
 def _run_crash(out_dir, run_dir):
     ddp, opt, sched, par = _build(2)  # TP=2: replicated and TP-sharded weights, TP-specific RNG
     _seed_this_rank(par)
@@ -220,6 +229,24 @@ def test_resume_matches_uninterrupted_run_and_restores_rng_per_rank(tmp_path):
     step_dir = ckpt.step_dir(run_dir, 2)
     assert sorted(os.listdir(os.path.join(step_dir, "rng"))) == ["rank_0.pt", "rank_1.pt"]
     assert open(os.path.join(run_dir, "checkpoints", "latest")).read().strip() == "2"
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+def test_checkpoint_before_the_first_optimizer_step(tmp_path):
+    """A checkpoint written before any optimizer step (megatron-core's CPU optimizer has no
+    state yet) neither fails nor changes the run that goes on, and resumes exactly."""
+    out, run_dir, tp = str(tmp_path), str(tmp_path / "run"), 1
+    spawn(_run_full, 2, out, tp, 2)
+    spawn(_run_save_before_first_step, 2, out, run_dir, tp, 2)
+    spawn(_run_second_half, 2, out, run_dir, tp, 2)
+    for r in range(2):
+        full = torch.load(os.path.join(out, f"full_rank{r}.pt"), weights_only=False)
+        for name in ("early", "second"):  # the saving run itself, then the run resumed from step 0
+            run = torch.load(os.path.join(out, f"{name}_rank{r}.pt"), weights_only=False)
+            assert run["hist"] == full["hist"], name
+            for p, value in full["params"].items():
+                assert torch.equal(value, run["params"][p]), (name, p)
 
 
 @pytest.mark.dist
