@@ -35,10 +35,11 @@ What differs, and why:
   rows prefilled on its own); this project samples with its HF engine, a second copy of the
   weights, prefilling each prompt once for its 8 responses, and so pays a weight sync after
   every update (phase ``sync``; TRL's is 0).
-- The old-logprob recompute: with one optimizer step per generation TRL skips it (its
+- The old-logprob recompute: with one optimizer step per generation both sides skip it. TRL's
   ``old_per_token_logps`` is None and the ratio is taken against the detached current
-  logprobs); this project recomputes the old logprobs with the actor, as verl does, and
-  reports the rollout-vs-actor gap from them (phase ``old_logprob``).
+  logprobs; this project takes pi_old = sg(pi_theta) from the training forward (one
+  mini-batch, one epoch: ``actor.old_logprob_source=recompute`` with nothing to recompute) and
+  reports the rollout-vs-actor gap from that forward, so its ``old_logprob`` phase is ~0.
 - bf16: this project runs megatron-core's mixed precision (bf16 parameters and activations,
   fp32 gradients, fp32 main parameters and Adam moments; engine in bf16). TRL loads the model
   in bf16 and trains it in bf16 with AdamW on the bf16 weights (``GRPOConfig(bf16=True)`` on a
@@ -94,6 +95,7 @@ def ours_overrides(steps: int, dtype: str, tp: int, shared_prompt: str, run_dir:
         f"actor.ppo_mini_batch_size={N_PROMPTS}", "actor.ppo_epochs=1",  # one optimizer step per generation
         "actor.clip_ratio_low=0.2", "actor.clip_ratio_high=0.28", "actor.loss_agg_mode=token-mean",
         "actor.entropy_coeff=0.0", f"actor.shared_prompt={shared_prompt}",
+        "actor.rollout_is=null",  # no behaviour-policy correction (TRL has none without vLLM)
         f"actor.optim.lr={LR}", "actor.optim.lr_warmup_steps=0", "actor.optim.lr_decay_style=constant",
         "actor.optim.weight_decay=0.0", "actor.optim.clip_grad=1.0",
         "algorithm.norm_adv_by_std_in_grpo=true",

@@ -391,10 +391,14 @@ class DAPOTrainer:
         SGLang maps its weights and KV cache outside PyTorch's caching allocator
         (torch_memory_saver), so blocks the actor freed but the allocator still caches are
         invisible to it: wait for the actor's last kernels (synchronize), then empty the
-        cache. Called before every wake-up and weight sync of the engine."""
+        cache. Called before every wake-up and weight sync of the engine, on every rank; with
+        rollout TP > 1 the group then waits for its slowest rank, because the leader's engine
+        maps memory on every GPU of the group (collective over ``parallel.rollout_group``)."""
         if torch.cuda.is_available():
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
+        if self.parallel.rollout_group is not None:
+            torch.distributed.barrier(group=self.parallel.rollout_group)
 
     def _wake_engine(self) -> None:
         """Give the engine its memory back before generating, with valid weights.
@@ -497,6 +501,9 @@ class DAPOTrainer:
         if not samples:  # on_cap="train_on_kept" with nothing kept: no update this step
             logger.warning("step %d: no group with mixed accuracy was kept; skipping the update", self.step + 1)
             self.step += 1
+            # weights unchanged, but relabelled as version step: the next step's samples are fresh
+            # (engine version == policy version), not one version stale and corrected as such
+            self._sync_weights()
             metrics["actor/skipped_no_groups"] = 1.0
             self._last_samples = []
             return metrics

@@ -607,7 +607,7 @@ class MegatronActor:
         n_valid, n_tok, n_seq = (int(x) for x in counts.tolist())
         if global_num_tokens is not None and int(global_num_tokens) != n_valid:
             raise ValueError(
-                f"global_num_tokens={global_num_tokens} but the mini-batch holds {n_tok} loss tokens over all "
+                f"global_num_tokens={global_num_tokens} but the mini-batch holds {n_valid} loss tokens over all "
                 "micro-batches and DP ranks (overlong-filtered samples count 0); pass None to let the actor count"
             )
         for m in self.model_chunks:

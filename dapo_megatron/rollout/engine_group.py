@@ -231,7 +231,10 @@ class EngineGroupMember(RolloutEngine):
 
                 device = rank_device()
             self._packer = FlatBucketPacker(self.update_bucket_bytes, device)
-        sync_flat_buckets(named_tensors, self.group, self._packer)
+        try:
+            sync_flat_buckets(named_tensors, self.group, self._packer)
+        finally:  # every bucket is acknowledged: the GPU buffer is not held through rollout and training
+            self._packer.release()
 
     def _load_bucket(self, bucket):  # pragma: no cover - _load_stream is the only entry
         raise NotImplementedError

@@ -743,8 +743,11 @@ class SGLangEngine(_SGLangMemory, RolloutEngine):
         expected = None
         if torch.cuda.is_available() and self.group.size == self.tp_size:  # TP worker i: GPU base_gpu_id + i
             expected = [str(torch.cuda.get_device_properties(self.base_gpu_id + i).uuid) for i in range(self.tp_size)]
-        sync_flat_buckets(named_tensors, self.group, self._packer, apply=self._update_from_payloads,
-                          expected_devices=expected)
+        try:
+            sync_flat_buckets(named_tensors, self.group, self._packer, apply=self._update_from_payloads,
+                              expected_devices=expected)
+        finally:  # every bucket is acknowledged: the GPU buffer is not held through rollout and training
+            self._packer.release()
 
     def _update_from_payloads(self, payloads: list[bytes]) -> None:
         """``Engine.update_weights_from_tensor`` with one serialized flattened bucket per TP rank

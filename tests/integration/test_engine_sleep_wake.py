@@ -86,7 +86,9 @@ def _run(hf_dir, out_dir, variant):
             finite = all(bool(torch.isfinite(p).all()) for p in params_now.values())
             current = want is not None and all(torch.equal(params_now[n], t) for n, t in want.items()
                                                if n in params_now)
-            events.append(("generate", finite, current))
+            # the version the samples are stamped with: the actor's own (the trainer's step)
+            fresh = trainer is None or self.weight_version == trainer.step
+            events.append(("generate", finite, current, fresh))
             return super().generate(prompt_ids, params, prompt_seeds)
 
     def build(spec, hf_config):
@@ -141,8 +143,9 @@ def test_no_generate_on_invalid_weights_in_the_trainer_loop(runs, variant):
     res = torch.load(runs / variant / "events.pt")
     events = res["events"]
     gens = [e for e in events if e[0] == "generate"]
-    assert gens and all(finite for _, finite, _ in gens), events
-    assert all(current for _, _, current in gens), "a rollout sampled from weights other than the actor's"
+    assert gens and all(finite for _, finite, _, _ in gens), events
+    assert all(current for _, _, current, _ in gens), "a rollout sampled from weights other than the actor's"
+    assert all(fresh for *_, fresh in gens), "samples of the actor's weights stamped with an older version"
     G = ("generate",)
     flow = [(e[0],) if e[0] in ("wake", "generate") else e for e in _compress(events)]
     if variant == "keeps":  # validation keeps the weights; each step's sync restores what its sleep released
@@ -157,11 +160,12 @@ def test_no_generate_on_invalid_weights_in_the_trainer_loop(runs, variant):
                         ("wake",), G, ("sleep", True),
                         ("wake",), ("sync", 1), G, ("sleep", False), ("sync", 2),
                         ("wake",), G, ("sleep", True)], flow
-    else:  # no group kept: no update, no sync in the step; the validation's wake re-syncs
+    else:  # no group kept: no update, but the step still syncs (the same weights relabelled as
+        # version `step`), so the next step's samples are fresh and not corrected as stale
         assert res["last"]["actor/skipped_no_groups"] == 1.0
         assert flow == [("sync", 0), ("wake",), G, ("sleep", True),
-                        ("wake",), G, ("sleep", False),
-                        ("wake",), ("sync", 1), G, ("sleep", True),
-                        ("wake",), G, ("sleep", False),
-                        ("wake",), ("sync", 2), G, ("sleep", True)], flow
+                        ("wake",), G, ("sleep", False), ("sync", 1),
+                        ("wake",), G, ("sleep", True),
+                        ("wake",), G, ("sleep", False), ("sync", 2),
+                        ("wake",), G, ("sleep", True)], flow
     assert math.isfinite(res["last"]["val/avg@2"])

@@ -63,7 +63,7 @@ def test_both_sides_get_the_same_settings(dtype, tmp_path):
     assert (trl["epsilon"], trl["epsilon_high"]) == (a.clip_ratio_low, a.clip_ratio_high) == (0.2, 0.28)
     assert trl["loss_type"] == "dapo" and a.loss_agg_mode == "token-mean"
     assert trl["beta"] == 0.0 and a.entropy_coeff == 0.0
-    assert a.clip_ratio_c is None and a.tis_cap is None
+    assert a.clip_ratio_c is None and a.rollout_is is None and a.rollout_rs is None
     # advantage: group-normalised by the std
     assert trl["scale_rewards"] == "group" and cfg.algorithm.norm_adv_by_std_in_grpo
     # the optimizer: AdamW, constant lr, no warm-up, no decay, same betas / eps, clip at 1.0
