@@ -149,10 +149,10 @@ def _bench_prompts(steps: int):
     them (same data config, seed and shuffle), with their token ids."""
     from dapo_megatron.config import DAPOConfig, load_config
     from dapo_megatron.data import PromptStream, load_from_config, resolve_data_files
-    from dapo_megatron.trainer import _load_tokenizer
+    from dapo_megatron.rollout.factory import load_tokenizer
 
     cfg = load_config(DAPOConfig, CONFIG, [f"model.hf_path={smollm2_dir()}"])
-    tok = _load_tokenizer(cfg.model)
+    tok = load_tokenizer(cfg.model.hf_path, cfg.model.gguf_file)
     resolve_data_files(cfg.data, tempfile.mkdtemp(prefix="bench_data_"))
     ds = load_from_config(cfg.data, tok, "train")
     stream = PromptStream(ds, N_PROMPTS, 0, 1, seed=cfg.data.seed, shuffle=cfg.data.shuffle)

