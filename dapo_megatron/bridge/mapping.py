@@ -350,10 +350,92 @@ def megatron_shard_shape(layout: ModelLayout, megatron_name: str, tp_size: int =
     return (rows, *shapes[0][1:])
 
 
+def gathers_in_place(split: str) -> bool:
+    """True when the TP shards of a parameter with this ``split``, concatenated in rank order
+    along dim 0, ARE its HF tensor (``column``; ``vocab`` up to its trailing padding rows): an
+    all-gather into the HF tensor's memory needs no re-layout (:func:`iter_hf_weights`)."""
+    return split in ("column", "vocab")
+
+
+def megatron_to_hf_into(
+    layout: ModelLayout, megatron_name: str, shards: Sequence[torch.Tensor], out: Sequence[torch.Tensor]
+) -> None:
+    """Write the HF tensors of one Megatron parameter, from its TP shards, into ``out``.
+
+    One copy per element, straight from the shards into the destination (no concatenated
+    intermediate): the live weight sync writes into reused bucket memory with it.
+
+    Args:
+        layout: model geometry.
+        megatron_name: canonical Megatron name with the GLOBAL layer index.
+        shards: the parameter's TP shards in TP-rank order (one tensor for replicated
+            parameters or TP=1; several replicated copies are accepted and the first used);
+            any strides.
+        out: one tensor per HF name of the rule, in ``rule.hf`` order, of the full HF shapes
+            (:func:`hf_shapes`); any dtype (the copy casts), must not overlap ``shards``.
+
+    Raises:
+        KeyError: unknown name. ValueError: shard or output shapes that do not fit the layout.
+    """
+    rule, layer = match_rule(layout, megatron_name)
+    names = hf_names_of(rule, layer)
+    shapes = hf_shapes(layout, rule)
+    if len(out) != len(names) or any(tuple(o.shape) != s for o, s in zip(out, shapes)):
+        raise ValueError(f"{megatron_name}: outputs of shapes {[tuple(o.shape) for o in out]}, expected {shapes} "
+                         f"(HF tensors {names})")
+    tp = len(shards)
+    if rule.split == "replicated":
+        out[0].copy_(shards[0])
+        return
+    want = megatron_shard_shape(layout, megatron_name, tp)
+    for r, s in enumerate(shards):
+        if tuple(s.shape) != want:
+            raise ValueError(f"{megatron_name}: TP shard {r} of {tp} has shape {tuple(s.shape)}, expected {want}")
+    if rule.split in ("column", "vocab"):  # rows r·n … of the HF tensor; vocab: its padding rows dropped
+        n, rows = want[0], shapes[0][0]
+        for r, s in enumerate(shards):
+            lo, hi = r * n, min((r + 1) * n, rows)
+            if hi > lo:
+                out[0][lo:hi].copy_(s[: hi - lo])
+        return
+    if rule.split in ("row", "row_heads"):  # columns r·c …; row_heads: the padded query groups' columns dropped
+        c, cols = want[1], shapes[0][1]
+        for r, s in enumerate(shards):
+            lo, hi = r * c, min((r + 1) * c, cols)
+            if hi > lo:
+                out[0][:, lo:hi].copy_(s[:, : hi - lo])
+        return
+    if rule.split == "gate_up":  # shard r = [gate rows of r; up rows of r]
+        f = want[0] // 2
+        for r, s in enumerate(shards):
+            out[0][r * f:(r + 1) * f].copy_(s[:f])
+            out[1][r * f:(r + 1) * f].copy_(s[f:])
+        return
+    if rule.split == "qkv":  # shard r = whole query groups r·G/T …, each [q heads; k; v]; zero groups dropped
+        g, hd = layout.num_query_groups, layout.head_dim
+        hpg = _heads_per_group(layout)
+        per_rank = layout.padded_num_query_groups // tp
+        tail = tuple(shapes[0][1:])
+        q = out[0].view(g, hpg * hd, *tail)
+        k = out[1].view(g, hd, *tail)
+        v = out[2].view(g, hd, *tail)
+        for r, s in enumerate(shards):
+            lo, hi = r * per_rank, min((r + 1) * per_rank, g)
+            if hi <= lo:
+                continue
+            grouped = s.reshape(per_rank, (hpg + 2) * hd, *tail)[: hi - lo]
+            q[lo:hi].copy_(grouped[:, : hpg * hd])
+            k[lo:hi].copy_(grouped[:, hpg * hd:(hpg + 1) * hd])
+            v[lo:hi].copy_(grouped[:, (hpg + 1) * hd:])
+        return
+    raise AssertionError(rule.split)
+
+
 def megatron_to_hf(
     layout: ModelLayout, megatron_name: str, shards: Sequence[torch.Tensor]
 ) -> list[tuple[str, torch.Tensor]]:
-    """HF tensors of one Megatron parameter from its TP shards.
+    """HF tensors of one Megatron parameter from its TP shards (new tensors; the layout rules
+    are :func:`megatron_to_hf_into`'s).
 
     Args:
         layout: model geometry.
@@ -363,44 +445,13 @@ def megatron_to_hf(
 
     Returns:
         ``[(hf_name, full_tensor), ...]`` in ``rule.hf`` order; vocab padding rows removed.
-        Tensors may be views of a concatenation of ``shards``, never of ``shards`` themselves.
+        The tensors are new (contiguous, the shards' dtype and device), never views of ``shards``.
 
     Raises:
         KeyError: unknown name. ValueError: shard shapes that do not fit the layout.
     """
     rule, layer = match_rule(layout, megatron_name)
-    names = hf_names_of(rule, layer)
-    tp = len(shards)
-    if rule.split == "replicated":
-        return [(names[0], shards[0].clone())]
-    want = megatron_shard_shape(layout, megatron_name, tp)
-    for r, s in enumerate(shards):
-        if tuple(s.shape) != want:
-            raise ValueError(f"{megatron_name}: TP shard {r} of {tp} has shape {tuple(s.shape)}, expected {want}")
-    if rule.split == "column":
-        return [(names[0], torch.cat(list(shards), dim=0))]
-    if rule.split == "row":
-        return [(names[0], torch.cat(list(shards), dim=1))]
-    if rule.split == "row_heads":
-        cols = layout.num_attention_heads * layout.head_dim
-        return [(names[0], torch.cat(list(shards), dim=1)[:, :cols])]
-    if rule.split == "vocab":
-        return [(names[0], torch.cat(list(shards), dim=0)[: layout.vocab_size])]
-    if rule.split == "gate_up":
-        halves = [s.chunk(2, dim=0) for s in shards]
-        gate = torch.cat([h[0] for h in halves], dim=0)
-        up = torch.cat([h[1] for h in halves], dim=0)
-        return [(names[0], gate), (names[1], up)]
-    if rule.split == "qkv":
-        g, hd = layout.num_query_groups, layout.head_dim
-        hpg = _heads_per_group(layout)
-        full = torch.cat(list(shards), dim=0)
-        tail = full.shape[1:]
-        grouped = full.reshape(layout.padded_num_query_groups, (hpg + 2) * hd, *tail)[:g]  # drop zero groups
-        q, k, v = grouped.split([hpg * hd, hd, hd], dim=1)
-        return [
-            (names[0], q.reshape(g * hpg * hd, *tail)),
-            (names[1], k.reshape(g * hd, *tail)),
-            (names[2], v.reshape(g * hd, *tail)),
-        ]
-    raise AssertionError(rule.split)
+    like = shards[0]
+    out = [like.new_empty(shape) for shape in hf_shapes(layout, rule)]
+    megatron_to_hf_into(layout, megatron_name, shards, out)
+    return list(zip(hf_names_of(rule, layer), out))
