@@ -244,6 +244,12 @@ class DAPOTrainer:
         self.engine, self.num_engines, self.engine_index = build_training_rollout(cfg, self.tokenizer,
                                                                                   self.hf_config, parallel)
         self.server_mode = cfg.rollout.mode == "server"
+        # a CPU sync into fresh memory pays page faults worth several copies; on GPU the caching
+        # allocator reuses blocks, and kept buffers would be out of the engine's reach
+        from dapo_megatron.bridge import ExportBuffers
+
+        on_cpu = next(self.actor.model_chunks[0].parameters()).device.type == "cpu"
+        self._export_buffers = ExportBuffers() if on_cpu else None
 
         # rewards and the dynamic-sampling buffer (replicated on every rank)
         self.reward_pool = RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
@@ -424,7 +430,7 @@ class DAPOTrainer:
         bucket = self.cfg.rollout.update_weights_bucket_megabytes * 2**20
         if self.server_mode:  # the stage's own tensors (no PP broadcast); DP > 0 ranks hold copies
             stream = (iter_hf_weights(self.actor.model_chunks, parallel=self.parallel, bucket_bytes=bucket,
-                                      pp_broadcast=False) if self.dp_rank == 0 else None)
+                                      pp_broadcast=False, buffers=self._export_buffers) if self.dp_rank == 0 else None)
             return float(sum(_all_gather_objects(self.engine.sync(stream, version=self.step))))
         nbytes = 0
 
@@ -433,9 +439,11 @@ class DAPOTrainer:
             for name, tensor in it:
                 nbytes += tensor.numel() * tensor.element_size()
                 yield name, tensor
+                del tensor  # held by nothing when the bridge produces the next: it reuses the memory
 
         self.engine.update_weights(
-            counted(iter_hf_weights(self.actor.model_chunks, parallel=self.parallel, bucket_bytes=bucket)),
+            counted(iter_hf_weights(self.actor.model_chunks, parallel=self.parallel, bucket_bytes=bucket,
+                                    buffers=self._export_buffers)),
             version=self.step)
         return float(nbytes)
 

@@ -9,6 +9,8 @@
   groups (hidden 96), which TP=2 splits only with padded query groups. :func:`tiny_hf_config` builds
   one by name outside pytest (spawned workers, benchmarks).
 - ``shared_data_dir``: ``<repo>/../shared/data`` or a skip.
+- :class:`ReleaseRecorder`: a weight stream that records whether its consumer still holds
+  the previous tensor when it asks for the next (what lets the bridge reuse its memory).
 """
 
 from __future__ import annotations
@@ -32,6 +34,28 @@ def smollm2_location() -> tuple[str, str] | None:
     if not os.path.isfile(os.path.join(path, SMOLLM2_GGUF)):
         return None
     return path, SMOLLM2_GGUF
+
+
+class ReleaseRecorder:
+    """Iterate it as ``(name, tensor)`` pairs: fresh copies of ``named``. Each time the next
+    pair is asked for, :attr:`held` records whether the consumer still holds the previous
+    tensor (a weak reference to it is alive), as the bridge checks its bucket memory."""
+
+    def __init__(self, named):
+        self.named = list(named)
+        self.held: list[bool] = []
+
+    def __iter__(self):
+        import weakref
+
+        previous = None
+        for name, tensor in self.named:
+            if previous is not None:
+                self.held.append(previous() is not None)
+            copy = tensor.clone()
+            previous = weakref.ref(copy)
+            yield name, copy
+            del copy
 
 
 def tiny_hf_config(name: str, **overrides):

@@ -16,9 +16,11 @@ from .mapping import (
     expected_hf_names,
     hf_to_megatron_shard,
     megatron_to_hf,
+    megatron_to_hf_into,
 )
 from .sources import SafetensorsSource, load_gguf_state_dict, open_hf_source
 from .weights import (
+    ExportBuffers,
     LoadReport,
     export_hf_state_dict,
     iter_hf_weights,
@@ -29,6 +31,7 @@ from .weights import (
 )
 
 __all__ = [
+    "ExportBuffers",
     "FAMILY_RULES",
     "LoadReport",
     "ModelLayout",
@@ -46,6 +49,7 @@ __all__ = [
     "load_model_checkpoint",
     "local_parameters",
     "megatron_to_hf",
+    "megatron_to_hf_into",
     "model_layout",
     "open_hf_source",
     "read_checkpoint_meta",

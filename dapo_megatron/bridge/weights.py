@@ -6,6 +6,7 @@ Both directions go through :mod:`.mapping`; nothing here knows a layout rule.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator, Optional
@@ -20,11 +21,12 @@ from .mapping import (
     exported_entries,
     hf_names_of,
     hf_shapes,
+    gathers_in_place,
     hf_to_megatron_shard,
     match_rule,
     megatron_name_of,
     megatron_shard_shape,
-    megatron_to_hf,
+    megatron_to_hf_into,
 )
 
 if TYPE_CHECKING:
@@ -207,24 +209,146 @@ def _export_plan(layout: ModelLayout, params: dict, parallel: ParallelDims) -> l
     return plan
 
 
-def _gather_tp(param: torch.Tensor, split: str, parallel: ParallelDims) -> list[torch.Tensor]:
-    """TP shards of a parameter in rank order (collective over the TP group)."""
-    tp_size = parallel.tp_size
-    if split == "replicated" or tp_size == 1:
-        return [param.detach()]
-    local = param.detach().contiguous()
-    group = parallel.tp_group
-    if dist.get_backend(group) == "nccl":
-        out = local.new_empty((tp_size, *local.shape))  # on the parameter's device, as NCCL needs
-        dist.all_gather_into_tensor(out, local, group=group)
-        return list(out.unbind(0))
-    shards = [torch.empty_like(local) for _ in range(tp_size)]
-    dist.all_gather(shards, local, group=group)
-    return shards
+def _storage_use_count(buf: torch.Tensor) -> Optional[int]:
+    """Strong references to ``buf``'s storage (the tensor itself, and every view of it); None
+    where torch does not expose the counter. torch's CUDA-graph trees decide the same way
+    whether an output buffer may be overwritten (torch/_inductor/cudagraph_trees.py,
+    ``StorageWeakRefWrapper.expired``: ``torch._C._storage_Use_Count`` of a ``StorageWeakRef``)."""
+    count = getattr(torch._C, "_storage_Use_Count", None)
+    if count is None:
+        return None
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return int(count(StorageWeakRef(buf.untyped_storage()).cdata))
+
+
+class ExportBuffers:
+    """The memory :func:`iter_hf_weights` stages buckets in, kept from one call to the next.
+
+    Without it every call allocates its bucket buffer and scratch buffers and frees them when
+    it ends. A new CPU allocation costs page faults worth several copies of its bytes
+    (measured on the development machine: 1.5 GB/s into fresh memory, 8.5 GB/s into reused
+    memory), so a CPU weight sync that allocates is slower than its transport: the trainer
+    keeps one of these for CPU actors. On GPU the caching allocator already reuses blocks, and
+    held buffers would stay out of the rollout engine's reach, so the trainer passes none.
+
+    Within a call the bucket buffer is reused for the next bucket once the consumer has
+    dropped every view of it (its storage's reference count, as torch's CUDA-graph trees
+    check their output buffers: torch/_inductor/cudagraph_trees.py,
+    ``StorageWeakRefWrapper.expired``). A consumer that keeps a bucket's tensors (without
+    copying them) keeps that buffer: the next bucket gets new memory, so nothing it holds is
+    ever overwritten. A collective also holds its tensors for a moment after ``wait()``
+    returns (gloo's worker thread drops its reference when it picks up the next work; seen
+    here within 1 ms): a CPU bucket buffer that a collective wrote or read is given up to
+    :attr:`collective_grace_s` to become free.
+    """
+
+    #: how long a CPU bucket buffer that a collective touched may take to be released (s)
+    collective_grace_s: float = 0.05
+
+    def __init__(self):
+        self._bucket: Optional[torch.Tensor] = None
+        self._own_refs: Optional[int] = None  # storage use count of the bucket buffer when only we hold it
+        self._collective_touched = False  # set by iter_hf_weights: a collective used the last bucket
+        self._scratch: list[Optional[torch.Tensor]] = [None, None]
+
+    @staticmethod
+    def _fits(buf: Optional[torch.Tensor], like: torch.Tensor, numel: int) -> bool:
+        return buf is not None and buf.dtype == like.dtype and buf.device == like.device and buf.numel() >= numel
+
+    def bucket(self, like: torch.Tensor, numel: int, capacity: int) -> torch.Tensor:
+        """A flat buffer of ``numel`` elements (``like``'s dtype and device) nobody else holds;
+        a new one has ``capacity`` elements (the call's largest bucket) unless the last one is
+        still held, in which case it has just ``numel``. Any former contents."""
+        buf = self._bucket
+        free = buf is not None and self._own_refs is not None and self._released(buf)
+        self._collective_touched = False
+        if not (free and self._fits(buf, like, numel)):
+            size = numel if buf is not None and not free else max(numel, capacity)
+            self._bucket = buf = like.new_empty(size)
+            self._own_refs = _storage_use_count(buf)
+        return buf[:numel]
+
+    def _released(self, buf: torch.Tensor) -> bool:
+        deadline = time.monotonic() + (self.collective_grace_s if self._collective_touched
+                                       and buf.device.type == "cpu" else 0.0)
+        while _storage_use_count(buf) != self._own_refs:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(50e-6)
+        return True
+
+    def scratch(self, like: torch.Tensor, numel: int, index: int) -> torch.Tensor:
+        """Scratch buffer ``index`` (0 or 1) of ``numel`` elements, for shards that are re-laid
+        out (never yielded): one is gathered into while the other is re-laid out."""
+        if not self._fits(self._scratch[index], like, numel):
+            self._scratch[index] = like.new_empty(numel)
+        return self._scratch[index][:numel]
+
+    def release(self) -> None:
+        """Free the buffers (the next call allocates them again)."""
+        self._bucket = self._own_refs = None
+        self._scratch = [None, None]
+
+
+_INTO_TENSOR_ON: dict[str, bool] = {"nccl": True}  # backend -> has all_gather_into_tensor
+
+
+def _all_gather_flat(out: torch.Tensor, local: torch.Tensor, group):
+    """Start gathering the group's shards of ``local``, in rank order, into the contiguous
+    ``out`` (``world × local.numel()`` elements); returns the work to wait on.
+    ``all_gather_into_tensor`` (NCCL, and gloo in the torch releases that have it), else
+    ``all_gather`` into views of ``out``. On NCCL, ``wait()`` orders the current stream after
+    the collective, and the collective starts after the current stream's queued work (the
+    re-layout copies that last read ``out``'s memory)."""
+    backend = str(dist.get_backend(group))
+    flat_in = local.reshape(-1)
+    if _INTO_TENSOR_ON.get(backend, True):
+        try:
+            work = dist.all_gather_into_tensor(out.view(-1), flat_in, group=group, async_op=True)
+            _INTO_TENSOR_ON[backend] = True
+            return work
+        except RuntimeError as e:  # an older gloo: "no support for _allgather_base in Gloo process group"
+            if backend == "nccl" or "_allgather_base" not in str(e) and "not support" not in str(e):
+                raise
+            _INTO_TENSOR_ON[backend] = False
+    world = dist.get_world_size(group)
+    return dist.all_gather(list(out.view(world, -1).unbind(0)), flat_in, group=group, async_op=True)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where one Megatron parameter's HF tensors live in its bucket's flat buffer."""
+
+    entry: _Entry
+    offset: int  # elements into the bucket buffer
+    numel: int  # elements reserved: the HF tensors', or the gathered shards' when gathered in place
+    in_place: bool  # the TP shards are gathered straight into the slot (column / vocab at TP > 1)
+    shard_shape: tuple[int, ...]
+
+    def hf_views(self, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+        region = flat[self.offset:self.offset + self.numel]
+        if self.in_place:  # rank-order concatenation along dim 0; vocab: trailing padding rows not exposed
+            (name, shape), = self.entry.hf
+            return [(name, region.view(-1, *shape[1:])[: shape[0]])]
+        out, off = [], 0
+        for name, shape in self.entry.hf:
+            n = _numel(shape)
+            out.append((name, region[off:off + n].view(shape)))
+            off += n
+        return out
 
 
 def iter_hf_weights(
-    model_chunks, *, parallel: ParallelDims, bucket_bytes: Optional[int] = None, pp_broadcast: bool = True
+    model_chunks, *, parallel: ParallelDims, bucket_bytes: Optional[int] = None, pp_broadcast: bool = True,
+    buffers: Optional[ExportBuffers] = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream the model as full HF-named tensors; a COLLECTIVE generator.
 
@@ -234,41 +358,58 @@ def iter_hf_weights(
     final norm, ``lm_head`` (only when untied; tied embeddings are exported once as
     ``model.embed_tokens.weight``). Vocabulary padding rows are trimmed.
 
-    Mechanics: per Megatron tensor, the PP stage that owns it all-gathers the TP shards
-    (``all_gather_into_tensor`` on NCCL, ``all_gather`` on gloo) and converts them with
-    :func:`.mapping.megatron_to_hf`; then the HF tensors are broadcast from the owning
-    stage over the PP group, coalesced into one flat buffer per bucket. A bucket holds
-    consecutive tensors of one owner stage up to ``bucket_bytes`` (a larger tensor is a
-    bucket of its own); ``None`` means one Megatron tensor per bucket. At most one bucket
-    of gathered tensors is held by the generator at a time.
+    Mechanics: a bucket holds consecutive Megatron tensors of one owner stage up to
+    ``bucket_bytes`` of HF tensors (a larger tensor is a bucket of its own; ``None`` means one
+    Megatron tensor per bucket), laid out in ONE flat buffer. On the owning PP stage each
+    tensor's TP shards are all-gathered (``all_gather_into_tensor`` from the parameter
+    itself, one collective per tensor): column- and vocab-parallel tensors straight into
+    their place in the bucket buffer (their rank-order concatenation is the HF tensor), the
+    others into one of two scratch buffers, then copied once into their HF layout in the
+    bucket (:func:`.mapping.megatron_to_hf_into`: QKV de-interleave, gate/up split,
+    row-parallel columns) while the next tensor's gather runs. With PP > 1 the owner broadcasts the bucket buffer as it is over the PP group.
+    The bucket buffer is reused for the next bucket once the consumer has dropped every view
+    of it (see :class:`ExportBuffers`); memory beyond the model: one bucket buffer plus two
+    scratch buffers of the largest re-laid-out tensor, more only while the consumer keeps
+    tensors. A consumer lets the buffer be reused by dropping each tensor before asking for
+    the next (``del`` the loop variable: a ``for`` loop still holds the previous item while
+    it asks for the next).
 
     Args:
         model_chunks: model (chunks) built by ``build_gpt_model``; DDP wrappers allowed.
         parallel: the layout the model was built for (TP group gathers, PP group broadcasts).
-        bucket_bytes: bound on the bytes of HF tensors per PP broadcast, or None.
+        bucket_bytes: bound on the bytes of HF tensors per bucket, or None.
         pp_broadcast: False: yield only the tensors of this rank's pipeline stage and skip
             the broadcast over the PP group (a receiver fed by one rank per stage, e.g. the
             servers of ``rollout.mode=server``); the TP gather stays collective over the
             stage's TP group, and the plan over the PP group.
+        buffers: memory kept between calls (:class:`ExportBuffers`); None: this call's own,
+            freed when it ends.
 
     Yields:
-        ``(hf_name, tensor)``: full HF shape, the parameter dtype, the parameter device.
-        With PP > 1 the tensors are views into the bucket's broadcast buffer; a consumer
-        that keeps references keeps that buffer alive (copy what you keep, drop the rest,
-        to stay within one bucket of memory).
+        ``(hf_name, tensor)``: full HF shape, contiguous, the parameter dtype, the parameter
+        device; a view into its bucket's buffer. Copy what you keep: a consumer that keeps
+        references keeps that buffer alive, and the generator's memory then grows with what
+        it keeps.
 
     Raises:
-        ValueError: ``bucket_bytes`` <= 0. KeyError: a parameter no stage holds.
+        ValueError: ``bucket_bytes`` <= 0, or parameters of more than one dtype.
+        KeyError: a parameter no stage holds.
     """
     if bucket_bytes is not None and bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be a positive number of bytes or None, got {bucket_bytes}")
     layout = model_layout(model_chunks)
     params = local_parameters(model_chunks)
     plan = _export_plan(layout, params, parallel)
+    tp_size = parallel.tp_size
     pp_size, pp_rank, pp_group, pp_ranks = parallel.pp_size, parallel.pp_rank, parallel.pp_group, parallel.pp_ranks
     any_param = next(iter(params.values()))
     dtype = any_param.dtype
     elem = torch.empty((), dtype=dtype).element_size()
+    for entry in plan:
+        param = params.get(entry.megatron)
+        if param is not None and param.dtype != dtype:
+            raise ValueError(f"Megatron parameter {entry.megatron!r} has dtype {param.dtype}, others {dtype}: export "
+                             "needs one parameter dtype")
 
     buckets: list[list[_Entry]] = []
     for entry in plan:
@@ -284,43 +425,84 @@ def iter_hf_weights(
         else:
             buckets.append([entry])
 
+    # every rank computes the same slots (they depend on the layout only), so a PP broadcast
+    # of the owner's buffer lands in the same places on every stage
+    slotted: list[list[_Slot]] = []
+    scratch_numel = 0  # the largest TP-gathered tensor that needs a re-layout
     for bucket in buckets:
-        owner = bucket[0].owner
-        if not pp_broadcast and owner != pp_rank:
-            continue  # another stage sends it
-        named: list[tuple[str, torch.Tensor]] = []
+        slots, offset = [], 0
+        for entry in bucket:
+            shard_shape = megatron_shard_shape(layout, entry.megatron, tp_size)
+            gathered = tp_size > 1 and entry.split != "replicated"
+            in_place = gathered and gathers_in_place(entry.split)
+            numel = tp_size * _numel(shard_shape) if in_place else entry.numel
+            if gathered and not in_place:
+                scratch_numel = max(scratch_numel, tp_size * _numel(shard_shape))
+            slots.append(_Slot(entry, offset, numel, in_place, shard_shape))
+            offset += numel
+        slotted.append(slots)
+    mine = [slots for slots in slotted if pp_broadcast or slots[0].entry.owner == pp_rank]
+    capacity = max((s[-1].offset + s[-1].numel for s in mine), default=0)
+    buffers = ExportBuffers() if buffers is None else buffers
+
+    for slots in mine:
+        owner = slots[0].entry.owner
+        flat = buffers.bucket(any_param, slots[-1].offset + slots[-1].numel, capacity)
         if pp_rank == owner:
-            for entry in bucket:
-                param = params[entry.megatron]
-                if param.dtype != dtype:
-                    raise ValueError(f"Megatron parameter {entry.megatron!r} has dtype {param.dtype}, others "
-                                     f"{dtype}: export needs one parameter dtype")
-                named.extend(megatron_to_hf(layout, entry.megatron, _gather_tp(param, entry.split, parallel)))
+            _fill_bucket(flat, slots, params, layout, parallel, buffers, scratch_numel)
         if pp_size > 1 and pp_broadcast:
-            total = sum(e.numel for e in bucket)
-            if pp_rank == owner:
-                flat = torch.cat([t.reshape(-1) for _, t in named]) if len(named) > 1 else named[0][1].reshape(-1)
-                flat = flat.contiguous()
-            else:
-                # the owner broadcasts a buffer on its parameters' device: allocate on the same one
-                flat = any_param.new_empty(total)
             dist.broadcast(flat, src=pp_ranks[owner], group=pp_group)
-            named, offset = [], 0
-            for entry in bucket:
-                for hf_name, shape in entry.hf:
-                    n = 1
-                    for d in shape:
-                        n *= d
-                    named.append((hf_name, flat[offset: offset + n].view(shape)))
-                    offset += n
+            buffers._collective_touched = True
+        named = [item for slot in slots for item in slot.hf_views(flat)]
+        del flat  # from here the consumer's views alone decide whether the buffer is reused
         for item in named:
             yield item
-        del named
+        del named, item
+
+
+def _fill_bucket(flat: torch.Tensor, slots: list[_Slot], params: dict, layout: ModelLayout,
+                 parallel: ParallelDims, buffers: ExportBuffers, scratch_numel: int) -> None:
+    """The owner stage's HF tensors of one bucket, written into ``flat`` (collective over the
+    TP group: one all-gather per TP-split tensor, issued in slot order on every TP rank).
+
+    Pipelined: a tensor that needs a re-layout is gathered into one of two scratch buffers
+    while the previous one is re-laid out from the other, so the copies hide behind the
+    transport; every gather has finished when this returns."""
+    tp_size, group = parallel.tp_size, parallel.tp_group
+    in_place_works = []
+    pending = None  # (work, slot, shards): gathered into scratch, re-laid out after the next gather starts
+    turns = 0
+
+    def relayout(work, slot: _Slot, shards: list[torch.Tensor]) -> None:
+        work.wait()
+        megatron_to_hf_into(layout, slot.entry.megatron, shards, [t for _, t in slot.hf_views(flat)])
+
+    for slot in slots:
+        param = params[slot.entry.megatron].detach()
+        if slot.in_place:
+            in_place_works.append(_all_gather_flat(flat[slot.offset:slot.offset + slot.numel], param, group))
+            buffers._collective_touched = True
+        elif tp_size > 1 and slot.entry.split != "replicated":
+            gathered = buffers.scratch(param, scratch_numel, turns % 2)[: tp_size * _numel(slot.shard_shape)]
+            turns += 1
+            work = _all_gather_flat(gathered, param, group)
+            if pending is not None:
+                relayout(*pending)  # the other scratch buffer, while this gather runs
+            pending = (work, slot, list(gathered.view(tp_size, *slot.shard_shape).unbind(0)))
+        else:
+            megatron_to_hf_into(layout, slot.entry.megatron, [param], [t for _, t in slot.hf_views(flat)])
+    if pending is not None:
+        relayout(*pending)
+    for work in in_place_works:
+        work.wait()
 
 
 def export_hf_state_dict(model_chunks, *, parallel: ParallelDims,
                          bucket_bytes: Optional[int] = 256 * 2**20) -> dict[str, torch.Tensor]:
     """The whole model as an HF state dict on every rank (collective; built on
     :func:`iter_hf_weights`). Tensors are copies on CPU in the parameter dtype."""
-    return {name: t.detach().to("cpu", copy=True)
-            for name, t in iter_hf_weights(model_chunks, parallel=parallel, bucket_bytes=bucket_bytes)}
+    out = {}
+    for name, tensor in iter_hf_weights(model_chunks, parallel=parallel, bucket_bytes=bucket_bytes):
+        out[name] = tensor.detach().to("cpu", copy=True)
+        del tensor  # copied: the bridge reuses its bucket memory
+    return out

@@ -560,8 +560,10 @@ class RolloutEngine(abc.ABC):
         def checked():
             for item in named_tensors:
                 name, tensor = _validated_named_tensor(item)
+                del item
                 tracker.check_and_mark(name, tensor)
                 yield name, tensor
+                del tensor  # before the next is produced: the bridge reuses memory nobody holds
 
         self._load_stream(checked())
         if finish:

@@ -221,8 +221,8 @@ class EngineGroupMember(RolloutEngine):
 
     def _load_stream(self, named_tensors: Iterable[NamedTensor]) -> None:
         if self.transport is None:
-            for _ in named_tensors:  # checked by update_weights, held by the leader's engine
-                pass
+            for item in named_tensors:  # checked by update_weights, held by the leader's engine
+                del item  # held by nothing, so the bridge reuses its memory
             return
         if self._packer is None or self._packer.bucket_bytes != self.update_bucket_bytes:
             device = self._device

@@ -85,7 +85,7 @@ class EngineSpec:
         device: ``hf``: the device; None is this rank's (``platform.device()``).
         tp_size, mem_fraction_static, enable_memory_saver, base_gpu_id, deterministic,
             engine_kwargs: ``sglang`` only, see :class:`~dapo_megatron.rollout.sglang_engine.SGLangEngine`.
-        update_bucket_mb: weight-update bucket (MiB); None keeps the engine's default.
+        update_bucket_mb: ``sglang``: weight-update bucket (MiB); None keeps the engine's default.
     """
 
     name: str
@@ -160,8 +160,8 @@ def build_engine(spec: EngineSpec, hf_config=None, group=None) -> RolloutEngine:
         from transformers import AutoModelForCausalLM
 
         model, extra = AutoModelForCausalLM.from_config(hf_config, dtype=spec.dtype), {}
-    return HFEngine(model, dtype=spec.dtype, device=spec.device or rank_device(),
-                    eos_token_ids=list(spec.eos_token_ids), **extra, **bucket)
+    return HFEngine(model, dtype=spec.dtype, device=spec.device or rank_device(),  # it loads tensor by tensor
+                    eos_token_ids=list(spec.eos_token_ids), **extra)
 
 
 

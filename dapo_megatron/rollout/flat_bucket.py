@@ -144,12 +144,14 @@ class FlatBucketPacker:
                 # larger than a bucket: its own bytes are the bucket (a copy only if not contiguous)
                 own = tensor.detach().to(device).contiguous().reshape(-1).view(torch.uint8)
                 yield FlatBucket(own, [FlatEntry(name, tuple(tensor.shape), tensor.dtype, 0, nbytes)])
+                del own, tensor  # the bridge reuses memory nobody holds
                 continue
             buffer = self._buffer_on(device)
             # one copy of the tensor's bytes into the buffer, casting nothing
             buffer[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
             entries.append(FlatEntry(name, tuple(tensor.shape), tensor.dtype, offset, offset + nbytes))
             offset += nbytes
+            del tensor  # copied: held by nothing when the bridge produces the next
         if entries:
             yield FlatBucket(buffer[:offset], entries)
 

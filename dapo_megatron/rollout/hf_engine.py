@@ -204,7 +204,6 @@ class HFEngine(RolloutEngine):
             ``generation_config`` / ``config`` ``eos_token_id``.
         pad_token_id: id written into the padding of the batch (never sampled, never
             returned); default: the first EOS id, else 0.
-        update_bucket_mb: bucket size (MiB) of ``update_weights``.
         num_threads: ``torch.set_num_threads`` for CPU generation; None leaves it.
 
     Raises:
@@ -220,7 +219,6 @@ class HFEngine(RolloutEngine):
         gguf_file: Optional[str] = None,
         eos_token_ids: Optional[list[int]] = None,
         pad_token_id: Optional[int] = None,
-        update_bucket_mb: int = 256,
         num_threads: Optional[int] = None,
     ):
         super().__init__()
@@ -243,7 +241,6 @@ class HFEngine(RolloutEngine):
         self.eos_token_ids = frozenset(int(t) for t in eos)
         self.pad_token_id = int(pad_token_id if pad_token_id is not None else min(self.eos_token_ids))
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
-        self.update_bucket_bytes = int(update_bucket_mb) * 2**20
         self.num_threads = num_threads
         self._asleep = False
         self._queue: list[RowRequest] = []  # submitted, admitted at the next poll
@@ -467,7 +464,14 @@ class HFEngine(RolloutEngine):
         return specs_from_module(self.model)
 
     @torch.no_grad()
-    def _load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+    def _load_stream(self, named_tensors) -> None:
+        """Each tensor is copied into its parameter as it arrives: an in-process engine needs no
+        bucket, and holding none lets the bridge reuse its bucket memory
+        (:func:`dapo_megatron.bridge.iter_hf_weights`)."""
         params = dict(self.model.named_parameters(remove_duplicate=False))
-        for name, tensor in bucket:
+        for name, tensor in named_tensors:
             params[name].copy_(tensor)  # casts dtype and moves device (also while asleep on CPU)
+            del tensor  # before the next one is produced
+
+    def _load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
+        self._load_stream(bucket)

@@ -385,8 +385,8 @@ def sync_servers(stage_tensors: Optional[Iterable[NamedTensor]], *, sender: Opti
                     sent = sender.send(stream)
                 except Exception as err:
                     error = str(err)
-            for _ in stream:  # after a failure (or off the sender): keep the bridge's TP gathers in step
-                pass
+            for item in stream:  # after a failure (or off the sender): keep the bridge's TP gathers in step
+                del item
         reports: list = [None] * dist.get_world_size(group)
         dist.all_gather_object(reports, (sent if turn == stage else [], error), group=group)
         every_sent += [item for part, _ in reports for item in part]

@@ -15,6 +15,10 @@ engine here is an ``HFEngine`` whose ``sleep`` really destroys the weights it re
 
 The oracle of every ``generate`` is independent of the engine's own bookkeeping: all its
 parameters are finite and equal to the actor's current weights exported to HF.
+
+The same runs check that the trainer's sync path (its byte counter, the engine's checks, the
+HF engine's loader) holds no tensor of the bridge's when it asks for the next one: the CPU
+actor's kept bucket buffer, allocated by the first sync, serves every later bucket.
 """
 
 import math
@@ -34,6 +38,7 @@ SMALL = [
     "rollout.val_n=2", "rollout.val_max_prompts=2", "data.arithmetic.num_train_problems=16",
     "data.arithmetic.num_val_problems=4", "model.params_dtype=float32", "model.transformer_impl=local",
     "reward.num_workers=1", "tracking.use_mlflow=false",
+    "rollout.update_weights_bucket_megabytes=1",  # several buckets per sync (the embedding alone is 6 MB)
 ]
 
 
@@ -106,9 +111,22 @@ def _run(hf_dir, out_dir, variant):
     parallel = init_distributed(cfg.parallel, seed=cfg.trainer.seed)
     trainer = trainer_mod.DAPOTrainer(cfg, parallel)
     holder["trainer"] = trainer
+    buffers, allocations = trainer._export_buffers, []
+    real_bucket = buffers.bucket
+
+    def counting_bucket(like, numel, capacity):
+        before = buffers._bucket
+        flat = real_bucket(like, numel, capacity)
+        allocations.append(buffers._bucket is not before)
+        return flat
+
+    buffers.bucket = counting_bucket
+    synced_before = sum(e[0] == "sync" for e in events)  # the first sync, at start-up, allocated the buffer
     last = trainer.fit()
     factory.build_engine = real_build
-    torch.save({"events": events, "last": last}, os.path.join(out_dir, "events.pt"))
+    syncs = sum(e[0] == "sync" for e in events) - synced_before
+    torch.save({"events": events, "last": last, "allocations": allocations, "syncs": syncs},
+               os.path.join(out_dir, "events.pt"))
 
 
 @pytest.fixture(scope="module")
@@ -169,3 +187,6 @@ def test_no_generate_on_invalid_weights_in_the_trainer_loop(runs, variant):
                         ("wake",), G, ("sleep", False), ("sync", 2),
                         ("wake",), G, ("sleep", True)], flow
     assert math.isfinite(res["last"]["val/avg@2"])
+    # every bucket of every later sync in the first sync's buffer: nothing on the way held the previous tensor
+    assert res["syncs"] >= 2 and len(res["allocations"]) >= 2 * res["syncs"], res
+    assert not any(res["allocations"]), res["allocations"]

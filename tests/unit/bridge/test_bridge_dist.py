@@ -1,5 +1,7 @@
 """Bridge on 2 gloo processes: logprob parity with transformers at TP=1/TP=2/PP=2, bitwise
-export, TP=2 → torch_dist checkpoint → PP=2 reload, and the errors of mismatched inputs.
+export (also to a consumer that keeps every tensor, and on a gloo without
+``all_gather_into_tensor``), bucket memory reused only once released, TP=2 → torch_dist
+checkpoint → PP=2 reload, and the errors of mismatched inputs.
 
 All layouts and families run in ONE spawned 2-process world (the spawn costs more than the
 tiny models). The oracle (transformers' logprobs and the HF state dict) is computed in the
@@ -52,7 +54,9 @@ def _mismatches(exported: dict, reference: dict) -> list[str]:
 def _worker(out_dir: str, cases: dict, ids: torch.Tensor) -> None:
     import torch.distributed as dist
 
+    import dapo_megatron.bridge.weights as bridge_weights
     from dapo_megatron.bridge import (
+        ExportBuffers,
         export_hf_state_dict,
         iter_hf_weights,
         load_hf_weights,
@@ -64,7 +68,8 @@ def _worker(out_dir: str, cases: dict, ids: torch.Tensor) -> None:
     from dapo_megatron.platform import init_distributed
 
     rank = int(os.environ["RANK"])
-    res: dict = {"lp": {}, "export": {}, "order": {}, "ckpt": {}, "ckpt_lp": {}, "errors": {}, "padded": {}}
+    res: dict = {"lp": {}, "export": {}, "order": {}, "ckpt": {}, "ckpt_lp": {}, "errors": {}, "padded": {},
+                 "storages": {}}
     for layout, tp, pp in LAYOUTS:
         par = init_distributed(ParallelConfig(tp, pp), seed=11)
         for name, (cfg, state) in cases.items():
@@ -81,6 +86,30 @@ def _worker(out_dir: str, cases: dict, ids: torch.Tensor) -> None:
             if layout == "pp2":  # one Megatron tensor per PP broadcast (bucket_bytes=None)
                 unbucketed = {k: v.clone() for k, v in iter_hf_weights(model, parallel=par)}
                 res["export"][("pp2-unbucketed", name)] = _mismatches(unbucketed, state)
+            # a consumer that keeps every tensor without copying it, then a second call with the
+            # same buffers: reuse must never overwrite what is still held
+            buffers = ExportBuffers()
+            kept = dict(iter_hf_weights(model, bucket_bytes=8192, parallel=par, buffers=buffers))
+            for _, t in iter_hf_weights(model, bucket_bytes=8192, parallel=par, buffers=buffers):
+                t.zero_()  # writes into the second call's memory only
+                del t
+            res["export"][(layout + "-kept", name)] = _mismatches(kept, state)
+            # a consumer that drops each tensor: its buckets share one storage, across calls too
+            storages, buffers = set(), ExportBuffers()
+            for _ in range(2):
+                for _, t in iter_hf_weights(model, bucket_bytes=8192, parallel=par, buffers=buffers):
+                    storages.add(t.untyped_storage().data_ptr())
+                    del t
+            res["storages"][(layout, name)] = (len(storages), len({t.untyped_storage().data_ptr()
+                                                                     for t in kept.values()}))
+            del kept
+            if layout == "tp2":  # a gloo without all_gather_into_tensor: all_gather into views
+                bridge_weights._INTO_TENSOR_ON["gloo"] = False
+                try:
+                    res["export"][("tp2-all_gather", name)] = _mismatches(
+                        export_hf_state_dict(model, bucket_bytes=8192, parallel=par), state)
+                finally:
+                    bridge_weights._INTO_TENSOR_ON.pop("gloo")
 
     # TP=2 save → PP=2 load → export
     par = init_distributed(ParallelConfig(2, 1), seed=12)
@@ -180,12 +209,24 @@ def test_vocab_and_query_groups_are_padded_for_tp(dist_results):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("layout", [name for name, _, _ in LAYOUTS] + ["pp2-unbucketed"])
+@pytest.mark.parametrize("layout", [name for name, _, _ in LAYOUTS] + ["pp2-unbucketed", "tp2-all_gather"]
+                         + [name + "-kept" for name, _, _ in LAYOUTS])
 def test_export_is_bitwise_equal_on_every_rank(dist_results, layout):
     ranks, _, cases = dist_results
     for r in ranks:
         for family in TINY_FAMILIES:
             assert r["export"][(layout, family)] == [], (layout, family)
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("layout", [name for name, _, _ in LAYOUTS])
+def test_bucket_memory_is_reused_only_once_the_consumer_drops_it(dist_results, layout):
+    ranks, _, _ = dist_results
+    for r in ranks:
+        for family in TINY_FAMILIES:
+            dropped, kept = r["storages"][(layout, family)]
+            assert dropped == 1, (layout, family)  # two calls, every bucket in the same memory
+            assert kept > 1, (layout, family)  # a consumer that keeps tensors keeps each bucket's memory
 
 
 @pytest.mark.dist

@@ -150,6 +150,22 @@ def _mismatch_worker(model_dir, out_dir):
 
 @pytest.mark.dist
 @pytest.mark.timeout(300)
+def test_a_member_without_transport_drops_each_tensor_before_asking_for_the_next():
+    # the HF engine's rollout-group members drain the bridge's stream: holding nothing lets
+    # the bridge reuse its bucket memory
+    from conftest import ReleaseRecorder, random_hf_model, tiny_hf_config
+    from dapo_megatron.rollout.engine import hf_param_specs
+    from dapo_megatron.rollout.engine_group import EngineGroupMember, RolloutGroup
+
+    hf_config = tiny_hf_config("llama_untied")
+    member = EngineGroupMember(RolloutGroup((0, 1), 1, group="unused: no transport"), hf_param_specs(hf_config),
+                               transport=None)
+    stream = ReleaseRecorder(random_hf_model(hf_config).state_dict().items())
+    member.update_weights(stream, version=1)
+    assert member.weight_version == 1
+    assert len(stream.held) == len(stream.named) - 1 and not any(stream.held)
+
+
 def test_ranks_that_pack_different_buckets_stop_together_before_the_engine_loads(model_dir, tmp_path):
     out = tmp_path / "out"
     out.mkdir()

@@ -106,6 +106,21 @@ def test_bucket_boundaries_match_iter_buckets_and_reuse_one_buffer():
         FlatBucketPacker(0)
 
 
+def test_packer_drops_each_tensor_before_asking_for_the_next():
+    # what lets the bridge reuse a bucket's memory (its storage must be unreferenced)
+    from conftest import ReleaseRecorder
+
+    sizes = (4, 4, 40, 4, 4, 4)  # 16-byte tensors, one larger than a bucket (sent from its own storage)
+    stream = ReleaseRecorder((f"t{i}", torch.full((n,), float(i))) for i, n in enumerate(sizes))
+    got = {}
+    for bucket in FlatBucketPacker(bucket_bytes=32).buckets(stream):
+        for entry in bucket.entries:
+            got[entry.name] = bucket.flat[entry.start:entry.end].view(entry.dtype).clone()
+        del bucket
+    assert len(stream.held) == len(sizes) - 1 and not any(stream.held)
+    assert all(torch.equal(got[n], t) for n, t in stream.named)
+
+
 def test_packer_is_lazy_one_tensor_at_a_time():
     pulled = []
 

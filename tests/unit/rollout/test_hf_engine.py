@@ -240,6 +240,19 @@ def test_update_weights_then_generation_follows_new_model(model):
             torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=1e-4, rtol=0)
 
 
+def test_sync_drops_each_tensor_before_asking_for_the_next():
+    # what lets the bridge reuse a bucket's memory (its storage must be unreferenced)
+    from conftest import ReleaseRecorder
+
+    eng = HFEngine(tiny_llama(seed=0))
+    target = tiny_llama(seed=7)
+    stream = ReleaseRecorder((k, v) for k, v in target.state_dict().items() if k != "lm_head.weight")
+    eng.update_weights(stream, version=1)
+    assert len(stream.held) == len(stream.named) - 1 and not any(stream.held)
+    for name, want in stream.named:  # and every tensor was loaded
+        assert torch.equal(dict(eng.model.named_parameters())[name], want), name
+
+
 def test_update_weights_errors_name_the_tensor():
     eng = HFEngine(tiny_llama())
     sd = tiny_llama(seed=1).state_dict()
@@ -256,7 +269,7 @@ def test_update_weights_errors_name_the_tensor():
 
 
 def test_split_sync_over_calls_and_version_guard():
-    eng = HFEngine(tiny_llama(), update_bucket_mb=1)
+    eng = HFEngine(tiny_llama())
     items = list(tiny_llama(seed=2).state_dict().items())
     eng.update_weights(items[:5], version=1, finish=False)
     with pytest.raises(RuntimeError, match="version 1 is unfinished"):
