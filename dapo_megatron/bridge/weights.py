@@ -298,9 +298,11 @@ def _all_gather_flat(out: torch.Tensor, local: torch.Tensor, group):
     """Start gathering the group's shards of ``local``, in rank order, into the contiguous
     ``out`` (``world × local.numel()`` elements); returns the work to wait on.
     ``all_gather_into_tensor`` (NCCL, and gloo in the torch releases that have it), else
-    ``all_gather`` into views of ``out``. On NCCL, ``wait()`` orders the current stream after
-    the collective, and the collective starts after the current stream's queued work (the
-    re-layout copies that last read ``out``'s memory)."""
+    ``all_gather`` into views of ``out``. On NCCL the collective runs on its own stream, which
+    first waits for the current stream's queued work (the re-layout copies that last read
+    ``out``'s memory), and ``wait()`` makes the current stream wait for the collective
+    (torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp, the class comment and
+    ``WorkNCCL::wait``)."""
     backend = str(dist.get_backend(group))
     flat_in = local.reshape(-1)
     if _INTO_TENSOR_ON.get(backend, True):

@@ -42,7 +42,9 @@ class RolloutConfig:
     """max new tokens per response (L_max of the paper's Eq. 13); must equal
     ``buffer.overlong.max_response_length``."""
     update_weights_bucket_megabytes: int = 512
-    """bucket size of the weight sync (MiB)."""
+    """bucket size of the weight sync (MiB): the bridge gathers (and with PP > 1 broadcasts) one
+    bucket at a time, and SGLang receives one flattened bucket per call. A CPU actor keeps one
+    bucket of host memory between syncs (``bridge.ExportBuffers``)."""
     gpu_memory_utilization: float = 0.5
     """SGLang ``mem_fraction_static`` (GPU only)."""
     val_n: int = 32
