@@ -38,22 +38,23 @@ def smollm2_location() -> tuple[str, str] | None:
 
 class ReleaseRecorder:
     """Iterate it as ``(name, tensor)`` pairs: fresh copies of ``named``. Each time the next
-    pair is asked for, :attr:`held` records whether the consumer still holds the previous
-    tensor (a weak reference to it is alive), as the bridge checks its bucket memory."""
+    pair is asked for, :attr:`held` records whether anything still holds the previous
+    tensor's memory (its storage is alive: the tensor itself or any view of it), as the
+    bridge checks its bucket memory."""
 
     def __init__(self, named):
         self.named = list(named)
         self.held: list[bool] = []
 
     def __iter__(self):
-        import weakref
+        from torch.multiprocessing.reductions import StorageWeakRef
 
         previous = None
         for name, tensor in self.named:
             if previous is not None:
-                self.held.append(previous() is not None)
+                self.held.append(not previous.expired())
             copy = tensor.clone()
-            previous = weakref.ref(copy)
+            previous = StorageWeakRef(copy.untyped_storage())
             yield name, copy
             del copy
 

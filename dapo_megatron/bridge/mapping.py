@@ -371,8 +371,8 @@ def megatron_to_hf_into(
         shards: the parameter's TP shards in TP-rank order (one tensor for replicated
             parameters or TP=1; several replicated copies are accepted and the first used);
             any strides.
-        out: one tensor per HF name of the rule, in ``rule.hf`` order, of the full HF shapes
-            (:func:`hf_shapes`); any dtype (the copy casts), must not overlap ``shards``.
+        out: one contiguous tensor per HF name of the rule, in ``rule.hf`` order, of the full HF
+            shapes (:func:`hf_shapes`); any dtype (the copy casts), must not overlap ``shards``.
 
     Raises:
         KeyError: unknown name. ValueError: shard or output shapes that do not fit the layout.
@@ -384,13 +384,13 @@ def megatron_to_hf_into(
         raise ValueError(f"{megatron_name}: outputs of shapes {[tuple(o.shape) for o in out]}, expected {shapes} "
                          f"(HF tensors {names})")
     tp = len(shards)
-    if rule.split == "replicated":
-        out[0].copy_(shards[0])
-        return
-    want = megatron_shard_shape(layout, megatron_name, tp)
+    want = megatron_shard_shape(layout, megatron_name, 1 if rule.split == "replicated" else tp)
     for r, s in enumerate(shards):
         if tuple(s.shape) != want:
             raise ValueError(f"{megatron_name}: TP shard {r} of {tp} has shape {tuple(s.shape)}, expected {want}")
+    if rule.split == "replicated":
+        out[0].copy_(shards[0])
+        return
     if rule.split in ("column", "vocab"):  # rows r·n … of the HF tensor; vocab: its padding rows dropped
         n, rows = want[0], shapes[0][0]
         for r, s in enumerate(shards):

@@ -187,16 +187,43 @@ class _Entry:
 
 
 def _export_plan(layout: ModelLayout, params: dict, parallel: ParallelDims) -> list[_Entry]:
-    """Export entries in a fixed order, with the PP stage owning each (one collective)."""
-    pp_size = parallel.pp_size
+    """Export entries in a fixed order, with the PP stage owning each.
+
+    Each stage first checks its own exported parameters (one dtype, the TP shard shape the
+    mapping expects, which lays out the sync's buffers); the result travels with the stage's
+    parameter names in the plan's one collective over PP, so every stage raises the same
+    error instead of one stage raising while the others wait in a broadcast.
+
+    Raises:
+        ValueError: a parameter of an unexpected shape, or more than one parameter dtype
+            (naming the parameter and the stage). KeyError: a parameter no stage holds.
+    """
+    pp_size, tp_size = parallel.pp_size, parallel.tp_size
+    exported = {megatron_name_of(rule, layer) for rule, layer in exported_entries(layout)}
     mine = sorted(params)
+    problems, dtypes = [], set()
+    for name in mine:
+        if name not in exported:
+            continue  # the tied output_layer of the last stage
+        param, want = params[name], megatron_shard_shape(layout, name, tp_size)
+        dtypes.add(str(param.dtype))
+        if tuple(param.shape) != want:
+            problems.append(f"Megatron parameter {name!r} has shape {tuple(param.shape)}, the mapping expects {want} "
+                            f"at TP={tp_size}: the model was built from a different config")
+    held = [(mine, problems, sorted(dtypes))]
     if pp_size > 1:
-        held: list = [None] * pp_size
-        dist.all_gather_object(held, mine, group=parallel.pp_group)
-    else:
-        held = [mine]
+        held = [None] * pp_size
+        dist.all_gather_object(held, (mine, problems, sorted(dtypes)), group=parallel.pp_group)
+    for stage, (_, stage_problems, _) in enumerate(held):
+        if stage_problems:
+            more = f" (and {len(stage_problems) - 1} more)" if len(stage_problems) > 1 else ""
+            raise ValueError(f"pipeline stage {stage}: {stage_problems[0]}{more}")
+    all_dtypes = sorted({d for _, _, stage_dtypes in held for d in stage_dtypes})
+    if len(all_dtypes) > 1:
+        raise ValueError(f"the exported Megatron parameters have dtypes {all_dtypes} across the pipeline stages: "
+                         "the export needs one parameter dtype")
     owner_of: dict[str, int] = {}
-    for stage, names in enumerate(held):
+    for stage, (names, _, _) in enumerate(held):
         for n in names:
             owner_of.setdefault(n, stage)  # tied output_layer on the last stage is never exported
     plan = []
@@ -225,68 +252,90 @@ def _storage_use_count(buf: torch.Tensor) -> Optional[int]:
 class ExportBuffers:
     """The memory :func:`iter_hf_weights` stages buckets in, kept from one call to the next.
 
-    Without it every call allocates its bucket buffer and scratch buffers and frees them when
-    it ends. A new CPU allocation costs page faults worth several copies of its bytes
-    (measured on the development machine: 1.5 GB/s into fresh memory, 8.5 GB/s into reused
-    memory), so a CPU weight sync that allocates is slower than its transport: the trainer
-    keeps one of these for CPU actors. On GPU the caching allocator already reuses blocks, and
-    held buffers would stay out of the rollout engine's reach, so the trainer passes none.
+    Without it every call allocates its buffers and frees them when it ends. A new CPU
+    allocation costs page faults worth several copies of its bytes (measured on the
+    development machine: 1.5 GB/s into fresh memory, 8.5 GB/s into reused memory), so a CPU
+    weight sync that allocates is slower than its transport: the trainer keeps one of these
+    for CPU actors (one bucket of host memory between syncs). On GPU it passes none: kept
+    buffers would be out of the rollout engine's reach between syncs.
 
-    Within a call the bucket buffer is reused for the next bucket once the consumer has
-    dropped every view of it (its storage's reference count, as torch's CUDA-graph trees
-    check their output buffers: torch/_inductor/cudagraph_trees.py,
-    ``StorageWeakRefWrapper.expired``). A consumer that keeps a bucket's tensors (without
-    copying them) keeps that buffer: the next bucket gets new memory, so nothing it holds is
-    ever overwritten. A collective also holds its tensors for a moment after ``wait()``
-    returns (gloo's worker thread drops its reference when it picks up the next work; seen
-    here within 1 ms): a CPU bucket buffer that a collective wrote or read is given up to
-    :attr:`collective_grace_s` to become free.
+    On CPU the bucket buffer is reused for the next bucket once nothing outside holds a view
+    of it (its storage's reference count, as torch's CUDA-graph trees check their output
+    buffers: torch/_inductor/cudagraph_trees.py, ``StorageWeakRefWrapper.expired``). A
+    consumer that keeps a bucket's tensors (without copying them) keeps that buffer: the next
+    bucket gets new memory, so nothing it holds is ever overwritten. A collective holds its
+    tensors for a moment after ``wait()`` returns (gloo's worker thread drops its reference
+    once it has finished the work; seen here within 1 ms), so once a bucket's collectives
+    are done the generator waits up to :attr:`collective_grace_s` for those references to go
+    before it hands the bucket out. On CUDA every bucket gets new memory from the caching
+    allocator, which recycles freed blocks itself, and recycles a block shared with SGLang
+    over CUDA IPC only once SGLang has dropped its handle (torch's deferred free of IPC-shared
+    blocks), a guarantee a reuse by reference count would bypass. The two scratch buffers
+    (never handed out) are reused on every device.
     """
 
-    #: how long a CPU bucket buffer that a collective touched may take to be released (s)
+    #: how long (s) the references of a bucket's finished collectives may take to go (CPU)
     collective_grace_s: float = 0.05
+    #: how long (s) a CPU bucket buffer still referenced at the next bucket may take to be
+    #: released (a consumer's own collective on it, e.g. the server sync's broadcast of a
+    #: bucket larger than its packer's); a consumer that keeps tensors pays this per bucket
+    reuse_grace_s: float = 0.002
 
     def __init__(self):
         self._bucket: Optional[torch.Tensor] = None
         self._own_refs: Optional[int] = None  # storage use count of the bucket buffer when only we hold it
-        self._collective_touched = False  # set by iter_hf_weights: a collective used the last bucket
         self._scratch: list[Optional[torch.Tensor]] = [None, None]
 
     @staticmethod
     def _fits(buf: Optional[torch.Tensor], like: torch.Tensor, numel: int) -> bool:
         return buf is not None and buf.dtype == like.dtype and buf.device == like.device and buf.numel() >= numel
 
-    def bucket(self, like: torch.Tensor, numel: int, capacity: int) -> torch.Tensor:
-        """A flat buffer of ``numel`` elements (``like``'s dtype and device) nobody else holds;
-        a new one has ``capacity`` elements (the call's largest bucket) unless the last one is
-        still held, in which case it has just ``numel``. Any former contents."""
-        buf = self._bucket
-        free = buf is not None and self._own_refs is not None and self._released(buf)
-        self._collective_touched = False
-        if not (free and self._fits(buf, like, numel)):
-            size = numel if buf is not None and not free else max(numel, capacity)
-            self._bucket = buf = like.new_empty(size)
-            self._own_refs = _storage_use_count(buf)
-        return buf[:numel]
-
-    def _released(self, buf: torch.Tensor) -> bool:
-        deadline = time.monotonic() + (self.collective_grace_s if self._collective_touched
-                                       and buf.device.type == "cpu" else 0.0)
-        while _storage_use_count(buf) != self._own_refs:
+    def _unheld(self, buf: torch.Tensor, views: int = 0, grace_s: float = 0.0) -> bool:
+        deadline = time.monotonic() + grace_s
+        while True:
+            count = _storage_use_count(buf)
+            if count is None or self._own_refs is None:
+                return False
+            if count == self._own_refs + views:
+                return True
             if time.monotonic() >= deadline:
                 return False
             time.sleep(50e-6)
-        return True
+
+    def bucket(self, like: torch.Tensor, numel: int, capacity: int) -> torch.Tensor:
+        """A flat buffer of ``numel`` elements (``like``'s dtype and device) that nothing else
+        holds; any former contents. A new CPU buffer has ``capacity`` elements (the call's
+        largest bucket) unless the last one is still held, in which case it has ``numel``."""
+        buf = self._bucket
+        if (buf is not None and buf.device.type == "cpu" and self._fits(buf, like, numel)
+                and self._unheld(buf, grace_s=self.reuse_grace_s)):
+            return buf[:numel]
+        held = buf is not None and not self._unheld(buf)
+        self._bucket = buf = None  # ours is dropped before the next is allocated
+        size = numel if held or like.device.type != "cpu" else max(numel, capacity)
+        self._bucket = buf = like.new_empty(size)
+        self._own_refs = _storage_use_count(buf)
+        return buf[:numel]
+
+    def settle(self) -> None:
+        """Wait (CPU, up to :attr:`collective_grace_s`) until the bucket's finished collectives
+        have dropped their references, the caller holding exactly one view of the buffer."""
+        buf = self._bucket
+        if buf is None or buf.device.type != "cpu" or self._own_refs is None:
+            return
+        self._unheld(buf, views=1, grace_s=self.collective_grace_s)
 
     def scratch(self, like: torch.Tensor, numel: int, index: int) -> torch.Tensor:
         """Scratch buffer ``index`` (0 or 1) of ``numel`` elements, for shards that are re-laid
-        out (never yielded): one is gathered into while the other is re-laid out."""
+        out (never handed out): one is gathered into while the other is re-laid out."""
         if not self._fits(self._scratch[index], like, numel):
+            self._scratch[index] = None
             self._scratch[index] = like.new_empty(numel)
         return self._scratch[index][:numel]
 
     def release(self) -> None:
-        """Free the buffers (the next call allocates them again)."""
+        """Drop the buffers (the next call allocates them again; a collective still running
+        keeps what it writes into alive by itself)."""
         self._bucket = self._own_refs = None
         self._scratch = [None, None]
 
@@ -311,7 +360,7 @@ def _all_gather_flat(out: torch.Tensor, local: torch.Tensor, group):
             _INTO_TENSOR_ON[backend] = True
             return work
         except RuntimeError as e:  # an older gloo: "no support for _allgather_base in Gloo process group"
-            if backend == "nccl" or "_allgather_base" not in str(e) and "not support" not in str(e):
+            if backend == "nccl" or "_allgather_base" not in str(e):
                 raise
             _INTO_TENSOR_ON[backend] = False
     world = dist.get_world_size(group)
@@ -362,17 +411,19 @@ def iter_hf_weights(
 
     Mechanics: a bucket holds consecutive Megatron tensors of one owner stage up to
     ``bucket_bytes`` of HF tensors (a larger tensor is a bucket of its own; ``None`` means one
-    Megatron tensor per bucket), laid out in ONE flat buffer. On the owning PP stage each
-    tensor's TP shards are all-gathered (``all_gather_into_tensor`` from the parameter
-    itself, one collective per tensor): column- and vocab-parallel tensors straight into
+    Megatron tensor per bucket), laid out in ONE flat buffer (at TP > 1 it also holds the
+    vocabulary padding rows of an embedding or LM head, never handed out). On the owning PP
+    stage each tensor's TP shards are all-gathered (``all_gather_into_tensor`` from the
+    parameter itself, one collective per tensor; ``all_gather`` into views on a gloo without
+    it): column- and vocab-parallel tensors straight into
     their place in the bucket buffer (their rank-order concatenation is the HF tensor), the
     others into one of two scratch buffers, then copied once into their HF layout in the
     bucket (:func:`.mapping.megatron_to_hf_into`: QKV de-interleave, gate/up split,
     row-parallel columns) while the next tensor's gather runs. With PP > 1 the owner broadcasts the bucket buffer as it is over the PP group.
     The bucket buffer is reused for the next bucket once the consumer has dropped every view
-    of it (see :class:`ExportBuffers`); memory beyond the model: one bucket buffer plus two
-    scratch buffers of the largest re-laid-out tensor, more only while the consumer keeps
-    tensors. A consumer lets the buffer be reused by dropping each tensor before asking for
+    of it (CPU; on GPU the caching allocator recycles it, see :class:`ExportBuffers`); memory
+    beyond the model: one bucket buffer (the largest bucket) plus two scratch buffers of the
+    largest re-laid-out tensor, more only while the consumer keeps tensors. A consumer lets the buffer be reused by dropping each tensor before asking for
     the next (``del`` the loop variable: a ``for`` loop still holds the previous item while
     it asks for the next).
 
@@ -394,7 +445,8 @@ def iter_hf_weights(
         it keeps.
 
     Raises:
-        ValueError: ``bucket_bytes`` <= 0, or parameters of more than one dtype.
+        ValueError: ``bucket_bytes`` <= 0, parameters of more than one dtype, or a parameter
+            whose shape the mapping does not expect (named).
         KeyError: a parameter no stage holds.
     """
     if bucket_bytes is not None and bucket_bytes <= 0:
@@ -404,14 +456,9 @@ def iter_hf_weights(
     plan = _export_plan(layout, params, parallel)
     tp_size = parallel.tp_size
     pp_size, pp_rank, pp_group, pp_ranks = parallel.pp_size, parallel.pp_rank, parallel.pp_group, parallel.pp_ranks
-    any_param = next(iter(params.values()))
+    any_param = params[next(e.megatron for e in plan if e.megatron in params)]  # the exported dtype
     dtype = any_param.dtype
     elem = torch.empty((), dtype=dtype).element_size()
-    for entry in plan:
-        param = params.get(entry.megatron)
-        if param is not None and param.dtype != dtype:
-            raise ValueError(f"Megatron parameter {entry.megatron!r} has dtype {param.dtype}, others {dtype}: export "
-                             "needs one parameter dtype")
 
     buckets: list[list[_Entry]] = []
     for entry in plan:
@@ -454,7 +501,7 @@ def iter_hf_weights(
             _fill_bucket(flat, slots, params, layout, parallel, buffers, scratch_numel)
         if pp_size > 1 and pp_broadcast:
             dist.broadcast(flat, src=pp_ranks[owner], group=pp_group)
-            buffers._collective_touched = True
+        buffers.settle()
         named = [item for slot in slots for item in slot.hf_views(flat)]
         del flat  # from here the consumer's views alone decide whether the buffer is reused
         for item in named:
@@ -470,6 +517,17 @@ def _fill_bucket(flat: torch.Tensor, slots: list[_Slot], params: dict, layout: M
     Pipelined: a tensor that needs a re-layout is gathered into one of two scratch buffers
     while the previous one is re-laid out from the other, so the copies hide behind the
     transport; every gather has finished when this returns."""
+    try:
+        _fill_bucket_pipelined(flat, slots, params, layout, parallel, buffers, scratch_numel)
+    except BaseException:
+        # collectives of this bucket may still be running into its buffers: give them up (each
+        # work keeps what it writes into alive) so that no later call hands that memory out
+        buffers.release()
+        raise
+
+
+def _fill_bucket_pipelined(flat: torch.Tensor, slots: list[_Slot], params: dict, layout: ModelLayout,
+                           parallel: ParallelDims, buffers: ExportBuffers, scratch_numel: int) -> None:
     tp_size, group = parallel.tp_size, parallel.tp_group
     in_place_works = []
     pending = None  # (work, slot, shards): gathered into scratch, re-laid out after the next gather starts
@@ -483,7 +541,6 @@ def _fill_bucket(flat: torch.Tensor, slots: list[_Slot], params: dict, layout: M
         param = params[slot.entry.megatron].detach()
         if slot.in_place:
             in_place_works.append(_all_gather_flat(flat[slot.offset:slot.offset + slot.numel], param, group))
-            buffers._collective_touched = True
         elif tp_size > 1 and slot.entry.split != "replicated":
             gathered = buffers.scratch(param, scratch_numel, turns % 2)[: tp_size * _numel(slot.shard_shape)]
             turns += 1

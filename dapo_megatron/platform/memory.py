@@ -50,10 +50,11 @@ Phases (the engine sleeps while the actor trains):
   ``(1 − gpu_memory_utilization) × F0``, must hold Adam's moments and SGLang's runtime;
 * train: actor resident + activations + overhead ≤ GPU (engine memory released);
 * sync (weights resumed into the sleeping engine): actor resident + engine weights +
-  the sync's buffers + overhead ≤ GPU. The buffers: the bridge's bucket and the engine
-  payload's bucket, one more bucket for a consumer still holding the previous one, and the
-  bridge's two scratch buffers of the largest re-laid-out tensor (the full gate/up weight of
-  a layer; ``dapo_megatron.bridge.iter_hf_weights``).
+  the sync's buffers + overhead ≤ GPU. The buffers (``dapo_megatron.bridge.iter_hf_weights``
+  and the engine's flat-bucket packer): the bridge's bucket, at least the full (padded)
+  embedding, which is a bucket of its own; the engine payload's bucket (a tensor larger than
+  it is sent from the bridge's memory); at actor TP > 1 the bridge's two scratch buffers of
+  the largest re-laid-out tensor, a layer's full gate/up weight.
 """
 
 from __future__ import annotations
@@ -257,7 +258,8 @@ def estimate_memory(
     kv_tokens = max(0, kv) // kv_cell
     parts.update(engine_weights=engine_weights, kv_cache=max(0, kv), overhead=overhead_bytes,
                  engine_runtime=engine_runtime_bytes,
-                 sync_buffers=3 * bucket_bytes + (2 * 2 * shape.ffn * shape.hidden * pb if tp > 1 else 0))
+                 sync_buffers=max(bucket_bytes, padded_vocab * shape.hidden * pb) + bucket_bytes
+                 + (2 * 2 * shape.ffn * shape.hidden * pb if tp > 1 else 0))
     phases = {
         "rollout": resident + overhead_bytes + static_pool + engine_runtime_bytes,
         "train": resident + parts["activations"] + parts["logits"] + overhead_bytes,

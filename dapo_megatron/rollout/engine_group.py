@@ -142,6 +142,7 @@ def sync_flat_buckets(named_tensors: Iterable[NamedTensor], group: RolloutGroup,
         if outcome is not None:
             raise RuntimeError(outcome)
         sent += 1
+        del bucket, item, gathered  # a bucket larger than the packer's is the bridge's own memory
     return sent
 
 

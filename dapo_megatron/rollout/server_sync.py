@@ -36,14 +36,13 @@ then), and after the last stage the prefix cache is flushed and generation conti
 
 from __future__ import annotations
 
-import itertools
 import socket
 import threading
 import time
 import urllib.parse
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -263,6 +262,7 @@ class ServerWeightSender:
                                        f"{result.get('message')}")
             sent += [(e.name, e.shape) for e in bucket.entries]
             self.bytes_sent += bucket.nbytes
+            del bucket, work  # a bucket larger than the packer's is the bridge's own memory
         return sent
 
     def _wait(self, work, calls: list[_Call], first: str) -> None:
@@ -327,6 +327,14 @@ def flush_and_continue(urls: Sequence[str], timeout_s: float) -> None:
     _each(list(urls), one)
 
 
+def _prepend(first, rest: Iterator):
+    """``first``, then ``rest``; unlike ``itertools.chain([first], rest)``, which keeps the list
+    (and so the bridge's bucket memory under ``first``) until the whole stream is consumed."""
+    yield first
+    del first
+    yield from rest
+
+
 def sync_servers(stage_tensors: Optional[Iterable[NamedTensor]], *, sender: Optional[ServerWeightSender],
                  urls: Sequence[str], timeout_s: float, param_specs, version: int, coordinator: bool,
                  stage: int = 0, num_stages: int = 1, group=None) -> int:
@@ -374,7 +382,7 @@ def sync_servers(stage_tensors: Optional[Iterable[NamedTensor]], *, sender: Opti
     # its first bucket) before the turns, or stage 0 would wait in it for stages parked below
     first = next(stream, None)
     if first is not None:
-        stream = itertools.chain([first], stream)
+        stream = _prepend(first, stream)
     del first
     every_sent: list[tuple[str, tuple[int, ...]]] = []  # all stages' (name, shape)s, for the check below
     failed: list[str] = []

@@ -31,7 +31,7 @@ def _sync_worker(tp, pp, urls, out_dir, fail_url=None, timeout_s=60):
     import torch.distributed as dist
 
     from conftest import random_hf_model, tiny_hf_config
-    from dapo_megatron.bridge import export_hf_state_dict, iter_hf_weights, load_hf_weights
+    from dapo_megatron.bridge import ExportBuffers, export_hf_state_dict, iter_hf_weights, load_hf_weights
     from dapo_megatron.models import ModelConfig, build_gpt_model
     from dapo_megatron.platform import ParallelConfig, init_distributed
     from dapo_megatron.rollout.engine import hf_param_specs
@@ -53,12 +53,25 @@ def _sync_worker(tp, pp, urls, out_dir, fail_url=None, timeout_s=60):
         http_post(fail_url, "/control", {"fail_next_update": "Failed to update parameter online: boom"}, 10)
     dist.barrier()
     result = {"rank": rank}
+
+    class CountingBuffers(ExportBuffers):
+        allocations = 0
+
+        def bucket(self, like, numel, capacity):
+            before = self._bucket
+            flat = super().bucket(like, numel, capacity)
+            self.allocations += self._bucket is not before
+            return flat
+
+    buffers = CountingBuffers()
     try:
-        result["bytes"] = sync_servers(iter_hf_weights(model, parallel=parallel, bucket_bytes=BUCKET, pp_broadcast=False), sender=sender,
+        stream = iter_hf_weights(model, parallel=parallel, bucket_bytes=BUCKET, pp_broadcast=False, buffers=buffers)
+        result["bytes"] = sync_servers(stream, sender=sender,
                                        urls=urls, timeout_s=timeout_s, param_specs=hf_param_specs(hf_config), version=1,
                                        coordinator=rank == 0, stage=stage, num_stages=stages)
     except RuntimeError as err:
         result["error"] = str(err)
+    result["bucket_allocations"] = buffers.allocations
     if rank == 0:
         result["export"] = {n: base64.b64encode(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).decode()
                             for n, t in export.items()}
@@ -106,6 +119,9 @@ def test_each_server_receives_the_hf_export_bitwise(tp, pp, two_servers, tmp_pat
         assert got["flat_broadcasts"] >= 3, "one broadcast per bucket, several buckets"
         assert got["flushes"] == 1 and got["control"] == [["/pause_generation", "abort"],
                                                           ["/continue_generation", None]]
+    # the sender's loop and the TP peer's drain drop each bucket: one buffer for all of them
+    assert r0["bucket_allocations"] == r1["bucket_allocations"] == 1, (r0["bucket_allocations"],
+                                                                       r1["bucket_allocations"])
     total = sum(len(base64.b64decode(v)) for v in export.values())
     assert r0["bytes"] + r1["bytes"] == total, "each byte sent once (per stage, not broadcast over PP)"
     if tp == 2:

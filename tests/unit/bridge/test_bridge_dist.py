@@ -152,6 +152,12 @@ def _worker(out_dir: str, cases: dict, ids: torch.Tensor) -> None:
     forged = build_gpt_model(cfg, parallel=par)
     forged.hf_config = cases["llama_untied"][0]
     attempts["ckpt_missing_tensor"] = lambda: load_model_checkpoint(forged, os.path.join(out_dir, "ckpt_llama_untied"))
+    # a parameter of the wrong shape on the last stage only: both stages raise, none waits in a broadcast
+    misshapen = build_gpt_model(cfg, parallel=par)
+    for pname, p in misshapen.named_parameters():
+        if pname.endswith("final_layernorm.weight"):
+            p.data = torch.zeros(3)
+    attempts["export_shape"] = lambda: next(iter_hf_weights(misshapen, parallel=par))
     for key, fn in attempts.items():
         try:
             fn()
@@ -273,3 +279,7 @@ def test_mismatched_inputs_fail_naming_the_tensor_or_field(dist_results):
     assert err["ckpt_groups"] and "query_groups_multiple=4" in err["ckpt_groups"]
     assert err["ckpt_missing_tensor"] and "linear_qkv.bias" in err["ckpt_missing_tensor"]
     assert err["bucket_bytes"] and "bucket_bytes must be a positive" in err["bucket_bytes"]
+    for r in ranks:  # raised on both PP stages, naming the stage that holds the parameter
+        shape_err = r["errors"]["export_shape"]
+        assert shape_err and shape_err.startswith("ValueError: pipeline stage 1:") and \
+            "'decoder.final_layernorm.weight' has shape (3,), the mapping expects (64,)" in shape_err, shape_err

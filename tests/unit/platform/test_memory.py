@@ -98,8 +98,9 @@ def test_32b_example_fits_with_its_rollout_tp_and_not_without():
     assert cfg.rollout.tensor_model_parallel_size == 8
     est = check_memory(cfg, hf, GPUS["32b"])
     assert est.parts["engine_weights"] == 2 * total // 8 and est.fits
-    # sync: three 512 MiB buckets and the bridge's two scratch copies of a layer's full bf16 gate/up weight
-    assert est.parts["sync_buffers"] == 3 * 512 * 2**20 + 2 * (2 * 27648 * h * 2)
+    # sync: the bridge's bucket (the full padded bf16 embedding, larger than the 512 MiB buckets), the
+    # payload's bucket and the bridge's two scratch copies of a layer's full bf16 gate/up weight
+    assert est.parts["sync_buffers"] == padded_vocab * h * 2 + 512 * 2**20 + 2 * (2 * 27648 * h * 2)
 
     for rollout_tp, kv_heads in ((8, 1), (4, 2)):  # 8 KV heads over the engine's GPUs
         est = estimate_from_config(cfg, hf, GPUS["32b"], rollout_tp=rollout_tp)

@@ -148,8 +148,6 @@ def _mismatch_worker(model_dir, out_dir):
         json.dump({"error": error, "updates": updates, "valid": eng.weights_valid}, f)
 
 
-@pytest.mark.dist
-@pytest.mark.timeout(300)
 def test_a_member_without_transport_drops_each_tensor_before_asking_for_the_next():
     # the HF engine's rollout-group members drain the bridge's stream: holding nothing lets
     # the bridge reuse its bucket memory
@@ -166,6 +164,8 @@ def test_a_member_without_transport_drops_each_tensor_before_asking_for_the_next
     assert len(stream.held) == len(stream.named) - 1 and not any(stream.held)
 
 
+@pytest.mark.dist
+@pytest.mark.timeout(300)
 def test_ranks_that_pack_different_buckets_stop_together_before_the_engine_loads(model_dir, tmp_path):
     out = tmp_path / "out"
     out.mkdir()

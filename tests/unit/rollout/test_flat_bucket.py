@@ -121,6 +121,21 @@ def test_packer_drops_each_tensor_before_asking_for_the_next():
     assert all(torch.equal(got[n], t) for n, t in stream.named)
 
 
+def test_engine_sync_drops_each_bucket_before_asking_for_the_next_tensor():
+    # sync_flat_buckets (the SGLang engine's loop): a bucket larger than the packer's is sent
+    # from the tensor's own memory, which must be free again when the next tensor is asked for
+    from conftest import ReleaseRecorder
+    from dapo_megatron.rollout.engine_group import RolloutGroup, sync_flat_buckets
+
+    sizes = (4, 40, 4, 4, 40)
+    stream = ReleaseRecorder((f"t{i}", torch.full((n,), float(i))) for i, n in enumerate(sizes))
+    payloads = []
+    sent = sync_flat_buckets(stream, RolloutGroup.single(), FlatBucketPacker(bucket_bytes=32),
+                             apply=payloads.append)
+    assert sent == len(payloads) == 4  # [t0], [t1] (own storage), [t2, t3], [t4] (own storage)
+    assert len(stream.held) == len(sizes) - 1 and not any(stream.held)
+
+
 def test_packer_is_lazy_one_tensor_at_a_time():
     pulled = []
 
