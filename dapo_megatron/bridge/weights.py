@@ -168,6 +168,13 @@ def load_hf_weights(
     return report
 
 
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 @dataclass(frozen=True)
 class _Entry:
     megatron: str  # global canonical Megatron name
@@ -177,13 +184,7 @@ class _Entry:
 
     @property
     def numel(self) -> int:
-        total = 0
-        for _, shape in self.hf:
-            n = 1
-            for d in shape:
-                n *= d
-            total += n
-        return total
+        return sum(_numel(shape) for _, shape in self.hf)
 
 
 def _export_plan(layout: ModelLayout, params: dict, parallel: ParallelDims) -> list[_Entry]:
@@ -307,10 +308,10 @@ class ExportBuffers:
         holds; any former contents. A new CPU buffer has ``capacity`` elements (the call's
         largest bucket) unless the last one is still held, in which case it has ``numel``."""
         buf = self._bucket
-        if (buf is not None and buf.device.type == "cpu" and self._fits(buf, like, numel)
-                and self._unheld(buf, grace_s=self.reuse_grace_s)):
+        grace_s = self.reuse_grace_s if buf is not None and buf.device.type == "cpu" else 0.0
+        held = buf is not None and not self._unheld(buf, grace_s=grace_s)
+        if buf is not None and not held and buf.device.type == "cpu" and self._fits(buf, like, numel):
             return buf[:numel]
-        held = buf is not None and not self._unheld(buf)
         self._bucket = buf = None  # ours is dropped before the next is allocated
         size = numel if held or like.device.type != "cpu" else max(numel, capacity)
         self._bucket = buf = like.new_empty(size)
@@ -367,13 +368,6 @@ def _all_gather_flat(out: torch.Tensor, local: torch.Tensor, group):
     return dist.all_gather(list(out.view(world, -1).unbind(0)), flat_in, group=group, async_op=True)
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 @dataclass(frozen=True)
 class _Slot:
     """Where one Megatron parameter's HF tensors live in its bucket's flat buffer."""
@@ -381,7 +375,8 @@ class _Slot:
     entry: _Entry
     offset: int  # elements into the bucket buffer
     numel: int  # elements reserved: the HF tensors', or the gathered shards' when gathered in place
-    in_place: bool  # the TP shards are gathered straight into the slot (column / vocab at TP > 1)
+    gathered: bool  # TP-split at TP > 1: its shards are all-gathered
+    in_place: bool  # gathered straight into the slot (column / vocab), not into scratch
     shard_shape: tuple[int, ...]
 
     def hf_views(self, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
@@ -487,7 +482,7 @@ def iter_hf_weights(
             numel = tp_size * _numel(shard_shape) if in_place else entry.numel
             if gathered and not in_place:
                 scratch_numel = max(scratch_numel, tp_size * _numel(shard_shape))
-            slots.append(_Slot(entry, offset, numel, in_place, shard_shape))
+            slots.append(_Slot(entry, offset, numel, gathered, in_place, shard_shape))
             offset += numel
         slotted.append(slots)
     mine = [slots for slots in slotted if pp_broadcast or slots[0].entry.owner == pp_rank]
@@ -541,7 +536,7 @@ def _fill_bucket_pipelined(flat: torch.Tensor, slots: list[_Slot], params: dict,
         param = params[slot.entry.megatron].detach()
         if slot.in_place:
             in_place_works.append(_all_gather_flat(flat[slot.offset:slot.offset + slot.numel], param, group))
-        elif tp_size > 1 and slot.entry.split != "replicated":
+        elif slot.gathered:
             gathered = buffers.scratch(param, scratch_numel, turns % 2)[: tp_size * _numel(slot.shard_shape)]
             turns += 1
             work = _all_gather_flat(gathered, param, group)
