@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,6 +27,7 @@ SCRIPT = os.path.join(REPO, "examples", "run_dapo_smollm2_cpu.sh")
 SMALL = [
     "trainer.total_training_steps=3",
     "trainer.save_freq=1",
+    "trainer.max_ckpt_to_keep=1",  # 2.2 GB a save; the resume test still resumes from step 1
     "trainer.test_freq=3",
     "buffer.train_batch_size=2",
     "buffer.n=4",
@@ -85,7 +87,8 @@ def reference_run(tmp_path_factory, smollm2_gguf):
     log = run_dir + ".log"
     proc = _start(run_dir, log)
     assert proc.wait(timeout=1500) == 0, _tail(log)
-    return run_dir
+    yield run_dir
+    shutil.rmtree(os.path.dirname(run_dir), ignore_errors=True)  # module-scoped: free its GBs now
 
 
 @pytest.mark.slow
