@@ -5,6 +5,7 @@ Both directions go through :mod:`.mapping`; nothing here knows a layout rule.
 
 from __future__ import annotations
 
+import math
 import re
 import time
 from collections.abc import Mapping
@@ -168,13 +169,6 @@ def load_hf_weights(
     return report
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
 @dataclass(frozen=True)
 class _Entry:
     megatron: str  # global canonical Megatron name
@@ -184,7 +178,7 @@ class _Entry:
 
     @property
     def numel(self) -> int:
-        return sum(_numel(shape) for _, shape in self.hf)
+        return sum(math.prod(shape) for _, shape in self.hf)
 
 
 def _export_plan(layout: ModelLayout, params: dict, parallel: ParallelDims) -> list[_Entry]:
@@ -213,8 +207,8 @@ def _export_plan(layout: ModelLayout, params: dict, parallel: ParallelDims) -> l
                             f"at TP={tp_size}: the model was built from a different config")
     held = [(mine, problems, sorted(dtypes))]
     if pp_size > 1:
-        held = [None] * pp_size
-        dist.all_gather_object(held, (mine, problems, sorted(dtypes)), group=parallel.pp_group)
+        local, held = held[0], [None] * pp_size
+        dist.all_gather_object(held, local, group=parallel.pp_group)
     for stage, (_, stage_problems, _) in enumerate(held):
         if stage_problems:
             more = f" (and {len(stage_problems) - 1} more)" if len(stage_problems) > 1 else ""
@@ -386,7 +380,7 @@ class _Slot:
             return [(name, region.view(-1, *shape[1:])[: shape[0]])]
         out, off = [], 0
         for name, shape in self.entry.hf:
-            n = _numel(shape)
+            n = math.prod(shape)
             out.append((name, region[off:off + n].view(shape)))
             off += n
         return out
@@ -479,9 +473,9 @@ def iter_hf_weights(
             shard_shape = megatron_shard_shape(layout, entry.megatron, tp_size)
             gathered = tp_size > 1 and entry.split != "replicated"
             in_place = gathered and gathers_in_place(entry.split)
-            numel = tp_size * _numel(shard_shape) if in_place else entry.numel
+            numel = tp_size * math.prod(shard_shape) if in_place else entry.numel
             if gathered and not in_place:
-                scratch_numel = max(scratch_numel, tp_size * _numel(shard_shape))
+                scratch_numel = max(scratch_numel, tp_size * math.prod(shard_shape))
             slots.append(_Slot(entry, offset, numel, gathered, in_place, shard_shape))
             offset += numel
         slotted.append(slots)
@@ -537,7 +531,7 @@ def _fill_bucket_pipelined(flat: torch.Tensor, slots: list[_Slot], params: dict,
         if slot.in_place:
             in_place_works.append(_all_gather_flat(flat[slot.offset:slot.offset + slot.numel], param, group))
         elif slot.gathered:
-            gathered = buffers.scratch(param, scratch_numel, turns % 2)[: tp_size * _numel(slot.shard_shape)]
+            gathered = buffers.scratch(param, scratch_numel, turns % 2)[: tp_size * math.prod(slot.shard_shape)]
             turns += 1
             work = _all_gather_flat(gathered, param, group)
             if pending is not None:

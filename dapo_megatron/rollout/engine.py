@@ -387,8 +387,9 @@ class RolloutEngine(abc.ABC):
     """Abstract rollout engine.
 
     Subclasses implement :meth:`generate`, :meth:`sleep`, :meth:`wake_up`,
-    :meth:`_param_specs` (parameter list of the receiving model) and :meth:`_load_bucket`
-    (copy a list of validated full tensors into the engine). The weight-sync protocol
+    :meth:`_param_specs` (parameter list of the receiving model) and one of
+    :meth:`_load_bucket` (copy a list of validated full tensors into the engine) or
+    :meth:`_load_stream` (consume the whole validated stream). The weight-sync protocol
     is shared:
 
     ``update_weights(named_tensors, version)`` validates every tensor (unknown name or
@@ -506,9 +507,10 @@ class RolloutEngine(abc.ABC):
     def _param_specs(self) -> tuple[dict[str, ParamSpec], dict[str, str]]:
         """``(specs, aliases)`` of the engine model, see :class:`WeightSyncTracker`."""
 
-    @abc.abstractmethod
     def _load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        """Copy validated full tensors (canonical or alias HF names) into the engine."""
+        """Copy validated full tensors (canonical or alias HF names) into the engine; called by
+        the default :meth:`_load_stream` only."""
+        raise NotImplementedError(f"{type(self).__name__} implements neither _load_bucket nor _load_stream")
 
     def _load_stream(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load a stream of validated full tensors: by default in buckets of

@@ -236,6 +236,3 @@ class EngineGroupMember(RolloutEngine):
             sync_flat_buckets(named_tensors, self.group, self._packer)
         finally:  # every bucket is acknowledged: the GPU buffer is not held through rollout and training
             self._packer.release()
-
-    def _load_bucket(self, bucket):  # pragma: no cover - _load_stream is the only entry
-        raise NotImplementedError

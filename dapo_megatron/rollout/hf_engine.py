@@ -472,6 +472,3 @@ class HFEngine(RolloutEngine):
         for name, tensor in named_tensors:
             params[name].copy_(tensor)  # casts dtype and moves device (also while asleep on CPU)
             del tensor  # before the next one is produced
-
-    def _load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        self._load_stream(bucket)

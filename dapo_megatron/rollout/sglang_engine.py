@@ -761,9 +761,6 @@ class SGLangEngine(_SGLangMemory, RolloutEngine):
                                                             flush_cache=False),
                      f"update_weights_from_tensor (flattened_bucket, {len(payloads)} TP rank(s))")
 
-    def _load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:  # pragma: no cover - _load_stream
-        raise NotImplementedError("SGLangEngine loads whole streams (_load_stream)")
-
     def _release(self, tags: list[str]) -> None:
         check_result(self.engine.release_memory_occupation(tags=tags), f"release_memory_occupation({tags})")
 
