@@ -121,6 +121,122 @@ def test_arithmetic(solution, gt, acc, pred):
     assert _grade("arithmetic", solution, gt) == {"score": 1.0 if acc else -1.0, "acc": acc, "pred": pred}
 
 
+# Issue 23, item 11: the last number is graded only when it is written as a plain
+# integer; a notation that gives it another value (5! = 120, 0x15 = 21, 2^5 = 32) or
+# makes it part of something else (a list, a ratio, an argument) is wrong, never read
+# as its digits and never replaced by an earlier number.
+@pytest.mark.parametrize(
+    "solution,pred",
+    [
+        ("5!", "5!"),  # 120
+        ("The answer is 5 !", "5 !"),
+        ("0x5", "0x5"),  # hexadecimal
+        ("\\boxed{5, 5}", "\\boxed{5, 5"),  # a pair, not the number 5
+        ("5, 5", "5, 5"),
+        ("4, 5", "4, 5"),  # a list whose last element is the answer
+        ("12,5", "12,5"),  # a decimal comma: 12.5
+        ("3:5", "3:5"),  # a ratio
+        ("2^5", "2^5"),  # 32
+        ("2^{5}", "2^{5"),
+        ("3**5", "3**5"),
+        ("1 * 5", "* 5"),  # echoing "Compute 1 * 5"
+        ("1*5", "1*5"),
+        ("3 x 5", "3 x 5"),
+        ("0 + 5", "+ 5"),  # echoing "Compute 0 + 5"
+        ("10 - 5", "- 5"),
+        ("8-5", "8-5"),
+        ("8 -5", "8 -5"),
+        ("5 \\times 1", "\\times 1"),
+        ("x5", "x5"),
+        ("5x", "5x"),
+        ("5e0", "5e0"),
+        ("5th", "5th"),
+        ("5\u00b2", "5\u00b2"),
+        (".5", ".5"),
+        ("5%", "5%"),
+        ("5\\%", "5\\%"),
+        ("5\\pi", "5\\pi"),
+        ("x > 5", "x > 5"),
+        ("x \\le 5", "\\le 5"),
+        ("\\frac{1}{5}", "\\frac{1}{5"),
+        ("\\frac{5}{2}", "\\frac{5}{2"),
+        ("\\sqrt{5}", "\\sqrt{5"),
+        ("\\sqrt[3]{5}", "\\sqrt[3]{5"),
+        ("x_{5}", "x_{5"),
+        ("\\overline{5}", "\\overline{5"),
+        ("f(5)", "f(5"),
+        ("2(5)", "2(5"),
+        ("\\{5\\}", "\\{5"),
+        ("100 5", "100 5"),  # two numbers, not a thousands grouping
+    ],
+)
+def test_arithmetic_notation_is_not_the_number(solution, pred):
+    result = _grade("arithmetic", solution, "5")
+    assert result == {"score": -1.0, "acc": False, "pred": pred}
+
+
+@pytest.mark.parametrize(
+    "solution",
+    [
+        "5", "05", "+5", "= 5", "The answer is 5.", "Answer: 5", "Answer: **5**", "**5**", "*5*", "$5$", "$$5$$",
+        "\\boxed{5}", "$\\boxed{5}$.", "\\text{5}", "\\textbf{5}", "(5)", "\\(5\\)", "\\left(5\\right)",
+        "5 apples", "5 \\text{ apples}", "5\u00a0apples", "5 (five)", "<answer>5</answer>", "2 + 3 = 5",
+        "5 + 0 = 5", "3 x 5 = 15, no: 5", "Step 2: 5", "the answer\u20145", "5\n\nDone.", "5 \\quad",
+    ],
+)
+def test_arithmetic_plain_answers_are_read(solution):
+    assert _grade("arithmetic", solution, "5") == {"score": 1.0, "acc": True, "pred": "5"}
+
+
+@pytest.mark.parametrize(
+    "solution,gold,acc,pred",
+    [
+        ("-5", "-5", True, "-5"),
+        ("The answer is -5", "-5", True, "-5"),
+        ("\u22125", "-5", True, "-5"),  # U+2212 minus
+        ("\u22125", "5", False, "-5"),  # never read as 5
+        ("\u20135", "5", False, "-5"),  # an en dash before a number is a minus
+        # thousands: commas or spaces (SI) in groups of exactly three
+        ("1000", "1000", True, "1000"),
+        ("1,000", "1000", True, "1000"),
+        ("1 000", "1000", True, "1000"),
+        ("1\u2009000", "1000", True, "1000"),  # thin space
+        ("-1 000", "-1000", True, "-1000"),
+        ("1 000 000", "1000000", True, "1000000"),
+        ("1 000", "0", False, "1000"),  # not the "000" of "1 000"
+        ("100 0", "1000", False, "100 0"),
+        ("100 0", "0", False, "100 0"),
+        ("10 00", "1000", False, "10 00"),
+        ("1 000 0", "10000", False, "000 0"),
+        ("1,0000", "10000", False, "1,0000"),
+        ("1,00,000", "100000", False, "1,00,000"),
+        ("5 6", "56", False, "5 6"),
+        ("5 6", "6", False, "5 6"),
+        ("12\n13", "13", True, "13"),  # a line break separates two answers: the last counts
+    ],
+)
+def test_arithmetic_signs_and_thousands(solution, gold, acc, pred):
+    assert _grade("arithmetic", solution, gold) == {"score": 1.0 if acc else -1.0, "acc": acc, "pred": pred}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 10**6), st.sampled_from(["!", "%", "^2", "x", "e1", "'", "\\%", "\\pi", "!!"]),
+       st.sampled_from(["", "The answer is ", "**", "$", "\\boxed{"]))
+def test_arithmetic_postfix_notation_never_pays_the_digits(answer, postfix, prefix):
+    """No postfix notation (factorial, percent, power, a unit letter) is read as the bare number."""
+    assert not _grade("arithmetic", f"{prefix}{answer}{postfix}", str(answer))["acc"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 10**9))
+def test_arithmetic_space_thousands_property(answer):
+    spaced = f"{answer:,}".replace(",", " ")
+    assert _grade("arithmetic", f"The total is {spaced}.", str(answer))["acc"]
+    for wrong in {str(answer)[:-1] + " " + str(answer)[-1:], str(answer) + " 0"} - {spaced}:
+        if wrong.strip() != str(answer):  # one-digit answers have no second group
+            assert not _grade("arithmetic", wrong, str(answer))["acc"], wrong
+
+
 @given(st.integers(-10**9, 10**9), st.integers(-10**6, 10**6))
 def test_arithmetic_property(answer, other):
     with_sep = f"{answer:,}"
