@@ -140,6 +140,56 @@ def parse_exact_number(text: str) -> Fraction | None:
     return None
 
 
+# horizontal spaces that may group thousands: space, tab, no-break, thin, narrow no-break
+HSPACE = "[ \t\u00a0\u2009\u202f]"
+_DIGIT_RUN_RE = re.compile(r"(?<![\d.,])\d+(?:%s+\d+)+" % HSPACE)
+_SPACE_THOUSANDS_RE = re.compile(r"\d{1,3}(?:%s+\d{3})+" % HSPACE)
+
+
+def join_space_thousands(text: str) -> str:
+    """``"1 000 000"`` -> ``"1000000"``: a run of digit groups separated by horizontal
+    spaces is one number when it groups thousands (SI, ISO 80000-1: a first group of
+    1-3 digits, then groups of exactly three; ``1 000.5`` too). Any other run
+    (``"100 0"``, ``"5 6"``, ``"1 0000"``) is left as it is, so that no caller reads
+    it as one number. Callers map LaTeX spacing (``\\,``, ``~``) to a space first."""
+
+    def join(m: re.Match) -> str:
+        run = m.group(0)
+        return re.sub(HSPACE, "", run) if _SPACE_THOUSANDS_RE.fullmatch(run) else run
+
+    return _DIGIT_RUN_RE.sub(join, text)
+
+
+# Unit words dropped after a numeric answer: verl's REMOVED_EXPRESSIONS units
+# (reward_score/math_dapo.py, from Minerva) and common SI / US units. Only whole words,
+# and only words that never change a value (no "percent", no "times").
+UNIT_WORDS = (
+    "square", "cubic", "sq", "ways", "integers", "dollars", "dollar", "mph", "inches", "inch", "hours", "hour", "km",
+    "units", "unit", "sue", "points", "feet", "foot", "ft", "yards", "yard", "yd", "minutes", "minute", "digits",
+    "cents", "cent", "degrees", "degree", "cm", "mm", "gm", "pounds", "meters", "meter", "metres", "metre",
+    "centimeters", "centimeter", "millimeters", "millimeter", "kilometers", "kilometer", "meals", "edges", "students",
+    "childrentickets", "multiples", "seconds", "second", "days", "day", "weeks", "week", "months", "month", "years",
+    "year", "miles", "mile", "grams", "gram", "kilograms", "kilogram", "liters", "liter", "litres", "litre", "ml",
+    "m", "s", "kg", "g",
+)
+# one or more unit words ("square meters"); a single letter ("m") only after a space, as in
+# "5\text{ m}": "\text{i}" or "\text{e}" may be a constant
+_UNIT_WORD = "(?:%s)" % "|".join(sorted(UNIT_WORDS, key=len, reverse=True))
+_MULTI_LETTER_UNIT = "(?:%s)" % "|".join(sorted((u for u in UNIT_WORDS if len(u) > 1), key=len, reverse=True))
+_TEXT_UNIT_RE = re.compile(
+    r"(?:\\[,;:! ]|~|\s)*\\(?:text|textrm|mbox|mathrm)\{(?:\s+%s|\s*%s)(?:\s+%s)*\s*\.?\s*\}"
+    r"(?:\^\{?[23]\}?)?\s*\.?\s*$" % (_UNIT_WORD, _MULTI_LETTER_UNIT, _UNIT_WORD),
+    re.IGNORECASE,
+)
+
+
+def strip_text_unit(text: str) -> str:
+    """Drop a trailing ``\\text{...}`` (``\\textrm``, ``\\mbox``, ``\\mathrm``) that holds only
+    unit words: ``"\\frac{1}{3} \\text{meters}"`` -> ``"\\frac{1}{3}"``, ``"2\\sqrt{2}\\text{ cm}^2"``
+    -> ``"2\\sqrt{2}"``. Any other text is kept (``"5 \\text{ or more}"`` is not 5)."""
+    return _TEXT_UNIT_RE.sub("", text)
+
+
 _THOUSANDS_RE = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
 
 

@@ -54,6 +54,50 @@ def test_math_dapo(solution, gt, acc, pred):
         assert result == {"score": 1.0 if acc else -1.0, "acc": acc, "pred": pred}
 
 
+# Issue 23, item 12: a unit after a closing brace is dropped (only unit words, so
+# "or more" is kept and the answer stays wrong); thousands grouped by spaces or
+# LaTeX thin spaces are read, other digit runs split by spaces are not one number.
+@pytest.mark.parametrize(
+    "solution,gt,acc,pred",
+    [
+        ("Answer: \\frac{1}{3} \\text{meters}", "1/3", True, "\\frac{1}{3}"),
+        ("Answer: 2\\sqrt{2}\\text{ cm}", "2\\sqrt{2}", True, "2\\sqrt{2}"),
+        ("Answer: 2\\sqrt{2}\\text{ cm}", "\\sqrt{8}", True, "2\\sqrt{2}"),
+        ("Answer: 2\\sqrt{2}\\text{ cm}^2", "2\\sqrt{2}", True, "2\\sqrt{2}"),
+        ("Answer: \\frac{1}{3} meters", "1/3", True, "\\frac{1}{3}"),
+        ("Answer: 5\\,\\text{square meters}.", "5", True, "5"),
+        # different numbers with the same unit stay different
+        ("Answer: \\frac{1}{3} \\text{meters}", "1/2", False, "\\frac{1}{3}"),
+        ("Answer: 3\\sqrt{2}\\text{ cm}", "2\\sqrt{2}", False, "3\\sqrt{2}"),
+        ("Answer: 3 \\text{meters}", "5", False, "3"),
+        # only unit words are dropped: a single letter after a brace may be a variable
+        ("Answer: \\frac{1}{3} m", "1/3", False, "\\frac{1}{3}m"),
+        ("Answer: 5 \\text{ or more}", "5", False, "5ormore"),
+        ("Answer: 5 or more", "5", False, "5ormore"),
+        # thousands
+        ("Answer: 1 000", "1000", True, "1000"),
+        ("Answer: 1000", "1 000", True, "1000"),
+        ("Answer: 1\\,000", "1000", True, "1000"),
+        ("Answer: 1~000", "1000", True, "1000"),
+        ("Answer: 1 000 000", "1000000", True, "1000000"),
+        ("Answer: 12 345.5", "12345.5", True, "12345.5"),
+        ("Answer: 1,000", "1 000", True, "1000"),
+        ("Answer: 1 000", "1", False, "1000"),
+        ("Answer: 1 000", "0", False, "1000"),
+        ("Answer: 100 0", "1000", False, "100 0"),  # verl removes every space: 1000
+        ("Answer: 10 00", "1000", False, "10 00"),
+        ("Answer: 5 6", "56", False, "5 6"),
+        ("Answer: 5\\,6", "56", False, "5 6"),
+        ("Answer: 1{,}2", "12", False, "1,2"),  # verl removes "{,}": 12
+        ("Answer: 9{,}500", "9500", True, "9500"),
+        ("Answer: \\frac{9{,}500}{3}", "\\frac{9500}{3}", True, "\\frac{9,500}{3}"),
+        ("Answer: x + 5", "x+5", True, "x+5"),  # spaces elsewhere are still dropped
+    ],
+)
+def test_math_dapo_units_and_thousands(solution, gt, acc, pred):
+    assert _grade("math_dapo", solution, gt) == {"score": 1.0 if acc else -1.0, "acc": acc, "pred": pred}
+
+
 # --------------------------------------------------------------------------- boxed math
 @pytest.mark.parametrize(
     "solution,gt,acc,pred",
