@@ -123,6 +123,80 @@ def test_boxed_math(solution, gt, acc, pred):
     assert result == {"score": 1.0 if acc else -1.0, "acc": acc, "pred": pred}
 
 
+# Issue 23, item 12: a relation in solved form answers an interval or set
+# (math-verify's allow_set_relation_comp, guarded); (solution box, gold, acc)
+SET_RELATION_CASES = [
+    ("-2 \\le x \\le 7", "x \\in [-2,7]", True),
+    ("-2 \\leq x \\leq 7", "x \\in [-2, 7]", True),
+    ("-2 \\le x \\le 7", "[-2,7]", True),
+    ("x > 3", "(3, \\infty)", True),
+    ("3 < x", "(3, \\infty)", True),
+    ("2 < x < 3", "(2,3)", True),
+    ("x \\ne 3", "(-\\infty,3)\\cup(3,\\infty)", True),
+    ("x \\in [-2,7]", "-2 \\le x \\le 7", True),  # the other way round (math-verify default)
+    ("[-2,7]", "x \\in [-2,7]", True),
+    # a different set
+    ("-2 < x \\le 7", "x \\in [-2,7]", False),
+    ("-2 \\le x \\le 8", "x \\in [-2,7]", False),
+    ("x \\ge 3", "(3, \\infty)", False),
+    # another variable than the gold's
+    ("-2 \\le y \\le 7", "x \\in [-2,7]", False),
+    ("-2 \\le y \\le 7", "[-2,7]", True),  # the gold names no variable
+    # not solved: as_set would solve the restated problem for the model
+    ("x^2 - 5x + 6 < 0", "(2,3)", False),
+    ("(x-2)(x-3) < 0", "(2,3)", False),
+    ("x^2 \\le 4", "[-2,2]", False),
+    ("-7 \\le 2x \\le 7", "[-3.5, 3.5]", False),
+    ("-2 \\le x \\le y", "[-2,2]", False),
+]
+
+
+@pytest.mark.parametrize("solution,gt,acc", SET_RELATION_CASES)
+def test_boxed_relation_answers_a_set(solution, gt, acc):
+    assert _grade("lighteval/MATH", f"so $\\boxed{{{solution}}}$", gt)["acc"] is acc
+
+
+# forms math-verify pays for the wrong reason (math_boxed module docstring); (box, gold, acc)
+BOXED_GUARD_CASES = [
+    ("1 000", "1000", True),
+    ("1\\,000", "1000", True),
+    ("12 345", "12345", True),
+    ("100 0", "0", False),  # math-verify: 100 * 0
+    ("100 0", "1000", False),
+    ("5 6", "11", False),  # math-verify: 5 + 6
+    ("5 6", "56", False),
+    ("5\\,6", "56", False),
+    ("1 000", "0", False),
+    ("5 \\text{ apples}", "5", True),
+    ("5 \\text{ cm}", "5", True),
+    ("5 \\text{cm}^2", "5", True),
+    ("\\frac{1}{3} \\text{meters}", "1/3", True),
+    ("2\\sqrt{2}\\text{ cm}", "2\\sqrt{2}", True),
+    ("2\\pi \\text{ cm}", "2\\pi", True),
+    ("3 \\text{meters}", "5", False),
+    ("5 \\text{ or more}", "5", False),  # math-verify drops the text: 5
+    ("5 \\text{ or 6}", "5", False),
+    ("5 \\mbox{ or 6}", "5", False),
+    ("5 \\textbf{ is wrong}", "5", False),
+    ("2 \\text{ m} \\times 3 \\text{ m}", "2", False),  # math-verify: 2
+    ("5 \\text{ or } 6", "5", False),  # a set {5, 6}
+    ("5 \\text{ or } 6", "5, 6", True),
+    ("\\text{(C)}", "\\text{(C)}", True),
+    ("5, 5", "5", False),  # math-verify: the set {5}
+    ("5 \\text{ or } 5", "5", False),
+    ("\\{5, 5\\}", "5", False),
+    ("1, 2, 2", "1, 2", False),
+    ("2, 2", "2, 2", True),  # a double root listed twice, as the gold does
+    ("5, 6", "5", False),
+    ("-2021, 2021", "\\pm 2021", True),
+]
+
+
+@pytest.mark.parametrize("solution,gt,acc", BOXED_GUARD_CASES)
+def test_boxed_guards(solution, gt, acc):
+    assert _grade("lighteval/MATH", f"so $\\boxed{{{solution}}}$", gt)["acc"] is acc
+
+
 # --------------------------------------------------------------------------- GSM8K
 GSM8K_ANSWER = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips.\n#### 72"
 
