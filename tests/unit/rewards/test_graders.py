@@ -219,6 +219,26 @@ def test_gsm8k(solution, gt, acc, pred):
     assert _grade("openai/gsm8k", solution, gt) == {"score": 1.0 if acc else -1.0, "acc": acc, "pred": pred}
 
 
+@pytest.mark.parametrize(
+    "solution,gt,acc,pred",
+    [
+        ("#### 1 000", "1000", True, "1000"),  # SI thousands
+        ("#### 1\\,000", "1000", True, "1000"),
+        ("#### 1 000 000", "1000000", True, "1000000"),
+        ("#### 1 000", "1", False, "1000"),  # verl reads 1
+        ("#### 100 0", "100", False, None),  # verl reads 100
+        ("#### 100 0", "1000", False, None),
+        ("#### 1,2", "1", False, None),  # verl reads 1
+        ("#### 3, 4", "3", False, None),
+        ("#### 72\n#### 1,2", "72", False, None),  # a malformed last answer: no earlier one stands in
+        ("#### 72\n\n#### Check\nIt adds up.", "72", True, "72"),  # a Markdown heading is not an answer
+        ("#### 72\n3 more lines", "72", True, "72"),
+    ],
+)
+def test_gsm8k_thousands_and_run_on_numbers(solution, gt, acc, pred):
+    assert _grade("openai/gsm8k", solution, gt) == {"score": 1.0 if acc else -1.0, "acc": acc, "pred": pred}
+
+
 # --------------------------------------------------------------------------- arithmetic
 @pytest.mark.parametrize(
     "solution,gt,acc,pred",
