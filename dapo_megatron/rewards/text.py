@@ -66,6 +66,13 @@ def last_boxed_content(text: str) -> str | None:
     Returns None when there is no box or the last box is unbalanced (the answer was
     cut off): never falls back to an earlier box or to other text.
     """
+    return last_box(text)[1]
+
+
+def last_box(text: str) -> tuple[int, str | None]:
+    """``(start, content)`` of the last ``\\boxed`` / ``\\fbox`` command in ``text``:
+    the index of its backslash (-1 without a box) and its content as
+    :func:`last_boxed_content` reads it (None when the box has no balanced argument)."""
     best = -1
     best_cmd = ""
     for cmd in _BOX_COMMANDS:
@@ -79,15 +86,15 @@ def last_boxed_content(text: str) -> str | None:
         if pos > best:
             best, best_cmd = pos, cmd
     if best < 0:
-        return None
+        return -1, None
     i = best + len(best_cmd)
     if i < len(text) and text[i] == "{":
         group = _balanced_group(text, i)
-        return None if group is None else group[0]
+        return best, None if group is None else group[0]
     if i < len(text) and text[i] == " ":
         m = re.match(r" +([^\s$]+)", text[i:])
-        return m.group(1) if m else None
-    return None
+        return best, m.group(1) if m else None
+    return best, None
 
 
 def strip_latex_command_groups(text: str, commands: tuple[str, ...]) -> str:

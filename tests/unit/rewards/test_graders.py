@@ -197,6 +197,75 @@ def test_boxed_guards(solution, gt, acc):
     assert _grade("lighteval/MATH", f"so $\\boxed{{{solution}}}$", gt)["acc"] is acc
 
 
+# --------------------------------------------------------------------------- math: either form
+# Issue 23, item 13: verl grades data_source "math" by its Answer: line; here "math"
+# reads a box or an Answer: line, and grades only the one that comes last
+# (rewards/math_either.py). (response, gold, acc, pred)
+MATH_EITHER_CASES = [
+    ("Reasoning.\nAnswer: 5", "5", True, "5"),  # verl's form: scored -1 before
+    ("so $\\boxed{5}$.", "5", True, "5"),
+    ("\\boxed{5}\nAnswer: 5", "5", True, "5"),
+    # both forms, different answers: the later one is the answer, the other is no second chance
+    ("\\boxed{3} hmm, no.\nAnswer: 5", "5", True, "5"),
+    ("\\boxed{3} hmm, no.\nAnswer: 5", "3", False, "5"),
+    ("Answer: 5\nwait, that is wrong: \\boxed{3}", "3", True, "3"),
+    ("Answer: 5\nwait, that is wrong: \\boxed{3}", "5", False, "3"),
+    # an Answer: inside the reasoning, before the box
+    ("The answer: 3 is wrong, so \\boxed{5}", "5", True, "5"),
+    ("The answer: 3 is wrong, so \\boxed{5}", "3", False, "5"),
+    # several boxes: the last
+    ("\\boxed{3}, then \\boxed{5}", "5", True, "5"),
+    ("\\boxed{3}, then \\boxed{5}", "3", False, "5"),
+    # a box on the Answer: line is the answer
+    ("Answer: \\boxed{5}", "5", True, "5"),
+    ("Answer: $\\boxed{9{,}500}$ dollars.", "9500", True, "9{,}500"),
+    ("Answer: 5 \\boxed{3}", "3", True, "3"),
+    ("Answer: 5 \\boxed{3}", "5", False, "3"),
+    # an incomplete final candidate is wrong; the earlier one does not stand in
+    ("Answer: 5\nso \\boxed{\\frac{1}{2", "5", False, None),
+    ("\\boxed{5}\nAnswer:", "5", False, None),
+    ("\\boxed{5}\nAnswer:\n5", "5", False, None),
+    # no candidate: no fallback to numbers in the text
+    ("5", "5", False, None),
+    ("The answer is 5.", "5", False, None),
+    # an Answer: line is compared as math_dapo does, then as the boxed grader does
+    ("Answer: $(1, 4.5)$", "(1,\\frac{9}{2})", True, "(1, 4.5)"),
+    ("Answer: x+1", "1+x", True, "x+1"),
+    ("Answer: \\frac{1}{3} \\text{meters}", "1/3", True, "\\frac{1}{3} \\text{meters}"),
+    ("Answer: $-2 \\le x \\le 7$", "x \\in [-2,7]", True, "-2 \\le x \\le 7"),
+    ("Answer: 1 000", "1000", True, "1 000"),
+    ("Answer: 9{,}500", "The total is $\\boxed{9500}$.", True, "9{,}500"),  # gold as a MATH solution
+    ("**Answer:** 42.", "42", True, "42"),
+    # ... and never pays a wrong one
+    ("Answer: 43", "42", False, "43"),
+    ("Answer: 0.333", "\\frac{1}{3}", False, "0.333"),
+    ("Answer: x^2-5x+6<0", "(2,3)", False, "x^2-5x+6<0"),
+    ("Answer: 3 or 5", "5", False, "3 or 5"),
+    ("Answer: 3, 5", "5", False, "3, 5"),
+    ("Answer: 5, 5", "5", False, "5, 5"),
+    ("Answer: 5 \\text{ or more}", "5", False, "5 \\text{ or more}"),
+    ("Answer: 100 0", "0", False, "100 0"),
+    ("Answer: 5 6", "11", False, "5 6"),
+]
+
+
+@pytest.mark.parametrize("solution,gt,acc,pred", MATH_EITHER_CASES)
+def test_math_reads_a_box_or_an_answer_line(solution, gt, acc, pred):
+    assert _grade("math", solution, gt) == {"score": 1.0 if acc else -1.0, "acc": acc, "pred": pred}
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 999), st.integers(0, 999), st.booleans(), st.sampled_from(["\\n", " hmm, ", "\\n\\nWait.\\n"]))
+def test_math_grades_only_the_last_of_two_forms(first, last, box_first, gap):
+    """Whatever two answers a response writes in the two forms, it is paid exactly
+    when the later one is right."""
+    forms = [f"\\boxed{{{first}}}", f"Answer: {last}"] if box_first else [f"Answer: {first}", f"\\boxed{{{last}}}"]
+    response = forms[0] + gap + forms[1]
+    assert _grade("math", response, str(last))["acc"]
+    if first != last:
+        assert not _grade("math", response, str(first))["acc"]
+
+
 # --------------------------------------------------------------------------- GSM8K
 GSM8K_ANSWER = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\nNatalia sold 48+24 = <<48+24=72>>72 clips.\n#### 72"
 
@@ -388,7 +457,7 @@ def test_arithmetic_property(answer, other):
 def test_unknown_data_source_names_it():
     with pytest.raises(ValueError, match="'my_dataset'"):
         resolve_grader("my_dataset")
-    for source, key in [("openai/gsm8k", "gsm8k"), ("math", "boxed_math"), ("aime24", "math_dapo"), ("arithmetic", "arithmetic")]:
+    for source, key in [("openai/gsm8k", "gsm8k"), ("math", "math"), ("lighteval/MATH", "boxed_math"), ("aime24", "math_dapo"), ("arithmetic", "arithmetic")]:
         assert resolve_grader(source) == key
 
 
