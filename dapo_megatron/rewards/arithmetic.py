@@ -3,8 +3,8 @@
 This task defines "final integer" grading: the prediction is the last number in
 the response, compared with the integer ground truth. A number is a run of
 digits with an optional sign (``-``, ``+``, a Unicode minus, hyphen or en dash) and
-thousands grouped by commas (``1,234``) or spaces (``1 234``, SI), in groups of
-exactly three.
+thousands grouped by commas (``1,234``) or spaces (``1 234``, SI; also a LaTeX
+``1\\,234``), in groups of exactly three.
 
 The last number is the prediction even when it is not a plain integer; then the
 response is wrong (it is never graded on an earlier number, which would reward
@@ -54,6 +54,9 @@ _HSPACE = "[ \t\u00a0\u2009\u202f]"
 # minus signs, hyphens and the en dash mean "-" in front of a number ("\u22127" is -7, never 7);
 # the em dash is punctuation ("the answer\u201412")
 _DASHES = dict.fromkeys(map(ord, "\u2010\u2011\u2012\u2013\u2212\ufe63\uff0d"), "-")
+
+# LaTeX spacing between two digits ("1\\,000") is a space, so only a thousands grouping joins it
+_DIGIT_SPACING_RE = re.compile(r"(?<=\d)(?:\\[,;: ]|~)(?=\d)")
 
 _NUMBER_RE = re.compile(
     # comma thousands: "1,234", not the "1,2" of "1,2345"
@@ -131,7 +134,7 @@ def extract_last_integer(text: str) -> str | None:
     """Canonical string (``"-1234"``) of the last number in ``text`` when it is a
     plain integer; the number with its notation (``"5!"``, ``"0x5"``, ``"5, 5"``)
     or the decimal (``"12.5"``) when it is not; None without numbers."""
-    text = text.translate(_DASHES)
+    text = _DIGIT_SPACING_RE.sub(" ", text.translate(_DASHES))
     last = None
     for last in _NUMBER_RE.finditer(text):  # noqa: B007 (the last match is used)
         pass

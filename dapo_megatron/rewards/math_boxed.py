@@ -34,9 +34,9 @@ Equivalence, in order:
 Before any comparison, three response forms that math-verify would pay for the
 wrong reason are refused (the gold is trusted):
 
-- digits split by spaces that do not group thousands (``100 0``, ``5 6``):
-  math-verify reads ``100 0`` as ``100 \\cdot 0`` and ``5 6`` as 11;
-  ``1 000`` and ``1\\,000`` are read as 1000 (rule 1);
+- digits split by spaces that do not group thousands (``100 0``, ``5 6``), and a
+  hexadecimal literal (``0x5``): math-verify reads ``100 0`` as ``100 \\cdot 0``,
+  ``5 6`` as 11 and ``0x5`` as 0; ``1 000`` and ``1\\,000`` are read as 1000 (rule 1);
 - a trailing ``\\text{...}`` that is more than words, or holds a word that
   changes the claim (``5 \\text{ or more}``, ``5 \\text{ or 6}``,
   ``2 \\text{ m} \\times 3 \\text{ m}``): math-verify's normaliser drops every
@@ -129,9 +129,16 @@ _DIGIT_SPACING_RE = re.compile(r"(?<=\d)(?:\s|\\[,;:! ]|~)+(?=\d)")
 _SPLIT_DIGITS_RE = re.compile(r"\d%s+\d" % HSPACE)
 
 
+# a hexadecimal literal: math-verify reads "0x5" as 0 * x * 5 = 0
+_HEX_LITERAL_RE = re.compile(r"(?<![\w.])0[xX][0-9A-Fa-f]+(?![\w.])")
+
+
 def splits_a_number(answer: str) -> bool:
     """Whether ``answer`` has digits split by spaces that do not group thousands
-    (``"100 0"``, ``"5\\,6"``; not ``"1 000"``, :func:`~dapo_megatron.rewards.text.join_space_thousands`)."""
+    (``"100 0"``, ``"5\\,6"``; not ``"1 000"``, :func:`~dapo_megatron.rewards.text.join_space_thousands`),
+    or writes a hexadecimal literal (``"0x5"``), which is no number of the other notation."""
+    if _HEX_LITERAL_RE.search(answer):
+        return True
     return bool(_SPLIT_DIGITS_RE.search(join_space_thousands(_DIGIT_SPACING_RE.sub(" ", answer))))
 
 

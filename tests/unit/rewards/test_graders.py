@@ -151,9 +151,10 @@ SET_RELATION_CASES = [
 ]
 
 
+@pytest.mark.parametrize("source", ["math", "lighteval/MATH"])
 @pytest.mark.parametrize("solution,gt,acc", SET_RELATION_CASES)
-def test_boxed_relation_answers_a_set(solution, gt, acc):
-    assert _grade("lighteval/MATH", f"so $\\boxed{{{solution}}}$", gt)["acc"] is acc
+def test_boxed_relation_answers_a_set(solution, gt, acc, source):
+    assert _grade(source, f"so $\\boxed{{{solution}}}$", gt)["acc"] is acc
 
 
 # forms math-verify pays for the wrong reason (math_boxed module docstring); (box, gold, acc)
@@ -166,6 +167,11 @@ BOXED_GUARD_CASES = [
     ("5 6", "11", False),  # math-verify: 5 + 6
     ("5 6", "56", False),
     ("5\\,6", "56", False),
+    ("0x5", "0", False),  # math-verify: 0 * x * 5
+    ("0x5", "5", False),
+    ("10x", "10x", True),
+    ("5!", "5", False),  # 120
+    ("5!", "120", True),
     ("1 000", "0", False),
     ("5 \\text{ apples}", "5", True),
     ("5 \\text{ cm}", "5", True),
@@ -451,6 +457,31 @@ def test_arithmetic_property(answer, other):
     assert result["acc"] and result["pred"] == str(answer)
     wrong = _grade("arithmetic", f"{answer} hmm, no: {answer + 1}", str(answer))
     assert not wrong["acc"] and wrong["score"] == -1.0
+
+
+# --------------------------------------------------------------------------- thousands, every grader
+_FORMS = {
+    "math": lambda a: f"so $\\boxed{{{a}}}$",
+    "math_dapo": lambda a: f"Answer: {a}",
+    "openai/gsm8k": lambda a: f"#### {a}",
+    "arithmetic": lambda a: f"The total is {a}.",
+}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1000, 10**7), st.sampled_from(sorted(_FORMS)), st.data())
+def test_digits_split_by_a_space_are_one_number_only_as_thousands(value, source, data):
+    """1 000 / 1,000 / 1\\,000 are 1000 in every grader; a space anywhere else
+    (100 0, 1 0000) makes no number, neither the joined value nor a part of it."""
+    digits = str(value)
+    write = _FORMS[source]
+    for grouped in (f"{value:,}", f"{value:,}".replace(",", " "), f"{value:,}".replace(",", "\\,")):
+        assert _grade(source, write(grouped), digits)["acc"], grouped
+    cut = data.draw(st.integers(1, len(digits) - 1))
+    if (len(digits) - cut) % 3 != 0:  # not a thousands boundary
+        split = digits[:cut] + " " + digits[cut:]
+        for gold in {digits, digits[:cut].lstrip("0") or "0", digits[cut:].lstrip("0") or "0"}:
+            assert not _grade(source, write(split), gold)["acc"], (split, gold)
 
 
 # --------------------------------------------------------------------------- dispatch / inputs
