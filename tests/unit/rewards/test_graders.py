@@ -70,8 +70,9 @@ def test_math_dapo(solution, gt, acc, pred):
         ("Answer: \\frac{1}{3} \\text{meters}", "1/2", False, "\\frac{1}{3}"),
         ("Answer: 3\\sqrt{2}\\text{ cm}", "2\\sqrt{2}", False, "3\\sqrt{2}"),
         ("Answer: 3 \\text{meters}", "5", False, "3"),
-        # only unit words are dropped: a single letter after a brace may be a variable
+        # only unit words are dropped: a bare letter after a brace may be a variable, in \\text it is a unit
         ("Answer: \\frac{1}{3} m", "1/3", False, "\\frac{1}{3}m"),
+        ("Answer: \\frac{1}{3}\\text{ m}", "1/3", True, "\\frac{1}{3}"),
         ("Answer: 5 \\text{ or more}", "5", False, "5ormore"),
         ("Answer: 5 or more", "5", False, "5ormore"),
         # thousands
