@@ -47,10 +47,10 @@ from __future__ import annotations
 
 import re
 
-from dapo_megatron.rewards.text import MAX_NUMBER_DIGITS
+from dapo_megatron.rewards.text import HSPACE, MAX_NUMBER_DIGITS, last_match
 
-# horizontal spaces that may group thousands (space, no-break, thin, narrow no-break)
-_HSPACE = "[ \t\u00a0\u2009\u202f]"
+# horizontal spaces that may group thousands (space, tab, no-break, thin, narrow no-break)
+_HSPACE = HSPACE
 # minus signs, hyphens and the en dash mean "-" in front of a number ("\u22127" is -7, never 7);
 # the em dash is punctuation ("the answer\u201412")
 _DASHES = dict.fromkeys(map(ord, "\u2010\u2011\u2012\u2013\u2212\ufe63\uff0d"), "-")
@@ -135,9 +135,7 @@ def extract_last_integer(text: str) -> str | None:
     plain integer; the number with its notation (``"5!"``, ``"0x5"``, ``"5, 5"``)
     or the decimal (``"12.5"``) when it is not; None without numbers."""
     text = _DIGIT_SPACING_RE.sub(" ", text.translate(_DASHES))
-    last = None
-    for last in _NUMBER_RE.finditer(text):  # noqa: B007 (the last match is used)
-        pass
+    last = last_match(_NUMBER_RE, text)
     if last is None:
         return None
     token = last.group(0)

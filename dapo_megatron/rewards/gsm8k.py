@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 
-from dapo_megatron.rewards.text import HSPACE, join_space_thousands, parse_exact_number
+from dapo_megatron.rewards.text import HSPACE, join_space_thousands, last_match, parse_exact_number
 
 # a comma, TeX "{,}", a space or TeX thin space only separates thousands between groups of
 # exactly three digits; the number must end there (no digit, ",digit", ", digit" or
@@ -37,9 +37,7 @@ def extract_hash_answer(text: str) -> str | None:
     """The number after the last ``####`` that a number follows (separators removed),
     or None; when that number is malformed (``#### 1,2``) an earlier ``####`` does not
     stand in for it."""
-    last = None
-    for last in _MARKER_RE.finditer(text):  # noqa: B007 (the last match is used)
-        pass
+    last = last_match(_MARKER_RE, text)
     m = _ANSWER_RE.match(text, last.start()) if last is not None else None
     return None if m is None else _SEPARATOR_RE.sub("", m.group(1))
 

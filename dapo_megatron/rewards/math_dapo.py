@@ -7,8 +7,13 @@ deliberate differences from verl:
 
 - the whole response is searched (verl keeps only the last 300 characters, which
   can cut the answer line off);
-- ``\\boxed{}`` is unwrapped brace-balanced; thousands separators ``8,000`` and
-  ``9{,}500`` are removed; ``\\text{...}`` units after a number are dropped;
+- ``\\boxed{}`` is unwrapped brace-balanced; thousands separators ``8,000``,
+  ``9{,}500``, ``1 000`` and ``1\\,000`` are removed, in groups of three only: verl
+  removes every space and every ``{,}``, so it reads ``100 0`` as 1000, ``5 6`` as 56
+  and ``1{,}2`` as 12, which here stay wrong;
+- unit words are dropped after a number (``5 cm``), and after a closing brace when
+  they are written in ``\\text{}`` or have several letters (``\\frac{1}{3} \\text{meters}``,
+  ``2\\sqrt{2}\\text{ cm}``, ``\\frac{1}{3} meters``; a bare ``m`` may be a variable);
 - two answers that are both exact numbers (``0.5``, ``1/2``, ``\\frac{1}{2}``,
   ``2^{10}``, ``10!``, ``2\\sqrt{2}``; :func:`~dapo_megatron.rewards.exact.parse_exact`)
   are compared by exact value as well as by string. A decimal never matches a

@@ -40,7 +40,7 @@ from __future__ import annotations
 import re
 
 from dapo_megatron.rewards import math_boxed, math_dapo
-from dapo_megatron.rewards.text import last_box
+from dapo_megatron.rewards.text import last_box, last_match
 
 _MATH_SPAN_RE = re.compile(r"\$+([^$]+)\$+|\\\((.+?)\\\)|\\\[(.+?)\\\]")
 
@@ -50,9 +50,7 @@ def final_answer(solution_str: str) -> tuple[str, str | None]:
     ``("boxed", content)``, ``("answer", line)`` or ``("none", None)``; the content
     is None when that final candidate is incomplete."""
     box_start, box_content = last_box(solution_str)
-    answer = None
-    for answer in math_dapo.ANSWER_PATTERN.finditer(solution_str):  # noqa: B007 (the last match is used)
-        pass
+    answer = last_match(math_dapo.ANSWER_PATTERN, solution_str)
     if box_start < 0 and answer is None:
         return "none", None
     if answer is None or box_start > answer.start():

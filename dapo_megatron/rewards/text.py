@@ -58,6 +58,14 @@ def _balanced_group(text: str, start: int) -> tuple[str, int] | None:
     return None
 
 
+def last_match(pattern: re.Pattern, text: str) -> re.Match | None:
+    """The last non-overlapping match of ``pattern`` in ``text`` (``finditer`` order), or None."""
+    last = None
+    for last in pattern.finditer(text):
+        pass
+    return last
+
+
 def last_boxed_content(text: str) -> str | None:
     """Content of the last ``\\boxed{...}`` or ``\\fbox{...}`` in ``text``.
 
