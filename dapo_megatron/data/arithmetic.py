@@ -1,7 +1,8 @@
 """The embedded default task: arithmetic problems with exact integer answers.
 
 ``data_source = "arithmetic"``; the reward grader registered for it accepts a
-response when its LAST integer equals ``reward_model.ground_truth``.
+response when its LAST number is a plain integer equal to ``reward_model.ground_truth``
+(``5!`` or ``0x5`` is not 5: :mod:`dapo_megatron.rewards.arithmetic`).
 
 Why this default: DAPO needs a task in the regime where a group of samples is often
 mixed (neither all right nor all wrong): dynamic sampling keeps only those groups, and the

@@ -5,8 +5,9 @@
 - :class:`RewardPool` grades batches in parallel, in order, with a per-item timeout.
 
 Graders by ``data_source``: DAPO math / ``aime*`` (:mod:`.math_dapo`), boxed
-MATH with math-verify (:mod:`.math_boxed`), GSM8K (:mod:`.gsm8k`) and the
-embedded arithmetic task (:mod:`.arithmetic`).
+MATH with math-verify (:mod:`.math_boxed`), ``math`` in either form, a box or an
+``Answer:`` line (:mod:`.math_either`), GSM8K (:mod:`.gsm8k`) and the embedded
+arithmetic task (:mod:`.arithmetic`).
 """
 
 from dapo_megatron.rewards.config import RewardConfig

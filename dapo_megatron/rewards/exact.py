@@ -1,7 +1,7 @@
 """Exact values of numeric answers, parsed from LaTeX without evaluating text.
 
 :func:`parse_exact` reads a numeric LaTeX answer (``033``, ``-\\frac{3}{4}``,
-``9{,}500``, ``2^{10}``, ``\\frac{1}{2004!}``, ``2\\sqrt{2}``, ``\\sqrt[3]{16}``,
+``9{,}500``, ``1 000``, ``2^{10}``, ``\\frac{1}{2004!}``, ``2\\sqrt{2}``, ``\\sqrt[3]{16}``,
 ``2.5 \\times 10^{3}``, ``x = 5``) into an :class:`ExactNumber`: a
 :class:`fractions.Fraction` when the value is rational, otherwise an exact sympy
 algebraic number (radicals of rationals). Anything else (symbols, ``\\pi``,
@@ -42,7 +42,7 @@ import re
 from dataclasses import dataclass
 from fractions import Fraction
 
-from dapo_megatron.rewards.text import MAX_NUMBER_DIGITS, strip_latex_command_groups
+from dapo_megatron.rewards.text import MAX_NUMBER_DIGITS, join_space_thousands, strip_latex_command_groups, strip_text_unit
 
 # Largest integer (numerator or denominator) the evaluator builds: 2004! has
 # 19,000 bits, 2^{2006} 2,007. Fraction arithmetic on 2^17-bit integers takes
@@ -97,12 +97,12 @@ class _Decline(Exception):
 
 _SPACING = ("\\left", "\\right", "\\bigl", "\\bigr", "\\Bigl", "\\Bigr", "\\big", "\\Big", "\\displaystyle",
             "\\!", "\\,", "\\;", "\\:", "\\ ", "~", "\\$", "$", "\\(", "\\)", "\\[", "\\]")
-_UNICODE = {"\u2212": "-", "\u00d7": "\\times ", "\u00b7": "\\cdot ", "\u22c5": "\\cdot ", "\u2009": "", "\u202f": ""}
+# thin spaces group thousands ("1\u2009000") like a space: text.join_space_thousands decides
+_UNICODE = {"\u2212": "-", "\u00d7": "\\times ", "\u00b7": "\\cdot ", "\u22c5": "\\cdot ", "\u2009": " ", "\u202f": " ",
+            "\u00a0": " "}
 _FRAC_ALIASES = re.compile(r"\\[dtc]frac(?![a-zA-Z])")
 _LATEX_THOUSANDS = re.compile(r"(?<=\d)\{,\}(?=\d{3})")
 _THOUSANDS = re.compile(r"(?<![\d.,])\d{1,3}(?:,\d{3})+(?:\.\d+)?(?![\d,])")
-# a unit word after the number ("5\text{ cm}"); never one bare letter, which may be a constant (\text{i})
-_TRAILING_UNIT = re.compile(r"\\(?:text|mbox|textrm)\{(?:\s+[A-Za-z]|\s*[A-Za-z]{2,})[A-Za-z .]*\}\s*$")
 _ASSIGNMENT = re.compile(r"^\s*([A-Za-z](?:_\{?[A-Za-z0-9]+\}?)?)\s*=(.*)$", re.S)
 _TOKEN = re.compile(r"\s*(?:(\d+(?:\.\d*)?|\.\d+)|(\\[a-zA-Z]+)|([-+*/^!(){}\[\]]))")
 
@@ -123,11 +123,13 @@ def parse_exact(text: str) -> ExactNumber | None:
         return None
     for token in _SPACING:
         s = s.replace(token, " ")
-    s = _TRAILING_UNIT.sub("", s).strip().rstrip(".").strip()
+    # unit words after the number ("5\text{ cm}", text.UNIT_WORDS); "5\text{ or more}" is not 5
+    s = strip_text_unit(s).strip().rstrip(".").strip()
     s = strip_latex_command_groups(s, ("text", "mathrm", "mbox"))  # "\text{12}" -> "12"
     s = _FRAC_ALIASES.sub("\\\\frac", s)
     s = _LATEX_THOUSANDS.sub(",", s)
     s = _THOUSANDS.sub(lambda t: t.group(0).replace(",", ""), s)
+    s = join_space_thousands(s)  # "1 000" (also "1\\,000": spacing is a space here); "100 0" stays two numbers
     if not s or sum(ch.isdigit() for ch in s) > MAX_NUMBER_DIGITS:
         return None
     try:

@@ -7,8 +7,13 @@ deliberate differences from verl:
 
 - the whole response is searched (verl keeps only the last 300 characters, which
   can cut the answer line off);
-- ``\\boxed{}`` is unwrapped brace-balanced; thousands separators ``8,000`` and
-  ``9{,}500`` are removed; ``\\text{...}`` units after a number are dropped;
+- ``\\boxed{}`` is unwrapped brace-balanced; thousands separators ``8,000``,
+  ``9{,}500``, ``1 000`` and ``1\\,000`` are removed, in groups of three only: verl
+  removes every space and every ``{,}``, so it reads ``100 0`` as 1000, ``5 6`` as 56
+  and ``1{,}2`` as 12, which here stay wrong;
+- unit words are dropped after a number (``5 cm``), and after a closing brace when
+  they are written in ``\\text{}`` or have several letters (``\\frac{1}{3} \\text{meters}``,
+  ``2\\sqrt{2}\\text{ cm}``, ``\\frac{1}{3} meters``; a bare ``m`` may be a variable);
 - two answers that are both exact numbers (``0.5``, ``1/2``, ``\\frac{1}{2}``,
   ``2^{10}``, ``10!``, ``2\\sqrt{2}``; :func:`~dapo_megatron.rewards.exact.parse_exact`)
   are compared by exact value as well as by string. A decimal never matches a
@@ -25,25 +30,31 @@ import re
 
 from dapo_megatron.rewards import exact
 from dapo_megatron.rewards.text import (
+    UNIT_WORDS,
+    join_space_thousands,
     last_boxed_content,
     parse_exact_number,
     remove_thousands_separators,
     strip_latex_command_groups,
+    strip_text_unit,
 )
 
 ANSWER_PATTERN = re.compile(r"(?i)answer\s*:[ \t*]*([^\n]*)")
 
-# verl's REMOVED_EXPRESSIONS units list (Minerva), matched as whole words after a number
-_UNIT_WORDS = (
-    "square", "ways", "integers", "dollars", "dollar", "mph", "inches", "inch", "hours", "hour", "km", "units",
-    "unit", "sue", "points", "feet", "foot", "minutes", "minute", "digits", "cents", "cent", "degrees", "degree",
-    "cm", "gm", "pounds", "meters", "meter", "meals", "edges", "students", "childrentickets", "multiples",
-    "seconds", "second", "days", "day", "years", "year", "miles", "mile", "m", "s", "kg", "g",
-)
-_TRAILING_UNIT_RE = re.compile(r"^(.*?\d)\s*(?:(?:%s)\b\.?\s*)+$" % "|".join(_UNIT_WORDS), re.IGNORECASE)
+# a unit word after a number ("5 cm"), or a unit of several letters after a closing brace
+# ("\\frac{1}{3} meters"; "\\frac{1}{3} m" keeps its "m", which may be a variable)
+_UNITS = "|".join(sorted(UNIT_WORDS, key=len, reverse=True))
+_MULTI_LETTER_UNITS = "|".join(sorted((u for u in UNIT_WORDS if len(u) > 1), key=len, reverse=True))
+_TRAILING_UNIT_RE = re.compile(r"^(.*?\d)\s*(?:(?:%s)\b(?:\^\{?[23]\}?)?\.?\s*)+$" % _UNITS, re.IGNORECASE)
+_BRACE_UNIT_RE = re.compile(r"^(.*\})\s+(?:(?:%s)\b(?:\^\{?[23]\}?)?\.?\s*)+$" % _MULTI_LETTER_UNITS, re.IGNORECASE)
+# LaTeX spacing between two digits ("1\\,000", "5\\,6") becomes a space, which only a
+# thousands grouping removes (text.join_space_thousands)
+_DIGIT_SPACING_RE = re.compile(r"(?<=\d)(?:\\[,;:! ]|~)+(?=\d)")
+# whitespace is dropped except between two digits: "5 6" is not 56, "100 0" is not 1000
+_SPACE_NOT_BETWEEN_DIGITS_RE = re.compile(r"(?<!\d)\s+|\s+(?!\d)")
 
 _REMOVED = (
-    "\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "~", "{,}", "^{\\circ}", "^\\circ", "\\circ",
+    "\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "\\ ", "~", "^{\\circ}", "^\\circ", "\\circ",
     "\\%", "%", "\\$", "\\displaystyle", "\\ldots", "\\dots",
 )
 
@@ -74,7 +85,11 @@ def normalize_final_answer(answer: str) -> str:
         s = boxed
     s = s.strip().strip("*").strip()
     s = s.rstrip(".").strip()
+    s = strip_text_unit(s)  # "\\frac{1}{3} \\text{meters}", "2\\sqrt{2}\\text{ cm}"
     s = strip_latex_command_groups(s, ("text", "textbf", "textrm", "mathrm", "mbox", "mathbf", "overline"))
+    s = _DIGIT_SPACING_RE.sub(" ", s)
+    s = join_space_thousands(s)
+    s = s.replace("{,}", ",")  # "9{,}500" -> "9,500" (read below), "1{,}2" -> "1,2" (not 12)
     for expr in _REMOVED:
         s = s.replace(expr, "")
     s = s.replace("$", "")
@@ -85,10 +100,10 @@ def normalize_final_answer(answer: str) -> str:
     s = re.sub(r"\\frac\s*(\d)\s*\{", r"\\frac{\1}{", s)
     s = re.sub(r"\\sqrt\s*(\d)", r"\\sqrt{\1}", s)
     s = s.strip().rstrip(".").strip()
-    unit = _TRAILING_UNIT_RE.match(s)
+    unit = _TRAILING_UNIT_RE.match(s) or _BRACE_UNIT_RE.match(s)
     if unit:
         s = unit.group(1)
-    s = re.sub(r"\s+", "", s)
+    s = _SPACE_NOT_BETWEEN_DIGITS_RE.sub("", s)
     while len(s) >= 2 and s[0] == "{" and s[-1] == "}" and _outer_braces_wrap(s):
         s = s[1:-1]
     s = remove_thousands_separators(s)

@@ -382,7 +382,8 @@ def compute_score(data_source: str, solution_str: str, ground_truth: str, extra_
 
     Args:
         data_source: ``"math_dapo"`` / ``"aime*"`` (last ``Answer:`` line),
-            ``"math"``, ``"lighteval/MATH"``, ... (last ``\\boxed{}``, math-verify),
+            ``"lighteval/MATH"``, ``"HuggingFaceH4/MATH-500"``, ... (last ``\\boxed{}``,
+            math-verify), ``"math"`` (the later of the last box and the last ``Answer:`` line),
             ``"openai/gsm8k"`` (number after the last ``####``), ``"arithmetic"``
             (last integer). See :data:`dapo_megatron.rewards.registry.DATA_SOURCES`.
         solution_str: the decoded response (str, or bytes: invalid UTF-8 is replaced).

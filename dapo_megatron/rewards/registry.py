@@ -10,12 +10,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from dapo_megatron.rewards import arithmetic, gsm8k, math_boxed, math_dapo
+from dapo_megatron.rewards import arithmetic, gsm8k, math_boxed, math_dapo, math_either
 from dapo_megatron.rewards.text import sanitize_text
 
 GRADERS: dict[str, Callable[[str, str], dict]] = {
     "math_dapo": math_dapo.grade,
     "boxed_math": math_boxed.grade,
+    "math": math_either.grade,
     "gsm8k": gsm8k.grade,
     "arithmetic": arithmetic.grade,
 }
@@ -24,7 +25,8 @@ GRADERS: dict[str, Callable[[str, str], dict]] = {
 DATA_SOURCES: dict[str, str] = {
     "math_dapo": "math_dapo",
     "math_dapo_reasoning": "math_dapo",
-    "math": "boxed_math",
+    # verl grades "math" with its Answer:-line grader, MATH data boxes the answer: both forms
+    "math": "math",
     "lighteval/MATH": "boxed_math",
     "DigitalLearningGmbH/MATH-lighteval": "boxed_math",
     "HuggingFaceH4/MATH-500": "boxed_math",
@@ -80,6 +82,7 @@ def warmup() -> None:
     math_boxed.warmup()
     for key, (sol, gt) in {
         "math_dapo": ("Answer: 1", "1"),
+        "math": ("Answer: 1", "1"),
         "gsm8k": ("#### 1", "1"),
         "arithmetic": ("1", "1"),
     }.items():

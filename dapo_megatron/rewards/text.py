@@ -58,6 +58,14 @@ def _balanced_group(text: str, start: int) -> tuple[str, int] | None:
     return None
 
 
+def last_match(pattern: re.Pattern, text: str) -> re.Match | None:
+    """The last non-overlapping match of ``pattern`` in ``text`` (``finditer`` order), or None."""
+    last = None
+    for last in pattern.finditer(text):
+        pass
+    return last
+
+
 def last_boxed_content(text: str) -> str | None:
     """Content of the last ``\\boxed{...}`` or ``\\fbox{...}`` in ``text``.
 
@@ -66,6 +74,13 @@ def last_boxed_content(text: str) -> str | None:
     Returns None when there is no box or the last box is unbalanced (the answer was
     cut off): never falls back to an earlier box or to other text.
     """
+    return last_box(text)[1]
+
+
+def last_box(text: str) -> tuple[int, str | None]:
+    """``(start, content)`` of the last ``\\boxed`` / ``\\fbox`` command in ``text``:
+    the index of its backslash (-1 without a box) and its content as
+    :func:`last_boxed_content` reads it (None when the box has no balanced argument)."""
     best = -1
     best_cmd = ""
     for cmd in _BOX_COMMANDS:
@@ -79,15 +94,15 @@ def last_boxed_content(text: str) -> str | None:
         if pos > best:
             best, best_cmd = pos, cmd
     if best < 0:
-        return None
+        return -1, None
     i = best + len(best_cmd)
     if i < len(text) and text[i] == "{":
         group = _balanced_group(text, i)
-        return None if group is None else group[0]
+        return best, None if group is None else group[0]
     if i < len(text) and text[i] == " ":
         m = re.match(r" +([^\s$]+)", text[i:])
-        return m.group(1) if m else None
-    return None
+        return best, m.group(1) if m else None
+    return best, None
 
 
 def strip_latex_command_groups(text: str, commands: tuple[str, ...]) -> str:
@@ -138,6 +153,56 @@ def parse_exact_number(text: str) -> Fraction | None:
     except (ValueError, ZeroDivisionError):
         return None
     return None
+
+
+# horizontal spaces that may group thousands: space, tab, no-break, thin, narrow no-break
+HSPACE = "[ \t\u00a0\u2009\u202f]"
+_DIGIT_RUN_RE = re.compile(r"(?<![\d.,])\d+(?:%s+\d+)+" % HSPACE)
+_SPACE_THOUSANDS_RE = re.compile(r"\d{1,3}(?:%s+\d{3})+" % HSPACE)
+
+
+def join_space_thousands(text: str) -> str:
+    """``"1 000 000"`` -> ``"1000000"``: a run of digit groups separated by horizontal
+    spaces is one number when it groups thousands (SI, ISO 80000-1: a first group of
+    1-3 digits, then groups of exactly three; ``1 000.5`` too). Any other run
+    (``"100 0"``, ``"5 6"``, ``"1 0000"``) is left as it is, so that no caller reads
+    it as one number. Callers map LaTeX spacing (``\\,``, ``~``) to a space first."""
+
+    def join(m: re.Match) -> str:
+        run = m.group(0)
+        return re.sub(HSPACE, "", run) if _SPACE_THOUSANDS_RE.fullmatch(run) else run
+
+    return _DIGIT_RUN_RE.sub(join, text)
+
+
+# Unit words dropped after a numeric answer: verl's REMOVED_EXPRESSIONS units
+# (reward_score/math_dapo.py, from Minerva) and common SI / US units. Only whole words,
+# and only words that never change a value (no "percent", no "times").
+UNIT_WORDS = (
+    "square", "cubic", "sq", "ways", "integers", "dollars", "dollar", "mph", "inches", "inch", "hours", "hour", "km",
+    "units", "unit", "sue", "points", "feet", "foot", "ft", "yards", "yard", "yd", "minutes", "minute", "digits",
+    "cents", "cent", "degrees", "degree", "cm", "mm", "gm", "pounds", "meters", "meter", "metres", "metre",
+    "centimeters", "centimeter", "millimeters", "millimeter", "kilometers", "kilometer", "meals", "edges", "students",
+    "childrentickets", "multiples", "seconds", "second", "days", "day", "weeks", "week", "months", "month", "years",
+    "year", "miles", "mile", "grams", "gram", "kilograms", "kilogram", "liters", "liter", "litres", "litre", "ml",
+    "m", "s", "kg", "g",
+)
+# one or more unit words ("square meters"); a single letter ("m") only after a space, as in
+# "5\text{ m}": "\text{i}" or "\text{e}" may be a constant
+_UNIT_WORD = "(?:%s)" % "|".join(sorted(UNIT_WORDS, key=len, reverse=True))
+_MULTI_LETTER_UNIT = "(?:%s)" % "|".join(sorted((u for u in UNIT_WORDS if len(u) > 1), key=len, reverse=True))
+_TEXT_UNIT_RE = re.compile(
+    r"(?:\\[,;:! ]|~|\s)*\\(?:text|textrm|mbox|mathrm)\{(?:\s+%s|\s*%s)(?:\s+%s)*\s*\.?\s*\}"
+    r"(?:\^\{?[23]\}?)?\s*\.?\s*$" % (_UNIT_WORD, _MULTI_LETTER_UNIT, _UNIT_WORD),
+    re.IGNORECASE,
+)
+
+
+def strip_text_unit(text: str) -> str:
+    """Drop a trailing ``\\text{...}`` (``\\textrm``, ``\\mbox``, ``\\mathrm``) that holds only
+    unit words: ``"\\frac{1}{3} \\text{meters}"`` -> ``"\\frac{1}{3}"``, ``"2\\sqrt{2}\\text{ cm}^2"``
+    -> ``"2\\sqrt{2}"``. Any other text is kept (``"5 \\text{ or more}"`` is not 5)."""
+    return _TEXT_UNIT_RE.sub("", text)
 
 
 _THOUSANDS_RE = re.compile(r"[+-]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")

@@ -32,6 +32,10 @@ from dapo_megatron.rewards.exact import (
         ("\\left(\\frac{1}{2}\\right)", Fraction(1, 2)),
         ("9{,}500", Fraction(9500)),
         ("8,000", Fraction(8000)),
+        ("1 000", Fraction(1000)),  # SI thousands (issue 23.12)
+        ("1\\,000", Fraction(1000)),
+        ("1\u2009000 000", Fraction(1000000)),
+        ("-12 345.5", Fraction(-123455, 10)),
         ("1,000.25", Fraction(400100, 400)),
         ("2^{10}", Fraction(1024)),
         ("2^{-99}", Fraction(1, 2**99)),
@@ -47,6 +51,8 @@ from dapo_megatron.rewards.exact import (
         ("x = 5", Fraction(5)),
         ("x_{1} = 2 + 3 = 5", Fraction(5)),
         ("5\\text{ cm}", Fraction(5)),
+        ("\\frac{1}{3}\\text{ meters}", Fraction(1, 3)),
+        ("5 \\text{square meters}", Fraction(5)),
         ("\\$18", Fraction(18)),
         ("42.", Fraction(42)),
         ("\u22123", Fraction(-3)),  # unicode minus
@@ -71,12 +77,14 @@ def test_radicals_are_exact_algebraic_numbers():
     "text",
     [
         "", "+", "foo", "33a", "--33", "1,2", "(1,4.5)", "\\{1,2\\}", "[0,1)",
+        "5 \\text{ or more}", "5\\text{ or 6}", "5\\text{ apples or 6}",  # only unit words are dropped
         "\\pi", "e^{16}", "2\\mathrm{e}", "\\text{i}", "28\\%", "30^\\circ", "\\infty", "\\pm 2021",
         "2^10",  # TeX reads 2^1 0
         "\\frac123",  # \frac{1}{2}3
         "2\\frac{1}{2}",  # a mixed number or 2 * 1/2
         "1/2\\sqrt{3}",  # 1/(2 sqrt 3) or sqrt(3)/2
-        "1 000", "4\\sqrt(2)", "3!!", "(-8)^{1/3}", "\\sqrt{-4}", "0^{-1}", "\\frac{1}{0}", "2^{\\sqrt{2}}",
+        "100 0", "5 6", "1 0000", "10 00",  # digits split by spaces that do not group thousands
+        "4\\sqrt(2)", "3!!", "(-8)^{1/3}", "\\sqrt{-4}", "0^{-1}", "\\frac{1}{0}", "2^{\\sqrt{2}}",
         "x = 5 = y", "2 + 3 = 5", "\\boxed{5}", "a+b",
         "{" * 200 + "1" + "}" * 200,  # nesting beyond MAX_DEPTH
         "9" * 2000,  # more digits than MAX_NUMBER_DIGITS
