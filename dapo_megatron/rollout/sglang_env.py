@@ -2,7 +2,7 @@
 ``sglang.Engine`` changes in ours, and the one ``NCCL_CUMEM_ENABLE`` of server mode.
 
 Files are those of ``python/sglang/srt/`` in sglang 0.5.11 (the image's pin); docs/design.md
-§6.4 lists the same for users.
+§6 lists the same for users.
 
 Children inherit our environment. ``sglang.Engine`` starts its scheduler processes with
 ``multiprocessing`` spawn (``entrypoints/engine.py`` ``_launch_scheduler_processes``), and a
@@ -145,11 +145,48 @@ def align_nccl_with_sglang_server(environ: Optional[dict] = None) -> str:
     return SGLANG_NCCL_CUMEM_ENABLE
 
 
-def child_pids() -> set[int]:
-    """PIDs of this process's direct children (``psutil``, an SGLang dependency)."""
-    import psutil
+def _proc_children(pid: int) -> list[int]:
+    """Direct children of ``pid`` from Linux's ``/proc/<pid>/task/<tid>/children`` (where psutil,
+    an SGLang dependency, is missing: the fake SGLang on a bare machine)."""
+    out = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
+    except OSError:  # gone
+        pass
+    return out
 
-    return {p.pid for p in psutil.Process().children(recursive=False)}
+
+def child_pids(pid: Optional[int] = None, recursive: bool = False) -> set[int]:
+    """PIDs of the children of ``pid`` (this process), with their descendants when ``recursive``."""
+    try:
+        import psutil
+    except ImportError:
+        psutil = None
+    pid = os.getpid() if pid is None else pid
+    if psutil is not None:
+        try:
+            return {p.pid for p in psutil.Process(pid).children(recursive=recursive)}
+        except psutil.NoSuchProcess:
+            return set()
+    found, todo = set(), _proc_children(pid)
+    while todo:
+        c = todo.pop()
+        if c not in found:
+            found.add(c)
+            if recursive:
+                todo += _proc_children(c)
+    return found
+
+
+def pid_alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def engine_child_pids(engine: Any, before: set[int]) -> list[int]:
@@ -175,27 +212,28 @@ def detach_engine_atexit(engine: Any) -> None:
 def shutdown_engine(engine: Any, pids: list[int], timeout_s: float = 60.0) -> None:
     """``Engine.shutdown`` restricted to the engine's own processes: stop its subprocess watchdog
     (which would SIGQUIT this process when it sees a scheduler die), then SIGKILL each of ``pids``
-    with its descendants and wait for them (as ``Engine.shutdown``'s ``kill_process_tree(...,
-    wait_timeout=60)``, so the GPU memory is free when this returns). Other children (reward
-    graders, checkpoint writers) are untouched."""
-    import psutil
+    with its descendants and wait until they are gone (as ``Engine.shutdown``'s
+    ``kill_process_tree(..., wait_timeout=60)``, so the GPU memory is free when this returns).
+    Other children (reward graders, checkpoint writers) are untouched. Linux (``/proc``)."""
+    import signal
+    import time
 
     watchdog = getattr(getattr(engine, "tokenizer_manager", None), "_subprocess_watchdog", None)
     if watchdog is not None:
         watchdog.stop()
-    procs = []
+    victims = []
     for pid in pids:
+        if pid_alive(pid):
+            victims += sorted(child_pids(pid, recursive=True)) + [pid]
+    for pid in victims:
         try:
-            root = psutil.Process(pid)
-            procs += root.children(recursive=True) + [root]
-        except psutil.NoSuchProcess:
-            continue
-    for p in procs:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
             pass
-    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    alive = [p for p in victims if pid_alive(p)]  # a killed child of ours is a zombie until multiprocessing reaps it
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+        alive = [p for p in alive if pid_alive(p)]
     if alive:
-        logger.warning("SGLang engine processes %s did not exit within %.0f s of SIGKILL",
-                       [p.pid for p in alive], timeout_s)
+        logger.warning("SGLang engine processes %s did not exit within %.0f s of SIGKILL", alive, timeout_s)

@@ -12,9 +12,10 @@ Without ``--real-sglang`` the fake SGLang of this directory is imported (it goes
 2. a reward grader pool (``tools/eval.py`` builds it before the engine);
 3. the engine, with ``engine_kwargs={"dist_timeout": S}`` so a scheduler whose
    ``init_process_group`` cannot meet fails after S seconds instead of 30 minutes;
-4. with ``--sync`` (fake or real): a weight sync of a few random tensors in buckets of 1 MiB,
-   each bucket read back from the engine (``get_weights_by_name``) right after it is loaded
-   and again after the last one (a reused payload buffer shows as a changed early bucket);
+4. with ``--sync`` (fake or real): a weight sync in buckets of 1 MiB through the engine's own
+   loop (``sync_flat_buckets``), every tensor loaded so far read back from the engine
+   (``get_weights_by_name``) after each bucket and again after the last one (a reused payload
+   buffer shows as a changed earlier bucket);
 5. ``SGLangEngine.shutdown()``, then whether the engine's processes and the grader pool's
    workers are alive, one grading call, and a barrier on the default group.
 
@@ -36,40 +37,71 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _alive(pid: int) -> bool:
-    import psutil
+    from dapo_megatron.rollout.sglang_env import pid_alive
 
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
+    return pid_alive(pid)
 
 
-def _sync_with_readback(engine, report) -> None:
+def _sync_stream(model_dir):
+    """``(name, tensor)`` pairs of a fresh random model of ``model_dir``'s config (bf16, what the
+    bridge sends; the names and shapes the engine serves), or, without a config, six 384 KiB
+    tensors (the fake serves any names)."""
     import torch
 
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        g = torch.Generator().manual_seed(0)
+        return [(f"model.layers.{i}.mlp.up_proj.weight", torch.randn(256, 384, generator=g)) for i in range(6)]
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(model_dir)
+    torch.manual_seed(7)
+    model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    tied = getattr(cfg, "tie_word_embeddings", False)
+    return [(n, t.detach()) for n, t in model.state_dict().items() if not (tied and n == "lm_head.weight")]
+
+
+def _sync_with_readback(engine, model_dir, report) -> None:
+    """The engine's own sync loop (``sync_flat_buckets``, 1 MiB buckets on this rank's device);
+    after each bucket every tensor loaded so far is read back (``get_weights_by_name``, first 64
+    values) and compared with what was sent: a payload buffer refilled while the engine still
+    reads it shows as a changed earlier bucket."""
+    import torch
+
+    from dapo_megatron.rollout.engine_group import sync_flat_buckets
     from dapo_megatron.rollout.flat_bucket import FlatBucketPacker
 
     device = torch.device("cuda", engine.base_gpu_id) if torch.cuda.is_available() else torch.device("cpu")
-    g = torch.Generator().manual_seed(0)
-    named = [(f"model.layers.{i}.mlp.up_proj.weight", torch.randn(256, 384, generator=g)) for i in range(6)]
-    packer = FlatBucketPacker(2**20, device)  # 384 KiB tensors: two per bucket, three buckets
-    loaded, rows = [], []
-    for bucket in packer.buckets((n, t.to(device)) for n, t in named):
-        engine._update_from_payloads([_serialize(bucket)])
-        names = bucket.names
-        now = [engine.engine.get_weights_by_name(n, truncate_size=64) for n in names]
-        loaded.append(names)
-        rows.append(all(v == dict(named)[n].flatten()[:64].tolist() for n, v in zip(names, now)))
-    end = [all(engine.engine.get_weights_by_name(n, truncate_size=64) == dict(named)[n].flatten()[:64].tolist()
-               for n in names) for names in loaded]
-    packer.release()
-    report["readback"] = {"buckets": len(loaded), "after_each": rows, "at_end": end}
+    named = _sync_stream(model_dir)
+    # sglang 0.5.11 models/llama.py get_weights_by_name: param.tolist()[:truncate_size], the first rows
+    want = {n: t[:64].flatten().float().tolist() for n, t in named}
+    sent, rows = [], []
+
+    def stream():
+        for n, t in named:
+            sent.append(n)
+            yield n, t.to(device)
+
+    def apply(payloads):
+        engine._update_from_payloads(payloads)
+        loaded = {n: engine.engine.get_weights_by_name(n, truncate_size=64) for n in sent}
+        loaded = {n: v for n, v in loaded.items() if v is not None}
+        rows.append((len(loaded), sorted(n for n, v in loaded.items() if not _close(v, want[n]))))
+
+    buckets = sync_flat_buckets(stream(), engine.group, FlatBucketPacker(2**20, device), apply=apply)
+    end = [n for n in want if not _close(engine.engine.get_weights_by_name(n, truncate_size=64), want[n])]
+    report["readback"] = {"buckets": buckets, "tensors": len(named), "loaded_after_each": [r[0] for r in rows],
+                          "wrong_after_each": [r[1] for r in rows], "wrong_at_end": end}
 
 
-def _serialize(bucket):
-    from dapo_megatron.rollout.flat_bucket import serialize_for_engine, sglang_bucket_dict
+def _flat(x):
+    return [v for row in x for v in _flat(row)] if isinstance(x, list) else [x]
 
-    return serialize_for_engine(sglang_bucket_dict(bucket))
+
+def _close(got, want) -> bool:
+    """Equal up to the engine's dtype (a bf16 model stores what was sent exactly)."""
+    got = None if got is None else _flat(got)
+    return got is not None and len(got) == len(want) and all(abs(a - b) <= 1e-6 * max(1.0, abs(b))
+                                                           for a, b in zip(got, want))
 
 
 def main() -> int:
@@ -111,7 +143,7 @@ def main() -> int:
         report["scheduler_env"] = getattr(engine.engine, "scheduler_env", None)
         report["init_seconds"] = getattr(engine.engine, "init_seconds", None)
         if args.sync:
-            _sync_with_readback(engine, report)
+            _sync_with_readback(engine, args.model_dir, report)
         pids = list(engine.engine.get_all_child_pids())
         engine.shutdown()
         report["engine_alive"] = [_alive(p) for p in pids]

@@ -48,7 +48,8 @@ def test_colocated_engine_starts_under_torchrun_and_shutdown_spares_the_graders(
         # what SGLang sets for its children (sglang 0.5.11 _set_envs_and_config) reaches them
         assert r["scheduler_env"][0]["NCCL_CUMEM_ENABLE"] == "0" and r["scheduler_env"][0]["RANK"] == str(rank)
         # the weight sync reaches the scheduler process: every bucket reads back right after it loads
-        assert r["readback"] == {"buckets": 3, "after_each": [True] * 3, "at_end": [True] * 3}, r["readback"]
+        assert r["readback"] == {"buckets": 3, "tensors": 6, "loaded_after_each": [2, 4, 6],
+                                 "wrong_after_each": [[], [], []], "wrong_at_end": []}, r["readback"]
         # item 7: SGLangEngine.shutdown stops the engine's processes only; the graders live on
         assert r["engine_alive"] == [False, False]  # scheduler, detokenizer
         assert r["graders_alive"] == [True] and r["grader_pids_same"] and r["grade_acc"] is True, r

@@ -25,36 +25,39 @@ def _free_port() -> int:
 
 def kill_process_tree(parent_pid, include_parent: bool = True, skip_pid: Optional[int] = None,
                       wait_timeout: Optional[float] = None):
-    """sglang 0.5.11 ``srt/utils/common.py`` ``kill_process_tree`` (psutil, SIGKILL)."""
+    """sglang 0.5.11 ``srt/utils/common.py`` ``kill_process_tree``: SIGKILL every descendant of
+    ``parent_pid`` (and itself with ``include_parent``), then wait up to ``wait_timeout`` (the
+    real one uses psutil; the process tree is read from /proc here, psutil may be missing)."""
     import sys
 
-    import psutil
+    from dapo_megatron.rollout.sglang_env import child_pids, pid_alive
 
     if parent_pid is None:
         parent_pid, include_parent = os.getpid(), False
-    try:
-        itself = psutil.Process(parent_pid)
-    except psutil.NoSuchProcess:
+    if not pid_alive(parent_pid):
         return
     killed = []
-    for child in itself.children(recursive=True):
-        if child.pid == skip_pid:
+    for pid in sorted(child_pids(parent_pid, recursive=True)):
+        if pid == skip_pid:
             continue
         try:
-            child.kill()
-            killed.append(child)
-        except psutil.NoSuchProcess:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+        except ProcessLookupError:
             pass
     if include_parent:
         if parent_pid == os.getpid():
-            itself.kill()
+            os.kill(parent_pid, signal.SIGKILL)
             sys.exit(0)
-        itself.kill()
-        killed.append(itself)
+        os.kill(parent_pid, signal.SIGKILL)
+        killed.append(parent_pid)
     if wait_timeout is not None:
-        _, alive = psutil.wait_procs(killed, timeout=wait_timeout)
+        deadline = time.monotonic() + wait_timeout
+        while any(pid_alive(p) for p in killed) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        alive = [p for p in killed if pid_alive(p)]
         if alive:
-            raise RuntimeError(f"processes {[p.pid for p in alive]} did not exit within {wait_timeout} s")
+            raise RuntimeError(f"processes {alive} did not exit within {wait_timeout} s")
 
 
 def _server_args(kwargs: dict) -> dict:

@@ -55,7 +55,8 @@ def run_scheduler_process(server_args: dict, port_args: dict, gpu_id: int, tp_ra
             elif kind == "get_weights_by_name":
                 name, truncate = arg
                 t = weights.get(name)
-                commands.send(None if t is None else t.flatten()[:truncate].float().tolist())
+                # models/llama.py get_weights_by_name: param.float().tolist()[:truncate_size] (rows)
+                commands.send(None if t is None else t.float().tolist()[:truncate])
             else:
                 commands.send((False, f"unknown request {kind!r}"))
         except Exception as err:  # answered, as the scheduler returns a failed output
