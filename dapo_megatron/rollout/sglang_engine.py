@@ -13,6 +13,11 @@ from 0.5.5 on (setup.py's lower bound; ``cuda_graph`` became a memory tag in 0.5
 in 0.5.3), read in the sources of each release's wheel. Files are those of
 ``python/sglang/srt/`` in sglang 0.5.11:
 
+* Processes (``rollout/sglang_env.py``, docs/design.md §6): ``Engine(...)`` spawns its scheduler
+  and detokenizer processes, which inherit our environment (built without torchrun's
+  ``TORCHELASTIC_USE_AGENT_STORE``, with ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1``), changes this
+  process (``_set_envs_and_config``) and registers a kill-every-child atexit, which
+  :class:`SGLangEngine` replaces by a shutdown of the engine's own processes.
 * ``Engine(**kwargs)`` builds ``server_args.ServerArgs(**kwargs)``
   (``entrypoints/engine.py``): the colocated engine passes ``model_path, dtype, tp_size,
   mem_fraction_static, enable_memory_saver, base_gpu_id`` (the GPU of this rank: every
