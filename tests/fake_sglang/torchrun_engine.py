@@ -12,7 +12,7 @@ Without ``--real-sglang`` the fake SGLang of this directory is imported (it goes
 2. a reward grader pool (``tools/eval.py`` builds it before the engine);
 3. the engine, with ``engine_kwargs={"dist_timeout": S}`` so a scheduler whose
    ``init_process_group`` cannot meet fails after S seconds instead of 30 minutes;
-4. with ``--sync`` (fake or real): a weight sync in buckets of 1 MiB through the engine's own
+4. with ``--sync`` (fake or real): a weight sync in buckets of 64 KiB through the engine's own
    loop (``sync_flat_buckets``), every tensor loaded so far read back from the engine
    (``get_weights_by_name``) after each bucket and again after the last one (a reused payload
    buffer shows as a changed earlier bucket);
@@ -34,6 +34,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+BUCKET_BYTES = 2**16
 
 
 def _alive(pid: int) -> bool:
@@ -44,13 +45,13 @@ def _alive(pid: int) -> bool:
 
 def _sync_stream(model_dir):
     """``(name, tensor)`` pairs of a fresh random model of ``model_dir``'s config (bf16, what the
-    bridge sends; the names and shapes the engine serves), or, without a config, six 384 KiB
-    tensors (the fake serves any names)."""
+    bridge sends; the names and shapes the engine serves), or, without a config, six 24 KiB
+    tensors (two per bucket; the fake serves any names)."""
     import torch
 
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         g = torch.Generator().manual_seed(0)
-        return [(f"model.layers.{i}.mlp.up_proj.weight", torch.randn(256, 384, generator=g)) for i in range(6)]
+        return [(f"model.layers.{i}.mlp.up_proj.weight", torch.randn(64, 96, generator=g)) for i in range(6)]
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.from_pretrained(model_dir)
@@ -61,7 +62,8 @@ def _sync_stream(model_dir):
 
 
 def _sync_with_readback(engine, model_dir, report) -> None:
-    """The engine's own sync loop (``sync_flat_buckets``, 1 MiB buckets on this rank's device);
+    """The engine's own sync loop (``sync_flat_buckets``, 64 KiB buckets on this rank's device: a
+    tiny model makes several, packed ones and tensors larger than a bucket);
     after each bucket every tensor loaded so far is read back (``get_weights_by_name``, first 64
     values) and compared with what was sent: a payload buffer refilled while the engine still
     reads it shows as a changed earlier bucket."""
@@ -87,7 +89,7 @@ def _sync_with_readback(engine, model_dir, report) -> None:
         loaded = {n: v for n, v in loaded.items() if v is not None}
         rows.append((len(loaded), sorted(n for n, v in loaded.items() if not _close(v, want[n]))))
 
-    buckets = sync_flat_buckets(stream(), engine.group, FlatBucketPacker(2**20, device), apply=apply)
+    buckets = sync_flat_buckets(stream(), engine.group, FlatBucketPacker(BUCKET_BYTES, device), apply=apply)
     end = [n for n in want if not _close(engine.engine.get_weights_by_name(n, truncate_size=64), want[n])]
     report["readback"] = {"buckets": buckets, "tensors": len(named), "loaded_after_each": [r[0] for r in rows],
                           "wrong_after_each": [r[1] for r in rows], "wrong_at_end": end}

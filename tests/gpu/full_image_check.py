@@ -15,7 +15,7 @@ under torchrun) and prints one line per check.
   sequence parallelism, tensorwise and blockwise recipes (issue 18 item 2).
 * ``sglang-torchrun DIR`` (runs torchrun itself): ``tests/fake_sglang/torchrun_engine.py
   --real-sglang --sync`` on 2 ranks: each rank's colocated engine starts within a minute
-  under torchrun (issue 18 item 1) and a weight sync in 1 MiB buckets reads every bucket
+  under torchrun (issue 18 item 1) and a weight sync in 64 KiB buckets reads every bucket
   back from the engine right after it loads and once more at the end (item 3).
 * ``make-model DIR``: a tiny Llama with a tokenizer built here (byte-level BPE with a
   ChatML template, no download) for the DAPO step.
@@ -221,11 +221,13 @@ def run_engine_under_torchrun(workdir: str, real_sglang: bool = True, nproc: int
     (item 3) and its shutdown leaves the reward graders alive (item 7). ``real_sglang=False``: the
     fake SGLang (tests/fake_sglang), e.g. on a machine without SGLang. Returns a summary line;
     raises AssertionError naming the rank and what failed."""
+    import contextlib
     import subprocess
 
     os.makedirs(workdir, exist_ok=True)
     model = os.path.join(workdir, "model")
-    make_model(model)
+    with contextlib.redirect_stdout(sys.stderr):  # the callers print one line per check
+        make_model(model)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "MASTER_"))
            and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),

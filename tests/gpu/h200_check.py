@@ -25,7 +25,7 @@ and once for all of them:
 * ``sglang_torchrun`` (issue 18 items 1, 3, 7): two torchrun workers each build a colocated
   ``SGLangEngine`` through the factory, with the fake ``sglang`` of ``tests/fake_sglang`` (no
   SGLang here; its scheduler children do SGLang's tcp:// ``init_process_group``): each starts
-  within a minute under torchrun, a weight sync in 1 MiB buckets on this GPU (fresh CUDA-IPC
+  within a minute under torchrun, a weight sync in 64 KiB buckets on this GPU (fresh CUDA-IPC
   payloads read by the scheduler process) reads back every bucket right after it loads and at
   the end, and the engine's shutdown leaves the reward graders alive;
 * ``fp8_sp_shapes`` (issue 18 item 2): the actor's micro-batches at TP 1/2/4/8, sequence
