@@ -91,6 +91,10 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # colocated: ranks per engine; server mode: every rank is its own (trainer) rank of the rollout
     rollout_tp = cfg.rollout.tensor_model_parallel_size if cfg.rollout.mode == "colocated" else 1
+    if cfg.rollout.mode == "server":  # before the first NCCL communicator: the servers' NCCL_CUMEM_ENABLE
+        from dapo_megatron.rollout.sglang_env import align_nccl_with_sglang_server
+
+        align_nccl_with_sglang_server()
     parallel = init_distributed(cfg.parallel, seed=cfg.trainer.seed, rollout_tp=rollout_tp)
     rank = parallel.rank
     if rank != 0:

@@ -42,6 +42,9 @@ servers)
     fi
     pids=()
     trap 'kill "${pids[@]}" 2>/dev/null || true' EXIT INT TERM
+    # one NCCL_CUMEM_ENABLE on both ends of the weight-update group (sglang.launch_server's own
+    # default is 0; dapo-train uses the same unless set), CUDA graphs released by sleep (docs/design.md §6)
+    export NCCL_CUMEM_ENABLE=${NCCL_CUMEM_ENABLE:-0} SGLANG_MEMORY_SAVER_CUDA_GRAPH=${SGLANG_MEMORY_SAVER_CUDA_GRAPH:-1}
     for ((i = 0; i < NUM_SERVERS; i++)); do
         python -m sglang.launch_server --model-path "$MODEL_PATH" --dtype bfloat16 \
             --tp-size "$SERVER_TP" --base-gpu-id $((i * SERVER_TP)) \
@@ -56,6 +59,7 @@ trainer)
         urls+=("http://$SERVER_ADDR:$((BASE_PORT + i))")
     done
     joined=$(IFS=,; echo "${urls[*]}")
+    export NCCL_CUMEM_ENABLE=${NCCL_CUMEM_ENABLE:-0}  # the servers' value (docs/design.md §6)
     exec bash examples/launch_torchrun.sh "$CONFIG" "$MODEL_PATH" runs/dapo_server_mode "${NNODES:-4}" \
         rollout.mode=server "rollout.server_urls=[$joined]" rollout.tensor_model_parallel_size=1 "$@"
     ;;

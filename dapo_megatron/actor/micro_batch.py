@@ -73,7 +73,7 @@ class MicroBatch:
                  targets: Optional[Targets] = None):
         self.samples = list(samples)
         self.batch: PackedBatch = pack_samples(
-            samples, layout=plan.layout, pad_to_multiple_of=plan.seq_multiple, align_tokens_to=plan.fp8_align,
+            samples, layout=plan.layout, **plan.padding,
             build_attention_mask=plan.build_attention_mask, share_prompts=share_prompts, device=device,
         )
         b = self.batch
@@ -166,7 +166,7 @@ def _cut(samples: list[Sample], plan: ActorPlan, share: bool) -> tuple[list[list
     """Model calls of one caller micro-batch (sample-index groups) and the tokens they compute."""
     segs = prompt_segments(samples, share)
     lens = [segment_length(samples, seg) for seg in segs]
-    pad = dict(pad_to_multiple_of=plan.seq_multiple, align_tokens_to=plan.fp8_align)
+    pad = plan.padding
     if plan.length_buckets:
         groups = group_by_length(lens, overhead_tokens=plan.length_bucket_overhead_tokens, **pad)
         cost = sum(padded_tokens([lens[k] for k in g], layout="bshd", **pad) + plan.length_bucket_overhead_tokens

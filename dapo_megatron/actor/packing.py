@@ -29,8 +29,10 @@ token *before* it), so ``labels[start_i + P_i + j - 1] = response_ids[j]`` and
 Sequence parallelism (Megatron ``sequence_parallel=True``) splits the sequence
 dimension across TP ranks, so ``T`` must be a multiple of TP: pass
 ``pad_to_multiple_of=TP`` (the actor does). FP8 GEMMs need the token count of every
-GEMM input (``B * T``) to be a multiple of the FP8 alignment: pass ``align_tokens_to``
-(see :mod:`dapo_megatron.actor.plan`). Padding tokens (id 0) form their own causal
+GEMM input (``B * T``) to be a multiple of the FP8 alignment: pass ``align_tokens_to``;
+with sequence parallelism the column-parallel GEMMs get the LOCAL shard ``[T / TP, B, H]``
+(Transformer Engine checks it before its all-gather), whose ``(T / TP) * B`` must be a
+multiple of ``align_local_tokens_to`` (see :mod:`dapo_megatron.actor.plan`). Padding tokens (id 0) form their own causal
 block, have ``position_ids`` 0.., and are never in ``response_mask``, so they reach no
 logprob, loss, token count or metric.
 
@@ -218,13 +220,22 @@ def _round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
-def row_multiple(num_rows: int, pad_to_multiple_of: int = 1, align_tokens_to: int = 1) -> int:
-    """The multiple a row length ``S`` is rounded up to in a ``[num_rows, S]`` batch: ``S`` must be a
-    multiple of ``pad_to_multiple_of`` (sequence parallel splits ``S`` over TP ranks) and
-    ``num_rows * S`` a multiple of ``align_tokens_to`` (the FP8 GEMM alignment of the token
-    dimension), i.e. ``S`` a multiple of ``lcm(pad_to_multiple_of, align / gcd(num_rows, align))``.
+def row_multiple(num_rows: int, pad_to_multiple_of: int = 1, align_tokens_to: int = 1,
+                 align_local_tokens_to: int = 1) -> int:
+    """The multiple a row length ``S`` is rounded up to in a ``[num_rows, S]`` batch.
+
+    ``S`` must be a multiple of ``p = pad_to_multiple_of`` (sequence parallel splits ``S`` over
+    ``p`` TP ranks), ``num_rows * S`` a multiple of ``align_tokens_to`` (the FP8 GEMM alignment
+    of the whole token dimension, e.g. the weight-gradient GEMM's inner dimension) and the local
+    shard's tokens ``num_rows * S / p`` a multiple of ``align_local_tokens_to`` (the GEMM input a
+    TP rank quantizes before the sequence-parallel all-gather). With ``S = p * k`` the last two
+    read ``num_rows * k ≡ 0 (mod m)``, ``m = lcm(local, align / gcd(p, align))``, so the smallest
+    such ``S`` is a multiple of ``p * m / gcd(num_rows, m)``: returned (``p = 1``: the shard is
+    the whole batch).
     """
-    return math.lcm(pad_to_multiple_of, align_tokens_to // math.gcd(num_rows, align_tokens_to))
+    p = pad_to_multiple_of
+    m = math.lcm(align_local_tokens_to, align_tokens_to // math.gcd(p, align_tokens_to))
+    return p * (m // math.gcd(num_rows, m))
 
 
 def prompt_segments(samples: Sequence[Sample], share_prompts: bool = True) -> list[list[int]]:
@@ -254,11 +265,12 @@ def segment_length(samples: Sequence[Sample], segment: Sequence[int]) -> int:
 
 
 def padded_tokens(lengths: Sequence[int], *, layout: str, pad_to_multiple_of: int = 1,
-                  align_tokens_to: int = 1) -> int:
+                  align_tokens_to: int = 1, align_local_tokens_to: int = 1) -> int:
     """``B * T`` of :func:`pack_samples` for segments of these lengths (tokens the model computes)."""
     if layout == "thd":
-        return _round_up(sum(lengths), row_multiple(1, pad_to_multiple_of, align_tokens_to))
-    return len(lengths) * _round_up(max(lengths), row_multiple(len(lengths), pad_to_multiple_of, align_tokens_to))
+        return _round_up(sum(lengths), row_multiple(1, pad_to_multiple_of, align_tokens_to, align_local_tokens_to))
+    return len(lengths) * _round_up(max(lengths), row_multiple(len(lengths), pad_to_multiple_of, align_tokens_to,
+                                                               align_local_tokens_to))
 
 
 def pack_samples(
@@ -267,6 +279,7 @@ def pack_samples(
     layout: str = "thd",
     pad_to_multiple_of: int = 1,
     align_tokens_to: int = 1,
+    align_local_tokens_to: int = 1,
     build_attention_mask: bool = True,
     share_prompts: bool = False,
     device: torch.device | str = "cpu",
@@ -281,6 +294,8 @@ def pack_samples(
         align_tokens_to: make ``B * T`` a multiple of this (the FP8 GEMM alignment, 1 = off),
             with the smallest row length that also keeps ``pad_to_multiple_of``
             (:func:`row_multiple`).
+        align_local_tokens_to: make each sequence-parallel shard's ``B * T / pad_to_multiple_of``
+            tokens a multiple of this (FP8 with sequence parallelism; 1 = off).
         build_attention_mask: build the bool mask (CPU / local spec). Set False on GPU
             with the TE spec and pass :attr:`PackedBatch.packed_seq_params` instead
             (an ``[T, T]`` mask is quadratic in memory), or for bshd rows that Megatron's
@@ -300,8 +315,11 @@ def pack_samples(
         raise ValueError(f"layout={layout!r} must be 'thd' (packed) or 'bshd' (padded)")
     if pad_to_multiple_of < 1:
         raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of} must be >= 1 (TP size with sequence parallel)")
-    if align_tokens_to < 1:
-        raise ValueError(f"align_tokens_to={align_tokens_to} must be >= 1 (the FP8 alignment, 1 = off)")
+    if align_tokens_to < 1 or align_local_tokens_to < 1:
+        raise ValueError(f"align_tokens_to={align_tokens_to} and align_local_tokens_to={align_local_tokens_to} "
+                         "must be >= 1 (the FP8 alignments, 1 = off)")
+    mult = dict(pad_to_multiple_of=pad_to_multiple_of, align_tokens_to=align_tokens_to,
+                align_local_tokens_to=align_local_tokens_to)
     segments = prompt_segments(samples, share_prompts)
     plens = [len(s.prompt_ids) for s in samples]
     rlens = [len(s.response_ids) for s in samples]
@@ -312,7 +330,7 @@ def pack_samples(
 
     if layout == "thd":
         total = sum(seg_lens)
-        T = _round_up(total, row_multiple(1, pad_to_multiple_of, align_tokens_to))
+        T = _round_up(total, row_multiple(1, **mult))
         B, seg_rows = 1, [0] * n_seg
         seg_offs = [0]
         for L in seg_lens[:-1]:
@@ -320,7 +338,7 @@ def pack_samples(
         num_padding = T - total
     else:
         B = n_seg
-        T = _round_up(max(seg_lens), row_multiple(B, pad_to_multiple_of, align_tokens_to))
+        T = _round_up(max(seg_lens), row_multiple(B, **mult))
         seg_rows, seg_offs = list(range(n_seg)), [0] * n_seg
         num_padding = B * T - sum(seg_lens)
 
@@ -444,7 +462,7 @@ def split_by_token_budget(samples: Sequence[Sample], max_token_len: int, *,
 
 
 def group_by_length(lengths: Sequence[int], *, pad_to_multiple_of: int = 1, align_tokens_to: int = 1,
-                    overhead_tokens: int = 64) -> list[list[int]]:
+                    align_local_tokens_to: int = 1, overhead_tokens: int = 64) -> list[list[int]]:
     """Cut a padded (BSHD) micro-batch into row groups of similar length, minimising padded work.
 
     A BSHD micro-batch of ``n`` rows costs about ``n * S`` token-slots in every linear layer
@@ -459,6 +477,7 @@ def group_by_length(lengths: Sequence[int], *, pad_to_multiple_of: int = 1, alig
             micro-batch's rows, all >= 1.
         pad_to_multiple_of: the row-length multiple of :func:`pack_samples`.
         align_tokens_to: the ``B * S`` multiple of :func:`pack_samples` (FP8; 1 = off).
+        align_local_tokens_to: the sequence-parallel shard's multiple of :func:`pack_samples`.
         overhead_tokens: cost of one more model call, in token-slots (>= 0).
 
     Returns:
@@ -470,7 +489,8 @@ def group_by_length(lengths: Sequence[int], *, pad_to_multiple_of: int = 1, alig
     """
     if len(lengths) == 0:
         raise ValueError("group_by_length needs at least one length")
-    if min(lengths) < 1 or overhead_tokens < 0 or pad_to_multiple_of < 1 or align_tokens_to < 1:
+    if (min(lengths) < 1 or overhead_tokens < 0 or pad_to_multiple_of < 1 or align_tokens_to < 1
+            or align_local_tokens_to < 1):
         raise ValueError(
             f"lengths must be >= 1 (got min {min(lengths)}), overhead_tokens >= 0 (got {overhead_tokens}), "
             f"pad_to_multiple_of >= 1 (got {pad_to_multiple_of}) and align_tokens_to >= 1 (got {align_tokens_to})"
@@ -482,7 +502,8 @@ def group_by_length(lengths: Sequence[int], *, pad_to_multiple_of: int = 1, alig
     for j in range(1, n + 1):
         for i in range(j):  # last group = sorted rows i .. j-1, its longest row is j-1
             rows = j - i
-            S = _round_up(lengths[order[j - 1]], row_multiple(rows, pad_to_multiple_of, align_tokens_to))
+            S = _round_up(lengths[order[j - 1]], row_multiple(rows, pad_to_multiple_of, align_tokens_to,
+                                                               align_local_tokens_to))
             c = best[i] + rows * S + overhead_tokens
             if best[j] is None or c < best[j]:
                 best[j], cut[j] = c, i

@@ -16,8 +16,18 @@ the token dimension is also the inner (last) dimension of the weight-gradient GE
 agree (``megatron/core/fp8_utils.py``, ``get_fp8_align_size``: 32 for the ``mxfp8``
 recipe, whose scales cover blocks of 32 along both dimensions, 16 for every other
 recipe). With ``model.fp8`` set, every micro-batch is padded so that ``B * T`` is a
-multiple of that size, combined (lcm) with the sequence-parallel multiple on ``T``
-(:func:`dapo_megatron.actor.packing.row_multiple`). Padding tokens sit outside every
+multiple of that size. With sequence parallelism the column-parallel GEMMs
+(``LayerNormLinear``, ``LayerNormMLP``'s fc1: qkv, fc1) get each TP rank's LOCAL shard
+``[T / TP, B, H]``, checked BEFORE the all-gather (TE 2.11 ``module/layernorm_linear.py``
+and ``module/layernorm_mlp.py``: ``assert_dim_for_fp8_exec(inputmat, ...)`` and
+``assert_dim_for_all_gather``, which asks the quantizer's ``is_quantizable``): ``(T / TP) * B``
+must be a multiple of 8, and of the quantizer's block for the FP8 all-gather, 32 for
+``mxfp8`` (``tensor/mxfp8_tensor.py``) and 128 for ``blockwise``
+(``tensor/float8_blockwise_tensor.py``, ``block_len = 128``); :func:`fp8_local_align_size`.
+The row-parallel GEMMs (proj, fc2) get the full sequence ``[T, B, h / TP]``. Padding ``T``
+to ``lcm(TP, 16)`` alone leaves 4 local tokens at TP = 4 and 2 at TP = 8 (slime pads to
+``tp_size × data_pad_size_multiplier`` for the same reason); the multiples are combined in
+:func:`dapo_megatron.actor.packing.row_multiple`. Padding tokens sit outside every
 label slot, so no logprob, loss, token count or metric sees them (tested).
 
 Shared prompt (``actor.shared_prompt``, Prefix Grouper, arXiv 2506.05433). A GRPO
@@ -60,6 +70,25 @@ def fp8_align_size(fp8_recipe) -> int:
     return int(get_fp8_align_size(Fp8Recipe(fp8_recipe)))
 
 
+#: Token multiple of a sequence-parallel shard that each recipe's column-parallel GEMM input
+#: needs before its all-gather (module docstring; TE 2.11 ``utils.py`` ``assert_dim_for_fp8_exec``: 8;
+#: the all-gather quantizer's ``is_quantizable``: MXFP8 blocks of 32, FP8 blocks of 128).
+FP8_LOCAL_ALIGN = {"delayed": 8, "tensorwise": 8, "mxfp8": 32, "blockwise": 128}
+
+
+def fp8_local_align_size(fp8_recipe) -> int:
+    """Tokens a sequence-parallel shard's FP8 GEMM input must be a multiple of (module docstring).
+
+    Raises:
+        ValueError: a recipe this table does not know (naming the known ones).
+    """
+    name = getattr(fp8_recipe, "value", fp8_recipe)
+    if name not in FP8_LOCAL_ALIGN:
+        raise ValueError(f"fp8_recipe={name!r}: the sequence-parallel FP8 alignment is known for "
+                         f"{sorted(FP8_LOCAL_ALIGN)} only")
+    return FP8_LOCAL_ALIGN[name]
+
+
 @dataclass(frozen=True)
 class ActorPlan:
     """The resolved micro-batch execution plan of a :class:`~dapo_megatron.actor.MegatronActor`.
@@ -78,6 +107,8 @@ class ActorPlan:
         length_bucket_overhead_tokens: price of one more model call in token-slots.
         seq_multiple: ``T`` (THD) / ``S`` (BSHD) is a multiple of it (TP with sequence parallel).
         fp8_align: ``B * T`` is a multiple of it (FP8 GEMM alignment; 1 = FP8 off).
+        fp8_local_align: ``B * T / seq_multiple`` (one TP rank's sequence-parallel shard) is a
+            multiple of it (:func:`fp8_local_align_size`; 1 = FP8 or sequence parallel off).
         shared_prompt: ``"off"``; ``"on"``: the samples of a micro-batch with one prompt share
             its encoding; ``"auto"``: the same, for each micro-batch where it computes fewer
             tokens (padding included) than the copied form.
@@ -95,6 +126,7 @@ class ActorPlan:
     length_bucket_overhead_tokens: int = 64
     seq_multiple: int = 1
     fp8_align: int = 1
+    fp8_local_align: int = 1
     shared_prompt: str = "off"
     shared_prompt_off_reason: Optional[str] = None
 
@@ -111,11 +143,17 @@ class ActorPlan:
             raise ValueError(f"plan.shared_prompt={self.shared_prompt!r} must be one of {SHARED_PROMPT_MODES}")
         if self.shared_prompt != "off" and self.use_packed_seq_params:
             raise ValueError("plan.shared_prompt needs the attention mask; PackedSeqParams cannot express it")
-        for name in ("seq_multiple", "fp8_align"):
+        for name in ("seq_multiple", "fp8_align", "fp8_local_align"):
             if getattr(self, name) < 1:
                 raise ValueError(f"plan.{name}={getattr(self, name)} must be >= 1")
         if self.length_bucket_overhead_tokens < 0:
             raise ValueError("plan.length_bucket_overhead_tokens must be >= 0")
+
+    @property
+    def padding(self) -> dict[str, int]:
+        """The padding multiples of :func:`~dapo_megatron.actor.packing.pack_samples` (keyword arguments)."""
+        return dict(pad_to_multiple_of=self.seq_multiple, align_tokens_to=self.fp8_align,
+                    align_local_tokens_to=self.fp8_local_align)
 
     @property
     def shares_prompts(self) -> bool:
@@ -223,6 +261,7 @@ def resolve_actor_plan(actor_cfg, model, *, tp_size: int) -> ActorPlan:
         length_buckets=layout == "bshd",
         seq_multiple=tp_size if config.sequence_parallel else 1,
         fp8_align=fp8_align_size(config.fp8_recipe) if fp8 else 1,
+        fp8_local_align=fp8_local_align_size(config.fp8_recipe) if fp8 and config.sequence_parallel else 1,
         shared_prompt="off" if reason is not None else mode,
         shared_prompt_off_reason=reason if mode == "auto" else None,
     )

@@ -39,18 +39,29 @@ replicated) and ``DP = world / (TP × PP)``:
   A KV token costs ``2 · L · max(1, n_kv / rollout_tp) · d · 2`` bytes
   (``pool_configurator.py`` ``_compute_cell_size``); the pool must hold at least one
   sequence of ``data.max_prompt_length + rollout.response_length`` tokens.
+  ``F0`` is the memory free when the engine starts: the engine is built after
+  ``torch.cuda.empty_cache()`` on every GPU of its group (``rollout/sglang_env.py``
+  ``release_allocator_cache``), so the actor's cached-but-free blocks do not shrink it;
+  ``allocator_cache_bytes`` (0) is what a caller that skips that step would subtract.
 * overhead: CUDA contexts of the trainer and of SGLang's scheduler, NCCL buffers,
   allocator fragmentation: a constant (``overhead_bytes``, 4 GB by default), plus SGLang's
   working memory outside its static pool (CUDA graphs, decode activations, sampling
-  buffers: ``engine_runtime_bytes``, 3 GB by default). Both are assumptions.
+  buffers: ``engine_runtime_bytes``, 3 GB by default), of which ``cuda_graph_bytes`` (1 GB)
+  are its CUDA graphs. All are assumptions. ``sleep()`` releases the graphs only when the
+  scheduler captured them under the memory saver, i.e. with
+  ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1`` in its environment (sglang 0.5.11
+  ``model_executor/cuda_graph_runner.py``; the colocated engine sets it unless the user set
+  it, ``rollout/sglang_env.py``); otherwise they stay resident through training and the
+  sync (``cuda_graphs_released=False``: the ``cuda_graphs_resident`` term).
 
 Phases (the engine sleeps while the actor trains):
 
 * rollout: the engine's static pool is ``gpu_memory_utilization × F0``; what is left,
   ``(1 − gpu_memory_utilization) × F0``, must hold Adam's moments and SGLang's runtime;
-* train: actor resident + activations + overhead ≤ GPU (engine memory released);
+* train: actor resident + activations + overhead (+ the engine's CUDA graphs when sleep
+  keeps them) ≤ GPU (engine memory released);
 * sync (weights resumed into the sleeping engine): actor resident + engine weights +
-  the sync's buffers + overhead ≤ GPU. The buffers (``dapo_megatron.bridge.iter_hf_weights``
+  the sync's buffers + overhead (+ resident CUDA graphs) ≤ GPU. The buffers (``dapo_megatron.bridge.iter_hf_weights``
   and the engine's flat-bucket packer): the bridge's bucket, at least the full (padded)
   embedding, which is a bucket of its own; the engine payload's bucket (a tensor larger than
   it is sent from the bridge's memory); at actor TP > 1 the bridge's two scratch buffers of
@@ -67,6 +78,7 @@ GB = 10**9
 H100_80GB = 80 * GB
 DEFAULT_OVERHEAD = 4 * GB
 DEFAULT_ENGINE_RUNTIME = 3 * GB
+DEFAULT_CUDA_GRAPH = 1 * GB
 _BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2}
 
 
@@ -132,7 +144,7 @@ class MemoryEstimate:
         parts: named terms (``actor_params``, ``actor_grads``, ``actor_main_params``,
             ``actor_adam``, ``actor_fp8_weights``, ``activations``, ``logits``,
             ``engine_weights``, ``kv_cache``, ``overhead``, ``engine_runtime``,
-            ``sync_buffers``).
+            ``cuda_graphs_resident``, ``allocator_cache``, ``sync_buffers``).
         phases: bytes in use in the ``rollout``, ``train`` and ``sync`` phases.
         kv_tokens: tokens the KV pool holds; ``max_sequence_tokens`` the longest sequence.
         problems: why it does not fit (each with the knobs to turn); empty when it fits.
@@ -179,6 +191,9 @@ def estimate_memory(
     gpu_bytes: int = H100_80GB,
     overhead_bytes: int = DEFAULT_OVERHEAD,
     engine_runtime_bytes: int = DEFAULT_ENGINE_RUNTIME,
+    cuda_graph_bytes: int = DEFAULT_CUDA_GRAPH,
+    cuda_graphs_released: bool = True,
+    allocator_cache_bytes: int = 0,
 ) -> MemoryEstimate:
     """Estimate one rank's GPU memory (module docstring); never raises for a layout that
     does not fit: read :attr:`MemoryEstimate.problems` (or use :func:`check_memory`).
@@ -197,7 +212,14 @@ def estimate_memory(
         rollout_tp: GPUs per SGLang engine (its tensor parallel size); 1 by default.
         bucket_bytes: ``rollout.update_weights_bucket_megabytes`` in bytes.
         gpu_bytes: memory of one GPU (default: an 80 GB H100).
-        overhead_bytes, engine_runtime_bytes: the assumptions of the module docstring.
+        overhead_bytes, engine_runtime_bytes, cuda_graph_bytes: the assumptions of the module
+            docstring (``cuda_graph_bytes`` is the part of ``engine_runtime_bytes`` that sleep
+            releases only under ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1``).
+        cuda_graphs_released: sleep frees the engine's CUDA graphs
+            (:func:`dapo_megatron.rollout.sglang_env.cuda_graphs_released`); False adds them to
+            the train and sync phases.
+        allocator_cache_bytes: the actor's cached-but-free CUDA blocks when the engine starts
+            (0: the engine starts after ``empty_cache``).
 
     Raises:
         ValueError: a layout that cannot exist (world not divisible by TP × PP, layers not
@@ -251,23 +273,27 @@ def estimate_memory(
     resident_at_start = parts["actor_params"] + parts["actor_grads"] + parts["actor_main_params"] \
         + parts["actor_fp8_weights"]
     resident = resident_at_start + parts["actor_adam"]
-    free_at_engine_start = gpu_bytes - resident_at_start - overhead_bytes
+    free_at_engine_start = gpu_bytes - resident_at_start - overhead_bytes - allocator_cache_bytes
     static_pool = int(gpu_memory_utilization * free_at_engine_start)
     kv = static_pool - engine_weights
     kv_cell = shape.kv_bytes_per_token(rollout_tp)
     kv_tokens = max(0, kv) // kv_cell
+    def gb(x):
+        return f"{x / GB:.1f} GB"
+
+    graphs = 0 if cuda_graphs_released else min(cuda_graph_bytes, engine_runtime_bytes)
     parts.update(engine_weights=engine_weights, kv_cache=max(0, kv), overhead=overhead_bytes,
-                 engine_runtime=engine_runtime_bytes,
+                 engine_runtime=engine_runtime_bytes, cuda_graphs_resident=graphs,
+                 allocator_cache=allocator_cache_bytes,
                  sync_buffers=max(bucket_bytes, padded_vocab * shape.hidden * pb) + bucket_bytes
                  + (2 * 2 * shape.ffn * shape.hidden * pb if tp > 1 else 0))
     phases = {
         "rollout": resident + overhead_bytes + static_pool + engine_runtime_bytes,
-        "train": resident + parts["activations"] + parts["logits"] + overhead_bytes,
-        "sync": resident + engine_weights + parts["sync_buffers"] + overhead_bytes,
+        "train": resident + parts["activations"] + parts["logits"] + overhead_bytes + graphs,
+        "sync": resident + engine_weights + parts["sync_buffers"] + overhead_bytes + graphs,
     }
-
-    def gb(x):
-        return f"{x / GB:.1f} GB"
+    graphs_note = (f"; SGLang's CUDA graphs ({gb(graphs)}) stay resident while it sleeps: launch it with "
+                   "SGLANG_MEMORY_SAVER_CUDA_GRAPH=1" if graphs else "")
 
     problems = []
     if kv_tokens < max_sequence_tokens:
@@ -289,12 +315,12 @@ def estimate_memory(
             f"train: the actor needs {gb(phases['train'])} (resident {gb(resident)}, activations "
             f"{gb(parts['activations'])}, LM-head logits {gb(parts['logits'])}): lower "
             f"actor.ppo_max_token_len_per_gpu (now {T:,}), turn on full recompute "
-            f"(model.extra_transformer_config.recompute_granularity=full), or raise TP/PP")
+            f"(model.extra_transformer_config.recompute_granularity=full), or raise TP/PP" + graphs_note)
     if phases["sync"] > gpu_bytes:
         problems.append(
             f"weight sync: the actor ({gb(resident)}) and the engine's weights ({gb(engine_weights)}, rollout TP "
             f"{rollout_tp}) are resident together: raise the rollout tensor parallel size or the actor's TP/PP, "
-            f"or lower rollout.update_weights_bucket_megabytes")
+            f"or lower rollout.update_weights_bucket_megabytes" + graphs_note)
     return MemoryEstimate(gpu_bytes, parts, phases, kv_tokens, int(max_sequence_tokens), problems)
 
 
@@ -303,10 +329,16 @@ def estimate_from_config(cfg, hf_config, world_size: int, *, rollout_tp: Optiona
     """:func:`estimate_memory` for a :class:`~dapo_megatron.config.DAPOConfig`.
 
     ``rollout_tp`` None: ``cfg.rollout.tensor_model_parallel_size`` (the GPUs of one
-    colocated engine; 1: one engine per GPU).
+    colocated engine; 1: one engine per GPU). ``cuda_graphs_released`` defaults to what this
+    process's environment gives the engine (``SGLANG_MEMORY_SAVER_CUDA_GRAPH``, set to 1 by the
+    engine unless the user set it).
     """
     if rollout_tp is None:
         rollout_tp = cfg.rollout.tensor_model_parallel_size
+    if "cuda_graphs_released" not in kwargs:  # what the colocated engine's children will get
+        from dapo_megatron.rollout.sglang_env import cuda_graphs_released
+
+        kwargs["cuda_graphs_released"] = cuda_graphs_released()
     return estimate_memory(
         hf_config, tp=cfg.parallel.tensor_model_parallel_size, pp=cfg.parallel.pipeline_model_parallel_size,
         world_size=world_size, params_dtype=cfg.model.params_dtype, fp8=cfg.model.fp8 is not None,

@@ -142,7 +142,10 @@ def sync_flat_buckets(named_tensors: Iterable[NamedTensor], group: RolloutGroup,
         if outcome is not None:
             raise RuntimeError(outcome)
         sent += 1
+        on_cuda = bucket.flat.is_cuda
         del bucket, item, gathered  # a bucket larger than the packer's is the bridge's own memory
+        if on_cuda:  # blocks the engine has released leave torch's IPC limbo (flat_bucket docstring)
+            torch.cuda.ipc_collect()
     return sent
 
 

@@ -192,6 +192,15 @@ def build_training_rollout(cfg: DAPOConfig, tokenizer, hf_config, parallel) -> t
             bucket_bytes=rollout.update_weights_bucket_megabytes * 2**20)
         return servers, servers.num_engines, servers.engine_index
     index = parallel.rollout_index if parallel.is_rollout_leader else None
+    if rollout.name == "sglang":
+        # the engine's TP workers size their KV pools from the memory free on each GPU of the group,
+        # and refuse to start when it differs too much: every rank hands its cached blocks back first,
+        # and the leader starts the engine once all have (sglang_env.release_allocator_cache)
+        from dapo_megatron.rollout.sglang_env import release_allocator_cache
+
+        release_allocator_cache()
+        if parallel.rollout_group is not None:
+            torch.distributed.barrier(group=parallel.rollout_group)
     if parallel.rollout_tp_size == 1:
         return build_engine(training_engine_spec(cfg, tokenizer, hf_config), hf_config), parallel.num_engines, index
     group = RolloutGroup(parallel.rollout_group_ranks, parallel.rank, parallel.rollout_group)

@@ -24,9 +24,23 @@ order loads tensors under other names (a fault other stacks shipped). :class:`Fl
 never reorders; its layout is that of ``FlattenedTensorBucket(named_tensors)`` byte for byte
 (``tests/test_flat_bucket.py`` checks it against SGLang's class where SGLang is installed).
 
-Memory: the packer copies tensors one at a time into ONE reusable buffer of the bucket size
-on the tensors' device, so a sync holds one bucket beyond the model however large the model
-is; a tensor larger than the bucket is sent from its own storage (no copy).
+Memory: the packer copies tensors one at a time into a buffer of the bucket size on the
+tensors' device, so a sync holds one bucket beyond the model however large the model is; a
+tensor larger than the bucket is sent from its own storage (no copy). On CUDA every bucket
+gets a FRESH buffer (:func:`reuses_buffer`): the engine reads it through a CUDA-IPC handle, and
+only a fresh tensor keeps torch's IPC reference counting in charge of when its memory may be
+written again (a block a consumer still holds stays out of the caching allocator: torch's
+``CudaIPCSentData`` limbo, ``torch/csrc/CudaIPCTypes.cpp``; ``torch.cuda.ipc_collect`` returns
+it once released, which :func:`~dapo_megatron.rollout.engine_group.sync_flat_buckets` calls
+after every bucket, as slime does). Refilling one buffer would rest on SGLang having finished its copies when it
+answers, which it does not promise: slime forbids the reuse ("can race with the consumer-side
+copy and corrupt weights", ``slime/backends/megatron_utils/update_weight/
+update_weight_from_tensor.py`` ``_build_flattened_tensor_data``, PR #2220) and verl packs each
+bucket from fresh clones (``verl/workers/rollout/sglang_rollout/utils.py``
+``get_named_tensor_buckets``). The caching allocator hands the previous bucket's block back once
+the engine has let it go, so this costs no extra memory in steady state. On CPU (the tests'
+shared-memory transport, whose consumer copies before it answers) one buffer is reused: fresh
+CPU memory costs page faults worth several copies.
 """
 
 from __future__ import annotations
@@ -56,11 +70,18 @@ class FlatEntry:
         return self.end - self.start
 
 
+def reuses_buffer(device: torch.device) -> bool:
+    """Whether :class:`FlatBucketPacker` refills one buffer on ``device`` (CPU only) rather than
+    allocating a fresh one per bucket (every other device: the module docstring's IPC rule)."""
+    return torch.device(device).type == "cpu"
+
+
 @dataclass
 class FlatBucket:
     """A packed bucket: ``flat`` (1-D ``uint8``, exactly the entries' bytes) and its entries
-    in buffer order. ``flat`` may be a view of the packer's reusable buffer: it is valid until
-    the packer packs the next bucket (the generator is resumed)."""
+    in buffer order. On CPU ``flat`` is a view of the packer's reusable buffer: it is valid until
+    the packer packs the next bucket (the generator is resumed); elsewhere it is the bucket's own
+    memory (:func:`reuses_buffer`)."""
 
     flat: torch.Tensor
     entries: list[FlatEntry]
@@ -101,8 +122,9 @@ class FlatBucketPacker:
 
     Args:
         bucket_bytes: bucket size in bytes (``rollout.update_weights_bucket_megabytes`` MiB), > 0.
-        device: device of the reusable buffer; None: the device of the first tensor.
-            Tensors on another device are copied to it.
+        device: device of the buffers; None: the device of each tensor. Tensors on another
+            device are copied to it. One buffer is reused on CPU, a fresh one is allocated per
+            bucket elsewhere (:func:`reuses_buffer`).
 
     Raises:
         ValueError: ``bucket_bytes`` <= 0.
@@ -116,6 +138,8 @@ class FlatBucketPacker:
         self._buffer: Optional[torch.Tensor] = None
 
     def _buffer_on(self, device: torch.device) -> torch.Tensor:
+        if not reuses_buffer(device):  # a CUDA-IPC payload: its own memory (module docstring)
+            return torch.empty(self.bucket_bytes, dtype=torch.uint8, device=device)
         if self._buffer is None or self._buffer.device != device:
             self._buffer = torch.empty(self.bucket_bytes, dtype=torch.uint8, device=device)
         return self._buffer
@@ -127,8 +151,10 @@ class FlatBucketPacker:
     def buckets(self, named_tensors: Iterable[NamedTensor]) -> Iterator[FlatBucket]:
         """Yield the packed buckets of ``named_tensors`` (consumed lazily, one tensor at a time).
 
-        Each yielded bucket's ``flat`` is overwritten when the generator is resumed: use (or
-        send and wait for the receiver of) one bucket before asking for the next.
+        On CPU each yielded bucket's ``flat`` is overwritten when the generator is resumed: use
+        (or send and wait for the receiver of) one bucket before asking for the next. Elsewhere
+        the packer drops its reference to a bucket's buffer when resumed, before allocating the
+        next one (a sync holds at most the bucket the engine has not released).
         """
         entries: list[FlatEntry] = []
         offset = 0
@@ -139,14 +165,15 @@ class FlatBucketPacker:
             misaligned = offset % tensor.element_size() != 0
             if entries and (offset + nbytes > self.bucket_bytes or misaligned):
                 yield FlatBucket(buffer[:offset], entries)
-                entries, offset = [], 0
+                entries, offset, buffer = [], 0, None  # released before the next one is allocated
             if not entries and nbytes > self.bucket_bytes:
                 # larger than a bucket: its own bytes are the bucket (a copy only if not contiguous)
                 own = tensor.detach().to(device).contiguous().reshape(-1).view(torch.uint8)
                 yield FlatBucket(own, [FlatEntry(name, tuple(tensor.shape), tensor.dtype, 0, nbytes)])
                 del own, tensor  # the bridge reuses memory nobody holds
                 continue
-            buffer = self._buffer_on(device)
+            if buffer is None or buffer.device != device:
+                buffer = self._buffer_on(device)
             # one copy of the tensor's bytes into the buffer, casting nothing
             buffer[offset:offset + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
             entries.append(FlatEntry(name, tuple(tensor.shape), tensor.dtype, offset, offset + nbytes))

@@ -13,6 +13,11 @@ from 0.5.5 on (setup.py's lower bound; ``cuda_graph`` became a memory tag in 0.5
 in 0.5.3), read in the sources of each release's wheel. Files are those of
 ``python/sglang/srt/`` in sglang 0.5.11:
 
+* Processes (``rollout/sglang_env.py``, docs/design.md §6): ``Engine(...)`` spawns its scheduler
+  and detokenizer processes, which inherit our environment (built without torchrun's
+  ``TORCHELASTIC_USE_AGENT_STORE``, with ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1``), changes this
+  process (``_set_envs_and_config``) and registers a kill-every-child atexit, which
+  :class:`SGLangEngine` replaces by a shutdown of the engine's own processes.
 * ``Engine(**kwargs)`` builds ``server_args.ServerArgs(**kwargs)``
   (``entrypoints/engine.py``): the colocated engine passes ``model_path, dtype, tp_size,
   mem_fraction_static, enable_memory_saver, base_gpu_id`` (the GPU of this rank: every
@@ -70,6 +75,7 @@ switch). With top_p == 1 and top_k == -1 this equals what the actor recomputes.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import itertools
 import json
@@ -626,10 +632,21 @@ class SGLangEngine(_SGLangMemory, RolloutEngine):
         self.weights_cpu_backup = bool(extra.get("enable_weights_cpu_backup", False))
         self.deterministic = bool(deterministic)
         self.base_gpu_id = int(base_gpu_id)
-        self.engine = sglang.Engine(model_path=model_path, dtype=dtype, tp_size=tp_size,
-                                    mem_fraction_static=mem_fraction_static,
-                                    enable_memory_saver=enable_memory_saver, base_gpu_id=self.base_gpu_id,
-                                    enable_deterministic_inference=self.deterministic, **extra)
+        from dapo_megatron.rollout import sglang_env
+
+        # sglang_env's module docstring: SGLang sizes its KV pool from the memory free now; its
+        # scheduler children inherit our environment (no torchrun agent store for their tcp://
+        # init_process_group; CUDA graphs under the memory saver); its kill-all atexit goes
+        sglang_env.release_allocator_cache()
+        before = sglang_env.child_pids()
+        with sglang_env.engine_launch_env():
+            self.engine = sglang.Engine(model_path=model_path, dtype=dtype, tp_size=tp_size,
+                                        mem_fraction_static=mem_fraction_static,
+                                        enable_memory_saver=enable_memory_saver, base_gpu_id=self.base_gpu_id,
+                                        enable_deterministic_inference=self.deterministic, **extra)
+        self._engine_pids = sglang_env.engine_child_pids(self.engine, before)
+        sglang_env.detach_engine_atexit(self.engine)
+        atexit.register(self.shutdown)
         self._released: set[str] = set()
         self._flush_pending = False
         # load_format="dummy": random weights until the first sync
@@ -771,7 +788,17 @@ class SGLangEngine(_SGLangMemory, RolloutEngine):
         check_result(self.engine.flush_cache(), "flush_cache")
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        """Stop the engine's own processes (scheduler(s), detokenizer) and wait for them; other
+        children of this process (reward graders) live on, unlike with ``Engine.shutdown``, which
+        kills every child (:func:`~dapo_megatron.rollout.sglang_env.shutdown_engine`). Idempotent;
+        also run at exit."""
+        from dapo_megatron.rollout import sglang_env
+
+        if getattr(self, "_engine_pids", None) is None:
+            return
+        pids, self._engine_pids = self._engine_pids, None
+        sglang_env.shutdown_engine(self.engine, pids)
+        atexit.unregister(self.shutdown)
 
 
 class SGLangServerEngine(_SGLangMemory, RolloutEngine):

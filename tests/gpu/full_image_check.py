@@ -11,7 +11,12 @@ under torchrun) and prints one line per check.
 * ``fp8`` (torchrun, 1 rank): FP8 (hybrid, tensorwise) forward / backward of the actor
   with THD packing on Transformer Engine: micro-batches of lengths that are not multiples
   of 16 train (not skipped, finite grad norm) and the FP8 logprobs stay close to the bf16
-  ones of the same weights.
+  ones of the same weights. ``fp8 sp`` (torchrun, 2 ranks): the same at TP = 2 with
+  sequence parallelism, tensorwise and blockwise recipes (issue 18 item 2).
+* ``sglang-torchrun DIR`` (runs torchrun itself): ``tests/fake_sglang/torchrun_engine.py
+  --real-sglang --sync`` on 2 ranks: each rank's colocated engine starts within a minute
+  under torchrun (issue 18 item 1) and a weight sync in 64 KiB buckets reads every bucket
+  back from the engine right after it loads and once more at the end (item 3).
 * ``make-model DIR``: a tiny Llama with a tokenizer built here (byte-level BPE with a
   ChatML template, no download) for the DAPO step.
 * ``dapo-metrics RUN_DIR``: checks the metrics of the DAPO step the shell script ran with
@@ -105,16 +110,30 @@ def check_engines(workdir: str) -> None:
               f"mean {float(gap_new.mean()):.4f} (vs old weights mean {float(gap_old.mean()):.2f})")
 
 
-def check_fp8() -> None:
+def check_fp8(mode: str = "") -> None:
+    """``fp8``: one rank, tensorwise. ``fp8 sp`` (torchrun, W ranks): TP = W with sequence
+    parallelism, tensorwise and blockwise: every micro-batch's local shard must pass TE's FP8
+    checks before the all-gather (issue 18 item 2; blockwise needs 128 local tokens)."""
+    import torch.distributed as dist
+
+    from dapo_megatron.platform import ParallelConfig, init_distributed
+
+    sp = mode == "sp"
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    parallel = init_distributed(ParallelConfig(tensor_model_parallel_size=world if sp else 1))
+    for recipe in (("tensorwise", "blockwise") if sp else ("tensorwise",)):
+        _fp8_step(parallel, recipe, sp)
+    dist.barrier()
+
+
+def _fp8_step(parallel, recipe: str, sp: bool) -> None:
     from unit.actor.test_packing import random_samples
 
     from dapo_megatron.actor.actor import ActorConfig, MegatronActor, OptimConfig
     from dapo_megatron.bridge import export_hf_state_dict, load_hf_weights
     from dapo_megatron.models import ModelConfig, build_gpt_model
-    from dapo_megatron.platform import init_distributed
     from transformers import LlamaConfig
 
-    parallel = init_distributed()
     hf_config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                             tie_word_embeddings=False)
@@ -125,7 +144,8 @@ def check_fp8() -> None:
 
     def actor(fp8):
         cfg = ModelConfig(transformer_impl="transformer_engine", params_dtype="bfloat16",
-                          fp8="hybrid" if fp8 else None, fp8_recipe="tensorwise")
+                          fp8="hybrid" if fp8 else None, fp8_recipe=recipe,
+                          extra_transformer_config={"sequence_parallel": True} if sp else {})
         torch.manual_seed(0)
         model = build_gpt_model(hf_config, cfg, parallel=parallel)
         return model, MegatronActor(model, ActorConfig(ppo_max_token_len_per_gpu=512, micro_batch_layout="thd",
@@ -145,8 +165,10 @@ def check_fp8() -> None:
     n_tok = sum(len(s.response_ids) for s in samples)
     out = act.train_mini_batch([samples[:6], samples[6:]], T, global_num_tokens=n_tok)
     assert out["skipped"] == 0.0 and math.isfinite(out["grad_norm"]) and out["num_tokens"] == n_tok, out
-    print(f"fp8 vs bf16 logprobs max |d| {float(diff.max()):.3f}, mean {float(diff.mean()):.4f}; "
-          f"train step loss {out['loss']:.4f}, grad norm {out['grad_norm']:.3f}")
+    if parallel.rank == 0:
+        print(f"fp8 {recipe} (TP {parallel.tp_size}, sequence parallel {sp}) vs bf16 logprobs max |d| "
+              f"{float(diff.max()):.3f}, mean {float(diff.mean()):.4f}; train step loss {out['loss']:.4f}, "
+              f"grad norm {out['grad_norm']:.3f}")
 
 
 def make_model(path: str) -> None:
@@ -191,7 +213,50 @@ def dapo_metrics(run_dir: str) -> None:
           f"{rows[2]['rollout/logprob_diff_mean']:.4f}, max {rows[2]['rollout/logprob_diff_max']:.3f}")
 
 
-SUBCOMMANDS = {"engines": check_engines, "fp8": check_fp8, "make-model": make_model, "dapo-metrics": dapo_metrics}
+def run_engine_under_torchrun(workdir: str, real_sglang: bool = True, nproc: int = 2, timeout_s: float = 240.0,
+                              max_start_s: float = 60.0) -> str:
+    """``tests/fake_sglang/torchrun_engine.py --sync`` under torchrun (``nproc`` ranks): every rank's
+    colocated engine starts within ``max_start_s`` (issue 18 item 1: a scheduler child that inherits
+    torchrun's TORCHELASTIC_USE_AGENT_STORE never meets), its weight sync reads back every bucket
+    (item 3) and its shutdown leaves the reward graders alive (item 7). ``real_sglang=False``: the
+    fake SGLang (tests/fake_sglang), e.g. on a machine without SGLang. Returns a summary line;
+    raises AssertionError naming the rank and what failed."""
+    import contextlib
+    import subprocess
+
+    os.makedirs(workdir, exist_ok=True)
+    model = os.path.join(workdir, "model")
+    with contextlib.redirect_stdout(sys.stderr):  # the callers print one line per check
+        make_model(model)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHELASTIC_", "MASTER_"))
+           and k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           os.path.join(os.path.dirname(HERE), "fake_sglang", "torchrun_engine.py"), workdir, model,
+           "--dist-timeout", str(int(max_start_s)), "--sync"] + (["--real-sglang"] if real_sglang else [])
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+    assert out.returncode == 0, f"torchrun exit {out.returncode}:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
+    starts = []
+    for rank in range(nproc):
+        with open(os.path.join(workdir, f"rank{rank}.json")) as f:
+            r = json.load(f)
+        assert r["agent_store_env"] == "True", f"rank {rank}: torchrun set no TORCHELASTIC_USE_AGENT_STORE"
+        assert r["engine_error"] is None, f"rank {rank}: the engine did not start: {r['engine_error']}"
+        assert r["engine_seconds"] < max_start_s, f"rank {rank}: the engine took {r['engine_seconds']:.0f} s"
+        rb = r["readback"]
+        assert rb["loaded_after_each"][-1] == rb["tensors"] and not any(rb["wrong_after_each"]) \
+            and not rb["wrong_at_end"], f"rank {rank}: weights read back differ: {rb}"
+        assert r["graders_alive"] == [True] and r["grade_acc"] is True, f"rank {rank}: graders after shutdown: {r}"
+        starts.append(r["engine_seconds"])
+    return (f"{nproc} engines under torchrun started in {max(starts):.1f} s at most; {rb['buckets']} buckets "
+            f"({rb['tensors']} tensors) read back after each; graders alive after shutdown")
+
+
+def check_sglang_torchrun(workdir: str) -> None:
+    print(run_engine_under_torchrun(workdir, real_sglang=True))
+
+
+SUBCOMMANDS = {"engines": check_engines, "fp8": check_fp8, "make-model": make_model, "dapo-metrics": dapo_metrics,
+               "sglang-torchrun": check_sglang_torchrun}
 
 
 if __name__ == "__main__":

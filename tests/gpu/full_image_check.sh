@@ -10,6 +10,9 @@
 #   sglang_contract    tests/gpu/test_sglang_contract.py: generate / update / sleep-wake against sglang.Engine
 #   two_engines        two colocated SGLang engines on two GPUs: sleep -> sync -> wake -> generate
 #   fp8_thd_step       FP8 forward / backward with THD packing on Transformer Engine
+#   fp8_sp_tp2_step    the same at TP=2 with sequence parallelism (tensorwise, blockwise), odd lengths
+#   sglang_torchrun    2 colocated engines built under torchrun start within a minute; a weight sync
+#                      read back from the engine after every bucket; graders alive after shutdown
 #   dapo_step_sglang   dapo-train, 2 ranks (DP=2), SGLang rollouts (load_format=dummy), 2 steps + validations
 #   dapo_step_rollout_tp2  the same with rollout.tensor_model_parallel_size=2: one engine over both
 #                      GPUs, each rank's flattened bucket read by the TP worker on its GPU (CUDA IPC)
@@ -58,6 +61,8 @@ sglang_contract() {  # a skipped contract test (no SGLang / GPU seen) is a failu
 run_check sglang_contract sglang_contract
 run_check two_engines $TORCHRUN --nproc_per_node 2 tests/gpu/full_image_check.py engines "$WORK"
 run_check fp8_thd_step $TORCHRUN --nproc_per_node 1 tests/gpu/full_image_check.py fp8
+run_check fp8_sp_tp2_step $TORCHRUN --nproc_per_node 2 tests/gpu/full_image_check.py fp8 sp
+run_check sglang_torchrun python tests/gpu/full_image_check.py sglang-torchrun "$WORK/torchrun_engine"
 
 dapo_step() {  # dapo_step NPROC RUN_NAME [override ...]
     local nproc=$1 run=$2
@@ -82,7 +87,7 @@ run_check dapo_step_rollout_tp2 dapo_step 2 run_tp2 "${COLOCATED[@]}" rollout.te
 server_step() {  # a server on GPU 1 (started here, stopped after), the trainer on GPU 0
     python tests/gpu/full_image_check.py make-model "$WORK/tiny" || return 1
     local port=31000 status=1 waited=0
-    python -m sglang.launch_server --model-path "$WORK/tiny" --tp-size 1 --base-gpu-id 1 --port $port \
+    NCCL_CUMEM_ENABLE=0 SGLANG_MEMORY_SAVER_CUDA_GRAPH=1 python -m sglang.launch_server --model-path "$WORK/tiny" --tp-size 1 --base-gpu-id 1 --port $port \
         --host 127.0.0.1 --mem-fraction-static 0.3 --load-format dummy --skip-tokenizer-init \
         > "$WORK/server.log" 2>&1 &
     local pid=$!

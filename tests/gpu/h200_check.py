@@ -21,7 +21,17 @@ and once for all of them:
 
 * ``collectives``: every tensor handed to a collective by the steps above is on
   ``collective_device(group)`` (real devices under NCCL; ``tests/collective_spy.py``);
-* ``device_index``: ``local_device_index()`` is ``LOCAL_RANK % device_count()``.
+* ``device_index``: ``local_device_index()`` is ``LOCAL_RANK % device_count()``;
+* ``sglang_torchrun`` (issue 18 items 1, 3, 7): two torchrun workers each build a colocated
+  ``SGLangEngine`` through the factory, with the fake ``sglang`` of ``tests/fake_sglang`` (no
+  SGLang here; its scheduler children do SGLang's tcp:// ``init_process_group``): each starts
+  within a minute under torchrun, a weight sync in 64 KiB buckets on this GPU (fresh CUDA-IPC
+  payloads read by the scheduler process) reads back every bucket right after it loads and at
+  the end, and the engine's shutdown leaves the reward graders alive;
+* ``fp8_sp_shapes`` (issue 18 item 2): the actor's micro-batches at TP 1/2/4/8, sequence
+  parallel on / off, THD / BSHD, every FP8 recipe and odd lengths pass Transformer Engine
+  2.11's shape checks on the local shard (TE is not on this machine: the step itself is
+  ``tests/gpu/full_image_check.sh``'s ``fp8_sp_tp2_step``).
 
 Prints one line per check (``PASS`` / ``FAIL name: detail``) and ``N passed, N failed``;
 the exit status is 1 when a check failed. ``--only NAME`` (repeatable) runs a subset.
@@ -38,6 +48,7 @@ import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # tests/: conftest (tiny configs), collective_spy, unit.actor.test_packing
+sys.path.insert(1, HERE)  # full_image_check's torchrun engine check
 
 import torch  # noqa: E402
 
@@ -193,6 +204,24 @@ def check_device_index():
     return f"LOCAL_RANK % {count} GPU(s)"
 
 
+def check_sglang_torchrun():
+    import tempfile
+
+    from full_image_check import run_engine_under_torchrun
+
+    with tempfile.TemporaryDirectory(prefix="h200_torchrun_") as work:
+        return run_engine_under_torchrun(work, real_sglang=False, timeout_s=150, max_start_s=60)
+
+
+def check_fp8_sp_shapes():
+    from unit.actor.test_packing import test_fp8_gemm_inputs_fit_transformer_engine_at_every_tp_and_layout as check
+
+    recipes = ("delayed", "tensorwise", "mxfp8", "blockwise")
+    for recipe in recipes:
+        check(recipe)
+    return f"TP 1/2/4/8 x SP x thd/bshd x {len(recipes)} recipes: every GEMM input passes TE's FP8 checks"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cpu", action="store_true", help="dry run on CPU / gloo (no CUDA specifics)")
@@ -235,6 +264,8 @@ def main(argv=None) -> int:
                 checks.run(f"logprobs_bf16_{name}", check_logprobs, fam, actor16, "bf16", 0.1, 0.02)
     checks.run("collectives", check_collectives, spy)
     checks.run("device_index", check_device_index)
+    checks.run("sglang_torchrun", check_sglang_torchrun)
+    checks.run("fp8_sp_shapes", check_fp8_sp_shapes)
     print(f"# {time.perf_counter() - t0:.0f} s", flush=True)
     print(f"{checks.passed} passed, {checks.failed} failed", flush=True)
     return 1 if checks.failed else 0

@@ -23,7 +23,7 @@ def test_h200_check_dry_run_on_cpu():
     assert all(ln.startswith("PASS ") for ln in lines[:-1]), lines
     for fam in ("llama_tied", "qwen2_bias"):
         assert {f"logprobs_fp32_{fam}", f"logprobs_bf16_{fam}", f"train_step_{fam}", f"sync_parity_{fam}"} <= set(names)
-    assert {"collectives", "device_index"} <= set(names)
+    assert {"collectives", "device_index", "sglang_torchrun", "fp8_sp_shapes"} <= set(names)
 
 
 def test_full_image_check_runs_only_known_subcommands(tmp_path):

@@ -239,3 +239,76 @@ def test_split_by_token_budget_counts_a_shared_prompt_once():
     assert [len(mb) for mb in shared] == [5]
     # 13 + 3 + 3 = 19, a 4th response would make 22 > 21: the next micro-batch encodes the prompt again
     assert [len(mb) for mb in split_by_token_budget(group, 21, share_prompts=True)] == [3, 2]
+
+
+# ------------------------------------------------------------------ FP8 GEMM shapes under sequence parallelism
+def _te_fp8_exec_ok(shape) -> bool:
+    """Transformer Engine 2.11 ``pytorch/utils.py`` ``assert_dim_for_fp8_exec``, verbatim condition."""
+    return math.prod(shape[:-1]) % 8 == 0 and shape[-1] % 16 == 0
+
+
+def _te_quantizable(recipe, shape) -> bool:
+    """``is_quantizable`` of the recipe's input quantizer (TE 2.11), asked by ``assert_dim_for_all_gather``
+    for a sequence-parallel input: MXFP8 blocks of 32 (``tensor/mxfp8_tensor.py``), FP8 blocks of 128
+    (``tensor/float8_blockwise_tensor.py``); per-tensor quantizers take any shape (``quantized_tensor.py``)."""
+    block = {"mxfp8": 32, "blockwise": 128}.get(recipe)
+    return block is None or (shape[-1] % block == 0 and math.prod(shape[:-1]) % block == 0)
+
+
+class _ProbeModel(torch.nn.Module):
+    """What :func:`resolve_actor_plan` reads of a model chunk: its config and, for THD, a module
+    named like TE's core attention (the plan's test for the TE spec)."""
+
+    def __init__(self, config, te):
+        super().__init__()
+        self.config = config
+        if te:
+            self.add_module("core_attention", type("TEDotProductAttention", (torch.nn.Module,), {})())
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "mxfp8", "blockwise"])
+def test_fp8_gemm_inputs_fit_transformer_engine_at_every_tp_and_layout(recipe):
+    """Every GEMM input the actor produces under FP8 passes TE 2.11's checks on the LOCAL shard
+    (issue 18 item 2): with sequence parallelism the column-parallel GEMMs (qkv, fc1) get
+    ``[T / TP, B, H]`` before the all-gather, the row-parallel ones (proj, fc2) ``[T, B, d / TP]``,
+    and the weight-gradient GEMM's inner dimension is the ``T * B`` gathered tokens (a multiple
+    of megatron-core's ``get_fp8_align_size``). Plans come from :func:`resolve_actor_plan`,
+    micro-batches from :func:`make_micro_batches` (length buckets included), over TP 1/2/4/8,
+    sequence parallel on / off, THD and BSHD, and random lengths."""
+    from types import SimpleNamespace
+
+    from dapo_megatron.actor.actor import ActorConfig
+    from dapo_megatron.actor.micro_batch import make_micro_batches
+    from dapo_megatron.actor.plan import fp8_align_size, resolve_actor_plan
+
+    H, q, kv, ffn = 256, 256, 128, 512  # a model whose dims TE accepts at TP 8 (h / TP multiples of 16)
+    align = fp8_align_size(recipe)
+    g = torch.Generator().manual_seed(hash(recipe) % 1000)
+    checked = 0
+    for tp in (1, 2, 4, 8):
+        for sp in ((False, True) if tp > 1 else (False,)):
+            for layout in ("thd", "bshd"):
+                config = SimpleNamespace(sequence_parallel=sp, fp8="e4m3", fp8_recipe=recipe, mtp_num_layers=None,
+                                         context_parallel_size=1, multi_latent_attention=False)
+                plan = resolve_actor_plan(ActorConfig(micro_batch_layout=layout, shared_prompt="off"),
+                                          _ProbeModel(config, te=layout == "thd"), tp_size=tp)
+                for trial in range(12):
+                    n = int(torch.randint(1, 7, (1,), generator=g))
+                    samples = random_samples(n, 100, seed=int(torch.randint(0, 10**6, (1,), generator=g)),
+                                             max_prompt=40, max_resp=70, min_resp=1)
+                    mbs, _ = make_micro_batches([samples], plan, device="cpu")
+                    for mb in mbs:
+                        B, T = mb.batch.input_ids.shape
+                        where = f"TP {tp} SP {sp} {layout} {recipe}: [B={B}, T={T}] of lengths " \
+                                f"{[len(s.prompt_ids) + len(s.response_ids) for s in samples]}"
+                        assert T % (tp if sp else 1) == 0, where
+                        local = (T // tp if sp else T, B)  # Megatron's [S, B, H] order
+                        inputs = [(*local, H), (*local, H), (T, B, q // tp), (T, B, ffn // tp)]  # qkv, fc1, proj, fc2
+                        weights = [((q + 2 * kv) // tp, H), (2 * ffn // tp, H), (H, q // tp), (H, ffn // tp)]
+                        for shape in inputs + weights:
+                            assert _te_fp8_exec_ok(shape), f"{where}: GEMM input {shape} fails assert_dim_for_fp8_exec"
+                        if sp:  # LayerNormLinear / LayerNormMLP all-gather the quantized local input
+                            assert _te_quantizable(recipe, (local[0] * B, H)), f"{where}: local {local} not quantizable"
+                        assert (T * B) % align == 0, f"{where}: wgrad inner dim {T * B} % {align}"
+                        checked += 1
+    assert checked > 100

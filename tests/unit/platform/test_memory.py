@@ -115,3 +115,39 @@ def test_a_micro_batch_too_large_names_the_token_budget():
     assert not est.fits
     assert any(p.startswith("train") and "actor.ppo_max_token_len_per_gpu (now 131,072)" in p
                and "recompute_granularity=full" in p for p in est.problems)
+
+
+@pytest.mark.parametrize("name", ["7b", "32b"])
+def test_cuda_graphs_kept_by_sleep_count_in_train_and_sync(name, monkeypatch):
+    """Issue 18 item 4: sglang 0.5.11 releases its CUDA graphs on sleep only when the scheduler
+    captured them with SGLANG_MEMORY_SAVER_CUDA_GRAPH=1 (the colocated engine sets it unless the
+    user set it); a user's 0 keeps them resident while the actor trains and during the sync."""
+    from dapo_megatron.platform.memory import DEFAULT_CUDA_GRAPH
+
+    cfg, hf = _cfg(name), _qwen(name)
+    monkeypatch.delenv("SGLANG_MEMORY_SAVER_CUDA_GRAPH", raising=False)
+    released = estimate_from_config(cfg, hf, GPUS[name])
+    assert released.parts["cuda_graphs_resident"] == 0
+    monkeypatch.setenv("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "0")
+    kept = estimate_from_config(cfg, hf, GPUS[name])
+    assert kept.parts["cuda_graphs_resident"] == DEFAULT_CUDA_GRAPH == 1 * GB
+    for phase in ("train", "sync"):
+        assert kept.phases[phase] == released.phases[phase] + DEFAULT_CUDA_GRAPH, phase
+    assert kept.phases["rollout"] == released.phases["rollout"], "awake, the graphs are in the runtime term"
+    monkeypatch.setenv("SGLANG_MEMORY_SAVER_CUDA_GRAPH", "true")  # sglang's get_bool_env_var spelling
+    assert estimate_from_config(cfg, hf, GPUS[name]).phases == released.phases
+    # a GPU just large enough for the released train phase: the kept graphs tip it over, named
+    tight = estimate_from_config(cfg, hf, GPUS[name], gpu_bytes=released.phases["train"] + 1,
+                                 cuda_graphs_released=False)
+    assert any(p.startswith("train:") and "SGLANG_MEMORY_SAVER_CUDA_GRAPH=1" in p for p in tight.problems)
+
+
+def test_the_engine_sizes_its_kv_pool_after_the_allocator_cache_is_emptied():
+    """Issue 18 item 6: F0 (the memory free at the engine's start) is the GPU minus the actor's
+    resident state and the overhead because the engine starts after empty_cache; blocks the
+    allocator kept would come off F0 and, times gpu_memory_utilization, off the KV pool."""
+    cfg, hf = _cfg("7b"), _qwen("7b")
+    base = estimate_from_config(cfg, hf, GPUS["7b"])
+    cached = estimate_from_config(cfg, hf, GPUS["7b"], allocator_cache_bytes=10 * GB)
+    assert base.parts["allocator_cache"] == 0 and cached.parts["allocator_cache"] == 10 * GB
+    assert abs((base.parts["kv_cache"] - cached.parts["kv_cache"]) - 5 * GB) <= 1  # 0.5 x 10 GB, int() rounding

@@ -106,6 +106,29 @@ def test_bucket_boundaries_match_iter_buckets_and_reuse_one_buffer():
         FlatBucketPacker(0)
 
 
+def test_engine_payloads_get_a_fresh_buffer_per_bucket_off_the_cpu():
+    """Issue 18 item 3: a CUDA-IPC payload is never refilled for the next bucket (SGLang may still
+    be copying from it; torch's IPC reference counting only protects memory nobody rewrites).
+    Off the CPU (the meta device stands for CUDA here) every bucket has its own storage, and the
+    packer holds none of them once resumed (at most the bucket the engine still holds is alive)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    assert flat_bucket.reuses_buffer(torch.device("cpu"))
+    assert not flat_bucket.reuses_buffer(torch.device("cuda", 0)) and not flat_bucket.reuses_buffer("meta")
+    named = [(f"t{i}", torch.full((8,), float(i))) for i in range(7)]  # 32 bytes each: 2 per bucket
+    packer = FlatBucketPacker(bucket_bytes=64, device="meta")
+    kept = list(packer.buckets(iter(named)))  # a consumer that still holds every payload
+    assert [b.names for b in kept] == [["t0", "t1"], ["t2", "t3"], ["t4", "t5"], ["t6"]]
+    assert len({StorageWeakRef(b.flat.untyped_storage()).cdata for b in kept}) == 4, "a buffer was refilled"
+    del kept
+    previous = None
+    for b in packer.buckets(iter(named)):
+        if previous is not None:
+            assert previous.expired(), "the packer still holds the previous bucket's buffer"
+        previous = StorageWeakRef(b.flat.untyped_storage())
+        del b
+
+
 def test_packer_drops_each_tensor_before_asking_for_the_next():
     # what lets the bridge reuse a bucket's memory (its storage must be unreferenced)
     from conftest import ReleaseRecorder

@@ -550,3 +550,25 @@ def test_error_messages_of_each_endpoint_format():
     assert sglang_error_message(b"Another flush_cache is already in progress.") == \
         "Another flush_cache is already in progress."
     assert sglang_error_message(b"") == "(empty response body)"
+
+
+def test_engine_starts_after_the_allocator_cache_is_emptied(fake_sglang, tiny_model_dir, monkeypatch):
+    """Issue 18 item 6: SGLang sizes its KV pool from the memory free when it starts, so the
+    colocated engine hands the allocator's cached blocks back (synchronize, empty_cache) before
+    sglang.Engine is built, in the trainer's path and in tools/eval.py's."""
+    from types import SimpleNamespace
+
+    from dapo_megatron.config import DAPOConfig, load_config
+    from dapo_megatron.rollout.factory import build_engine, training_engine_spec
+
+    events = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: events.append("synchronize"))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
+    real_init = _SpyEngine.__init__
+    monkeypatch.setattr(_SpyEngine, "__init__", lambda self, **kw: (events.append("Engine"), real_init(self, **kw))[1])
+    cfg = load_config(DAPOConfig, None, [f"model.hf_path={tiny_model_dir}", "rollout.name=sglang"])
+    build_engine(training_engine_spec(cfg, SimpleNamespace(eos_token_id=2), SimpleNamespace(eos_token_id=2)))
+    assert events == ["synchronize", "empty_cache", "Engine"]
