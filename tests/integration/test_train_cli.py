@@ -145,7 +145,9 @@ def test_converted_gsm8k_data_path_runs_a_zero_advantage_step_skipping_and_count
                "data.skip_invalid_rows=true", *GSM8K_STEP)
     assert out.returncode == 0, out.stderr[-3000:]
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
-    (run,) = client.search_runs([client.get_experiment_by_name("dapo_smollm2_cpu").experiment_id])
+    # verl's names: experiment = trainer.project_name (default), run name = trainer.experiment_name
+    (run,) = client.search_runs([client.get_experiment_by_name("dapo-megatron").experiment_id])
+    assert run.info.run_name == "dapo_smollm2_cpu"
     assert run.data.params["data_stats.train.invalid_rows_skipped"] == "1"
     assert run.data.params["data_stats.train.prompts"] == "15"
     m = run.data.metrics
