@@ -211,6 +211,40 @@ def validate_checkpoint(ckpt_dir: str) -> dict[str, Any]:
     return info
 
 
+def is_run_dir(path: str) -> bool:
+    """Whether ``path`` is a run directory (holds ``checkpoints/``) rather than one checkpoint."""
+    return os.path.isdir(checkpoints_dir(path)) and not os.path.isfile(os.path.join(path, MCORE_CONFIG_FILENAME))
+
+
+def latest_checkpoint_dir(run_dir: str) -> str:
+    """The ``step_{k}`` directory a resume of ``run_dir`` would load (:func:`read_latest_step`),
+    for the tools that take a run directory (conversion, evaluation).
+
+    Raises:
+        CheckpointError: ``latest`` is unreadable, or the run has no complete checkpoint.
+    """
+    try:
+        step = read_latest_step(run_dir)
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
+    if step is None:
+        raise CheckpointError(f"run directory {run_dir} holds no complete checkpoint in {checkpoints_dir(run_dir)}")
+    return step_dir(run_dir, step)
+
+
+def check_model_checkpoint(ckpt_dir: str) -> None:
+    """:func:`validate_checkpoint` for a trainer checkpoint, :func:`check_torch_dist_files` for a
+    model-only one (``bridge.save_model_checkpoint``); cheap, no tensor read.
+
+    Raises:
+        CheckpointError: naming the missing or truncated file.
+    """
+    if os.path.isfile(os.path.join(ckpt_dir, INFO_FILENAME)):
+        validate_checkpoint(ckpt_dir)
+    else:
+        check_torch_dist_files(ckpt_dir)
+
+
 # --------------------------------------------------------------------------- dist helpers
 
 
