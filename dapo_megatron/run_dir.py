@@ -2,7 +2,7 @@
 
 :func:`plan_start` decides from the files alone (rank 0, before any model loads);
 :func:`prepare_run_dir` applies it on rank 0 and hands the same :class:`RunStart` to every
-rank. The rules (``trainer.resume_mode``, docs/design.md §5.3):
+rank. The rules (``trainer.resume_mode``, docs/design.md §6):
 
 * ``auto``: resume from ``checkpoints/latest``. If ``latest`` names a step whose directory is
   gone, resume from the newest complete checkpoint left, with a warning that says so (the
