@@ -121,6 +121,8 @@ def _checked(ckpt: str, run_dir: Optional[str], step_hint: Optional[int]) -> dic
         older = _older_whole_checkpoint(run_dir, step_hint) if run_dir and step_hint is not None else None
         if older:
             fix = f"resume from the newest whole one with trainer.resume_mode={older}"
+        elif run_dir is None:  # trainer.resume_mode named this checkpoint
+            fix = "point trainer.resume_mode at another step_<k> directory"
         else:
             fix = "no older whole checkpoint is left"
         raise CheckpointError(f"cannot resume: {err}; {fix}, or set trainer.resume_mode=disable to start a new run "
@@ -237,10 +239,14 @@ def banner(cfg: DAPOConfig, parallel: ParallelDims, start: RunStart) -> str:
         engines = p.world_size // r.tensor_model_parallel_size
         rollout = f"colocated {r.name}, {engines} engine(s) of TP {r.tensor_model_parallel_size}"
     t = cfg.trainer
+
+    def every(freq: int) -> str:
+        return "never" if freq <= 0 else f"every {freq}"
+
     lines = [
         f"run directory {start.run_dir}",
         f"world {p.world_size}: actor TP {p.tp_size} x PP {p.pp_size} x DP {p.dp_size}; rollout {rollout}",
-        f"steps {t.total_training_steps} (save every {t.save_freq}, validate every {t.test_freq}); "
+        f"steps {t.total_training_steps} (checkpoint {every(t.save_freq)}, validation {every(t.test_freq)}); "
         f"{start.describe()}",
     ]
     return "\n".join(lines)

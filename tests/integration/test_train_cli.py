@@ -193,9 +193,9 @@ def test_converted_gsm8k_data_path_runs_a_zero_advantage_step_skipping_and_count
                "data.skip_invalid_rows=true", *GSM8K_STEP)
     assert out.returncode == 0, out.stderr[-3000:]
     # rank 0's start-up banner and end-of-run summary
-    for line in (f"run directory {tmp_path}\n",
-                 "world 1: actor TP 1 x PP 1 x DP 1; rollout colocated hf, 1 engine(s) of TP 1\n",
-                 "steps 1 (save every -1, validate every -1); new run from step 0\n",
+    for line in (f"\nrun directory {tmp_path}\n",
+                 "\nworld 1: actor TP 1 x PP 1 x DP 1; rollout colocated hf, 1 engine(s) of TP 1\n",
+                 "\nsteps 1 (checkpoint never, validation never); new run from step 0\n",
                  f"curves: {tmp_path}/metrics.jsonl; mlflow ui --backend-store-uri sqlite:///{tmp_path}/mlflow.db\n"):
         assert out.stderr.count(line) == 1, (line, out.stderr[-3000:])
     assert re.search(rf"done: 1 of 1 steps in \d+m\d\ds; run directory {re.escape(str(tmp_path))}\n", out.stderr)
