@@ -71,10 +71,20 @@ INFO_FILENAME = "checkpoint_info.json"
 RNG_DIRNAME = "rng"
 FORMAT_VERSION = 1
 
+DCP_METADATA_FILENAME = ".metadata"  # torch.distributed.checkpoint.filesystem._metadata_fn
+MCORE_CONFIG_FILENAME = "metadata.json"  # megatron.core.dist_checkpointing.core.CONFIG_FNAME
+MCORE_COMMON_FILENAME = "common.pt"  # megatron.core.dist_checkpointing.strategies.common.COMMON_STATE_FNAME
+
 OptimShardingType = Literal["dp_reshardable", "fully_reshardable"]
 _SHARDING_TYPES = ("dp_reshardable", "fully_reshardable")
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_DIR = re.compile(r"^step_\d+\.tmp-[0-9a-f]+$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint (or the ``latest`` pointer) that cannot be loaded; the message names the
+    file and the way out (which ``trainer.resume_mode`` to set). A ``ValueError``: bad input,
+    printed as one line by the CLIs."""
 
 
 # --------------------------------------------------------------------------- paths
@@ -127,6 +137,112 @@ def read_latest_step(run_dir: str) -> int | None:
         logger.warning("%s names step %d but %s is missing", path, step, step_dir(run_dir, step))
     steps = list_checkpoint_steps(run_dir)
     return steps[-1] if steps else None
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def check_torch_dist_files(ckpt_dir: str) -> None:
+    """Check that a megatron-core ``torch_dist`` directory is whole, without reading a tensor.
+
+    Reads only the index of torch DCP (``.metadata``: a pickled
+    ``torch.distributed.checkpoint.metadata.Metadata`` whose ``storage_data`` maps every
+    stored item to a ``filesystem._StorageInfo(relative_path, offset, length)``, read with
+    ``FileSystemReader.read_metadata``) and compares each data file's size with the end of
+    the last item it must hold; also requires megatron-core's ``metadata.json`` and
+    ``common.pt``. A shard cut short by a full disk or an interrupted copy is caught here,
+    not 50 frames deep in ``torch.load`` (torch 2.13 ``filesystem.FileSystemReader.read_data``).
+
+    Raises:
+        CheckpointError: naming the missing / unreadable / truncated file.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    for name in (MCORE_CONFIG_FILENAME, MCORE_COMMON_FILENAME, DCP_METADATA_FILENAME):
+        path = os.path.join(ckpt_dir, name)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path} is missing: {ckpt_dir} is not a complete torch_dist checkpoint")
+    try:
+        metadata = FileSystemReader(ckpt_dir).read_metadata()
+    except Exception as exc:  # a cut pickle: EOFError, UnpicklingError, ...
+        raise CheckpointError(f"{os.path.join(ckpt_dir, DCP_METADATA_FILENAME)} is unreadable "
+                              f"({type(exc).__name__}: {exc}): the checkpoint index is damaged") from None
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        end = int(info.offset) + int(info.length)
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for rel, end in sorted(needed.items()):
+        path = os.path.join(ckpt_dir, rel)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path} is missing (the checkpoint index {DCP_METADATA_FILENAME} lists it)")
+        size = os.path.getsize(path)
+        if size < end:
+            raise CheckpointError(f"{path} is truncated: {size} bytes, the checkpoint index "
+                                  f"{DCP_METADATA_FILENAME} needs {end}")
+
+
+def validate_checkpoint(ckpt_dir: str) -> dict[str, Any]:
+    """Check a trainer checkpoint (``step_{k}``) cheaply and return its ``checkpoint_info.json``.
+
+    Checks the info file, the trainer state, one RNG file per rank of the saving world and
+    the ``torch_dist`` files (:func:`check_torch_dist_files`: sizes against the index, no
+    tensor read). Cost: a few ``stat`` calls and the small index, whatever the model size.
+
+    Raises:
+        CheckpointError: naming the missing, empty or truncated file.
+    """
+    info_path = os.path.join(ckpt_dir, INFO_FILENAME)
+    if not os.path.isfile(info_path):
+        raise CheckpointError(f"{ckpt_dir} is not a complete checkpoint (no {INFO_FILENAME})")
+    try:
+        with open(info_path, encoding="utf-8") as f:
+            info = json.load(f)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{info_path} is damaged ({exc})") from None
+    if not isinstance(info, dict):
+        raise CheckpointError(f"{info_path} is damaged (not a JSON object)")
+    required = [TRAINER_STATE_FILENAME]
+    required += [os.path.join(RNG_DIRNAME, f"rank_{r}.pt") for r in range(int(info.get("world_size", 0)))]
+    for rel in required:
+        path = os.path.join(ckpt_dir, rel)
+        if not os.path.isfile(path) or os.path.getsize(path) == 0:
+            raise CheckpointError(f"{path} is {'empty' if os.path.isfile(path) else 'missing'}")
+    check_torch_dist_files(ckpt_dir)
+    return info
+
+
+def is_run_dir(path: str) -> bool:
+    """Whether ``path`` is a run directory (holds ``checkpoints/``) rather than one checkpoint."""
+    return os.path.isdir(checkpoints_dir(path)) and not os.path.isfile(os.path.join(path, MCORE_CONFIG_FILENAME))
+
+
+def latest_checkpoint_dir(run_dir: str) -> str:
+    """The ``step_{k}`` directory a resume of ``run_dir`` would load (:func:`read_latest_step`),
+    for the tools that take a run directory (conversion, evaluation).
+
+    Raises:
+        CheckpointError: ``latest`` is unreadable, or the run has no complete checkpoint.
+    """
+    try:
+        step = read_latest_step(run_dir)
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
+    if step is None:
+        raise CheckpointError(f"run directory {run_dir} holds no complete checkpoint in {checkpoints_dir(run_dir)}")
+    return step_dir(run_dir, step)
+
+
+def check_model_checkpoint(ckpt_dir: str) -> None:
+    """:func:`validate_checkpoint` for a trainer checkpoint, :func:`check_torch_dist_files` for a
+    model-only one (``bridge.save_model_checkpoint``); cheap, no tensor read.
+
+    Raises:
+        CheckpointError: naming the missing or truncated file.
+    """
+    if os.path.isfile(os.path.join(ckpt_dir, INFO_FILENAME)):
+        validate_checkpoint(ckpt_dir)
+    else:
+        check_torch_dist_files(ckpt_dir)
 
 
 # --------------------------------------------------------------------------- dist helpers
@@ -549,6 +665,8 @@ def load_checkpoint(
     Raises:
         FileNotFoundError: ``step`` / ``checkpoint_dir`` names no complete checkpoint, or
             the RNG file of this rank is missing (world size changed).
+        CheckpointError: a file of the checkpoint is missing or truncated
+            (:func:`validate_checkpoint`, naming it).
         ValueError: the checkpoint's format or optimizer sharding is unknown.
     """
     from megatron.core import dist_checkpointing
@@ -564,7 +682,7 @@ def load_checkpoint(
             f"{checkpoint_dir} is not a complete checkpoint (no {INFO_FILENAME}); "
             f"available steps under {checkpoints_dir(run_dir)}: {list_checkpoint_steps(run_dir)}"
         )
-    info = json.load(open(os.path.join(checkpoint_dir, INFO_FILENAME), encoding="utf-8"))
+    info = validate_checkpoint(checkpoint_dir)  # a truncated shard: named here, not deep in torch.load
     if info.get("format_version") != FORMAT_VERSION:
         raise ValueError(
             f"{checkpoint_dir} has checkpoint format_version={info.get('format_version')}, "

@@ -39,11 +39,8 @@ class TrackingConfig:
     """Tracking settings (``tracking.*``)."""
 
     tracking_uri: str | None = None
-    """MLflow tracking URI; ``None`` means ``sqlite:///<run_dir>/mlflow.db``."""
-    experiment_name: str = "dapo"
-    """MLflow experiment (created if missing)."""
-    run_name: str | None = None
-    """MLflow run name; ``None`` lets MLflow choose."""
+    """MLflow tracking URI; ``None`` means ``sqlite:///<run_dir>/mlflow.db``. The MLflow experiment
+    is ``trainer.project_name`` and the run name ``trainer.experiment_name`` (verl's mapping)."""
     run_id: str | None = None
     """continue this existing MLflow run (store ``Tracker.run_id`` in the trainer checkpoint and
     pass it back on resume); ``None`` starts a new run."""
@@ -114,14 +111,22 @@ class Tracker:
         config: :class:`TrackingConfig`.
         rank: global rank; ``None`` reads ``torch.distributed`` or ``$RANK``.
             Ranks other than 0 do nothing.
+        experiment_name: the MLflow experiment (created if missing); the trainer passes
+            ``trainer.project_name``, as verl's ``Tracking`` does (``mlflow.set_experiment(project_name)``,
+            verl/utils/tracking.py).
+        run_name: the MLflow run name (``MlflowClient.create_run(run_name=...)``); the trainer
+            passes ``trainer.experiment_name`` (verl: ``start_run(run_name=experiment_name)``).
+            A continued run (``config.run_id``) keeps its name.
 
     Attributes:
         mlflow_active: whether metrics still go to MLflow.
         run_id: MLflow run id (``None`` without MLflow).
     """
 
-    def __init__(self, run_dir: str, config: TrackingConfig | None = None, rank: int | None = None):
+    def __init__(self, run_dir: str, config: TrackingConfig | None = None, rank: int | None = None, *,
+                 experiment_name: str = "dapo-megatron", run_name: str | None = None):
         self.config = config or TrackingConfig()
+        self.experiment_name, self.run_name = experiment_name, run_name
         self.run_dir = os.path.abspath(run_dir)
         self.rank = _default_rank() if rank is None else rank
         self.enabled = self.rank == 0
@@ -154,15 +159,15 @@ class Tracker:
                 client.update_run(run.info.run_id, status="RUNNING")
                 self._client, self.run_id, self.mlflow_active = client, run.info.run_id, True
                 return
-            exp = client.get_experiment_by_name(self.config.experiment_name)
+            exp = client.get_experiment_by_name(self.experiment_name)
             if exp is not None:
                 exp_id = exp.experiment_id
             elif self.config.tracking_uri is None:
                 artifacts = "file://" + os.path.join(self.run_dir, "mlartifacts")
-                exp_id = client.create_experiment(self.config.experiment_name, artifact_location=artifacts)
+                exp_id = client.create_experiment(self.experiment_name, artifact_location=artifacts)
             else:
-                exp_id = client.create_experiment(self.config.experiment_name)
-            run = client.create_run(exp_id, run_name=self.config.run_name)
+                exp_id = client.create_experiment(self.experiment_name)
+            run = client.create_run(exp_id, run_name=self.run_name)
         except Exception as exc:  # unreachable server, bad URI, DB error: never stop training
             self._disable_mlflow(exc)
             return

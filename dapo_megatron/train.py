@@ -59,9 +59,11 @@ def _input_error(err: Exception, every_rank: bool = False) -> int:
 
 
 def main(argv=None) -> int:
-    """Run ``dapo-train`` on this rank; returns the exit status: 0, or 2 for a bad config
-    (printed by rank 0 as one line) or dataset (:func:`_input_error`). Other errors propagate
-    with their traceback."""
+    """Run ``dapo-train`` on this rank; returns the exit status: 0 (also when the run is already
+    done: one line, no model loaded), or 2 for a bad config, a damaged / missing checkpoint
+    (printed by rank 0 as one line) or dataset (:func:`_input_error`). Rank 0 prints a start-up
+    banner and an end-of-run summary (:mod:`dapo_megatron.run_dir`). Other errors propagate with
+    their traceback."""
     from dapo_megatron.platform.console import quiet_third_party
 
     quiet_third_party()  # before anything imports megatron-core (its import-time warnings)
@@ -85,10 +87,14 @@ def main(argv=None) -> int:
         print(to_yaml(cfg))
         return 0
 
+    from dapo_megatron.checkpointing import CheckpointError
     from dapo_megatron.platform import destroy_distributed, init_distributed
+    from dapo_megatron.run_dir import banner, prepare_run_dir, summary
     from dapo_megatron.trainer import DAPOTrainer
 
+    t0 = time.time()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    log = logging.getLogger("dapo_megatron.train")
     # colocated: ranks per engine; server mode: every rank is its own (trainer) rank of the rollout
     rollout_tp = cfg.rollout.tensor_model_parallel_size if cfg.rollout.mode == "colocated" else 1
     if cfg.rollout.mode == "server":  # before the first NCCL communicator: the servers' NCCL_CUMEM_ENABLE
@@ -100,20 +106,30 @@ def main(argv=None) -> int:
     if rank != 0:
         logging.getLogger().setLevel(logging.WARNING)
     try:
-        trainer = DAPOTrainer(cfg, parallel)
+        start = prepare_run_dir(cfg, parallel)  # file checks only: before any model loads
+        if start.finished:  # nothing to train: say so now, not after a minute of model loading
+            if rank == 0:
+                print(f"dapo-train: {start.run_dir} is already done: its checkpoint of step {start.step} "
+                      f"({start.checkpoint_dir}) reaches trainer.total_training_steps="
+                      f"{cfg.trainer.total_training_steps}; raise it to train on, or set "
+                      "trainer.resume_mode=disable to start a new run", flush=True)
+            return 0
+        if rank == 0:
+            log.info("dapo-train\n%s", banner(cfg, parallel, start))
+        trainer = DAPOTrainer(cfg, parallel, start)
         trainer.fit()
     except ConfigError as err:  # the same on every rank (e.g. the per-GPU memory estimate): rank 0 prints it
+        return _input_error(err)
+    except CheckpointError as err:  # a damaged or missing checkpoint: the same on every rank
         return _input_error(err)
     except DatasetError as err:  # e.g. a broken dataset row, met by some ranks only
         return _input_error(err, every_rank=True)
     finally:
         destroy_distributed()
     if rank == 0:
-        where = os.path.join(trainer.run_dir, cfg.tracking.metrics_file)
-        if cfg.tracking.use_mlflow:
-            where += f"; MLflow: mlflow ui --backend-store-uri {trainer.tracker.tracking_uri}"
-        logging.getLogger("dapo_megatron.train").info("done: %d of %d steps; metrics in %s", trainer.step,
-                                                      cfg.trainer.total_training_steps, where)
+        uri = trainer.tracker.tracking_uri if cfg.tracking.use_mlflow else None
+        log.info("%s", summary(trainer.run_dir, os.path.join(trainer.run_dir, cfg.tracking.metrics_file),
+                               trainer.step, cfg.trainer.total_training_steps, time.time() - t0, uri))
     return 0
 
 

@@ -51,6 +51,7 @@ from dapo_megatron.rollout.types import HELD_BY_ALL, Group, Sample
 if TYPE_CHECKING:  # config.run imports TrainerConfig from here
     from dapo_megatron.config.run import DAPOConfig
     from dapo_megatron.platform import ParallelDims
+    from dapo_megatron.run_dir import RunStart
 
 logger = logging.getLogger("dapo_megatron.trainer")
 
@@ -63,9 +64,9 @@ class TrainerConfig:
     """The training loop, its checkpoints and the run directory (verl ``trainer.*`` names)."""
 
     project_name: str = "dapo-megatron"
-    """MLflow experiment / project name; part of the default run directory."""
+    """project name: the MLflow experiment (as in verl); part of the default run directory."""
     experiment_name: str = "default"
-    """this run's name (MLflow run name); part of the default run directory."""
+    """this run's name: the MLflow run name (as in verl); part of the default run directory."""
     total_training_steps: int = 100
     """number of DAPO training steps (each: rollout, reward, dynamic sampling, actor updates, weight
     sync); >= 1."""
@@ -81,9 +82,11 @@ class TrainerConfig:
     ``runs/<project_name>/<experiment_name>`` (see :attr:`run_dir`). Must be on a file system
     shared by all ranks."""
     resume_mode: str = "auto"
-    """``"auto"`` resumes from ``<run dir>/checkpoints/latest`` when it exists, ``"disable"`` always
-    starts from step 0, any other value is the path of a ``step_<k>`` checkpoint directory to
-    resume from."""
+    """``"auto"`` resumes from ``<run dir>/checkpoints/latest`` when it exists (the newest complete
+    checkpoint, with a warning, when ``latest`` names a missing one), ``"disable"`` always starts
+    from step 0, any other value is the path of a ``step_<k>`` checkpoint directory to resume from.
+    A run that starts from step 0 moves a previous run's checkpoints and metrics to
+    ``<run dir>/previous_runs/<time>/``; a damaged checkpoint stops the run, naming the file."""
     val_before_train: bool = True
     """validate once before the first step (logged at step 0) when ``test_freq`` > 0, so a run's
     validation curve has its starting point."""
@@ -170,19 +173,22 @@ class DAPOTrainer:
 
     Build it on every rank with the :class:`~dapo_megatron.platform.ParallelDims` that
     :func:`dapo_megatron.platform.init_distributed` returned; then :meth:`fit`. Construction
-    resumes from ``<run_dir>/checkpoints/latest`` when ``trainer.resume_mode`` allows it.
+    resumes from ``<run_dir>/checkpoints/latest`` when ``trainer.resume_mode`` allows it, or
+    starts a new run with a previous run's files moved aside, as ``start``
+    (:func:`dapo_megatron.run_dir.prepare_run_dir`; computed here when None) says.
     """
 
-    def __init__(self, cfg: DAPOConfig, parallel: ParallelDims):
+    def __init__(self, cfg: DAPOConfig, parallel: ParallelDims, start: RunStart | None = None):
         from dapo_megatron.actor import MegatronActor
         from dapo_megatron.bridge import load_hf_weights, open_hf_source
-        from dapo_megatron.checkpointing import load_checkpoint, read_latest_step
+        from dapo_megatron.checkpointing import load_checkpoint
         from dapo_megatron.data import PromptStream, load_from_config, resolve_data_files
         from dapo_megatron.models import build_gpt_model, load_hf_config
         from dapo_megatron.rewards import RewardPool
         from dapo_megatron.rollout.buffer import RolloutBuffer
         from dapo_megatron.rollout.factory import build_training_rollout, load_tokenizer
         from dapo_megatron.rollout.step_data import DistributedGrader
+        from dapo_megatron.run_dir import prepare_run_dir
         from dapo_megatron.tracking import ProgressBar, Tracker
 
         self.cfg = cfg
@@ -192,6 +198,8 @@ class DAPOTrainer:
         self.rank, self.world = parallel.rank, parallel.world_size
         self.dp_rank, self.dp_size = parallel.dp_rank, parallel.dp_size
         self.mp_rank, self.mp_size = parallel.mp_rank, parallel.mp_size
+        # resume, or a new run (a previous run's files moved aside): dapo_megatron/run_dir.py
+        self.start = start if start is not None else prepare_run_dir(cfg, parallel)
         os.makedirs(self.run_dir, exist_ok=True)
 
         # data first: a broken dataset stops the run before minutes of model loading
@@ -232,9 +240,7 @@ class DAPOTrainer:
             if self.rank == 0:
                 logger.info("%s", estimate.report())
         model = build_gpt_model(self.hf_config, cfg.model, parallel=parallel)
-        resuming = t.resume_path is not None or (
-            t.resume_mode == "auto" and read_latest_step(self.run_dir) is not None
-        )
+        resuming = self.start.resuming
         if not resuming:  # a resumed run loads its weights from the checkpoint below
             load_hf_weights(model, open_hf_source(cfg.model.hf_path, cfg.model.gguf_file), strict=True,
                             parallel=parallel)
@@ -273,7 +279,7 @@ class DAPOTrainer:
         mlflow_run_id = None
         if resuming:
             state = load_checkpoint(self.run_dir, self.actor.model_chunks, self.actor.optimizer,
-                                    self.actor.scheduler, checkpoint_dir=t.resume_path)
+                                    self.actor.scheduler, checkpoint_dir=self.start.checkpoint_dir)
             self.step = state["step"]
             self.gen_batches_done = state["gen_batches_done"]
             self.stream.load_state_dict(state["streams"][self.dp_rank])
@@ -292,7 +298,9 @@ class DAPOTrainer:
         self._sync_weights()
 
         tracking = dataclasses.replace(cfg.tracking, run_id=cfg.tracking.run_id or mlflow_run_id)
-        self.tracker = Tracker(self.run_dir, tracking, rank=self.rank)
+        # verl's names: the MLflow experiment is the project, the run is the experiment
+        self.tracker = Tracker(self.run_dir, tracking, rank=self.rank, experiment_name=t.project_name,
+                               run_name=t.experiment_name)
         if self.step == 0:
             from dapo_megatron.config.loader import to_flat_dict
 

@@ -158,3 +158,59 @@ def smollm2_hf_dir(smollm2_gguf, tmp_path_factory) -> str:
     fresh.save_pretrained(out)
     AutoTokenizer.from_pretrained(path, gguf_file=fname).save_pretrained(out)
     return str(out)
+
+
+def _tiny_trainer_run_worker(run_dir: str, steps: tuple[int, ...]) -> None:
+    """Rank 0 of a 1-process world: a tiny GPTModel (2 layers, hidden 32, vocab 64) with Megatron
+    DDP, the distributed optimizer and a scheduler, one optimizer step before each trainer
+    checkpoint of ``steps`` (``dapo_megatron.checkpointing.save_checkpoint``, real torch_dist
+    files), and a metrics row per step through the real ``Tracker`` (JSONL only)."""
+    import torch
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.transformer import TransformerConfig
+
+    from dapo_megatron.checkpointing import save_checkpoint
+    from dapo_megatron.platform import ParallelConfig, init_distributed
+    from dapo_megatron.tracking import Tracker, TrackingConfig
+
+    par = init_distributed(ParallelConfig(1, 1), seed=3)
+    cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                            ffn_hidden_size=64, normalization="RMSNorm", gated_linear_unit=True,
+                            activation_func=torch.nn.functional.silu, add_bias_linear=False,
+                            use_cpu_initialization=True)
+    model = GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), vocab_size=64, max_sequence_length=8,
+                     position_embedding_type="rope")
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=True), model)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, use_distributed_optimizer=True), [ddp])
+    sched = OptimizerParamScheduler(opt, init_lr=1e-3, max_lr=1e-3, min_lr=1e-3, lr_warmup_steps=0,
+                                    lr_decay_steps=10, lr_decay_style="constant", start_wd=0.0, end_wd=0.0,
+                                    wd_incr_steps=10, wd_incr_style="constant")
+    tracker = Tracker(run_dir, TrackingConfig(use_mlflow=False), rank=0)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    done = 0
+    for step in steps:
+        while done < step:
+            opt.zero_grad()
+            ddp.zero_grad_buffer()
+            ddp(ids, torch.arange(8).expand(2, 8), None, labels=ids).float().mean().backward()
+            ddp.finish_grad_sync()
+            opt.step()
+            sched.step(1)
+            done += 1
+            tracker.log_metrics({"reward/acc_mean": 0.1 * done, "val/avg@2": 0.25 * done}, step=done)
+        save_checkpoint(run_dir, step, [ddp], opt, sched, {"step": step}, parallel=par)
+    tracker.finish()
+
+
+def write_tiny_trainer_run(run_dir: str, steps: tuple[int, ...] = (1, 2)) -> str:
+    """A run directory holding real trainer checkpoints of a tiny model at ``steps`` (``latest``
+    = the last) and its ``metrics.jsonl``, written by a spawned 1-process world (a few seconds;
+    the files are a few hundred KB, cheap to copy per test)."""
+    from dapo_megatron.platform import spawn
+
+    spawn(_tiny_trainer_run_worker, 1, run_dir, tuple(steps))
+    return run_dir

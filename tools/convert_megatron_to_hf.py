@@ -8,29 +8,74 @@ Usage::
     python tools/convert_megatron_to_hf.py --ckpt DIR --out DIR           # one process
     torchrun --nproc_per_node=2 tools/convert_megatron_to_hf.py --ckpt DIR --out DIR --tp 2
 
-The checkpoint loads at any TP/PP (``--tp``/``--pp`` choose the loading layout, default 1);
-vocabulary padding rows are trimmed, tied embeddings are written once
-(``model.embed_tokens.weight``). Rank 0 writes ``<out>.tmp`` and renames it when complete.
+``--ckpt`` is a model checkpoint (``convert_hf_to_megatron.py``), a trainer checkpoint
+``<run dir>/checkpoints/step_<k>``, or a run directory: its ``checkpoints/latest`` is followed
+(the checkpoint a resume would load; the step is printed). The checkpoint loads at any TP/PP
+(``--tp``/``--pp`` choose the loading layout, default 1); vocabulary padding rows are trimmed,
+tied embeddings are written once (``model.embed_tokens.weight``). Rank 0 writes ``<out>.tmp``
+and renames it when complete; the files get the mode a plain ``open`` gives (0666 less the
+umask: safetensors' writer creates 0600 files).
+
+Bad input (a missing or truncated checkpoint file, a bad flag, a world that does not fit
+``--tp`` x ``--pp``) is one line, ``convert_megatron_to_hf: error: ...``, exit status 2; the
+checkpoint is checked from its index and file sizes before any model is built
+(:func:`dapo_megatron.checkpointing.check_model_checkpoint`).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
+import sys
+
+from dapo_megatron.cli import ArgumentParser, positive_int, run_tool
+
+PROG = "convert_megatron_to_hf"
 
 SHARD_BYTES = 4 * 2**30
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--ckpt", required=True, help="Megatron model checkpoint directory")
+    p = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    p.add_argument("--ckpt", required=True,
+                   help="Megatron model checkpoint, trainer checkpoint step_<k>, or run directory (its latest)")
     p.add_argument("--out", required=True, help="output HF directory (replaced atomically)")
-    p.add_argument("--tp", type=int, default=1, help="tensor_model_parallel_size to load with")
-    p.add_argument("--pp", type=int, default=1, help="pipeline_model_parallel_size to load with")
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor_model_parallel_size to load with")
+    p.add_argument("--pp", type=positive_int, default=1, help="pipeline_model_parallel_size to load with")
     return p.parse_args(argv)
+
+
+def resolve_checkpoint(path: str) -> str:
+    """The checkpoint directory to convert for ``--ckpt``: ``path`` itself, or the latest
+    checkpoint of a run directory; checked cheaply (index and file sizes, no tensor read).
+
+    Raises:
+        InputError: ``path`` is not a directory. FileNotFoundError: not a dapo-megatron model
+        checkpoint. CheckpointError: a run directory without a checkpoint, a missing or
+        truncated checkpoint file.
+    """
+    from dapo_megatron.bridge import read_checkpoint_meta
+    from dapo_megatron.checkpointing import check_model_checkpoint, is_run_dir, latest_checkpoint_dir
+    from dapo_megatron.cli import InputError
+
+    if not os.path.isdir(path):
+        raise InputError(f"--ckpt {path!r} is not a directory (a Megatron checkpoint or a run directory)")
+    if is_run_dir(path):
+        path = latest_checkpoint_dir(path)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"[convert] run directory: converting its latest checkpoint, {path}", flush=True)
+    read_checkpoint_meta(path)
+    check_model_checkpoint(path)
+    return path
+
+
+def file_mode() -> int:
+    """The mode ``open(path, "w")`` gives a new file: 0666 less this process's umask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def write_safetensors(state: dict, out_dir: str, shard_bytes: int = SHARD_BYTES) -> list[str]:
@@ -65,11 +110,13 @@ def write_safetensors(state: dict, out_dir: str, shard_bytes: int = SHARD_BYTES)
     return names
 
 
-def main(argv=None) -> None:
+def convert(argv=None) -> None:
+    """Parse ``argv`` and convert (every rank); see the module docstring."""
     args = parse_args(argv)
     from dapo_megatron.platform.distributed import require_launch_world
 
     require_launch_world(args.tp, args.pp)
+    args.ckpt = resolve_checkpoint(args.ckpt)  # before torch.distributed and any model: file checks only
 
     import torch
     import torch.distributed as dist
@@ -113,6 +160,8 @@ def main(argv=None) -> None:
                            torch.float16: "float16"}[next(iter(state.values())).dtype]
         hf_config.save_pretrained(tmp)
         files = write_safetensors(state, tmp)
+        for fname in files:  # safetensors' writer creates 0600 files: give them a plain file's mode
+            os.chmod(os.path.join(tmp, fname), file_mode())
         if any(os.path.isfile(os.path.join(args.ckpt, f)) for f in TOKENIZER_FILES):
             from transformers import AutoTokenizer
 
@@ -127,5 +176,12 @@ def main(argv=None) -> None:
     destroy_distributed()
 
 
+def main(argv=None) -> int:
+    """:func:`convert`; bad input is one line and exit status 2 (:mod:`dapo_megatron.cli`)."""
+    from dapo_megatron.checkpointing import CheckpointError
+
+    return run_tool(PROG, convert, argv, (CheckpointError,))
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

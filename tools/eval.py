@@ -22,8 +22,10 @@ Usage::
   temporary HF directory by ``tools/convert_megatron_to_hf.py`` (one process, TP=PP=1),
   deleted at exit (``--keep-converted DIR`` keeps it). A checkpoint saved with the
   Transformer Engine spec converts anywhere: both specs write the same checkpoint keys
-  (``bridge.dist_ckpt.write_model_meta``). A run directory is rejected: name one of its
-  ``checkpoints/step_<k>``.
+  (``bridge.dist_ckpt.write_model_meta``). A run directory stands for its latest checkpoint
+  (``checkpoints/latest``, as a resume would load; the step is printed). The checkpoint is
+  checked from its index and file sizes before the conversion
+  (:func:`dapo_megatron.checkpointing.check_model_checkpoint`): a truncated shard is named.
 
 Duplicate prompts: DAPO-schema evaluation files often repeat each problem (the AIME 2024
 parquet holds its 30 problems 32 times each). Without ``--dedup`` every row is a prompt
@@ -42,8 +44,10 @@ prompts of the unbiased ``1 - C(n-c, k) / C(n, k)`` (Chen et al. 2021, Eq. 1), f
 (:class:`dapo_megatron.rewards.RewardPool`, chosen by ``data_source``), graded on the
 response decoded with ``skip_special_tokens=True``, as the trainer's ``validate()`` does.
 
-Output: stdout gets exactly one line, the metrics dict as JSON; progress goes to stderr.
-``--output FILE.jsonl`` writes one JSON object per prompt (see :func:`prompt_record`).
+Output: stdout gets exactly one line, the metrics dict as JSON; progress and, at the end, a
+table of the scores per data source (:func:`format_table`) go to stderr. ``--output
+FILE.jsonl`` writes one JSON object per prompt (see :func:`prompt_record`). Bad input (a flag,
+a missing or damaged model / checkpoint file) is one line, ``eval: error: ...``, exit status 2.
 
 Sampling is reproducible: response j of prompt i uses the sampler seed
 ``sample_seed(--seed, i, j)`` (:func:`dapo_megatron.rollout.engine.sample_seed`), so the
@@ -165,11 +169,21 @@ class EvalConfig:
         return sorted(set(self.k)) if self.k else [self.n]
 
 
+PROG = "eval"
+
+
 def parse_args(argv: Optional[Sequence[str]] = None) -> EvalConfig:
-    """Command line → validated :class:`EvalConfig` (``--help`` lists the flags)."""
+    """Command line → validated :class:`EvalConfig` (``--help`` lists the flags).
+
+    Raises:
+        ValueError: a flag out of its range (:meth:`EvalConfig.validate`); ``SystemExit(2)``
+            with one line for an unparsable flag.
+    """
+    from dapo_megatron.cli import ArgumentParser
+
     d = EvalConfig(model="", data=[])
-    p = argparse.ArgumentParser(prog="tools/eval.py", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="HF dir, GGUF dir (with --gguf-file) or Megatron model checkpoint")
     p.add_argument("--data", required=True, nargs="+", help="DAPO-schema parquet/jsonl file(s)")
     p.add_argument("--gguf-file", default=None, help="GGUF file name inside --model")
@@ -220,24 +234,29 @@ def resolve_model(model: str, gguf_file: Optional[str], workdir: str) -> tuple[s
 
     Raises:
         FileNotFoundError: ``model`` (or its GGUF file / config.json) does not exist.
-        ValueError: ``model`` is a run directory (name one of its ``checkpoints/step_<k>``),
-            a trainer checkpoint without ``dapo_megatron.json`` (saved by an older
-            trainer), or a Megatron checkpoint given with --gguf-file.
+        InputError (a ValueError): a trainer checkpoint without ``dapo_megatron.json`` (saved
+            by an older trainer), or a Megatron checkpoint given with --gguf-file.
+        CheckpointError (a ValueError): a run directory without a checkpoint, a missing or
+            truncated checkpoint file (named).
         RuntimeError: the conversion failed (its output is included).
     """
+    from dapo_megatron.checkpointing import check_model_checkpoint, is_run_dir, latest_checkpoint_dir
+    from dapo_megatron.cli import InputError
+
     if not os.path.isdir(model):
         raise FileNotFoundError(f"--model {model!r} is not a directory (HF / GGUF dir or Megatron checkpoint)")
-    if os.path.isdir(os.path.join(model, "checkpoints")) and not os.path.isfile(os.path.join(model, "config.json")):
-        raise ValueError(f"--model {model!r} is a run directory: pass one of its checkpoints, "
-                         f"{os.path.join(model, 'checkpoints', 'step_<k>')}")
+    if is_run_dir(model) and not os.path.isfile(os.path.join(model, "config.json")):
+        model = latest_checkpoint_dir(model)
+        _log(f"run directory: evaluating its latest checkpoint, {model}")
     if os.path.isfile(os.path.join(model, TRAINER_INFO_FILE)) and \
             not os.path.isfile(os.path.join(model, MEGATRON_META_FILE)):
-        raise ValueError(f"--model {model!r} is a trainer checkpoint without {MEGATRON_META_FILE} (saved before "
+        raise InputError(f"--model {model!r} is a trainer checkpoint without {MEGATRON_META_FILE} (saved before "
                          "DAPOTrainer.save wrote the HF config and tokenizer next to the model): it cannot be "
                          "converted; evaluate a checkpoint saved by the current trainer")
     if os.path.isfile(os.path.join(model, MEGATRON_META_FILE)):
         if gguf_file:
-            raise ValueError(f"--gguf-file {gguf_file!r} given with the Megatron checkpoint {model!r}; drop it")
+            raise InputError(f"--gguf-file {gguf_file!r} given with the Megatron checkpoint {model!r}; drop it")
+        check_model_checkpoint(model)  # a truncated shard named now, not in the conversion's traceback
         out = os.path.join(workdir, "hf")
         _log(f"converting the Megatron checkpoint {model} to HF safetensors in {out}")
         _run_tool([sys.executable, CONVERT_TO_HF, "--ckpt", model, "--out", out],
@@ -260,6 +279,10 @@ def _run_tool(cmd: list[str], what: str) -> None:
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode == 2 and proc.stderr.strip():  # the tool's one-line input error: pass it on
+        from dapo_megatron.cli import InputError
+
+        raise InputError(proc.stderr.strip().splitlines()[-1].split(": error: ", 1)[-1])
     if proc.returncode != 0:
         raise RuntimeError(f"{what} failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
 
@@ -452,14 +475,47 @@ def write_jsonl(records: Sequence[dict], path: str) -> None:
     os.replace(tmp, path)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    cfg = parse_args(argv)
+def format_table(metrics: dict[str, float], records: Sequence[dict], cfg: EvalConfig) -> str:
+    """The closing table (stderr): one row per data source and one for all prompts, with the
+    prompt count, avg@n and pass@k for every k; then samples, mean response length, clip ratio
+    and generation time. Values are those of ``metrics`` (:func:`evaluate`)."""
+    sources = sorted({r["data_source"] for r in records})
+    head = ["data source", "prompts", f"avg@{cfg.n}", *(f"pass@{k}" for k in cfg.ks)]
+    rows = []
+    for name, prefix in [*((s, f"val/{s}/") for s in sources), ("all", "val/")]:
+        rows.append([name, str(int(metrics[f"{prefix}num_prompts"])), f"{metrics[f'{prefix}avg@{cfg.ks[0]}']:.4f}",
+                     *(f"{metrics[f'{prefix}pass@{k}']:.4f}" for k in cfg.ks)])
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    fmt = "  ".join(["{:<%d}" % widths[0], *("{:>%d}" % w for w in widths[1:])])
+    lines = [fmt.format(*head), *(fmt.format(*r) for r in rows)]
+    lines.append(f"{int(metrics['eval/num_samples'])} samples (n={cfg.n}), mean response "
+                 f"{metrics['eval/response_length_mean']:.1f} tokens, {100 * metrics['eval/clip_ratio']:.1f}% cut at "
+                 f"--max-new-tokens, generation {metrics['eval/generate_s']:.1f} s")
+    return "\n".join(lines)
+
+
+def run(cfg: EvalConfig) -> None:
+    """Evaluate, write ``--output``, print the metrics line (stdout) and the table (stderr)."""
     metrics, records = evaluate(cfg)
     if cfg.output:
         write_jsonl(records, cfg.output)
         _log(f"wrote {len(records)} prompts to {cfg.output}")
     print(json.dumps(metrics, sort_keys=True), flush=True)
-    return 0
+    print(format_table(metrics, records, cfg), file=sys.stderr, flush=True)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """:func:`run`; bad input (a flag out of range, a missing / damaged model or checkpoint, a bad
+    dataset) is one line and exit status 2 (:mod:`dapo_megatron.cli`). Returns the exit status."""
+    from dapo_megatron.checkpointing import CheckpointError
+    from dapo_megatron.cli import report_input_error, run_tool
+    from dapo_megatron.data import DatasetError
+
+    try:
+        cfg = parse_args(argv)
+    except ValueError as err:  # EvalConfig.validate: a flag out of its range
+        return report_input_error(PROG, err)
+    return run_tool(PROG, lambda _: run(cfg), None, (CheckpointError, DatasetError))
 
 
 if __name__ == "__main__":  # required: the grader pool spawns processes that re-import __main__

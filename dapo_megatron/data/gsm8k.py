@@ -13,7 +13,6 @@ last line is ``#### N`` (openai/grade-school-math). Output rows:
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -105,13 +104,25 @@ def convert_gsm8k(
         ``{"train": n_train, "val": n_val}``.
 
     Raises:
-        GSM8KFormatError: bad input line. ValueError: ``split_val`` out of range.
+        GSM8KFormatError: bad input line, or no problem in the input.
+        InputError (a ValueError): ``split_val`` out of range, or an output path is the input.
     """
+    from dapo_megatron.cli import InputError
     from dapo_megatron.data.schema import write_dapo_rows
 
+    if not os.path.isfile(input_path):
+        raise InputError(f"--input {input_path!r} is not a file (GSM8K jsonl)")
+    val_path = val_output or default_val_path(output_path)
+    for flag, path in (("--output", output_path), ("--val-output", val_path)):
+        # never overwrite the source (the same file by another name too); checked before reading
+        if os.path.realpath(path) == os.path.realpath(input_path) or (
+                os.path.exists(path) and os.path.samefile(path, input_path)):
+            raise InputError(f"{flag} {path!r} is the --input file: choose another output path")
     pairs = read_gsm8k(input_path)
+    if not pairs:
+        raise GSM8KFormatError(f"{input_path} is empty: no GSM8K line (question/answer JSON) in it")
     if not 0 <= split_val < len(pairs):
-        raise ValueError(f"--split-val must be in [0, {len(pairs)}) for {input_path}, got {split_val}")
+        raise InputError(f"--split-val must be in [0, {len(pairs)}) for {input_path}, got {split_val}")
     val_idx = set(random.Random(seed).sample(range(len(pairs)), split_val)) if split_val else set()
     train_rows, val_rows = [], []
     for i, (q, a) in enumerate(pairs):
@@ -121,13 +132,16 @@ def convert_gsm8k(
             train_rows.append(gsm8k_to_dapo(q, a, i, "train"))
     write_dapo_rows(train_rows, output_path)
     if val_rows:
-        write_dapo_rows(val_rows, val_output or default_val_path(output_path))
+        write_dapo_rows(val_rows, val_path)
     return {"train": len(train_rows), "val": len(val_rows)}
 
 
 def main(argv: list[str] | None = None) -> dict[str, int]:
-    """CLI: ``--input gsm8k_train.jsonl --output out.parquet [--split-val N]``."""
-    p = argparse.ArgumentParser(description="Convert GSM8K jsonl to the DAPO schema (parquet or jsonl).")
+    """CLI: ``--input gsm8k_train.jsonl --output out.parquet [--split-val N]``; bad input raises
+    (``tools/prepare_gsm8k.py`` prints it as one line, exit status 2)."""
+    from dapo_megatron.cli import ArgumentParser
+
+    p = ArgumentParser(prog="prepare_gsm8k", description="Convert GSM8K jsonl to the DAPO schema (parquet or jsonl).")
     p.add_argument("--input", required=True, help="GSM8K jsonl with question/answer ('#### N')")
     p.add_argument("--output", required=True, help="train output, .parquet or .jsonl")
     p.add_argument("--split-val", type=int, default=0, help="hold out N random problems for validation")

@@ -49,11 +49,14 @@ class ParallelConfig:
 
 
 def require_launch_world(tp: int, pp: int) -> None:
-    """Exit (``SystemExit`` with the torchrun command to use) unless this launch has exactly
-    ``tp × pp`` processes: the tools take their layout from ``--tp``/``--pp``."""
+    """Raise :class:`~dapo_megatron.cli.InputError` (a one-line error of the tool, with the
+    torchrun command to use) unless this launch has exactly ``tp × pp`` processes: the tools
+    take their layout from ``--tp``/``--pp`` (each >= 1, checked by their parsers)."""
+    from dapo_megatron.cli import InputError
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != tp * pp:
-        raise SystemExit(f"--tp {tp} × --pp {pp} = {tp * pp} processes needed, running {world}: "
+        raise InputError(f"--tp {tp} × --pp {pp} = {tp * pp} processes needed, running {world}: "
                          f"launch with torchrun --nproc_per_node={tp * pp}")
 
 

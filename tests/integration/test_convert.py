@@ -42,6 +42,9 @@ def test_tiny_model_round_trip_tp2_torchrun_then_plain_export(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     out = _run([TO_HF, "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf2")])
     assert out.returncode == 0, out.stderr[-3000:]
+    umask = os.umask(0)
+    os.umask(umask)  # the mode a plain open() gives, not safetensors' 0600
+    assert os.stat(tmp_path / "hf2" / "model.safetensors").st_mode & 0o777 == 0o666 & ~umask
     src, back = _load_safetensors_dir(str(tmp_path / "hf")), _load_safetensors_dir(str(tmp_path / "hf2"))
     assert sorted(back) == sorted(src)
     for k in src:
@@ -58,13 +61,32 @@ def test_bad_inputs_stop_the_tools_with_the_name(tmp_path):
     hf = random_hf_model(cfg, seed=4)
     state = {k: v for k, v in hf.state_dict().items() if k != "model.layers.0.self_attn.v_proj.bias"}
     hf.save_pretrained(tmp_path / "hf", state_dict=state)
+    """Every input error: one line on stderr, exit status 2, no traceback, nothing written."""
+
+    def one_line(out, prog: str, *parts: str) -> str:
+        assert out.returncode == 2, out.stderr[-3000:]
+        (line,) = out.stderr.splitlines()
+        assert line.startswith(f"{prog}: error: ") and all(p in line for p in parts), line
+        return line
+
     out = _run([TO_MEGATRON, "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")])
-    assert out.returncode != 0 and "model.layers.0.self_attn.v_proj.bias" in out.stderr
+    one_line(out, "convert_hf_to_megatron", "model.layers.0.self_attn.v_proj.bias")
     assert not (tmp_path / "ckpt").exists()
     out = _run([TO_MEGATRON, "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt"), "--tp", "2"])
-    assert out.returncode != 0 and "torchrun --nproc_per_node=2" in out.stderr
+    one_line(out, "convert_hf_to_megatron", "torchrun --nproc_per_node=2")
+    line = one_line(_run([TO_MEGATRON, "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt"), "--tp", "0"]),
+                    "convert_hf_to_megatron")
+    assert line == "convert_hf_to_megatron: error: argument --tp: 0 must be >= 1 (see --help)"
+    one_line(_run([TO_MEGATRON, "--hf", str(tmp_path / "nope"), "--out", str(tmp_path / "ckpt")]),
+             "convert_hf_to_megatron", "--hf", "is not a directory")
     out = _run([TO_HF, "--ckpt", str(tmp_path / "hf"), "--out", str(tmp_path / "x")])
-    assert out.returncode != 0 and "not a dapo-megatron model checkpoint" in out.stderr
+    one_line(out, "convert_megatron_to_hf", "not a dapo-megatron model checkpoint")
+    one_line(_run([TO_HF, "--ckpt", str(tmp_path / "hf"), "--out", str(tmp_path / "x"), "--pp", "0"]),
+             "convert_megatron_to_hf", "argument --pp: 0 must be >= 1")
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    one_line(_run([TO_HF, "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "x")]),
+             "convert_megatron_to_hf", "holds no complete checkpoint")
+    assert not (tmp_path / "x").exists()
 
 
 @pytest.mark.slow

@@ -71,16 +71,23 @@ def test_parse_args_rejects_bad_flags_by_name(tmp_path):
 def test_resolve_model_names_what_is_wrong(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a directory"):
         ev.resolve_model(str(tmp_path / "missing"), None, str(tmp_path))
+    from dapo_megatron.checkpointing import CheckpointError
+
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match=r"run directory .*run holds no complete checkpoint"):
+        ev.resolve_model(str(tmp_path / "run"), None, str(tmp_path))
     step = tmp_path / "run" / "checkpoints" / "step_3"
     step.mkdir(parents=True)
     (step / "checkpoint_info.json").write_text("{}")
-    with pytest.raises(ValueError, match=r"run directory: pass one of its checkpoints, .*step_<k>"):
-        ev.resolve_model(str(tmp_path / "run"), None, str(tmp_path))
-    with pytest.raises(ValueError, match="trainer checkpoint without dapo_megatron.json"):
-        ev.resolve_model(str(step), None, str(tmp_path))
+    # a run directory stands for its latest checkpoint (here the only step directory)
+    for model in (tmp_path / "run", step):
+        with pytest.raises(ValueError, match="step_3' is a trainer checkpoint without dapo_megatron.json"):
+            ev.resolve_model(str(model), None, str(tmp_path))
     (step / "dapo_megatron.json").write_text("{}")
     with pytest.raises(ValueError, match="--gguf-file 'm.gguf' given with the Megatron checkpoint"):
         ev.resolve_model(str(step), "m.gguf", str(tmp_path))
+    with pytest.raises(CheckpointError, match=r"step_3/trainer_state.pt is missing"):  # checked before converting
+        ev.resolve_model(str(step), None, str(tmp_path))
     gguf_dir = tmp_path / "g"
     gguf_dir.mkdir()
     (gguf_dir / "m.gguf").write_bytes(b"")
@@ -89,6 +96,45 @@ def test_resolve_model_names_what_is_wrong(tmp_path):
     with pytest.raises(FileNotFoundError, match="other.gguf"):
         ev.resolve_model(str(gguf_dir), "other.gguf", str(tmp_path))
     assert ev.resolve_model(str(gguf_dir), "m.gguf", str(tmp_path)) == (str(gguf_dir), "m.gguf")
+
+
+def _eval_cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, EVAL, *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_input_errors_are_one_line_with_exit_status_2(tmp_path):
+    """A bad flag value, an unparsable flag and a missing model: one line each, exit status 2,
+    no traceback, nothing on stdout."""
+    cases = [(["--model", str(tmp_path), "--data", "x.jsonl", "--n", "2", "--k", "3"],
+              "eval: error: --k=3 must be in [1, --n=2]: pass@k needs at least k samples per prompt\n"),
+             (["--model", str(tmp_path), "--data", "x.jsonl", "--n", "two"],
+              "eval: error: argument --n: invalid int value: 'two' (see --help)\n"),
+             (["--model", str(tmp_path / "nope"), "--data", "x.jsonl"],
+              f"eval: error: --model '{tmp_path / 'nope'}' is not a directory (HF / GGUF dir or Megatron "
+              "checkpoint)\n")]
+    for args, line in cases:
+        proc = _eval_cli(*args)
+        assert (proc.returncode, proc.stderr, proc.stdout) == (2, line, ""), proc.stderr[-3000:]
+
+
+def test_closing_table_lists_every_source_and_all():
+    cfg = ev.EvalConfig(model="m", data=["d"], n=4, k=[1, 4])
+    metrics = {"val/avg@1": 0.5, "val/pass@1": 0.5, "val/avg@4": 0.5, "val/pass@4": 0.75, "val/num_prompts": 3.0,
+               "val/arithmetic/avg@1": 0.25, "val/arithmetic/pass@1": 0.25, "val/arithmetic/avg@4": 0.25,
+               "val/arithmetic/pass@4": 0.625, "val/arithmetic/num_prompts": 2.0,
+               "val/openai/gsm8k/avg@1": 1.0, "val/openai/gsm8k/pass@1": 1.0, "val/openai/gsm8k/avg@4": 1.0,
+               "val/openai/gsm8k/pass@4": 1.0, "val/openai/gsm8k/num_prompts": 1.0,
+               "eval/num_samples": 12.0, "eval/response_length_mean": 7.25, "eval/clip_ratio": 0.25,
+               "eval/generate_s": 3.14}
+    records = [{"data_source": "openai/gsm8k"}, {"data_source": "arithmetic"}, {"data_source": "arithmetic"}]
+    assert ev.format_table(metrics, records, cfg).splitlines() == [
+        "data source   prompts   avg@4  pass@1  pass@4",
+        "arithmetic          2  0.2500  0.2500  0.6250",
+        "openai/gsm8k        1  1.0000  1.0000  1.0000",
+        "all                 3  0.5000  0.5000  0.7500",
+        "12 samples (n=4), mean response 7.2 tokens, 25.0% cut at --max-new-tokens, generation 3.1 s",
+    ]
 
 
 # ---------------------------------------------------------------- end to end (slow)
@@ -104,8 +150,15 @@ def _run_eval(args: list[str]) -> tuple[dict, list[dict]]:
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1, proc.stdout  # stdout is exactly the metrics line
+    metrics = json.loads(lines[0])
+    # the closing table on stderr: its "all" row holds the printed metrics (4 decimals)
+    (row,) = [line.split() for line in proc.stderr.splitlines() if line.startswith("all ")]
+    ks = sorted(int(k.split("@")[1]) for k in metrics if k.startswith("val/pass@"))
+    n = int(args[args.index("--n") + 1])
+    assert row == ["all", str(int(metrics["val/num_prompts"])), f"{metrics[f'val/avg@{n}']:.4f}",
+                   *(f"{metrics[f'val/pass@{k}']:.4f}" for k in ks)], proc.stderr[-2000:]
     with open(out_path) as f:
-        return json.loads(lines[0]), [json.loads(line) for line in f]
+        return metrics, [json.loads(line) for line in f]
 
 
 def _check_metrics_against_records(metrics: dict, records: list[dict], n: int, ks: list[int]) -> None:
@@ -253,7 +306,8 @@ def test_eval_trainer_checkpoint_reads_the_trained_weights(tiny_llama_with_smoll
     step = run_dir / "checkpoints" / "step_1"
     assert (step / "dapo_megatron.json").is_file() and (step / "config.json").is_file()
     conv = tmp_path / "converted"
-    metrics, records = _run_eval(["--model", str(step), "--data", arithmetic_file, "--n", "2", "--max-new-tokens",
+    # the run directory stands for its latest checkpoint, step_1
+    metrics, records = _run_eval(["--model", str(run_dir), "--data", arithmetic_file, "--n", "2", "--max-new-tokens",
                                   "4", "--max-prompts", "2", "--num-workers", "1", "--keep-converted", str(conv),
                                   "--output", str(tmp_path / "r.jsonl")])
     _check_metrics_against_records(metrics, records, n=2, ks=[2])
@@ -264,3 +318,23 @@ def test_eval_trainer_checkpoint_reads_the_trained_weights(tiny_llama_with_smoll
         assert torch.equal(got[name], want[name]), name
     name = "model.layers.0.mlp.down_proj.weight"
     assert not torch.equal(got[name], base[name])  # the trained weights, not the run's base model
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(conv / "hf" / "model.safetensors").st_mode & 0o777 == 0o666 & ~umask  # not safetensors' 0600
+
+    # a shard cut short: eval and the converter name the file in one line, exit status 2, before
+    # any model is built (the index .metadata and the file sizes, not torch.load's traceback)
+    shard = max((p for p in step.iterdir() if p.suffix == ".distcp"), key=lambda p: p.stat().st_size)
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.truncate(size // 2)
+    line = f"{shard} is truncated: {size // 2} bytes, the checkpoint index .metadata needs {size}\n"
+    proc = subprocess.run([sys.executable, EVAL, "--model", str(run_dir), "--data", arithmetic_file, "--n", "1"],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 2 and proc.stderr.endswith(f"eval: error: {line}"), proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "convert_megatron_to_hf.py"), "--ckpt",
+                           str(run_dir), "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=600,
+                          env=env)
+    assert (proc.returncode, proc.stderr) == (2, f"convert_megatron_to_hf: error: {line}"), proc.stderr[-3000:]
+    assert f"converting its latest checkpoint, {step}" in proc.stdout and not (tmp_path / "x").exists()

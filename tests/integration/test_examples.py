@@ -85,7 +85,6 @@ def test_cpu_bf16_config_is_the_main_job_in_bf16():
         "model.params_dtype": ("float32", "bfloat16"),
         "trainer.default_local_dir": ("runs/dapo_smollm2_cpu", "runs/dapo_smollm2_cpu_bf16"),
         "trainer.experiment_name": ("dapo_smollm2_cpu", "dapo_smollm2_cpu_bf16"),
-        "tracking.experiment_name": ("dapo_smollm2_cpu", "dapo_smollm2_cpu_bf16"),
     }
     assert set(fp32) == set(bf16)
 

@@ -89,6 +89,36 @@ def test_bad_input_names_line_and_field(tmp_path):
         convert_gsm8k(str(src), str(tmp_path / "o.parquet"))
 
 
+def _tool(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, TOOL, *args], capture_output=True, text=True, timeout=300)
+
+
+def test_input_errors_are_one_line_exit_2_and_never_overwrite_the_input(tmp_path):
+    src = write_small(tmp_path / "g.jsonl")
+    before = open(src, "rb").read()
+    same = os.path.join(str(tmp_path), ".", "g.jsonl")  # the input under another spelling
+    cases = [
+        (["--input", src, "--output", src], f"--output {src!r} is the --input file: choose another output path"),
+        (["--input", src, "--output", same], f"--output {same!r} is the --input file: choose another output path"),
+        (["--input", src, "--output", str(tmp_path / "o.jsonl"), "--split-val", "1", "--val-output", src],
+         f"--val-output {src!r} is the --input file: choose another output path"),
+        (["--input", src, "--output", str(tmp_path / "o.jsonl"), "--split-val", "4"],
+         f"--split-val must be in [0, 4) for {src}, got 4"),
+        (["--input", str(tmp_path / "none.jsonl"), "--output", str(tmp_path / "o.jsonl")],
+         f"--input {str(tmp_path / 'none.jsonl')!r} is not a file (GSM8K jsonl)"),
+        (["--input", src, "--output", str(tmp_path / "o.jsonl"), "--split-val", "x"],
+         "argument --split-val: invalid int value: 'x' (see --help)"),
+    ]
+    for args, msg in cases:
+        out = _tool(*args)
+        assert (out.returncode, out.stderr, out.stdout) == (2, f"prepare_gsm8k: error: {msg}\n", ""), args
+    assert open(src, "rb").read() == before and not (tmp_path / "o.jsonl").exists()
+    (tmp_path / "empty.jsonl").write_text("\n")
+    out = _tool("--input", str(tmp_path / "empty.jsonl"), "--output", str(tmp_path / "o.jsonl"), "--split-val", "5")
+    assert (out.returncode, out.stderr) == (2, f"prepare_gsm8k: error: {tmp_path / 'empty.jsonl'} is empty: no GSM8K "
+                                               "line (question/answer JSON) in it\n")
+
+
 def test_shared_gsm8k_train(tmp_path):
     if not os.path.exists(SHARED_GSM8K):
         pytest.skip(f"shared GSM8K file not found at {SHARED_GSM8K}")

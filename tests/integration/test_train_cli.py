@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -90,6 +91,53 @@ def test_print_config_resolves_yaml_and_overrides():
 
 
 @pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """Real trainer checkpoints of a tiny model at steps 1 and 2 (``latest`` = 2) and their metrics."""
+    from conftest import write_tiny_trainer_run
+
+    return write_tiny_trainer_run(str(tmp_path_factory.mktemp("tiny") / "run"), (1, 2))
+
+
+def _run_dir_cli(run_dir, smollm2_gguf, *overrides):
+    return _cli("--config", CPU_YAML, f"model.hf_path={smollm2_gguf[0]}", "parallel.tensor_model_parallel_size=1",
+                f"trainer.default_local_dir={run_dir}", *overrides, timeout=300)
+
+
+def test_finished_run_says_so_in_one_line_before_loading_a_model(tiny_run, smollm2_gguf, tmp_path):
+    """Resuming a run whose checkpoint is at trainer.total_training_steps: one line, exit 0, and
+    nothing built (the trainer writes the task data to <run dir>/data before loading the model)."""
+    import shutil
+
+    run_dir = shutil.copytree(tiny_run, tmp_path / "run")
+    metrics = (run_dir / "metrics.jsonl").read_text()
+    out = _run_dir_cli(run_dir, smollm2_gguf, "trainer.total_training_steps=2")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout == (f"dapo-train: {run_dir} is already done: its checkpoint of step 2 ({run_dir}/checkpoints/"
+                          "step_2) reaches trainer.total_training_steps=2; raise it to train on, or set "
+                          "trainer.resume_mode=disable to start a new run\n")
+    assert not (run_dir / "data").exists() and (run_dir / "metrics.jsonl").read_text() == metrics
+    assert sorted(os.listdir(run_dir)) == ["checkpoints", "metrics.jsonl"]
+
+
+def test_damaged_checkpoint_is_one_line_naming_the_file_and_the_resume_mode(tiny_run, smollm2_gguf, tmp_path):
+    import shutil
+
+    run_dir = shutil.copytree(tiny_run, tmp_path / "run")
+    step2 = run_dir / "checkpoints" / "step_2"
+    shard = max((p for p in step2.iterdir() if p.suffix == ".distcp"), key=lambda p: p.stat().st_size)
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.truncate(size - 1)
+    out = _run_dir_cli(run_dir, smollm2_gguf, "trainer.total_training_steps=3")
+    assert out.returncode == 2
+    assert out.stderr == (f"dapo-train: error: cannot resume: {shard} is truncated: {size - 1} bytes, the checkpoint "
+                          f"index .metadata needs {size}; resume from the newest whole one with "
+                          f"trainer.resume_mode={run_dir}/checkpoints/step_1, or set trainer.resume_mode=disable to "
+                          "start a new run (the old run's files are moved aside)\n")
+    assert not (run_dir / "data").exists()
+
+
+@pytest.fixture(scope="module")
 def gsm8k_with_broken_row(tmp_path_factory):
     src = os.path.join(REPO, "..", "shared", "data", "gsm8k_train.jsonl")
     if not os.path.isfile(src):
@@ -144,8 +192,17 @@ def test_converted_gsm8k_data_path_runs_a_zero_advantage_step_skipping_and_count
                f"data.train_files=[{gsm8k_with_broken_row}]", f"data.val_files=[{gsm8k_with_broken_row}]",
                "data.skip_invalid_rows=true", *GSM8K_STEP)
     assert out.returncode == 0, out.stderr[-3000:]
+    # rank 0's start-up banner and end-of-run summary
+    for line in (f"\nrun directory {tmp_path}\n",
+                 "\nworld 1: actor TP 1 x PP 1 x DP 1; rollout colocated hf, 1 engine(s) of TP 1\n",
+                 "\nsteps 1 (checkpoint never, validation never); new run from step 0\n",
+                 f"curves: {tmp_path}/metrics.jsonl; mlflow ui --backend-store-uri sqlite:///{tmp_path}/mlflow.db\n"):
+        assert out.stderr.count(line) == 1, (line, out.stderr[-3000:])
+    assert re.search(rf"done: 1 of 1 steps in \d+m\d\ds; run directory {re.escape(str(tmp_path))}\n", out.stderr)
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path}/mlflow.db")
-    (run,) = client.search_runs([client.get_experiment_by_name("dapo_smollm2_cpu").experiment_id])
+    # verl's names: experiment = trainer.project_name (default), run name = trainer.experiment_name
+    (run,) = client.search_runs([client.get_experiment_by_name("dapo-megatron").experiment_id])
+    assert run.info.run_name == "dapo_smollm2_cpu"
     assert run.data.params["data_stats.train.invalid_rows_skipped"] == "1"
     assert run.data.params["data_stats.train.prompts"] == "15"
     m = run.data.metrics

@@ -97,10 +97,11 @@ def test_main_job_logs_to_mlflow_and_checkpoints(reference_run):
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=f"sqlite:///{reference_run}/mlflow.db")
-    exp = client.get_experiment_by_name("dapo_smollm2_cpu")
+    # verl's names: experiment = trainer.project_name (default), run name = trainer.experiment_name
+    exp = client.get_experiment_by_name("dapo-megatron")
     assert exp is not None
     (run,) = client.search_runs([exp.experiment_id])
-    assert run.info.status == "FINISHED"
+    assert run.info.status == "FINISHED" and run.info.run_name == "dapo_smollm2_cpu"
     assert run.data.params["parallel.tensor_model_parallel_size"] == "2"
     assert run.data.params["data_stats.train.prompts"] == "64"
     for key in ("reward/acc_mean", "reward/reward_mean", "rollout/kept_groups", "rollout/num_gen_batches",

@@ -45,7 +45,7 @@ def test_sqlite_default_roundtrip(tmp_path):
     from mlflow.tracking import MlflowClient
 
     run_dir = tmp_path / "run"
-    tr = Tracker(str(run_dir), TrackingConfig(experiment_name="exp", run_name="r1"), rank=0)
+    tr = Tracker(str(run_dir), TrackingConfig(), rank=0, experiment_name="exp", run_name="r1")
     assert tr.mlflow_active and tr.tracking_uri == f"sqlite:///{run_dir}/mlflow.db"
     tr.log_params({"actor": {"optim": {"lr": 1e-6}}, "data": _Cfg()})
     steps = {0: {"loss": 0.5, "reward/mean": -0.25}, 1: {"loss": 0.25, "reward/mean": 0.125}}

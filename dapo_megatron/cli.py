@@ -1,0 +1,65 @@
+"""One-line input errors for the command-line tools (``tools/*.py``), as ``dapo-train`` prints them.
+
+Bad input (a flag, a missing or damaged file) is printed as ``<prog>: error: <message>`` on
+stderr, once, without a traceback, and the exit status is 2 (argparse's usage-error status);
+any other exception keeps its traceback (a bug must stay visible). Under torchrun only rank 0
+prints: an input error is the same on every rank, and a silent rank waits for rank 0 to print
+and exit (torchrun stops every worker as soon as one exits non-zero), as ``dapo-train`` does
+(:func:`dapo_megatron.train._input_error`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Callable, Optional, Sequence
+
+RANK0_GRACE_S = 60.0  # how long a silent torchrun rank waits for rank 0 to print the error
+
+
+class InputError(ValueError):
+    """Bad input to a tool; the message names the flag or file and the fix."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose usage errors are one line (``prog: error: ...``, exit 2)."""
+
+    def error(self, message: str):  # argparse prints the usage block first; one line here
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type=`` for an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def report_input_error(prog: str, err: BaseException) -> int:
+    """Print ``err`` as ``prog: error: ...`` (rank 0 only) and return 2."""
+    msg = err.args[0] if isinstance(err, KeyError) and err.args else str(err)  # KeyError's str() adds quotes
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{prog}: error: {msg}", file=sys.stderr, flush=True)
+    elif "TORCHELASTIC_RUN_ID" in os.environ:
+        time.sleep(RANK0_GRACE_S)  # rank 0 prints the same and exits; torchrun then ends this rank
+    return 2
+
+
+def run_tool(prog: str, main: Callable[[Optional[Sequence[str]]], object], argv: Optional[Sequence[str]] = None,
+             input_errors: tuple[type[BaseException], ...] = ()) -> int:
+    """Run a tool's ``main(argv)``; :class:`InputError`, ``FileNotFoundError`` and ``input_errors``
+    become one line and exit status 2, anything else propagates. Returns the exit status."""
+    from dapo_megatron.platform.console import quiet_third_party
+
+    quiet_third_party()  # the known-benign import warnings of megatron-core on CPU: one line means one line
+    try:
+        main(argv)
+    except (InputError, FileNotFoundError, NotADirectoryError, *input_errors) as err:
+        return report_input_error(prog, err)
+    return 0
