@@ -30,21 +30,45 @@ class ParallelConfig:
     """TP degree; divides the world size."""
     pipeline_model_parallel_size: int = 1
     """PP degree; TP × PP divides the world size, and DP = world / (TP × PP)."""
+    expert_model_parallel_size: int = 1
+    """EP degree (mixture-of-experts models only): each MoE layer's experts are split over EP ranks
+    (``num_experts / EP`` per rank, tokens exchanged by all-to-all). ETP × EP × PP divides the
+    world size (megatron-core's expert grid, ``parallel_state.initialize_model_parallel``); the
+    EP ranks of a stage are DP (and TP) ranks of the dense layers."""
+    expert_tensor_parallel_size: Optional[int] = None
+    """ETP degree (MoE only): each expert's FFN split like TP; None: the TP size (megatron-core's
+    default). verl and slime's large-MoE recipes use 1."""
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming a size below 1."""
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        etp = self.expert_tensor_parallel_size
+        if etp is not None and etp < 1:
+            raise ValueError(f"expert_tensor_parallel_size={etp} must be >= 1 or null (the TP size)")
+
+    @property
+    def etp_size(self) -> int:
+        """The expert TP size: ``expert_tensor_parallel_size``, or TP when None."""
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
 
     def check_world_size(self, world_size: int) -> None:
-        """Raise ``ValueError`` unless TP × PP divides ``world_size`` (the launched processes)."""
+        """Raise ``ValueError`` unless TP × PP divides ``world_size`` (the launched processes), and
+        so does ETP × EP × PP (megatron-core's expert grid)."""
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
         if world_size % (tp * pp) != 0:
             raise ValueError(
                 f"tensor_model_parallel_size={tp} × pipeline_model_parallel_size={pp} does not divide "
                 f"the world size {world_size}: launch torchrun with --nproc_per_node a multiple of "
                 f"{tp * pp}, or change the parallel sizes"
+            )
+        ep, etp = self.expert_model_parallel_size, self.etp_size
+        if world_size % (etp * ep * pp) != 0:
+            raise ValueError(
+                f"expert_tensor_parallel_size={etp} × expert_model_parallel_size={ep} × "
+                f"pipeline_model_parallel_size={pp} = {etp * ep * pp} does not divide the world size {world_size}: "
+                f"the EP ranks of a pipeline stage are its DP × TP ranks ({world_size // pp} here); lower EP or ETP"
             )
 
 
@@ -124,7 +148,7 @@ def init_distributed(
     Idempotent for the same layout. Every rank must call it (it is collective).
 
     Args:
-        parallel: TP/PP sizes; DP is derived from the world size.
+        parallel: TP/PP (and EP/ETP) sizes; DP is derived from the world size.
         seed: base seed; Megatron derives the TP-rank-specific streams from it
             (``model_parallel_cuda_manual_seed``).
         timeout_s: collective timeout.
@@ -136,7 +160,8 @@ def init_distributed(
         ranks, sizes and groups (megatron-core's ``parallel_state`` is read here only).
 
     Raises:
-        ValueError: the world size does not fit ``parallel``, or ``rollout_tp`` does not
+        ValueError: the world size does not fit ``parallel`` (TP × PP, or ETP × EP × PP, does
+            not divide it), or ``rollout_tp`` does not
             divide the world size and the ranks per node (naming
             ``rollout.tensor_model_parallel_size``).
     """
@@ -169,12 +194,16 @@ def init_distributed(
             parallel_state.get_tensor_model_parallel_world_size() != parallel.tensor_model_parallel_size
             or parallel_state.get_pipeline_model_parallel_world_size()
             != parallel.pipeline_model_parallel_size
+            or parallel_state.get_expert_model_parallel_world_size() != parallel.expert_model_parallel_size
+            or parallel_state.get_expert_tensor_parallel_world_size() != parallel.etp_size
         ):
             parallel_state.destroy_model_parallel()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=parallel.tensor_model_parallel_size,
             pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+            expert_model_parallel_size=parallel.expert_model_parallel_size,
+            expert_tensor_parallel_size=parallel.etp_size,
         )
     model_parallel_cuda_manual_seed(seed)
 
@@ -185,6 +214,7 @@ def init_distributed(
     dist.all_gather_object(dp_rank_of, dp_rank)  # once per call: every rank's DP shard, for routing data to it
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     mp_group = parallel_state.get_model_parallel_group()
+    ep_group = parallel_state.get_expert_model_parallel_group()
     return ParallelDims(
         world_size=world,
         rank=rank,
@@ -209,6 +239,13 @@ def init_distributed(
         rollout_index=index,
         num_engines=len(engines),
         rollout_group=_rollout_gloo_group(engines, index) if rollout_tp > 1 else None,
+        ep_size=parallel_state.get_expert_model_parallel_world_size(),
+        ep_rank=parallel_state.get_expert_model_parallel_rank(),
+        ep_group=ep_group,
+        ep_ranks=tuple(dist.get_process_group_ranks(ep_group)),
+        etp_size=parallel_state.get_expert_tensor_parallel_world_size(),
+        etp_rank=parallel_state.get_expert_tensor_parallel_rank(),
+        etp_group=parallel_state.get_expert_tensor_parallel_group(),
     )
 
 
