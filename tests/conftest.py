@@ -110,8 +110,15 @@ def tiny_moe_config(name: str, **overrides):
 def hf_checkpoint_state(model, directory) -> dict:
     """The HF checkpoint tensors of ``model`` as transformers writes them (``save_pretrained``
     into ``directory``, read back from the safetensors): an MoE model's experts under their
-    per-expert checkpoint names (transformers 5 splits its fused expert parameters on save)."""
+    per-expert checkpoint names (transformers 5 splits its fused expert parameters on save).
+    Call it before ``torch.distributed`` is initialised: transformers then writes on rank 0 only
+    (``distributed/mixin.py``, ``should_save_on_this_rank``)."""
+    import torch.distributed as dist
     from safetensors.torch import load_file
+
+    if dist.is_initialized():
+        raise RuntimeError("hf_checkpoint_state after init_process_group: transformers saves on rank 0 only; "
+                           "build the state before initialising torch.distributed")
 
     model.save_pretrained(directory)
     return load_file(os.path.join(str(directory), "model.safetensors"))

@@ -8,7 +8,9 @@ Usage::
     python tools/convert_megatron_to_hf.py --ckpt DIR --out DIR           # one process
     torchrun --nproc_per_node=2 tools/convert_megatron_to_hf.py --ckpt DIR --out DIR --tp 2
 
-The checkpoint loads at any TP/PP (``--tp``/``--pp`` choose the loading layout, default 1);
+The checkpoint loads at any TP/PP, and EP/ETP for a mixture of experts (``--tp``/``--pp``/``--ep``/``--etp``
+choose the loading layout, default 1; ``pp × lcm(tp, ep × etp)`` processes); every expert is
+written under its per-expert HF checkpoint name;
 vocabulary padding rows are trimmed, tied embeddings are written once
 (``model.embed_tokens.weight``). Rank 0 writes ``<out>.tmp`` and renames it when complete.
 """
@@ -30,6 +32,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="output HF directory (replaced atomically)")
     p.add_argument("--tp", type=int, default=1, help="tensor_model_parallel_size to load with")
     p.add_argument("--pp", type=int, default=1, help="pipeline_model_parallel_size to load with")
+    p.add_argument("--ep", type=int, default=1, help="expert_model_parallel_size to load with (MoE models)")
+    p.add_argument("--etp", type=int, default=None,
+                   help="expert_tensor_parallel_size to load with (MoE models; default: --tp)")
     return p.parse_args(argv)
 
 
@@ -69,7 +74,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     from dapo_megatron.platform.distributed import require_launch_world
 
-    require_launch_world(args.tp, args.pp)
+    require_launch_world(args.tp, args.pp, args.ep, args.etp)
 
     import torch
     import torch.distributed as dist
@@ -85,7 +90,7 @@ def main(argv=None) -> None:
 
     meta = read_checkpoint_meta(args.ckpt)
     hf_config = load_checkpoint_hf_config(args.ckpt)
-    parallel = init_distributed(ParallelConfig(args.tp, args.pp))
+    parallel = init_distributed(ParallelConfig(args.tp, args.pp, args.ep, args.etp))
     # the layer spec of the save when this machine can build it (TE needs CUDA), else the local
     # spec: both read the same checkpoint keys (bridge.dist_ckpt.write_model_meta)
     saved_impl = meta.get("transformer_impl", "local")

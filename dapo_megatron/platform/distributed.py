@@ -72,13 +72,24 @@ class ParallelConfig:
             )
 
 
-def require_launch_world(tp: int, pp: int) -> None:
+def launch_world_size(tp: int, pp: int, ep: int = 1, etp: Optional[int] = None) -> int:
+    """The processes a tool's ``--tp/--pp/--ep/--etp`` layout needs: ``pp × lcm(tp, ep × etp)``
+    (the fewest that both the dense grid TP × DP and the expert grid ETP × EP × EDP fill)."""
+    import math
+
+    return pp * math.lcm(tp, ep * (etp or tp))
+
+
+def require_launch_world(tp: int, pp: int, ep: int = 1, etp: Optional[int] = None) -> None:
     """Exit (``SystemExit`` with the torchrun command to use) unless this launch has exactly
-    ``tp × pp`` processes: the tools take their layout from ``--tp``/``--pp``."""
+    :func:`launch_world_size` processes: the tools take their layout from ``--tp``/``--pp``
+    (``--ep``/``--etp`` for a mixture of experts)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != tp * pp:
-        raise SystemExit(f"--tp {tp} × --pp {pp} = {tp * pp} processes needed, running {world}: "
-                         f"launch with torchrun --nproc_per_node={tp * pp}")
+    need = launch_world_size(tp, pp, ep, etp)
+    if world != need:
+        layout = f"--tp {tp} × --pp {pp}" + (f" with --ep {ep}" + (f" --etp {etp}" if etp else "") if ep > 1 or etp else "")
+        raise SystemExit(f"{layout} = {need} processes needed, running {world}: "
+                         f"launch with torchrun --nproc_per_node={need}")
 
 
 def free_port() -> int:

@@ -7,7 +7,8 @@ Mixtral, tiny and random (tests/conftest.py ``tiny_moe_config``).
   layout, every expert under its own name, in the same order on every rank;
 - HFEngine, started from other random weights, synced from the EP=2 model, holds the
   checkpoint bitwise (its fused expert parameters filled through per-expert names) and gives the
-  same logprobs; a stream without one expert is refused, naming it;
+  same logprobs; a stream without one expert is refused, naming it; after one optimizer step of
+  the EP=2 actor (2 DP ranks, each its own samples) the synced engine gives the actor's logprobs;
 - EP=2 with the all-to-all dispatcher really moves tokens: the two EP ranks forward different
   sequences, each checked against transformers on its own;
 - layouts that cannot work fail with one line naming the key.
@@ -63,6 +64,41 @@ def _mismatches(exported: dict, reference: dict) -> list[str]:
     return bad
 
 
+def _train_then_sync(model, cfg, par, engine, rank: int) -> dict:
+    """One DAPO optimizer step of the EP=2 model (megatron-core DDP and distributed optimizer:
+    expert gradients reduced over the expert-DP group, the rest over DP; each rank trains its own
+    samples), then the sync: the engine's logprobs must equal the actor's, as in
+    tests/integration/test_weight_sync.py for dense models."""
+    from dapo_megatron.actor import ActorConfig, MegatronActor
+    from dapo_megatron.bridge import iter_hf_weights
+    from dapo_megatron.rollout.types import Sample
+
+    acfg = ActorConfig(ppo_mini_batch_size=1, ppo_max_token_len_per_gpu=64)
+    acfg.optim.lr, acfg.optim.weight_decay = 1e-2, 0.0
+    actor = MegatronActor(model, acfg, total_steps=4, vocab_size=cfg.vocab_size, parallel=par)
+    g = torch.Generator().manual_seed(rank)
+    samples = [Sample(prompt_ids=torch.randint(1, 250, (p,), generator=g).tolist(),
+                      response_ids=torch.randint(1, 250, (r,), generator=g).tolist(), rollout_logprobs=[0.0] * r,
+                      finish_reason="length", group_id=i // 2, advantage=1.0 if i % 2 else -1.0)
+               for i, (p, r) in enumerate(((5, 7), (9, 3), (4, 11), (12, 6)))]
+    before = actor.compute_logprobs([samples], 1.0)
+    for s, lp in zip(samples, before):
+        s.old_logprobs = lp.tolist()
+    metrics = actor.train_mini_batch([samples[:2], samples[2:]], 1.0)
+    after = actor.compute_logprobs([samples], 1.0)
+    engine.update_weights(iter_hf_weights(actor.model_chunks, parallel=par, bucket_bytes=4096), version=3)
+    diff = 0.0
+    with torch.no_grad():
+        for s, lp in zip(samples, after):
+            x = torch.tensor([s.prompt_ids + s.response_ids])
+            logits = engine.model(input_ids=x).logits[0].float()[len(s.prompt_ids) - 1:-1]
+            got = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
+            diff = max(diff, float((got - lp).abs().max()))
+    moved = max(float((a - b).abs().max()) for a, b in zip(before, after))
+    return {"grad_norm": float(metrics["grad_norm"]), "skipped": metrics["skipped"], "engine_vs_actor": diff,
+            "moved": moved}
+
+
 def _worker(out_dir: str, cases: dict, ids: dict) -> None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
@@ -110,6 +146,8 @@ def _worker(out_dir: str, cases: dict, ids: dict) -> None:
                     incomplete = str(e)
                 res["sync"][name] = {"held": _mismatches(held, state), "lp": eng_lp, "incomplete": incomplete,
                                      "dropped": dropped, "valid_after_incomplete": engine.weights_valid}
+                if name == "qwen3_moe":
+                    res["trained"] = _train_then_sync(model, cfg, par, engine, rank)
 
     # layouts that cannot work: one line naming the key (raised before any model is built)
     from dapo_megatron.models import ModelConfig
@@ -218,6 +256,17 @@ def test_sync_into_hf_engine_fills_every_expert(moe_results, family):
         # the completeness check counts experts: one missing expert tensor fails the sync, named
         assert sync["incomplete"] and "never updated" in sync["incomplete"] and sync["dropped"] in sync["incomplete"]
         assert not sync["valid_after_incomplete"]
+
+
+@pytest.mark.dist
+def test_ep2_training_step_then_sync_gives_the_engine_the_actors_logprobs(moe_results):
+    ranks, _, _ = moe_results
+    a, b = ranks[0]["trained"], ranks[1]["trained"]
+    assert a["skipped"] == 0.0 and a["grad_norm"] > 0
+    assert a["grad_norm"] == b["grad_norm"]  # one global norm: expert and dense gradients reduced over every rank
+    for r in (a, b):
+        assert r["moved"] > 1e-3, r  # the step changed the weights (experts included)
+        assert r["engine_vs_actor"] <= 1e-5, r
 
 
 @pytest.mark.dist
