@@ -2,7 +2,8 @@
 Mixtral, tiny and random (tests/conftest.py ``tiny_moe_config``).
 
 - logprobs equal transformers' (fp32, <= 1e-5) at EP=1 and EP=2 (every family), TP=2 with the
-  experts split over TP (ETP=2) and over nobody (ETP=1), and PP=2 (Qwen3-MoE);
+  experts split over TP (ETP=2) and over nobody (ETP=1), ETP=2 at TP=1 (the expert-TP group is
+  not the TP group), and PP=2 (Qwen3-MoE);
 - the export is bitwise the HF checkpoint (``save_pretrained``'s per-expert tensors) at every
   layout, every expert under its own name, in the same order on every rank;
 - HFEngine, started from other random weights, synced from the EP=2 model, holds the
@@ -29,7 +30,7 @@ from dapo_megatron.platform import ParallelConfig, spawn
 
 # (name, TP, PP, EP, ETP); the EP=2 layout's two ranks are its two DP ranks
 LAYOUTS = (("ep1", 1, 1, 1, None), ("ep2", 1, 1, 2, None), ("tp2", 2, 1, 1, None), ("tp2_etp1", 2, 1, 1, 1),
-           ("pp2", 1, 2, 1, None))
+           ("etp2_tp1", 1, 1, 1, 2), ("pp2", 1, 2, 1, None))  # etp2_tp1: experts split, attention whole
 ALL_FAMILIES_AT = ("ep1", "ep2")  # Qwen2-MoE and Mixtral here; Qwen3-MoE at every layout
 SEQ = 16
 
