@@ -623,6 +623,8 @@ def _info(step: int, chunks: list, sharding_type: str, optimizer: Any,
             tensor_model_parallel_size=parallel.tp_size,
             pipeline_model_parallel_size=parallel.pp_size,
             data_parallel_size=parallel.dp_size,
+            expert_model_parallel_size=parallel.ep_size,  # MoE: the experts' layout of the save
+            expert_tensor_parallel_size=parallel.etp_size,
         )
     return info
 

@@ -8,6 +8,8 @@
   (so Megatron pads it), ``max_position_embeddings`` 128; ``llama_gqa3`` has 6 heads in 3 KV
   groups (hidden 96), which TP=2 splits only with padded query groups. :func:`tiny_hf_config` builds
   one by name outside pytest (spawned workers, benchmarks).
+- :func:`tiny_moe_config` (``TINY_MOE_FAMILIES``): tiny Qwen3-MoE / Qwen2-MoE (shared expert) /
+  Mixtral configs, and :func:`hf_checkpoint_state`: a model's tensors under its checkpoint names.
 - ``shared_data_dir``: ``<repo>/../shared/data`` or a skip.
 - :class:`ReleaseRecorder`: a weight stream that records whether its consumer still holds
   the previous tensor when it asks for the next (what lets the bridge reuse its memory).
@@ -82,6 +84,46 @@ def tiny_hf_config(name: str, **overrides):
     raise ValueError(f"unknown tiny config {name!r}; choose from {TINY_FAMILIES}")
 
 
+TINY_MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
+
+
+def tiny_moe_config(name: str, **overrides):
+    """A tiny mixture-of-experts HF config: 2 layers, hidden 32, 4 heads in 2 KV groups, 4 experts
+    of FFN 16, top-2, vocab 250. ``qwen3_moe``: q/k norm, head_dim 8, renormalised top-k;
+    ``qwen2_moe``: qkv bias, a shared expert (FFN 24) with its sigmoid gate, top-k not
+    renormalised; ``mixtral``: llama attention, untied, always renormalised."""
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    common = dict(vocab_size=250, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=128, rms_norm_eps=1e-6, num_experts_per_tok=2, tie_word_embeddings=False)
+    if name == "qwen3_moe":
+        return Qwen3MoeConfig(**{**common, "intermediate_size": 64, "moe_intermediate_size": 16, "num_experts": 4,
+                                 "head_dim": 8, "norm_topk_prob": True, **overrides})
+    if name == "qwen2_moe":
+        return Qwen2MoeConfig(**{**common, "intermediate_size": 64, "moe_intermediate_size": 16, "num_experts": 4,
+                                 "shared_expert_intermediate_size": 24, "norm_topk_prob": False, **overrides})
+    if name == "mixtral":
+        return MixtralConfig(**{**common, "intermediate_size": 16, "num_local_experts": 4, **overrides})
+    raise ValueError(f"unknown tiny MoE config {name!r}; choose from {TINY_MOE_FAMILIES}")
+
+
+def hf_checkpoint_state(model, directory) -> dict:
+    """The HF checkpoint tensors of ``model`` as transformers writes them (``save_pretrained``
+    into ``directory``, read back from the safetensors): an MoE model's experts under their
+    per-expert checkpoint names (transformers 5 splits its fused expert parameters on save).
+    Call it before ``torch.distributed`` is initialised: transformers then writes on rank 0 only
+    (``distributed/mixin.py``, ``should_save_on_this_rank``)."""
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    if dist.is_initialized():
+        raise RuntimeError("hf_checkpoint_state after init_process_group: transformers saves on rank 0 only; "
+                           "build the state before initialising torch.distributed")
+
+    model.save_pretrained(directory)
+    return load_file(os.path.join(str(directory), "model.safetensors"))
+
+
 def random_hf_model(hf_config, seed: int = 0):
     """An HF causal LM with random weights, norms and biases perturbed away from 1 / 0
     (so a swapped or dropped norm/bias tensor changes the output)."""
@@ -96,6 +138,10 @@ def random_hf_model(hf_config, seed: int = 0):
                 p.add_(0.2 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.normal_(0.0, 0.2)
+            elif name.endswith(("mlp.gate.weight", "shared_expert_gate.weight")):
+                # routers (HF initialises Qwen's to zero: every expert tied) and the shared gate:
+                # spread, so that routing is decisive and a swapped expert changes the output
+                p.normal_(0.0, 0.5)
     return model
 
 

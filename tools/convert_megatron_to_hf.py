@@ -10,8 +10,9 @@ Usage::
 
 ``--ckpt`` is a model checkpoint (``convert_hf_to_megatron.py``), a trainer checkpoint
 ``<run dir>/checkpoints/step_<k>``, or a run directory: its ``checkpoints/latest`` is followed
-(the checkpoint a resume would load; the step is printed). The checkpoint loads at any TP/PP
-(``--tp``/``--pp`` choose the loading layout, default 1); vocabulary padding rows are trimmed,
+(the checkpoint a resume would load; the step is printed). The checkpoint loads at any TP/PP, and EP/ETP for a mixture of experts
+(``--tp``/``--pp``/``--ep``/``--etp`` choose the loading layout, default 1; ``pp × lcm(tp, ep × etp)``
+processes; every expert is written under its per-expert HF checkpoint name); vocabulary padding rows are trimmed,
 tied embeddings are written once (``model.embed_tokens.weight``). Rank 0 writes ``<out>.tmp``
 and renames it when complete; the files get the mode a plain ``open`` gives (0666 less the
 umask: safetensors' writer creates 0600 files).
@@ -44,6 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", required=True, help="output HF directory (replaced atomically)")
     p.add_argument("--tp", type=positive_int, default=1, help="tensor_model_parallel_size to load with")
     p.add_argument("--pp", type=positive_int, default=1, help="pipeline_model_parallel_size to load with")
+    p.add_argument("--ep", type=positive_int, default=1, help="expert_model_parallel_size to load with (MoE models)")
+    p.add_argument("--etp", type=positive_int, default=None,
+                   help="expert_tensor_parallel_size to load with (MoE models; default: --tp)")
     return p.parse_args(argv)
 
 
@@ -115,7 +119,7 @@ def convert(argv=None) -> None:
     args = parse_args(argv)
     from dapo_megatron.platform.distributed import require_launch_world
 
-    require_launch_world(args.tp, args.pp)
+    require_launch_world(args.tp, args.pp, args.ep, args.etp)
     args.ckpt = resolve_checkpoint(args.ckpt)  # before torch.distributed and any model: file checks only
 
     import torch
@@ -132,7 +136,7 @@ def convert(argv=None) -> None:
 
     meta = read_checkpoint_meta(args.ckpt)
     hf_config = load_checkpoint_hf_config(args.ckpt)
-    parallel = init_distributed(ParallelConfig(args.tp, args.pp))
+    parallel = init_distributed(ParallelConfig(args.tp, args.pp, args.ep, args.etp))
     # the layer spec of the save when this machine can build it (TE needs CUDA), else the local
     # spec: both read the same checkpoint keys (bridge.dist_ckpt.write_model_meta)
     saved_impl = meta.get("transformer_impl", "local")

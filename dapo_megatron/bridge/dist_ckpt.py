@@ -1,4 +1,4 @@
-"""Model-only Megatron distributed checkpoints (torch_dist) that reload at any TP/PP.
+"""Model-only Megatron distributed checkpoints (torch_dist) that reload at any TP/PP (EP/ETP).
 
 Layout of a checkpoint directory::
 
@@ -33,6 +33,9 @@ ARCH_FIELDS = (
     "model_type", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
     "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings", "rms_norm_eps",
     "hidden_act", "attention_bias",
+    # mixtures of experts (None on both sides for a dense model)
+    "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+    "shared_expert_intermediate_size", "norm_topk_prob",
 )
 
 
@@ -80,6 +83,9 @@ def write_model_meta(ckpt_dir: str, model_chunks, hf_config, tokenizer=None) -> 
         # the layout the model was built for (build_gpt_model writes it into its TransformerConfig)
         "tensor_model_parallel_size": model.config.tensor_model_parallel_size,
         "pipeline_model_parallel_size": model.config.pipeline_model_parallel_size,
+        # MoE: the expert layout of the save (torch_dist reloads the experts at any EP / ETP)
+        "expert_model_parallel_size": model.config.expert_model_parallel_size,
+        "expert_tensor_parallel_size": model.config.expert_tensor_parallel_size,
         "num_model_chunks": len(_as_list(model_chunks)),
         "num_query_groups": model.config.num_query_groups,
         # the layer spec of the save ("local" / "transformer_engine"): the converter builds the

@@ -19,6 +19,18 @@ qkv             per query group g: [q heads of g; k_g; v_g] (``heads/groups × h
 gate_up         ``[gate_r; up_r]``: each rank holds its slice of gate then its slice of up
 ==============  ============================================================================
 
+Mixtures of experts (``qwen3_moe``, ``qwen2_moe``, ``mixtral``): the MLP rules become the
+router (replicated), the routed experts' ``linear_fc1`` (gate_up) and ``linear_fc2`` (row),
+marked ``expert=True``, and for qwen2_moe the shared expert (gate_up / row over TP) and its
+sigmoid gate (replicated). An expert rule's Megatron name holds ``{expert}``, the GLOBAL expert
+index: expert ``e`` lives on EP rank ``e // (E / EP)`` as its local expert ``e % (E / EP)``
+(megatron-core ``MoELayer.local_expert_indices``); its FFN is split over the expert-TP group
+(ETP) with the same ``gate_up`` / ``row`` layouts as the dense MLP over TP. HF names are the
+checkpoint's per-expert ones (``mlp.experts.{e}.gate_proj.weight``; Mixtral
+``block_sparse_moe.experts.{e}.w1.weight``), which SGLang loads and transformers 5 fuses on load
+into ``mlp.experts.gate_up_proj`` (transformers/conversion_mapping.py, ``qwen2_moe`` /
+``mixtral``).
+
 Transformer Engine layer specs fuse the pre-attention and pre-MLP RMSNorms into the
 following linear layer; their parameter names (``linear_qkv.layer_norm_weight``,
 ``linear_fc1.layer_norm_weight``) are mapped to the local names by
@@ -46,14 +58,18 @@ class Rule:
     """One Megatron parameter ⇄ HF tensor(s) correspondence.
 
     Attributes:
-        megatron: local-spec Megatron name; ``{layer}`` is the global layer index.
-        hf: HF names (``{layer}`` likewise); several for fused tensors, in fusion order.
+        megatron: local-spec Megatron name; ``{layer}`` is the global layer index, ``{expert}``
+            the global expert index (expert rules).
+        hf: HF names (``{layer}`` / ``{expert}`` likewise); several for fused tensors, in fusion order.
         split: how the Megatron tensor is sharded across TP (see module docstring).
+        expert: a routed expert's parameter: one per expert, held by one EP rank, split over the
+            expert-TP group instead of TP.
     """
 
     megatron: str
     hf: tuple[str, ...]
     split: str
+    expert: bool = False
 
 
 _L = "decoder.layers.{layer}."
@@ -77,6 +93,45 @@ _Q_NORM = Rule(_L + "self_attention.q_layernorm.weight", (_H + "self_attn.q_norm
 _K_NORM = Rule(_L + "self_attention.k_layernorm.weight", (_H + "self_attn.k_norm.weight",), "replicated")
 
 
+_E = _L + "mlp.experts.local_experts.{expert}."
+
+
+def _moe_rules(hf_block: str, router: str, gate: str, up: str, down: str) -> tuple[Rule, ...]:
+    """Router + routed expert rules; HF names ``<layer><hf_block><router>`` and
+    ``<layer><hf_block>experts.{expert}.<gate|up|down>.weight``."""
+    b = _H + hf_block
+    return (
+        Rule(_L + "mlp.router.weight", (b + router + ".weight",), "replicated"),
+        Rule(_E + "linear_fc1.weight", (b + f"experts.{{expert}}.{gate}.weight", b + f"experts.{{expert}}.{up}.weight"),
+             "gate_up", expert=True),
+        Rule(_E + "linear_fc2.weight", (b + f"experts.{{expert}}.{down}.weight",), "row", expert=True),
+    )
+
+
+_QWEN_MOE = _moe_rules("mlp.", "gate", "gate_proj", "up_proj", "down_proj")
+_MIXTRAL_MOE = _moe_rules("block_sparse_moe.", "gate", "w1", "w3", "w2")  # w1 gate, w3 up, w2 down (HF MixtralBlockSparseTop2MLP)
+_SHARED_EXPERT = (
+    Rule(_L + "mlp.shared_experts.linear_fc1.weight",
+         (_H + "mlp.shared_expert.gate_proj.weight", _H + "mlp.shared_expert.up_proj.weight"), "gate_up"),
+    Rule(_L + "mlp.shared_experts.linear_fc2.weight", (_H + "mlp.shared_expert.down_proj.weight",), "row"),
+    # HF shared_expert_gate = Linear(hidden, 1): its weight (1, hidden) is megatron-core's
+    # SharedExpertMLP.gate_weight, both applied as sigmoid(x · wᵀ) (moe/shared_experts.py)
+    Rule(_L + "mlp.shared_experts.gate_weight", (_H + "mlp.shared_expert_gate.weight",), "replicated"),
+)
+_DENSE_MLP = (_L + "mlp.linear_fc1.weight", _L + "mlp.linear_fc2.weight")
+
+
+def _with_moe(rules: tuple, moe: Sequence[Rule]) -> tuple:
+    """The dense table with its MLP rules replaced by ``moe`` (at the same place)."""
+    out = []
+    for r in rules:
+        if r.megatron == _DENSE_MLP[0]:
+            out.extend(moe)
+        elif r.megatron != _DENSE_MLP[1]:
+            out.append(r)
+    return tuple(out)
+
+
 def _insert_after(rules: tuple, after: str, new: Sequence[Rule]) -> tuple:
     out = []
     for r in rules:
@@ -87,10 +142,15 @@ def _insert_after(rules: tuple, after: str, new: Sequence[Rule]) -> tuple:
 
 
 # The table: one ordered rule list per HF model_type. The order is the export order.
+_QWEN2 = _insert_after(_LLAMA, _L + "self_attention.linear_qkv.weight", [_QKV_BIAS])
+_QWEN3 = _insert_after(_LLAMA, _L + "self_attention.linear_qkv.weight", [_Q_NORM, _K_NORM])
 FAMILY_RULES: dict[str, tuple[Rule, ...]] = {
     "llama": _LLAMA,
-    "qwen2": _insert_after(_LLAMA, _L + "self_attention.linear_qkv.weight", [_QKV_BIAS]),
-    "qwen3": _insert_after(_LLAMA, _L + "self_attention.linear_qkv.weight", [_Q_NORM, _K_NORM]),
+    "qwen2": _QWEN2,
+    "qwen3": _QWEN3,
+    "qwen3_moe": _with_moe(_QWEN3, _QWEN_MOE),
+    "qwen2_moe": _with_moe(_QWEN2, _QWEN_MOE + _SHARED_EXPERT),
+    "mixtral": _with_moe(_LLAMA, _MIXTRAL_MOE),
 }
 
 # Transformer Engine spec names → local spec names (fused RMSNorm into the next linear).
@@ -113,6 +173,9 @@ class ModelLayout:
         qkv_bias: q/k/v projections have a bias (qwen2).
         padded_num_query_groups: Megatron's query groups (≥ num_query_groups; the extra ones
             are all-zero, see ``ModelConfig.pad_query_groups``).
+        num_experts: routed experts per layer (0: a dense model).
+        moe_ffn_hidden_size: one routed expert's FFN size (0 for a dense model).
+        shared_ffn_hidden_size: the shared expert's FFN size (0: none).
     """
 
     model_type: str
@@ -127,15 +190,19 @@ class ModelLayout:
     tie_word_embeddings: bool
     qkv_bias: bool
     padded_num_query_groups: int
+    num_experts: int = 0
+    moe_ffn_hidden_size: int = 0
+    shared_ffn_hidden_size: int = 0
 
     @classmethod
     def from_hf_config(
         cls, hf_config, padded_vocab_size: Optional[int] = None, padded_num_query_groups: Optional[int] = None
     ) -> "ModelLayout":
         """Layout of an HF config; the padded sizes default to the real ones."""
-        from dapo_megatron.models.config import check_hf_config, head_dim
+        from dapo_megatron.models.config import ATTENTION_FAMILY, check_hf_config, head_dim, moe_layout
 
         model_type = check_hf_config(hf_config)
+        moe = moe_layout(hf_config)
         groups = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
         vocab = hf_config.vocab_size
         padded = padded_vocab_size or vocab
@@ -155,8 +222,11 @@ class ModelLayout:
             vocab_size=vocab,
             padded_vocab_size=padded,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2",
+            qkv_bias=ATTENTION_FAMILY[model_type] == "qwen2",
             padded_num_query_groups=padded_num_query_groups or groups,
+            num_experts=moe.num_experts if moe else 0,
+            moe_ffn_hidden_size=moe.ffn_hidden_size if moe else 0,
+            shared_ffn_hidden_size=moe.shared_ffn_hidden_size if moe else 0,
         )
 
     def rules(self) -> tuple[Rule, ...]:
@@ -164,10 +234,21 @@ class ModelLayout:
         return FAMILY_RULES[self.model_type]
 
 
+# TEGroupedMLP (moe_grouped_gemm with the TE spec) holds local expert i's weights as
+# ``experts.linear_fc1.weight{i}`` (megatron-core extensions/transformer_engine.py,
+# ``TEGroupedLinear``: one ``weight{i}`` per GEMM); SequentialMLP as ``experts.local_experts.{i}.linear_fc1.weight``
+_TE_GROUPED_RE = re.compile(r"^(.*\.mlp\.experts\.)(linear_fc[12])\.weight(\d+)$")
+
+
 def canonical_megatron_name(name: str) -> str:
-    """Strip wrapper prefixes (``module.``) and map TE fused-norm names to local names."""
+    """Strip wrapper prefixes (``module.``) and map TE fused-norm names (and TE grouped-GEMM
+    expert weights) to local names. Expert indices stay as given (local ones from a module,
+    see :func:`dapo_megatron.bridge.local_parameters` for the global ones)."""
     while name.startswith("module."):
         name = name[len("module."):]
+    m = _TE_GROUPED_RE.match(name)
+    if m:
+        return f"{m.group(1)}local_experts.{m.group(3)}.{m.group(2)}.weight"
     for te_suffix, local_suffix in TE_NAME_ALIASES.items():
         if name.endswith(te_suffix):
             return name[: -len(te_suffix)] + local_suffix
@@ -175,52 +256,72 @@ def canonical_megatron_name(name: str) -> str:
 
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 
 
-def match_rule(layout: ModelLayout, megatron_name: str) -> tuple[Rule, Optional[int]]:
-    """The rule and global layer index of a canonical Megatron name (global layer numbers).
+def match_rule(layout: ModelLayout, megatron_name: str) -> tuple[Rule, Optional[int], Optional[int]]:
+    """The rule, global layer index and global expert index (None but for expert rules) of a
+    canonical Megatron name (global layer and expert numbers).
 
     Raises:
-        KeyError: the name matches no rule of this family (naming it).
+        KeyError: the name matches no rule of this family, or its layer / expert index is out
+            of range (naming it).
     """
     m = _LAYER_RE.match(megatron_name)
-    layer, key = (int(m.group(1)), _L + m.group(2)) if m else (None, megatron_name)
+    layer, key, expert = (int(m.group(1)), _L + m.group(2), None) if m else (None, megatron_name, None)
+    if m:
+        e = _EXPERT_RE.match(m.group(2))
+        if e:
+            expert, key = int(e.group(1)), _E + e.group(2)
     for rule in layout.rules():
         if rule.megatron == key:
             if layer is not None and not 0 <= layer < layout.num_layers:
                 raise KeyError(f"Megatron parameter {megatron_name!r}: layer {layer} is outside "
                                f"0..{layout.num_layers - 1}")
-            return rule, layer
+            if expert is not None and not 0 <= expert < layout.num_experts:
+                raise KeyError(f"Megatron parameter {megatron_name!r}: expert {expert} is outside "
+                               f"0..{layout.num_experts - 1}")
+            return rule, layer, expert
     raise KeyError(f"Megatron parameter {megatron_name!r} matches no {layout.model_type} mapping rule")
 
 
-def hf_names_of(rule: Rule, layer: Optional[int]) -> list[str]:
-    """HF tensor names of a rule at a layer."""
-    return [n.format(layer=layer) for n in rule.hf]
+def hf_names_of(rule: Rule, layer: Optional[int], expert: Optional[int] = None) -> list[str]:
+    """HF tensor names of a rule at a layer (and global expert index, for expert rules)."""
+    return [n.format(layer=layer, expert=expert) for n in rule.hf]
 
 
-def megatron_name_of(rule: Rule, layer: Optional[int]) -> str:
-    """Global Megatron name of a rule at a layer."""
-    return rule.megatron.format(layer=layer)
+def megatron_name_of(rule: Rule, layer: Optional[int], expert: Optional[int] = None) -> str:
+    """Global Megatron name of a rule at a layer (and global expert index)."""
+    return rule.megatron.format(layer=layer, expert=expert)
 
 
-def exported_entries(layout: ModelLayout) -> list[tuple[Rule, Optional[int]]]:
-    """(rule, layer) pairs in export order; the output layer is absent when embeddings are tied."""
+def exported_entries(layout: ModelLayout) -> list[tuple[Rule, Optional[int], Optional[int]]]:
+    """(rule, layer, expert) triples in export order; the output layer is absent when
+    embeddings are tied. Within a layer the expert rules run expert by expert (expert 0's
+    fc1, fc2, then expert 1's, ...), so each EP rank's experts are consecutive."""
     rules = layout.rules()
     by_name = {r.megatron: r for r in rules}
-    out: list[tuple[Rule, Optional[int]]] = [(by_name["embedding.word_embeddings.weight"], None)]
+    out: list[tuple[Rule, Optional[int], Optional[int]]] = [(by_name["embedding.word_embeddings.weight"], None, None)]
     layer_rules = [r for r in rules if r.megatron.startswith(_L)]
     for layer in range(layout.num_layers):
-        out.extend((r, layer) for r in layer_rules)
-    out.append((by_name["decoder.final_layernorm.weight"], None))
+        pending: list[Rule] = []  # a run of expert rules, expanded at its end
+        for r in layer_rules + [None]:
+            if r is not None and r.expert:
+                pending.append(r)
+                continue
+            out.extend((p, layer, e) for e in range(layout.num_experts) for p in pending)
+            pending = []
+            if r is not None:
+                out.append((r, layer, None))
+    out.append((by_name["decoder.final_layernorm.weight"], None, None))
     if not layout.tie_word_embeddings:
-        out.append((by_name["output_layer.weight"], None))
+        out.append((by_name["output_layer.weight"], None, None))
     return out
 
 
 def expected_hf_names(layout: ModelLayout) -> list[str]:
-    """Every HF tensor name a full checkpoint of this layout has, in export order."""
-    return [n for rule, layer in exported_entries(layout) for n in hf_names_of(rule, layer)]
+    """Every HF tensor name a full checkpoint of this layout has (every expert's), in export order."""
+    return [n for rule, layer, expert in exported_entries(layout) for n in hf_names_of(rule, layer, expert)]
 
 
 def hf_shapes(layout: ModelLayout, rule: Rule) -> list[tuple[int, ...]]:
@@ -230,6 +331,12 @@ def hf_shapes(layout: ModelLayout, rule: Rule) -> list[tuple[int, ...]]:
     name = rule.megatron
     if rule.split == "vocab":
         return [(layout.vocab_size, H)]
+    if name.endswith("mlp.router.weight"):
+        return [(layout.num_experts, H)]
+    if name.endswith("shared_experts.gate_weight"):
+        return [(1, H)]
+    ffn = (layout.moe_ffn_hidden_size if rule.expert else
+           layout.shared_ffn_hidden_size if ".shared_experts." in name else layout.ffn_hidden_size)
     if name.endswith("linear_qkv.weight"):
         return [(q, H), (kv, H), (kv, H)]
     if name.endswith("linear_qkv.bias"):
@@ -237,9 +344,9 @@ def hf_shapes(layout: ModelLayout, rule: Rule) -> list[tuple[int, ...]]:
     if name.endswith("linear_proj.weight"):
         return [(H, q)]
     if name.endswith("linear_fc1.weight"):
-        return [(layout.ffn_hidden_size, H)] * 2
+        return [(ffn, H)] * 2
     if name.endswith("linear_fc2.weight"):
-        return [(H, layout.ffn_hidden_size)]
+        return [(H, ffn)]
     if name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
         return [(hd,)]
     return [(H,)]  # input / pre-MLP / final RMSNorm
@@ -296,8 +403,8 @@ def hf_to_megatron_shard(
         KeyError: unknown name. ValueError: wrong number/shape of HF tensors (naming the
         HF tensor), or a layout TP cannot split.
     """
-    rule, layer = match_rule(layout, megatron_name)
-    names = hf_names_of(rule, layer)
+    rule, layer, expert = match_rule(layout, megatron_name)
+    names = hf_names_of(rule, layer, expert)
     if len(hf_tensors) != len(names):
         raise ValueError(f"{megatron_name}: expected {len(names)} HF tensors {names}, got {len(hf_tensors)}")
     for name, t, shape in zip(names, hf_tensors, hf_shapes(layout, rule)):
@@ -332,8 +439,9 @@ def hf_to_megatron_shard(
 
 
 def megatron_shard_shape(layout: ModelLayout, megatron_name: str, tp_size: int = 1) -> tuple[int, ...]:
-    """Shape of one TP shard of a Megatron parameter (for strict checks)."""
-    rule, _ = match_rule(layout, megatron_name)
+    """Shape of one TP shard of a Megatron parameter (for strict checks); ``tp_size`` is the
+    size of the group that splits it (the expert-TP size for expert rules)."""
+    rule, _, _ = match_rule(layout, megatron_name)
     shapes = hf_shapes(layout, rule)
     if rule.split == "replicated":
         return shapes[0]
@@ -377,8 +485,8 @@ def megatron_to_hf_into(
     Raises:
         KeyError: unknown name. ValueError: shard or output shapes that do not fit the layout.
     """
-    rule, layer = match_rule(layout, megatron_name)
-    names = hf_names_of(rule, layer)
+    rule, layer, expert = match_rule(layout, megatron_name)
+    names = hf_names_of(rule, layer, expert)
     shapes = hf_shapes(layout, rule)
     if len(out) != len(names) or any(tuple(o.shape) != s for o, s in zip(out, shapes)):
         raise ValueError(f"{megatron_name}: outputs of shapes {[tuple(o.shape) for o in out]}, expected {shapes} "
@@ -450,8 +558,8 @@ def megatron_to_hf(
     Raises:
         KeyError: unknown name. ValueError: shard shapes that do not fit the layout.
     """
-    rule, layer = match_rule(layout, megatron_name)
+    rule, layer, expert = match_rule(layout, megatron_name)
     like = shards[0]
     out = [like.new_empty(shape) for shape in hf_shapes(layout, rule)]
     megatron_to_hf_into(layout, megatron_name, shards, out)
-    return list(zip(hf_names_of(rule, layer), out))
+    return list(zip(hf_names_of(rule, layer, expert), out))

@@ -67,23 +67,41 @@ def model_layout(model_chunks) -> ModelLayout:
                                       padded_num_query_groups=model.config.num_query_groups)
 
 
+_LOCAL_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
+
+
 def local_parameters(model_chunks) -> dict[str, torch.nn.Parameter]:
-    """This rank's parameters keyed by canonical Megatron name with GLOBAL layer indices.
+    """This rank's parameters keyed by canonical Megatron name with GLOBAL layer (and expert)
+    indices.
 
     The global layer index comes from each layer's own ``layer_number`` (1-based, set by
     megatron-core from the PP/VP offset), so uneven or interleaved pipelines map correctly.
+    A routed expert's global index is its MoE layer's ``local_expert_indices[i]`` (megatron-core
+    moe/moe_layer.py: ``ep_rank · E/EP + i``), for the per-expert ``SequentialMLP`` and the TE
+    grouped-GEMM names alike.
     """
     out: dict[str, torch.nn.Parameter] = {}
     for chunk in _as_list(model_chunks):
         model = unwrap_model(chunk)
         layers = model.decoder.layers
         for name, param in model.named_parameters():
+            name = canonical_megatron_name(name)
             m = re.match(r"^decoder\.layers\.(\d+)\.(.+)$", name)
             if m:
-                global_layer = layers[int(m.group(1))].layer_number - 1
-                name = f"decoder.layers.{global_layer}.{m.group(2)}"
-            out[canonical_megatron_name(name)] = param
+                layer = layers[int(m.group(1))]
+                rest = m.group(2)
+                e = _LOCAL_EXPERT_RE.match(rest)
+                if e:
+                    rest = f"mlp.experts.local_experts.{layer.mlp.local_expert_indices[int(e.group(1))]}.{e.group(2)}"
+                name = f"decoder.layers.{layer.layer_number - 1}.{rest}"
+            out[name] = param
     return out
+
+
+def split_coords(parallel: ParallelDims, expert: bool) -> tuple[int, int]:
+    """(rank, size) of the group that splits a parameter's FFN: expert-TP for a routed expert's,
+    TP for every other."""
+    return (parallel.etp_rank, parallel.etp_size) if expert else (parallel.tp_rank, parallel.tp_size)
 
 
 @dataclass
@@ -108,8 +126,9 @@ def load_hf_weights(
     """Copy HF-named full tensors into this rank's Megatron parameter shards.
 
     Every rank reads only the HF tensors its own parameters need (a lazy
-    :class:`~.sources.SafetensorsSource` therefore reads only those) and keeps its TP
-    shard. No collective is issued.
+    :class:`~.sources.SafetensorsSource` therefore reads only those: an EP rank reads its own
+    experts) and keeps its TP shard (expert-TP shard for a routed expert). No collective is
+    issued.
 
     Args:
         model_chunks: a ``GPTModel`` (or a list of chunks, possibly DDP/Float16-wrapped)
@@ -118,7 +137,8 @@ def load_hf_weights(
             to the parameter dtype).
         strict: raise on any missing or unexpected HF tensor (checked against the whole
             model, not only this rank's stage, so every rank raises the same error).
-        parallel: the layout the model was built for (its TP rank and size pick the shard).
+        parallel: the layout the model was built for (its TP rank and size pick the shard; the
+            expert-TP ones for routed experts, whose global indices the model itself holds).
 
     Returns:
         :class:`LoadReport`.
@@ -130,7 +150,6 @@ def load_hf_weights(
             tied ``lm_head.weight`` differs from ``model.embed_tokens.weight``.
     """
     layout = model_layout(model_chunks)
-    tp_rank, tp_size = parallel.tp_rank, parallel.tp_size
     expected = expected_hf_names(layout)
     available = set(hf_state.keys())
     report = LoadReport()
@@ -150,19 +169,20 @@ def load_hf_weights(
             raise ValueError("hf_config.tie_word_embeddings=True but HF lm_head.weight differs from "
                              "model.embed_tokens.weight: the config does not fit these weights")
     for name, param in local_parameters(model_chunks).items():
-        rule, layer = match_rule(layout, name)
+        rule, layer, expert = match_rule(layout, name)
         if rule.megatron == "output_layer.weight" and layout.tie_word_embeddings:
             # PP > 1: megatron-core's copy of the tied embedding on the last stage.
-            rule, layer = match_rule(layout, "embedding.word_embeddings.weight")
-        names = hf_names_of(rule, layer)
+            rule, layer, expert = match_rule(layout, "embedding.word_embeddings.weight")
+        names = hf_names_of(rule, layer, expert)
         absent = [n for n in names if n not in available]
         if absent:
             continue  # only reachable when not strict: listed in report.missing
-        want = megatron_shard_shape(layout, megatron_name_of(rule, layer), tp_size)
+        tp_rank, tp_size = split_coords(parallel, rule.expert)
+        want = megatron_shard_shape(layout, megatron_name_of(rule, layer, expert), tp_size)
         if tuple(param.shape) != want:
             raise ValueError(f"Megatron parameter {name!r} has shape {tuple(param.shape)}, the mapping expects "
                              f"{want}: the model was built from a different config")
-        shard = hf_to_megatron_shard(layout, megatron_name_of(rule, layer), [hf_state[n] for n in names],
+        shard = hf_to_megatron_shard(layout, megatron_name_of(rule, layer, expert), [hf_state[n] for n in names],
                                      tp_rank, tp_size)
         param.data.copy_(shard.to(param.dtype))
         report.loaded.append(name)
@@ -175,6 +195,7 @@ class _Entry:
     split: str
     hf: tuple[tuple[str, tuple[int, ...]], ...]  # (hf_name, full shape)
     owner: int  # PP stage that holds the parameter
+    ep_owner: Optional[int] = None  # routed expert: the EP rank of the stage that holds it; None: every rank
 
     @property
     def numel(self) -> int:
@@ -182,52 +203,69 @@ class _Entry:
 
 
 def _export_plan(layout: ModelLayout, params: dict, parallel: ParallelDims) -> list[_Entry]:
-    """Export entries in a fixed order, with the PP stage owning each.
+    """Export entries in a fixed order, with the PP stage (and, for a routed expert, the EP
+    rank) owning each.
 
-    Each stage first checks its own exported parameters (one dtype, the TP shard shape the
-    mapping expects, which lays out the sync's buffers); the result travels with the stage's
-    parameter names in the plan's one collective over PP, so every stage raises the same
-    error instead of one stage raising while the others wait in a broadcast.
+    Each rank first checks its own exported parameters (one dtype, the TP shard shape the
+    mapping expects, which lays out the sync's buffers); the result travels with the rank's
+    parameter names in the plan's collectives (over EP, then PP), so every rank raises the
+    same error instead of one raising while the others wait in a broadcast.
 
     Raises:
         ValueError: a parameter of an unexpected shape, or more than one parameter dtype
             (naming the parameter and the stage). KeyError: a parameter no stage holds.
     """
-    pp_size, tp_size = parallel.pp_size, parallel.tp_size
-    exported = {megatron_name_of(rule, layer) for rule, layer in exported_entries(layout)}
+    pp_size = parallel.pp_size
+    entries = exported_entries(layout)
+    exported = {megatron_name_of(rule, layer, expert): rule for rule, layer, expert in entries}
     mine = sorted(params)
     problems, dtypes = [], set()
     for name in mine:
         if name not in exported:
             continue  # the tied output_layer of the last stage
-        param, want = params[name], megatron_shard_shape(layout, name, tp_size)
+        size = split_coords(parallel, exported[name].expert)[1]
+        param, want = params[name], megatron_shard_shape(layout, name, size)
         dtypes.add(str(param.dtype))
         if tuple(param.shape) != want:
             problems.append(f"Megatron parameter {name!r} has shape {tuple(param.shape)}, the mapping expects {want} "
-                            f"at TP={tp_size}: the model was built from a different config")
-    held = [(mine, problems, sorted(dtypes))]
+                            f"at {'ETP' if exported[name].expert else 'TP'}={size}: the model was built from a "
+                            "different config")
+    # names → EP rank holding them (routed experts); the other parameters every EP rank holds
+    ep_of: dict[str, int] = {n: parallel.ep_rank for n in mine if n in exported and exported[n].expert}
+    if parallel.ep_size > 1:
+        peers: list = [None] * parallel.ep_size
+        dist.all_gather_object(peers, (mine, problems, sorted(dtypes), ep_of), group=parallel.ep_group)
+        mine = sorted({n for names, _, _, _ in peers for n in names})
+        problems = [p for _, probs, _, _ in peers for p in probs]
+        dtypes = {d for _, _, ds, _ in peers for d in ds}
+        ep_of = {n: r for _, _, _, held in peers for n, r in held.items()}
+    held = [(mine, problems, sorted(dtypes), ep_of)]
     if pp_size > 1:
         local, held = held[0], [None] * pp_size
         dist.all_gather_object(held, local, group=parallel.pp_group)
-    for stage, (_, stage_problems, _) in enumerate(held):
+    for stage, (_, stage_problems, _, _) in enumerate(held):
         if stage_problems:
             more = f" (and {len(stage_problems) - 1} more)" if len(stage_problems) > 1 else ""
             raise ValueError(f"pipeline stage {stage}: {stage_problems[0]}{more}")
-    all_dtypes = sorted({d for _, _, stage_dtypes in held for d in stage_dtypes})
+    all_dtypes = sorted({d for _, _, stage_dtypes, _ in held for d in stage_dtypes})
     if len(all_dtypes) > 1:
         raise ValueError(f"the exported Megatron parameters have dtypes {all_dtypes} across the pipeline stages: "
                          "the export needs one parameter dtype")
     owner_of: dict[str, int] = {}
-    for stage, (names, _, _) in enumerate(held):
+    ep_owner_of: dict[str, int] = {}
+    for stage, (names, _, _, stage_ep_of) in enumerate(held):
         for n in names:
             owner_of.setdefault(n, stage)  # tied output_layer on the last stage is never exported
+        for n, r in stage_ep_of.items():
+            ep_owner_of.setdefault(n, r)
     plan = []
-    for rule, layer in exported_entries(layout):
-        name = megatron_name_of(rule, layer)
+    for rule, layer, expert in entries:
+        name = megatron_name_of(rule, layer, expert)
         if name not in owner_of:
             raise KeyError(f"Megatron parameter {name!r} is held by no pipeline stage (model does not fit its config)")
         shapes = hf_shapes(layout, rule)
-        plan.append(_Entry(name, rule.split, tuple(zip(hf_names_of(rule, layer), shapes)), owner_of[name]))
+        plan.append(_Entry(name, rule.split, tuple(zip(hf_names_of(rule, layer, expert), shapes)), owner_of[name],
+                           ep_owner_of.get(name) if rule.expert else None))
     return plan
 
 
@@ -369,9 +407,14 @@ class _Slot:
     entry: _Entry
     offset: int  # elements into the bucket buffer
     numel: int  # elements reserved: the HF tensors', or the gathered shards' when gathered in place
-    gathered: bool  # TP-split at TP > 1: its shards are all-gathered
+    gathered: bool  # TP-split at TP > 1 (ETP > 1 for a routed expert): its shards are all-gathered
     in_place: bool  # gathered straight into the slot (column / vocab), not into scratch
     shard_shape: tuple[int, ...]
+    split_size: int = 1  # the size of the group that splits it (TP, or ETP for a routed expert)
+
+    @property
+    def expert(self) -> bool:
+        return self.entry.ep_owner is not None
 
     def hf_views(self, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         region = flat[self.offset:self.offset + self.numel]
@@ -397,6 +440,13 @@ def iter_hf_weights(
     deterministic order: embedding, layer 0 … L-1 (rule order of the family table),
     final norm, ``lm_head`` (only when untied; tied embeddings are exported once as
     ``model.embed_tokens.weight``). Vocabulary padding rows are trimmed.
+
+    Mixtures of experts: every expert of every layer is yielded under its HF checkpoint name
+    (``model.layers.{l}.mlp.experts.{e}.gate_proj.weight`` ...). A routed expert is held by one EP
+    rank of its stage; its shards are gathered over that rank's expert-TP group, and the bucket
+    (which holds one EP rank's experts only) is then broadcast over the stage's EP group before
+    the PP broadcast. The EP group spans DP ranks, so with EP > 1 EVERY rank of the world must
+    iterate (the colocated sync does; ``pp_broadcast=False`` from DP rank 0 alone cannot).
 
     Mechanics: a bucket holds consecutive Megatron tensors of one owner stage up to
     ``bucket_bytes`` of HF tensors (a larger tensor is a bucket of its own; ``None`` means one
@@ -440,10 +490,13 @@ def iter_hf_weights(
     """
     if bucket_bytes is not None and bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be a positive number of bytes or None, got {bucket_bytes}")
+    if not pp_broadcast and parallel.ep_size > 1:
+        raise ValueError(f"iter_hf_weights(pp_broadcast=False) at expert_model_parallel_size={parallel.ep_size}: "
+                         "an expert's bucket is broadcast over the EP group, which spans DP ranks that a "
+                         "one-rank-per-stage receiver (rollout.mode=server) does not run; use rollout.mode=colocated")
     layout = model_layout(model_chunks)
     params = local_parameters(model_chunks)
     plan = _export_plan(layout, params, parallel)
-    tp_size = parallel.tp_size
     pp_size, pp_rank, pp_group, pp_ranks = parallel.pp_size, parallel.pp_rank, parallel.pp_group, parallel.pp_ranks
     any_param = params[next(e.megatron for e in plan if e.megatron in params)]  # the exported dtype
     dtype = any_param.dtype
@@ -456,6 +509,7 @@ def iter_hf_weights(
             cur is not None
             and bucket_bytes is not None
             and cur[0].owner == entry.owner
+            and cur[0].ep_owner == entry.ep_owner
             and (sum(e.numel for e in cur) + entry.numel) * elem <= bucket_bytes
         )
         if fits:
@@ -470,13 +524,14 @@ def iter_hf_weights(
     for bucket in buckets:
         slots, offset = [], 0
         for entry in bucket:
+            tp_size = split_coords(parallel, entry.ep_owner is not None)[1]
             shard_shape = megatron_shard_shape(layout, entry.megatron, tp_size)
             gathered = tp_size > 1 and entry.split != "replicated"
             in_place = gathered and gathers_in_place(entry.split)
             numel = tp_size * math.prod(shard_shape) if in_place else entry.numel
             if gathered and not in_place:
                 scratch_numel = max(scratch_numel, tp_size * math.prod(shard_shape))
-            slots.append(_Slot(entry, offset, numel, gathered, in_place, shard_shape))
+            slots.append(_Slot(entry, offset, numel, gathered, in_place, shard_shape, tp_size))
             offset += numel
         slotted.append(slots)
     mine = [slots for slots in slotted if pp_broadcast or slots[0].entry.owner == pp_rank]
@@ -484,10 +539,13 @@ def iter_hf_weights(
     buffers = ExportBuffers() if buffers is None else buffers
 
     for slots in mine:
-        owner = slots[0].entry.owner
+        owner, ep_owner = slots[0].entry.owner, slots[0].entry.ep_owner
         flat = buffers.bucket(any_param, slots[-1].offset + slots[-1].numel, capacity)
         if pp_rank == owner:
-            _fill_bucket(flat, slots, params, layout, parallel, buffers, scratch_numel)
+            if ep_owner is None or ep_owner == parallel.ep_rank:
+                _fill_bucket(flat, slots, params, layout, parallel, buffers, scratch_numel)
+            if ep_owner is not None and parallel.ep_size > 1:  # the other EP ranks of the stage
+                dist.broadcast(flat, src=parallel.ep_ranks[ep_owner], group=parallel.ep_group)
         if pp_size > 1 and pp_broadcast:
             dist.broadcast(flat, src=pp_ranks[owner], group=pp_group)
         buffers.settle()
@@ -517,7 +575,6 @@ def _fill_bucket(flat: torch.Tensor, slots: list[_Slot], params: dict, layout: M
 
 def _fill_bucket_pipelined(flat: torch.Tensor, slots: list[_Slot], params: dict, layout: ModelLayout,
                            parallel: ParallelDims, buffers: ExportBuffers, scratch_numel: int) -> None:
-    tp_size, group = parallel.tp_size, parallel.tp_group
     in_place_works = []
     pending = None  # (work, slot, shards): gathered into scratch, re-laid out after the next gather starts
     turns = 0
@@ -528,6 +585,8 @@ def _fill_bucket_pipelined(flat: torch.Tensor, slots: list[_Slot], params: dict,
 
     for slot in slots:
         param = params[slot.entry.megatron].detach()
+        tp_size = slot.split_size
+        group = parallel.etp_group if slot.expert else parallel.tp_group
         if slot.in_place:
             in_place_works.append(_all_gather_flat(flat[slot.offset:slot.offset + slot.numel], param, group))
         elif slot.gathered:

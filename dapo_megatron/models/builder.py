@@ -47,15 +47,26 @@ def layer_spec(hf_config, model_cfg: ModelConfig):
     (``input_layernorm``, ``pre_mlp_layernorm``); with the TE spec they are fused into
     ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``. The bridge
     handles both parameter name sets.
+
+    MoE models (megatron-core 0.16.1 models/gpt/gpt_layer_specs.py with ``num_experts``, and
+    models/gpt/moe_module_specs.py): the MLP is an ``MoELayer`` (``TopKRouter``, the experts,
+    ``SharedExpertMLP`` when the model has one) behind a separate ``pre_mlp_layernorm`` in both
+    specs. The local spec runs the experts as ``SequentialMLP`` (one ``MLP`` per local expert,
+    ``experts.local_experts.{i}``), the TE spec with ``moe_grouped_gemm`` as ``TEGroupedMLP``
+    (``experts.linear_fc1.weight{i}``, one grouped GEMM per rank); TE is imported only then.
     """
-    qk_norm = check_hf_config(hf_config) == "qwen3"
+    from .config import ATTENTION_FAMILY, moe_grouped_gemm, moe_layout
+
+    qk_norm = ATTENTION_FAMILY[check_hf_config(hf_config)] == "qwen3"
+    moe = moe_layout(hf_config)
+    moe_kwargs = {} if moe is None else dict(num_experts=moe.num_experts, moe_grouped_gemm=moe_grouped_gemm(model_cfg))
     if resolve_transformer_impl(model_cfg) == "transformer_engine":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm, **moe_kwargs)
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    return get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm")
+    return get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm", **moe_kwargs)
 
 
 def build_gpt_model(
@@ -76,9 +87,11 @@ def build_gpt_model(
     :func:`dapo_megatron.bridge.load_model_checkpoint`.
 
     Args:
-        hf_config: HF LlamaConfig / Qwen2Config / Qwen3Config.
+        hf_config: HF LlamaConfig / Qwen2Config / Qwen3Config, or the MoE Qwen3MoeConfig /
+            Qwen2MoeConfig / MixtralConfig.
         model_cfg: dtype, vocab padding, spec and FP8 choices; ``ModelConfig()`` if None.
-        parallel: this rank's layout (TP size and PP stage).
+        parallel: this rank's layout (TP size and PP stage; EP and ETP sizes for an MoE model,
+            whose rank holds experts ``ep_rank · E/EP … (ep_rank + 1) · E/EP - 1``).
         pre_process / post_process: whether this stage holds the embedding / the final
             norm and output layer; default from the PP rank (first / last stage).
         vp_stage: virtual pipeline stage index (None without interleaving); with it,
@@ -103,7 +116,8 @@ def build_gpt_model(
 
     model_cfg = model_cfg or ModelConfig()
     tp = parallel.tp_size
-    config = hf_to_transformer_config(hf_config, ParallelConfig(tp, parallel.pp_size), model_cfg)
+    config = hf_to_transformer_config(
+        hf_config, ParallelConfig(tp, parallel.pp_size, parallel.ep_size, parallel.etp_size), model_cfg)
     if vp_stage is not None and (pre_process is None or post_process is None):
         raise ValueError("build_gpt_model(vp_stage=...) needs pre_process and post_process: whether a virtual "
                          "stage is first or last depends on the VP size, which the parallel layout does not hold")

@@ -8,6 +8,18 @@ Supported families (``hf_config.model_type``):
 - ``qwen3``: as llama plus RMSNorm on queries and keys per head (q/k norm) and an
   explicit ``head_dim`` that may differ from ``hidden_size / num_attention_heads``.
 
+Mixtures of experts (every decoder layer an MoE layer, megatron-core ``MoELayer``; see
+:func:`moe_layout` and docs/design.md §2.1):
+
+- ``qwen3_moe`` (Qwen3-30B-A3B, Qwen3-235B-A22B): qwen3 attention, ``num_experts`` routed
+  experts of ``moe_intermediate_size``, softmax router, top ``num_experts_per_tok``,
+  renormalised when ``norm_topk_prob``.
+- ``qwen2_moe`` (Qwen1.5-MoE, Qwen2-57B-A14B): qwen2 attention (``qkv_bias``), routed experts as
+  above plus one shared expert of ``shared_expert_intermediate_size`` scaled by
+  ``sigmoid(shared_expert_gate(x))`` (megatron-core ``SharedExpertMLP`` with ``gate=True``).
+- ``mixtral``: llama attention, ``num_local_experts`` experts of ``intermediate_size``, softmax
+  router, top-k always renormalised.
+
 Anything this module cannot map exactly (another activation, a RoPE scaling type
 megatron-core 0.16 does not implement, sliding-window attention, ...) raises a
 ``ValueError`` naming the HF config field, so that a model never builds with silently
@@ -22,7 +34,13 @@ from typing import Any, Optional
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
+# the dense family whose attention block each MoE family shares (q/k norm, qkv bias)
+ATTENTION_FAMILY = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3",
+                    "qwen2_moe": "qwen2", "mixtral": "llama"}
+MOE_DISPATCHERS = ("alltoall", "allgather")
+MOE_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 FP8_FORMATS = ("e4m3", "hybrid")
 # Minimum Transformer Engine version for each FP8 recipe, as megatron-core 0.16.1 itself
 # requires them in ``megatron.core.fp8_utils.get_fp8_recipe`` (delayed works on any TE).
@@ -73,6 +91,19 @@ class ModelConfig:
     query_groups_multiple: Optional[int] = None
     """pad query groups to a multiple of lcm(TP, this) (set it to the saving run's padded group
     count to reload a padded checkpoint at another TP)."""
+    moe_token_dispatcher_type: str = "alltoall"
+    """MoE models only: megatron-core's token dispatcher, "alltoall" (tokens to the expert-parallel
+    rank that holds their experts; verl / slime's choice for EP > 1) or "allgather"."""
+    moe_grouped_gemm: Optional[bool] = None
+    """MoE models only: run each rank's experts as one grouped GEMM (``TEGroupedMLP``, needs the TE
+    spec); None: on with ``transformer_impl`` resolving to "transformer_engine", off with "local"
+    (per-expert ``SequentialMLP``, the CPU path)."""
+    moe_aux_loss_coeff: Optional[float] = None
+    """MoE models only: load-balancing loss coefficient (``TransformerConfig.moe_aux_loss_coeff``);
+    None: the HF config's ``router_aux_loss_coef``; 0 turns the loss off."""
+    moe_router_load_balancing_type: str = "aux_loss"
+    """MoE models only: "aux_loss" (GShard / Switch loss per micro-batch, HF's
+    ``load_balancing_loss_func``), "seq_aux_loss", "global_aux_loss" or "none"."""
     extra_transformer_config: dict[str, Any] = field(default_factory=dict)
     """further ``TransformerConfig`` fields, set last (expert use)."""
 
@@ -279,21 +310,164 @@ def check_hf_config(hf_config) -> str:
         raise ValueError(
             f"hf_config.model_type={model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}"
         )
+    attention = ATTENTION_FAMILY[model_type]
     if _get(hf_config, "hidden_act", "silu") != "silu":
         raise ValueError(f"hf_config.hidden_act={hf_config.hidden_act!r}: only 'silu' (SwiGLU) is supported")
     if _get(hf_config, "mlp_bias", False):
         raise ValueError("hf_config.mlp_bias=True is not supported")
-    if model_type in ("llama", "qwen3") and _get(hf_config, "attention_bias", False):
+    if attention in ("llama", "qwen3") and _get(hf_config, "attention_bias", False):
         # HF then also puts a bias on o_proj, which megatron-core's linear_proj cannot hold alone
         raise ValueError(f"hf_config.attention_bias=True is not supported for {model_type}")
-    if model_type in ("qwen2", "qwen3") and _get(hf_config, "use_sliding_window", False):
+    if model_type == "qwen2_moe" and not _get(hf_config, "qkv_bias", True):
+        raise ValueError("hf_config.qkv_bias=False is not supported for qwen2_moe (the rule table maps its q/k/v bias)")
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and _get(hf_config, "use_sliding_window", False):
         raise ValueError(f"hf_config.use_sliding_window=True is not supported for {model_type}")
+    if model_type == "mixtral" and _get(hf_config, "sliding_window") is not None:
+        raise ValueError(f"hf_config.sliding_window={hf_config.sliding_window} is not supported for mixtral "
+                         "(megatron-core's local attention has no sliding window); set it to null")
     heads, groups = hf_config.num_attention_heads, _kv_heads(hf_config)
     if heads % groups != 0:
         raise ValueError(
             f"hf_config.num_attention_heads={heads} is not a multiple of num_key_value_heads={groups}"
         )
+    if model_type in MOE_MODEL_TYPES:
+        moe_layout(hf_config)  # raises on what the MoE mapping cannot build
     return model_type
+
+
+@dataclass(frozen=True)
+class MoELayout:
+    """The mixture-of-experts facts of an HF config (every decoder layer is an MoE layer).
+
+    Attributes:
+        num_experts: routed experts per layer (``num_experts`` / Mixtral ``num_local_experts``).
+        topk: experts per token (``num_experts_per_tok``).
+        ffn_hidden_size: one routed expert's FFN size (``moe_intermediate_size``; Mixtral
+            ``intermediate_size``).
+        shared_ffn_hidden_size: the shared expert's FFN size (qwen2_moe
+            ``shared_expert_intermediate_size``), 0 without one.
+        shared_expert_gate: the shared expert's output is scaled by
+            ``sigmoid(x · shared_expert_gate)`` (qwen2_moe).
+        norm_topk_prob: the top-k probabilities are renormalised to sum to 1 (Mixtral always;
+            Qwen ``norm_topk_prob``).
+        aux_loss_coef: HF ``router_aux_loss_coef``.
+    """
+
+    num_experts: int
+    topk: int
+    ffn_hidden_size: int
+    shared_ffn_hidden_size: int
+    shared_expert_gate: bool
+    norm_topk_prob: bool
+    aux_loss_coef: float
+
+
+def moe_layout(hf_config) -> Optional[MoELayout]:
+    """:class:`MoELayout` of an MoE HF config, None for a dense one.
+
+    Sources: transformers 5 ``Qwen3MoeSparseMoeBlock`` / ``Qwen2MoeSparseMoeBlock`` /
+    ``MixtralSparseMoeBlock`` and their ``TopKRouter`` (softmax over all experts in fp32, top-k,
+    divided by the top-k sum when ``norm_topk_prob``; Mixtral divides always).
+
+    Raises:
+        ValueError: naming the HF field: dense layers among MoE ones (``mlp_only_layers``,
+            ``decoder_sparse_step`` != 1), top-k outside 1..num_experts, or router jitter.
+    """
+    model_type = _get(hf_config, "model_type")
+    if model_type not in MOE_MODEL_TYPES:
+        return None
+    if model_type == "mixtral":
+        experts, ffn, shared, norm = hf_config.num_local_experts, hf_config.intermediate_size, 0, True
+        if float(_get(hf_config, "router_jitter_noise", 0.0) or 0.0) != 0.0:
+            # HF multiplies the router input by uniform noise while training; megatron-core's
+            # moe_input_jitter_eps is the same idea but the actor never trains the HF module
+            raise ValueError(f"hf_config.router_jitter_noise={hf_config.router_jitter_noise} is not supported; set 0")
+    else:
+        experts, ffn = hf_config.num_experts, hf_config.moe_intermediate_size
+        shared = int(_get(hf_config, "shared_expert_intermediate_size", 0) or 0) if model_type == "qwen2_moe" else 0
+        norm = bool(_get(hf_config, "norm_topk_prob", False))
+        if _get(hf_config, "mlp_only_layers"):
+            raise ValueError(f"hf_config.mlp_only_layers={list(hf_config.mlp_only_layers)}: dense layers among MoE "
+                             "layers are not supported (every layer must be an MoE layer); set it to []")
+        if int(_get(hf_config, "decoder_sparse_step", 1)) != 1:
+            raise ValueError(f"hf_config.decoder_sparse_step={hf_config.decoder_sparse_step}: only 1 (every layer an "
+                             "MoE layer) is supported")
+    topk = hf_config.num_experts_per_tok
+    if not 1 <= topk <= experts:
+        raise ValueError(f"hf_config.num_experts_per_tok={topk} must be between 1 and the {experts} experts")
+    return MoELayout(num_experts=int(experts), topk=int(topk), ffn_hidden_size=int(ffn),
+                     shared_ffn_hidden_size=shared, shared_expert_gate=model_type == "qwen2_moe" and shared > 0,
+                     norm_topk_prob=norm, aux_loss_coef=float(_get(hf_config, "router_aux_loss_coef", 0.0) or 0.0))
+
+
+def check_moe_parallel(hf_config, parallel, model_cfg: Optional["ModelConfig"] = None) -> Optional[MoELayout]:
+    """Check the expert-parallel layout and the MoE keys against the model; returns its
+    :class:`MoELayout` (None for a dense model).
+
+    Args:
+        hf_config: the HF config.
+        parallel: anything with ``tensor_model_parallel_size``, ``expert_model_parallel_size``
+            and ``expert_tensor_parallel_size`` (:class:`dapo_megatron.platform.ParallelConfig`).
+        model_cfg: the model section (its ``moe_*`` keys).
+
+    Raises:
+        ValueError, one line naming the dotted key: EP or ETP on a dense model, ``model.moe_*``
+            set on a dense model, experts not divisible by EP, an expert (or shared expert) FFN
+            size not divisible by ETP (TP), an unknown dispatcher or load-balancing type.
+    """
+    model_cfg = model_cfg or ModelConfig()
+    moe = moe_layout(hf_config)
+    tp = parallel.tensor_model_parallel_size
+    ep = getattr(parallel, "expert_model_parallel_size", 1)
+    etp = getattr(parallel, "expert_tensor_parallel_size", None)
+    model_type = _get(hf_config, "model_type")
+    if moe is None:
+        if ep != 1:
+            raise ValueError(f"parallel.expert_model_parallel_size={ep} needs a mixture-of-experts model; "
+                             f"hf_config.model_type={model_type!r} is dense: set it to 1")
+        if etp not in (None, tp):
+            raise ValueError(f"parallel.expert_tensor_parallel_size={etp} needs a mixture-of-experts model; "
+                             f"hf_config.model_type={model_type!r} is dense: remove it")
+        defaults = ModelConfig()
+        for key in ("moe_grouped_gemm", "moe_aux_loss_coeff", "moe_router_load_balancing_type",
+                    "moe_token_dispatcher_type"):
+            if getattr(model_cfg, key) != getattr(defaults, key):
+                raise ValueError(f"model.{key}={getattr(model_cfg, key)!r} applies to mixture-of-experts models only; "
+                                 f"hf_config.model_type={model_type!r} is dense: remove it")
+        return None
+    etp = tp if etp is None else etp
+    if moe.num_experts % ep:
+        raise ValueError(f"parallel.expert_model_parallel_size={ep} does not divide the {moe.num_experts} experts "
+                         f"(hf_config num_experts): choose a divisor of {moe.num_experts}")
+    if moe.ffn_hidden_size % etp:
+        raise ValueError(f"parallel.expert_tensor_parallel_size={etp} does not divide the expert FFN size "
+                         f"{moe.ffn_hidden_size} (hf_config moe_intermediate_size): choose a divisor, e.g. 1")
+    if moe.shared_ffn_hidden_size % tp:
+        raise ValueError(f"parallel.tensor_model_parallel_size={tp} does not divide the shared expert FFN size "
+                         f"{moe.shared_ffn_hidden_size} (hf_config.shared_expert_intermediate_size)")
+    if model_cfg.moe_token_dispatcher_type not in MOE_DISPATCHERS:
+        raise ValueError(f"model.moe_token_dispatcher_type={model_cfg.moe_token_dispatcher_type!r}: use one of "
+                         f"{MOE_DISPATCHERS}")
+    if model_cfg.moe_router_load_balancing_type not in MOE_LOAD_BALANCING:
+        raise ValueError(f"model.moe_router_load_balancing_type={model_cfg.moe_router_load_balancing_type!r}: use "
+                         f"one of {MOE_LOAD_BALANCING}")
+    if model_cfg.moe_aux_loss_coeff is not None and model_cfg.moe_aux_loss_coeff < 0:
+        raise ValueError(f"model.moe_aux_loss_coeff={model_cfg.moe_aux_loss_coeff} must be >= 0 (or null: HF's "
+                         "router_aux_loss_coef)")
+    return moe
+
+
+def moe_grouped_gemm(model_cfg: "ModelConfig") -> bool:
+    """Whether the experts run as one grouped GEMM: ``model.moe_grouped_gemm``, None resolving
+    to the TE spec. Raises ValueError for grouped GEMM with the local spec (megatron-core's
+    local ``GroupedMLP`` needs the ``grouped_gemm`` CUDA package)."""
+    impl = resolve_transformer_impl(model_cfg)
+    if model_cfg.moe_grouped_gemm is None:
+        return impl == "transformer_engine"
+    if model_cfg.moe_grouped_gemm and impl != "transformer_engine":
+        raise ValueError("model.moe_grouped_gemm=true needs model.transformer_impl='transformer_engine' (TEGroupedMLP, "
+                         "CUDA); the local spec runs one MLP per expert: set it to null or false")
+    return bool(model_cfg.moe_grouped_gemm)
 
 
 def _kv_heads(hf_config) -> int:
@@ -353,9 +527,11 @@ def hf_to_transformer_config(hf_config, parallel, model_cfg: ModelConfig = None)
 
     model_cfg = model_cfg or ModelConfig()
     model_type = check_hf_config(hf_config)
+    attention = ATTENTION_FAMILY[model_type]
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     heads, groups = megatron_attention_heads(hf_config, tp, model_cfg)
-    if hf_config.intermediate_size % tp != 0:
+    moe = check_moe_parallel(hf_config, parallel, model_cfg)
+    if moe is None and hf_config.intermediate_size % tp != 0:
         raise ValueError(
             f"hf_config.intermediate_size={hf_config.intermediate_size} is not divisible by "
             f"tensor_model_parallel_size={tp}; choose a TP that divides it"
@@ -372,7 +548,9 @@ def hf_to_transformer_config(hf_config, parallel, model_cfg: ModelConfig = None)
     kwargs: dict[str, Any] = dict(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
-        ffn_hidden_size=hf_config.intermediate_size,
+        # dense layers' FFN; an all-MoE model has none (Qwen's intermediate_size then sizes
+        # layers it does not have), so the expert size stands in for it
+        ffn_hidden_size=hf_config.intermediate_size if moe is None else moe.ffn_hidden_size,
         num_attention_heads=heads,
         num_query_groups=groups,
         kv_channels=head_dim(hf_config),
@@ -381,8 +559,8 @@ def hf_to_transformer_config(hf_config, parallel, model_cfg: ModelConfig = None)
         gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
-        add_qkv_bias=model_type == "qwen2",
-        qk_layernorm=model_type == "qwen3",
+        add_qkv_bias=attention == "qwen2",
+        qk_layernorm=attention == "qwen3",
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=float(_get(hf_config, "initializer_range", 0.02)),
@@ -400,6 +578,8 @@ def hf_to_transformer_config(hf_config, parallel, model_cfg: ModelConfig = None)
         persist_layer_norm=False,
         transformer_impl=impl,
     )
+    if moe is not None:
+        kwargs.update(moe_transformer_config_kwargs(moe, parallel, model_cfg, impl))
     if model_cfg.fp8 is not None:
         kwargs.update(
             fp8=model_cfg.fp8,
@@ -410,3 +590,47 @@ def hf_to_transformer_config(hf_config, parallel, model_cfg: ModelConfig = None)
         )
     kwargs.update(model_cfg.extra_transformer_config)
     return TransformerConfig(**kwargs)
+
+
+def moe_transformer_config_kwargs(moe: MoELayout, parallel, model_cfg: ModelConfig, impl: str) -> dict[str, Any]:
+    """The ``TransformerConfig`` MoE fields (megatron-core 0.16.1 names,
+    megatron/core/transformer/transformer_config.py "MoE related") of an MoE model.
+
+    Routing equivalence with transformers (megatron/core/transformer/moe/moe_utils.py,
+    ``topk_routing_with_score_function``, softmax branch): HF takes softmax over all experts,
+    then the top k, then (``norm_topk_prob``) divides by their sum, which equals megatron's
+    default top-k of the logits followed by a softmax over those k (``moe_router_pre_softmax``
+    False). Without renormalisation HF keeps the top k of the full softmax, which is megatron's
+    ``moe_router_pre_softmax=True`` with no ``moe_router_topk_scaling_factor``. The router runs
+    in fp32 (``moe_router_dtype``), as HF's softmax does.
+    """
+    ep = getattr(parallel, "expert_model_parallel_size", 1)
+    etp = getattr(parallel, "expert_tensor_parallel_size", None)
+    tp = parallel.tensor_model_parallel_size
+    out: dict[str, Any] = dict(
+        num_moe_experts=moe.num_experts,
+        moe_router_topk=moe.topk,
+        moe_ffn_hidden_size=moe.ffn_hidden_size,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not moe.norm_topk_prob,
+        moe_router_topk_scaling_factor=None,
+        moe_router_dtype="fp32",
+        moe_router_load_balancing_type=model_cfg.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=moe.aux_loss_coef if model_cfg.moe_aux_loss_coeff is None else model_cfg.moe_aux_loss_coeff,
+        moe_token_dispatcher_type=model_cfg.moe_token_dispatcher_type,
+        moe_grouped_gemm=moe_grouped_gemm(model_cfg),
+        # fused permute / router kernels are TE CUDA kernels (moe_utils.permute(fused=True))
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=tp if etp is None else etp,
+    )
+    if moe.shared_ffn_hidden_size:
+        out.update(moe_shared_expert_intermediate_size=moe.shared_ffn_hidden_size,
+                   moe_shared_expert_gate=moe.shared_expert_gate, moe_shared_expert_overlap=False)
+    if tp > 1 and impl == "transformer_engine":
+        # megatron-core's MoELayer.forward refuses to train at TP > 1 without sequence
+        # parallelism (moe_layer.py); the local spec's torch norm cannot run it (torch_norm.py
+        # asserts not sequence_parallel), so CPU MoE runs at TP > 1 are forward-only
+        out["sequence_parallel"] = True
+    return out

@@ -28,8 +28,28 @@ no-op):
    TP=2. :func:`_l2_norm_fp64` accumulates in float64 instead
    (``megatron.core.optimizer.clip_grads.l2_norm_impl``); GPUs keep Apex/TE's kernel.
 
-Items 1-4 do not change numerics: they only choose the device or RNG that
-megatron-core would have used on a GPU; item 5 makes the CPU grad norm (and so the
+6. CUDA streams and events for the MoE all-to-all token dispatcher: megatron-core 0.16.1's
+   ``MoEAlltoAllTokenDispatcher`` (transformer/moe/token_dispatcher.py, ``__init__`` and
+   ``_maybe_dtoh_and_synchronize``) creates a ``torch.cuda.Stream`` for its device-to-host
+   copies of the split sizes and synchronises on an event recorded on it.
+   ``torch.cuda.Stream`` / ``current_stream`` / ``stream`` / ``Event`` become a no-op stream
+   and event (:class:`_CpuStream`): on CPU every op is synchronous, so there is nothing to
+   order. They are patched only where CUDA is absent, where they would raise.
+7. The dispatcher's split sizes: on GPU ``moe_utils.maybe_move_tensor_to_cpu(..., as_numpy=True)``
+   turns the CUDA split-size tensors into numpy arrays, which ``all_to_all_single`` takes as
+   int sequences; for a CPU tensor it returns the tensor itself, which torch's
+   ``all_to_all_single`` binding refuses ("incompatible function arguments": it takes
+   ``list[int]``). :func:`_maybe_move_tensor_to_cpu` also gives numpy for a CPU tensor, as the
+   GPU path does. gloo itself runs ``all_to_all_single`` with uneven splits on CPU tensors
+   in torch 2.13 (checked on 2 gloo processes), so no collective is re-implemented.
+
+8. The router's gating GEMM without Transformer Engine: ``moe_utils.RouterGatingLinearFunction``
+   tests ``te_general_gemm is not None``, a name bound only when TE imports (``NameError``
+   otherwise, megatron-core 0.16.1 moe/moe_utils.py); it is bound to None, which selects the
+   function's own ``torch.mm`` path in the router dtype.
+
+Items 1-4 and 6-8 do not change numerics: they only choose the device, RNG or host
+copy that megatron-core would have used on a GPU; item 5 makes the CPU grad norm (and so the
 clipping factor) exact to fp32 output precision. ``activate()`` is idempotent
 and returns False (doing nothing) when CUDA is available.
 """
@@ -127,6 +147,82 @@ def _patch_torch_cuda() -> None:
     cuda.empty_cache = lambda: None
 
 
+class _CpuEvent:
+    """A CUDA event stand-in: on CPU the work it marks has already run."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, stream=None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def record(self, stream=None) -> None:
+        return None
+
+
+class _CpuStream:
+    """A CUDA stream stand-in (see the module docstring, item 6): ordering is a no-op on CPU."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, stream) -> None:
+        return None
+
+    def wait_event(self, event) -> None:
+        return None
+
+    def record_event(self, event=None) -> _CpuEvent:
+        return event if event is not None else _CpuEvent()
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+_CPU_STREAM = _CpuStream()
+
+
+def _patch_cuda_streams() -> None:
+    cuda = torch.cuda
+    cuda.Stream = _CpuStream
+    cuda.Event = lambda *args, **kwargs: _CpuEvent()
+    cuda.current_stream = lambda device=None: _CPU_STREAM
+    cuda.default_stream = lambda device=None: _CPU_STREAM
+    cuda.stream = lambda stream=None: stream if isinstance(stream, _CpuStream) else _CPU_STREAM
+
+
+def _maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """``megatron.core.transformer.moe.moe_utils.maybe_move_tensor_to_cpu`` for CPU tensors too
+    (module docstring, item 7): a tensor comes back as numpy when ``as_numpy``, as a CUDA
+    tensor does there; ``record_stream`` has no meaning on CPU."""
+    if torch.is_tensor(tensor) and as_numpy:
+        return tensor.detach().cpu().numpy()
+    return tensor
+
+
+def _patch_megatron_moe() -> None:
+    try:
+        from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    except ImportError:
+        return
+    moe_utils.maybe_move_tensor_to_cpu = _maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = _maybe_move_tensor_to_cpu  # bound by name at import
+    if not hasattr(moe_utils, "te_general_gemm"):  # item 8: megatron's own torch.mm branch then runs
+        moe_utils.te_general_gemm = None
+
+
 def _patch_megatron_rng() -> None:
     try:
         from megatron.core.tensor_parallel import random as mrandom
@@ -188,7 +284,9 @@ def activate(force: bool = False) -> bool:
         if torch.cuda.is_available() and not force:
             return False
         _patch_torch_cuda()
+        _patch_cuda_streams()
         _patch_megatron_rng()
+        _patch_megatron_moe()
         _patch_megatron_grad_norm()
         _MODE = _CudaToCpuMode()
         _MODE.__enter__()

@@ -30,15 +30,32 @@ class ParallelConfig:
     """TP degree; divides the world size."""
     pipeline_model_parallel_size: int = 1
     """PP degree; TP × PP divides the world size, and DP = world / (TP × PP)."""
+    expert_model_parallel_size: int = 1
+    """EP degree (mixture-of-experts models only): each MoE layer's experts are split over EP ranks
+    (``num_experts / EP`` per rank, tokens exchanged by all-to-all). ETP × EP × PP divides the
+    world size (megatron-core's expert grid, ``parallel_state.initialize_model_parallel``); the
+    EP ranks of a stage are DP (and TP) ranks of the dense layers."""
+    expert_tensor_parallel_size: Optional[int] = None
+    """ETP degree (MoE only): each expert's FFN split like TP; None: the TP size (megatron-core's
+    default). verl and slime's large-MoE recipes use 1."""
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming a size below 1."""
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size"):
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        etp = self.expert_tensor_parallel_size
+        if etp is not None and etp < 1:
+            raise ValueError(f"expert_tensor_parallel_size={etp} must be >= 1 or null (the TP size)")
+
+    @property
+    def etp_size(self) -> int:
+        """The expert TP size: ``expert_tensor_parallel_size``, or TP when None."""
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
 
     def check_world_size(self, world_size: int) -> None:
-        """Raise ``ValueError`` unless TP × PP divides ``world_size`` (the launched processes)."""
+        """Raise ``ValueError`` unless TP × PP divides ``world_size`` (the launched processes), and
+        so does ETP × EP × PP (megatron-core's expert grid)."""
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
         if world_size % (tp * pp) != 0:
             raise ValueError(
@@ -46,18 +63,36 @@ class ParallelConfig:
                 f"the world size {world_size}: launch torchrun with --nproc_per_node a multiple of "
                 f"{tp * pp}, or change the parallel sizes"
             )
+        ep, etp = self.expert_model_parallel_size, self.etp_size
+        if world_size % (etp * ep * pp) != 0:
+            raise ValueError(
+                f"expert_tensor_parallel_size={etp} × expert_model_parallel_size={ep} × "
+                f"pipeline_model_parallel_size={pp} = {etp * ep * pp} does not divide the world size {world_size}: "
+                f"the EP ranks of a pipeline stage are its DP × TP ranks ({world_size // pp} here); lower EP or ETP"
+            )
 
 
-def require_launch_world(tp: int, pp: int) -> None:
+def launch_world_size(tp: int, pp: int, ep: int = 1, etp: Optional[int] = None) -> int:
+    """The processes a tool's ``--tp/--pp/--ep/--etp`` layout needs: ``pp × lcm(tp, ep × etp)``
+    (the fewest that both the dense grid TP × DP and the expert grid ETP × EP × EDP fill)."""
+    import math
+
+    return pp * math.lcm(tp, ep * (etp or tp))
+
+
+def require_launch_world(tp: int, pp: int, ep: int = 1, etp: Optional[int] = None) -> None:
     """Raise :class:`~dapo_megatron.cli.InputError` (a one-line error of the tool, with the
-    torchrun command to use) unless this launch has exactly ``tp × pp`` processes: the tools
-    take their layout from ``--tp``/``--pp`` (each >= 1, checked by their parsers)."""
+    torchrun command to use) unless this launch has exactly :func:`launch_world_size` processes:
+    the tools take their layout from ``--tp``/``--pp`` (``--ep``/``--etp`` for a mixture of
+    experts; each >= 1, checked by their parsers)."""
     from dapo_megatron.cli import InputError
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != tp * pp:
-        raise InputError(f"--tp {tp} × --pp {pp} = {tp * pp} processes needed, running {world}: "
-                         f"launch with torchrun --nproc_per_node={tp * pp}")
+    need = launch_world_size(tp, pp, ep, etp)
+    if world != need:
+        layout = f"--tp {tp} × --pp {pp}" + (f" with --ep {ep}" + (f" --etp {etp}" if etp else "") if ep > 1 or etp else "")
+        raise InputError(f"{layout} = {need} processes needed, running {world}: "
+                         f"launch with torchrun --nproc_per_node={need}")
 
 
 def free_port() -> int:
@@ -127,7 +162,7 @@ def init_distributed(
     Idempotent for the same layout. Every rank must call it (it is collective).
 
     Args:
-        parallel: TP/PP sizes; DP is derived from the world size.
+        parallel: TP/PP (and EP/ETP) sizes; DP is derived from the world size.
         seed: base seed; Megatron derives the TP-rank-specific streams from it
             (``model_parallel_cuda_manual_seed``).
         timeout_s: collective timeout.
@@ -139,7 +174,8 @@ def init_distributed(
         ranks, sizes and groups (megatron-core's ``parallel_state`` is read here only).
 
     Raises:
-        ValueError: the world size does not fit ``parallel``, or ``rollout_tp`` does not
+        ValueError: the world size does not fit ``parallel`` (TP × PP, or ETP × EP × PP, does
+            not divide it), or ``rollout_tp`` does not
             divide the world size and the ranks per node (naming
             ``rollout.tensor_model_parallel_size``).
     """
@@ -172,12 +208,16 @@ def init_distributed(
             parallel_state.get_tensor_model_parallel_world_size() != parallel.tensor_model_parallel_size
             or parallel_state.get_pipeline_model_parallel_world_size()
             != parallel.pipeline_model_parallel_size
+            or parallel_state.get_expert_model_parallel_world_size() != parallel.expert_model_parallel_size
+            or parallel_state.get_expert_tensor_parallel_world_size() != parallel.etp_size
         ):
             parallel_state.destroy_model_parallel()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=parallel.tensor_model_parallel_size,
             pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+            expert_model_parallel_size=parallel.expert_model_parallel_size,
+            expert_tensor_parallel_size=parallel.etp_size,
         )
     model_parallel_cuda_manual_seed(seed)
 
@@ -188,6 +228,7 @@ def init_distributed(
     dist.all_gather_object(dp_rank_of, dp_rank)  # once per call: every rank's DP shard, for routing data to it
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     mp_group = parallel_state.get_model_parallel_group()
+    ep_group = parallel_state.get_expert_model_parallel_group()
     return ParallelDims(
         world_size=world,
         rank=rank,
@@ -212,6 +253,13 @@ def init_distributed(
         rollout_index=index,
         num_engines=len(engines),
         rollout_group=_rollout_gloo_group(engines, index) if rollout_tp > 1 else None,
+        ep_size=parallel_state.get_expert_model_parallel_world_size(),
+        ep_rank=parallel_state.get_expert_model_parallel_rank(),
+        ep_group=ep_group,
+        ep_ranks=tuple(dist.get_process_group_ranks(ep_group)),
+        etp_size=parallel_state.get_expert_tensor_parallel_world_size(),
+        etp_rank=parallel_state.get_expert_tensor_parallel_rank(),
+        etp_group=parallel_state.get_expert_tensor_parallel_group(),
     )
 
 

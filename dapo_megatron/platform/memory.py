@@ -8,7 +8,9 @@ been compared with a GPU run yet.
 
 Bytes per GPU, with ``P`` the parameters of the largest pipeline stage on one TP rank
 (embedding / LM head rows padded to ``make_vocab_size_divisible_by × TP``, norms
-replicated) and ``DP = world / (TP × PP)``:
+replicated; for a mixture of experts plus ``1 / (EP × ETP)`` of the stage's routed experts,
+whose optimizer shards go over ``EDP = world / (ETP × EP × PP)`` instead of DP) and
+``DP = world / (TP × PP)``:
 
 * actor, resident for the whole run (megatron-core distributed optimizer, Megatron-LM's
   "bf16 params, fp32 grads" row: ``6 + 12 / DP`` bytes per parameter): parameters
@@ -84,7 +86,9 @@ _BYTES = {"float32": 4, "fp32": 4, "bfloat16": 2, "bf16": 2, "float16": 2, "fp16
 
 @dataclass
 class ModelShape:
-    """What the estimate needs of an HF config (Llama / Qwen2 / Qwen3)."""
+    """What the estimate needs of an HF config (Llama / Qwen2 / Qwen3; the MoE families with
+    ``experts`` > 0: every layer's MLP is ``experts`` routed experts of FFN ``moe_ffn``, ``topk``
+    per token, plus a shared expert of FFN ``shared_ffn`` and its gate; ``ffn`` is then 0)."""
 
     hidden: int
     layers: int
@@ -96,43 +100,66 @@ class ModelShape:
     tied: bool
     qkv_bias: bool
     qk_norm: bool
+    experts: int = 0
+    moe_ffn: int = 0
+    topk: int = 0
+    shared_ffn: int = 0
+    shared_gate: bool = False
 
     @classmethod
     def from_hf(cls, hf_config) -> "ModelShape":
+        from dapo_megatron.models.config import ATTENTION_FAMILY, moe_layout
+
         h, nh = hf_config.hidden_size, hf_config.num_attention_heads
         model_type = getattr(hf_config, "model_type", "llama")
+        attention = ATTENTION_FAMILY.get(model_type, model_type)
+        moe = moe_layout(hf_config)
         return cls(
             hidden=h, layers=hf_config.num_hidden_layers, heads=nh,
             kv_heads=getattr(hf_config, "num_key_value_heads", None) or nh,
-            head_dim=getattr(hf_config, "head_dim", None) or h // nh, ffn=hf_config.intermediate_size,
+            head_dim=getattr(hf_config, "head_dim", None) or h // nh,
+            ffn=hf_config.intermediate_size if moe is None else 0,
             vocab=hf_config.vocab_size, tied=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qkv_bias=attention == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+            qk_norm=attention == "qwen3",
+            experts=moe.num_experts if moe else 0, moe_ffn=moe.ffn_hidden_size if moe else 0,
+            topk=moe.topk if moe else 0, shared_ffn=moe.shared_ffn_hidden_size if moe else 0,
+            shared_gate=bool(moe and moe.shared_expert_gate),
         )
 
     def layer_params(self) -> tuple[int, int]:
-        """``(split over TP, replicated)`` parameters of one decoder layer."""
+        """``(split over TP, replicated)`` parameters of one decoder layer, routed experts
+        excluded (:meth:`expert_params`); the router and the shared expert's gate are replicated."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        split = self.hidden * (q + 2 * kv) + q * self.hidden + 3 * self.hidden * self.ffn
+        split = self.hidden * (q + 2 * kv) + q * self.hidden + 3 * self.hidden * (self.ffn + self.shared_ffn)
         if self.qkv_bias:
             split += q + 2 * kv
         replicated = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+        replicated += self.experts * self.hidden + (self.hidden if self.shared_gate else 0)
         return split, replicated
+
+    def expert_params(self) -> int:
+        """Routed-expert parameters of one decoder layer (split over EP × ETP); 0 when dense."""
+        return 3 * self.hidden * self.moe_ffn * self.experts
 
     def total_params(self) -> int:
         """All parameters of the HF model (unpadded vocabulary, tied embeddings once)."""
         split, rep = self.layer_params()
         emb = self.vocab * self.hidden
-        return self.layers * (split + rep) + emb * (1 if self.tied else 2) + self.hidden
+        return self.layers * (split + rep + self.expert_params()) + emb * (1 if self.tied else 2) + self.hidden
 
     def kv_bytes_per_token(self, tp: int, dtype_bytes: int = 2) -> int:
         """SGLang's KV cell: K and V of every layer, ``max(1, n_kv // tp)`` heads per GPU."""
         return 2 * self.layers * max(1, self.kv_heads // tp) * self.head_dim * dtype_bytes
 
-    def activation_bytes_per_token(self, tp: int) -> int:
-        """bf16 bytes kept for backward by one layer per token (module docstring)."""
+    def activation_bytes_per_token(self, tp: int, etp: Optional[int] = None) -> int:
+        """bf16 bytes kept for backward by one layer per token (module docstring). An MoE layer
+        keeps, per token and routed expert (``topk`` of them, balanced over the EP ranks), the
+        dispatched input and the combined output (``2 h``) and the expert's fc1 outputs and fc2
+        input (``3 f / ETP``); the shared expert as a dense MLP."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        return 2 * (4 * self.hidden + (q + 2 * kv + q + 3 * self.ffn) // tp)
+        dense = 2 * (4 * self.hidden + (q + 2 * kv + q + 3 * (self.ffn + self.shared_ffn)) // tp)
+        return dense + 2 * self.topk * (2 * self.hidden + 3 * self.moe_ffn // (etp or tp))
 
 
 @dataclass
@@ -187,6 +214,8 @@ def estimate_memory(
     gpu_memory_utilization: float,
     max_sequence_tokens: int,
     rollout_tp: int = 1,
+    ep: int = 1,
+    etp: Optional[int] = None,
     bucket_bytes: int = 512 * 2**20,
     gpu_bytes: int = H100_80GB,
     overhead_bytes: int = DEFAULT_OVERHEAD,
@@ -210,6 +239,10 @@ def estimate_memory(
         gpu_memory_utilization: SGLang ``mem_fraction_static``.
         max_sequence_tokens: ``data.max_prompt_length + rollout.response_length``.
         rollout_tp: GPUs per SGLang engine (its tensor parallel size); 1 by default.
+        ep, etp: expert model / tensor parallel sizes (MoE; ``etp`` None: TP). A rank holds
+            ``1 / (EP × ETP)`` of each stage's routed experts, whose fp32 main parameters and
+            Adam moments the distributed optimizer shards over the expert-DP ranks
+            ``EDP = world / (ETP × EP × PP)`` (megatron-core's expert data-parallel group).
         bucket_bytes: ``rollout.update_weights_bucket_megabytes`` in bytes.
         gpu_bytes: memory of one GPU (default: an 80 GB H100).
         overhead_bytes, engine_runtime_bytes, cuda_graph_bytes: the assumptions of the module
@@ -226,8 +259,10 @@ def estimate_memory(
             divisible by PP, an unknown dtype).
     """
     shape = ModelShape.from_hf(hf_config)
-    if world_size % (tp * pp) or shape.layers % pp:
-        raise ValueError(f"world {world_size} / TP {tp} × PP {pp} / {shape.layers} layers: not a valid layout")
+    etp = etp or tp
+    if world_size % (tp * pp) or shape.layers % pp or world_size % (etp * ep * pp):
+        raise ValueError(f"world {world_size} / TP {tp} × PP {pp} (ETP {etp} × EP {ep} × PP) / {shape.layers} "
+                         "layers: not a valid layout")
     if params_dtype not in _BYTES:
         raise ValueError(f"model.params_dtype={params_dtype!r} is not one of {sorted(_BYTES)}")
     dp = world_size // (tp * pp)
@@ -241,19 +276,22 @@ def estimate_memory(
     head = emb_rows if (pp > 1 or not shape.tied) else 0
     first = layers_per_stage * (split // tp + rep) + emb_rows + (head + shape.hidden if pp == 1 else 0)
     last = layers_per_stage * (split // tp + rep) + head + shape.hidden
-    P = max(first, last)
+    P_experts = layers_per_stage * shape.expert_params() // (ep * etp)  # every stage holds as many
+    P_dense = max(first, last)
+    P = P_dense + P_experts
+    edp = world_size // (etp * ep * pp)
     pb = _BYTES[params_dtype]
     parts = {
         "actor_params": P * pb,
         "actor_grads": P * 4,
-        "actor_main_params": (P * 4 // dp) if pb < 4 else 0,
-        "actor_adam": P * 8 // dp,
+        "actor_main_params": (P_dense * 4 // dp + P_experts * 4 // edp) if pb < 4 else 0,
+        "actor_adam": P_dense * 8 // dp + P_experts * 8 // edp,
         "actor_fp8_weights": 2 * P if fp8 else 0,
     }
 
     # activations of one micro-batch on the stage that holds the most
     rc = dict(recompute or {})
-    per_token_layer = shape.activation_bytes_per_token(tp)
+    per_token_layer = shape.activation_bytes_per_token(tp, etp)
     in_flight = pp  # 1F1B: stage 0 holds PP micro-batches
     if rc.get("recompute_granularity") == "full":
         k = int(rc.get("recompute_num_layers") or 1)
@@ -286,7 +324,8 @@ def estimate_memory(
                  engine_runtime=engine_runtime_bytes, cuda_graphs_resident=graphs,
                  allocator_cache=allocator_cache_bytes,
                  sync_buffers=max(bucket_bytes, padded_vocab * shape.hidden * pb) + bucket_bytes
-                 + (2 * 2 * shape.ffn * shape.hidden * pb if tp > 1 else 0))
+                 + 2 * max(2 * (shape.ffn + shape.shared_ffn) * shape.hidden * pb if tp > 1 else 0,
+                           2 * shape.moe_ffn * shape.hidden * pb if etp > 1 else 0))
     phases = {
         "rollout": resident + overhead_bytes + static_pool + engine_runtime_bytes,
         "train": resident + parts["activations"] + parts["logits"] + overhead_bytes + graphs,
@@ -346,6 +385,7 @@ def estimate_from_config(cfg, hf_config, world_size: int, *, rollout_tp: Optiona
         recompute=cfg.model.extra_transformer_config, micro_batch_tokens=cfg.actor.ppo_max_token_len_per_gpu,
         gpu_memory_utilization=cfg.rollout.gpu_memory_utilization,
         max_sequence_tokens=cfg.data.max_prompt_length + cfg.rollout.response_length, rollout_tp=rollout_tp,
+        ep=cfg.parallel.expert_model_parallel_size, etp=cfg.parallel.expert_tensor_parallel_size,
         bucket_bytes=cfg.rollout.update_weights_bucket_megabytes * 2**20, gpu_bytes=gpu_bytes, **kwargs)
 
 

@@ -9,7 +9,9 @@ Two layouts share the world (docs/design.md §2):
 
 - the actor's: TP × PP × DP in megatron-core's default rank order (``tp-cp-ep-dp-pp``: the
   ranks of a TP group are consecutive); the model-parallel (MP) group is a DP rank's
-  TP × PP ranks, which hold the same data;
+  TP × PP ranks, which hold the same data. The MoE layers' experts use megatron-core's
+  expert grid over the same ranks, ETP × EP × EDP × PP (EP groups cut across the dense DP and TP
+  ranks of one stage, so the ranks of an EP group hold different data);
 - the rollout's: the world cut into rollout groups of ``rollout_tp_size`` consecutive ranks on
   one node (verl's ``rollout.tensor_model_parallel_size``); each group owns one engine, whose
   leader is the group's first rank. With ``rollout_tp_size == 1`` every rank is its own engine.
@@ -77,6 +79,14 @@ class ParallelDims:
         num_engines: ``world_size // rollout_tp_size``.
         rollout_group: a gloo group over ``rollout_group_ranks`` (None when
             ``rollout_tp_size == 1``).
+        ep_size, ep_rank, ep_group: expert parallelism (megatron-core's expert grid
+            ``etp-ep-edp-pp``): the ranks of one pipeline stage that split each MoE layer's
+            experts; expert ``e`` lives on EP rank ``e // (num_experts / ep_size)`` as local
+            expert ``e % (num_experts / ep_size)``. ``ep_ranks``: the group's global ranks in EP-rank
+            order. Size 1 (and this rank alone) for a dense model.
+        etp_size, etp_rank, etp_group: expert tensor parallelism (each expert's FFN split like
+            TP); ``etp_size`` is the TP size unless ``parallel.expert_tensor_parallel_size`` says
+            otherwise.
     """
 
     world_size: int
@@ -102,8 +112,31 @@ class ParallelDims:
     rollout_index: int
     num_engines: int
     rollout_group: Optional[Any] = None
+    ep_size: int = 1
+    ep_rank: int = 0
+    ep_group: Optional[Any] = None
+    ep_ranks: Optional[tuple[int, ...]] = None
+    etp_size: Optional[int] = None
+    etp_rank: Optional[int] = None
+    etp_group: Optional[Any] = None
 
     def __post_init__(self) -> None:
+        # a layout built without expert parallelism (tests, tools): EP of one, experts split as TP
+        if self.ep_ranks is None:
+            object.__setattr__(self, "ep_ranks", (self.rank,))
+        if self.etp_size is None:
+            object.__setattr__(self, "etp_size", self.tp_size)
+            object.__setattr__(self, "etp_rank", self.tp_rank)
+            object.__setattr__(self, "etp_group", self.tp_group)
+        if self.world_size % (self.etp_size * self.ep_size * self.pp_size):
+            raise ValueError(f"etp_size={self.etp_size} × ep_size={self.ep_size} × pp_size={self.pp_size} does not "
+                             f"divide world_size={self.world_size}")
+        for name, size in (("ep_rank", self.ep_size), ("etp_rank", self.etp_size)):
+            if not 0 <= getattr(self, name) < size:
+                raise ValueError(f"{name}={getattr(self, name)} is not in [0, {size})")
+        if len(self.ep_ranks) != self.ep_size or self.ep_ranks[self.ep_rank] != self.rank:
+            raise ValueError(f"ep_ranks={self.ep_ranks} must list the {self.ep_size} EP ranks with this rank "
+                             f"({self.rank}) at ep_rank={self.ep_rank}")
         if self.tp_size * self.pp_size * self.dp_size != self.world_size:
             raise ValueError(f"tp_size={self.tp_size} × pp_size={self.pp_size} × dp_size={self.dp_size} "
                              f"!= world_size={self.world_size}")

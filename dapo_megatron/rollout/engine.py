@@ -345,8 +345,58 @@ class WeightSyncTracker:
         return self.version
 
 
+# HF checkpoint names of a transformers-5 fused expert block, per model_type: (block name in the
+# checkpoint, gate, up, down). transformers fuses ``experts.{e}.<gate|up>`` into
+# ``mlp.experts.gate_up_proj`` [E, 2F, H] (gate rows first) and ``experts.{e}.<down>`` into
+# ``mlp.experts.down_proj`` [E, H, F] on load, and splits them back on save
+# (transformers/conversion_mapping.py, "qwen2_moe" — shared by qwen3_moe — and "mixtral", which
+# also renames ``block_sparse_moe.`` to ``mlp.``). SGLang loads the per-expert names.
+_FUSED_EXPERT_NAMES = {
+    "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    "qwen2_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+}
+
+
+def checkpoint_parameters(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """A causal LM's parameters under their HF checkpoint names, in module order, tied
+    parameters under every name (``named_parameters(remove_duplicate=False)``).
+
+    Dense models: the parameters themselves. A transformers-5 MoE model (``qwen3_moe``,
+    ``qwen2_moe``, ``mixtral``) holds each layer's experts fused in 3-D parameters; each of those
+    is listed instead as its per-expert checkpoint tensors, views into it
+    (``model.layers.{l}.mlp.experts.{e}.gate_proj.weight`` = ``gate_up_proj[e, :F]``, ``up_proj`` =
+    ``gate_up_proj[e, F:]``, ``down_proj`` = ``down_proj[e]``; Mixtral's
+    ``block_sparse_moe.experts.{e}.w1/w3/w2.weight``, and its router ``block_sparse_moe.gate.weight``).
+    Copying into a view writes the fused parameter, so a weight sync by checkpoint name fills
+    it, and a tracker over these names counts every expert.
+    """
+    config = getattr(module, "config", None)
+    names = _FUSED_EXPERT_NAMES.get(getattr(config, "model_type", None))
+    out: list[tuple[str, torch.Tensor]] = []
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if names is None or ".mlp." not in name:
+            out.append((name, p))
+            continue
+        block, gate, up, down = names
+        prefix, _, leaf = name.rpartition(".")
+        ckpt_prefix = prefix.replace(".mlp", "." + block, 1)
+        if prefix.endswith(".mlp.experts") and leaf == "gate_up_proj" and p.dim() == 3:
+            f = p.shape[1] // 2
+            for e in range(p.shape[0]):
+                out.append((f"{ckpt_prefix}.{e}.{gate}.weight", p[e, :f]))
+                out.append((f"{ckpt_prefix}.{e}.{up}.weight", p[e, f:]))
+        elif prefix.endswith(".mlp.experts") and leaf == "down_proj" and p.dim() == 3:
+            for e in range(p.shape[0]):
+                out.append((f"{ckpt_prefix}.{e}.{down}.weight", p[e]))
+        else:
+            out.append((f"{ckpt_prefix}.{leaf}", p))
+    return out
+
+
 def specs_from_module(module: torch.nn.Module) -> tuple[dict[str, ParamSpec], dict[str, str]]:
-    """``(specs, aliases)`` of a module's parameters for :class:`WeightSyncTracker`.
+    """``(specs, aliases)`` of a module's parameters for :class:`WeightSyncTracker`, under
+    their HF checkpoint names (:func:`checkpoint_parameters`: an MoE model's experts one by one).
 
     Each tensor is listed once under its first name; later names of the same tensor
     (tied ``lm_head.weight`` → ``model.embed_tokens.weight``) become aliases. Buffers
@@ -355,8 +405,8 @@ def specs_from_module(module: torch.nn.Module) -> tuple[dict[str, ParamSpec], di
     specs: dict[str, ParamSpec] = {}
     aliases: dict[str, str] = {}
     first_name: dict[int, str] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        if id(p) in first_name:
+    for name, p in checkpoint_parameters(module):  # held in the list: no id is reused during the loop
+        if id(p) in first_name:  # tied: the same Parameter under a second name (expert views are distinct)
             aliases[name] = first_name[id(p)]
         else:
             first_name[id(p)] = name

@@ -58,6 +58,7 @@ from dapo_megatron.rollout.engine import (
     RowRequest,
     RowResult,
     SamplingParams,
+    checkpoint_parameters,
     resolve_prompt_seeds,
     specs_from_module,
     validate_prompt_ids,
@@ -468,7 +469,8 @@ class HFEngine(RolloutEngine):
         """Each tensor is copied into its parameter as it arrives: an in-process engine needs no
         bucket, and holding none lets the bridge reuse its bucket memory
         (:func:`dapo_megatron.bridge.iter_hf_weights`)."""
-        params = dict(self.model.named_parameters(remove_duplicate=False))
+        # checkpoint names (an MoE model's experts are views into its fused expert parameters)
+        params = dict(checkpoint_parameters(self.model))
         for name, tensor in named_tensors:
             params[name].copy_(tensor)  # casts dtype and moves device (also while asleep on CPU)
             del tensor  # before the next one is produced

@@ -56,6 +56,35 @@ def test_tiny_model_round_trip_tp2_torchrun_then_plain_export(tmp_path):
         assert torch.equal(reloaded(ids).logits, hf(ids).logits)
 
 
+@pytest.mark.dist
+def test_moe_round_trip_ep2_torchrun_then_plain_export(tmp_path):
+    """A Qwen2-MoE (routed experts, shared expert and its gate) saved with its experts over 2 EP
+    ranks reloads at EP=1 (torch_dist reshards the experts) and exports the HF checkpoint
+    bitwise: every expert under its own name; transformers reloads it to the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import tiny_moe_config
+
+    hf = random_hf_model(tiny_moe_config("qwen2_moe"), seed=6)
+    hf.save_pretrained(tmp_path / "hf")
+    out = _run([TO_MEGATRON, "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt"), "--ep", "2"], nproc=2)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "EP=2" in out.stdout
+    out = _run([TO_HF, "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf2")])
+    assert out.returncode == 0, out.stderr[-3000:]
+    src, back = _load_safetensors_dir(str(tmp_path / "hf")), _load_safetensors_dir(str(tmp_path / "hf2"))
+    assert sorted(back) == sorted(src)
+    assert sum(".mlp.experts." in k for k in src) == 2 * 4 * 3  # layers × experts × (gate, up, down)
+    for k in src:
+        assert torch.equal(back[k], src[k]), k
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf2").eval()
+    ids = torch.randint(0, 250, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, hf.eval()(ids).logits)
+    out = _run([TO_MEGATRON, "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt3"), "--ep", "3"], nproc=1)
+    assert out.returncode != 0 and "--ep 3" in out.stderr and "torchrun --nproc_per_node=3" in out.stderr
+
+
 def test_bad_inputs_stop_the_tools_with_the_name(tmp_path):
     cfg = tiny_hf_config("qwen2_bias")
     hf = random_hf_model(cfg, seed=4)

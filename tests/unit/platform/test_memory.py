@@ -151,3 +151,63 @@ def test_the_engine_sizes_its_kv_pool_after_the_allocator_cache_is_emptied():
     cached = estimate_from_config(cfg, hf, GPUS["7b"], allocator_cache_bytes=10 * GB)
     assert base.parts["allocator_cache"] == 0 and cached.parts["allocator_cache"] == 10 * GB
     assert abs((base.parts["kv_cache"] - cached.parts["kv_cache"]) - 5 * GB) <= 1  # 0.5 x 10 GB, int() rounding
+
+
+QWEN3_30B_A3B = dict(  # the published Qwen3-30B-A3B config.json
+    vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+    num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+    norm_topk_prob=True, tie_word_embeddings=False, max_position_embeddings=40960, rms_norm_eps=1e-6)
+MOE_YAML = H100["7b"].replace("dapo_qwen2_5_7b_h100", "dapo_qwen3_30b_a3b_h100")
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_moe_parameter_count_matches_transformers(family):
+    from conftest import tiny_moe_config
+
+    hf = tiny_moe_config(family)
+    assert ModelShape.from_hf(hf).total_params() == _counts(hf)[0]
+
+
+def test_qwen3_30b_a3b_example_fits_16_h100_with_ep8_and_not_without_ep():
+    """Expected terms from the transformers model's own parameter counts (meta device): the
+    routed experts split over EP × ETP = 8 GPUs with their optimizer shards over
+    EDP = 16 / (1 × 8 × 2) = 1, the rest over TP = 2 with its shards over DP = 4."""
+    from transformers import Qwen3MoeConfig
+
+    from dapo_megatron.models import ModelConfig
+    from dapo_megatron.models.config import hf_to_transformer_config
+
+    hf = Qwen3MoeConfig(**QWEN3_30B_A3B)
+    cfg = load_config(DAPOConfig, MOE_YAML, ["model.hf_path=/models/x"])
+    p = cfg.parallel
+    assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size,
+            p.expert_tensor_parallel_size) == (2, 2, 8, 1)
+    world, tp, dp, edp = 16, 2, 16 // 4, 16 // (1 * 8 * 2)
+    cfg.check_world_size(world, 8)
+    model = _meta(hf)
+    total = sum(x.numel() for x in model.parameters())
+    assert 30.4e9 < total < 30.6e9
+    layer = model.model.layers[0]
+    experts = sum(x.numel() for n, x in layer.named_parameters() if ".experts." in n)
+    norms_router = sum(x.numel() for n, x in layer.named_parameters() if "norm" in n or n == "mlp.gate.weight")
+    split = sum(x.numel() for x in layer.parameters()) - experts - norms_router
+    h, padded_vocab = 2048, 594 * 256  # 151936 rows padded to a multiple of 128 x TP = 256
+    # the last stage holds the most: 24 layers, the untied LM head and the final norm
+    P_dense = 24 * (split // tp + norms_router) + padded_vocab * h // tp + h
+    P_experts = 24 * experts // 8
+    est = estimate_from_config(cfg, hf, world)
+    assert est.parts["actor_params"] == 2 * (P_dense + P_experts)
+    assert est.parts["actor_grads"] == 4 * (P_dense + P_experts)
+    assert est.parts["actor_adam"] == 8 * P_dense // dp + 8 * P_experts // edp
+    assert est.parts["engine_weights"] == 2 * total // 4  # rollout TP 4
+    assert est.fits, est.problems
+    check_memory(cfg, hf, world)
+    # the experts unsplit (EP = 1): a GPU holds all 128 experts of its stage, far over 80 GB
+    no_ep = load_config(DAPOConfig, MOE_YAML, ["model.hf_path=/models/x", "parallel.expert_model_parallel_size=1"])
+    assert not estimate_from_config(no_ep, hf, world).fits
+    # the same MoE mapping the actor uses, on CPU (local spec): EP / ETP / TP fit the model
+    tc = hf_to_transformer_config(hf, cfg.parallel, ModelConfig(transformer_impl="local"))
+    assert (tc.num_moe_experts, tc.moe_router_topk, tc.moe_ffn_hidden_size) == (128, 8, 768)
+    assert (tc.expert_model_parallel_size, tc.expert_tensor_parallel_size) == (8, 1)
+    assert tc.moe_router_pre_softmax is False  # norm_topk_prob: softmax over the top 8
+    assert tc.moe_token_dispatcher_type == "alltoall" and tc.moe_aux_loss_coeff == 0.001

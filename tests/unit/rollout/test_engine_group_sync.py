@@ -24,25 +24,31 @@ from dapo_megatron.platform import spawn
 BUCKET = 20_000  # bytes: several buckets, and the 64,000-byte embedding larger than one
 
 
-def _setup(tp, pp, rollout_tp, family):
+def _setup(tp, pp, rollout_tp, family, ep=1):
     import sys
+    import tempfile
     import types
 
     import torch.distributed as dist
 
     import sglang_reference
-    from conftest import random_hf_model, tiny_hf_config
+    from conftest import TINY_MOE_FAMILIES, hf_checkpoint_state, random_hf_model, tiny_hf_config, tiny_moe_config
     from dapo_megatron.bridge import export_hf_state_dict, load_hf_weights
     from dapo_megatron.models import ModelConfig, build_gpt_model
     from dapo_megatron.platform import ParallelConfig, init_distributed
     from dapo_megatron.rollout.engine_group import RolloutGroup
     from unit.rollout.test_sglang_engine import _SpyEngine
 
-    parallel = init_distributed(ParallelConfig(tp, pp), seed=0)
+    if family in TINY_MOE_FAMILIES:  # checkpoint names: each expert's tensors on their own
+        hf_config = tiny_moe_config(family)
+        state = hf_checkpoint_state(random_hf_model(hf_config, seed=1), tempfile.mkdtemp(prefix="moe_ckpt_"))
+    else:
+        hf_config = tiny_hf_config(family)
+        state = random_hf_model(hf_config, seed=1).state_dict()
+    parallel = init_distributed(ParallelConfig(tp, pp, ep), seed=0)
     rank = dist.get_rank()
-    hf_config = tiny_hf_config(family)
     model = build_gpt_model(hf_config, ModelConfig(transformer_impl="local"), parallel=parallel)
-    load_hf_weights(model, random_hf_model(hf_config, seed=1).state_dict(), parallel=parallel)
+    load_hf_weights(model, state, parallel=parallel)
     export = export_hf_state_dict(model, parallel=parallel)
     if rollout_tp == 1:
         group = RolloutGroup.single(rank)
@@ -70,12 +76,12 @@ def _engine(group, hf_config, model_dir, bucket_bytes):
     return eng
 
 
-def _sync_worker(tp, pp, rollout_tp, family, model_dir, out_dir):
+def _sync_worker(tp, pp, rollout_tp, family, model_dir, out_dir, ep=1):
     import torch.distributed as dist
 
     from dapo_megatron.bridge import iter_hf_weights
 
-    model, hf_config, export, group, parallel = _setup(tp, pp, rollout_tp, family)
+    model, hf_config, export, group, parallel = _setup(tp, pp, rollout_tp, family, ep)
     eng = _engine(group, hf_config, model_dir, BUCKET)
     eng.update_weights(iter_hf_weights(model, parallel=parallel, bucket_bytes=BUCKET), version=1)
     result = {"rank": dist.get_rank(), "leader": group.is_leader, "version": eng.weight_version,
@@ -124,6 +130,37 @@ def test_every_tp_worker_loads_the_hf_export_bitwise(tp, pp, rollout_tp, model_d
         assert r["updates"] >= 4, "several buckets (the test's bucket is smaller than the model)"
         assert r["calls"] == ["update_weights_from_tensor"] * r["updates"] + ["flush_cache"], "one flush per sync"
         assert r["flush_flags"] == [False] * r["updates"]
+        for w in r["workers"]:
+            assert w["names"] == r["export_names"], "every tensor once, in the bridge's order"
+            assert w["mismatched"] == []
+
+
+@pytest.fixture()
+def moe_model_dir(tmp_path):
+    from conftest import tiny_moe_config
+
+    tiny_moe_config("qwen3_moe").save_pretrained(tmp_path / "moe")
+    return str(tmp_path / "moe")
+
+
+@pytest.mark.dist
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("rollout_tp", [1, 2], ids=["rollout_tp1", "rollout_tp2"])
+def test_moe_actor_ep2_every_tp_worker_loads_every_expert_bitwise(rollout_tp, moe_model_dir, tmp_path):
+    """A Qwen3-MoE actor with its experts over 2 EP ranks: each SGLang TP worker receives every
+    expert of every layer under its checkpoint name, bit for bit, and the sync's completeness
+    check (SGLang's parameter specs, one per expert tensor) passes."""
+    out = tmp_path / "out"
+    out.mkdir()
+    spawn(_sync_worker, 2, 1, 1, rollout_tp, "qwen3_moe", moe_model_dir, str(out), 2)
+    results = [json.load(open(out / f"rank{r}.json")) for r in range(2)]
+    assert all(r["version"] == 1 and r["valid"] for r in results)
+    leaders = [r for r in results if r["leader"]]
+    assert len(leaders) == (2 if rollout_tp == 1 else 1)
+    for r in leaders:
+        experts = [n for n in r["export_names"] if ".mlp.experts." in n]
+        assert len(experts) == 2 * 4 * 3  # layers × experts × (gate, up, down)
+        assert len(r["workers"]) == rollout_tp
         for w in r["workers"]:
             assert w["names"] == r["export_names"], "every tensor once, in the bridge's order"
             assert w["mismatched"] == []
