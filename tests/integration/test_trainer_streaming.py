@@ -118,7 +118,7 @@ def test_streamed_steps_train_exactly_n_groups_and_record_skip_history(runs):
     assert all(m["rollout/kept_groups"] == 2 for m in rows)
     for m in rows:
         assert m["rollout/rounds"] == 3  # 6-token responses, 2 tokens per round
-        assert m["rollout/staleness_max"] == 0 and m["rollout/logprob_diff_fresh_max"] < 1e-4
+        assert m["train/staleness_max"] == 0 and m["rollout/logprob_diff_fresh_max"] < 1e-4
         assert m["actor/num_model_calls"] > m["spy/train_model_calls"]  # two mini-batches: recomputed
     assert runs["streaming"]["state"]["skipper"]["streak"]  # all-wrong groups of a random model: zero variance
     assert sum(m["rollout/skipped_prompts"] for m in rows) > 0  # 8 prompts, 2 a step: steps 5-6 revisit them

@@ -131,7 +131,7 @@ def test_partial_rollouts_continue_next_step_with_their_versions(engine):
         assert s.response_ids == alone.response_ids and s.finish_reason == alone.finish_reason
         assert max((abs(a - b) for a, b in zip(s.rollout_logprobs, alone.logprobs)), default=0) < 1e-5
     stale = [s for g in out2 for s in g.samples if s.staleness(version0 + 1) > 0]
-    assert m2["rollout/stale_samples"] == len(stale)
+    assert m2["train/stale_samples"] == len(stale)
 
 
 def test_without_partial_rollout_in_flight_rows_are_discarded(engine):
