@@ -159,6 +159,28 @@ def test_without_partial_rollout_in_flight_rows_are_discarded(engine):
     assert m["rollout/aborted_tokens"] <= m["rollout/gen_tokens"]
 
 
+def test_a_step_of_carried_groups_only_logs_no_generation_metric(engine):
+    """Issue 25, streamed: a step whose N groups are all carried surplus (here: the groups the
+    last step returned, loaded back as the buffer's surplus) submits nothing; its generation
+    metrics are absent and every value it logs is finite."""
+    from dapo_megatron.rollout.buffer import GENERATION_METRICS, _group_to_dict
+
+    buf, collector, queue, _ = make()
+    client = EngineClient(engine, PARAMS)
+    out, m1 = collector.collect(client, queue, policy_version=engine.weight_version)
+    assert set(GENERATION_METRICS) - {"perf/gen_tokens_per_s"} <= set(m1)  # a step that generated logs them all
+    buf.load_state_dict({"surplus": [_group_to_dict(g) for g in out]})
+    fetched = queue.fetched
+    again, m = collector.collect(client, queue, policy_version=engine.weight_version)
+    assert [g.prompt_seed for g in again] == [g.prompt_seed for g in out] and queue.fetched == fetched
+    assert all(math.isfinite(v) for v in m.values()), m
+    assert not set(GENERATION_METRICS) & set(m), sorted(set(GENERATION_METRICS) & set(m))
+    trained = [s for g in again for s in g.samples]
+    assert m["train/acc_mean"] == pytest.approx(sum(s.acc for s in trained) / len(trained))
+    assert m["train/response_length_mean"] == pytest.approx(sum(len(s.response_ids) for s in trained) / len(trained))
+    assert m["rollout/surplus_in"] == 3 and m["rollout/kept_groups"] == 3 and m["train/staleness_max"] == 0
+
+
 def test_state_roundtrip_repeats_the_next_step_exactly(engine):
     """What a resume needs: buffer surplus, partial groups, keep rate, skip history and queue
     position restored from state dicts give the same next step as the uninterrupted run."""
