@@ -174,19 +174,21 @@ def main() -> None:
             for step in range(1, args.steps + 1):
                 m = run.step(version=step)
                 rows.append(m)
-                print(f"({name}) step {step:2d}: kept {m['rollout/kept_groups']:.0f} groups, gen {m['rollout/gen_tokens']:.0f}"
-                      f" / kept {m['kept_tokens']:.0f} tokens, acc {m['reward/acc_mean']:.3f},"
-                      f" {m['wall_s']:.1f} s" + (f", skipped {m['rollout/skipped_prompts']:.0f}, partial out "
+                # a step that trained carried groups only generated nothing: no generation metrics
+                acc = f"{m['rollout/gen_acc_mean']:.3f}" if "rollout/gen_acc_mean" in m else "-"
+                print(f"({name}) step {step:2d}: kept {m['rollout/kept_groups']:.0f} groups, gen "
+                      f"{m.get('rollout/gen_tokens', 0.0):.0f} / kept {m['kept_tokens']:.0f} tokens, acc {acc},"
+                      f" {m['wall_s']:.1f} s" + (f", skipped {m.get('rollout/skipped_prompts', 0.0):.0f}, partial out "
                                                    f"{m['rollout/partial_out']:.0f}" if streaming else ""), flush=True)
         finally:
             run.close()
         results[name] = rows
-    acc = results["a"][0]["reward/acc_mean"]
+    acc = results["a"][0]["rollout/gen_acc_mean"]
     print(f"checkpoint: {hf_dir}, training accuracy at step 1 of (a): {acc:.3f}"
           + ("" if acc >= 0.8 else "  (below 0.8: raise --train-steps)"))
     summary = {}
     for name, rows in results.items():
-        gen = sum(m["rollout/gen_tokens"] for m in rows)
+        gen = sum(m.get("rollout/gen_tokens", 0.0) for m in rows)
         kept = sum(m["kept_tokens"] for m in rows)
         wall = sum(m["wall_s"] for m in rows)
         summary[name] = (gen / kept, wall)

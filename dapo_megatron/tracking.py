@@ -300,8 +300,9 @@ class ProgressBar:
         total: number of steps.
         rank: global rank; ``None`` reads ``torch.distributed`` or ``$RANK``.
         keys: metrics shown after each step, labelled by their last ``/`` part without a
-            ``_mean`` suffix (default :data:`PROGRESS_KEYS`: reward accuracy ``acc`` and shaped
-            reward ``reward`` of the step's responses).
+            ``_mean`` suffix (default :data:`PROGRESS_KEYS`: accuracy ``gen_acc`` and shaped
+            reward ``gen_reward`` of the responses the step generated); a key the step did not
+            log (a step that trained carried groups only generated nothing) is not shown.
         desc: bar label.
 
     ``update(step, metrics)`` moves the bar to ``step`` (1-based count of finished steps)
@@ -310,7 +311,7 @@ class ProgressBar:
     ``val_avg@k``) until the next validation replaces it.
     """
 
-    PROGRESS_KEYS = ("reward/acc_mean", "reward/reward_mean")
+    PROGRESS_KEYS = ("rollout/gen_acc_mean", "rollout/gen_reward_mean")
     _VAL_SCORE = re.compile(r"^val/avg@\d+$")
 
     def __init__(self, total: int, rank: int | None = None, keys: tuple[str, ...] | None = None, desc: str = "train"):

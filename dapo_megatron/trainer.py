@@ -592,8 +592,8 @@ class DAPOTrainer:
         nbytes = self._sync_weights()
         timing["sync"] = time.perf_counter() - t0
 
-        gen_tokens = metrics.get("rollout/gen_tokens", 0.0)
-        metrics["perf/gen_tokens_per_s"] = gen_tokens / max(timing["gen"], 1e-9)
+        if "rollout/gen_tokens" in metrics:  # absent when the step trained carried groups only
+            metrics["perf/gen_tokens_per_s"] = metrics["rollout/gen_tokens"] / max(timing["gen"], 1e-9)
         metrics["perf/update_tokens_per_s"] = train_tokens / max(timing["update"], 1e-9)
         if not from_training:
             metrics["perf/old_logprob_tokens_per_s"] = (

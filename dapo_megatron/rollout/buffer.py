@@ -28,7 +28,6 @@ them where they train.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence
 
@@ -291,47 +290,106 @@ class RolloutBuffer:
         return out, metrics
 
     def _metrics(self, out: list[Group], generated: list[Sample], *, num_batches: int, surplus_in: int,
-                 dropped: tuple[int, int, int], hit_cap: bool) -> dict[str, float]:
-        """Per-step metrics.
+                 dropped: tuple[int, int, int], hit_cap: bool, gen_tokens: Optional[int] = None) -> dict[str, float]:
+        """Per-step metrics: the step's bookkeeping, its generation and its trained batch.
 
-        Over the generation batches of this step (``generated``): ``rollout/gen_tokens``
-        (response tokens generated), ``reward/{score,acc,reward,overlong_penalty}_mean``
-        (the policy's unfiltered performance), ``rollout/dropped_*``.
-        Over the returned training groups (``out``, including carried surplus):
-        ``rollout/kept_groups``, ``rollout/truncation_ratio``,
-        ``rollout/response_length_{mean,max}``, ``rollout/kept_acc_mean``.
-        ``rollout/gen_tokens_per_kept_token`` = gen_tokens / response tokens of ``out``
-        (the over-generation cost of dynamic sampling; carried surplus makes it < 1 at
-        times, averaged over steps it is the true cost). NaN where undefined.
+        Always: ``rollout/{num_gen_batches, kept_groups, surplus_in, surplus_out, hit_cap}``.
+        The trained batch (``out``, carried surplus included): :func:`trained_batch_metrics`.
+        The step's generation (``generated``: the responses generated and graded in this step,
+        before filtering; ``gen_tokens``: the tokens sampled, default their response tokens):
+        :func:`generation_metrics` with the dropped-group counts; absent when nothing was
+        generated (a step that trains carried groups only).
         """
-        train = [s for g in out for s in g.samples]
-        kept_tokens = sum(s.response_length for s in train)
-        gen_tokens = sum(s.response_length for s in generated)
-
-        def mean(xs):
-            xs = list(xs)
-            return float(sum(xs) / len(xs)) if xs else math.nan
-
-        return {
-            "rollout/gen_tokens": float(gen_tokens),
+        metrics = {
             "rollout/num_gen_batches": float(num_batches),
             "rollout/kept_groups": float(len(out)),
-            "rollout/dropped_all_correct": float(dropped[0]),
-            "rollout/dropped_all_wrong": float(dropped[1]),
-            "rollout/dropped_other": float(dropped[2]),
             "rollout/surplus_in": float(surplus_in),
             "rollout/surplus_out": float(len(self._surplus)),
             "rollout/hit_cap": float(hit_cap),
-            "rollout/gen_tokens_per_kept_token": gen_tokens / kept_tokens if kept_tokens else math.nan,
-            "rollout/truncation_ratio": mean(s.truncated for s in train),
-            "rollout/response_length_mean": mean(s.response_length for s in train),
-            "rollout/response_length_max": float(max((s.response_length for s in train), default=0)),
-            "rollout/kept_acc_mean": mean(s.acc for s in train),
-            "reward/score_mean": mean(s.score for s in generated),
-            "reward/acc_mean": mean(s.acc for s in generated),
-            "reward/reward_mean": mean(s.reward for s in generated),
-            "reward/overlong_penalty_mean": mean(s.overlong_penalty for s in generated),
         }
+        train = [s for g in out for s in g.samples]
+        metrics.update(trained_batch_metrics(train))
+        if gen_tokens is None:
+            gen_tokens = sum(s.response_length for s in generated)
+        metrics.update(generation_metrics(generated, gen_tokens, train, dropped))
+        return metrics
+
+
+GENERATION_METRICS = (
+    "rollout/gen_tokens", "rollout/gen_tokens_per_kept_token", "rollout/gen_response_length_mean",
+    "rollout/gen_score_mean", "rollout/gen_acc_mean", "rollout/gen_reward_mean", "rollout/gen_overlong_penalty_mean",
+    "rollout/dropped_all_correct", "rollout/dropped_all_wrong", "rollout/dropped_other",
+    # the streamed rollout's (StreamingCollector.collect) and the trainer's throughput
+    "rollout/rounds", "rollout/prompts_submitted", "rollout/skipped_prompts", "rollout/aborted_rows",
+    "rollout/aborted_tokens", "perf/gen_tokens_per_s",
+)
+"""Metrics of what a step generated: logged only by a step that sampled a token or graded a
+response (none of them by a step that trains carried groups only: absent, not NaN or 0)."""
+
+
+def _mean(xs) -> float:
+    xs = list(xs)
+    return float(sum(xs) / len(xs))
+
+
+def generation_metrics(graded: Sequence[Sample], gen_tokens: int, trained: Sequence[Sample],
+                       dropped: tuple[int, int, int]) -> dict[str, float]:
+    """Metrics of the step's generation (names in :data:`GENERATION_METRICS`); ``{}`` when
+    nothing was generated (``gen_tokens == 0`` and nothing ``graded``).
+
+    Args:
+        graded: the responses generated and graded in this step, before dynamic sampling.
+        gen_tokens: response tokens sampled in this step (a streamed step also counts the
+            continued part of partial rollouts and aborted tokens).
+        trained: the samples of the trained batch (for the over-generation ratio).
+        dropped: groups dropped as all correct, all wrong, other constant.
+
+    Returns:
+        ``rollout/gen_tokens``; ``rollout/gen_tokens_per_kept_token`` = gen_tokens / response
+        tokens of ``trained`` (the over-generation cost of dynamic sampling; carried surplus
+        makes it < 1 at times, averaged over steps it is the true cost); the dropped counts;
+        over ``graded`` (present only when a response was graded: a streamed step may abort
+        all it sampled): ``rollout/gen_{score,acc,reward,overlong_penalty}_mean`` (the
+        policy's unfiltered performance) and ``rollout/gen_response_length_mean``.
+    """
+    if not gen_tokens and not graded:
+        return {}
+    kept_tokens = sum(s.response_length for s in trained)
+    out = {"rollout/gen_tokens": float(gen_tokens),
+           "rollout/dropped_all_correct": float(dropped[0]),
+           "rollout/dropped_all_wrong": float(dropped[1]),
+           "rollout/dropped_other": float(dropped[2])}
+    if kept_tokens:
+        out["rollout/gen_tokens_per_kept_token"] = gen_tokens / kept_tokens
+    if graded:
+        out.update({
+            "rollout/gen_score_mean": _mean(s.score for s in graded),
+            "rollout/gen_acc_mean": _mean(s.acc for s in graded),
+            "rollout/gen_reward_mean": _mean(s.reward for s in graded),
+            "rollout/gen_overlong_penalty_mean": _mean(s.overlong_penalty for s in graded),
+            "rollout/gen_response_length_mean": _mean(s.response_length for s in graded),
+        })
+    return out
+
+
+def trained_batch_metrics(samples: Sequence[Sample]) -> dict[str, float]:
+    """Metrics of the trained batch (the step's kept groups, carried ones included): ``{}``
+    when it is empty, else ``train/{score,acc,reward,overlong_penalty}_mean``,
+    ``train/response_length_{mean,max}`` and ``train/truncation_ratio``. verl's
+    ``critic/score/mean`` and ``response_length/mean`` are over this batch too; with dynamic
+    sampling ``train/acc_mean`` is that of mixed groups only (``rollout/gen_acc_mean`` is the
+    policy's)."""
+    if not samples:
+        return {}
+    return {
+        "train/score_mean": _mean(s.score for s in samples),
+        "train/acc_mean": _mean(s.acc for s in samples),
+        "train/reward_mean": _mean(s.reward for s in samples),
+        "train/overlong_penalty_mean": _mean(s.overlong_penalty for s in samples),
+        "train/response_length_mean": _mean(s.response_length for s in samples),
+        "train/response_length_max": float(max(s.response_length for s in samples)),
+        "train/truncation_ratio": _mean(s.truncated for s in samples),
+    }
 
 
 def _grades_here(s: Sample) -> bool:
@@ -351,17 +409,17 @@ def group_staleness(g: Group, policy_version: int) -> int:
 
 
 def staleness_metrics(samples: Sequence[Sample], policy_version: Optional[int]) -> dict[str, float]:
-    """``rollout/staleness_{mean,max}``: weight versions behind ``policy_version`` over every
-    response token of ``samples`` (tokens of unknown version count 0), and
-    ``rollout/stale_samples``: samples with at least one stale token. Empty when
-    ``policy_version`` is None."""
-    if policy_version is None:
+    """The trained batch's staleness: ``train/staleness_{mean,max}``, weight versions behind
+    ``policy_version`` over every response token of ``samples`` (tokens of unknown version
+    count 0), and ``train/stale_samples``, samples with at least one stale token. Empty when
+    ``policy_version`` is None or there are no samples."""
+    if policy_version is None or not samples:
         return {}
     behind = [policy_version - v for s in samples for v in s.token_versions()]
     return {
-        "rollout/staleness_mean": float(sum(behind) / len(behind)) if behind else 0.0,
-        "rollout/staleness_max": float(max(behind, default=0)),
-        "rollout/stale_samples": float(sum(1 for s in samples if s.staleness(policy_version) > 0)),
+        "train/staleness_mean": float(sum(behind) / len(behind)) if behind else 0.0,
+        "train/staleness_max": float(max(behind, default=0)),
+        "train/stale_samples": float(sum(1 for s in samples if s.staleness(policy_version) > 0)),
     }
 
 

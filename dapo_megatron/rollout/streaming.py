@@ -42,7 +42,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence
 
-from dapo_megatron.rollout.buffer import RolloutBuffer, _group_from_dict, _group_to_dict, group_staleness
+from dapo_megatron.rollout.buffer import (RolloutBuffer, _group_from_dict, _group_to_dict, group_staleness,
+                                          staleness_metrics)
 from dapo_megatron.rollout.engine import RolloutEngine, RowRequest, RowResult, SamplingParams
 from dapo_megatron.rollout.prompt_skip import PromptSkipper
 from dapo_megatron.rollout.types import Group, Sample
@@ -188,10 +189,13 @@ class StreamingCollector:
 
         Returns:
             ``(groups, metrics)`` as :meth:`RolloutBuffer.collect`, plus
-            ``rollout/{rounds, prompts_submitted, skipped_prompts, keep_rate, aborted_rows,
-            aborted_tokens, partial_in, partial_out, dropped_stale}``. ``rollout/gen_tokens``
-            counts the tokens sampled in this step (the continued part of a partial rollout,
-            not its prefix; aborted tokens included, whether carried or discarded).
+            ``rollout/{keep_rate, partial_in, partial_out, dropped_stale}`` and, with the
+            generation's other metrics (absent when no token was sampled and no group graded,
+            :data:`~dapo_megatron.rollout.buffer.GENERATION_METRICS`), ``rollout/{rounds,
+            prompts_submitted, skipped_prompts, aborted_rows, aborted_tokens}``.
+            ``rollout/gen_tokens`` counts the tokens sampled in this step (the continued part
+            of a partial rollout, not its prefix; aborted tokens included, whether carried or
+            discarded).
 
         Raises:
             RuntimeError: the cap was reached with fewer than N kept and ``on_cap="error"``
@@ -285,23 +289,22 @@ class StreamingCollector:
             g.group_id = i
             for s in g.samples:
                 s.group_id = i
+        trained = [s for g in out for s in g.samples]
         metrics = buf._metrics(out, graded, num_batches=prompts.fetched - fetched_before, surplus_in=surplus_in,
-                               dropped=tuple(drops), hit_cap=hit_cap)
-        kept_tokens = sum(s.response_length for g in out for s in g.samples)
+                               dropped=tuple(drops), hit_cap=hit_cap, gen_tokens=gen_tokens)
         metrics.update({
-            "rollout/gen_tokens": float(gen_tokens),
-            "rollout/gen_tokens_per_kept_token": gen_tokens / kept_tokens if kept_tokens else math.nan,
-            "rollout/rounds": float(rounds),
-            "rollout/prompts_submitted": float(submitted),
-            "rollout/skipped_prompts": float(skipped),
             "rollout/keep_rate": self.keep_rate,
-            "rollout/aborted_rows": float(len(aborted)),
-            "rollout/aborted_tokens": float(aborted_tokens),
             "rollout/partial_in": float(partial_in),
             "rollout/partial_out": float(sum(s.finish_reason == PENDING for g in self._partial for s in g.samples)),
             "rollout/dropped_stale": float(dropped_stale + stale_partial),
         })
-        from dapo_megatron.rollout.buffer import staleness_metrics
-
-        metrics.update(staleness_metrics([s for g in out for s in g.samples], policy_version))
+        if "rollout/gen_tokens" in metrics:  # absent with the generation's other metrics when nothing was sampled
+            metrics.update({
+                "rollout/rounds": float(rounds),
+                "rollout/prompts_submitted": float(submitted),
+                "rollout/skipped_prompts": float(skipped),
+                "rollout/aborted_rows": float(len(aborted)),
+                "rollout/aborted_tokens": float(aborted_tokens),
+            })
+        metrics.update(staleness_metrics(trained, policy_version))
         return out, metrics

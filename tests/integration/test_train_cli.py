@@ -211,5 +211,5 @@ def test_converted_gsm8k_data_path_runs_a_zero_advantage_step_skipping_and_count
     assert m["rollout/kept_groups"] == 2 and m["actor/num_tokens"] == 2 * 2 * 24 and m["actor/skipped"] == 0
     # 24 tokens never reach "#### N": every response is wrong (-1) and truncated (Eq. 13: -1), so every
     # group is constant, its advantages are exactly 0 and so is the gradient (not NaN, not noise)
-    assert m["reward/score_mean"] == -1.0 and m["rollout/truncation_ratio"] == 1.0
-    assert m["reward/reward_mean"] == -2.0 and m["actor/pg_loss"] == 0.0 and m["actor/grad_norm"] == 0.0
+    assert m["rollout/gen_score_mean"] == -1.0 and m["train/truncation_ratio"] == 1.0
+    assert m["rollout/gen_reward_mean"] == -2.0 and m["actor/pg_loss"] == 0.0 and m["actor/grad_norm"] == 0.0

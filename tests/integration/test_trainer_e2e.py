@@ -44,7 +44,7 @@ SMALL = [
     "data.arithmetic.num_train_problems=64",
     "data.arithmetic.num_val_problems=8",
 ]
-COMPARED = ("actor/pg_loss", "actor/grad_norm", "reward/reward_mean", "reward/acc_mean", "rollout/gen_tokens",
+COMPARED = ("actor/pg_loss", "actor/grad_norm", "rollout/gen_reward_mean", "rollout/gen_acc_mean", "rollout/gen_tokens",
             "rollout/kept_groups", "actor/entropy", "rollout/logprob_diff_fresh_max")
 # Rollout-vs-actor logprob gap on the responses generated in the step (carried-over surplus
 # groups were sampled by the previous policy): the fp32 HF engine holds the actor's weights
@@ -104,8 +104,8 @@ def test_main_job_logs_to_mlflow_and_checkpoints(reference_run):
     assert run.info.status == "FINISHED" and run.info.run_name == "dapo_smollm2_cpu"
     assert run.data.params["parallel.tensor_model_parallel_size"] == "2"
     assert run.data.params["data_stats.train.prompts"] == "64"
-    for key in ("reward/acc_mean", "reward/reward_mean", "rollout/kept_groups", "rollout/num_gen_batches",
-                "rollout/response_length_mean", "rollout/truncation_ratio", "actor/entropy",
+    for key in ("rollout/gen_acc_mean", "rollout/gen_reward_mean", "train/acc_mean", "train/reward_mean", "rollout/kept_groups", "rollout/num_gen_batches",
+                "train/response_length_mean", "train/truncation_ratio", "actor/entropy",
                 "actor/pg_clipfrac_upper", "actor/pg_clipfrac_lower", "actor/grad_norm", "actor/lr",
                 "rollout/logprob_diff_mean", "time/gen_s", "perf/gen_tokens_per_s"):
         steps = [m.step for m in client.get_metric_history(run.info.run_id, key)]

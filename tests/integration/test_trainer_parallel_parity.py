@@ -76,7 +76,7 @@ def test_first_step_loss_and_grad_norm_match_across_layouts(tmp_path, smollm2_gg
             "dp2": _first_step(tmp_path, smollm2_gguf, 1, 1, dp=2)}
     for name, got in runs.items():
         # identical rollouts (discrete): the same responses, rewards and kept groups
-        for key in ("rollout/gen_tokens", "reward/reward_mean", "rollout/kept_groups", "rollout/num_gen_batches"):
+        for key in ("rollout/gen_tokens", "rollout/gen_reward_mean", "rollout/kept_groups", "rollout/num_gen_batches"):
             assert got[key] == ref[key], (name, key, got[key], ref[key])
         for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
             assert _rel(got[key], ref[key]) <= REL_BOUND, (name, key, got[key], ref[key])
@@ -94,6 +94,6 @@ def test_rollout_tensor_parallel_groups_sample_the_same_rollout(tmp_path, smollm
     ref = _first_step(tmp_path, smollm2_gguf, tp=1, pp=1)
     for tp, pp in ((2, 1), (1, 1)):
         got = _first_step(tmp_path, smollm2_gguf, tp, pp, "rollout.tensor_model_parallel_size=2", dp=2 // (tp * pp))
-        for key in ("rollout/gen_tokens", "reward/reward_mean", "rollout/kept_groups", "rollout/num_gen_batches"):
+        for key in ("rollout/gen_tokens", "rollout/gen_reward_mean", "rollout/kept_groups", "rollout/num_gen_batches"):
             assert got[key] == ref[key], (tp, pp, key, got[key], ref[key])
         assert _rel(got["actor/pg_loss"], ref["actor/pg_loss"]) <= REL_BOUND

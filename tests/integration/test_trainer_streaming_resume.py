@@ -132,7 +132,7 @@ def test_resumed_run_repeats_the_uninterrupted_one_exactly(runs):
     assert all(full[s]["rollout/kept_groups"] == 2 for s in full)
     fresh_gaps = [full[s]["rollout/logprob_diff_fresh_max"] for s in full if "rollout/logprob_diff_fresh_max" in full[s]]
     assert fresh_gaps and max(fresh_gaps) < 1e-4  # a step of carried work only has no fresh sample
-    assert any(full[s]["rollout/staleness_max"] == 1 for s in full)
+    assert any(full[s]["train/staleness_max"] == 1 for s in full)
     # the state a fifth step would start from, skip history and carried partial rollouts included
     a, b = (torch.load(os.path.join(runs[k], "final_state.pt"), weights_only=False) for k in ("full", "killed"))
     a.pop("start"), b.pop("start")

@@ -150,16 +150,21 @@ def test_progress_bar_rank0_only(capsys):
     bar.close()
     err = capsys.readouterr().err
     assert "loss=0.5" in err and "other" not in err and "3/4" in err
-    # the default: reward accuracy and reward of the step, and the last validation score, kept
-    bar = ProgressBar(3, rank=0)
+    # the default: accuracy and reward of the step's generated responses, and the last validation
+    # score, kept; a step that generated nothing (carried groups only) shows no accuracy, not NaN
+    bar = ProgressBar(4, rank=0)
     bar.update(0, {"val/avg@4": 0.125, "val/pass@4": 0.5, "val/aime/avg@4": 0.9})
-    bar.update(1, {"reward/acc_mean": 0.25, "reward/reward_mean": -0.5, "actor/pg_loss": 0.1})
+    bar.update(1, {"rollout/gen_acc_mean": 0.25, "rollout/gen_reward_mean": -0.5, "actor/pg_loss": 0.1})
     postfix = bar._bar.postfix
-    bar.update(2, {"reward/acc_mean": 0.5, "reward/reward_mean": 0.0, "val/avg@4": 0.375})
+    bar.update(2, {"train/acc_mean": 0.5, "actor/pg_loss": 0.2})
+    carried_only = bar._bar.postfix
+    bar.update(3, {"rollout/gen_acc_mean": 0.5, "rollout/gen_reward_mean": 0.0, "val/avg@4": 0.375})
     bar.close()
-    assert postfix == "acc=0.25, reward=-0.5, val_avg@4=0.125"
+    assert postfix == "gen_acc=0.25, gen_reward=-0.5, val_avg@4=0.125"
+    assert carried_only == "val_avg@4=0.125"
     err = capsys.readouterr().err
-    assert "acc=0.5, reward=0, val_avg@4=0.375" in err and "pass" not in err and "aime" not in err
+    assert "gen_acc=0.5, gen_reward=0, val_avg@4=0.375" in err and "pass" not in err and "aime" not in err
+    assert "nan" not in err.lower()
     quiet = ProgressBar(4, rank=1)
     quiet.update(2, {"actor/loss": 1.0})
     quiet.close()

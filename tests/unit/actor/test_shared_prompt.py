@@ -273,7 +273,7 @@ def test_main_job_first_step_same_with_and_without_shared_prompt(tmp_path, smoll
     off = _first_step(tmp_path, smollm2_gguf, 2, 1, "actor.shared_prompt=off")
     on = _first_step(tmp_path, smollm2_gguf, 2, 1, "actor.shared_prompt=on")
     assert off["rollout/kept_groups"] >= 1 and off["actor/grad_norm"] > 0
-    for key in ("rollout/gen_tokens", "reward/reward_mean", "rollout/kept_groups", "actor/num_tokens"):
+    for key in ("rollout/gen_tokens", "rollout/gen_reward_mean", "rollout/kept_groups", "actor/num_tokens"):
         assert on[key] == off[key], key
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
         assert _rel(on[key], off[key]) <= 1e-5, (key, on[key], off[key])

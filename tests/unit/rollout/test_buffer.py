@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dapo_megatron.algorithms.overlong import OverlongConfig
-from dapo_megatron.rollout.buffer import BufferConfig, RolloutBuffer, logprob_mismatch_metrics
+from dapo_megatron.rollout.buffer import GENERATION_METRICS, BufferConfig, RolloutBuffer, logprob_mismatch_metrics
 from dapo_megatron.rollout.types import Group, Sample
 
 GT = "7"
@@ -93,7 +93,7 @@ def test_all_correct_and_all_wrong_groups_dropped():
     assert m["rollout/kept_groups"] == 2 and m["rollout/num_gen_batches"] == 1 and script.calls == 1
     assert [s.acc for s in out[0].samples] == [True, False, True, False]
     assert [s.score for s in out[1].samples] == [-1.0, -1.0, -1.0, 1.0]
-    assert m["reward/acc_mean"] == pytest.approx((4 + 0 + 2 + 1) / 16)
+    assert m["rollout/gen_acc_mean"] == pytest.approx((4 + 0 + 2 + 1) / 16)
     assert m["rollout/gen_tokens"] == 16 * 2 and m["rollout/gen_tokens_per_kept_token"] == pytest.approx(32 / 16)
 
 
@@ -109,6 +109,34 @@ def test_over_generates_then_carries_surplus_first():
     assert m2["rollout/surplus_in"] == 1 and m2["rollout/num_gen_batches"] == 1 and m2["rollout/surplus_out"] == 0
     check_shape(out2, 4)
     assert script.calls == 4
+
+
+def test_a_step_of_carried_groups_only_logs_no_generation_metric_and_finite_trained_ones():
+    """Issue 25: step 2 trains the two groups carried from step 1 and generates nothing. Its
+    generation metrics are absent (not NaN, not 0); the trained batch's are there, finite,
+    and equal to values computed here from the carried groups' responses."""
+    ol = OverlongConfig(enable=True, max_response_length=8, overlong_buffer_len=4)
+    batch = [make_group(i, p, lengths=ls) for i, (p, ls) in enumerate(
+        [("CWWW", [2, 2, 2, 2]), ("CCWW", [2, 6, 2, 2]), ("CCCW", [7, 2, 2, 2]), ("WCWC", [2, 2, 8, 5])])]
+    buf = make_buffer(overlong=ol)
+    script = VersionedScript([batch])
+    _, m1 = buf.collect(script, policy_version=0)
+    assert m1["rollout/surplus_out"] == 2 and "rollout/gen_acc_mean" in m1 and "rollout/gen_tokens_per_kept_token" in m1
+    carried = [s for g in buf.surplus for s in g.samples]
+    out, m = buf.collect(script, policy_version=1)
+    assert script.calls == 1 and m["rollout/num_gen_batches"] == 0 and m["rollout/surplus_in"] == 2
+    assert all(math.isfinite(v) for v in m.values()), m
+    assert not set(GENERATION_METRICS) & set(m), sorted(set(GENERATION_METRICS) & set(m))
+    lengths = [7, 2, 2, 2, 2, 2, 8, 5]  # the carried CCCW and WCWC; Eq. 13 with L_max 8, L_cache 4:
+    penalty = [-0.75, 0, 0, 0, 0, 0, -1.0, -0.25]
+    score = [1, 1, 1, -1, -1, 1, -1, 1]
+    assert [s.response_length for s in carried] == lengths
+    assert m["train/score_mean"] == pytest.approx(sum(score) / 8)
+    assert m["train/acc_mean"] == pytest.approx(5 / 8)
+    assert m["train/overlong_penalty_mean"] == pytest.approx(sum(penalty) / 8)
+    assert m["train/reward_mean"] == pytest.approx((sum(score) + sum(penalty)) / 8)
+    assert m["train/response_length_mean"] == pytest.approx(sum(lengths) / 8) and m["train/response_length_max"] == 8
+    assert m["train/staleness_max"] == 1 and m["train/stale_samples"] == 8
 
 
 class VersionedScript(Script):
@@ -130,17 +158,17 @@ def test_surplus_older_than_max_staleness_is_dropped_and_counted():
     buf = make_buffer(max_staleness=1)
     script = VersionedScript([["CWWW", "CCWW", "CCCW", "WCWC"], ["CWCW", "CCWW"]])
     out, m = buf.collect(script, policy_version=0)
-    assert m["rollout/surplus_out"] == 2 and m["rollout/dropped_stale"] == 0 and m["rollout/staleness_max"] == 0
+    assert m["rollout/surplus_out"] == 2 and m["rollout/dropped_stale"] == 0 and m["train/staleness_max"] == 0
     buf.config.train_batch_size = 1
     script.version = 1
     out, m = buf.collect(script, policy_version=1)
     assert [g.samples[0].prompt_index for g in out] == [2] and m["rollout/num_gen_batches"] == 0
-    assert m["rollout/staleness_mean"] == 1.0 and m["rollout/stale_samples"] == 4
+    assert m["train/staleness_mean"] == 1.0 and m["train/stale_samples"] == 4
     buf.config.train_batch_size = 2
     script.version = 2
     out, m = buf.collect(script, policy_version=2)
     assert m["rollout/dropped_stale"] == 1 and m["rollout/surplus_in"] == 0
-    assert [g.samples[0].prompt_index for g in out] == [4, 5] and m["rollout/staleness_max"] == 0
+    assert [g.samples[0].prompt_index for g in out] == [4, 5] and m["train/staleness_max"] == 0
 
 
 def test_max_staleness_zero_carries_nothing():
@@ -177,7 +205,7 @@ def test_cap_train_on_kept_returns_fewer_and_says_so():
     assert len(out) == 2 and m["rollout/hit_cap"] == 1.0 and m["rollout/kept_groups"] == 2
     check_shape(out, 4)
     out, m = make_buffer(max_num_gen_batches=1, on_cap="train_on_kept").collect(Script([["WWWW", "CCCC"]]))
-    assert out == [] and m["rollout/hit_cap"] == 1.0 and math.isnan(m["rollout/response_length_mean"])
+    assert out == [] and m["rollout/hit_cap"] == 1.0 and "train/response_length_mean" not in m
 
 
 def test_filter_on_raw_accuracy_not_on_shaped_reward():
@@ -204,9 +232,9 @@ def test_truncated_responses_and_overlong_filter():
     out, m = buf.collect(Script([[g, g2]]))
     assert [s.loss_mask_zero for s in out[0].samples] == [True, False, True, False]
     assert not any(s.loss_mask_zero for s in out[1].samples)
-    assert m["rollout/truncation_ratio"] == pytest.approx(2 / 8)
-    assert m["rollout/response_length_mean"] == pytest.approx((6 + 3 + 6 + 2 + 8) / 8)
-    assert m["rollout/response_length_max"] == 6
+    assert m["train/truncation_ratio"] == pytest.approx(2 / 8)
+    assert m["train/response_length_mean"] == pytest.approx((6 + 3 + 6 + 2 + 8) / 8)
+    assert m["train/response_length_max"] == 6
     out, _ = make_buffer().collect(Script([[make_group(0, "CWWW", lengths=[6, 3, 6, 2], reasons=reasons), g2]]))
     assert not any(s.loss_mask_zero for s in out[0].samples), "overlong_filter off masks nothing"
 

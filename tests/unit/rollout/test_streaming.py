@@ -75,6 +75,17 @@ def _signature(groups):
     return [(g.prompt_seed, [(s.response_ids, s.finish_reason, s.versions) for s in g.samples]) for g in groups]
 
 
+def _check_one_logprob_per_token(*group_lists):
+    """Every sample (returned, carried as surplus, carried as a partial rollout) holds one rollout
+    logprob per response token, and versions that cover its tokens."""
+    for groups in group_lists:
+        for g in groups:
+            for s in g.samples:
+                assert len(s.rollout_logprobs) == len(s.response_ids), (g.prompt_seed, len(s.rollout_logprobs),
+                                                                         len(s.response_ids))
+                assert len(s.token_versions()) == (len(s.response_ids) if s.versions else 0)
+
+
 def test_exactly_n_mixed_groups_in_finishing_order(engine):
     buf, collector, queue, _ = make()
     out, m = collector.collect(EngineClient(engine, PARAMS), queue, policy_version=0)
@@ -94,6 +105,10 @@ def test_exactly_n_mixed_groups_in_finishing_order(engine):
             k: getattr(PARAMS, k) for k in ("temperature", "max_new_tokens", "stop_token_ids", "seed")}),
             prompt_seeds=[g.prompt_seed])[0]
         assert [s.response_ids for s in g.samples] == [c.response_ids for c in alone]
+        for s, c in zip(g.samples, alone, strict=True):  # and one logprob per token, each the engine's
+            assert len(s.rollout_logprobs) == len(c.logprobs) == len(s.response_ids)
+            assert max((abs(a - b) for a, b in zip(s.rollout_logprobs, c.logprobs, strict=True)), default=0) < 1e-5
+    _check_one_logprob_per_token(out, buf.surplus, collector.partial)
     assert engine.num_in_flight == 0
 
 
@@ -109,12 +124,14 @@ def test_partial_rollouts_continue_next_step_with_their_versions(engine):
         if collector.partial:
             break
     carried = collector.partial
+    _check_one_logprob_per_token(out1, buf.surplus, carried)
     assert carried and m1["rollout/partial_out"] > 0 and m1["rollout/aborted_rows"] >= m1["rollout/partial_out"]
     started = {(g.prompt_seed, j): len(s.response_ids) for g in carried for j, s in enumerate(g.samples)
                if s.finish_reason == PENDING}
     assert any(n > 0 for n in started.values()), "some aborted row had sampled tokens"
     engine.update_weights(iter(engine.model.state_dict().items()), version=version0 + 1)  # same weights, new version
     out2, m2 = collector.collect(client, queue, policy_version=version0 + 1)
+    _check_one_logprob_per_token(out2, buf.surplus, collector.partial)
     assert m2["rollout/partial_in"] == len(started)
     continued = [(g, j, s) for g in out2 + buf.surplus + collector.partial for j, s in enumerate(g.samples)
                  if (g.prompt_seed, j) in started and s.finish_reason != PENDING]
@@ -129,9 +146,10 @@ def test_partial_rollouts_continue_next_step_with_their_versions(engine):
             key: getattr(PARAMS, key) for key in ("temperature", "max_new_tokens", "stop_token_ids", "seed")}),
             prompt_seeds=[g.prompt_seed])[0][j]
         assert s.response_ids == alone.response_ids and s.finish_reason == alone.finish_reason
-        assert max((abs(a - b) for a, b in zip(s.rollout_logprobs, alone.logprobs)), default=0) < 1e-5
+        # strict: a continued response holds the logprob of every token, its prefix's included
+        assert max((abs(a - b) for a, b in zip(s.rollout_logprobs, alone.logprobs, strict=True)), default=0) < 1e-5
     stale = [s for g in out2 for s in g.samples if s.staleness(version0 + 1) > 0]
-    assert m2["rollout/stale_samples"] == len(stale)
+    assert m2["train/stale_samples"] == len(stale)
 
 
 def test_without_partial_rollout_in_flight_rows_are_discarded(engine):
@@ -139,6 +157,28 @@ def test_without_partial_rollout_in_flight_rows_are_discarded(engine):
     out, m = collector.collect(EngineClient(engine, PARAMS), queue, policy_version=engine.weight_version)
     assert collector.partial == [] and m["rollout/partial_out"] == 0
     assert m["rollout/aborted_tokens"] <= m["rollout/gen_tokens"]
+
+
+def test_a_step_of_carried_groups_only_logs_no_generation_metric(engine):
+    """Issue 25, streamed: a step whose N groups are all carried surplus (here: the groups the
+    last step returned, loaded back as the buffer's surplus) submits nothing; its generation
+    metrics are absent and every value it logs is finite."""
+    from dapo_megatron.rollout.buffer import GENERATION_METRICS, _group_to_dict
+
+    buf, collector, queue, _ = make()
+    client = EngineClient(engine, PARAMS)
+    out, m1 = collector.collect(client, queue, policy_version=engine.weight_version)
+    assert set(GENERATION_METRICS) - {"perf/gen_tokens_per_s"} <= set(m1)  # a step that generated logs them all
+    buf.load_state_dict({"surplus": [_group_to_dict(g) for g in out]})
+    fetched = queue.fetched
+    again, m = collector.collect(client, queue, policy_version=engine.weight_version)
+    assert [g.prompt_seed for g in again] == [g.prompt_seed for g in out] and queue.fetched == fetched
+    assert all(math.isfinite(v) for v in m.values()), m
+    assert not set(GENERATION_METRICS) & set(m), sorted(set(GENERATION_METRICS) & set(m))
+    trained = [s for g in again for s in g.samples]
+    assert m["train/acc_mean"] == pytest.approx(sum(s.acc for s in trained) / len(trained))
+    assert m["train/response_length_mean"] == pytest.approx(sum(len(s.response_ids) for s in trained) / len(trained))
+    assert m["rollout/surplus_in"] == 3 and m["rollout/kept_groups"] == 3 and m["train/staleness_max"] == 0
 
 
 def test_state_roundtrip_repeats_the_next_step_exactly(engine):
@@ -178,12 +218,22 @@ def test_prompt_skipping_skips_zero_variance_prompts_and_explores_the_rest(engin
     skip = PromptSkipConfig(enable=True, zero_variance_visits=1, skip_probability=0.5)
     buf, collector, queue, _ = make(skip=skip, train_batch_size=4)
     client = EngineClient(engine, PARAMS)
-    decisions = []  # (prompt index, a candidate when it came up, skipped)
+    # the oracle, from the graded groups themselves: was the last group of each prompt all right
+    # or all wrong (zero variance of buffer.filter_metric=acc)?
+    last_zero, real_grade = {}, buf.grade
+
+    def grade_spy(groups):
+        real_grade(groups)
+        for g in groups:
+            last_zero[g.samples[0].prompt_index] = len({s.acc for s in g.samples}) == 1
+
+    buf.grade = grade_spy
+    decisions = []  # (prompt index, a candidate when it came up, skipped, its last group zero-variance)
     real = collector.skipper.skip
 
     def spy(index):
-        candidate = collector.skipper.is_candidate(index)
-        decisions.append((index, candidate, real(index)))
+        candidate, zero = collector.skipper.is_candidate(index), last_zero.get(index)
+        decisions.append((index, candidate, real(index), zero))
         return decisions[-1][2]
 
     collector.skipper.skip = spy
@@ -191,9 +241,13 @@ def test_prompt_skipping_skips_zero_variance_prompts_and_explores_the_rest(engin
     for _ in range(8):  # 24 prompts, several epochs: each prompt is visited again
         _, m = collector.collect(client, queue, policy_version=engine.weight_version)
         skipped += m["rollout/skipped_prompts"]
-    assert skipped == sum(s for _, _, s in decisions) > 0
-    assert all(c for _, c, s in decisions if s), "only zero-variance prompts are skipped"
-    explored = [s for _, c, s in decisions if c]
+    assert skipped == sum(s for _, _, s, _ in decisions) > 0
+    # k = 1: a candidate exactly when the last graded group of the prompt had zero variance
+    assert all(c == bool(z) for _, c, _, z in decisions), [(i, c, z) for i, c, _, z in decisions if c != bool(z)]
+    assert not any(s for _, _, s, z in decisions if not z), "a prompt whose last group had mixed accuracy was skipped"
+    assert any(z is False for *_, z in decisions) and any(z for *_, z in decisions), "both kinds came up again"
+    assert all(c for _, c, s, _ in decisions if s), "only zero-variance prompts are skipped"
+    explored = [s for _, c, s, _ in decisions if c]
     assert not all(explored), "some candidates were explored again"
     state = collector.skipper.state_dict()
     assert state["streak"] and all(n == 1 for _, n in state["streak"])
