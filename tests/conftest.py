@@ -247,7 +247,7 @@ def _tiny_trainer_run_worker(run_dir: str, steps: tuple[int, ...]) -> None:
             opt.step()
             sched.step(1)
             done += 1
-            tracker.log_metrics({"reward/acc_mean": 0.1 * done, "val/avg@2": 0.25 * done}, step=done)
+            tracker.log_metrics({"rollout/gen_acc_mean": 0.1 * done, "val/avg@2": 0.25 * done}, step=done)
         save_checkpoint(run_dir, step, [ddp], opt, sched, {"step": step}, parallel=par)
     tracker.finish()
 

@@ -127,10 +127,10 @@ def test_disable_moves_the_previous_run_aside(run):
     assert open(os.path.join(start.moved_to, "metrics.jsonl")).read() == old_rows
     assert ckpt.read_latest_step(start.moved_to) == 2
     tracker = Tracker(run, TrackingConfig(use_mlflow=False), rank=0)  # the new run logs step 1
-    tracker.log_metrics({"reward/acc_mean": 0.5}, step=1)
+    tracker.log_metrics({"rollout/gen_acc_mean": 0.5}, step=1)
     tracker.finish()
     rows = [json.loads(x) for x in open(os.path.join(run, "metrics.jsonl"))]
-    assert [r["step"] for r in rows] == [1] and rows[0]["reward/acc_mean"] == 0.5
+    assert [r["step"] for r in rows] == [1] and rows[0]["rollout/gen_acc_mean"] == 0.5
     assert "new run from step 0 (the previous run's files moved to" in start.describe()
 
 
@@ -151,7 +151,7 @@ def test_finished_when_the_checkpoint_reaches_total_steps(run, total, finished):
 def test_summary_reports_final_and_best_validation(tmp_path):
     path = tmp_path / "metrics.jsonl"
     rows = [{"step": 0, "val/avg@4": 0.25, "val/pass@4": 0.5, "val/arithmetic/avg@4": 0.25},
-            {"step": 1, "reward/acc_mean": 0.1},
+            {"step": 1, "rollout/gen_acc_mean": 0.1},
             {"step": 2, "val/avg@4": 0.75, "val/pass@4": 0.75},
             {"step": 3, "val/avg@4": 0.5, "val/pass@4": 1.0}]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "val/av')  # a line cut by a kill
