@@ -58,6 +58,16 @@ class DataConfig:
         self.train_files = list(self.train_files)
         self.val_files = list(self.val_files)
 
+    def check_inputs(self) -> None:
+        """Raise ``ValueError`` (``train_files[i]='...' ...``) for a listed file that does not exist
+        (read errors are :func:`load_prompt_dataset`'s)."""
+        for name in ("train_files", "val_files"):
+            for i, path in enumerate(getattr(self, name)):
+                if not os.path.isfile(path):
+                    what = "is a directory, not a file" if os.path.isdir(path) else "does not exist"
+                    raise ValueError(f"{name}[{i}]={path!r} {what} (parquet or jsonl in DAPO schema; an empty list "
+                                     "is the embedded arithmetic task)")
+
     def validate(self) -> None:
         """Raise ``ValueError`` naming the bad field (``arithmetic`` validates itself)."""
         if isinstance(self.max_prompt_length, bool) or not isinstance(self.max_prompt_length, int) \
@@ -65,6 +75,8 @@ class DataConfig:
             raise ValueError(f"max_prompt_length={self.max_prompt_length!r} must be a positive int (tokens)")
         if not self.prompt_key:
             raise ValueError("prompt_key='' must name the messages column, e.g. 'prompt'")
+        if self.seed < 0:  # numpy's SeedSequence (data/stream.py) takes non-negative seeds only
+            raise ValueError(f"seed={self.seed} must be >= 0")
 
 
 @dataclass(frozen=True)
