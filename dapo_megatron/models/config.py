@@ -138,7 +138,7 @@ class ModelConfig:
             if not os.path.isfile(os.path.join(path, self.gguf_file)):
                 close = difflib.get_close_matches(self.gguf_file, ggufs, n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else (f"; it holds {ggufs}" if ggufs else "")
-                raise ValueError(f"gguf_file={self.gguf_file!r} is not a file in hf_path={path!r}{hint}")
+                raise ValueError(f"gguf_file={self.gguf_file!r} is not a file in model.hf_path={path!r}{hint}")
         elif not os.path.isfile(os.path.join(path, "config.json")):
             hint = f"; for a GGUF model set gguf_file to one of {ggufs}" if ggufs else ""
             raise ValueError(f"hf_path={path!r} has no config.json (an HF model directory has config.json and "
