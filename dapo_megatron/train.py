@@ -7,7 +7,11 @@ Usage::
 
 Every key of the YAML and of the dotted overrides is a field of
 :class:`dapo_megatron.config.DAPOConfig`; ``--print-config`` shows the resolved tree and
-``--list-keys`` every key with its type, default and documentation.
+``--list-keys`` every key with its type, default and documentation. ``--check-config``
+checks everything that can be checked before a launch (the keys and values, the layout for
+``--nnodes`` × ``--nproc-per-node`` processes, the model and data paths) in one process and
+exits 0 or 2 with one line; the example launchers run it before torchrun, whose own report of
+a failed worker is 40 lines and exit status 1.
 """
 
 from __future__ import annotations
@@ -31,8 +35,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--config", help="YAML file with DAPOConfig keys (optional)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
     p.add_argument("--list-keys", action="store_true", help="list every config key with its doc and exit")
+    p.add_argument("--check-config", action="store_true",
+                   help="check the config, the launch layout and the model / data paths, print one line and exit "
+                        "(status 0, or 2 on an error); the example launchers run it before torchrun")
+    p.add_argument("--nnodes", type=int, default=None,
+                   help="with --check-config: the nodes of the launch to check (torchrun's flag; default 1)")
+    p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=None, dest="nproc_per_node",
+                   help="with --check-config: processes per node (torchrun's flag; default: $LOCAL_WORLD_SIZE or "
+                        "$WORLD_SIZE, else 1)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. trainer.total_training_steps=3")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if (args.nnodes is not None or args.nproc_per_node is not None) and not args.check_config:
+        p.error("--nnodes / --nproc-per-node go with --check-config (under torchrun the launch sets the world)")
+    for name in ("nnodes", "nproc_per_node"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    return args
+
+
+def launch_world(args: argparse.Namespace) -> tuple[int, int | None]:
+    """``(world size, ranks per node or None)`` to check: ``--nnodes`` × ``--nproc-per-node``
+    when given (``--check-config``), else torchrun's ``WORLD_SIZE`` / ``LOCAL_WORLD_SIZE``
+    (a plain ``python`` process: a world of one)."""
+    if args.nproc_per_node is not None or args.nnodes is not None:
+        per_node = args.nproc_per_node or 1
+        return (args.nnodes or 1) * per_node, per_node
+    local = os.environ.get("LOCAL_WORLD_SIZE")  # torchrun: the ranks of this node
+    return int(os.environ.get("WORLD_SIZE", "1")), int(local) if local else None
 
 
 RANK0_GRACE_S = 60.0  # how long a silent torchrun rank waits for rank 0 to print a config error
@@ -60,10 +89,11 @@ def _input_error(err: Exception, every_rank: bool = False) -> int:
 
 def main(argv=None) -> int:
     """Run ``dapo-train`` on this rank; returns the exit status: 0 (also when the run is already
-    done: one line, no model loaded), or 2 for a bad config, a damaged / missing checkpoint
-    (printed by rank 0 as one line) or dataset (:func:`_input_error`). Rank 0 prints a start-up
-    banner and an end-of-run summary (:mod:`dapo_megatron.run_dir`). Other errors propagate with
-    their traceback."""
+    done: one line, no model loaded), or 2 for a bad config, a launch that does not fit it or a
+    missing model / data path (printed by rank 0 as one line, before ``torch.distributed``
+    starts), a damaged / missing checkpoint (one line from rank 0) or a broken dataset
+    (:func:`_input_error`). Rank 0 prints a start-up banner and an end-of-run summary
+    (:mod:`dapo_megatron.run_dir`). Other errors propagate with their traceback."""
     from dapo_megatron.platform.console import quiet_third_party
 
     quiet_third_party()  # before anything imports megatron-core (its import-time warnings)
@@ -78,13 +108,19 @@ def main(argv=None) -> int:
         return 0
     try:
         cfg = load_config(DAPOConfig, args.config, args.overrides)
-        if not args.print_config:
-            local = os.environ.get("LOCAL_WORLD_SIZE")  # torchrun: the ranks of this node
-            cfg.check_world_size(int(os.environ.get("WORLD_SIZE", "1")), int(local) if local else None)
+        if not args.print_config:  # before torch.distributed starts: one line from rank 0, exit status 2
+            world, per_node = launch_world(args)
+            cfg.check_world_size(world, per_node)
+            cfg.check_inputs()
     except (ConfigError, FileNotFoundError) as err:
         return _input_error(err)
     if args.print_config:
         print(to_yaml(cfg))
+        return 0
+    if args.check_config:
+        layout = f"{world} process(es)" + (f", {per_node} per node" if per_node else "")
+        print(f"dapo-train: config ok ({args.config or 'defaults'}, {len(args.overrides)} override(s), {layout})",
+              flush=True)
         return 0
 
     from dapo_megatron.checkpointing import CheckpointError

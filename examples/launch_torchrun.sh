@@ -14,7 +14,9 @@
 #   NNODES [DEFAULT_NNODES]  NODE_RANK [0]  GPUS_PER_NODE [8]  MASTER_ADDR [127.0.0.1]  MASTER_PORT [29500]
 # Extra arguments are config overrides (after the config file), e.g.
 # trainer.total_training_steps=10 rollout.val_n=4. A missing model config.json or data file
-# stops it with exit status 2, naming the variable to set.
+# stops it with exit status 2, naming the variable to set; so does a bad config key or value, a
+# layout that does not fit NNODES × GPUS_PER_NODE, or an FP8 / TE config on a node without CUDA
+# (`dapo-train --check-config`, one line, before torchrun starts any worker).
 set -euo pipefail
 if [[ $# -lt 4 ]]; then
     echo "usage: $0 CONFIG DEFAULT_MODEL_PATH DEFAULT_RUN_DIR DEFAULT_NNODES [dotted.override=value ...]" >&2
@@ -46,10 +48,12 @@ for f in "$MODEL_PATH/config.json" "$TRAIN_FILE" "$VAL_FILE"; do
 done
 
 export CUDA_DEVICE_MAX_CONNECTIONS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+TRAIN_ARGS=(--config "$CONFIG" model.hf_path="$MODEL_PATH"
+    "data.train_files=[$TRAIN_FILE]" "data.val_files=[$VAL_FILE]"
+    trainer.default_local_dir="$RUN_DIR" "$@")
+# the config, the layout and the inputs, in one process: a bad value is one line and exit status 2
+# here, not torchrun's ChildFailedError report (exit status 1) after every worker started
+python3 -m dapo_megatron.train --check-config --nnodes "$NNODES" --nproc-per-node "$GPUS_PER_NODE" "${TRAIN_ARGS[@]}"
 exec torchrun --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$GPUS_PER_NODE" \
     --master_addr "$MASTER_ADDR" --master_port "$MASTER_PORT" \
-    -m dapo_megatron.train --config "$CONFIG" \
-    model.hf_path="$MODEL_PATH" \
-    "data.train_files=[$TRAIN_FILE]" "data.val_files=[$VAL_FILE]" \
-    trainer.default_local_dir="$RUN_DIR" \
-    "$@"
+    -m dapo_megatron.train "${TRAIN_ARGS[@]}"

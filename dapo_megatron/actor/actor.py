@@ -130,9 +130,9 @@ class ActorConfig:
     """token budget (prompt + response) of one micro-batch on one GPU
     (:func:`~dapo_megatron.actor.packing.split_by_token_budget`)."""
     clip_ratio_low: float = 0.2
-    """eps_low of DAPO's decoupled clip: the ratio is clipped below at 1 - eps_low (paper: 0.2)."""
+    """eps_low of DAPO's decoupled clip, in [0, 1): the ratio is clipped below at 1 - eps_low (paper: 0.2)."""
     clip_ratio_high: float = 0.28
-    """eps_high of DAPO's decoupled clip (clip-higher): the ratio is clipped above at 1 + eps_high
+    """eps_high of DAPO's decoupled clip (clip-higher), >= 0: the ratio is clipped above at 1 + eps_high
     (paper: 0.28)."""
     clip_ratio_c: Optional[float] = None
     """dual-clip constant (> 1) or None."""
@@ -203,6 +203,15 @@ class ActorConfig:
         for name in ("ppo_mini_batch_size", "ppo_epochs", "ppo_max_token_len_per_gpu"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        # the clip range [1 - eps_low, 1 + eps_high] must hold the ratio 1 (policy_loss.py)
+        if not 0 <= self.clip_ratio_low < 1:
+            raise ValueError(f"clip_ratio_low={self.clip_ratio_low} must be in [0, 1) (the ratio is clipped below at "
+                             f"1 - clip_ratio_low; paper: 0.2)")
+        if not self.clip_ratio_high >= 0:
+            raise ValueError(f"clip_ratio_high={self.clip_ratio_high} must be >= 0 (the ratio is clipped above at "
+                             f"1 + clip_ratio_high; paper: 0.28)")
+        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
+            raise ValueError(f"clip_ratio_c={self.clip_ratio_c} must be > 1 (dual-clip bound), or null")
         if self.loss_agg_mode not in SUPPORTED_LOSS_AGG_MODES:
             raise ValueError(
                 f"loss_agg_mode={self.loss_agg_mode!r} is not one of {SUPPORTED_LOSS_AGG_MODES} "
@@ -223,14 +232,17 @@ class ActorConfig:
             raise ValueError(f"rollout_is_threshold={self.rollout_is_threshold} must be > 0")
         if self.rollout_is_scope not in ("stale", "all"):
             raise ValueError(f"rollout_is_scope={self.rollout_is_scope!r} must be 'stale' or 'all'")
+        upper, lower = self.rollout_rs_threshold, self.rollout_rs_threshold_lower
+        if upper is not None and not upper > 1:
+            raise ValueError(f"rollout_rs_threshold={upper} must be > 1 (the upper ratio bound), or null")
+        if lower is not None and not 0 < lower < (upper if upper is not None else math.inf):
+            raise ValueError(f"rollout_rs_threshold_lower={lower} must be in (0, rollout_rs_threshold={upper})"
+                             if upper is not None else f"rollout_rs_threshold_lower={lower} must be > 0")
         if self.rollout_rs is not None:
             if self.rollout_rs not in ROLLOUT_RS_LEVELS:
                 raise ValueError(f"rollout_rs={self.rollout_rs!r} must be one of {ROLLOUT_RS_LEVELS} or null")
-            if self.rollout_rs_threshold is None or not self.rollout_rs_threshold > 1:
-                raise ValueError(f"rollout_rs_threshold={self.rollout_rs_threshold} must be > 1 when rollout_rs is set")
-            lower = self.rollout_rs_threshold_lower
-            if lower is not None and not 0 < lower < self.rollout_rs_threshold:
-                raise ValueError(f"rollout_rs_threshold_lower={lower} must be in (0, rollout_rs_threshold)")
+            if upper is None:
+                raise ValueError(f"rollout_rs={self.rollout_rs!r} needs rollout_rs_threshold (> 1), got null")
             if self.old_logprob_source == "rollout":
                 raise ValueError("rollout_rs needs the recomputed pi_old (old_logprob_source='recompute'): in bypass "
                                  "mode pi_old is the rollout policy and no token is off it; set rollout_rs: null")

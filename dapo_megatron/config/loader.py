@@ -39,6 +39,7 @@ import dataclasses
 import difflib
 import enum
 import inspect
+import math
 import os
 import types
 import typing
@@ -239,6 +240,82 @@ def _merge(base: Any, update: Any, valid: dict[str, Any], source: str, raw: dict
         raise ConfigError(f"cannot apply {source}: {e}") from None
 
 
+def _line_column(data: bytes, offset: int) -> tuple[int, int]:
+    """1-based (line, column) of byte ``offset`` of ``data`` (the column counts bytes)."""
+    start = data.rfind(b"\n", 0, offset) + 1
+    return data.count(b"\n", 0, offset) + 1, offset - start + 1
+
+
+def _yaml_error_text(err: Exception, text: str) -> tuple[int | None, int | None, str]:
+    """``(line, column, what)`` of a PyYAML error (1-based; None when it has no mark), with a
+    hint for a tab, which YAML never accepts as indentation."""
+    mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+    what = ": ".join(p for p in (getattr(err, "context", None), getattr(err, "problem", None)) if p) \
+        or str(err).splitlines()[0]
+    if mark is None:
+        return None, None, what
+    lines = text.splitlines()
+    if mark.line < len(lines) and "\t" in lines[mark.line][:mark.column + 1]:
+        what += " (the line holds a tab: YAML indents with spaces only)"
+    return mark.line + 1, mark.column + 1, what
+
+
+def _read_yaml(path: str) -> Any:
+    """``OmegaConf.load`` of ``path``, with one-line errors.
+
+    Raises:
+        ConfigError: ``"<path>, line L, column C: <what>"`` for bytes that are not UTF-8
+            (the position of the first bad byte) and for YAML that does not parse (PyYAML's
+            mark: a syntax error, a tab, a duplicate key), or ``"<path>: ..."`` for a
+            document that OmegaConf cannot hold.
+    """
+    import io
+
+    import yaml
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line, col = _line_column(data, e.start)
+        raise ConfigError(f"{path}, line {line}, column {col}: byte 0x{data[e.start]:02x} is not UTF-8 "
+                          f"({e.reason}); save the file as UTF-8") from None
+    try:
+        return OmegaConf.load(io.StringIO(text))
+    except yaml.YAMLError as e:
+        line, col, what = _yaml_error_text(e, text)
+        where = f"{path}, line {line}, column {col}" if line is not None else path
+        raise ConfigError(f"{where}: not valid YAML: {what}") from None
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"{path}: {str(e).splitlines()[0]}") from None
+
+
+def _dotlist(item: str, key: str) -> Any:
+    """``OmegaConf.from_dotlist([item])`` with a one-line error for a value that is not YAML.
+
+    Raises:
+        ConfigError: ``"override 'k=v', column C: ..."`` (C counts from the override's first
+            character; a value cut short is reported at its end).
+    """
+    import yaml
+    from omegaconf import OmegaConf
+
+    try:
+        return OmegaConf.from_dotlist([item])
+    except yaml.YAMLError as e:
+        value = item.split("=", 1)[1]
+        line, col, what = _yaml_error_text(e, value)
+        # PyYAML marks an unfinished value (``[1,``) on the line after its end
+        col = len(value) + 1 if line is None or line > 1 else col
+        raise ConfigError(
+            f"override {item!r}, column {len(item) - len(value) + col}: the value is not valid YAML: {what} "
+            "(close every bracket; quote a string that holds YAML syntax)"
+        ) from None
+
+
 def _parse_override(item: str) -> tuple[str, str]:
     if "=" not in item:
         raise ConfigError(
@@ -274,8 +351,31 @@ def config_errors(path: str) -> Iterator[None]:
         raise ConfigError(msg if not prefix or msg.startswith(prefix) else f"{prefix}{msg}") from None
 
 
+def _is_float_type(tp: Any) -> bool:
+    """True for ``float``, ``float | None`` and a list / tuple of floats."""
+    inner, _ = _unwrap_optional(tp)
+    if inner is float:
+        return True
+    origin = typing.get_origin(inner)
+    return origin in (list, tuple) and all(a is float or a is Ellipsis for a in typing.get_args(inner))
+
+
+def _check_finite(obj: Any, path: str) -> None:
+    """Raise :class:`ConfigError` for a NaN or infinite value of a float field of the section
+    ``obj`` (YAML's ``.nan`` / ``.inf`` parse as floats; no key of the schema means either)."""
+    for name, tp in _field_types(type(obj)).items():
+        if not _is_float_type(tp):
+            continue
+        value = getattr(obj, name)
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(v, float) and not math.isfinite(v) for v in values):
+            shown = tuple(value) if isinstance(value, (list, tuple)) else value
+            raise ConfigError(f"{path}{name}={shown} must be a finite number")
+
+
 def _validate_tree(obj: Any, path: str = "") -> None:
-    """Call every section's ``validate()``, innermost first, under :func:`config_errors`.
+    """Call every section's ``validate()``, innermost first, under :func:`config_errors`,
+    after :func:`_check_finite` of its float fields (every section, with or without ``validate``).
 
     Raises:
         TypeError: a ``validate`` that takes arguments or returns a value (the convention
@@ -291,6 +391,7 @@ def _validate_tree(obj: Any, path: str = "") -> None:
         elif isinstance(value, (list, tuple)):
             for i, item in enumerate(value):
                 _validate_tree(item, f"{path}{f.name}[{i}].")
+    _check_finite(obj, path)
     method = getattr(obj, "validate", None)
     if method is None:
         return
@@ -331,7 +432,9 @@ def load_config(schema: type[T], yaml_path: str | None = None, overrides: Sequen
             full dotted key, the closest valid key, the valid keys of that section), a value
             of the wrong type (for a key below a dict field: the dict's value type)
             or outside a ``Literal`` (message: the key, the expected type, the value), a
-            malformed override, a YAML file whose top level is not a mapping, or a value
+            malformed override (a value that is not YAML: the column), a YAML file that is
+            not UTF-8 or does not parse (file, line and column), a YAML file whose top level
+            is not a mapping, or a value
             that a ``validate()`` rejected (the message starts with the dotted field,
             once, e.g. ``trainer.save_freq=-2 must be ...``).
         TypeError: a section's ``validate`` does not follow ``validate(self) -> None``.
@@ -348,7 +451,7 @@ def load_config(schema: type[T], yaml_path: str | None = None, overrides: Sequen
     if yaml_path is not None:
         if not os.path.isfile(yaml_path):
             raise FileNotFoundError(f"config file {yaml_path!r} does not exist")
-        loaded = OmegaConf.load(yaml_path)
+        loaded = _read_yaml(yaml_path)
         raw = OmegaConf.to_container(loaded, resolve=False)
         if raw is None:
             raw = {}
@@ -363,7 +466,7 @@ def load_config(schema: type[T], yaml_path: str | None = None, overrides: Sequen
         key, _ = _parse_override(item)
         if key not in valid and _dict_field_of(key, valid) is None:
             raise _unknown_key_error(key, valid, f"from override {item!r}")
-        update = OmegaConf.from_dotlist([item])
+        update = _dotlist(item, key)
         raw = OmegaConf.to_container(update, resolve=False)
         section = _section_type(valid[key]) if key in valid else None
         value = _lookup(raw, key)

@@ -73,6 +73,17 @@ class DAPOConfig:
         with config_errors("actor.optim"):  # trainer.total_training_steps × ppo_epochs × mini-batches per step
             self.actor.optim.check_total_steps(updates)
 
+    def check_inputs(self) -> None:
+        """Raise :class:`ConfigError` for an input that is not on this machine: the model files
+        and what the model needs to run (:meth:`ModelConfig.check_inputs`) and the data files
+        (:meth:`DataConfig.check_inputs`). ``dapo-train`` runs it on every rank before
+        ``torch.distributed`` starts, and ``--check-config`` runs it alone (the example launchers,
+        before torchrun); ``--print-config`` does not (a login node may lack the inputs)."""
+        with config_errors("model"):
+            self.model.check_inputs()
+        with config_errors("data"):
+            self.data.check_inputs()
+
     def check_world_size(self, world_size: int, ranks_per_node: int | None = None) -> None:
         """Raise :class:`ConfigError` unless a launch of ``world_size`` processes
         (``ranks_per_node`` per node, None: unknown) fits this run: TP × PP divides it, the DP

@@ -86,6 +86,11 @@ class ArithmeticConfig:
             for key in ("{a}", "{b}"):
                 if key not in self.template:
                     raise ValueError(f"template={self.template!r} must contain {key}")
+            try:  # the generator's own call (generate_problems): another field or a lone brace fails there
+                self.template.format(a=1, op="+", b=2)
+            except (KeyError, IndexError, ValueError) as e:
+                raise ValueError(f"template={self.template!r} is not a format string of {{a}}, {{op}} and {{b}} only "
+                                 f"({type(e).__name__}: {e}); write a literal brace as {{{{ or }}}}") from None
         for name in ("num_train_problems", "num_val_problems"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be > 0")

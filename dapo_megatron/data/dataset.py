@@ -58,6 +58,16 @@ class DataConfig:
         self.train_files = list(self.train_files)
         self.val_files = list(self.val_files)
 
+    def check_inputs(self) -> None:
+        """Raise ``ValueError`` (``train_files[i]='...' ...``) for a listed file that does not exist
+        (read errors are :func:`load_prompt_dataset`'s)."""
+        for name in ("train_files", "val_files"):
+            for i, path in enumerate(getattr(self, name)):
+                if not os.path.isfile(path):
+                    what = "is a directory, not a file" if os.path.isdir(path) else "does not exist"
+                    raise ValueError(f"{name}[{i}]={path!r} {what} (parquet or jsonl in DAPO schema; an empty list "
+                                     "is the embedded arithmetic task)")
+
     def validate(self) -> None:
         """Raise ``ValueError`` naming the bad field (``arithmetic`` validates itself)."""
         if isinstance(self.max_prompt_length, bool) or not isinstance(self.max_prompt_length, int) \
@@ -65,6 +75,8 @@ class DataConfig:
             raise ValueError(f"max_prompt_length={self.max_prompt_length!r} must be a positive int (tokens)")
         if not self.prompt_key:
             raise ValueError("prompt_key='' must name the messages column, e.g. 'prompt'")
+        if self.seed < 0:  # numpy's SeedSequence (data/stream.py) takes non-negative seeds only
+            raise ValueError(f"seed={self.seed} must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -146,6 +158,43 @@ class PromptDataset:
         return iter(self.records)
 
 
+def _check_data_sources(rows: list[tuple[str, int, dict]], stats: DatasetStats,
+                        skip_invalid_rows: bool) -> list[tuple[str, int, dict]]:
+    """The rows whose ``data_source`` has a grader (:func:`~dapo_megatron.rewards.registry.resolve_grader`):
+    an unknown source stops the load here, naming file, row, value, the known sources and the
+    closest one, instead of the first grading (training) or the end of all generation
+    (``tools/eval.py``). With ``skip_invalid_rows`` such rows are skipped and counted instead.
+
+    Raises:
+        DatasetError: field ``data_source``.
+    """
+    import difflib
+
+    from dapo_megatron.rewards.registry import DATA_SOURCES, resolve_grader
+
+    kept, known = [], {}
+    for path, i, row in rows:
+        source = row["data_source"]
+        if source not in known:
+            try:
+                resolve_grader(source)
+                known[source] = None
+            except ValueError:
+                close = difflib.get_close_matches(source, sorted(DATA_SOURCES), n=1, cutoff=0.5)
+                known[source] = (f"unknown data_source {source!r}" + (f"; did you mean {close[0]!r}?" if close else "")
+                                 + f" Known: {', '.join(sorted(DATA_SOURCES))} or any name starting with 'aime' "
+                                 "(graders: dapo_megatron/rewards/registry.py DATA_SOURCES)")
+        if known[source] is None:
+            kept.append((path, i, row))
+            continue
+        if not skip_invalid_rows:
+            raise DatasetError(path, i, "data_source", known[source])
+        stats.num_invalid += 1
+        if len(stats.invalid_examples) < MAX_REPORTED_INDICES:
+            stats.invalid_examples.append((path, i, "data_source", known[source]))
+    return kept
+
+
 def load_prompt_dataset(
     paths: str | Sequence[str],
     tokenizer: Any,
@@ -167,12 +216,14 @@ def load_prompt_dataset(
         (also logged as a warning when non-zero).
 
     Raises:
-        DatasetError: broken rows (unless skipped), missing files, or nothing left.
+        DatasetError: broken rows (unless skipped: a row that is not UTF-8 or JSON, breaks the
+            schema, or names a ``data_source`` without a grader), missing files, or nothing left.
     """
     if max_prompt_length <= 0:
         raise ValueError(f"max_prompt_length must be > 0 tokens, got {max_prompt_length}")
     paths = [os.fspath(paths)] if isinstance(paths, (str, os.PathLike)) else [os.fspath(p) for p in paths]
     rows, stats = read_dapo_rows(paths, prompt_key, skip_invalid_rows)
+    rows = _check_data_sources(rows, stats, skip_invalid_rows)
     records: list[PromptRecord] = []
     # DAPO-Math-17k repeats each prompt 100x (1.79M rows) and AIME 2024 32x:
     # render + tokenize each distinct conversation once.

@@ -62,8 +62,13 @@ def read_gsm8k(path: str) -> list[tuple[str, str]]:
             answer without a numeric ``#### N`` (names the file and 1-based line).
     """
     pairs = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is named by its number
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise GSM8KFormatError(f"{path}, line {lineno}: not UTF-8 (byte 0x{raw[exc.start]:02x} at column "
+                                       f"{exc.start + 1}: {exc.reason}); save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:

@@ -126,8 +126,16 @@ def iter_raw_rows(path: str, columns: Sequence[str]) -> Iterable[tuple[int, Any]
             raise DatasetError(path, None, None, f"cannot read parquet: {exc}") from exc
         yield from enumerate(table.to_pylist())
         return
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f):
+    with open(path, "rb") as f:  # bytes: a line that is not UTF-8 is that row's error, not the file's
+        offset = 0
+        for i, raw in enumerate(f):
+            start, offset = offset, offset + len(raw)
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield i, DatasetError(path, i, None, f"not UTF-8: byte 0x{raw[exc.start]:02x} at byte offset "
+                                                     f"{start + exc.start} of the file ({exc.reason}); save it as UTF-8")
+                continue
             if not line.strip():
                 continue
             try:

@@ -49,6 +49,7 @@ FP8_RECIPE_MIN_TE = {"delayed": "1.0", "tensorwise": "2.2.0.dev0", "blockwise": 
 # ``check_fp8_support``); MXFP8 needs Blackwell (SM 10.0, TE MXFP8 docs); FP8 block scaling
 # has Hopper kernels (SM 9.0, TE ``check_fp8_block_scaling_support``).
 FP8_RECIPE_MIN_CC = {"delayed": (8, 9), "tensorwise": (8, 9), "blockwise": (9, 0), "mxfp8": (10, 0)}
+TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
 
@@ -106,6 +107,94 @@ class ModelConfig:
     ``load_balancing_loss_func``), "seq_aux_loss", "global_aux_loss" or "none"."""
     extra_transformer_config: dict[str, Any] = field(default_factory=dict)
     """further ``TransformerConfig`` fields, set last (expert use)."""
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the bad field: a value outside its domain, or FP8 settings
+        that contradict each other. What needs the machine or the model (CUDA, TE version, layer
+        count) is checked by :func:`resolve_transformer_impl` / :func:`validate_fp8`, and the
+        paths by ``DAPOConfig.check_inputs``."""
+        if self.gguf_file is not None and not self.gguf_file.strip():
+            raise ValueError("gguf_file='' must name the GGUF file inside hf_path, or be null for safetensors")
+        if self.params_dtype not in _DTYPES:
+            raise ValueError(f"params_dtype={self.params_dtype!r} must be one of 'float32', 'bfloat16', 'float16' "
+                             "(or fp32, bf16, fp16)")
+        if self.make_vocab_size_divisible_by < 1:
+            raise ValueError(f"make_vocab_size_divisible_by={self.make_vocab_size_divisible_by} must be >= 1")
+        if self.transformer_impl not in TRANSFORMER_IMPLS:
+            raise ValueError(f"transformer_impl={self.transformer_impl!r} must be one of {TRANSFORMER_IMPLS} "
+                             "('local' on CPU)")
+        if self.fp8 is not None and self.fp8 not in FP8_FORMATS:
+            raise ValueError(f"fp8={self.fp8!r} must be null, 'e4m3' or 'hybrid'")
+        if self.fp8_recipe not in FP8_RECIPE_MIN_TE:
+            raise ValueError(f"fp8_recipe={self.fp8_recipe!r} must be one of {sorted(FP8_RECIPE_MIN_TE)}")
+        for name in ("num_layers_at_start_in_bf16", "num_layers_at_end_in_bf16"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.query_groups_multiple is not None and self.query_groups_multiple < 1:
+            raise ValueError(f"query_groups_multiple={self.query_groups_multiple} must be >= 1, or null")
+        if self.fp8 is not None:  # the contradictions validate_fp8 would meet after the model config is read
+            if self.transformer_impl == "local":
+                raise ValueError(f"fp8={self.fp8!r} needs transformer_impl='transformer_engine' (or 'auto'), got "
+                                 "'local'; set fp8: null for the local spec")
+            if self.first_last_layers_bf16 and self.fp8_recipe == "delayed":
+                raise ValueError("first_last_layers_bf16=True does not work with fp8_recipe='delayed' (megatron-core "
+                                 "rejects it); use 'tensorwise', 'blockwise' or 'mxfp8'")
+
+    def check_inputs(self) -> None:
+        """Raise ``ValueError`` (``field=value ...``) unless the model's files are on this machine
+        and its implementation can run here, checked in a second or less, before any process
+        group or model exists:
+
+        * ``hf_path`` is a directory holding ``config.json`` (safetensors) or ``gguf_file``
+          (the ``.gguf`` files found there are listed);
+        * ``extra_transformer_config`` names fields of megatron-core's ``TransformerConfig``
+          (imported only when it is set);
+        * ``transformer_impl='transformer_engine'`` or ``fp8`` has CUDA and Transformer Engine
+          (``torch.cuda.is_available()``: no CUDA context is created; the compute capability
+          and TE version per recipe are :func:`validate_fp8`'s, at model build).
+        """
+        import difflib
+        import os
+
+        path = self.hf_path
+        if path is None:
+            raise ValueError("hf_path is required: an HF model directory or a directory holding gguf_file")
+        if not os.path.isdir(path):
+            hint = " (a .gguf file: set hf_path to its directory and gguf_file to its name)" \
+                if path.endswith(".gguf") and os.path.isfile(path) else ""
+            raise ValueError(f"hf_path={path!r} is not a directory{hint}: give a local HF model directory "
+                             "(config.json + safetensors) or a directory holding gguf_file")
+        ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+        if self.gguf_file is not None:
+            if not os.path.isfile(os.path.join(path, self.gguf_file)):
+                close = difflib.get_close_matches(self.gguf_file, ggufs, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else (f"; it holds {ggufs}" if ggufs else "")
+                raise ValueError(f"gguf_file={self.gguf_file!r} is not a file in model.hf_path={path!r}{hint}")
+        elif not os.path.isfile(os.path.join(path, "config.json")):
+            hint = f"; for a GGUF model set gguf_file to one of {ggufs}" if ggufs else ""
+            raise ValueError(f"hf_path={path!r} has no config.json (an HF model directory has config.json and "
+                             f"safetensors){hint}")
+        if self.extra_transformer_config:
+            import dataclasses
+
+            from megatron.core.transformer import TransformerConfig
+
+            names = {f.name for f in dataclasses.fields(TransformerConfig)}
+            for key in self.extra_transformer_config:
+                if key not in names:
+                    close = difflib.get_close_matches(key, sorted(names), n=1)
+                    raise ValueError(f"extra_transformer_config.{key} is not a field of megatron-core's "
+                                     "TransformerConfig" + (f"; did you mean {close[0]!r}?" if close else ""))
+        needs = "fp8" if self.fp8 is not None else \
+            "transformer_impl" if self.transformer_impl == "transformer_engine" else None
+        if needs is not None:
+            value = getattr(self, needs)
+            if not torch.cuda.is_available():
+                raise ValueError(f"{needs}={value!r} needs a CUDA GPU, none is visible; on CPU set "
+                                 + ("fp8: null" if needs == "fp8" else "transformer_impl: local"))
+            if _te_version() is None:
+                raise ValueError(f"{needs}={value!r} needs Transformer Engine, which is not installed (the docker/ "
+                                 "image has it)")
 
     def torch_dtype(self) -> torch.dtype:
         """``params_dtype`` as a ``torch.dtype``; ValueError naming ``model.params_dtype``."""
@@ -171,7 +260,7 @@ def resolve_transformer_impl(model_cfg: ModelConfig) -> str:
         ValueError: an unknown value, or "transformer_engine" without CUDA or TE.
     """
     impl = model_cfg.transformer_impl
-    if impl not in ("auto", "local", "transformer_engine"):
+    if impl not in TRANSFORMER_IMPLS:
         raise ValueError(
             f"model.transformer_impl={impl!r}: use 'local', 'transformer_engine' or 'auto'"
         )

@@ -10,6 +10,13 @@ class RewardConfig:
     """Rule-based grading (``dapo_megatron.rewards``)."""
 
     num_workers: int = 1
-    """grader processes per rank (each rank grades 1/world of a batch)."""
+    """grader processes per rank, >= 1 (each rank grades 1/world of a batch)."""
     timeout_s: float = 5.0
-    """wall-clock limit per response; a timeout scores -1."""
+    """wall-clock limit per response (seconds, > 0); a timeout scores -1."""
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the bad field (the domain of ``RewardPool``)."""
+        if self.num_workers < 1:
+            raise ValueError(f"num_workers={self.num_workers} must be >= 1 (grader processes per rank)")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s={self.timeout_s} must be > 0 seconds")

@@ -32,12 +32,12 @@ class RolloutConfig:
     server_generate_timeout_s: float = 3600.0
     """server mode: bound (seconds) on one ``/generate`` call (a whole generation batch)."""
     temperature: float = 1.0
-    """sampling temperature of training rollouts (the actor's logprobs use the same temperature)."""
+    """sampling temperature of training rollouts, > 0 (the actor's logprobs use the same temperature)."""
     top_p: float = 1.0
-    """nucleus mass for training rollouts; keep 1.0 so rollout logprobs match the actor's
+    """nucleus mass for training rollouts, in (0, 1]; keep 1.0 so rollout logprobs match the actor's
     distribution."""
     top_k: int = -1
-    """-1 (off) or k."""
+    """-1 (off) or k >= 1."""
     response_length: int = 20480
     """max new tokens per response (L_max of the paper's Eq. 13); must equal
     ``buffer.overlong.max_response_length``."""
@@ -46,16 +46,16 @@ class RolloutConfig:
     bucket at a time, and SGLang receives one flattened bucket per call. A CPU actor keeps one
     bucket of host memory between syncs (``bridge.ExportBuffers``)."""
     gpu_memory_utilization: float = 0.5
-    """SGLang ``mem_fraction_static`` (GPU only)."""
+    """SGLang ``mem_fraction_static`` (GPU only), in (0, 1)."""
     val_n: int = 32
     """responses per DISTINCT validation problem (the k of avg@k / pass@k). Rows that are copies of
     one problem (same data_source, prompt, ground truth) are sampled once as a group of val_n:
     the AIME 2024 parquet (30 problems × 32 copies) with val_n=32 gives the paper's avg@32 over
     30 × 32 samples."""
     val_temperature: float = 1.0
-    """validation sampling temperature (paper: 1.0)."""
+    """validation sampling temperature, > 0 (paper: 1.0)."""
     val_top_p: float = 0.7
-    """validation top-p (paper: 0.7)."""
+    """validation top-p, in (0, 1] (paper: 0.7)."""
     val_max_prompts: int = 0
     """validate on the first this many distinct problems (0 = all)."""
     deterministic: bool = False
@@ -106,12 +106,25 @@ class RolloutConfig:
             if tp != 1:
                 raise ValueError(f"tensor_model_parallel_size={tp} applies to colocated engines; in mode='server' "
                                  "each server has its own --tp-size: leave it at 1")
-            for key in ("server_timeout_s", "server_generate_timeout_s"):
-                if not getattr(self, key) > 0:
-                    raise ValueError(f"{key}={getattr(self, key)!r} must be > 0 seconds")
         elif self.server_urls:
             raise ValueError(f"server_urls={list(self.server_urls)} is set but mode={self.mode!r}: set "
                              "mode: server to use them")
+        for key in ("server_timeout_s", "server_generate_timeout_s"):  # checked in every mode: a typo waits
+            if not getattr(self, key) > 0:
+                raise ValueError(f"{key}={getattr(self, key)!r} must be > 0 seconds")
+        # the engines' SamplingParams domains (rollout/engine.py), checked before any engine exists
+        for key in ("temperature", "val_temperature"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"{key}={getattr(self, key)!r} must be > 0 (the logits are divided by it; "
+                                 "for greedy decoding set top_k: 1)")
+        for key in ("top_p", "val_top_p"):
+            if not 0 < getattr(self, key) <= 1:
+                raise ValueError(f"{key}={getattr(self, key)!r} must be in (0, 1] (1.0 = off)")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"top_k={self.top_k} must be -1 (off) or >= 1")
+        if not 0 < self.gpu_memory_utilization < 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization!r} must be in (0, 1) (SGLang's "
+                             "mem_fraction_static: the share of GPU memory for weights and KV cache)")
         for key in ("response_length", "update_weights_bucket_megabytes", "val_n"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)!r} must be >= 1")
@@ -128,9 +141,12 @@ class RolloutConfig:
                              f"{self.tensor_model_parallel_size}: set streaming=false for this layout")
         if self.val_max_prompts < 0:
             raise ValueError(f"val_max_prompts={self.val_max_prompts} must be >= 0 (0 = all)")
-        if self.name != "sglang" and (self.engine_kwargs or self.deterministic):
-            raise ValueError(f"engine_kwargs and deterministic apply to the 'sglang' engine only (name={self.name!r}; "
-                             "the HF engine is always seed-reproducible)")
+        if self.name != "sglang" and self.deterministic:
+            raise ValueError(f"deterministic=true applies to the 'sglang' engine only (name={self.name!r}; the HF "
+                             "engine is always seed-reproducible): set deterministic: false")
+        if self.name != "sglang" and self.engine_kwargs:
+            raise ValueError(f"engine_kwargs={self.engine_kwargs} apply to the 'sglang' engine only "
+                             f"(name={self.name!r})")
         if self.engine_kwargs:
             from dapo_megatron.rollout.sglang_engine import check_engine_kwargs
 

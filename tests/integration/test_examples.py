@@ -218,6 +218,12 @@ def _dry_run(script: str, tmp_path, env_extra: dict, *args: str) -> subprocess.C
     return subprocess.run(["bash", script, *args], capture_output=True, text=True, env=env, timeout=120)
 
 
+# The H100 configs use TE and FP8: on this CPU machine the launchers' `dapo-train --check-config`
+# stops them (test_h100_launcher_checks_the_config_before_torchrun); these overrides let the dry runs
+# reach the torchrun shim.
+ON_CPU = ("model.fp8=null", "model.transformer_impl=local")
+
+
 @pytest.fixture()
 def fake_inputs(tmp_path):
     model = tmp_path / "model"
@@ -250,14 +256,15 @@ def test_cpu_launcher_takes_its_config_from_CONFIG(tmp_path, config, dtype):
 @pytest.mark.parametrize("size", sorted(H100))
 def test_h100_launcher_passes_env_and_overrides(size, tmp_path, fake_inputs):
     script = os.path.join(REPO, "examples", f"run_dapo_qwen2_5_{size}_h100.sh")
-    env = dict(fake_inputs, NNODES="3", NODE_RANK="2", MASTER_ADDR="10.1.2.3", MASTER_PORT="12345",
+    env = dict(fake_inputs, NNODES="2", NODE_RANK="1", MASTER_ADDR="10.1.2.3", MASTER_PORT="12345",
                RUN_DIR=str(tmp_path / "run"))
     out = _dry_run(script, tmp_path, env, "trainer.total_training_steps=70", "rollout.val_n=4",
-                   "model.extra_transformer_config.recompute_num_layers=2")
+                   "model.extra_transformer_config.recompute_num_layers=2", *ON_CPU)
     assert out.returncode == 0, out.stderr
+    assert out.stderr.startswith("dapo-train: config ok") or "dapo-train: config ok" in out.stdout
     argv = (tmp_path / "args.txt").read_text().split("\n")
     pairs = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
-    assert pairs["--nnodes"] == "3" and pairs["--node_rank"] == "2" and pairs["--nproc_per_node"] == "8"
+    assert pairs["--nnodes"] == "2" and pairs["--node_rank"] == "1" and pairs["--nproc_per_node"] == "8"
     assert pairs["--master_addr"] == "10.1.2.3" and pairs["--master_port"] == "12345"
     assert pairs["--config"].endswith(os.path.basename(H100[size]))
     printed = yaml.safe_load(out.stdout)
@@ -277,7 +284,7 @@ def test_h100_launcher_passes_env_and_overrides(size, tmp_path, fake_inputs):
 @pytest.mark.parametrize("size", sorted(H100))
 def test_h100_launcher_defaults_and_missing_input(size, tmp_path, fake_inputs):
     script = os.path.join(REPO, "examples", f"run_dapo_qwen2_5_{size}_h100.sh")
-    out = _dry_run(script, tmp_path, fake_inputs)
+    out = _dry_run(script, tmp_path, fake_inputs, *ON_CPU)
     assert out.returncode == 0, out.stderr
     argv = (tmp_path / "args.txt").read_text().split("\n")
     pairs = {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
@@ -291,6 +298,28 @@ def test_h100_launcher_defaults_and_missing_input(size, tmp_path, fake_inputs):
     assert out.returncode == 2 and "nope.parquet not found" in out.stderr and "TRAIN_FILE" in out.stderr
     out = _dry_run(script, tmp_path, dict(fake_inputs, MODEL_PATH=str(tmp_path / "no_model")))
     assert out.returncode == 2 and "no_model/config.json not found" in out.stderr
+
+
+def test_h100_launcher_checks_the_config_before_torchrun(tmp_path, fake_inputs):
+    """Issue 23 item 3: a bad value, a layout that does not fit the nodes, or FP8 on a machine
+    without CUDA is one line from `dapo-train --check-config` and exit status 2; torchrun (the
+    shim, which records its arguments) never starts."""
+    script = os.path.join(REPO, "examples", "run_dapo_qwen2_5_32b_h100.sh")
+    args = tmp_path / "args.txt"
+    cases = [
+        (("actor.clip_ratio_low=1.5", *ON_CPU), {}, "dapo-train: error: actor.clip_ratio_low=1.5 must be in [0, 1)"),
+        (ON_CPU, {"NNODES": "3"}, "dapo-train: error: parallel.tensor_model_parallel_size=8 × "
+                                  "pipeline_model_parallel_size=2 does not divide the world size 24"),
+    ]
+    import torch
+
+    if not torch.cuda.is_available():
+        cases.append(((), {}, "dapo-train: error: model.fp8='hybrid' needs a CUDA GPU, none is visible"))
+    for overrides, env, start in cases:
+        out = _dry_run(script, tmp_path, dict(fake_inputs, **env), *overrides)
+        assert out.returncode == 2, (overrides, out.stderr[-2000:])
+        assert out.stderr.startswith(start) and out.stderr.count("\n") == 1, out.stderr[-2000:]
+        assert not args.exists(), "torchrun was started"
 
 
 def test_shared_launcher_needs_its_four_arguments(tmp_path, fake_inputs):
@@ -307,7 +336,7 @@ def test_server_mode_launcher_points_the_trainer_at_the_servers(tmp_path, fake_i
     one sglang.launch_server per server on its own GPUs (a shim records the arguments)."""
     script = os.path.join(REPO, "examples", "run_dapo_server_mode.sh")
     env = dict(fake_inputs, ROLE="trainer", SERVER_ADDR="10.0.0.9", NUM_SERVERS="2", NNODES="4")
-    out = _dry_run(script, tmp_path, env, "trainer.total_training_steps=70")
+    out = _dry_run(script, tmp_path, env, "trainer.total_training_steps=70", *ON_CPU)
     assert out.returncode == 0, out.stderr
     printed = yaml.safe_load(out.stdout)
     r = printed["rollout"]

@@ -213,3 +213,31 @@ def test_converted_gsm8k_data_path_runs_a_zero_advantage_step_skipping_and_count
     # group is constant, its advantages are exactly 0 and so is the gradient (not NaN, not noise)
     assert m["rollout/gen_score_mean"] == -1.0 and m["train/truncation_ratio"] == 1.0
     assert m["rollout/gen_reward_mean"] == -2.0 and m["actor/pg_loss"] == 0.0 and m["actor/grad_norm"] == 0.0
+
+
+def test_check_config_and_input_errors_are_one_line_with_status_2(tmp_path):
+    """Issue 23 items 1-3 at the CLI: a bad YAML file, a missing model directory or GGUF file,
+    and a bad value each print one line (no traceback) and exit 2 before torch.distributed
+    starts; --check-config says ok and exits 0 when everything is in place."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(b"trainer:\n\tsave_freq: 3\n")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "m.gguf").write_bytes(b"")
+    cases = [
+        (["--config", str(bad)], f"dapo-train: error: {bad}, line 2, column 1: not valid YAML"),
+        (["--check-config", "--nproc-per-node", "2", "--config", CPU_YAML, "model.hf_path=/nonexistent/model"],
+         "dapo-train: error: model.hf_path='/nonexistent/model' is not a directory"),
+        (["--check-config", "--nproc-per-node", "2", "--config", CPU_YAML, f"model.hf_path={model}",
+          "model.gguf_file=n.gguf"],
+         f"dapo-train: error: model.gguf_file='n.gguf' is not a file in model.hf_path='{model}'; did you mean 'm.gguf'?"),
+        (["--check-config", "--nproc-per-node", "2", "--config", CPU_YAML, f"model.hf_path={model}",
+          "model.gguf_file=m.gguf", "rollout.top_p=2"], "dapo-train: error: rollout.top_p=2.0 must be in (0, 1]"),
+    ]
+    for args, start in cases:
+        out = _cli(*args, timeout=120)
+        assert out.returncode == 2 and out.stderr.startswith(start), (args, out.stderr[-2000:])
+        assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    out = _cli("--check-config", "--nproc-per-node", "2", "--config", CPU_YAML, f"model.hf_path={model}",
+               "model.gguf_file=m.gguf", timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("dapo-train: config ok"), out.stderr[-2000:]

@@ -429,3 +429,32 @@ def test_run_config_extra_transformer_config_reaches_transformer_config():
     assert (tc.recompute_granularity, tc.recompute_method, tc.recompute_num_layers) == ("full", "uniform", 1)
     plain = load_config(DAPOConfig, None, ["model.hf_path=/models/x", "model.transformer_impl=local"])
     assert hf_to_transformer_config(hf, ParallelConfig(1, 1), plain.model).recompute_granularity is None
+
+
+@pytest.mark.parametrize("name,content,where,what", [
+    ("syntax", b"trainer:\n  total_training_steps: 3\n  save_freq: [1,\n", "line 4, column 1",
+     "did not find expected node content"),
+    ("tab", b"trainer:\n\ttotal_training_steps: 3\n", "line 2, column 1", "tab: YAML indents with spaces only"),
+    ("latin1", b'trainer:\n  project_name: "caf\xe9"\n', "line 2, column 21", "byte 0xe9 is not UTF-8"),
+    ("dup", b"trainer:\n  save_freq: 3\n  save_freq: 4\n", "line 3, column 3", "found duplicate key save_freq"),
+])
+def test_bad_yaml_is_one_line_with_file_line_and_column(tmp_path, name, content, where, what):
+    """Issue 23 item 2: a YAML file that does not parse names its file, line and column, in one
+    line (no PyYAML / OmegaConf traceback text), with the fault."""
+    path = tmp_path / f"{name}.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ConfigError) as err:
+        load_config(RunSchema, str(path))
+    msg = str(err.value)
+    assert msg.startswith(f"{path}, {where}: ") and what in msg and "\n" not in msg, msg
+    assert "<unicode string>" not in msg and "in \"" not in msg  # PyYAML's own mark lines are not repeated
+
+
+@pytest.mark.parametrize("item,column", [("actor.optim.lr=[1,", 19), ("actor.optim.lr={x", 18),
+                                         ("actor.optim.betas=[0.9, 0.99", 29)])
+def test_malformed_override_is_one_line_with_its_column(item, column):
+    with pytest.raises(ConfigError) as err:
+        load_config(RunSchema, None, [item])
+    msg = str(err.value)
+    assert msg.startswith(f"override {item!r}, column {column}: the value is not valid YAML: "), msg
+    assert "\n" not in msg and "<unicode string>" not in msg

@@ -60,7 +60,7 @@ def expected_ids(messages):
 
 def row(i, n_words=3, **over):
     r = {
-        "data_source": "toy",
+        "data_source": "arithmetic",
         "prompt": [{"role": "user", "content": " ".join(f"w{(i + j) % 50}" for j in range(n_words))}],
         "ability": "math",
         "reward_model": {"ground_truth": str(i), "style": "rule"},
@@ -86,7 +86,7 @@ def test_roundtrip_tokenizes_with_chat_template(tmp_path, tokenizer, suffix):
     assert len(ds) == 6 and ds.stats.num_kept == 6 and ds.stats.num_overlong == 0
     for i, rec in enumerate(ds):
         assert rec.index == i
-        assert rec.data_source == "toy"
+        assert rec.data_source == "arithmetic"
         assert rec.ground_truth == str(i)
         assert rec.messages == rows[i]["prompt"]
         assert rec.prompt_ids == expected_ids(rows[i]["prompt"])
@@ -149,7 +149,7 @@ def test_broken_row_raises_with_file_row_field(tmp_path, tokenizer, field, break
 
 
 def test_bad_json_line_raises_and_skip_counts(tmp_path, tokenizer, caplog):
-    lines = [row(0), row(1), '{"data_source": "toy", "prompt": [', row(3), row(4, extra_info=None), row(5)]
+    lines = [row(0), row(1), '{"data_source": "arithmetic", "prompt": [', row(3), row(4, extra_info=None), row(5)]
     path = write_jsonl(tmp_path / "d.jsonl", lines)
     with pytest.raises(DatasetError, match=r"row 2: bad JSON"):
         load_prompt_dataset(path, tokenizer, max_prompt_length=50)
@@ -286,7 +286,7 @@ def test_unique_prompts_groups_copies_in_first_occurrence_order(tmp_path, tokeni
         {**base[0], "extra_info": {"index": 99}},  # 2: copy of 0 (extra_info is ignored)
         base[2],
         {**base[0], "reward_model": {"ground_truth": "7", "style": "rule"}},  # 4: other answer
-        {**base[1], "data_source": "other"},  # 5: other grader
+        {**base[1], "data_source": "gsm8k"},  # 5: other grader
         base[1],  # 6: copy of 1
         base[0],  # 7: copy of 0
     ]
@@ -295,7 +295,7 @@ def test_unique_prompts_groups_copies_in_first_occurrence_order(tmp_path, tokeni
     assert [pos for _, pos in groups] == [[0, 2, 7], [1, 6], [3], [4], [5]]
     assert [rec is ds[pos[0]] for rec, pos in groups] == [True] * 5
     assert [(rec.data_source, rec.ground_truth) for rec, _ in groups] == [
-        ("toy", "0"), ("toy", "1"), ("toy", "2"), ("toy", "7"), ("other", "1")]
+        ("arithmetic", "0"), ("arithmetic", "1"), ("arithmetic", "2"), ("arithmetic", "7"), ("gsm8k", "1")]
     assert unique_prompts([]) == []
     # same messages, different chat-templated ids (another system prompt) are different prompts
     sys_row = {**base[0], "prompt": [{"role": "system", "content": "w9"}] + base[0]["prompt"]}
@@ -386,3 +386,47 @@ def test_write_is_atomic_and_leaves_no_temp_files(tmp_path):
     rows, _ = read_dapo_rows(path)
     assert [r["reward_model"]["ground_truth"] for _, _, r in rows] == ["0"]
     assert os.listdir(tmp_path) == ["d.parquet"]
+
+
+def test_unknown_data_source_is_rejected_at_load_with_file_row_and_did_you_mean(tmp_path, tokenizer):
+    """Issue 23 item 4: a data_source without a grader stops the load (training and tools/eval.py
+    load through load_prompt_dataset, before any generation), naming file, row, the value,
+    the closest known source and the known ones; skip_invalid_rows skips and counts it."""
+    path = write_jsonl(tmp_path / "d.jsonl", [row(0), row(1), row(2, data_source="math_dapo_reasonin"), row(3)])
+    with pytest.raises(DatasetError) as err:
+        load_prompt_dataset(path, tokenizer, max_prompt_length=50)
+    msg = str(err.value)
+    assert msg.startswith(f"{path}, row 2, field 'data_source': unknown data_source 'math_dapo_reasonin'; "
+                          "did you mean 'math_dapo_reasoning'? Known: ") and "openai/gsm8k" in msg, msg
+    assert err.value.row == 2 and err.value.field == "data_source" and "\n" not in msg
+    ds = load_prompt_dataset(path, tokenizer, max_prompt_length=50, skip_invalid_rows=True)
+    assert [r.ground_truth for r in ds] == ["0", "1", "3"] and ds.stats.num_invalid == 1
+    # 'aime*' names are graded (the DAPO Answer: grader): accepted
+    ok = write_jsonl(tmp_path / "aime.jsonl", [row(0, data_source="aime-2025")])
+    assert load_prompt_dataset(ok, tokenizer, max_prompt_length=50)[0].data_source == "aime-2025"
+
+
+def test_non_utf8_jsonl_names_file_row_and_byte_offset(tmp_path, tokenizer):
+    """Issue 23 item 5: a line that is not UTF-8 is one DatasetError naming the file, the row
+    and the byte offset (skippable like a bad JSON line), not a UnicodeDecodeError."""
+    path = tmp_path / "d.jsonl"
+    good = (json.dumps(row(0)) + "\n").encode()
+    bad = json.dumps(row(1)).encode().replace(b"w1", b"caf\xe9", 1) + b"\n"
+    path.write_bytes(good + bad + (json.dumps(row(2)) + "\n").encode())
+    with pytest.raises(DatasetError) as err:
+        load_prompt_dataset(str(path), tokenizer, max_prompt_length=50)
+    offset = len(good) + bad.index(b"\xe9")
+    assert str(err.value).startswith(f"{path}, row 1: not UTF-8: byte 0xe9 at byte offset {offset} of the file"), \
+        str(err.value)
+    ds = load_prompt_dataset(str(path), tokenizer, max_prompt_length=50, skip_invalid_rows=True)
+    assert [r.ground_truth for r in ds] == ["0", "2"] and ds.stats.num_invalid == 1
+
+
+def test_non_utf8_gsm8k_names_file_and_line(tmp_path):
+    """Issue 23 item 5, tools/prepare_gsm8k.py's reader (dapo_megatron.data.gsm8k)."""
+    from dapo_megatron.data.gsm8k import GSM8KFormatError, read_gsm8k
+
+    path = tmp_path / "g.jsonl"
+    path.write_bytes(b'{"question": "a", "answer": "#### 1"}\n{"question": "caf\xe9", "answer": "#### 2"}\n')
+    with pytest.raises(GSM8KFormatError, match=rf"^{re.escape(str(path))}, line 2: not UTF-8 \(byte 0xe9 at column 18"):
+        read_gsm8k(str(path))

@@ -394,7 +394,7 @@ def test_engine_kwargs_are_checked_against_sglang_arguments(fake_sglang, tiny_mo
     with pytest.raises(ValueError, match=r"rollout\.engine_kwargs\.mem_fraction_static is set by dapo-megatron "
                                          r"from rollout\.gpu_memory_utilization"):
         load_config(DAPOConfig, None, base + ["rollout.engine_kwargs.mem_fraction_static=0.3"])
-    with pytest.raises(ValueError, match=r"rollout\.engine_kwargs and deterministic apply to the 'sglang' engine"):
+    with pytest.raises(ValueError, match=r"rollout\.engine_kwargs=\{'load_format': 'dummy'\} apply to the 'sglang' engine"):
         load_config(DAPOConfig, None, [f"model.hf_path={tiny_model_dir}", "rollout.engine_kwargs.load_format=dummy"])
     # every argument this package passes is a field of the pinned ServerArgs
     assert set(MANAGED_ENGINE_ARGS) <= SERVER_ARGS_FIELDS
