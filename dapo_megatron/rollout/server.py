@@ -255,7 +255,7 @@ def parse_generate(body: Any, vocab_size: int, context_length: int, rng: random.
         raise BadRequest(f"/generate got unknown field(s) {unknown} (sglang {SGLANG_API_VERSION} GenerateReqInput)")
     for name, default in _FIXED_REQUEST.items():
         if body.get(name, default) not in (default, None) and not (name == "stream" and body.get(name) is False):
-            raise BadRequest(f"/generate {name}={str(body[name])[:80]!r} is not supported by dapo-rollout-server: "
+            raise BadRequest(f"/generate {name}={repr(body[name])[:80]} is not supported by dapo-rollout-server: "
                              + ("send input_ids (tokenize client side)" if name == "text" else
                                 "only non-streamed token-id requests are served"))
     ids = body.get("input_ids")
