@@ -39,16 +39,23 @@ class RolloutServer:
         flags: extra command-line flags.
     """
 
-    def __init__(self, model_path: str, log_path, *flags: str, startup_s: float = 180.0):
+    def __init__(self, model_path: str, log_path, *flags: str, startup_s: float = 180.0, wait: bool = True):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = str(log_path)
         cmd = [sys.executable, "-m", "dapo_megatron.rollout.server", "--model-path", str(model_path),
                "--port", str(self.port), "--num-threads", "1", *flags]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
-                   OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+                   OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         self._log = open(self.log_path, "w")
         self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        self.startup_s = startup_s
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> "RolloutServer":
+        """Block until ``/health`` answers 200 (servers started with ``wait=False`` load in parallel)."""
+        startup_s = self.startup_s
         deadline = time.monotonic() + startup_s
         while True:
             if self.process.poll() is not None:
@@ -63,6 +70,7 @@ class RolloutServer:
                 self.stop()
                 raise RuntimeError(f"dapo-rollout-server did not come up in {startup_s} s:\n{self.log()[-3000:]}")
             time.sleep(0.2)
+        return self
 
     def log(self) -> str:
         with open(self.log_path) as f:
