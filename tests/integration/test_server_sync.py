@@ -139,10 +139,10 @@ def test_each_server_holds_the_hf_export_bitwise_and_generates_with_it(tp, pp, s
         out = http_post(server.url, "/generate", {"input_ids": prompts, "sampling_params": {"max_new_tokens": 8,
                                                                                           "temperature": 0}}, 60)
         assert [o["output_ids"] for o in out] == expected, "the server generates with the synced weights"
-        groups = http_get(server.url, "/server_info", 10)["internal_states"][0]["weight_update_groups"]
-        assert groups == (["dapo_weights_pp0", "dapo_weights_pp1"] if pp == 2 else ["dapo_weights_pp0"])
-        sync = calls[len(groups):]
-        assert calls[:len(groups)] == ["POST /init_weights_update_group"] * len(groups), calls
+        stages = [f"dapo_weights_pp{i}" for i in range(pp)]  # one group per stage (an earlier test's may remain)
+        assert set(stages) <= set(http_get(server.url, "/server_info", 10)["internal_states"][0]["weight_update_groups"])
+        sync = calls[pp:]
+        assert calls[:pp] == ["POST /init_weights_update_group"] * pp, calls
         assert sync[0] == "POST /pause_generation" and sync[-2:] == ["POST /flush_cache", "POST /continue_generation"]
         updates = sync[1:-2]
         assert set(updates) == {"POST /update_weights_from_distributed"} and len(updates) >= 3, "several buckets"
