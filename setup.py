@@ -31,6 +31,9 @@ setup(
         "accelerate>=1.0",
         "math-verify>=0.8",
         "mlflow>=3.0",
+        # dapo-rollout-server's HTTP layer (SGLang's own); both also come with mlflow-skinny
+        "fastapi>=0.110",
+        "uvicorn>=0.29",
         "omegaconf>=2.3",
         "pyarrow>=18",
         "pyyaml>=6",
@@ -55,6 +58,7 @@ setup(
     entry_points={
         "console_scripts": [
             "dapo-train=dapo_megatron.train:main",
+            "dapo-rollout-server=dapo_megatron.rollout.server:main",
         ],
     },
 )

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from typing import Optional, Sequence, Union
+from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -329,13 +329,29 @@ class HFEngine(RolloutEngine):
             steps += 1
         return finished
 
-    def abort(self) -> list[RowResult]:
-        """Stop every queued and running row; returns each one's tokens so far (``"abort"``)."""
-        out = [RowResult(r.key, [], [], "abort", self.weight_version) for r in self._queue]
+    def abort(self, keys: Optional[Iterable] = None) -> list[RowResult]:
+        """Stop every queued and running row (only those whose key is in ``keys``, when given);
+        returns each one's tokens so far (``"abort"``; none for a row not yet admitted). Rows
+        not named keep going; a stopped row stays in the running batch, never sampled again,
+        until the batch is compacted."""
+        if keys is None:
+            out = [RowResult(r.key, [], [], "abort", self.weight_version) for r in self._queue]
+            if self._batch is not None:
+                out.extend(RowResult(row.req.key, list(row.tokens), list(row.logprobs), "abort", self.weight_version)
+                           for row in self._batch.rows if row.alive)
+            self._queue, self._batch = [], None
+            return out
+        keys = set(keys)
+        out = [RowResult(r.key, [], [], "abort", self.weight_version) for r in self._queue if r.key in keys]
+        self._queue = [r for r in self._queue if r.key not in keys]
         if self._batch is not None:
-            out.extend(RowResult(row.req.key, list(row.tokens), list(row.logprobs), "abort", self.weight_version)
-                       for row in self._batch.rows if row.alive)
-        self._queue, self._batch = [], None
+            for row in self._batch.rows:
+                if row.alive and row.req.key in keys:
+                    row.alive = False
+                    out.append(RowResult(row.req.key, list(row.tokens), list(row.logprobs), "abort",
+                                         self.weight_version))
+            if not any(row.alive for row in self._batch.rows):
+                self._batch = None
         return out
 
     # ---- the running batch ---------------------------------------------------------
@@ -348,13 +364,17 @@ class HFEngine(RolloutEngine):
             torch.rand(1, dtype=torch.float64, device=self.device, generator=g)
         return g
 
+    def _stop_ids(self, req: RowRequest) -> frozenset:
+        """Token ids that end the row: the model's EOS ids and the row's ``stop_token_ids``."""
+        return self.eos_token_ids | set(req.params.stop_token_ids)
+
     def _admit(self, reqs: list[RowRequest]) -> list[RowResult]:
         """Prefill ``reqs`` (each distinct input once), merge them into the running batch;
         returns the rows that have nothing left to sample (a prefix that already ends the
         response)."""
         done, rows = [], []
         for r in reqs:
-            stops = self.eos_token_ids | set(r.params.stop_token_ids)
+            stops = self._stop_ids(r)
             if r.budget <= 0 or (r.prefix_ids and r.prefix_ids[-1] in stops):
                 done.append(RowResult(r.key, [], [], "length" if r.budget <= 0 else "stop", self.weight_version))
             else:

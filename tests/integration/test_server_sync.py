@@ -1,13 +1,16 @@
-"""rollout.mode=server: weights from one rank per pipeline stage into separate SGLang servers.
+"""rollout.mode=server: weights from one rank per pipeline stage into separate rollout servers.
 
-Two stand-in servers (tests/sglang_standin.py: real HTTP servers on 127.0.0.1 in their own
-processes, joining real gloo groups and receiving the flattened-bucket broadcast as SGLang's
-``_update_bucketed_weights_from_distributed`` does) take the sync of a TP=1/PP=2 actor (two
-stages, two senders, two groups) and of a TP=2 actor (one sender, its TP peer in step); what
-each server received must equal the HF export bit for bit. Then the failure paths: a server
-that refuses an update stops every rank with its URL (no hang: the TP peer keeps the
-bridge's collectives in step), and a dead, hung or unhealthy server fails the health check
-naming its URL within the timeout.
+Two real ``dapo-rollout-server`` s (tests/rollout_server.py: the HF engine behind SGLang's HTTP API,
+each in its own process, joining real gloo groups and receiving the flattened-bucket broadcast
+as SGLang's ``_update_bucketed_weights_from_distributed`` does), started on OTHER random weights
+than the actor's, take the sync of a TP=1/PP=2 actor (two stages, two senders, two groups) and
+of a TP=2 actor (one sender, its TP peer in step); each server's parameters must then equal the
+HF export bit for bit, and its greedy generation the HF model's on those weights. Then the
+failure paths: a server serving another model refuses an update (a real shape check, before it
+joins the broadcast) and that stops every rank with its URL (no hang: the TP peer keeps the
+bridge's collectives in step); a dead, hung or unhealthy server fails the health check naming
+its URL within the timeout (the stand-in of tests/sglang_standin.py, which can be made to hang
+or answer 503 on demand).
 """
 
 from __future__ import annotations
@@ -22,12 +25,13 @@ import torch
 
 from dapo_megatron.platform import spawn
 from dapo_megatron.rollout.sglang_engine import http_post
+from rollout_server import RolloutServer, save_tiny_model
 from sglang_standin import StandIn
 
 BUCKET = 20_000
 
 
-def _sync_worker(tp, pp, urls, out_dir, fail_url=None, timeout_s=60):
+def _sync_worker(tp, pp, urls, out_dir, timeout_s=60):
     import torch.distributed as dist
 
     from conftest import random_hf_model, tiny_hf_config
@@ -49,8 +53,6 @@ def _sync_worker(tp, pp, urls, out_dir, fail_url=None, timeout_s=60):
                              is_sender=parallel.tp_rank == 0 and parallel.dp_rank == 0,
                              device="cpu", timeout_s=timeout_s, bucket_bytes=BUCKET, backend="gloo")
     check_health(urls, 10)
-    if fail_url is not None and rank == 0:
-        http_post(fail_url, "/control", {"fail_next_update": "Failed to update parameter online: boom"}, 10)
     dist.barrier()
     result = {"rank": rank}
 
@@ -81,64 +83,94 @@ def _sync_worker(tp, pp, urls, out_dir, fail_url=None, timeout_s=60):
 
 
 @pytest.fixture(scope="module")
-def _servers():
-    servers = [StandIn(), StandIn()]
-    yield servers
-    for s in servers:
-        s.stop()
+def servers(tmp_path_factory):
+    """Two servers of the actor's architecture on other random weights (seed 2; the actor's are seed
+    1), and one of another model (intermediate size 80, not 96), all loading at once."""
+    root = tmp_path_factory.mktemp("rollout_servers")
+    same = save_tiny_model(root / "same", seed=2)
+    other = save_tiny_model(root / "other", seed=2, intermediate_size=80)
+    started = [RolloutServer(path, root / f"server{i}.log", "--skip-tokenizer-init", "--weight-sync-timeout-s", "20",
+                             wait=False) for i, path in enumerate([same, same, other])]
+    try:
+        yield [s.wait_ready() for s in started]
+    finally:
+        for s in started:
+            s.stop()
 
 
-@pytest.fixture()
-def two_servers(_servers):
-    for s in _servers:
-        http_post(s.url, "/control", {"reset": True}, 10)
-    return _servers
+def _greedy(model, prompt, steps):
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            if ids[-1] == 2:  # save_tiny_model's EOS
+                break
+    return ids[len(prompt):]
 
 
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("tp, pp", [(1, 2), (2, 1)], ids=["actor_pp2", "actor_tp2"])
-def test_each_server_receives_the_hf_export_bitwise(tp, pp, two_servers, tmp_path):
-    urls = [s.url for s in two_servers]
+def test_each_server_holds_the_hf_export_bitwise_and_generates_with_it(tp, pp, servers, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from conftest import tiny_hf_config
+    from dapo_megatron.rollout.sglang_engine import http_get
+
+    two = servers[:2]
+    urls = [s.url for s in two]
+    before = [len(s.calls()) for s in two]
     spawn(_sync_worker, 2, tp, pp, urls, str(tmp_path))
     r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in range(2))
     assert "error" not in r0 and "error" not in r1, (r0.get("error"), r1.get("error"))
-    export = r0["export"]
-    for url in urls:
-        got = http_post(url, "/received", None, 30)
-        names = [r[0] for r in got["received"]]
-        assert sorted(names) == sorted(export), "every HF tensor once per server"
-        for name, raw, shape, _, group in got["received"]:
-            assert raw == export[name] and shape == r0["export_shapes"][name], name
-        groups = {r[4] for r in got["received"]}
-        assert groups == ({"dapo_weights_pp0", "dapo_weights_pp1"} if pp == 2 else {"dapo_weights_pp0"})
-        if pp == 2:  # each stage sent its own layers: the embedding from stage 0, the LM head from stage 1
-            group_of = {r[0]: r[4] for r in got["received"]}
-            assert group_of["model.embed_tokens.weight"] == "dapo_weights_pp0"
-            assert group_of["lm_head.weight"] == group_of["model.norm.weight"] == "dapo_weights_pp1"
-        assert got["flat_broadcasts"] >= 3, "one broadcast per bucket, several buckets"
-        assert got["flushes"] == 1 and got["control"] == [["/pause_generation", "abort"],
-                                                          ["/continue_generation", None]]
+    # what the trainer called, from each server's access log (info and health checks aside)
+    called = [[c for c in s.calls()[skip:] if c not in ("GET /health", "GET /server_info")] for s, skip in zip(two, before)]
+    export = {n: torch.frombuffer(bytearray(base64.b64decode(v)), dtype=torch.float32).reshape(r0["export_shapes"][n])
+              for n, v in r0["export"].items()}
+    reference = AutoModelForCausalLM.from_config(tiny_hf_config("qwen2_bias", eos_token_id=2)).float().eval()
+    reference.load_state_dict(export, strict=True)
+    prompts = [[5, 17, 33, 8], [100, 3, 41]]
+    expected = [_greedy(reference, p, 8) for p in prompts]
+    for server, calls in zip(two, called):
+        for name, tensor in export.items():  # bit for bit, read back through SGLang's /get_weights_by_name
+            got = torch.tensor(http_post(server.url, "/get_weights_by_name",
+                                         {"name": name, "truncate_size": tensor.shape[0]}, 30), dtype=torch.float32)
+            assert torch.equal(got.view(torch.int32), tensor.view(torch.int32)), (server.url, name)
+        out = http_post(server.url, "/generate", {"input_ids": prompts, "sampling_params": {"max_new_tokens": 8,
+                                                                                          "temperature": 0}}, 60)
+        assert [o["output_ids"] for o in out] == expected, "the server generates with the synced weights"
+        stages = [f"dapo_weights_pp{i}" for i in range(pp)]  # one group per stage (an earlier test's may remain)
+        assert set(stages) <= set(http_get(server.url, "/server_info", 10)["internal_states"][0]["weight_update_groups"])
+        sync = calls[pp:]
+        assert calls[:pp] == ["POST /init_weights_update_group"] * pp, calls
+        assert sync[0] == "POST /pause_generation" and sync[-2:] == ["POST /flush_cache", "POST /continue_generation"]
+        updates = sync[1:-2]
+        assert set(updates) == {"POST /update_weights_from_distributed"} and len(updates) >= 3, "several buckets"
     # the sender's loop and the TP peer's drain drop each bucket: one buffer for all of them
     assert r0["bucket_allocations"] == r1["bucket_allocations"] == 1, (r0["bucket_allocations"],
                                                                        r1["bucket_allocations"])
-    total = sum(len(base64.b64decode(v)) for v in export.values())
+    total = sum(t.numel() * 4 for t in export.values())
     assert r0["bytes"] + r1["bytes"] == total, "each byte sent once (per stage, not broadcast over PP)"
     if tp == 2:
         assert r1["bytes"] == 0, "the TP peer only takes part in the bridge's TP gathers"
+    else:  # each stage sent its own layers: the embedding from stage 0, the norm and LM head from stage 1
+        assert r1["bytes"] >= sum(export[n].numel() * 4 for n in ("lm_head.weight", "model.norm.weight"))
+        assert r0["bytes"] >= export["model.embed_tokens.weight"].numel() * 4
 
 
 @pytest.mark.dist
 @pytest.mark.timeout(300)
-def test_a_server_that_refuses_an_update_stops_every_rank_naming_it(two_servers, tmp_path):
-    urls = [s.url for s in two_servers]
+def test_a_server_that_refuses_an_update_stops_every_rank_naming_it(servers, tmp_path):
+    good, other = servers[0], servers[2]
+    urls = [good.url, other.url]
+    before = len(good.calls())
     # a 10 s bound: the broadcast the refusing server never joins ends there (gloo), so the ranks exit
-    spawn(_sync_worker, 2, 2, 1, urls, str(tmp_path), urls[1], 10)
+    spawn(_sync_worker, 2, 2, 1, urls, str(tmp_path), 10)
     r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in range(2))
     assert r0["error"] == r1["error"]
-    assert f"SGLang server {urls[1]}/update_weights_from_distributed returned HTTP 400" in r0["error"]
-    assert "Failed to update parameter online: boom" in r0["error"]
-    assert http_post(urls[0], "/received", None, 30)["flushes"] == 0, "no flush after a failed sync"
+    assert f"SGLang server {other.url}/update_weights_from_distributed returned HTTP 400" in r0["error"]
+    assert "has shape [96, 64] but the served model's parameter has [80, 64]" in r0["error"], r0["error"]
+    assert "POST /flush_cache" not in good.calls()[before:], "no flush after a failed sync"
 
 
 def test_health_check_names_a_dead_a_hung_and_an_unhealthy_server():
@@ -176,21 +208,25 @@ def test_health_check_names_a_dead_a_hung_and_an_unhealthy_server():
 @pytest.mark.dist
 @pytest.mark.timeout(1500)
 def test_trainer_in_server_mode_checks_health_generates_and_syncs_every_step(tmp_path, smollm2_gguf):
-    """dapo-train (SmolLM2, PP=2 on 2 gloo ranks) with rollout.mode=server against two
-    stand-in servers: each step starts with /health of both, the generation batch is dealt
-    over the two servers (rank e drives server e), and both receive every HF tensor of both
-    stages at start and after the step.
+    """dapo-train (SmolLM2, PP=2 on 2 gloo ranks) with rollout.mode=server against two real
+    dapo-rollout-servers on the same GGUF: each step starts with /health of both, the generation
+    batch is dealt over the two servers (rank e drives server e) and really generated there (the
+    actor's recomputed logprobs match the servers' to float32 noise), and both servers hold the
+    same weights after the sync that ends the step (moved off the GGUF's iff the step trained).
     Then a dead server stops the run at start naming its URL."""
     import subprocess
     import sys
 
-    from integration.test_trainer_parallel_parity import REPO, STEP
+    from transformers import AutoModelForCausalLM
 
-    servers = [StandIn(), StandIn()]
+    from integration.test_trainer_parallel_parity import LOGPROB_GAP_MAX, REPO, STEP
+
+    gguf = os.path.join(*smollm2_gguf)
+    servers = [RolloutServer(gguf, tmp_path / f"server{i}.log", "--skip-tokenizer-init", wait=False) for i in range(2)]
     try:
+        for s in servers:
+            s.wait_ready()
         urls = [s.url for s in servers]
-        for url in urls:
-            http_post(url, "/control", {"digest_only": True}, 10)
 
         def run(run_dir, *extra):
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -199,34 +235,38 @@ def test_trainer_in_server_mode_checks_health_generates_and_syncs_every_step(tmp
                    "parallel.tensor_model_parallel_size=1", "parallel.pipeline_model_parallel_size=2", *STEP,
                    "buffer.filter_groups=false",
                    "rollout.name=sglang", "rollout.mode=server", f"rollout.server_urls=[{','.join(urls)}]",
-                   "rollout.server_timeout_s=30", "rollout.update_weights_bucket_megabytes=64", *extra]
+                   "rollout.server_timeout_s=60", "rollout.update_weights_bucket_megabytes=64", *extra]
             env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
             return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
 
+        before = [len(s.calls()) for s in servers]
         out = run(tmp_path / "run")
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         with open(tmp_path / "run" / "metrics.jsonl") as f:
             (row,) = [json.loads(line) for line in f]
         assert row["rollout/num_gen_batches"] >= 1 and row["perf/sync_GBps"] > 0
-        got = [http_post(url, "/received", None, 30) for url in urls]
-        for g in got:
-            calls = [c for c in g["calls"] if c != "/update_weights_from_distributed"]
+        assert row["rollout/response_length_mean"] > 0
+        # the servers sampled with the actor's weights: the actor's recomputed logprobs are theirs
+        assert row["rollout/logprob_diff_max"] <= LOGPROB_GAP_MAX, row["rollout/logprob_diff_max"]
+        for s, skip in zip(servers, before):
+            calls = [c for c in s.calls()[skip:] if c != "POST /update_weights_from_distributed"]
             # start: info, both stages' groups, the first sync; step 1: health, generate(s), the sync
-            assert calls[:3] == ["/server_info", "/init_weights_update_group", "/init_weights_update_group"], calls
-            sync = ["/pause_generation", "/flush_cache", "/continue_generation"]
-            assert calls[3:6] == sync and calls[6] == "/health" and calls[-3:] == sync, calls
-            assert "/generate" in calls[7:-3], "each server generated part of the batch"
-            names = [r[0] for r in g["received"]]
-            half = len(names) // 2
-            assert names[:half] == names[half:] and len(set(names[:half])) == half, "two full syncs, each once"
-            assert {r[4] for r in g["received"]} == {"dapo_weights_pp0", "dapo_weights_pp1"}
-            # the stand-ins' responses all earn the same reward, so every advantage is 0 and the
-            # step leaves the weights as they were: the second sync sends the same bytes
-            assert row["actor/grad_norm"] == 0.0
-            assert [r[1] for r in g["received"][:half]] == [r[1] for r in g["received"][half:]]
-        assert got[0]["received"] == got[1]["received"], "both servers received the same bytes"
+            assert calls[:3] == ["GET /server_info", "POST /init_weights_update_group",
+                                 "POST /init_weights_update_group"], calls
+            sync = ["POST /pause_generation", "POST /flush_cache", "POST /continue_generation"]
+            assert calls[3:6] == sync and calls[6] == "GET /health" and calls[-3:] == sync, calls
+            assert "POST /generate" in calls[7:-3], "each server generated part of the batch"
+        initial = AutoModelForCausalLM.from_pretrained(smollm2_gguf[0], gguf_file=smollm2_gguf[1],
+                                                       dtype=torch.float32).state_dict()
+        changed = False
+        for name, tensor in initial.items():  # the first rows of every tensor, read back from both servers
+            rows = [torch.tensor(http_post(s.url, "/get_weights_by_name", {"name": name, "truncate_size": 8}, 60))
+                    for s in servers]
+            assert torch.equal(rows[0].view(torch.int32), rows[1].view(torch.int32)), name
+            changed |= not torch.equal(rows[0], tensor[:8].float())
+        assert changed == (row["actor/grad_norm"] > 0), (changed, row["actor/grad_norm"])
 
-        servers[1].stop()
+        servers[1].kill()
         out = run(tmp_path / "dead")
         assert out.returncode != 0
         assert f"SGLang server {urls[1]}/server_info unreachable" in out.stdout + out.stderr

@@ -1,0 +1,96 @@
+"""A real ``dapo-rollout-server`` (``python -m dapo_megatron.rollout.server``) for the tests: its
+own process on 127.0.0.1, its output in a log file (uvicorn's access lines name every call)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def save_tiny_model(out_dir, family: str = "qwen2_bias", seed: int = 1, **overrides) -> str:
+    """A random tiny HF model (``conftest.tiny_hf_config``, EOS id 2) saved in ``out_dir``."""
+    from conftest import random_hf_model, tiny_hf_config
+
+    cfg = tiny_hf_config(family, **{"eos_token_id": 2, **overrides})
+    random_hf_model(cfg, seed=seed).save_pretrained(out_dir)
+    return str(out_dir)
+
+
+class RolloutServer:
+    """Start a server on ``model_path`` and wait until ``/health`` answers 200.
+
+    Args:
+        model_path: HF directory or ``.gguf`` file.
+        log_path: where its stdout / stderr go.
+        flags: extra command-line flags.
+    """
+
+    def __init__(self, model_path: str, log_path, *flags: str, startup_s: float = 180.0, wait: bool = True):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = str(log_path)
+        cmd = [sys.executable, "-m", "dapo_megatron.rollout.server", "--model-path", str(model_path),
+               "--port", str(self.port), "--num-threads", "1", *flags]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
+                   OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        self._log = open(self.log_path, "w")
+        self.process = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+        self.startup_s = startup_s
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> "RolloutServer":
+        """Block until ``/health`` answers 200 (servers started with ``wait=False`` load in parallel)."""
+        startup_s = self.startup_s
+        deadline = time.monotonic() + startup_s
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"dapo-rollout-server exited with {self.process.returncode}:\n{self.log()[-3000:]}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"dapo-rollout-server did not come up in {startup_s} s:\n{self.log()[-3000:]}")
+            time.sleep(0.2)
+        return self
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def calls(self) -> list[str]:
+        """Every route called so far, in order (``"POST /generate"``), from the access log."""
+        return [f"{m} {p}" for m, p in re.findall(r'"(GET|POST|PUT) (/[a-z_]*)[^"]* HTTP/1\.1"', self.log())]
+
+    def kill(self, sig=signal.SIGKILL) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            self.process.wait(30)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        self._log.close()
