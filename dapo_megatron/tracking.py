@@ -55,12 +55,10 @@ class TrackingConfig:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the bad field."""
-        for name in ("tracking_uri", "run_name", "run_id"):
+        for name in ("tracking_uri", "run_id"):
             value = getattr(self, name)
             if value is not None and not value.strip():
                 raise ValueError(f"{name}={value!r} must be non-empty, or null ({_NULL_MEANS[name]})")
-        if not self.experiment_name.strip():
-            raise ValueError(f"experiment_name={self.experiment_name!r} must be a non-empty MLflow experiment name")
         if self.http_max_retries < 0:
             raise ValueError(f"http_max_retries={self.http_max_retries} must be >= 0")
         if self.http_timeout_s < 1:
@@ -71,8 +69,7 @@ class TrackingConfig:
                              "directory), e.g. metrics.jsonl")
 
 
-_NULL_MEANS = {"tracking_uri": "null: sqlite:///<run_dir>/mlflow.db", "run_name": "null: MLflow chooses one",
-               "run_id": "null: a new run"}
+_NULL_MEANS = {"tracking_uri": "null: sqlite:///<run_dir>/mlflow.db", "run_id": "null: a new run"}
 
 
 _MLFLOW_NAME_BAD = re.compile(r"[^0-9A-Za-z_\-. :/]")

@@ -132,6 +132,19 @@ class ModelConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if self.query_groups_multiple is not None and self.query_groups_multiple < 1:
             raise ValueError(f"query_groups_multiple={self.query_groups_multiple} must be >= 1, or null")
+        # MoE keys whose domain needs no HF config (EP against the experts is check_moe_layout's)
+        if self.moe_token_dispatcher_type not in MOE_DISPATCHERS:
+            raise ValueError(f"moe_token_dispatcher_type={self.moe_token_dispatcher_type!r} must be one of "
+                             f"{MOE_DISPATCHERS}")
+        if self.moe_router_load_balancing_type not in MOE_LOAD_BALANCING:
+            raise ValueError(f"moe_router_load_balancing_type={self.moe_router_load_balancing_type!r} must be one "
+                             f"of {MOE_LOAD_BALANCING}")
+        if self.moe_aux_loss_coeff is not None and not self.moe_aux_loss_coeff >= 0:
+            raise ValueError(f"moe_aux_loss_coeff={self.moe_aux_loss_coeff} must be >= 0 (or null: the HF "
+                             "config's router_aux_loss_coef)")
+        if self.moe_grouped_gemm and self.transformer_impl == "local":
+            raise ValueError("moe_grouped_gemm=true needs transformer_impl='transformer_engine' (TEGroupedMLP, "
+                             "CUDA); the local spec runs one MLP per expert: set it to null or false")
         if self.fp8 is not None:  # the contradictions validate_fp8 would meet after the model config is read
             if self.transformer_impl == "local":
                 raise ValueError(f"fp8={self.fp8!r} needs transformer_impl='transformer_engine' (or 'auto'), got "

@@ -56,9 +56,15 @@ DOMAINS: dict[str, Case] = {
     "model.num_layers_at_start_in_bf16": Case([-1], 2),
     "model.num_layers_at_end_in_bf16": Case([-1], 2),
     "model.query_groups_multiple": Case([0, -2], 4),
+    "model.moe_token_dispatcher_type": Case(["flex", "all_to_all"], "allgather"),
+    "model.moe_router_load_balancing_type": Case(["aux", "sinkhorn"], "seq_aux_loss"),
+    "model.moe_aux_loss_coeff": Case([-0.01], 0.0),
+    "model.moe_grouped_gemm": Case(["true"], "false", ctx=["model.transformer_impl=local"]),
     # parallel
     "parallel.tensor_model_parallel_size": Case([0, -1], 2),
     "parallel.pipeline_model_parallel_size": Case([0], 2),
+    "parallel.expert_model_parallel_size": Case([0, -2], 2),
+    "parallel.expert_tensor_parallel_size": Case([0], 1),
     # data
     "data.max_prompt_length": Case([0, -5], 256),
     "data.prompt_key": Case(["''"], "messages"),
@@ -152,8 +158,6 @@ DOMAINS: dict[str, Case] = {
     "trainer.max_ckpt_to_keep": Case([0, -1], 3),
     # tracking
     "tracking.tracking_uri": Case(["''"], "sqlite:////tmp/mlflow.db"),
-    "tracking.experiment_name": Case(["''", "' '"], "e"),
-    "tracking.run_name": Case(["''"], "r"),
     "tracking.run_id": Case(["''"], "0123456789abcdef0123456789abcdef"),
     "tracking.http_max_retries": Case([-1], 3),
     "tracking.http_timeout_s": Case([0, -1], 10),
