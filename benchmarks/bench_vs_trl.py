@@ -47,6 +47,28 @@ What differs, and why:
 - Responses are sampled by different random streams, so their lengths differ a little; each
   side's mean response length is printed next to its time.
 
+TRL's configuration (issue 24): the settings that change TRL's speed but not the work are a
+named variant (``--trl``, :func:`parse_variant`): activation checkpointing, rows per
+forward/backward (``per_device_train_batch_size``, accumulated to 64), rows per
+``model.generate`` call (``generation_batch_size``), attention implementation. ``--trl
+best,defaults`` (the default) runs ``TRL_BEST``, the fastest of the sweep in benchmarks/README.md,
+and ``TRL_DEFAULTS``, TRL's own defaults for this batch shape; the speed-up divides the faster of
+the two as measured in this run, and the bench prints that variant's configuration with the
+reason for each setting that differs from TRL's default. ``--trl sweep --no-ours`` reruns the
+sweep. (The earlier harness ran all 64 rows in one micro-batch with checkpointing off, 1.3x
+slower than ``TRL_BEST``: its ~13 GB of activations were allocated afresh every step, 4.5 M
+page faults a step on this box.) Liger kernels are Triton GPU kernels: on CPU they fail at the
+first call (Triton finds no driver), so no variant has them.
+
+Floors (``--no-ours`` skips them): next to each phase of this project's step the bench prints a
+lower bound measured in the same run, so the next speed-up is aimed where the gap is:
+generation ``max(FLOPs / GEMM peak, bytes / read bandwidth)`` (prefill once per prompt, one
+decode forward per generated token; all weights once per decode step plus the KV cache each
+decode forward reads, :func:`generation_floor`), update: useful training FLOPs / GEMM peak
+(:func:`update_flops`), sync: the step's bytes / the bandwidth of a bare TP all-gather of them
+into preallocated memory (:func:`transport_worker`). GEMM peak (2048^3 ``torch.mm``) and read
+bandwidth (``torch.sum`` over 256 MiB) at ``--threads`` threads, right after this project's run.
+
 Phases (median over steps 2-6, seconds): ``generation`` (sampling and grading the 64
 responses; TRL: ``_generate_and_score_completions`` less the old-logprob forward),
 ``old_logprob``, ``update`` (forward, backward and optimizer step; TRL: the rest of the step),
@@ -56,10 +78,11 @@ bookkeeping).
 Usage::
 
     pip install -e .[bench]        # TRL (and datasets), not a dependency of the package
-    python3 benchmarks/bench_vs_trl.py [--dtypes fp32,bf16] [--shared-prompt auto,off] [--steps 6]
+    python3 benchmarks/bench_vs_trl.py [--dtypes fp32,bf16] [--shared-prompt auto,off] [--steps 6] \
+        [--trl best,defaults | sweep | ckpt0-mb8-gen64-sdpa,...] [--no-ours]
 
-Last line: the speed-up at fp32, TRL s/step / this project's s/step (shared prompt ``auto``,
-the default), measured in this run.
+Last line: the speed-up at fp32, TRL's fastest s/step / this project's s/step (shared prompt
+``auto``, the default), measured in this run.
 """
 
 from __future__ import annotations
@@ -68,6 +91,7 @@ import argparse
 import importlib.util
 import json
 import re
+import resource
 import os
 import statistics
 import subprocess
@@ -134,14 +158,18 @@ def run_ours(steps: int, dtype: str, tp: int, threads: int, shared_prompt: str, 
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     rows = sorted((r for r in rows if "time/step_s" in r), key=lambda r: r["step"])
     per_step = []
-    for prev, r in zip(rows, rows[1:]):  # steps 2.. : wall time since the previous step ended
+    for k, (prev, r) in enumerate(zip(rows, rows[1:]), start=1):  # steps 2.. : wall time since the previous step ended
         wall = r["time"] - prev["time"]
         ph = {"generation": r["time/gen_s"], "old_logprob": r["time/old_logprob_s"],
               "update": r["time/update_s"], "sync": r["time/sync_s"]}
         ph["other"] = wall - sum(ph.values())
         per_step.append({"wall": wall, **ph, "resp_len": r["rollout/gen_tokens"] / (N_PROMPTS * N_RESPONSES),
-                         "model_calls": r.get("actor/num_model_calls", float("nan")), "step": r["step"],
-                         "gen_tokens": r["rollout/gen_tokens"], "resp_max": r["rollout/response_length_max"],
+                         "model_calls": r.get("actor/num_model_calls", float("nan")),
+                         "batch": k,  # the k-th (0-based) generation batch of the prompt stream: _bench_prompts
+                         "gen_tokens": r["rollout/gen_tokens"],
+                         # the mean when absent: a lower bound of the longest response, so the floor stays one
+                         "resp_max": r.get("rollout/response_length_max",
+                                           r["rollout/gen_tokens"] / (N_PROMPTS * N_RESPONSES)),
                          "sync_bytes": r["perf/sync_GBps"] * 1e9 * r["time/sync_s"]})
     return {"steps": per_step, "shared_prompt": shared_prompt}
 
@@ -323,7 +351,8 @@ def trl_worker(steps: int, dtype: str, threads: int, out_path: str, variant: dic
 
     class StepEnd(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):  # once per optimizer step
-            marks.append({"t": time.perf_counter(), **phase})
+            marks.append({"t": time.perf_counter(), "faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt,
+                          **phase})
             phase.update(gen_and_score=0.0, old_logprob=0.0)
 
     args = GRPOConfig(**trl_args(steps, dtype, cfg.trainer.seed, tempfile.mkdtemp(prefix="trl_"), variant))
@@ -342,7 +371,9 @@ def trl_worker(steps: int, dtype: str, threads: int, out_path: str, variant: dic
         h = logs[k] if k < len(logs) else {}
         # TRL's own step_time (training_step, generation included): the wrappers' cost shows as wall - it
         per_step.append({"wall": wall, **ph, "resp_len": h.get("completions/mean_length", float("nan")),
-                         "trl_step_time": h.get("step_time", float("nan"))})
+                         "trl_step_time": h.get("step_time", float("nan")),
+                         # minor page faults: first touches of memory the allocator got fresh from the kernel
+                         "page_faults": float(cur["faults"] - prev["faults"])})
     with open(out_path, "w") as f:
         json.dump({"steps": per_step, "trl": __import__("trl").__version__, "variant": variant}, f)
 
@@ -492,7 +523,7 @@ def measure_transport(nbytes: float, tp: int, log_dir: str, bucket_mb: int = 64,
         return json.load(f)["Bps"]
 
 
-def phase_floors(run: dict, prompt_lens_by_step: dict, dims: dict, elem: int, peaks: dict, transport_Bps: float
+def phase_floors(run: dict, prompt_lens_by_batch: dict, dims: dict, elem: int, peaks: dict, transport_Bps: float
                  ) -> dict:
     """Per phase of this project's steps: the median time and the median floor (seconds) with its
     parts. generation: max(FLOPs / GEMM peak, bytes / read bandwidth) of :func:`generation_floor`;
@@ -501,7 +532,7 @@ def phase_floors(run: dict, prompt_lens_by_step: dict, dims: dict, elem: int, pe
     acc = {k: [] for k in ("gen_compute", "gen_memory", "generation_floor", "update_floor", "sync_floor",
                            "gen_flops", "gen_bytes", "update_flops", "sync_bytes")}
     for st in run["steps"]:
-        P = prompt_lens_by_step[st["step"]]
+        P = prompt_lens_by_batch[st["batch"]]
         g = generation_floor(P, st["gen_tokens"], st["resp_max"], rows, dims, elem)
         u = update_flops(P, st["gen_tokens"], rows, dims)
         vals = {"gen_compute": g["flops"] / peaks["gemm_flops"], "gen_memory": g["bytes"] / peaks["read_Bps"],
@@ -517,7 +548,7 @@ def phase_floors(run: dict, prompt_lens_by_step: dict, dims: dict, elem: int, pe
 # --------------------------------------------------------------------------- report
 def summary(run: dict) -> dict:
     steps = run["steps"]
-    keys = ("wall", *PHASES, "resp_len") + (("trl_step_time",) if steps and "trl_step_time" in steps[0] else ())
+    keys = ("wall", *PHASES, "resp_len") + tuple(k for k in ("trl_step_time", "page_faults") if steps and k in steps[0])
     s = {k: _median([x[k] for x in steps]) for k in keys}
     s["n"] = len(steps)
     return s
@@ -526,6 +557,7 @@ def summary(run: dict) -> dict:
 def print_row(name: str, s: dict) -> None:
     phases = "  ".join(f"{k} {s[k]:6.2f}" for k in PHASES)
     own = f"  TRL step_time {s['trl_step_time']:.2f}" if "trl_step_time" in s else ""
+    own += f"  {s['page_faults'] / 1e6:.2f} M page faults/step" if "page_faults" in s else ""
     print(f"{name:<40} {s['wall']:7.2f} s/step  ({phases})  resp {s['resp_len']:.1f} tok  [{s['n']} steps]{own}",
           flush=True)
 
@@ -600,14 +632,14 @@ def main(argv=None) -> None:
     print(f"TRL {trl.__version__} GRPOTrainer(loss_type='dapo') vs dapo-megatron; {N_PROMPTS} prompts x "
           f"{N_RESPONSES} responses, <= {MAX_NEW_TOKENS} new tokens, {a.steps} steps, medians of steps 2-{a.steps}; "
           f"{a.threads} threads per side; this project at TP={a.ours_tp}; logs in {log_dir}", flush=True)
-    dims = prompt_lens_by_step = None
+    dims = prompt_lens_by_batch = None
     if not a.no_ours:
         from dapo_megatron.models import load_hf_config
 
         cfg, _, records = _bench_prompts(a.steps)
         dims = model_dims(load_hf_config(cfg.model.hf_path, cfg.model.gguf_file))
-        prompt_lens_by_step = {k + 1: [len(r.prompt_ids) for r in records[k * N_PROMPTS:(k + 1) * N_PROMPTS]]
-                               for k in range(a.steps)}
+        prompt_lens_by_batch = {k: [len(r.prompt_ids) for r in records[k * N_PROMPTS:(k + 1) * N_PROMPTS]]
+                                for k in range(a.steps)}
     speedups = {}
     for dtype in sorted(dtypes, key=lambda d: d != "fp32"):  # fp32 first: the goal's figure
         trl_runs = []
@@ -627,7 +659,7 @@ def main(argv=None) -> None:
             peaks = measure_peaks(a.threads, dtype)
             transport = measure_transport(_median([st["sync_bytes"] for st in run["steps"]]), a.ours_tp, log_dir)
             elem = 2 if dtype == "bf16" else 4
-            print_floors(ours, phase_floors(run, prompt_lens_by_step, dims, elem, peaks, transport), peaks, transport)
+            print_floors(ours, phase_floors(run, prompt_lens_by_batch, dims, elem, peaks, transport), peaks, transport)
             ratio = trl_s["wall"] / ours["wall"]
             print(f"  speed-up {dtype} shared_prompt={mode}: {ratio:.2f}x (TRL {variant_name(best)})", flush=True)
             if i == 0:

@@ -234,7 +234,7 @@ def test_phase_floors_divide_by_the_measured_peaks():
     bench = _bench()
     d = bench.model_dims(_tiny_hf_config())
     P = [40] * bench.N_PROMPTS
-    steps = [{"step": s, "gen_tokens": 64 * r, "resp_max": r + 2, "sync_bytes": 1e8} for s, r in ((2, 10), (3, 14), (4, 12))]
+    steps = [{"batch": s, "gen_tokens": 64 * r, "resp_max": r + 2, "sync_bytes": 1e8} for s, r in ((2, 10), (3, 14), (4, 12))]
     peaks = {"gemm_flops": 1e11, "read_Bps": 1e10}
     f = bench.phase_floors({"steps": steps}, {2: P, 3: P, 4: P}, d, 4, peaks, 5e8)
     g = bench.generation_floor(P, 64 * 12, 14, 64, d, 4)  # the median step (resp 12)
