@@ -31,7 +31,10 @@ pin "${SERVER_CPU:-1}" python3 -m dapo_megatron.rollout.server \
     --model-path "$SMOLLM2_DIR/SmolLM2-135M-Instruct.Q4_1.gguf" --port "$PORT" --num-threads 1 \
     --skip-tokenizer-init --log-level warning &
 SERVER_PID=$!
-trap 'kill "$SERVER_PID" 2>/dev/null; wait "$SERVER_PID" 2>/dev/null || true' EXIT
+stop_server() { kill "$SERVER_PID" 2>/dev/null; wait "$SERVER_PID" 2>/dev/null || true; }
+trap stop_server EXIT
+trap 'exit 130' INT  # bash skips the EXIT trap when a signal kills it: turn INT/TERM into an exit
+trap 'exit 143' TERM
 
 for _ in $(seq 1 300); do  # the GGUF is de-quantised at start: wait for /health
     kill -0 "$SERVER_PID" 2>/dev/null || { echo "dapo-rollout-server exited during start-up" >&2; exit 1; }

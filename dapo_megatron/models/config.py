@@ -547,15 +547,10 @@ def check_moe_parallel(hf_config, parallel, model_cfg: Optional["ModelConfig"] =
     if moe.shared_ffn_hidden_size % tp:
         raise ValueError(f"parallel.tensor_model_parallel_size={tp} does not divide the shared expert FFN size "
                          f"{moe.shared_ffn_hidden_size} (hf_config.shared_expert_intermediate_size)")
-    if model_cfg.moe_token_dispatcher_type not in MOE_DISPATCHERS:
-        raise ValueError(f"model.moe_token_dispatcher_type={model_cfg.moe_token_dispatcher_type!r}: use one of "
-                         f"{MOE_DISPATCHERS}")
-    if model_cfg.moe_router_load_balancing_type not in MOE_LOAD_BALANCING:
-        raise ValueError(f"model.moe_router_load_balancing_type={model_cfg.moe_router_load_balancing_type!r}: use "
-                         f"one of {MOE_LOAD_BALANCING}")
-    if model_cfg.moe_aux_loss_coeff is not None and model_cfg.moe_aux_loss_coeff < 0:
-        raise ValueError(f"model.moe_aux_loss_coeff={model_cfg.moe_aux_loss_coeff} must be >= 0 (or null: HF's "
-                         "router_aux_loss_coef)")
+    try:  # the key domains load_config checks (ModelConfig.validate), for callers that built the config by hand
+        model_cfg.validate()
+    except ValueError as err:
+        raise ValueError(f"model.{err}") from None
     return moe
 
 

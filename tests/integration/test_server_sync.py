@@ -245,7 +245,7 @@ def test_trainer_in_server_mode_checks_health_generates_and_syncs_every_step(tmp
         with open(tmp_path / "run" / "metrics.jsonl") as f:
             (row,) = [json.loads(line) for line in f]
         assert row["rollout/num_gen_batches"] >= 1 and row["perf/sync_GBps"] > 0
-        assert row["rollout/response_length_mean"] > 0
+        assert row["train/response_length_mean"] > 0 and row["rollout/gen_response_length_mean"] > 0
         # the servers sampled with the actor's weights: the actor's recomputed logprobs are theirs
         assert row["rollout/logprob_diff_max"] <= LOGPROB_GAP_MAX, row["rollout/logprob_diff_max"]
         for s, skip in zip(servers, before):

@@ -280,7 +280,7 @@ def test_impossible_moe_layouts_fail_with_one_line_naming_the_key(moe_results):
         "moe_key_on_dense": "model.moe_aux_loss_coeff=0.1 applies to mixture-of-experts models only",
         "world_too_small": "expert_tensor_parallel_size=1 × expert_model_parallel_size=4 × "
                            "pipeline_model_parallel_size=1 = 4 does not divide the world size 2",
-        "grouped_gemm_local": "model.moe_grouped_gemm=true needs model.transformer_impl='transformer_engine'",
+        "grouped_gemm_local": "model.moe_grouped_gemm=true needs transformer_impl='transformer_engine'",
         "bad_dispatcher": "model.moe_token_dispatcher_type='flexx'",
         "mixed_dense_layers": "hf_config.mlp_only_layers=[1]",
         "server_export_ep2": "pp_broadcast=False) at expert_model_parallel_size=2",

@@ -34,7 +34,7 @@ def test_engine_launch_env_is_scoped_to_the_engines_construction():
     assert not sglang_env.cuda_graphs_released(user) and sglang_env.cuda_graphs_released({})
 
 
-def test_server_mode_trainer_uses_the_servers_nccl_cumem_value():
+def test_server_mode_trainer_uses_the_servers_nccl_cumem_value(tmp_path):
     """Issue 18 item 5: sglang.launch_server runs _set_envs_and_config, which gives its workers
     NCCL_CUMEM_ENABLE=0 when it is unset; dapo-train in server mode must have the same value in
     its environment when it builds its first NCCL communicator (init_distributed)."""
@@ -46,7 +46,8 @@ def test_server_mode_trainer_uses_the_servers_nccl_cumem_value():
         "def init(*a, **k):\n    print(os.environ.get('NCCL_CUMEM_ENABLE'))\n    raise Stop\n"
         "p.init_distributed = init\nfrom dapo_megatron.train import main\n"
         "try:\n    main(sys.argv[1:])\nexcept Stop:\n    pass\n")
-    args = "['model.hf_path=/nonexistent', 'rollout.name=sglang', '{mode}', 'rollout.server_urls=[http://127.0.0.1:1]']"
+    (tmp_path / "config.json").write_text("{}")  # dapo-train checks model.hf_path before torch.distributed
+    args = f"['model.hf_path={tmp_path}', " + "'rollout.name=sglang', '{mode}', 'rollout.server_urls=[http://127.0.0.1:1]']"
     code = trainer_code.replace("main(sys.argv[1:])", "main(" + args.format(mode="rollout.mode=server") + ")")
     assert _python(code, drop=("NCCL_CUMEM_ENABLE", "RANK", "WORLD_SIZE")) == server == "0"
     # a value the user set is kept (the server must then be launched with it)
