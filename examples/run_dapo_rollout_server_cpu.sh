@@ -27,9 +27,11 @@ pin() {  # pin <cpu> <command...>: on that core when taskset exists
     if command -v taskset >/dev/null 2>&1; then taskset -c "$cpu" "$@"; else "$@"; fi
 }
 
-pin "${SERVER_CPU:-1}" python3 -m dapo_megatron.rollout.server \
-    --model-path "$SMOLLM2_DIR/SmolLM2-135M-Instruct.Q4_1.gguf" --port "$PORT" --num-threads 1 \
-    --skip-tokenizer-init --log-level warning &
+SERVER=(python3 -m dapo_megatron.rollout.server --model-path "$SMOLLM2_DIR/SmolLM2-135M-Instruct.Q4_1.gguf"
+        --port "$PORT" --num-threads 1 --skip-tokenizer-init --log-level warning)
+# a plain background command, not `pin ... &`: a backgrounded function is a subshell, and killing
+# it would leave the server running; taskset execs the server, so $! is the server's pid
+if command -v taskset >/dev/null 2>&1; then taskset -c "${SERVER_CPU:-1}" "${SERVER[@]}" & else "${SERVER[@]}" & fi
 SERVER_PID=$!
 stop_server() { kill "$SERVER_PID" 2>/dev/null; wait "$SERVER_PID" 2>/dev/null || true; }
 trap stop_server EXIT
