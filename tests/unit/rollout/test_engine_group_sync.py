@@ -41,7 +41,8 @@ def _setup(tp, pp, rollout_tp, family, ep=1):
 
     if family in TINY_MOE_FAMILIES:  # checkpoint names: each expert's tensors on their own
         hf_config = tiny_moe_config(family)
-        state = hf_checkpoint_state(random_hf_model(hf_config, seed=1), tempfile.mkdtemp(prefix="moe_ckpt_"))
+        with tempfile.TemporaryDirectory(prefix="moe_ckpt_") as ckpt:  # a worker process: no tmp_path here
+            state = hf_checkpoint_state(random_hf_model(hf_config, seed=1), ckpt)
     else:
         hf_config = tiny_hf_config(family)
         state = random_hf_model(hf_config, seed=1).state_dict()
