@@ -51,6 +51,19 @@ def _mismatches(exported: dict, reference: dict) -> list[str]:
     return bad
 
 
+def record_errors(attempts: dict) -> dict:
+    """Run each ``attempts[key]()``; ``{key: None}`` where it returned, else ``"Type: message"``
+    (the one line a user would read, which the tests check)."""
+    errors = {}
+    for key, fn in attempts.items():
+        try:
+            fn()
+            errors[key] = None
+        except Exception as e:  # noqa: BLE001 - the message is what the test checks
+            errors[key] = f"{type(e).__name__}: {e}"
+    return errors
+
+
 def _worker(out_dir: str, cases: dict, ids: torch.Tensor) -> None:
     import torch.distributed as dist
 
@@ -158,12 +171,7 @@ def _worker(out_dir: str, cases: dict, ids: torch.Tensor) -> None:
         if pname.endswith("final_layernorm.weight"):
             p.data = torch.zeros(3)
     attempts["export_shape"] = lambda: next(iter_hf_weights(misshapen, parallel=par))
-    for key, fn in attempts.items():
-        try:
-            fn()
-            res["errors"][key] = None
-        except Exception as e:  # noqa: BLE001 - the message is what the test checks
-            res["errors"][key] = f"{type(e).__name__}: {e}"
+    res["errors"].update(record_errors(attempts))
     dist.barrier()
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
 

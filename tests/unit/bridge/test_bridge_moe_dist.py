@@ -27,6 +27,8 @@ import torch
 
 from conftest import TINY_MOE_FAMILIES, hf_checkpoint_state, random_hf_model, tiny_moe_config
 from dapo_megatron.platform import ParallelConfig, spawn
+from unit.bridge.test_bridge_dist import _mismatches, record_errors
+from unit.bridge.test_bridge_dist import megatron_logprobs as _logprobs
 
 # (name, TP, PP, EP, ETP); the EP=2 layout's two ranks are its two DP ranks
 LAYOUTS = (("ep1", 1, 1, 1, None), ("ep2", 1, 1, 2, None), ("tp2", 2, 1, 1, None), ("tp2_etp1", 2, 1, 1, 1),
@@ -37,32 +39,6 @@ SEQ = 16
 
 def _cases_at(layout: str) -> tuple[str, ...]:
     return TINY_MOE_FAMILIES if layout in ALL_FAMILIES_AT else ("qwen3_moe",)
-
-
-def _logprobs(model, ids: torch.Tensor, vocab_size: int, par):
-    """Logprobs of ids[:, 1:] (None off the last PP stage); PP=2 by hand, as test_bridge_dist."""
-    import torch.distributed as dist
-
-    from dapo_megatron.actor.logprobs import vocab_parallel_logprobs
-
-    pos = torch.arange(ids.shape[1]).expand_as(ids)
-    with torch.no_grad():
-        if par.pp_rank > 0:
-            hidden = torch.empty(ids.shape[1], ids.shape[0], model.config.hidden_size)
-            dist.recv(hidden, src=par.pp_ranks[par.pp_rank - 1])
-            model.set_input_tensor(hidden)
-        out = model(ids, pos, None)
-        if par.pp_rank < par.pp_size - 1:
-            dist.send(out.contiguous(), dst=par.pp_ranks[par.pp_rank + 1])
-            return None
-        return vocab_parallel_logprobs(out[:, :-1].float(), ids[:, 1:], vocab_size=vocab_size, tp_group=par.tp_group)
-
-
-def _mismatches(exported: dict, reference: dict) -> list[str]:
-    bad = [f"missing {k}" for k in reference if k not in exported]
-    bad += [f"extra {k}" for k in exported if k not in reference]
-    bad += [f"differs {k}" for k in reference if k in exported and not torch.equal(exported[k], reference[k])]
-    return bad
 
 
 def _train_then_sync(model, cfg, par, engine, rank: int) -> dict:
@@ -172,12 +148,7 @@ def _worker(out_dir: str, cases: dict, ids: dict) -> None:
     }
     par = init_distributed(ParallelConfig(1, 1, 2), seed=4)
     model = build_gpt_model(cfg, parallel=par)
-    for key, fn in attempts.items():
-        try:
-            fn()
-            res["errors"][key] = None
-        except Exception as e:  # noqa: BLE001 - the message is what the test checks
-            res["errors"][key] = f"{type(e).__name__}: {e}"
+    res["errors"].update(record_errors(attempts))
     dist.barrier()
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
 
