@@ -208,10 +208,12 @@ def parse_sampling_params(sp: Any, key: str, vocab_size: int, rng: random.Random
     max_new = _as_int(sp.get("max_new_tokens", 128), f"{key}.max_new_tokens")
     if max_new < 0:
         raise BadRequest(f"{key}.max_new_tokens must be at least 0, got {max_new}")
-    temperature = _as_float(sp.get("temperature", 1.0) if sp.get("temperature") is not None else 1.0,
-                            f"{key}.temperature")
-    top_p = _as_float(sp.get("top_p", 1.0) if sp.get("top_p") is not None else 1.0, f"{key}.top_p")
-    top_k = _as_int(sp.get("top_k", -1) if sp.get("top_k") is not None else -1, f"{key}.top_k")
+    def given(name, default):  # SGLang reads an explicit null as the default
+        return default if sp.get(name) is None else sp[name]
+
+    temperature = _as_float(given("temperature", 1.0), f"{key}.temperature")
+    top_p = _as_float(given("top_p", 1.0), f"{key}.top_p")
+    top_k = _as_int(given("top_k", -1), f"{key}.top_k")
     if temperature < 0:
         raise BadRequest(f"{key}.temperature must be non-negative, got {temperature}")
     if temperature < 1e-6:  # SGLang's SamplingParams: greedy
