@@ -6,13 +6,13 @@ Every rank runs this same code under ``torchrun`` (SPMD). One step:
    is dealt over the rollout engines (colocated: one per group of
    ``rollout.tensor_model_parallel_size`` ranks; server mode: one per ``rollout.server_urls``
    entry, after a health check of every server); every rank gets the record of every response (lengths, finish reasons), the token lists stay
-   where they were generated (:mod:`~dapo_megatron.rollout.step_data`);
+   where they were generated (:mod:`~dapo_megatron.rollout.plan.step_data`);
 2. rewards: every rank grades the responses it generated in its killable grader pool and
-   the grades are all-reduced (:class:`~dapo_megatron.rollout.step_data.DistributedGrader`);
+   the grades are all-reduced (:class:`~dapo_megatron.rollout.plan.step_data.DistributedGrader`);
 3. buffer: dynamic sampling and overlong shaping run identically on every rank
-   (:class:`~dapo_megatron.rollout.buffer.RolloutBuffer`) until N groups are kept; with
+   (:class:`~dapo_megatron.rollout.sampling.buffer.RolloutBuffer`) until N groups are kept; with
    ``rollout.streaming`` the rollout runs in rounds, graded as groups finish and stopped once
-   N are kept (:class:`~dapo_megatron.rollout.streaming.StreamingCollector`: steps 1-3 at once);
+   N are kept (:class:`~dapo_megatron.rollout.sampling.streaming.StreamingCollector`: steps 1-3 at once);
 4. advantages: group-relative (:func:`~dapo_megatron.algorithms.compute_group_advantages`);
 5. the plan: every mini-batch split over DP ranks by token count once (reused by every PPO
    epoch), and each response's tokens sent to the DP rank that trains it; the old logprobs
@@ -185,9 +185,9 @@ class DAPOTrainer:
         from dapo_megatron.data import PromptStream, load_from_config, resolve_data_files
         from dapo_megatron.models import build_gpt_model, load_hf_config
         from dapo_megatron.rewards import RewardPool
-        from dapo_megatron.rollout.buffer import RolloutBuffer
-        from dapo_megatron.rollout.factory import build_training_rollout, load_tokenizer
-        from dapo_megatron.rollout.step_data import DistributedGrader
+        from dapo_megatron.rollout.sampling.buffer import RolloutBuffer
+        from dapo_megatron.rollout.engines.factory import build_training_rollout, load_tokenizer
+        from dapo_megatron.rollout.plan.step_data import DistributedGrader
         from dapo_megatron.run_dir import prepare_run_dir
         from dapo_megatron.tracking import ProgressBar, Tracker
 
@@ -227,7 +227,7 @@ class DAPOTrainer:
         # model: Megatron actor (trains) and its HF twin in the engine (generates)
         self.hf_config = load_hf_config(cfg.model.hf_path, cfg.model.gguf_file)
         if cfg.rollout.mode == "colocated" and cfg.rollout.name == "sglang":  # the HF engine does not shard
-            from dapo_megatron.rollout.layout import check_rollout_tp_fits_model
+            from dapo_megatron.rollout.engines.layout import check_rollout_tp_fits_model
 
             check_rollout_tp_fits_model(self.hf_config, cfg.rollout.tensor_model_parallel_size)
         if cfg.rollout.name == "sglang" and cfg.rollout.mode == "colocated" and torch.cuda.is_available():
@@ -263,8 +263,8 @@ class DAPOTrainer:
         self.buffer = RolloutBuffer(b, DistributedGrader(self.reward_pool), self._decode)
         self.collector = self.prompt_queue = None
         if cfg.rollout.streaming:
-            from dapo_megatron.rollout.prompt_skip import PromptSkipper
-            from dapo_megatron.rollout.streaming import PromptQueue, StreamingCollector
+            from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipper
+            from dapo_megatron.rollout.sampling.streaming import PromptQueue, StreamingCollector
 
             if not self.engine.supports_async:
                 raise ValueError(f"rollout.streaming=true needs an engine with asynchronous generation; "
@@ -319,7 +319,7 @@ class DAPOTrainer:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _sampling_params(self, *, n: int, temperature: float, top_p: float, seed: int):
-        from dapo_megatron.rollout.engine import SamplingParams
+        from dapo_megatron.rollout.engines.engine import SamplingParams
 
         r = self.cfg.rollout
         return SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=r.top_k,
@@ -327,7 +327,7 @@ class DAPOTrainer:
 
     def _engine_share(self, num_prompts: int) -> list[int]:
         """The prompts (positions in a list every rank holds) this rank's engine samples."""
-        from dapo_megatron.rollout.layout import engine_share
+        from dapo_megatron.rollout.engines.layout import engine_share
 
         if self.engine_index is None:
             return []
@@ -349,9 +349,9 @@ class DAPOTrainer:
         """Generate ``params.n`` responses for each prompt of the generation batch (every DP
         rank's ``records``), dealt over the rollout engines, and return the groups: every rank
         gets the same list of records, ordered by DP rank then prompt position, with consecutive
-        group ids; the token lists only where generated (:func:`~dapo_megatron.rollout.step_data.gather_groups`)."""
-        from dapo_megatron.rollout.engine import completions_to_group
-        from dapo_megatron.rollout.step_data import gather_groups
+        group ids; the token lists only where generated (:func:`~dapo_megatron.rollout.plan.step_data.gather_groups`)."""
+        from dapo_megatron.rollout.engines.engine import completions_to_group
+        from dapo_megatron.rollout.plan.step_data import gather_groups
 
         # the batch in global order (DP rank, position); position g seeds its responses, so the
         # rollout depends neither on the actor's TP/PP/DP nor on the engines' layout
@@ -456,12 +456,12 @@ class DAPOTrainer:
         return float(nbytes)
 
     def _route_and_old_logprobs(self, groups: list[Group], samples: list[Sample], recompute: bool = True):
-        """The step's plan (:func:`~dapo_megatron.rollout.step_data.plan_step`), each sample's
+        """The step's plan (:func:`~dapo_megatron.rollout.plan.step_data.plan_step`), each sample's
         tokens sent to the ranks of the DP rank that trains it, and ``Sample.old_logprobs``
         filled there (``recompute``; else left for the training forward); collective. Returns ``(plan, mine)``: the plan and the indices into
         ``samples`` of this DP rank's samples."""
-        from dapo_megatron.rollout.dp_split import split_for_dp
-        from dapo_megatron.rollout.step_data import plan_step, send_tokens
+        from dapo_megatron.rollout.plan.dp_split import split_for_dp
+        from dapo_megatron.rollout.plan.step_data import plan_step, send_tokens
 
         actor, share = self.cfg.actor, self.actor.plan.shares_prompts
         plan = plan_step(groups, actor.ppo_mini_batch_size, self.dp_size, actor.ppo_max_token_len_per_gpu,
@@ -486,7 +486,7 @@ class DAPOTrainer:
         ``measured``: this DP rank's samples of ``batch`` with the actor's ``old_logprobs``; which
         parts are reported is decided from ``batch`` (versions are replicated), so every DP rank
         makes the same calls."""
-        from dapo_megatron.rollout.buffer import logprob_mismatch_metrics, split_fresh_stale
+        from dapo_megatron.rollout.sampling.buffer import logprob_mismatch_metrics, split_fresh_stale
 
         group = self.parallel.dp_group
         metrics.update(logprob_mismatch_metrics(measured, group=group))
@@ -617,7 +617,7 @@ class DAPOTrainer:
         distinct problems (in file order of their first copy).
 
         Problems are dealt round-robin over the rollout engines
-        (:func:`~dapo_megatron.rollout.layout.engine_share`; ``rollout.val_temperature`` / ``val_top_p`` / ``top_k``, at most
+        (:func:`~dapo_megatron.rollout.engines.layout.engine_share`; ``rollout.val_temperature`` / ``val_top_p`` / ``top_k``, at most
         ``rollout.response_length`` new tokens); response j of problem i is seeded by
         ``(trainer.seed + 7919 * step, i, j)``, so the samples do not depend on the world
         size. Responses are decoded with ``skip_special_tokens=True`` and graded (0/1
@@ -664,7 +664,7 @@ class DAPOTrainer:
         collective."""
         from dapo_megatron.bridge.dist_ckpt import write_model_meta
         from dapo_megatron.checkpointing import save_checkpoint
-        from dapo_megatron.rollout.step_data import gather_preds, send_tokens
+        from dapo_megatron.rollout.plan.step_data import gather_preds, send_tokens
 
         # rank 0 writes the trainer state: it needs the surplus groups whole (their token lists and
         # extracted answers are on the ranks that generated them)
@@ -741,7 +741,7 @@ class DAPOTrainer:
 
 
 class _RankRows:
-    """The streamed rollout's :class:`~dapo_megatron.rollout.streaming.RowClient` over every rank's
+    """The streamed rollout's :class:`~dapo_megatron.rollout.sampling.streaming.RowClient` over every rank's
     engine; each call is a collective. Group ``g`` runs on rank ``g.prompt_seed % world`` (its
     ``n`` rows share one prefill there), continued rows included; the rows that finished or
     were aborted on any rank are all-gathered, so every rank sees every result."""
@@ -750,7 +750,7 @@ class _RankRows:
         self.trainer, self.params = trainer, params
 
     def submit(self, rows) -> None:
-        from dapo_megatron.rollout.streaming import row_request
+        from dapo_megatron.rollout.sampling.streaming import row_request
 
         t = self.trainer
         mine = [row_request(g, j, self.params) for g, j in rows if g.prompt_seed % t.world == t.rank]

@@ -341,7 +341,7 @@ def test_a_step_of_carried_groups_only_logs_finite_trained_metrics_and_no_genera
     trained the groups carried from step 1 and generated nothing."""
     from mlflow.tracking import MlflowClient
 
-    from dapo_megatron.rollout.buffer import GENERATION_METRICS
+    from dapo_megatron.rollout.sampling.buffer import GENERATION_METRICS
 
     run = runs["carried"]
     rows = {}

@@ -50,7 +50,7 @@ from typing import Iterable, Optional, Sequence, Union
 
 import torch
 
-from dapo_megatron.rollout.engine import (
+from dapo_megatron.rollout.engines.engine import (
     Completion,
     GenerationOutput,
     ParamSpec,
@@ -260,7 +260,7 @@ class HFEngine(RolloutEngine):
         distribution. Returns ``outputs[i][j]`` = j-th :class:`Completion` of prompt i.
 
         Reproducible: every response has its own ``torch.Generator`` seeded with
-        :func:`~dapo_megatron.rollout.engine.sample_seed` ``(params.seed, prompt_seeds[i], j)``,
+        :func:`~dapo_megatron.rollout.engines.engine.sample_seed` ``(params.seed, prompt_seeds[i], j)``,
         so a response depends on its prompt, its seed and the weights, not on the rest of
         the batch (up to the last bits of batched matmuls, which can flip a near-tie).
 

@@ -23,7 +23,7 @@ import torch
 
 if TYPE_CHECKING:
     from dapo_megatron.config.run import DAPOConfig
-    from dapo_megatron.rollout.engine import RolloutEngine
+    from dapo_megatron.rollout.engines.engine import RolloutEngine
 
 ENGINES = ("hf", "sglang")
 
@@ -84,7 +84,7 @@ class EngineSpec:
             config (the trainer's engine, whose weights come from the actor's first sync).
         device: ``hf``: the device; None is this rank's (``platform.device()``).
         tp_size, mem_fraction_static, enable_memory_saver, base_gpu_id, deterministic,
-            engine_kwargs: ``sglang`` only, see :class:`~dapo_megatron.rollout.sglang_engine.SGLangEngine`.
+            engine_kwargs: ``sglang`` only, see :class:`~dapo_megatron.rollout.engines.sglang_engine.SGLangEngine`.
         update_bucket_mb: ``sglang``: weight-update bucket (MiB); None keeps the engine's default.
     """
 
@@ -134,14 +134,14 @@ def build_engine(spec: EngineSpec, hf_config=None, group=None) -> RolloutEngine:
         spec: see :class:`EngineSpec`.
         hf_config: the model's HF config; needed for ``name="hf"`` with ``pretrained=False``.
         group: ``sglang`` with ``tp_size > 1``: the
-            :class:`~dapo_megatron.rollout.engine_group.RolloutGroup` this process leads.
+            :class:`~dapo_megatron.rollout.engines.engine_group.RolloutGroup` this process leads.
 
     Raises:
         ValueError: ``pretrained=False`` without ``hf_config``; the engines' own errors.
     """
     bucket = {} if spec.update_bucket_mb is None else {"update_bucket_mb": spec.update_bucket_mb}
     if spec.name == "sglang":
-        from dapo_megatron.rollout.sglang_engine import SGLangEngine
+        from dapo_megatron.rollout.engines.sglang_engine import SGLangEngine
 
         return SGLangEngine(model_path=spec.model_path, dtype=spec.dtype, tp_size=spec.tp_size,
                             mem_fraction_static=spec.mem_fraction_static,
@@ -149,7 +149,7 @@ def build_engine(spec: EngineSpec, hf_config=None, group=None) -> RolloutEngine:
                             deterministic=spec.deterministic, engine_kwargs=spec.engine_kwargs or None, group=group,
                             **bucket)
     from dapo_megatron.platform import device as rank_device
-    from dapo_megatron.rollout.hf_engine import HFEngine
+    from dapo_megatron.rollout.engines.hf_engine import HFEngine
 
     if spec.pretrained:
         model: Any = spec.model_path
@@ -173,17 +173,17 @@ def build_training_rollout(cfg: DAPOConfig, tokenizer, hf_config, parallel) -> t
     colocated (``rollout.mode``): ``parallel``'s rollout groups of
     ``rollout.tensor_model_parallel_size`` ranks; the group's leader builds the engine
     (:func:`training_engine_spec`; SGLang spans the group's GPUs), the other ranks are
-    :class:`~dapo_megatron.rollout.engine_group.EngineGroupMember` s feeding its weight sync.
-    server: a :class:`~dapo_megatron.rollout.server_sync.ServerRollout` on every rank (rank
+    :class:`~dapo_megatron.rollout.engines.engine_group.EngineGroupMember` s feeding its weight sync.
+    server: a :class:`~dapo_megatron.rollout.engines.server_sync.ServerRollout` on every rank (rank
     ``e`` drives ``rollout.server_urls[e]``; each pipeline stage's DP-0/TP-0 rank sends it).
     """
-    from dapo_megatron.rollout.engine import hf_param_specs
-    from dapo_megatron.rollout.engine_group import EngineGroupMember, RolloutGroup
+    from dapo_megatron.rollout.engines.engine import hf_param_specs
+    from dapo_megatron.rollout.engines.engine_group import EngineGroupMember, RolloutGroup
 
     rollout = cfg.rollout
     if rollout.mode == "server":
         from dapo_megatron.platform import device
-        from dapo_megatron.rollout.server_sync import ServerRollout
+        from dapo_megatron.rollout.engines.server_sync import ServerRollout
 
         servers = ServerRollout(
             rollout.server_urls, hf_param_specs(hf_config), stage=parallel.pp_rank, num_stages=parallel.pp_size,
@@ -196,7 +196,7 @@ def build_training_rollout(cfg: DAPOConfig, tokenizer, hf_config, parallel) -> t
         # the engine's TP workers size their KV pools from the memory free on each GPU of the group,
         # and refuse to start when it differs too much: every rank hands its cached blocks back first,
         # and the leader starts the engine once all have (sglang_env.release_allocator_cache)
-        from dapo_megatron.rollout.sglang_env import release_allocator_cache
+        from dapo_megatron.rollout.engines.sglang_env import release_allocator_cache
 
         release_allocator_cache()
         if parallel.rollout_group is not None:

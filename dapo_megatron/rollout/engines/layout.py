@@ -61,7 +61,7 @@ def engine_share(num_items: int, num_engines: int, engine_index: int) -> list[in
 
     Round-robin so that every engine gets the same count ± 1 whatever the order of the
     items. Which engine samples an item does not change its responses: each response is
-    seeded from the item's global index (:func:`~dapo_megatron.rollout.engine.sample_seed`),
+    seeded from the item's global index (:func:`~dapo_megatron.rollout.engines.engine.sample_seed`),
     so the rollout is the same at any number of engines.
 
     Raises:
