@@ -111,7 +111,7 @@ def _run(hf_dir, out_dir, variant):
     parallel = init_distributed(cfg.parallel, seed=cfg.trainer.seed)
     trainer = trainer_mod.DAPOTrainer(cfg, parallel)
     holder["trainer"] = trainer
-    buffers, allocations = trainer._export_buffers, []
+    buffers, allocations = trainer.rollout.export_buffers, []
     real_bucket = buffers.bucket
 
     def counting_bucket(like, numel, capacity):
