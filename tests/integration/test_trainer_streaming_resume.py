@@ -61,19 +61,19 @@ def _final_state(trainer) -> dict:
 
 
 def _killed_worker(hf_dir, run_dir):
-    import dapo_megatron.trainer as trainer_mod
+    import dapo_megatron.rollout.rollout as rollout_mod
 
     trainer = _trainer(hf_dir, run_dir)
-    real_poll, polls = trainer_mod._RankRows.poll, [0]
+    real_poll, polls = rollout_mod._RankRows.poll, [0]
 
     def poll(self, max_tokens):
-        if self.trainer.step == KILL_IN_STEP - 1:  # inside step 3, its rollout under way
+        if trainer.step == KILL_IN_STEP - 1:  # inside step 3, its rollout under way
             polls[0] += 1
             if polls[0] == 2:
                 os._exit(9)
         return real_poll(self, max_tokens)
 
-    trainer_mod._RankRows.poll = poll
+    rollout_mod._RankRows.poll = poll
     trainer.fit()
 
 
