@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from dapo_megatron.rollout.engines.sglang_engine import check_engine_kwargs
+
 
 @dataclass
 class RolloutConfig:
@@ -134,7 +136,7 @@ class RolloutConfig:
             raise ValueError("partial_rollout=true needs streaming=true (only a streamed rollout stops with responses "
                              "in flight)")
         if self.streaming and (self.mode != "colocated" or self.tensor_model_parallel_size != 1):
-            # the streamed rollout submits each group to its own rank's engine (trainer._RankRows);
+            # the streamed rollout submits each group to its own rank's engine (rollout.rollout._RankRows);
             # rollout groups (one engine over several ranks) and servers are not wired into it yet
             raise ValueError(f"streaming=true runs on one colocated engine per rank (mode='colocated', "
                              f"tensor_model_parallel_size=1); got mode={self.mode!r}, tensor_model_parallel_size="
@@ -148,6 +150,4 @@ class RolloutConfig:
             raise ValueError(f"engine_kwargs={self.engine_kwargs} apply to the 'sglang' engine only "
                              f"(name={self.name!r})")
         if self.engine_kwargs:
-            from dapo_megatron.rollout.engines.sglang_engine import check_engine_kwargs
-
             check_engine_kwargs(self.engine_kwargs, key="engine_kwargs")

@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, NamedTuple, Optional, Sequence
 
 import torch
+from transformers import AutoModelForCausalLM
 
+from dapo_megatron.rollout.engines.buckets import iter_buckets
 from dapo_megatron.rollout.types import Group, Sample
 
 FINISH_REASONS = ("stop", "length")
@@ -418,8 +420,6 @@ def hf_param_specs(config: Any) -> tuple[dict[str, ParamSpec], dict[str, str]]:
     """Parameter specs of the HF causal LM described by ``config`` (a transformers
     ``PretrainedConfig``), built on the meta device (no memory, no download). Used by
     engines whose model lives in another process (SGLang) to check a sync before sending."""
-    from transformers import AutoModelForCausalLM
-
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return specs_from_module(model)
@@ -567,8 +567,6 @@ class RolloutEngine(abc.ABC):
         ``update_bucket_bytes`` through :meth:`_load_bucket`. Engines that pack buckets
         themselves (SGLang's flattened buckets, :mod:`dapo_megatron.rollout.engines.engine_group`)
         override this instead."""
-        from dapo_megatron.rollout.engines.buckets import iter_buckets
-
         for bucket in iter_buckets(named_tensors, self.update_bucket_bytes):
             self._load_bucket(bucket)
 

@@ -40,6 +40,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from dapo_megatron.platform import device as rank_device
 from dapo_megatron.rollout.engines.engine import GenerationOutput, ParamSpec, RolloutEngine, SamplingParams
 from dapo_megatron.rollout.engines.flat_bucket import FlatBucketPacker, serialize_for_engine, sglang_bucket_dict
 
@@ -231,8 +232,6 @@ class EngineGroupMember(RolloutEngine):
         if self._packer is None or self._packer.bucket_bytes != self.update_bucket_bytes:
             device = self._device
             if device is None:
-                from dapo_megatron.platform import device as rank_device
-
                 device = rank_device()
             self._packer = FlatBucketPacker(self.update_bucket_bytes, device)
         try:

@@ -48,9 +48,11 @@ from __future__ import annotations
 import functools
 import io
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Iterable, Iterator, Optional
 
 import torch
+import torch.multiprocessing  # noqa: F401  registers torch's tensor reductions with ForkingPickler
 
 NamedTensor = tuple[str, torch.Tensor]
 
@@ -238,10 +240,6 @@ def serialize_for_engine(obj: Any) -> bytes:
     serialize = _sglang_serialize()
     if serialize is not None:
         return serialize(obj)
-    from multiprocessing.reduction import ForkingPickler
-
-    import torch.multiprocessing  # noqa: F401  registers torch's tensor reductions with ForkingPickler
-
     buf = io.BytesIO()
     ForkingPickler(buf).dump(obj)
     return buf.getvalue()

@@ -49,6 +49,7 @@ import os
 from typing import Iterable, Optional, Sequence, Union
 
 import torch
+from transformers import AutoModelForCausalLM, DynamicCache
 
 from dapo_megatron.rollout.engines.engine import (
     Completion,
@@ -228,8 +229,6 @@ class HFEngine(RolloutEngine):
         if isinstance(model_or_path, torch.nn.Module):
             model = model_or_path
         else:
-            from transformers import AutoModelForCausalLM
-
             path = os.fspath(model_or_path)
             if gguf_file is None and path.endswith(".gguf"):
                 path, gguf_file = os.path.split(path)
@@ -393,8 +392,6 @@ class HFEngine(RolloutEngine):
             input_ids[i, max_len - len(x):] = torch.tensor(x, dtype=torch.long, device=dev)
             attn[i, max_len - len(x):] = 1
         pos = (attn.cumsum(-1) - 1).clamp_min(0)
-        from transformers import DynamicCache
-
         cache = DynamicCache(config=self.model.config)
         out = self.model(input_ids=input_ids, attention_mask=attn, position_ids=pos, use_cache=True,
                          logits_to_keep=1, **{self._cache_kw: cache})  # the cache is filled in place

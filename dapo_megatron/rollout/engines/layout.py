@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from dapo_megatron.platform.parallel_dims import ROLLOUT_TP_KEY
+from dapo_megatron.platform.parallel_dims import ROLLOUT_TP_KEY, rollout_groups
 
 
 def check_rollout_tp_fits_model(hf_config: Any, rollout_tp: int, key: str = ROLLOUT_TP_KEY) -> None:
@@ -122,8 +122,6 @@ def check_rollout_layout(world_size: int, rollout_tp: int, ranks_per_node: "int 
     Raises:
         ValueError: naming ``rollout.tensor_model_parallel_size`` or ``rollout.server_urls``.
     """
-    from dapo_megatron.platform.parallel_dims import rollout_groups
-
     if mode == "server":
         if not 1 <= num_servers <= world_size:
             raise ValueError(f"rollout.server_urls lists {num_servers} servers; a launch of {world_size} trainer "

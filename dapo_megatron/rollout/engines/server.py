@@ -100,9 +100,15 @@ from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from transformers import AutoTokenizer
 
+from dapo_megatron.rollout.engines.buckets import dtype_from_name
 from dapo_megatron.rollout.engines.engine import RowRequest, RowResult, SamplingParams
 from dapo_megatron.rollout.engines.hf_engine import HFEngine
+from dapo_megatron.rollout.engines.sglang_engine import init_custom_process_group
 
 logger = logging.getLogger("dapo_rollout_server")
 
@@ -571,8 +577,6 @@ class Scheduler:
         return self.engine.num_in_flight == 0  # scheduler.py flush_cache: only when fully idle
 
     def init_group(self, req: dict) -> dict:
-        from dapo_megatron.rollout.engines.sglang_engine import init_custom_process_group
-
         for key in ("master_address", "master_port", "rank_offset", "world_size"):
             if key not in req:
                 raise BadRequest(f"/init_weights_update_group needs {key} (InitWeightsUpdateGroupReqInput)")
@@ -609,8 +613,6 @@ class Scheduler:
 
     def update_weights(self, req: dict) -> dict:
         """``/update_weights_from_distributed``: checks, then the broadcast(s), then the copies."""
-        from dapo_megatron.rollout.engines.buckets import dtype_from_name
-
         names, dtypes, shapes = req.get("names"), req.get("dtypes"), req.get("shapes")
         if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)) \
                 or not len(names) == len(dtypes) == len(shapes) or not names:
@@ -689,9 +691,6 @@ class Scheduler:
 # ---------------------------------------------------------------------------- HTTP
 def build_app(scheduler: Scheduler, server_args: dict, context_length: int, random_seed: int):
     """The FastAPI app of the endpoints above (module docstring)."""
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, Response
-
     app = FastAPI(title="dapo-rollout-server")
     rng = random.Random(random_seed)
     engine = scheduler.engine
@@ -869,8 +868,6 @@ def load_tokenizer(model_path: str):
     Raises:
         SystemExit: none loads, with the fix (``--skip-tokenizer-init``) in the message.
     """
-    from transformers import AutoTokenizer
-
     path, kwargs = model_path, {}
     if model_path.endswith(".gguf"):
         path, gguf = os.path.split(model_path)
@@ -884,8 +881,6 @@ def load_tokenizer(model_path: str):
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Load the model, start the scheduler thread, serve HTTP until terminated."""
-    import uvicorn
-
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     dtype = getattr(torch, args.dtype)

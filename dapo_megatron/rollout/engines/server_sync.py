@@ -47,10 +47,18 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from dapo_megatron.platform import free_port
 from dapo_megatron.rollout.engines.buckets import dtype_name
+from dapo_megatron.rollout.engines.engine import WeightSyncTracker
 from dapo_megatron.rollout.engines.flat_bucket import FlatBucketPacker
-from dapo_megatron.rollout.engines.layout import server_rank_offsets
-from dapo_megatron.rollout.engines.sglang_engine import http_get, http_post, init_custom_process_group
+from dapo_megatron.rollout.engines.layout import rollout_engines, server_rank_offsets
+from dapo_megatron.rollout.engines.sglang_engine import (
+    build_generate_request,
+    http_get,
+    http_post,
+    init_custom_process_group,
+    parse_generate_output,
+)
 
 NamedTensor = tuple[str, torch.Tensor]
 
@@ -194,8 +202,6 @@ class ServerWeightSender:
             master_port: a free port on it; None: one picked here.
             backend: ``"nccl"`` (default with CUDA) or ``"gloo"``.
         """
-        from dapo_megatron.platform import free_port
-
         backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
         self.backend = backend
         master_address = master_address or local_address_towards(self.servers[0].url)
@@ -362,8 +368,6 @@ def sync_servers(stage_tensors: Optional[Iterable[NamedTensor]], *, sender: Opti
         RuntimeError: on every rank, when any rank's sending failed (naming the server and the
             bucket) or the stages together left parameters unsent.
     """
-    from dapo_megatron.rollout.engines.engine import WeightSyncTracker
-
     error = None
     if sender is not None:
         sender.bytes_sent = 0
@@ -449,8 +453,6 @@ class ServerRollout:
     def __init__(self, urls: Sequence[str], param_specs, *, stage: int, num_stages: int, is_sender: bool,
                  device: torch.device | str, timeout_s: float, generate_timeout_s: float, bucket_bytes: int,
                  backend: Optional[str] = None):
-        from dapo_megatron.rollout.engines.layout import rollout_engines
-
         self.urls = list(urls)
         self.param_specs = param_specs
         self.stage, self.num_stages = int(stage), int(num_stages)
@@ -489,8 +491,6 @@ class ServerRollout:
     def generate(self, prompt_ids, params, prompt_seeds=None):
         """One ``/generate`` request to this rank's server (a driving rank only); see
         :meth:`~dapo_megatron.rollout.engines.engine.RolloutEngine.generate`."""
-        from dapo_megatron.rollout.engines.sglang_engine import build_generate_request, parse_generate_output
-
         if self.engine_index is None:
             raise RuntimeError(f"rank {self.rank} drives no server (rollout.server_urls has {self.num_engines})")
         if not self.weights_valid:

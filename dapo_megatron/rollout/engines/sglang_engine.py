@@ -77,16 +77,25 @@ from __future__ import annotations
 import asyncio
 import atexit
 import dataclasses
+import difflib
+import inspect
 import itertools
 import json
+import socket
 import threading
 import urllib.error
+import urllib.parse
 import urllib.request
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
+from torch.distributed import TCPStore
+from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
+from transformers import AutoConfig, GenerationConfig
 
+from dapo_megatron.platform import device as rank_device, local_device_index
+from dapo_megatron.rollout.engines import sglang_env
 from dapo_megatron.rollout.engines.buckets import bucket_metadata, dtype_name
 from dapo_megatron.rollout.engines.engine import (
     Completion,
@@ -101,10 +110,8 @@ from dapo_megatron.rollout.engines.engine import (
     sample_seed,
     validate_prompt_ids,
 )
-
-
-if TYPE_CHECKING:
-    from dapo_megatron.rollout.engines.engine_group import RolloutGroup
+from dapo_megatron.rollout.engines.engine_group import RolloutGroup, sync_flat_buckets
+from dapo_megatron.rollout.engines.flat_bucket import FlatBucketPacker
 
 
 def _import_sglang():
@@ -174,8 +181,6 @@ def check_engine_kwargs(engine_kwargs: Optional[dict], key: str = "rollout.engin
         ValueError: a key the engine sets itself (naming the setting to use instead), or a
             key that is no ``sglang.Engine`` argument (with close names), naming ``key.<name>``.
     """
-    import difflib
-
     kwargs = dict(engine_kwargs or {})
     names, source = engine_argument_names()
     for name in kwargs:
@@ -404,8 +409,6 @@ def _http_call(req: urllib.request.Request, url: str, timeout: float) -> bytes:
     """One HTTP request, every failure a ``RuntimeError`` naming the URL: an error status (with
     SGLang's message), an unreachable server, or no answer within ``timeout`` seconds (a hung
     server must not hang the trainer)."""
-    import socket
-
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.read()
@@ -437,12 +440,6 @@ def init_custom_process_group(backend: str, init_method: str, world_size: int, r
     the servers' workers would time out connecting. Rank 0 hosts it, as ``rendezvous`` does
     outside torchrun (``TCPStore(..., is_master=rank == 0, multi_tenant=True)``).
     """
-    import inspect
-    import urllib.parse
-
-    from torch.distributed import TCPStore
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
-
     parsed = urllib.parse.urlparse(init_method)
     if parsed.scheme != "tcp" or parsed.hostname is None or parsed.port is None:
         raise ValueError(f"init_method={init_method!r} must be tcp://host:port")
@@ -605,8 +602,6 @@ class SGLangEngine(_SGLangMemory, RolloutEngine):
                  base_gpu_id: Optional[int] = None, deterministic: bool = False, update_bucket_mb: int = 512,
                  engine_kwargs: Optional[dict] = None, group: Optional["RolloutGroup"] = None):
         super().__init__()
-        from dapo_megatron.rollout.engines.engine_group import RolloutGroup
-
         dtype = sglang_dtype(dtype)
         extra = check_engine_kwargs(engine_kwargs, key="engine_kwargs")
         group = group or RolloutGroup.single(torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
@@ -615,8 +610,6 @@ class SGLangEngine(_SGLangMemory, RolloutEngine):
                              f"{tp_size} ranks (or by one process alone); got rank {group.rank} of group {group.ranks}")
         sglang = _import_sglang()
         if base_gpu_id is None:
-            from dapo_megatron.platform import local_device_index
-
             base_gpu_id = local_device_index()
         if torch.cuda.is_available() and torch.cuda.device_count() < base_gpu_id + tp_size:
             raise ValueError(
@@ -632,8 +625,6 @@ class SGLangEngine(_SGLangMemory, RolloutEngine):
         self.weights_cpu_backup = bool(extra.get("enable_weights_cpu_backup", False))
         self.deterministic = bool(deterministic)
         self.base_gpu_id = int(base_gpu_id)
-        from dapo_megatron.rollout.engines import sglang_env
-
         # sglang_env's module docstring: SGLang sizes its KV pool from the memory free now; its
         # scheduler children inherit our environment (no torchrun agent store for their tcp://
         # init_process_group; CUDA graphs under the memory saver); its kill-all atexit goes
@@ -660,8 +651,6 @@ class SGLangEngine(_SGLangMemory, RolloutEngine):
     def eos_token_ids(self) -> frozenset:
         """The model's EOS ids (``config.json`` / ``generation_config.json``), which end a row."""
         if self._eos is None:
-            from transformers import AutoConfig, GenerationConfig
-
             ids = set()
             sources = [AutoConfig.from_pretrained(self.model_path)]
             try:
@@ -741,21 +730,14 @@ class SGLangEngine(_SGLangMemory, RolloutEngine):
         return parse_generate_output(out, len(prompt_ids), params.n)
 
     def _param_specs(self) -> tuple[dict[str, ParamSpec], dict[str, str]]:
-        from transformers import AutoConfig
-
         return hf_param_specs(AutoConfig.from_pretrained(self.model_path))
 
     def _load_stream(self, named_tensors) -> None:
         """Every bucket as one flattened bucket per TP worker, each from the GPU of its rollout-group
         rank (:func:`~dapo_megatron.rollout.engines.engine_group.sync_flat_buckets`); the prefix cache is
         flushed once when the sync finishes (``_on_sync_finished``)."""
-        from dapo_megatron.rollout.engines.engine_group import sync_flat_buckets
-        from dapo_megatron.rollout.engines.flat_bucket import FlatBucketPacker
-
         self._bring_weights_back()
         if getattr(self, "_packer", None) is None or self._packer.bucket_bytes != self.update_bucket_bytes:
-            from dapo_megatron.platform import device as rank_device
-
             self._packer = FlatBucketPacker(self.update_bucket_bytes, rank_device())
         expected = None
         if torch.cuda.is_available() and self.group.size == self.tp_size:  # TP worker i: GPU base_gpu_id + i
@@ -792,8 +774,6 @@ class SGLangEngine(_SGLangMemory, RolloutEngine):
         children of this process (reward graders) live on, unlike with ``Engine.shutdown``, which
         kills every child (:func:`~dapo_megatron.rollout.engines.sglang_env.shutdown_engine`). Idempotent;
         also run at exit."""
-        from dapo_megatron.rollout.engines import sglang_env
-
         if getattr(self, "_engine_pids", None) is None:
             return
         pids, self._engine_pids = self._engine_pids, None
@@ -835,8 +815,6 @@ class SGLangServerEngine(_SGLangMemory, RolloutEngine):
         self.base_url = base_url.rstrip("/")
         self._specs = param_specs
         if device is None:
-            from dapo_megatron.platform import device as rank_device
-
             device = rank_device()
         self.device = torch.device(device)
         self.timeout_s = timeout_s

@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from dapo_megatron.algorithms.overlong import OverlongConfig
+from dapo_megatron.platform.distributed import collective_device
 from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipConfig
 from dapo_megatron.rollout.types import HELD_BY_ALL, Group, Sample
 
@@ -469,8 +470,6 @@ def logprob_mismatch_metrics(samples: Sequence[Sample], group=None) -> dict[str,
     totals = torch.tensor([float(d.sum()), float(d.numel()), float(len(diffs))], dtype=torch.float64)
     peak = torch.tensor([float(d.max()) if d.numel() else float("-inf")], dtype=torch.float64)
     if group is not None and dist.get_world_size(group) > 1:
-        from dapo_megatron.platform.distributed import collective_device
-
         dev = collective_device(group)
         totals, peak = totals.to(dev), peak.to(dev)
         dist.all_reduce(totals, group=group)
