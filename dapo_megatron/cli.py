@@ -16,6 +16,8 @@ import sys
 import time
 from typing import Callable, Optional, Sequence
 
+from dapo_megatron.platform.console import quiet_third_party
+
 RANK0_GRACE_S = 60.0  # how long a silent torchrun rank waits for rank 0 to print the error
 
 
@@ -55,8 +57,6 @@ def run_tool(prog: str, main: Callable[[Optional[Sequence[str]]], object], argv:
              input_errors: tuple[type[BaseException], ...] = ()) -> int:
     """Run a tool's ``main(argv)``; :class:`InputError`, ``FileNotFoundError`` and ``input_errors``
     become one line and exit status 2, anything else propagates. Returns the exit status."""
-    from dapo_megatron.platform.console import quiet_third_party
-
     quiet_third_party()  # the known-benign import warnings of megatron-core on CPU: one line means one line
     try:
         main(argv)

@@ -28,6 +28,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from tqdm.auto import tqdm
+
 logger = logging.getLogger(__name__)
 
 MAX_PARAM_VALUE_CHARS = 6000  # MLflow's limit on a param value
@@ -338,8 +340,6 @@ class ProgressBar:
         self._last_val: dict[str, str] = {}
         self._bar = None
         if self.rank == 0:
-            from tqdm.auto import tqdm
-
             self._bar = tqdm(total=total, desc=desc, dynamic_ncols=True)
 
     @staticmethod

@@ -29,6 +29,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
+import pyarrow.parquet as pq
+
 logger = logging.getLogger(__name__)
 
 REQUIRED_FIELDS = ("data_source", "prompt", "ability", "reward_model", "extra_info")
@@ -116,8 +118,6 @@ def iter_raw_rows(path: str, columns: Sequence[str]) -> Iterable[tuple[int, Any]
         raise DatasetError(path, None, None, "file not found; check data.train_files / val_files")
     fmt = _file_format(path)
     if fmt == "parquet":
-        import pyarrow.parquet as pq
-
         try:
             schema = pq.read_schema(path)
             present = [c for c in columns if c in schema.names]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Optional
 
+from .config import ATTENTION_FAMILY, moe_grouped_gemm, moe_layout
 from .config import (
     ModelConfig,
     check_hf_config,
@@ -13,6 +14,7 @@ from .config import (
     padded_vocab_size,
     resolve_transformer_impl,
 )
+from dapo_megatron.platform import ParallelConfig
 
 if TYPE_CHECKING:
     from dapo_megatron.platform import ParallelDims
@@ -55,8 +57,6 @@ def layer_spec(hf_config, model_cfg: ModelConfig):
     ``experts.local_experts.{i}``), the TE spec with ``moe_grouped_gemm`` as ``TEGroupedMLP``
     (``experts.linear_fc1.weight{i}``, one grouped GEMM per rank); TE is imported only then.
     """
-    from .config import ATTENTION_FAMILY, moe_grouped_gemm, moe_layout
-
     qk_norm = ATTENTION_FAMILY[check_hf_config(hf_config)] == "qwen3"
     moe = moe_layout(hf_config)
     moe_kwargs = {} if moe is None else dict(num_experts=moe.num_experts, moe_grouped_gemm=moe_grouped_gemm(model_cfg))
@@ -111,8 +111,6 @@ def build_gpt_model(
             ``pre_process`` / ``post_process``.
     """
     from megatron.core.models.gpt import GPTModel
-
-    from dapo_megatron.platform import ParallelConfig
 
     model_cfg = model_cfg or ModelConfig()
     tp = parallel.tp_size

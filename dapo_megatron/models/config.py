@@ -28,11 +28,15 @@ different numerics.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+from packaging.version import Version
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
@@ -166,9 +170,6 @@ class ModelConfig:
           (``torch.cuda.is_available()``: no CUDA context is created; the compute capability
           and TE version per recipe are :func:`validate_fp8`'s, at model build).
         """
-        import difflib
-        import os
-
         path = self.hf_path
         if path is None:
             raise ValueError("hf_path is required: an HF model directory or a directory holding gguf_file")
@@ -188,8 +189,6 @@ class ModelConfig:
             raise ValueError(f"hf_path={path!r} has no config.json (an HF model directory has config.json and "
                              f"safetensors){hint}")
         if self.extra_transformer_config:
-            import dataclasses
-
             from megatron.core.transformer import TransformerConfig
 
             names = {f.name for f in dataclasses.fields(TransformerConfig)}
@@ -233,8 +232,6 @@ def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tp: int = 1) -> 
 
 
 def _version(v: str):
-    from packaging.version import Version
-
     return Version(v)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
+import torch
 import torch.multiprocessing as mp
 
 from .distributed import free_port
@@ -27,8 +28,6 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: 
         MASTER_PORT=str(port),
         OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
     )
-    import torch
-
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     try:
         fn(*args)

@@ -35,6 +35,7 @@ import signal
 import sys
 
 # the pool never imports this module, so "python -m" runs its only copy
+from dapo_megatron.rewards import registry
 from dapo_megatron.rewards.pool import error_result, package_dir
 
 
@@ -98,8 +99,6 @@ def main(argv: list[str] | None = None) -> None:
     protocol_fd = os.dup(1)
     os.dup2(2, 1)  # stray prints go to stderr, never into the protocol stream
     send = _writer(protocol_fd)
-
-    from dapo_megatron.rewards import registry
 
     registry.warmup()
     if args.memory_limit_mb is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dapo_megatron.rollout.engines.sglang_engine import check_engine_kwargs
+from dapo_megatron.rollout.engines.sglang_server_args import check_engine_kwargs
 
 
 @dataclass
