@@ -13,9 +13,10 @@ import os
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .distributed import free_port
+from .distributed import destroy_distributed, free_port
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
@@ -32,11 +33,7 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: 
     try:
         fn(*args)
     finally:
-        import torch.distributed as dist
-
         if dist.is_initialized():
-            from .distributed import destroy_distributed
-
             destroy_distributed()
 
 

@@ -29,8 +29,10 @@ a launcher that kills the group (torchrun) stops it too.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
+import resource
 import signal
 import sys
 
@@ -52,13 +54,11 @@ def _vm_size_bytes() -> int | None:
 
 def _limit_memory(memory_limit_mb: int) -> None:
     try:
-        import resource
-
         current = _vm_size_bytes()
         if current is not None:
             limit = current + memory_limit_mb * 1024 * 1024
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    except (ImportError, ValueError, OSError):  # not Linux, or a hard limit already lower
+    except (ValueError, OSError):  # a hard limit already lower
         pass
 
 
@@ -68,8 +68,6 @@ def _die_with_parent(parent_pid: int | None) -> None:
     parent is already gone (the race before the call)."""
     if sys.platform.startswith("linux"):
         try:
-            import ctypes
-
             pr_set_pdeathsig = 1  # <linux/prctl.h>
             ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
         except (OSError, AttributeError):
