@@ -166,5 +166,5 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":  # required: reward workers and checkpoint writers re-import __main__
+if __name__ == "__main__":  # megatron-core's checkpoint writer may spawn a child that re-imports __main__ (docs/design.md §5.2)
     sys.exit(main())
