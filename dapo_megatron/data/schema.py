@@ -29,6 +29,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 
 logger = logging.getLogger(__name__)
@@ -285,9 +286,6 @@ def write_dapo_rows(rows: Sequence[dict], path: str) -> str:
                 for row in rows:
                     f.write(json.dumps(row, ensure_ascii=False) + "\n")
         else:
-            import pyarrow as pa
-            import pyarrow.parquet as pq
-
             for i, row in enumerate(rows):
                 if not row["extra_info"]:
                     raise DatasetError(

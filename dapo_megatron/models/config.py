@@ -33,6 +33,7 @@ import difflib
 import math
 import os
 from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Optional
 
 import torch
@@ -189,6 +190,7 @@ class ModelConfig:
             raise ValueError(f"hf_path={path!r} has no config.json (an HF model directory has config.json and "
                              f"safetensors){hint}")
         if self.extra_transformer_config:
+            # megatron-core here, not at the top: models/ and actor/ hold config sections, and the config loads without it
             from megatron.core.transformer import TransformerConfig
 
             names = {f.name for f in dataclasses.fields(TransformerConfig)}
@@ -237,17 +239,13 @@ def _version(v: str):
 
 def _te_version() -> Optional[str]:
     """Installed Transformer Engine version, or None (monkeypatched in tests)."""
-    try:
-        from importlib.metadata import PackageNotFoundError, version
-    except ImportError:  # pragma: no cover
-        return None
     for dist_name in ("transformer-engine", "transformer-engine-torch"):
         try:
             return version(dist_name)
         except PackageNotFoundError:
             continue
     if torch.cuda.is_available():  # source builds (some NGC images) may lack dist metadata
-        try:
+        try:  # Transformer Engine: GPU only
             import transformer_engine
 
             return transformer_engine.__version__
@@ -617,6 +615,7 @@ def hf_to_transformer_config(hf_config, parallel, model_cfg: ModelConfig = None)
             divide the FFN size (or the query groups with ``pad_query_groups=False``), PP that does not divide the layers,
             or FP8 settings that cannot run here (see :func:`validate_fp8`).
     """
+    # megatron-core here, not at the top: models/ and actor/ hold config sections, and the config loads without it
     from megatron.core.transformer import TransformerConfig
 
     model_cfg = model_cfg or ModelConfig()

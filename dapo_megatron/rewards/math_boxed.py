@@ -66,6 +66,7 @@ def _math_verify():
     only math answers need it."""
     global _MV
     if _MV is None:
+        # math-verify (0.4 s with sympy) only for math answers: the config and grader workers start without it
         from math_verify import LatexExtractionConfig, parse, verify
 
         # we disable its timeouts on purpose; silence the warning it logs about that
