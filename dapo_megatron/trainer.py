@@ -264,11 +264,11 @@ class DAPOTrainer:
         self.collector = self.prompt_queue = None
         if cfg.rollout.streaming:
             from dapo_megatron.rollout.prompt_skip import PromptSkipper
-            from dapo_megatron.rollout.streaming import PromptQueue, StreamingCollector
+            from dapo_megatron.rollout.streaming import EngineClient, PromptQueue, StreamingCollector
 
-            if not self.engine.supports_async:
-                raise ValueError(f"rollout.streaming=true needs an engine with asynchronous generation; "
-                                 f"{type(self.engine).__name__} has none: set rollout.streaming=false")
+            # every group on engine prompt_seed % num_engines; records replicated, tokens stay there
+            self.row_client = EngineClient(self.engine, self._rollout_params(), num_engines=self.num_engines,
+                                           engine_index=self.engine_index)
             self.collector = StreamingCollector(self.buffer, PromptSkipper(b.prompt_skip, seed=t.seed),
                                                 partial_rollout=cfg.rollout.partial_rollout,
                                                 poll_tokens=cfg.rollout.stream_poll_tokens)
@@ -287,7 +287,7 @@ class DAPOTrainer:
             for g in self.buffer.surplus:  # every rank read the surplus' token lists from the checkpoint
                 for s in g.samples:
                     s.holder = HELD_BY_ALL
-            if self.collector is not None:
+            if self.collector is not None:  # its partial groups: held by all too
                 if "streaming" not in state:
                     raise ValueError(f"rollout.streaming=true but the checkpoint of step {self.step} was written by a "
                                      "batch (non-streaming) run; resume it with rollout.streaming=false")
@@ -394,8 +394,7 @@ class DAPOTrainer:
         """Steps 1-3: the step's N groups, by whole generation batches or streamed; collective."""
         if self.collector is None:
             return self.buffer.collect(self._generate_batch, policy_version=self.step)
-        groups, metrics = self.collector.collect(_RankRows(self, self._rollout_params()), self.prompt_queue,
-                                                 policy_version=self.step)
+        groups, metrics = self.collector.collect(self.row_client, self.prompt_queue, policy_version=self.step)
         self.gen_batches_done = self.prompt_queue.fetched
         return groups, metrics
 
@@ -666,10 +665,11 @@ class DAPOTrainer:
         from dapo_megatron.checkpointing import save_checkpoint
         from dapo_megatron.rollout.step_data import gather_preds, send_tokens
 
-        # rank 0 writes the trainer state: it needs the surplus groups whole (their token lists and
-        # extracted answers are on the ranks that generated them)
+        # rank 0 writes the trainer state: it needs the surplus and partial groups whole (their token
+        # lists and extracted answers are on the ranks that generated them)
         surplus = [s for g in self.buffer.surplus for s in g.samples]
-        send_tokens(surplus, [(0,)] * len(surplus))
+        partial = [s for g in self.collector.partial for s in g.samples] if self.collector is not None else []
+        send_tokens(surplus + partial, [(0,)] * (len(surplus) + len(partial)))
         gather_preds(surplus, dst=0)
         # ranks of one DP rank read the same prompts: keep one reader position per DP rank
         by_dp = dict(_all_gather_objects((self.dp_rank, self.stream.state_dict())))
@@ -738,29 +738,3 @@ class DAPOTrainer:
             self.tracker.finish()
             self.reward_pool.close()
         return last
-
-
-class _RankRows:
-    """The streamed rollout's :class:`~dapo_megatron.rollout.streaming.RowClient` over every rank's
-    engine; each call is a collective. Group ``g`` runs on rank ``g.prompt_seed % world`` (its
-    ``n`` rows share one prefill there), continued rows included; the rows that finished or
-    were aborted on any rank are all-gathered, so every rank sees every result."""
-
-    def __init__(self, trainer: DAPOTrainer, params):
-        self.trainer, self.params = trainer, params
-
-    def submit(self, rows) -> None:
-        from dapo_megatron.rollout.streaming import row_request
-
-        t = self.trainer
-        mine = [row_request(g, j, self.params) for g, j in rows if g.prompt_seed % t.world == t.rank]
-        if mine:
-            t.engine.submit(mine)
-
-    def poll(self, max_tokens: int):
-        t = self.trainer
-        local = t.engine.poll(max_tokens) if t.engine.num_in_flight else []
-        return [r for part in _all_gather_objects(local) for r in part]
-
-    def abort(self):
-        return [r for part in _all_gather_objects(self.trainer.engine.abort()) for r in part]
