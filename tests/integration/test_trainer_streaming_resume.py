@@ -52,16 +52,17 @@ def _trainer(hf_dir, run_dir):
 
 def _final_state(trainer) -> dict:
     """What the next step would start from: the collector's carried work and skip history."""
-    c = trainer.collector
+    c = trainer.rollout.collector
     return {"skipper": c.skipper.state_dict(), "keep_rate": c.keep_rate,
             "partial": [(g.prompt_seed, [(s.response_ids, s.rollout_logprobs, s.versions, s.finish_reason)
                                          for s in g.samples]) for g in c.partial],
-            "surplus": [g.prompt_seed for g in trainer.buffer.surplus], "queue": trainer.prompt_queue.state_dict()}
+            "surplus": [g.prompt_seed for g in trainer.rollout.buffer.surplus],
+            "queue": trainer.rollout.prompt_queue.state_dict()}
 
 
 def _killed_worker(hf_dir, run_dir):
     trainer = _trainer(hf_dir, run_dir)
-    client = trainer.row_client  # the streamed rollout's client (rollout.streaming.EngineClient)
+    client = trainer.rollout.row_client  # the streamed rollout's client (rollout.streaming.EngineClient)
     real_poll, polls = client.poll, [0]
 
     def poll(max_tokens):

@@ -12,7 +12,7 @@ rollout of one step in *rounds* instead:
    rate observed so far says will yield the missing groups (``ceil(missing / keep_rate)``,
    at most ``buffer.gen_batch_size`` per round and ``max_num_gen_batches * gen_batch_size``
    per step; GRESO's adaptive batch size, arXiv 2506.02177 Sec. 4.2, without its 1.25
-   margin: the next round tops up). A prompt that the :class:`~dapo_megatron.rollout.prompt_skip.PromptSkipper`
+   margin: the next round tops up). A prompt that the :class:`~dapo_megatron.rollout.sampling.prompt_skip.PromptSkipper`
    skips does not count;
 3. every engine advances ``rollout.stream_poll_tokens`` sampled tokens; the groups whose
    ``n`` responses have all finished are graded and kept or dropped, in submission order;
@@ -29,7 +29,7 @@ round in which a group finishes depends only on its responses' lengths and on th
 was submitted in: the kept groups, the aborted rows and the carried state are the same at
 any TP / PP / DP layout, and a resumed run repeats an uninterrupted one (responses
 themselves are batch-independent up to the last bits of batched matmuls, see
-:class:`~dapo_megatron.rollout.hf_engine.HFEngine`). SGLang cannot stop after a token
+:class:`~dapo_megatron.rollout.engines.hf_engine.HFEngine`). SGLang cannot stop after a token
 count: its rounds are time slices (``SGLangEngine.poll_timeout_s``), so which groups finish
 first, and hence which are kept, aborted or carried, depends on timing and is not
 reproducible; each response stays seed-exact under ``rollout.deterministic``, continued
@@ -45,17 +45,17 @@ from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.rollout.buffer import KEPT, GroupSelector, group_from_dict, group_staleness, group_to_dict
-from dapo_megatron.rollout.engine import RolloutEngine, RowRequest, RowResult, SamplingParams
-from dapo_megatron.rollout.prompt_skip import PromptSkipper
-from dapo_megatron.rollout.step_data import all_gather_rows
+from dapo_megatron.rollout.sampling.buffer import KEPT, GroupSelector, group_from_dict, group_staleness, group_to_dict
+from dapo_megatron.rollout.engines.engine import RolloutEngine, RowRequest, RowResult, SamplingParams
+from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipper
+from dapo_megatron.rollout.plan.step_data import all_gather_rows
 from dapo_megatron.rollout.types import HELD_BY_ALL, Group, Sample
 
 PENDING = ""
 """``Sample.finish_reason`` of a response in flight (not started, or partial)."""
 
 ROW_FINISH = ("stop", "length", "abort")
-"""The finish reasons of a row result (:class:`~dapo_megatron.rollout.engine.RowResult`), coded by
+"""The finish reasons of a row result (:class:`~dapo_megatron.rollout.engines.engine.RowResult`), coded by
 position in the replicated record table."""
 
 
@@ -106,9 +106,9 @@ class EngineClient:
     ``rollout.server_urls[e]``) with its ``engine_index``, or None where it drives none (the
     other ranks of a rollout group). A round replicates records only: per finished or aborted
     row ``(prompt_seed, j, new tokens, finish reason, version)``, 5 int64 in one all-gather
-    (:func:`~dapo_megatron.rollout.step_data.all_gather_rows`); the tokens and logprobs stay on
+    (:func:`~dapo_megatron.rollout.plan.step_data.all_gather_rows`); the tokens and logprobs stay on
     the rank that generated them (:attr:`RowUpdate.holder`) until the step's plan sends them,
-    once, to the ranks that train them (:func:`~dapo_megatron.rollout.step_data.send_tokens`).
+    once, to the ranks that train them (:func:`~dapo_megatron.rollout.plan.step_data.send_tokens`).
 
     Args:
         engine: this rank's engine (asynchronous interface: ``submit`` / ``poll`` / ``abort``).
@@ -247,8 +247,8 @@ class StreamingCollector:
     """The streamed feeder of the dynamic-sampling selector (module docstring).
 
     Args:
-        selector: the :class:`~dapo_megatron.rollout.buffer.GroupSelector` (the trainer's
-            :class:`~dapo_megatron.rollout.buffer.RolloutBuffer`): grading, the keep rule, the
+        selector: the :class:`~dapo_megatron.rollout.sampling.buffer.GroupSelector` (the trainer's
+            :class:`~dapo_megatron.rollout.sampling.buffer.RolloutBuffer`): grading, the keep rule, the
             step's tally, the surplus and the batch-size settings.
         skipper: prompt skipping (a disabled one never skips).
         partial_rollout: keep aborted responses and continue them next step.
@@ -295,11 +295,11 @@ class StreamingCollector:
         """The groups of one training step (module docstring); a collective when the client is.
 
         Returns:
-            ``(groups, metrics)`` as :meth:`~dapo_megatron.rollout.buffer.RolloutBuffer.collect`,
+            ``(groups, metrics)`` as :meth:`~dapo_megatron.rollout.sampling.buffer.RolloutBuffer.collect`,
             plus ``rollout/{keep_rate, partial_in, partial_out}``, ``rollout/dropped_stale``
             counting stale partial groups too, and, with the generation's other metrics
             (absent when no token was sampled and no group graded,
-            :data:`~dapo_megatron.rollout.buffer.GENERATION_METRICS`), ``rollout/{rounds,
+            :data:`~dapo_megatron.rollout.sampling.buffer.GENERATION_METRICS`), ``rollout/{rounds,
             prompts_submitted, skipped_prompts, aborted_rows, aborted_tokens}``.
             ``rollout/gen_tokens`` counts the tokens sampled in this step (the continued part
             of a partial rollout, not its prefix; aborted tokens included, whether carried or
