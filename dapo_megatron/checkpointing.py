@@ -58,6 +58,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
 
 if TYPE_CHECKING:
     from dapo_megatron.platform import ParallelDims
@@ -156,7 +157,6 @@ def check_torch_dist_files(ckpt_dir: str) -> None:
     Raises:
         CheckpointError: naming the missing / unreadable / truncated file.
     """
-    from torch.distributed.checkpoint import FileSystemReader
 
     for name in (MCORE_CONFIG_FILENAME, MCORE_COMMON_FILENAME, DCP_METADATA_FILENAME):
         path = os.path.join(ckpt_dir, name)
@@ -310,7 +310,7 @@ def get_rng_state() -> dict[str, Any]:
         when megatron-core's parallel state is not initialised.
     """
     tracker_states = None
-    try:
+    try:  # megatron-core here, not at the top: dapo-train imports this module before quiet_third_party has silenced its import warnings
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
         tracker_states = {k: v.clone() for k, v in get_cuda_rng_tracker().get_states().items()}
@@ -345,6 +345,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
             )
         torch.cuda.set_rng_state_all(cuda_states)
     if state.get("megatron_tracker") is not None:
+        # megatron-core here, not at the top: dapo-train imports this module before quiet_third_party has silenced its import warnings
         from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
         get_cuda_rng_tracker().set_states(state["megatron_tracker"])
@@ -379,6 +380,7 @@ def _as_list(model_chunks: Any) -> list:
 
 def _model_sharded_state_dict(model_chunks: list) -> dict[str, Any]:
     """{"model": ...} for one chunk, {"model0": ..., "model1": ...} for virtual PP."""
+    # megatron-core here, not at the top: dapo-train imports this module before quiet_third_party has silenced its import warnings
     from megatron.core.utils import unwrap_model
 
     unwrapped = unwrap_model(model_chunks)
@@ -398,6 +400,7 @@ def _optimizer_metadata(optimizer: Any, sharding_type: str) -> dict[str, Any]:
 def _torch_optimizers_of_cpu_distributed_optimizer(optimizer: Any) -> list:
     """The plain ``torch.optim`` optimizers that megatron-core's ``DistributedOptimizer``
     wraps when neither Apex nor Transformer Engine is installed (the CPU path); [] otherwise."""
+    # megatron-core here, not at the top: dapo-train imports this module before quiet_third_party has silenced its import warnings
     from megatron.core.optimizer import distrib_optimizer as mdo
 
     if getattr(mdo, "HAVE_APEX_OR_TE", True):
@@ -567,6 +570,7 @@ def save_checkpoint(
         OSError / CheckpointingException: a write failed; ``latest`` still names the
             previous checkpoint and the partial tmp dir is removed by the next save.
     """
+    # megatron-core here, not at the top: dapo-train imports this module before quiet_third_party has silenced its import warnings
     from megatron.core import dist_checkpointing
 
     if int(step) != step or step < 0:
@@ -671,6 +675,7 @@ def load_checkpoint(
             (:func:`validate_checkpoint`, naming it).
         ValueError: the checkpoint's format or optimizer sharding is unknown.
     """
+    # megatron-core here, not at the top: dapo-train imports this module before quiet_third_party has silenced its import warnings
     from megatron.core import dist_checkpointing
 
     if checkpoint_dir is None:
@@ -698,6 +703,7 @@ def load_checkpoint(
     sharded = _full_sharded_state_dict(chunks, optimizer, scheduler, sharding_type, True)
     loaded = dist_checkpointing.load(sharded, checkpoint_dir)
 
+    # megatron-core here, not at the top: dapo-train imports this module before quiet_third_party has silenced its import warnings
     from megatron.core.utils import unwrap_model
 
     unwrapped = unwrap_model(chunks)

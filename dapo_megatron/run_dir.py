@@ -51,7 +51,7 @@ from dapo_megatron.checkpointing import (
 if TYPE_CHECKING:
     from dapo_megatron.config.run import DAPOConfig
     from dapo_megatron.platform import ParallelDims
-    from dapo_megatron.trainer import TrainerConfig
+    from dapo_megatron.config.trainer import TrainerConfig
 
 logger = logging.getLogger(__name__)
 

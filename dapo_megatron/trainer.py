@@ -30,108 +30,31 @@ import dataclasses
 import logging
 import os
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
+from dapo_megatron.actor import MegatronActor
+from dapo_megatron.algorithms import compute_group_advantages
+from dapo_megatron.bridge import load_hf_weights, open_hf_source
+from dapo_megatron.bridge.dist_ckpt import write_model_meta
+from dapo_megatron.checkpointing import load_checkpoint, save_checkpoint
+from dapo_megatron.config.loader import to_flat_dict
+from dapo_megatron.config.run import DAPOConfig
+from dapo_megatron.data import load_from_config, resolve_data_files
+from dapo_megatron.models import build_gpt_model, load_hf_config
+from dapo_megatron.platform import ParallelDims
+from dapo_megatron.rollout.engines.factory import load_tokenizer
+from dapo_megatron.rollout.plan.dp_split import split_for_dp
+from dapo_megatron.rollout.plan.step_data import plan_step, send_tokens
+from dapo_megatron.rollout.rollout import build_rollout, check_rollout_fits, prompt_stream
+from dapo_megatron.rollout.sampling.buffer import logprob_mismatch_metrics, split_fresh_stale
 from dapo_megatron.rollout.types import HELD_BY_ALL, Group, Sample
-
-if TYPE_CHECKING:  # config.run imports TrainerConfig from here
-    from dapo_megatron.config.run import DAPOConfig
-    from dapo_megatron.platform import ParallelDims
-    from dapo_megatron.run_dir import RunStart
+from dapo_megatron.run_dir import RunStart, prepare_run_dir
+from dapo_megatron.tracking import ProgressBar, Tracker
 
 logger = logging.getLogger("dapo_megatron.trainer")
-
-
-# --------------------------------------------------------------------------- config
-
-
-@dataclass
-class TrainerConfig:
-    """The training loop, its checkpoints and the run directory (verl ``trainer.*`` names)."""
-
-    project_name: str = "dapo-megatron"
-    """project name: the MLflow experiment (as in verl); part of the default run directory."""
-    experiment_name: str = "default"
-    """this run's name: the MLflow run name (as in verl); part of the default run directory."""
-    total_training_steps: int = 100
-    """number of DAPO training steps (each: rollout, reward, dynamic sampling, actor updates, weight
-    sync); >= 1."""
-    save_freq: int = -1
-    """save a checkpoint every this many steps (and after the last step); -1 never saves."""
-    test_freq: int = -1
-    """evaluate (avg@k / pass@k on the validation set) every this many steps; -1 never evaluates."""
-    seed: int = 1
-    """base random seed; Megatron derives the TP-rank model-parallel RNG stream from it; the data
-    order and sampling seeds derive from it too. >= 0."""
-    default_local_dir: Optional[str] = None
-    """run directory holding ``checkpoints/`` (and logs); None means
-    ``runs/<project_name>/<experiment_name>`` (see :attr:`run_dir`). Must be on a file system
-    shared by all ranks."""
-    resume_mode: str = "auto"
-    """``"auto"`` resumes from ``<run dir>/checkpoints/latest`` when it exists (the newest complete
-    checkpoint, with a warning, when ``latest`` names a missing one), ``"disable"`` always starts
-    from step 0, any other value is the path of a ``step_<k>`` checkpoint directory to resume from.
-    A run that starts from step 0 moves a previous run's checkpoints and metrics to
-    ``<run dir>/previous_runs/<time>/``; a damaged checkpoint stops the run, naming the file."""
-    val_before_train: bool = True
-    """validate once before the first step (logged at step 0) when ``test_freq`` > 0, so a run's
-    validation curve has its starting point."""
-    max_ckpt_to_keep: Optional[int] = None
-    """keep only this many newest checkpoints (verl ``max_actor_ckpt_to_keep``), >= 1; None keeps
-    all."""
-
-    @property
-    def run_dir(self) -> str:
-        """``default_local_dir``, or ``runs/<project_name>/<experiment_name>`` when None."""
-        if self.default_local_dir:
-            return self.default_local_dir
-        return os.path.join("runs", self.project_name, self.experiment_name)
-
-    @property
-    def resume_path(self) -> str | None:
-        """The explicit checkpoint directory of ``resume_mode``, or None for auto/disable."""
-        return None if self.resume_mode in ("auto", "disable") else self.resume_mode
-
-    def validate(self) -> None:
-        """Check ranges and names.
-
-        Raises:
-            ValueError: naming the field, its value and the accepted values.
-        """
-        for name in ("project_name", "experiment_name"):
-            value = getattr(self, name)
-            if not value or not value.strip():
-                raise ValueError(f"{name}={value!r} must be a non-empty name")
-        if self.total_training_steps < 1:
-            raise ValueError(f"total_training_steps={self.total_training_steps} must be >= 1")
-        for name in ("save_freq", "test_freq"):
-            value = getattr(self, name)
-            if value != -1 and value < 1:
-                raise ValueError(f"{name}={value} must be -1 (never) or >= 1 (every N steps)")
-        if self.seed < 0:
-            raise ValueError(f"seed={self.seed} must be >= 0")
-        if self.default_local_dir is not None and not self.default_local_dir.strip():
-            raise ValueError(
-                "default_local_dir='' must be a directory path, or null for "
-                "runs/<project_name>/<experiment_name>"
-            )
-        if self.max_ckpt_to_keep is not None and self.max_ckpt_to_keep < 1:
-            raise ValueError(
-                f"max_ckpt_to_keep={self.max_ckpt_to_keep} must be >= 1, or null to keep all"
-            )
-        if not self.resume_mode:
-            raise ValueError("resume_mode='' must be 'auto', 'disable' or a checkpoint directory")
-        path = self.resume_path
-        if path is not None and not os.path.isdir(path):
-            raise ValueError(
-                f"resume_mode={path!r} is neither 'auto', 'disable' nor an existing checkpoint "
-                "directory (expected <run dir>/checkpoints/step_<k>)"
-            )
-
 
 
 # --------------------------------------------------------------------------- helpers
@@ -159,16 +82,6 @@ class DAPOTrainer:
     """
 
     def __init__(self, cfg: DAPOConfig, parallel: ParallelDims, start: RunStart | None = None):
-        from dapo_megatron.actor import MegatronActor
-        from dapo_megatron.bridge import load_hf_weights, open_hf_source
-        from dapo_megatron.checkpointing import load_checkpoint
-        from dapo_megatron.data import load_from_config, resolve_data_files
-        from dapo_megatron.models import build_gpt_model, load_hf_config
-        from dapo_megatron.rollout.engines.factory import load_tokenizer
-        from dapo_megatron.rollout.rollout import build_rollout, check_rollout_fits, prompt_stream
-        from dapo_megatron.run_dir import prepare_run_dir
-        from dapo_megatron.tracking import ProgressBar, Tracker
-
         self.cfg = cfg
         t = cfg.trainer
         self.run_dir = os.path.abspath(t.run_dir)
@@ -224,8 +137,6 @@ class DAPOTrainer:
         self.tracker = Tracker(self.run_dir, tracking, rank=self.rank, experiment_name=t.project_name,
                                run_name=t.experiment_name)
         if self.step == 0:
-            from dapo_megatron.config.loader import to_flat_dict
-
             self.tracker.log_params(to_flat_dict(cfg))
             for split, ds in (("train", self.train_data), ("val", self.val_data)):
                 st = ds.stats  # reported, never silent: skipped broken rows and over-long prompts
@@ -245,9 +156,6 @@ class DAPOTrainer:
         tokens sent to the ranks of the DP rank that trains it, and ``Sample.old_logprobs``
         filled there (``recompute``; else left for the training forward); collective. Returns ``(plan, mine)``: the plan and the indices into
         ``samples`` of this DP rank's samples."""
-        from dapo_megatron.rollout.plan.dp_split import split_for_dp
-        from dapo_megatron.rollout.plan.step_data import plan_step, send_tokens
-
         actor, share = self.cfg.actor, self.actor.plan.shares_prompts
         plan = plan_step(groups, actor.ppo_mini_batch_size, self.dp_size, actor.ppo_max_token_len_per_gpu,
                          share_prompts=share)
@@ -271,8 +179,6 @@ class DAPOTrainer:
         ``measured``: this DP rank's samples of ``batch`` with the actor's ``old_logprobs``; which
         parts are reported is decided from ``batch`` (versions are replicated), so every DP rank
         makes the same calls."""
-        from dapo_megatron.rollout.sampling.buffer import logprob_mismatch_metrics, split_fresh_stale
-
         group = self.parallel.dp_group
         metrics.update(logprob_mismatch_metrics(measured, group=group))
         for name, everywhere, here in zip(("fresh", "stale"), split_fresh_stale(batch, self.step),
@@ -285,8 +191,6 @@ class DAPOTrainer:
     def train_step(self) -> dict[str, float]:
         """One DAPO step (docs/design.md §1); collective. Advances ``self.step`` and returns
         the step's metrics ``{name: float}`` (rank 0's are the ones logged)."""
-        from dapo_megatron.algorithms import compute_group_advantages
-
         cfg, metrics, timing = self.cfg, {}, {}
 
         # 1-3. rollout, rewards, dynamic sampling
@@ -399,9 +303,6 @@ class DAPOTrainer:
     def save(self) -> None:
         """Write the checkpoint of ``self.step`` (atomic, :func:`~dapo_megatron.checkpointing.save_checkpoint`);
         collective."""
-        from dapo_megatron.bridge.dist_ckpt import write_model_meta
-        from dapo_megatron.checkpointing import save_checkpoint
-
         # rank 0 writes the trainer state
         state = {"step": self.step, **self.rollout.state_dict(), "mlflow_run_id": self.tracker.run_id}
         save_checkpoint(self.run_dir, self.step, self.actor.model_chunks, self.actor.optimizer,

@@ -11,19 +11,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from dapo_megatron.algorithms.policy_loss import rollout_correction
 from dapo_megatron.rollout.types import Sample
 
+from .config import ActorConfig
 from .logprobs import vocab_parallel_logprobs_and_entropy
 from .packing import PackedBatch, group_by_length, pack_samples, padded_tokens, prompt_segments, segment_length
 from .plan import ActorPlan
 
-if TYPE_CHECKING:
-    from .actor import ActorConfig
 
 
 @dataclass(frozen=True)
@@ -38,7 +37,7 @@ class Targets:
             ``Sample.old_logprobs`` needed).
     """
 
-    cfg: "ActorConfig"
+    cfg: ActorConfig
     policy_version: Optional[int]
     old_from_current: bool
 
@@ -122,7 +121,7 @@ class MicroBatch:
         self.num_loss_tokens = int(self.loss_mask.sum().item())
         self.num_loss_seqs = sum(1 for m in b.unpack(self.loss_mask) if m.sum() > 0)
 
-    def correction(self, old_logprobs: torch.Tensor, cfg: "ActorConfig"):
+    def correction(self, old_logprobs: torch.Tensor, cfg: ActorConfig):
         """:func:`~dapo_megatron.algorithms.policy_loss.rollout_correction` of this micro-batch:
         ``(is_weights, loss_mask, metrics)``."""
         return rollout_correction(

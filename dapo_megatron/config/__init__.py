@@ -6,25 +6,24 @@
   :func:`assert_all_documented`;
 * :mod:`.run`: the root :class:`DAPOConfig`, whose fields are the sections, each defined
   beside the code it configures (``RolloutConfig`` in :mod:`dapo_megatron.rollout.config`,
-  ``TrainerConfig`` in :mod:`dapo_megatron.trainer`, ...), re-exported here.
+  ``TrainerConfig`` in :mod:`.trainer`, ...), re-exported here.
 """
 
 from .docs import KeyDoc, assert_all_documented, documented_keys, field_docs
 from .loader import ConfigError, config_errors, load_config, to_flat_dict, to_yaml
-
-_SECTIONS = ("ActorConfig", "AlgorithmConfig", "BufferConfig", "DAPOConfig", "DataConfig", "ModelConfig",
-             "ParallelConfig", "RewardConfig", "RolloutConfig", "TrackingConfig", "TrainerConfig")
-
-
-def __getattr__(name):
-    # The root and section classes load on first use: the loader is a mechanism that code
-    # the sections configure (the trainer: to_flat_dict) imports without an import circle.
-    if name in _SECTIONS:
-        from . import run
-
-        return getattr(run, name)
-    raise AttributeError(f"module 'dapo_megatron.config' has no attribute {name!r}")
-
+from .run import (
+    ActorConfig,
+    AlgorithmConfig,
+    BufferConfig,
+    DAPOConfig,
+    DataConfig,
+    ModelConfig,
+    ParallelConfig,
+    RewardConfig,
+    RolloutConfig,
+    TrackingConfig,
+    TrainerConfig,
+)
 
 __all__ = [
     "ActorConfig",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dapo_megatron.actor.actor import ActorConfig
+from dapo_megatron.actor.config import ActorConfig
 from dapo_megatron.algorithms.advantages import AlgorithmConfig
 from dapo_megatron.data.dataset import DataConfig
 from dapo_megatron.models.config import ModelConfig
@@ -18,9 +18,9 @@ from dapo_megatron.rollout.sampling.buffer import BufferConfig
 from dapo_megatron.rollout.config import RolloutConfig
 from dapo_megatron.rollout.engines.layout import check_rollout_layout
 from dapo_megatron.tracking import TrackingConfig
-from dapo_megatron.trainer import TrainerConfig
 
 from .loader import ConfigError, config_errors
+from .trainer import TrainerConfig
 
 __all__ = ["DAPOConfig"]
 

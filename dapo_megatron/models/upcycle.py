@@ -51,6 +51,7 @@ def upcycle_config(dense_config, num_experts: int, top_k: int,
             Mixtral cannot hold (``attention_bias``, ``mlp_bias``, an activation other than
             silu), or ``top_k`` outside 1..num_experts.
     """
+    # transformers here, not at the top: models/ holds a config section, and the config loads without it
     from transformers import MixtralConfig
 
     model_type = getattr(dense_config, "model_type", None)

@@ -16,7 +16,7 @@ from dapo_megatron import checkpointing as ckpt
 from dapo_megatron.checkpointing import CheckpointError
 from dapo_megatron.config import DAPOConfig
 from dapo_megatron.run_dir import plan_start, prepare_run_dir, read_val_history, summary
-from dapo_megatron.trainer import TrainerConfig
+from dapo_megatron.config.trainer import TrainerConfig
 
 
 @pytest.fixture(scope="module")
