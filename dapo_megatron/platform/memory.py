@@ -42,7 +42,7 @@ whose optimizer shards go over ``EDP = world / (ETP × EP × PP)`` instead of DP
   (``pool_configurator.py`` ``_compute_cell_size``); the pool must hold at least one
   sequence of ``data.max_prompt_length + rollout.response_length`` tokens.
   ``F0`` is the memory free when the engine starts: the engine is built after
-  ``torch.cuda.empty_cache()`` on every GPU of its group (``rollout/sglang_env.py``
+  ``torch.cuda.empty_cache()`` on every GPU of its group (``rollout/engines/sglang_env.py``
   ``release_allocator_cache``), so the actor's cached-but-free blocks do not shrink it;
   ``allocator_cache_bytes`` (0) is what a caller that skips that step would subtract.
 * overhead: CUDA contexts of the trainer and of SGLang's scheduler, NCCL buffers,
@@ -53,7 +53,7 @@ whose optimizer shards go over ``EDP = world / (ETP × EP × PP)`` instead of DP
   scheduler captured them under the memory saver, i.e. with
   ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1`` in its environment (sglang 0.5.11
   ``model_executor/cuda_graph_runner.py``; the colocated engine sets it unless the user set
-  it, ``rollout/sglang_env.py``); otherwise they stay resident through training and the
+  it, ``rollout/engines/sglang_env.py``); otherwise they stay resident through training and the
   sync (``cuda_graphs_released=False``: the ``cuda_graphs_resident`` term).
 
 Phases (the engine sleeps while the actor trains):
@@ -74,6 +74,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+from dapo_megatron.config.loader import ConfigError
+from dapo_megatron.models.config import ATTENTION_FAMILY, moe_layout
+from dapo_megatron.rollout.engines.sglang_env import cuda_graphs_released
 
 GB = 10**9
 #: H100 SXM / PCIe "80 GB" as marketed (decimal); the driver reports ~85.0e9 bytes.
@@ -108,8 +112,6 @@ class ModelShape:
 
     @classmethod
     def from_hf(cls, hf_config) -> "ModelShape":
-        from dapo_megatron.models.config import ATTENTION_FAMILY, moe_layout
-
         h, nh = hf_config.hidden_size, hf_config.num_attention_heads
         model_type = getattr(hf_config, "model_type", "llama")
         attention = ATTENTION_FAMILY.get(model_type, model_type)
@@ -249,7 +251,7 @@ def estimate_memory(
             docstring (``cuda_graph_bytes`` is the part of ``engine_runtime_bytes`` that sleep
             releases only under ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1``).
         cuda_graphs_released: sleep frees the engine's CUDA graphs
-            (:func:`dapo_megatron.rollout.sglang_env.cuda_graphs_released`); False adds them to
+            (:func:`dapo_megatron.rollout.engines.sglang_env.cuda_graphs_released`); False adds them to
             the train and sync phases.
         allocator_cache_bytes: the actor's cached-but-free CUDA blocks when the engine starts
             (0: the engine starts after ``empty_cache``).
@@ -375,8 +377,6 @@ def estimate_from_config(cfg, hf_config, world_size: int, *, rollout_tp: Optiona
     if rollout_tp is None:
         rollout_tp = cfg.rollout.tensor_model_parallel_size
     if "cuda_graphs_released" not in kwargs:  # what the colocated engine's children will get
-        from dapo_megatron.rollout.sglang_env import cuda_graphs_released
-
         kwargs["cuda_graphs_released"] = cuda_graphs_released()
     return estimate_memory(
         hf_config, tp=cfg.parallel.tensor_model_parallel_size, pp=cfg.parallel.pipeline_model_parallel_size,
@@ -396,8 +396,6 @@ def check_memory(cfg, hf_config, world_size: int, **kwargs) -> MemoryEstimate:
         ConfigError: (a ``ValueError``) with, per problem, the numbers and the settings to
             change, then the estimate's report; ``dapo-train`` prints it from rank 0.
     """
-    from dapo_megatron.config.loader import ConfigError  # not the package: config.run imports the trainer
-
     est = estimate_from_config(cfg, hf_config, world_size, **kwargs)
     if not est.fits:
         raise ConfigError("the colocated actor + SGLang engine do not fit one GPU:\n- "
