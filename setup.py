@@ -58,7 +58,7 @@ setup(
     entry_points={
         "console_scripts": [
             "dapo-train=dapo_megatron.train:main",
-            "dapo-rollout-server=dapo_megatron.rollout.server:main",
+            "dapo-rollout-server=dapo_megatron.rollout.engines.server:main",
         ],
     },
 )

@@ -80,11 +80,11 @@ class Run:
         from dapo_megatron.data import PromptStream, load_from_config, resolve_data_files
         from dapo_megatron.data.dataset import DataConfig
         from dapo_megatron.rewards import RewardPool
-        from dapo_megatron.rollout.buffer import BufferConfig, RolloutBuffer
-        from dapo_megatron.rollout.engine import SamplingParams
-        from dapo_megatron.rollout.hf_engine import HFEngine
-        from dapo_megatron.rollout.prompt_skip import PromptSkipConfig, PromptSkipper
-        from dapo_megatron.rollout.streaming import PromptQueue, StreamingCollector
+        from dapo_megatron.rollout.sampling.buffer import BufferConfig, RolloutBuffer
+        from dapo_megatron.rollout.engines.engine import SamplingParams
+        from dapo_megatron.rollout.engines.hf_engine import HFEngine
+        from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipConfig, PromptSkipper
+        from dapo_megatron.rollout.sampling.streaming import PromptQueue, StreamingCollector
 
         self.args, self.streaming = args, streaming
         self.tokenizer = AutoTokenizer.from_pretrained(hf_dir)
@@ -117,7 +117,7 @@ class Run:
 
     def _generate_batch(self):
         """(a): one whole generation batch, seeded by global prompt position (the trainer's rule)."""
-        from dapo_megatron.rollout.engine import completions_to_group
+        from dapo_megatron.rollout.engines.engine import completions_to_group
 
         records = self.stream.next_batch()
         first = self.gen_batches * self.args.gen_batch
@@ -131,7 +131,7 @@ class Run:
 
     def step(self, version: int) -> dict:
         """One step's rollout; the weights are re-synced as ``version`` first (not timed)."""
-        from dapo_megatron.rollout.streaming import EngineClient
+        from dapo_megatron.rollout.sampling.streaming import EngineClient
 
         self.engine.update_weights(list(self.engine.model.state_dict().items()), version=version)
         t0 = time.perf_counter()

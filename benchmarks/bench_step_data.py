@@ -1,4 +1,4 @@
-"""The step's data path alone, before and after ``rollout.step_data``: bytes moved and seconds per step.
+"""The step's data path alone, before and after ``rollout.plan.step_data``: bytes moved and seconds per step.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_step_data.py [--prompts 512 --n 16 --min-response 2048
         --max-response 20480 --dp 4 --mini-batch 32 --repeats 2 --token-scale 1.0]
@@ -9,7 +9,7 @@ groups. Response lengths are uniform in ``[min, max] × --token-scale`` tokens (
 prompts 64-512 tokens. Both paths get the same batch, generated where it is generated
 in a run: DP rank ``d`` holds the responses of prompts ``[d P / DP, (d + 1) P / DP)``.
 
-before: the path of the trainer before ``rollout.step_data`` (``dapo_megatron/trainer.py``
+before: the path of the trainer before ``rollout.plan.step_data`` (``dapo_megatron/trainer.py``
 at commit a92c2b1: ``_generate_groups``, ``DistributedGrader``, ``_old_logprobs``,
 ``train_step``), rebuilt here: ``all_gather_object`` of every rank's completions (token ids
 and logprobs as Python lists), grades of requests ``r::world`` all-gathered as dicts, a DP
@@ -17,10 +17,10 @@ split of all samples for the old logprobs, their all-gather over DP as Python li
 second DP split per mini-batch.
 
 after: the trainer's path (``DAPOTrainer._generate_groups`` / ``_route_and_old_logprobs``):
-:func:`~dapo_megatron.rollout.step_data.gather_groups` (int64 records),
-:class:`~dapo_megatron.rollout.step_data.DistributedGrader` (3 float64 per response
-all-reduced), :func:`~dapo_megatron.rollout.step_data.plan_step` once,
-:func:`~dapo_megatron.rollout.step_data.send_tokens` (each response once to the rank that
+:func:`~dapo_megatron.rollout.plan.step_data.gather_groups` (int64 records),
+:class:`~dapo_megatron.rollout.plan.step_data.DistributedGrader` (3 float64 per response
+all-reduced), :func:`~dapo_megatron.rollout.plan.step_data.plan_step` once,
+:func:`~dapo_megatron.rollout.plan.step_data.send_tokens` (each response once to the rank that
 trains it), old logprobs kept where computed, mismatch metrics pooled over DP.
 
 Not timed, the same in both: generating the responses, decoding and grading them (a grade
@@ -72,7 +72,7 @@ def _records(args):
 
 def _completions(args, k):
     """The ``n`` completions of prompt ``k`` (seeded by ``k``: the same wherever generated)."""
-    from dapo_megatron.rollout.engine import Completion
+    from dapo_megatron.rollout.engines.engine import Completion
 
     g = torch.Generator().manual_seed(args.seed * 100_003 + k)
     lo, hi = int(args.min_response * args.token_scale), int(args.max_response * args.token_scale)
@@ -152,9 +152,9 @@ def _all_gather_objects(obj, group=None):
 
 def path_before(args, par, records, local_completions):
     """The data path of the trainer at a92c2b1 (see the module docstring)."""
-    from dapo_megatron.rollout.buffer import logprob_mismatch_metrics
-    from dapo_megatron.rollout.dp_split import split_for_dp
-    from dapo_megatron.rollout.engine import completions_to_group
+    from dapo_megatron.rollout.sampling.buffer import logprob_mismatch_metrics
+    from dapo_megatron.rollout.plan.dp_split import split_for_dp
+    from dapo_megatron.rollout.engines.engine import completions_to_group
 
     # _generate_groups: every rank gets every completion
     local = [(par.dp_rank, i, k, comps) for i, (k, comps) in enumerate(local_completions)]
@@ -195,10 +195,10 @@ def path_before(args, par, records, local_completions):
 # --------------------------------------------------------------------------- after
 def path_after(args, par, records, local_completions):
     """The trainer's data path (``DAPOTrainer._generate_groups`` / ``_route_and_old_logprobs``)."""
-    from dapo_megatron.rollout.buffer import logprob_mismatch_metrics
-    from dapo_megatron.rollout.dp_split import split_for_dp
-    from dapo_megatron.rollout.engine import completions_to_group
-    from dapo_megatron.rollout.step_data import DistributedGrader, gather_groups, plan_step, send_tokens
+    from dapo_megatron.rollout.sampling.buffer import logprob_mismatch_metrics
+    from dapo_megatron.rollout.plan.dp_split import split_for_dp
+    from dapo_megatron.rollout.engines.engine import completions_to_group
+    from dapo_megatron.rollout.plan.step_data import DistributedGrader, gather_groups, plan_step, send_tokens
 
     local = []
     for i, (k, comps) in enumerate(local_completions):

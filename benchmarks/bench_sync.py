@@ -32,7 +32,7 @@ def _worker(args: argparse.Namespace, out_path: str) -> None:
     from dapo_megatron.bridge import ExportBuffers, iter_hf_weights
     from dapo_megatron.models import ModelConfig, build_gpt_model
     from dapo_megatron.platform import ParallelConfig, init_distributed
-    from dapo_megatron.rollout.hf_engine import HFEngine
+    from dapo_megatron.rollout.engines.hf_engine import HFEngine
 
     parallel = init_distributed(ParallelConfig(2, 1), seed=0)
     hf_config = LlamaConfig(

@@ -180,7 +180,7 @@ def _bench_prompts(steps: int):
     them (same data config, seed and shuffle), with their token ids."""
     from dapo_megatron.config import DAPOConfig, load_config
     from dapo_megatron.data import PromptStream, load_from_config, resolve_data_files
-    from dapo_megatron.rollout.factory import load_tokenizer
+    from dapo_megatron.rollout.engines.factory import load_tokenizer
 
     cfg = load_config(DAPOConfig, CONFIG, [f"model.hf_path={smollm2_dir()}"])
     tok = load_tokenizer(cfg.model.hf_path, cfg.model.gguf_file)

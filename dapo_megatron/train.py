@@ -136,7 +136,7 @@ def main(argv=None) -> int:
     # colocated: ranks per engine; server mode: every rank is its own (trainer) rank of the rollout
     rollout_tp = cfg.rollout.tensor_model_parallel_size if cfg.rollout.mode == "colocated" else 1
     if cfg.rollout.mode == "server":  # before the first NCCL communicator: the servers' NCCL_CUMEM_ENABLE
-        from dapo_megatron.rollout.sglang_env import align_nccl_with_sglang_server
+        from dapo_megatron.rollout.engines.sglang_env import align_nccl_with_sglang_server
 
         align_nccl_with_sglang_server()
     parallel = init_distributed(cfg.parallel, seed=cfg.trainer.seed, rollout_tp=rollout_tp)

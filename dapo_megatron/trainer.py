@@ -6,13 +6,13 @@ Every rank runs this same code under ``torchrun`` (SPMD). One step:
    is dealt over the rollout engines (colocated: one per group of
    ``rollout.tensor_model_parallel_size`` ranks; server mode: one per ``rollout.server_urls``
    entry, after a health check of every server); every rank gets the record of every response (lengths, finish reasons), the token lists stay
-   where they were generated (:mod:`~dapo_megatron.rollout.step_data`);
+   where they were generated (:mod:`~dapo_megatron.rollout.plan.step_data`);
 2. rewards: every rank grades the responses it generated in its killable grader pool and
-   the grades are all-reduced (:class:`~dapo_megatron.rollout.step_data.DistributedGrader`);
+   the grades are all-reduced (:class:`~dapo_megatron.rollout.plan.step_data.DistributedGrader`);
 3. buffer: dynamic sampling and overlong shaping run identically on every rank
-   (:class:`~dapo_megatron.rollout.buffer.RolloutBuffer`) until N groups are kept; with
+   (:class:`~dapo_megatron.rollout.sampling.buffer.RolloutBuffer`) until N groups are kept; with
    ``rollout.streaming`` the rollout runs in rounds, graded as groups finish and stopped once
-   N are kept (:class:`~dapo_megatron.rollout.streaming.StreamingCollector`: steps 1-3 at once);
+   N are kept (:class:`~dapo_megatron.rollout.sampling.streaming.StreamingCollector`: steps 1-3 at once);
 4. advantages: group-relative (:func:`~dapo_megatron.algorithms.compute_group_advantages`);
 5. the plan: every mini-batch split over DP ranks by token count once (reused by every PPO
    epoch), and each response's tokens sent to the DP rank that trains it; the old logprobs
@@ -145,16 +145,6 @@ class TrainerConfig:
 
 
 # --------------------------------------------------------------------------- helpers
-def _all_gather_objects(obj: Any, group=None) -> list[Any]:
-    """``all_gather_object`` over ``group`` (default: the world), in rank order."""
-    world = dist.get_world_size(group)
-    if world == 1:
-        return [obj]
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
 def _broadcast_object(obj: Any, src: int = 0) -> Any:
     """``obj`` of rank ``src`` on every rank."""
     box = [obj]
@@ -182,12 +172,10 @@ class DAPOTrainer:
         from dapo_megatron.actor import MegatronActor
         from dapo_megatron.bridge import load_hf_weights, open_hf_source
         from dapo_megatron.checkpointing import load_checkpoint
-        from dapo_megatron.data import PromptStream, load_from_config, resolve_data_files
+        from dapo_megatron.data import load_from_config, resolve_data_files
         from dapo_megatron.models import build_gpt_model, load_hf_config
-        from dapo_megatron.rewards import RewardPool
-        from dapo_megatron.rollout.buffer import RolloutBuffer
-        from dapo_megatron.rollout.factory import build_training_rollout, load_tokenizer
-        from dapo_megatron.rollout.step_data import DistributedGrader
+        from dapo_megatron.rollout.engines.factory import load_tokenizer
+        from dapo_megatron.rollout.rollout import build_rollout, check_rollout_fits, prompt_stream
         from dapo_megatron.run_dir import prepare_run_dir
         from dapo_megatron.tracking import ProgressBar, Tracker
 
@@ -216,32 +204,11 @@ class DAPOTrainer:
         cfg.data.train_files, cfg.data.val_files = list(files[0]), list(files[1])
         self.train_data = load_from_config(cfg.data, self.tokenizer, "train")
         self.val_data = load_from_config(cfg.data, self.tokenizer, "val")
-        b = cfg.buffer
-        if b.gen_batch_size % self.dp_size:
-            raise ValueError(f"buffer.gen_batch_size={b.gen_batch_size} must be divisible by the DP size "
-                             f"{self.dp_size}")
-        if cfg.rollout.streaming:  # every rank draws the same global batches: the decisions are replicated
-            self.stream = PromptStream(self.train_data, b.gen_batch_size, 0, 1, seed=cfg.data.seed,
-                                       shuffle=cfg.data.shuffle)
-        else:
-            self.stream = PromptStream(self.train_data, b.gen_batch_size // self.dp_size, self.dp_rank, self.dp_size,
-                                       seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+        stream = prompt_stream(cfg, parallel, self.train_data)
 
-        # model: Megatron actor (trains) and its HF twin in the engine (generates)
+        # model: Megatron actor (trains) and its HF twin in the rollout engines (generate)
         self.hf_config = load_hf_config(cfg.model.hf_path, cfg.model.gguf_file)
-        if cfg.rollout.mode == "colocated" and cfg.rollout.name == "sglang":  # the HF engine does not shard
-            from dapo_megatron.rollout.layout import check_rollout_tp_fits_model
-
-            check_rollout_tp_fits_model(self.hf_config, cfg.rollout.tensor_model_parallel_size)
-        if cfg.rollout.name == "sglang" and cfg.rollout.mode == "colocated" and torch.cuda.is_available():
-            # colocated actor + engine per GPU: stop now, not at the first OOM minutes later
-            from dapo_megatron.platform import device
-            from dapo_megatron.platform.memory import check_memory
-
-            gpu_bytes = torch.cuda.get_device_properties(device()).total_memory
-            estimate = check_memory(cfg, self.hf_config, self.world, gpu_bytes=gpu_bytes)
-            if self.rank == 0:
-                logger.info("%s", estimate.report())
+        check_rollout_fits(cfg, parallel, self.hf_config)
         model = build_gpt_model(self.hf_config, cfg.model, parallel=parallel)
         resuming = self.start.resuming
         if not resuming:  # a resumed run loads its weights from the checkpoint below
@@ -250,55 +217,20 @@ class DAPOTrainer:
         updates_per_step = cfg.actor.ppo_epochs * (cfg.buffer.train_batch_size // cfg.actor.ppo_mini_batch_size)
         self.actor = MegatronActor(model, cfg.actor, t.total_training_steps * updates_per_step,
                                    parallel=parallel, vocab_size=self.hf_config.vocab_size)
-        self.engine, self.num_engines, self.engine_index = build_training_rollout(cfg, self.tokenizer,
-                                                                                  self.hf_config, parallel)
-        self.server_mode = cfg.rollout.mode == "server"
-        # a CPU sync into fresh memory pays page faults worth several copies; on GPU the caching
-        # allocator reuses blocks, and kept buffers would be out of the engine's reach
-        from dapo_megatron.bridge import ExportBuffers
-
-        on_cpu = next(self.actor.model_chunks[0].parameters()).device.type == "cpu"
-        self._export_buffers = ExportBuffers() if on_cpu else None
-
-        # rewards and the dynamic-sampling buffer (replicated on every rank)
-        self.reward_pool = RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
-        self.reward_pool.wait_ready()
-        self.buffer = RolloutBuffer(b, DistributedGrader(self.reward_pool), self._decode)
-        self.collector = self.prompt_queue = None
-        if cfg.rollout.streaming:
-            from dapo_megatron.rollout.prompt_skip import PromptSkipper
-            from dapo_megatron.rollout.streaming import PromptQueue, StreamingCollector
-
-            if not self.engine.supports_async:
-                raise ValueError(f"rollout.streaming=true needs an engine with asynchronous generation; "
-                                 f"{type(self.engine).__name__} has none: set rollout.streaming=false")
-            self.collector = StreamingCollector(self.buffer, PromptSkipper(b.prompt_skip, seed=t.seed),
-                                                partial_rollout=cfg.rollout.partial_rollout,
-                                                poll_tokens=cfg.rollout.stream_poll_tokens)
-            self.prompt_queue = PromptQueue(self.stream.next_batch, b.gen_batch_size, self.train_data.__getitem__)
+        # engines, rewards, dynamic sampling: the rollout of this rank, whatever the layout
+        self.rollout = build_rollout(cfg, parallel, tokenizer=self.tokenizer, hf_config=self.hf_config,
+                                     train_data=self.train_data, val_data=self.val_data, stream=stream)
 
         self.step = 0
-        self.gen_batches_done = 0  # seeds the sampler: part of the resumable state
         mlflow_run_id = None
         if resuming:
             state = load_checkpoint(self.run_dir, self.actor.model_chunks, self.actor.optimizer,
                                     self.actor.scheduler, checkpoint_dir=self.start.checkpoint_dir)
             self.step = state["step"]
-            self.gen_batches_done = state["gen_batches_done"]
-            self.stream.load_state_dict(state["streams"][self.dp_rank])
-            self.buffer.load_state_dict(state["buffer"])
-            for g in self.buffer.surplus:  # every rank read the surplus' token lists from the checkpoint
-                for s in g.samples:
-                    s.holder = HELD_BY_ALL
-            if self.collector is not None:
-                if "streaming" not in state:
-                    raise ValueError(f"rollout.streaming=true but the checkpoint of step {self.step} was written by a "
-                                     "batch (non-streaming) run; resume it with rollout.streaming=false")
-                self.collector.load_state_dict(state["streaming"])
-                self.prompt_queue.load_state_dict(state["prompt_queue"])
+            self.rollout.load_state_dict(state)
             mlflow_run_id = state.get("mlflow_run_id")
             logger.info("resumed from step %d", self.step)
-        self._sync_weights()
+        self.rollout.sync_weights(self.actor, self.step)
 
         tracking = dataclasses.replace(cfg.tracking, run_id=cfg.tracking.run_id or mlflow_run_id)
         # verl's names: the MLflow experiment is the project, the run is the experiment
@@ -321,150 +253,13 @@ class DAPOTrainer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _sampling_params(self, *, n: int, temperature: float, top_p: float, seed: int):
-        from dapo_megatron.rollout.engine import SamplingParams
-
-        r = self.cfg.rollout
-        return SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=r.top_k,
-                              max_new_tokens=r.response_length, seed=seed)
-
-    def _engine_share(self, num_prompts: int) -> list[int]:
-        """The prompts (positions in a list every rank holds) this rank's engine samples."""
-        from dapo_megatron.rollout.layout import engine_share
-
-        if self.engine_index is None:
-            return []
-        return engine_share(num_prompts, self.num_engines, self.engine_index)
-
-    def _global_batch(self, indices: list[int]) -> list[int]:
-        """The dataset indices of the whole generation batch, every DP rank's ``indices`` in DP
-        order (all DP ranks read equally many); one int64 all-gather over the DP group."""
-        if self.dp_size == 1:
-            return list(indices)
-        from dapo_megatron.platform import collective_device
-
-        mine = torch.tensor(indices, dtype=torch.int64, device=collective_device(self.parallel.dp_group))
-        parts = [torch.empty_like(mine) for _ in range(self.dp_size)]
-        dist.all_gather(parts, mine, group=self.parallel.dp_group)
-        return torch.cat(parts).cpu().tolist()
-
-    def _generate_groups(self, records, params, first_group_id: int) -> list[Group]:
-        """Generate ``params.n`` responses for each prompt of the generation batch (every DP
-        rank's ``records``), dealt over the rollout engines, and return the groups: every rank
-        gets the same list of records, ordered by DP rank then prompt position, with consecutive
-        group ids; the token lists only where generated (:func:`~dapo_megatron.rollout.step_data.gather_groups`)."""
-        from dapo_megatron.rollout.engine import completions_to_group
-        from dapo_megatron.rollout.step_data import gather_groups
-
-        # the batch in global order (DP rank, position); position g seeds its responses, so the
-        # rollout depends neither on the actor's TP/PP/DP nor on the engines' layout
-        batch = self._global_batch([r.index for r in records])
-        mine = self._engine_share(len(batch))
-        prompts = [self.train_data[batch[g]].prompt_ids for g in mine]
-        outputs = self.engine.generate(prompts, params, [first_group_id + g for g in mine]) if mine else []
-        local = []
-        for g, completions in zip(mine, outputs):
-            rec = self.train_data[batch[g]]
-            local.append((0, g, completions_to_group(  # (0, g): ordered by global position
-                -1, rec.prompt_ids, completions, prompt_index=rec.index, data_source=rec.data_source,
-                ground_truth=rec.ground_truth, extra_info=rec.extra_info)))
-        groups = gather_groups(local, n=params.n, max_local=-(-len(batch) // self.num_engines),
-                               record_of=self.train_data.__getitem__)
-        version = self.engine.weight_version  # the same on every rank: the weights of the last sync
-        for k, g in enumerate(groups):
-            g.group_id = first_group_id + k
-            for s in g.samples:
-                s.group_id = g.group_id
-                s.versions = [(0, version)]
-        return groups
-
-    def _generate_batch(self) -> list[Group]:
-        """One generation batch for the buffer: ``buffer.gen_batch_size`` prompts × n."""
-        r = self.cfg.rollout
-        records = self.stream.next_batch()
-        params = self._sampling_params(n=self.cfg.buffer.n, temperature=r.temperature, top_p=r.top_p,
-                                       seed=self.cfg.trainer.seed)
-        first = self.gen_batches_done * self.cfg.buffer.gen_batch_size
-        self.gen_batches_done += 1
-        return self._generate_groups(records, params, first)
-
-    def _rollout_params(self):
-        r = self.cfg.rollout
-        return self._sampling_params(n=self.cfg.buffer.n, temperature=r.temperature, top_p=r.top_p,
-                                     seed=self.cfg.trainer.seed)
-
-    def _collect(self) -> tuple[list[Group], dict[str, float]]:
-        """Steps 1-3: the step's N groups, by whole generation batches or streamed; collective."""
-        if self.collector is None:
-            return self.buffer.collect(self._generate_batch, policy_version=self.step)
-        groups, metrics = self.collector.collect(_RankRows(self, self._rollout_params()), self.prompt_queue,
-                                                 policy_version=self.step)
-        self.gen_batches_done = self.prompt_queue.fetched
-        return groups, metrics
-
-    def _free_allocator_cache(self) -> None:
-        """Hand the actor's cached-but-free GPU blocks back to the driver.
-
-        SGLang maps its weights and KV cache outside PyTorch's caching allocator
-        (torch_memory_saver), so blocks the actor freed but the allocator still caches are
-        invisible to it: wait for the actor's last kernels (synchronize), then empty the
-        cache. Called before every wake-up and weight sync of the engine, on every rank; with
-        rollout TP > 1 the group then waits for its slowest rank, because the leader's engine
-        maps memory on every GPU of the group (collective over ``parallel.rollout_group``)."""
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-        if self.parallel.rollout_group is not None:
-            torch.distributed.barrier(group=self.parallel.rollout_group)
-
-    def _wake_engine(self) -> None:
-        """Give the engine its memory back before generating, with valid weights.
-
-        A wake-up that leaves the weights invalid (released by ``sleep`` without a backup
-        and not synced since, see ``RolloutEngine.weights_valid``) is followed by a full
-        re-sync, so no rollout ever samples from garbage. Collective: every rank re-syncs
-        when any engine needs it (the sync gathers over the model-parallel group)."""
-        self._free_allocator_cache()
-        self.engine.wake_up()
-        lost = any(_all_gather_objects(not self.engine.weights_valid))
-        if lost:
-            logger.warning("a rollout engine woke up without valid weights; re-syncing weight version %d",
-                           self.step)
-            self._sync_weights()
-
-    def _sync_weights(self) -> float:
-        """Megatron shards → HF tensors (bucketed, collective) → this rank's engine, or, in
-        server mode, from one rank per pipeline stage into the servers. Returns the bytes sent."""
-        from dapo_megatron.bridge import iter_hf_weights
-
-        self._free_allocator_cache()
-        bucket = self.cfg.rollout.update_weights_bucket_megabytes * 2**20
-        if self.server_mode:  # the stage's own tensors (no PP broadcast); DP > 0 ranks hold copies
-            stream = (iter_hf_weights(self.actor.model_chunks, parallel=self.parallel, bucket_bytes=bucket,
-                                      pp_broadcast=False, buffers=self._export_buffers) if self.dp_rank == 0 else None)
-            return float(sum(_all_gather_objects(self.engine.sync(stream, version=self.step))))
-        nbytes = 0
-
-        def counted(it):
-            nonlocal nbytes
-            for name, tensor in it:
-                nbytes += tensor.numel() * tensor.element_size()
-                yield name, tensor
-                del tensor  # held by nothing when the bridge produces the next: it reuses the memory
-
-        self.engine.update_weights(
-            counted(iter_hf_weights(self.actor.model_chunks, parallel=self.parallel, bucket_bytes=bucket,
-                                    buffers=self._export_buffers)),
-            version=self.step)
-        return float(nbytes)
-
     def _route_and_old_logprobs(self, groups: list[Group], samples: list[Sample], recompute: bool = True):
-        """The step's plan (:func:`~dapo_megatron.rollout.step_data.plan_step`), each sample's
+        """The step's plan (:func:`~dapo_megatron.rollout.plan.step_data.plan_step`), each sample's
         tokens sent to the ranks of the DP rank that trains it, and ``Sample.old_logprobs``
         filled there (``recompute``; else left for the training forward); collective. Returns ``(plan, mine)``: the plan and the indices into
         ``samples`` of this DP rank's samples."""
-        from dapo_megatron.rollout.dp_split import split_for_dp
-        from dapo_megatron.rollout.step_data import plan_step, send_tokens
+        from dapo_megatron.rollout.plan.dp_split import split_for_dp
+        from dapo_megatron.rollout.plan.step_data import plan_step, send_tokens
 
         actor, share = self.cfg.actor, self.actor.plan.shares_prompts
         plan = plan_step(groups, actor.ppo_mini_batch_size, self.dp_size, actor.ppo_max_token_len_per_gpu,
@@ -489,7 +284,7 @@ class DAPOTrainer:
         ``measured``: this DP rank's samples of ``batch`` with the actor's ``old_logprobs``; which
         parts are reported is decided from ``batch`` (versions are replicated), so every DP rank
         makes the same calls."""
-        from dapo_megatron.rollout.buffer import logprob_mismatch_metrics, split_fresh_stale
+        from dapo_megatron.rollout.sampling.buffer import logprob_mismatch_metrics, split_fresh_stale
 
         group = self.parallel.dp_group
         metrics.update(logprob_mismatch_metrics(measured, group=group))
@@ -509,20 +304,19 @@ class DAPOTrainer:
 
         # 1-3. rollout, rewards, dynamic sampling
         t0 = time.perf_counter()
-        if self.server_mode:  # a dead server stops the step here, named, not in a hung request
-            self.engine.check_health()
-        self._wake_engine()
-        groups, rollout_metrics = self._collect()
-        self.engine.sleep()  # weights too: the actor needs the memory; step 7 syncs them back
+        self.rollout.check_health()  # a dead server stops the step here, named, not in a hung request
+        self.rollout.wake()
+        batch = self.rollout.collect(self.step)
+        self.rollout.sleep()  # weights too: the actor needs the memory; step 7 syncs them back
         timing["gen"] = time.perf_counter() - t0
-        metrics.update(rollout_metrics)
-        samples = [s for g in groups for s in g.samples]
+        metrics.update(batch.metrics)
+        groups, samples = batch.groups, batch.samples
         if not samples:  # on_cap="train_on_kept" with nothing kept: no update this step
             logger.warning("step %d: no group with mixed accuracy was kept; skipping the update", self.step + 1)
             self.step += 1
             # weights unchanged, but relabelled as version step: the next step's samples are fresh
             # (engine version == policy version), not one version stale and corrected as such
-            self._sync_weights()
+            self.rollout.sync_weights(self.actor, self.step)
             metrics["actor/skipped_no_groups"] = 1.0
             self._last_samples = []
             return metrics
@@ -592,7 +386,7 @@ class DAPOTrainer:
         # 7. weight sync into the engine
         t0 = time.perf_counter()
         self.step += 1
-        nbytes = self._sync_weights()
+        nbytes = self.rollout.sync_weights(self.actor, self.step)
         timing["sync"] = time.perf_counter() - t0
 
         if "rollout/gen_tokens" in metrics:  # absent when the step trained carried groups only
@@ -610,56 +404,9 @@ class DAPOTrainer:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:
-        """avg@k and pass@k (k = ``rollout.val_n``) on the distinct problems of the validation set.
-
-        Validation samples ``rollout.val_n`` responses per DISTINCT problem: rows that are
-        copies of one problem (equal ``data_source``, chat-templated prompt ids and ground
-        truth; :func:`dapo_megatron.data.dataset.unique_prompts`) count once. The AIME 2024
-        parquet holds 30 problems × 32 copies, so ``val_n=32`` is the paper's avg@32 over
-        30 × 32 samples, not 960 × 32. ``rollout.val_max_prompts`` (> 0) keeps the first M
-        distinct problems (in file order of their first copy).
-
-        Problems are dealt round-robin over the rollout engines
-        (:func:`~dapo_megatron.rollout.layout.engine_share`; ``rollout.val_temperature`` / ``val_top_p`` / ``top_k``, at most
-        ``rollout.response_length`` new tokens); response j of problem i is seeded by
-        ``(trainer.seed + 7919 * step, i, j)``, so the samples do not depend on the world
-        size. Responses are decoded with ``skip_special_tokens=True`` and graded (0/1
-        ``acc``) by this rank's reward pool. Collective: call it on every rank.
-
-        Returns:
-            :func:`dapo_megatron.metrics.compute_val_metrics` with ``k = val_n``:
-            ``val/avg@k`` (mean over problems of the mean accuracy of their ``val_n``
-            samples), ``val/pass@k`` (unbiased estimator), ``val/num_prompts`` (distinct
-            problems evaluated) and the same per ``data_source``; identical on all ranks.
-        """
-        from dapo_megatron.data.dataset import unique_prompts
-        from dapo_megatron.metrics import compute_val_metrics
-
-        r = self.cfg.rollout
-        problems = [rec for rec, _ in unique_prompts(self.val_data.records)]
-        if r.val_max_prompts > 0:
-            problems = problems[:r.val_max_prompts]
-        mine = self._engine_share(len(problems))
-        params = self._sampling_params(n=r.val_n, temperature=r.val_temperature, top_p=r.val_top_p,
-                                       seed=self.cfg.trainer.seed + 7919 * self.step)
-        self._wake_engine()
-        outputs = self.engine.generate([problems[i].prompt_ids for i in mine], params, mine) if mine else []
-        self.engine.sleep(keep_weights=True)  # no update before the next rollout: the weights stay valid
-        requests, owners = [], []
-        for i, comps in zip(mine, outputs):
-            rec = problems[i]
-            for c in comps:
-                requests.append((rec.data_source, self._decode(c.response_ids), rec.ground_truth, rec.extra_info))
-                owners.append(i)
-        results = self.reward_pool.grade(requests) if requests else []
-        local: dict[int, list[float]] = {}
-        for i, res in zip(owners, results):
-            local.setdefault(i, []).append(1.0 if res["acc"] else 0.0)
-        accs: dict[int, list[float]] = {}
-        for part in _all_gather_objects(local):
-            accs.update(part)
-        order = sorted(accs)
-        return compute_val_metrics([problems[i].data_source for i in order], [accs[i] for i in order], k=r.val_n)
+        """avg@k / pass@k on the validation set at the current weights
+        (:meth:`~dapo_megatron.rollout.rollout.Rollout.validate`); collective."""
+        return self.rollout.validate(self.step)
 
     # ------------------------------------------------------------------ checkpoint
     def save(self) -> None:
@@ -667,24 +414,9 @@ class DAPOTrainer:
         collective."""
         from dapo_megatron.bridge.dist_ckpt import write_model_meta
         from dapo_megatron.checkpointing import save_checkpoint
-        from dapo_megatron.rollout.step_data import gather_preds, send_tokens
 
-        # rank 0 writes the trainer state: it needs the surplus groups whole (their token lists and
-        # extracted answers are on the ranks that generated them)
-        surplus = [s for g in self.buffer.surplus for s in g.samples]
-        send_tokens(surplus, [(0,)] * len(surplus))
-        gather_preds(surplus, dst=0)
-        # ranks of one DP rank read the same prompts: keep one reader position per DP rank
-        by_dp = dict(_all_gather_objects((self.dp_rank, self.stream.state_dict())))
-        state = {
-            "step": self.step,
-            "gen_batches_done": self.gen_batches_done,
-            "streams": [by_dp[d] for d in range(self.dp_size)],
-            "buffer": self.buffer.state_dict(),
-            **({"streaming": self.collector.state_dict(), "prompt_queue": self.prompt_queue.state_dict()}
-               if self.collector is not None else {}),
-            "mlflow_run_id": self.tracker.run_id,
-        }
+        # rank 0 writes the trainer state
+        state = {"step": self.step, **self.rollout.state_dict(), "mlflow_run_id": self.tracker.run_id}
         save_checkpoint(self.run_dir, self.step, self.actor.model_chunks, self.actor.optimizer,
                         self.actor.scheduler, state, max_ckpt_to_keep=self.cfg.trainer.max_ckpt_to_keep,
                         parallel=self.parallel,
@@ -739,31 +471,6 @@ class DAPOTrainer:
         finally:
             self.progress.close()
             self.tracker.finish()
-            self.reward_pool.close()
+            self.rollout.close()
         return last
 
-
-class _RankRows:
-    """The streamed rollout's :class:`~dapo_megatron.rollout.streaming.RowClient` over every rank's
-    engine; each call is a collective. Group ``g`` runs on rank ``g.prompt_seed % world`` (its
-    ``n`` rows share one prefill there), continued rows included; the rows that finished or
-    were aborted on any rank are all-gathered, so every rank sees every result."""
-
-    def __init__(self, trainer: DAPOTrainer, params):
-        self.trainer, self.params = trainer, params
-
-    def submit(self, rows) -> None:
-        from dapo_megatron.rollout.streaming import row_request
-
-        t = self.trainer
-        mine = [row_request(g, j, self.params) for g, j in rows if g.prompt_seed % t.world == t.rank]
-        if mine:
-            t.engine.submit(mine)
-
-    def poll(self, max_tokens: int):
-        t = self.trainer
-        local = t.engine.poll(max_tokens) if t.engine.num_in_flight else []
-        return [r for part in _all_gather_objects(local) for r in part]
-
-    def abort(self):
-        return [r for part in _all_gather_objects(self.trainer.engine.abort()) for r in part]

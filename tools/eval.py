@@ -50,7 +50,7 @@ FILE.jsonl`` writes one JSON object per prompt (see :func:`prompt_record`). Bad 
 a missing or damaged model / checkpoint file) is one line, ``eval: error: ...``, exit status 2.
 
 Sampling is reproducible: response j of prompt i uses the sampler seed
-``sample_seed(--seed, i, j)`` (:func:`dapo_megatron.rollout.engine.sample_seed`), so the
+``sample_seed(--seed, i, j)`` (:func:`dapo_megatron.rollout.engines.engine.sample_seed`), so the
 samples do not depend on ``--batch-size``.
 """
 
@@ -288,14 +288,14 @@ def _run_tool(cmd: list[str], what: str) -> None:
 
 
 def engine_spec(cfg: EvalConfig, hf_dir: str, gguf_file: Optional[str], tokenizer):
-    """The :class:`~dapo_megatron.rollout.factory.EngineSpec` of ``--engine`` on the model: its
-    weights loaded, stopping on :func:`~dapo_megatron.rollout.factory.stop_token_ids` (the
+    """The :class:`~dapo_megatron.rollout.engines.factory.EngineSpec` of ``--engine`` on the model: its
+    weights loaded, stopping on :func:`~dapo_megatron.rollout.engines.factory.stop_token_ids` (the
     trainer's engine stops on the same tokens), float32 on CPU / bfloat16 on CUDA unless
     ``--dtype``, SGLang without the memory saver (nothing else shares the GPU here)."""
     import torch
     from transformers import AutoConfig
 
-    from dapo_megatron.rollout.factory import EngineSpec, stop_token_ids
+    from dapo_megatron.rollout.engines.factory import EngineSpec, stop_token_ids
 
     hf_config = AutoConfig.from_pretrained(hf_dir, **({"gguf_file": gguf_file} if gguf_file else {}))
     dtype_name = cfg.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")
@@ -402,8 +402,8 @@ def evaluate(cfg: EvalConfig) -> tuple[dict[str, float], list[dict]]:
     from dapo_megatron.data.dataset import load_prompt_dataset
     from dapo_megatron.metrics import compute_val_metrics
     from dapo_megatron.rewards import RewardPool
-    from dapo_megatron.rollout.engine import SamplingParams
-    from dapo_megatron.rollout.factory import build_engine, load_tokenizer
+    from dapo_megatron.rollout.engines.engine import SamplingParams
+    from dapo_megatron.rollout.engines.factory import build_engine, load_tokenizer
 
     cfg.validate()
     workdir = tempfile.mkdtemp(prefix="dapo_eval_")

@@ -42,7 +42,7 @@ whose optimizer shards go over ``EDP = world / (ETP × EP × PP)`` instead of DP
   (``pool_configurator.py`` ``_compute_cell_size``); the pool must hold at least one
   sequence of ``data.max_prompt_length + rollout.response_length`` tokens.
   ``F0`` is the memory free when the engine starts: the engine is built after
-  ``torch.cuda.empty_cache()`` on every GPU of its group (``rollout/sglang_env.py``
+  ``torch.cuda.empty_cache()`` on every GPU of its group (``rollout/engines/sglang_env.py``
   ``release_allocator_cache``), so the actor's cached-but-free blocks do not shrink it;
   ``allocator_cache_bytes`` (0) is what a caller that skips that step would subtract.
 * overhead: CUDA contexts of the trainer and of SGLang's scheduler, NCCL buffers,
@@ -53,7 +53,7 @@ whose optimizer shards go over ``EDP = world / (ETP × EP × PP)`` instead of DP
   scheduler captured them under the memory saver, i.e. with
   ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1`` in its environment (sglang 0.5.11
   ``model_executor/cuda_graph_runner.py``; the colocated engine sets it unless the user set
-  it, ``rollout/sglang_env.py``); otherwise they stay resident through training and the
+  it, ``rollout/engines/sglang_env.py``); otherwise they stay resident through training and the
   sync (``cuda_graphs_released=False``: the ``cuda_graphs_resident`` term).
 
 Phases (the engine sleeps while the actor trains):
@@ -249,7 +249,7 @@ def estimate_memory(
             docstring (``cuda_graph_bytes`` is the part of ``engine_runtime_bytes`` that sleep
             releases only under ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1``).
         cuda_graphs_released: sleep frees the engine's CUDA graphs
-            (:func:`dapo_megatron.rollout.sglang_env.cuda_graphs_released`); False adds them to
+            (:func:`dapo_megatron.rollout.engines.sglang_env.cuda_graphs_released`); False adds them to
             the train and sync phases.
         allocator_cache_bytes: the actor's cached-but-free CUDA blocks when the engine starts
             (0: the engine starts after ``empty_cache``).
@@ -375,7 +375,7 @@ def estimate_from_config(cfg, hf_config, world_size: int, *, rollout_tp: Optiona
     if rollout_tp is None:
         rollout_tp = cfg.rollout.tensor_model_parallel_size
     if "cuda_graphs_released" not in kwargs:  # what the colocated engine's children will get
-        from dapo_megatron.rollout.sglang_env import cuda_graphs_released
+        from dapo_megatron.rollout.engines.sglang_env import cuda_graphs_released
 
         kwargs["cuda_graphs_released"] = cuda_graphs_released()
     return estimate_memory(

@@ -1,22 +1,23 @@
-"""Rollout: engines (transformers on CPU, SGLang on GPU), sampling params, weight-sync
-buckets, the dynamic-sampling buffer and the DP split of a training batch.
+"""Rollout: engines and their weight transports (:mod:`.engines`), dynamic sampling
+(:mod:`.sampling`) and the step's data plan (:mod:`.plan`); :mod:`.types` (Sample, Group) and
+:mod:`.config` (RolloutConfig) are shared by all three. Rooms: docs/design.md, "The rollout rooms".
 
 ``sglang`` itself is imported only when an SGLang engine is constructed.
 """
 
-from dapo_megatron.rollout.buckets import bucket_metadata, iter_buckets
-from dapo_megatron.rollout.buffer import BufferConfig, RolloutBuffer, logprob_mismatch_metrics
 from dapo_megatron.rollout.config import RolloutConfig
-from dapo_megatron.rollout.dp_split import padding_stats, split_for_dp
-from dapo_megatron.rollout.engine import (
+from dapo_megatron.rollout.engines.buckets import bucket_metadata, iter_buckets
+from dapo_megatron.rollout.engines.engine import (
     Completion,
     GenerationOutput,
     RolloutEngine,
     SamplingParams,
     completions_to_group,
 )
-from dapo_megatron.rollout.hf_engine import HFEngine
-from dapo_megatron.rollout.sglang_engine import SGLangEngine, SGLangServerEngine
+from dapo_megatron.rollout.engines.hf_engine import HFEngine
+from dapo_megatron.rollout.engines.sglang_engine import SGLangEngine, SGLangServerEngine
+from dapo_megatron.rollout.plan.dp_split import padding_stats, split_for_dp
+from dapo_megatron.rollout.sampling.buffer import BufferConfig, RolloutBuffer, logprob_mismatch_metrics
 from dapo_megatron.rollout.types import Group, Sample
 
 __all__ = [

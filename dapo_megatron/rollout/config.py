@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from dapo_megatron.rollout.engines.sglang_engine import check_engine_kwargs
+
 
 @dataclass
 class RolloutConfig:
@@ -64,7 +66,7 @@ class RolloutConfig:
     generation (PyTorch sampler, batch-invariant kernels, no piecewise CUDA graphs). False: GPU
     rollouts are not seed-reproducible (the HF engine always is)."""
     streaming: bool = False
-    """streaming dynamic sampling (``rollout/streaming.py``): groups graded as their responses
+    """streaming dynamic sampling (``rollout/sampling/streaming.py``): groups graded as their responses
     finish, new prompts submitted as the keep rate says they are needed, the step's rollout
     stopped as soon as ``buffer.train_batch_size`` groups are kept. False: whole generation
     batches of ``buffer.gen_batch_size`` prompts (verl's dynamic sampling)."""
@@ -112,7 +114,7 @@ class RolloutConfig:
         for key in ("server_timeout_s", "server_generate_timeout_s"):  # checked in every mode: a typo waits
             if not getattr(self, key) > 0:
                 raise ValueError(f"{key}={getattr(self, key)!r} must be > 0 seconds")
-        # the engines' SamplingParams domains (rollout/engine.py), checked before any engine exists
+        # the engines' SamplingParams domains (rollout/engines/engine.py), checked before any engine exists
         for key in ("temperature", "val_temperature"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"{key}={getattr(self, key)!r} must be > 0 (the logits are divided by it; "
@@ -134,7 +136,7 @@ class RolloutConfig:
             raise ValueError("partial_rollout=true needs streaming=true (only a streamed rollout stops with responses "
                              "in flight)")
         if self.streaming and (self.mode != "colocated" or self.tensor_model_parallel_size != 1):
-            # the streamed rollout submits each group to its own rank's engine (trainer._RankRows);
+            # the streamed rollout submits each group to its own rank's engine (rollout.rollout._RankRows);
             # rollout groups (one engine over several ranks) and servers are not wired into it yet
             raise ValueError(f"streaming=true runs on one colocated engine per rank (mode='colocated', "
                              f"tensor_model_parallel_size=1); got mode={self.mode!r}, tensor_model_parallel_size="
@@ -148,6 +150,4 @@ class RolloutConfig:
             raise ValueError(f"engine_kwargs={self.engine_kwargs} apply to the 'sglang' engine only "
                              f"(name={self.name!r})")
         if self.engine_kwargs:
-            from dapo_megatron.rollout.sglang_engine import check_engine_kwargs
-
             check_engine_kwargs(self.engine_kwargs, key="engine_kwargs")

@@ -1,7 +1,7 @@
 """Plain data records that travel between the rollout engine, the buffer and the actor.
 
 They hold python lists, not tensors: a rollout is variable-length by nature, and is packed
-into tensors only where it crosses ranks (:mod:`dapo_megatron.rollout.step_data`) and when
+into tensors only where it crosses ranks (:mod:`dapo_megatron.rollout.plan.step_data`) and when
 the actor builds its micro-batches. In a distributed step every rank holds a
 :class:`Sample` of every response, but its token lists (``response_ids``,
 ``rollout_logprobs``) only where they are needed: on the rank that generated it
@@ -128,7 +128,7 @@ class Group:
     """The G responses sampled for one prompt (a GRPO/DAPO group).
 
     ``prompt_seed``: the prompt's global position in the run, which seeds its responses
-    (``rollout.engine.sample_seed``); -1 when unknown. A streamed group in flight keeps it to
+    (``rollout.engines.engine.sample_seed``); -1 when unknown. A streamed group in flight keeps it to
     continue its partial responses."""
 
     group_id: int

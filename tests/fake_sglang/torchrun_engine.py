@@ -1,5 +1,5 @@
 """One torchrun worker that builds a colocated SGLang engine the way the trainer and
-``tools/eval.py`` do (``rollout.factory.build_engine`` -> ``SGLangEngine`` -> ``sglang.Engine``)
+``tools/eval.py`` do (``rollout.engines.factory.build_engine`` -> ``SGLangEngine`` -> ``sglang.Engine``)
 and writes what happened to ``OUT_DIR/rank<r>.json``.
 
     torchrun --standalone --nproc_per_node 2 tests/fake_sglang/torchrun_engine.py OUT_DIR MODEL_DIR \\
@@ -38,7 +38,7 @@ BUCKET_BYTES = 2**16
 
 
 def _alive(pid: int) -> bool:
-    from dapo_megatron.rollout.sglang_env import pid_alive
+    from dapo_megatron.rollout.engines.sglang_env import pid_alive
 
     return pid_alive(pid)
 
@@ -69,8 +69,8 @@ def _sync_with_readback(engine, model_dir, report) -> None:
     reads it shows as a changed earlier bucket."""
     import torch
 
-    from dapo_megatron.rollout.engine_group import sync_flat_buckets
-    from dapo_megatron.rollout.flat_bucket import FlatBucketPacker
+    from dapo_megatron.rollout.engines.engine_group import sync_flat_buckets
+    from dapo_megatron.rollout.engines.flat_bucket import FlatBucketPacker
 
     device = torch.device("cuda", engine.base_gpu_id) if torch.cuda.is_available() else torch.device("cpu")
     named = _sync_stream(model_dir)
@@ -124,7 +124,7 @@ def main() -> int:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     from dapo_megatron.rewards import RewardPool
-    from dapo_megatron.rollout.factory import EngineSpec, build_engine
+    from dapo_megatron.rollout.engines.factory import EngineSpec, build_engine
 
     pool = RewardPool(num_workers=1, timeout_s=30)
     pool.wait_ready()

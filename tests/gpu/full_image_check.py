@@ -53,8 +53,8 @@ def check_engines(workdir: str) -> None:
     import torch.distributed as dist
 
     from dapo_megatron.platform import init_distributed, local_device_index
-    from dapo_megatron.rollout.engine import InvalidWeightsError, SamplingParams
-    from dapo_megatron.rollout.sglang_engine import SGLangEngine
+    from dapo_megatron.rollout.engines.engine import InvalidWeightsError, SamplingParams
+    from dapo_megatron.rollout.engines.sglang_engine import SGLangEngine
     from test_sglang_contract import PROMPTS, tiny_checkpoint
 
     init_distributed()

@@ -156,8 +156,8 @@ def check_sync_parity(fam: Family, actor):
 
     from dapo_megatron.bridge import export_hf_state_dict, iter_hf_weights
     from dapo_megatron.platform import device
-    from dapo_megatron.rollout.engine import SamplingParams
-    from dapo_megatron.rollout.hf_engine import HFEngine
+    from dapo_megatron.rollout.engines.engine import SamplingParams
+    from dapo_megatron.rollout.engines.hf_engine import HFEngine
     from dapo_megatron.rollout.types import Sample
 
     # an engine with its own random weights, replaced by the sync

@@ -72,7 +72,7 @@ def logprob_gaps(outputs, prompts, model, temperature):
 
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
-    from dapo_megatron.rollout.sglang_engine import SGLangEngine
+    from dapo_megatron.rollout.engines.sglang_engine import SGLangEngine
 
     path = tmp_path_factory.mktemp("tiny_llama")
     model = tiny_checkpoint(path, seed=0)
@@ -86,7 +86,7 @@ PROMPTS = [[1, 17, 40, 99], [1, 5], [1, 300, 301, 302, 303, 7]]
 
 
 def test_generate_logprobs_follow_the_sampling_temperature(engine):
-    from dapo_megatron.rollout.engine import SamplingParams
+    from dapo_megatron.rollout.engines.engine import SamplingParams
 
     eng, model = engine
     out = eng.generate(PROMPTS, SamplingParams(n=3, temperature=T, max_new_tokens=12, seed=1))
@@ -98,7 +98,7 @@ def test_generate_logprobs_follow_the_sampling_temperature(engine):
 
 
 def test_update_weights_then_generate_follows_the_new_weights(engine, tmp_path):
-    from dapo_megatron.rollout.engine import InvalidWeightsError, SamplingParams
+    from dapo_megatron.rollout.engines.engine import InvalidWeightsError, SamplingParams
 
     eng, old = engine
     new = tiny_checkpoint(tmp_path / "new", seed=3)

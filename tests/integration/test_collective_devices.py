@@ -69,10 +69,10 @@ def _run_layout(out_dir, tp, pp):
     from dapo_megatron.checkpointing import save_checkpoint
     from dapo_megatron.models import ModelConfig, build_gpt_model
     from dapo_megatron.platform import init_distributed
-    from dapo_megatron.rollout.buffer import BufferConfig, RolloutBuffer, logprob_mismatch_metrics
-    from dapo_megatron.rollout.dp_split import split_for_dp
-    from dapo_megatron.rollout.hf_engine import HFEngine
-    from dapo_megatron.rollout.step_data import DistributedGrader, gather_groups, plan_step, send_tokens
+    from dapo_megatron.rollout.sampling.buffer import BufferConfig, RolloutBuffer, logprob_mismatch_metrics
+    from dapo_megatron.rollout.plan.dp_split import split_for_dp
+    from dapo_megatron.rollout.engines.hf_engine import HFEngine
+    from dapo_megatron.rollout.plan.step_data import DistributedGrader, gather_groups, plan_step, send_tokens
     from transformers import AutoModelForCausalLM
 
     real_backend, real_device, real_current = pdist.group_backend, pdist.device, torch.cuda.current_device
@@ -95,7 +95,7 @@ def _run_layout(out_dir, tp, pp):
         cfg = ActorConfig(ppo_max_token_len_per_gpu=48, optim=OptimConfig(lr=1e-3))
         actor = MegatronActor(model, cfg, total_steps=4, parallel=par, vocab_size=hf_config.vocab_size)
 
-        # the trainer's steps 1-6 (DAPOTrainer._generate_groups, the buffer's grading,
+        # the trainer's steps 1-6 (Rollout._generate_groups, the buffer's grading,
         # _route_and_old_logprobs, train_step): DP rank d holds prompts d::DP, its model-parallel
         # rank m generates positions m::MP of them
         all_groups, records = _prompt_groups(hf_config.vocab_size)
@@ -183,10 +183,10 @@ def test_every_collective_tensor_is_on_its_groups_device(spied, tp, pp):
             assert any(c[0] == "broadcast" and c[4].startswith("dapo_megatron/actor/actor.py") for c in tensor_calls)
             assert any(c[0] == "batch_isend_irecv" for c in tensor_calls), sites
         # the step data path over the world: records gathered, grades all-reduced, tokens routed
-        data_path = {c[0] for c in tensor_calls if c[4].startswith("dapo_megatron/rollout/step_data.py")}
+        data_path = {c[0] for c in tensor_calls if c[4].startswith("dapo_megatron/rollout/plan/step_data.py")}
         assert {"all_gather", "all_reduce", "all_to_all_single"} <= data_path, data_path
         if tp * pp == 1:  # DP=2: the rollout-vs-actor mismatch pooled over DP (a DP group of one skips it)
-            assert any(c[0] == "all_reduce" and c[4].startswith("dapo_megatron/rollout/buffer.py")
+            assert any(c[0] == "all_reduce" and c[4].startswith("dapo_megatron/rollout/sampling/buffer.py")
                        for c in tensor_calls)
         # and it fails where it should: the planted host tensor is flagged
         assert res["planted"] == [("all_reduce", False, ["cpu"])]

@@ -52,12 +52,12 @@ def _worker(hf_dir, out_dir):
 
 
 def _run(hf_dir, out_dir, variant):
-    import dapo_megatron.rollout.factory as factory
+    import dapo_megatron.rollout.engines.factory as factory
     import dapo_megatron.trainer as trainer_mod
     from dapo_megatron.bridge import export_hf_state_dict
     from dapo_megatron.config import DAPOConfig, load_config
     from dapo_megatron.platform import init_distributed
-    from dapo_megatron.rollout.hf_engine import HFEngine
+    from dapo_megatron.rollout.engines.hf_engine import HFEngine
 
     events = []
     holder = {}
@@ -111,7 +111,7 @@ def _run(hf_dir, out_dir, variant):
     parallel = init_distributed(cfg.parallel, seed=cfg.trainer.seed)
     trainer = trainer_mod.DAPOTrainer(cfg, parallel)
     holder["trainer"] = trainer
-    buffers, allocations = trainer._export_buffers, []
+    buffers, allocations = trainer.rollout.export_buffers, []
     real_bucket = buffers.bucket
 
     def counting_bucket(like, numel, capacity):

@@ -184,7 +184,7 @@ def test_h100_layout_fits_the_model(size, monkeypatch):
     assert (tc.recompute_granularity, tc.recompute_method, tc.recompute_num_layers) == ("full", "uniform", 1)
     assert tc.sequence_parallel == (tp > 1), "sequence parallel wherever the actor's TP > 1"
     # the rollout: engines of rollout TP GPUs within a node, sharding the heads as SGLang does
-    from dapo_megatron.rollout.layout import check_rollout_tp_fits_model
+    from dapo_megatron.rollout.engines.layout import check_rollout_tp_fits_model
 
     rollout_tp = cfg.rollout.tensor_model_parallel_size
     assert cfg.rollout.mode == "colocated" and rollout_tp == {"7b": 2, "32b": 8}[size]

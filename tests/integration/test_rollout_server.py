@@ -1,4 +1,4 @@
-"""``dapo-rollout-server`` (dapo_megatron/rollout/server.py): a real server process on a tiny random
+"""``dapo-rollout-server`` (dapo_megatron/rollout/engines/server.py): a real server process on a tiny random
 model, driven through the project's own SGLang client functions.
 
 What it must get right, each checked against a value computed here independently: the
@@ -20,8 +20,8 @@ from datetime import timedelta
 import pytest
 import torch
 
-from dapo_megatron.rollout.engine import RowRequest, SamplingParams
-from dapo_megatron.rollout.sglang_engine import (build_generate_request, build_row_request, http_get, http_post,
+from dapo_megatron.rollout.engines.engine import RowRequest, SamplingParams
+from dapo_megatron.rollout.engines.sglang_engine import (build_generate_request, build_row_request, http_get, http_post,
                                                  init_custom_process_group, parse_generate_output, parse_row_output)
 from rollout_server import RolloutServer, free_port, save_tiny_model
 
@@ -224,9 +224,9 @@ def _weights(url, name, numel_rows):
 def test_weight_update_over_gloo_is_bitwise_and_generation_uses_it(server, model_dir):
     from transformers import AutoModelForCausalLM
 
-    from dapo_megatron.rollout.buckets import dtype_name
-    from dapo_megatron.rollout.flat_bucket import FlatBucketPacker
-    from dapo_megatron.rollout.sglang_engine import distributed_update_request
+    from dapo_megatron.rollout.engines.buckets import dtype_name
+    from dapo_megatron.rollout.engines.flat_bucket import FlatBucketPacker
+    from dapo_megatron.rollout.engines.sglang_engine import distributed_update_request
 
     new_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     torch.manual_seed(123)

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from dapo_megatron.platform import spawn
-from dapo_megatron.rollout.sglang_engine import http_post
+from dapo_megatron.rollout.engines.sglang_engine import http_post
 from rollout_server import RolloutServer, save_tiny_model
 from sglang_standin import StandIn
 
@@ -38,8 +38,8 @@ def _sync_worker(tp, pp, urls, out_dir, timeout_s=60):
     from dapo_megatron.bridge import ExportBuffers, export_hf_state_dict, iter_hf_weights, load_hf_weights
     from dapo_megatron.models import ModelConfig, build_gpt_model
     from dapo_megatron.platform import ParallelConfig, init_distributed
-    from dapo_megatron.rollout.engine import hf_param_specs
-    from dapo_megatron.rollout.server_sync import check_health, connect_servers, query_server, sync_servers
+    from dapo_megatron.rollout.engines.engine import hf_param_specs
+    from dapo_megatron.rollout.engines.server_sync import check_health, connect_servers, query_server, sync_servers
 
     parallel = init_distributed(ParallelConfig(tp, pp), seed=0)
     rank = dist.get_rank()
@@ -115,7 +115,7 @@ def test_each_server_holds_the_hf_export_bitwise_and_generates_with_it(tp, pp, s
     from transformers import AutoModelForCausalLM
 
     from conftest import tiny_hf_config
-    from dapo_megatron.rollout.sglang_engine import http_get
+    from dapo_megatron.rollout.engines.sglang_engine import http_get
 
     two = servers[:2]
     urls = [s.url for s in two]
@@ -174,7 +174,7 @@ def test_a_server_that_refuses_an_update_stops_every_rank_naming_it(servers, tmp
 
 
 def test_health_check_names_a_dead_a_hung_and_an_unhealthy_server():
-    from dapo_megatron.rollout.server_sync import check_health, query_server
+    from dapo_megatron.rollout.engines.server_sync import check_health, query_server
 
     alive, hung, sick, dead = StandIn(), StandIn(), StandIn(), StandIn()
     try:

@@ -1,11 +1,11 @@
 """The first DAPO step gives the same loss and grad norm at TP=1, TP=2, PP=2 and DP=2 (fp32, CPU).
 
 Same SmolLM2 weights, same data, same seeds: the rollout is layout-independent because
-every response is sampled from its own seed (``rollout.engine.sample_seed``), so the
+every response is sampled from its own seed (``rollout.engines.engine.sample_seed``), so the
 three runs train on the same responses; the loss normalisation (token-mean over the
 mini-batch) and Megatron's TP/PP reductions must then agree to fp32 round-off. At DP=2 the
 step's data path routes each response's tokens to the DP rank that trains it
-(``rollout.step_data``): a response that reached the wrong rank, or its logprobs another
+(``rollout.plan.step_data``): a response that reached the wrong rank, or its logprobs another
 response's, would show in the rollout-vs-actor logprob gap, which must stay at round-off.
 """
 

@@ -127,7 +127,8 @@ def _run(hf_dir, out_dir, variant):
         keep_alive = []  # carried samples stay referenced: their id() is never reused by a fresh one
 
         def carried_now():
-            groups = trainer.buffer.surplus + (trainer.collector.partial if trainer.collector else [])
+            r = trainer.rollout
+            groups = r.buffer.surplus + (r.collector.partial if r.collector else [])
             keep_alive.extend(s for g in groups for s in g.samples)
             return {id(s): _sample_record(s) for g in groups for s in g.samples}
 
@@ -144,8 +145,9 @@ def _run(hf_dir, out_dir, variant):
             return m
 
         trainer.train_step = train_step
-        if trainer.collector is not None:  # the skip oracle: zero variance of each prompt's last graded group
-            last_zero, real_grade, real_skip = {}, trainer.buffer.grade, trainer.collector.skipper.skip
+        if trainer.rollout.collector is not None:  # the skip oracle: zero variance of each prompt's last graded group
+            r = trainer.rollout
+            last_zero, real_grade, real_skip = {}, r.buffer.grade, r.collector.skipper.skip
 
             def grade(groups):
                 real_grade(groups)
@@ -153,12 +155,12 @@ def _run(hf_dir, out_dir, variant):
                     last_zero[g.samples[0].prompt_index] = len({s.acc for s in g.samples}) == 1
 
             def skip(index):
-                candidate = trainer.collector.skipper.is_candidate(index)
+                candidate = trainer.rollout.collector.skipper.is_candidate(index)
                 skipped = real_skip(index)
                 skips.append((index, candidate, skipped, last_zero.get(index)))
                 return skipped
 
-            trainer.buffer.grade, trainer.collector.skipper.skip = grade, skip
+            trainer.rollout.buffer.grade, trainer.rollout.collector.skipper.skip = grade, skip
         bar, postfixes = trainer.progress, []
         real_update = bar.update
 
@@ -168,7 +170,7 @@ def _run(hf_dir, out_dir, variant):
 
         bar.update = bar_update
         trainer.fit()  # logs to metrics.jsonl (and MLflow), then closes the reward pool and the tracker
-        state = {"skipper": trainer.collector.skipper.state_dict() if trainer.collector else None}
+        state = {"skipper": trainer.rollout.collector.skipper.state_dict() if trainer.rollout.collector else None}
     finally:
         MegatronActor.compute_logprobs, MegatronActor.train_mini_batch = real_compute, real_train
     torch.save({"rows": [s["metrics"] for s in steps], "steps": steps, "updates": updates, "skips": skips,
@@ -341,7 +343,7 @@ def test_a_step_of_carried_groups_only_logs_finite_trained_metrics_and_no_genera
     trained the groups carried from step 1 and generated nothing."""
     from mlflow.tracking import MlflowClient
 
-    from dapo_megatron.rollout.buffer import GENERATION_METRICS
+    from dapo_megatron.rollout.sampling.buffer import GENERATION_METRICS
 
     run = runs["carried"]
     rows = {}

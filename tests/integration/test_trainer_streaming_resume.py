@@ -52,27 +52,28 @@ def _trainer(hf_dir, run_dir):
 
 def _final_state(trainer) -> dict:
     """What the next step would start from: the collector's carried work and skip history."""
-    c = trainer.collector
+    c = trainer.rollout.collector
     return {"skipper": c.skipper.state_dict(), "keep_rate": c.keep_rate,
             "partial": [(g.prompt_seed, [(s.response_ids, s.rollout_logprobs, s.versions, s.finish_reason)
                                          for s in g.samples]) for g in c.partial],
-            "surplus": [g.prompt_seed for g in trainer.buffer.surplus], "queue": trainer.prompt_queue.state_dict()}
+            "surplus": [g.prompt_seed for g in trainer.rollout.buffer.surplus],
+            "queue": trainer.rollout.prompt_queue.state_dict()}
 
 
 def _killed_worker(hf_dir, run_dir):
-    import dapo_megatron.trainer as trainer_mod
+    import dapo_megatron.rollout.rollout as rollout_mod
 
     trainer = _trainer(hf_dir, run_dir)
-    real_poll, polls = trainer_mod._RankRows.poll, [0]
+    real_poll, polls = rollout_mod._RankRows.poll, [0]
 
     def poll(self, max_tokens):
-        if self.trainer.step == KILL_IN_STEP - 1:  # inside step 3, its rollout under way
+        if trainer.step == KILL_IN_STEP - 1:  # inside step 3, its rollout under way
             polls[0] += 1
             if polls[0] == 2:
                 os._exit(9)
         return real_poll(self, max_tokens)
 
-    trainer_mod._RankRows.poll = poll
+    rollout_mod._RankRows.poll = poll
     trainer.fit()
 
 

@@ -51,7 +51,7 @@ def _sync_worker(family: str, out_path: str) -> None:
     from dapo_megatron.bridge import iter_hf_weights, load_hf_weights
     from dapo_megatron.models import ModelConfig, build_gpt_model
     from dapo_megatron.platform import ParallelConfig, init_distributed
-    from dapo_megatron.rollout.hf_engine import HFEngine
+    from dapo_megatron.rollout.engines.hf_engine import HFEngine
 
     par = init_distributed(ParallelConfig(2, 1), seed=0)
     hf_config = tiny_hf_config(family)
@@ -105,8 +105,8 @@ def _smollm2_worker(gguf_dir: str, gguf_file: str, out_path: str) -> None:
     from dapo_megatron.bridge import load_hf_weights, open_hf_source
     from dapo_megatron.models import ModelConfig, build_gpt_model, load_hf_config
     from dapo_megatron.platform import ParallelConfig, init_distributed
-    from dapo_megatron.rollout.engine import SamplingParams, completions_to_group
-    from dapo_megatron.rollout.hf_engine import HFEngine
+    from dapo_megatron.rollout.engines.engine import SamplingParams, completions_to_group
+    from dapo_megatron.rollout.engines.hf_engine import HFEngine
 
     par = init_distributed(ParallelConfig(2, 1), seed=0)
     hf_config = load_hf_config(gguf_dir, gguf_file)

@@ -4,7 +4,7 @@ Put ``tests/fake_sglang`` first on ``sys.path`` (only in a subprocess: it shadow
 SGLang). Written from the pinned source (``/work/ref/sglang-0.5.11/sglang/srt/``):
 
 * ``Engine(**kwargs)`` (``entrypoints/engine.py``): checks the kwargs against the pinned
-  ``ServerArgs`` fields (``dapo_megatron.rollout.sglang_server_args``; a dataclass refuses an
+  ``ServerArgs`` fields (``dapo_megatron.rollout.engines.sglang_server_args``; a dataclass refuses an
   unknown one with ``TypeError``), registers ``atexit(self.shutdown)``, runs
   ``_set_envs_and_config`` (the same variables, SIGQUIT handler and ``spawn`` start method), and
   starts ``tp_size`` scheduler processes with ``multiprocessing`` (spawn: each inherits

@@ -83,8 +83,8 @@ def _worker(out_dir: str, cases: dict, ids: dict) -> None:
     from dapo_megatron.bridge import export_hf_state_dict, iter_hf_weights, load_hf_weights
     from dapo_megatron.models import build_gpt_model
     from dapo_megatron.platform import init_distributed
-    from dapo_megatron.rollout.engine import checkpoint_parameters
-    from dapo_megatron.rollout.hf_engine import HFEngine
+    from dapo_megatron.rollout.engines.engine import checkpoint_parameters
+    from dapo_megatron.rollout.engines.hf_engine import HFEngine
 
     rank = int(os.environ["RANK"])
     res: dict = {"lp": {}, "export": {}, "order": {}, "experts": {}, "sync": {}, "errors": {}}

@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from dapo_megatron.algorithms.overlong import OverlongConfig
-from dapo_megatron.rollout.buffer import BufferConfig, RolloutBuffer
-from dapo_megatron.rollout.dp_split import padding_stats, split_for_dp
+from dapo_megatron.rollout.sampling.buffer import BufferConfig, RolloutBuffer
+from dapo_megatron.rollout.plan.dp_split import padding_stats, split_for_dp
 from dapo_megatron.rollout.types import Group, Sample
 
 

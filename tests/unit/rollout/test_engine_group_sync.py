@@ -36,7 +36,7 @@ def _setup(tp, pp, rollout_tp, family, ep=1):
     from dapo_megatron.bridge import export_hf_state_dict, load_hf_weights
     from dapo_megatron.models import ModelConfig, build_gpt_model
     from dapo_megatron.platform import ParallelConfig, init_distributed
-    from dapo_megatron.rollout.engine_group import RolloutGroup
+    from dapo_megatron.rollout.engines.engine_group import RolloutGroup
     from unit.rollout.test_sglang_engine import _SpyEngine
 
     if family in TINY_MOE_FAMILIES:  # checkpoint names: each expert's tensors on their own
@@ -65,9 +65,9 @@ def _setup(tp, pp, rollout_tp, family, ep=1):
 
 
 def _engine(group, hf_config, model_dir, bucket_bytes):
-    from dapo_megatron.rollout.engine import hf_param_specs
-    from dapo_megatron.rollout.engine_group import EngineGroupMember
-    from dapo_megatron.rollout.sglang_engine import SGLangEngine
+    from dapo_megatron.rollout.engines.engine import hf_param_specs
+    from dapo_megatron.rollout.engines.engine_group import EngineGroupMember
+    from dapo_megatron.rollout.engines.sglang_engine import SGLangEngine
 
     if group.is_leader:
         eng = SGLangEngine(model_dir, dtype="float32", tp_size=group.size, group=group, base_gpu_id=0)
@@ -190,8 +190,8 @@ def test_a_member_without_transport_drops_each_tensor_before_asking_for_the_next
     # the HF engine's rollout-group members drain the bridge's stream: holding nothing lets
     # the bridge reuse its bucket memory
     from conftest import ReleaseRecorder, random_hf_model, tiny_hf_config
-    from dapo_megatron.rollout.engine import hf_param_specs
-    from dapo_megatron.rollout.engine_group import EngineGroupMember, RolloutGroup
+    from dapo_megatron.rollout.engines.engine import hf_param_specs
+    from dapo_megatron.rollout.engines.engine_group import EngineGroupMember, RolloutGroup
 
     hf_config = tiny_hf_config("llama_untied")
     member = EngineGroupMember(RolloutGroup((0, 1), 1, group="unused: no transport"), hf_param_specs(hf_config),

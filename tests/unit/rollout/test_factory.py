@@ -1,4 +1,4 @@
-"""rollout.factory: the trainer and tools/eval.py build their tokenizer and engine one way.
+"""rollout.engines.factory: the trainer and tools/eval.py build their tokenizer and engine one way.
 
 The model directory used here names three different EOS ids (tokenizer, config.json,
 generation_config.json), so a caller that skipped one source would stop on fewer tokens.
@@ -46,7 +46,7 @@ def model_dir(smollm2_gguf, tmp_path_factory):
 def _both_specs(model_dir, *, engine="hf", trainer_overrides=(), **eval_flags):
     from dapo_megatron.config import DAPOConfig, load_config
     from dapo_megatron.models import load_hf_config
-    from dapo_megatron.rollout.factory import load_tokenizer, training_engine_spec
+    from dapo_megatron.rollout.engines.factory import load_tokenizer, training_engine_spec
 
     cfg = load_config(DAPOConfig, None, [f"model.hf_path={model_dir}", f"rollout.name={engine}",
                                          *trainer_overrides])
@@ -59,7 +59,7 @@ def _both_specs(model_dir, *, engine="hf", trainer_overrides=(), **eval_flags):
 
 
 def test_stop_tokens_are_the_union_of_tokenizer_config_and_generation_config(model_dir):
-    from dapo_megatron.rollout.factory import stop_token_ids
+    from dapo_megatron.rollout.engines.factory import stop_token_ids
 
     tok, trainer, evaluated = _both_specs(model_dir)
     want = tuple(sorted({tok.eos_token_id, CONFIG_EOS, *GENERATION_EOS}))
@@ -76,7 +76,7 @@ def test_stop_tokens_are_the_union_of_tokenizer_config_and_generation_config(mod
 
 def test_trainer_and_eval_hf_engines_stop_and_pad_alike(model_dir):
     from dapo_megatron.models import load_hf_config
-    from dapo_megatron.rollout.factory import build_engine
+    from dapo_megatron.rollout.engines.factory import build_engine
 
     tok, trainer, evaluated = _both_specs(model_dir)
     assert (trainer.dtype, evaluated.dtype) == (torch.float32, torch.float32)  # CPU defaults of both
@@ -95,7 +95,7 @@ def test_trainer_and_eval_hf_engines_stop_and_pad_alike(model_dir):
 
 def test_trainer_and_eval_sglang_engines_get_the_same_kwargs_but_the_memory_settings(fake_sglang, model_dir,  # noqa: F811
                                                                                      monkeypatch):
-    from dapo_megatron.rollout.factory import build_engine
+    from dapo_megatron.rollout.engines.factory import build_engine
 
     monkeypatch.setenv("LOCAL_RANK", "3")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)

@@ -1,4 +1,4 @@
-"""The flattened-bucket payload of a weight sync into SGLang (rollout/flat_bucket.py).
+"""The flattened-bucket payload of a weight sync into SGLang (rollout/engines/flat_bucket.py).
 
 Where SGLang is installed (even ``pip install --no-deps``), its own ``FlattenedTensorBucket``
 packs the reference buffers and reconstructs what a TP worker would load; otherwise the
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import sglang_reference as ref
-from dapo_megatron.rollout import flat_bucket
-from dapo_megatron.rollout.buckets import iter_buckets
-from dapo_megatron.rollout.flat_bucket import FlatBucketPacker, serialize_for_engine, sglang_bucket_dict
+from dapo_megatron.rollout.engines import flat_bucket
+from dapo_megatron.rollout.engines.buckets import iter_buckets
+from dapo_megatron.rollout.engines.flat_bucket import FlatBucketPacker, serialize_for_engine, sglang_bucket_dict
 
 
 @pytest.fixture()
@@ -148,7 +148,7 @@ def test_engine_sync_drops_each_bucket_before_asking_for_the_next_tensor():
     # sync_flat_buckets (the SGLang engine's loop): a bucket larger than the packer's is sent
     # from the tensor's own memory, which must be free again when the next tensor is asked for
     from conftest import ReleaseRecorder
-    from dapo_megatron.rollout.engine_group import RolloutGroup, sync_flat_buckets
+    from dapo_megatron.rollout.engines.engine_group import RolloutGroup, sync_flat_buckets
 
     sizes = (4, 40, 4, 4, 40)
     stream = ReleaseRecorder((f"t{i}", torch.full((n,), float(i))) for i, n in enumerate(sizes))

@@ -11,8 +11,8 @@ import os
 import pytest
 import torch
 
-from dapo_megatron.rollout.engine import SamplingParams, WeightSyncTracker, ParamSpec, completions_to_group
-from dapo_megatron.rollout.hf_engine import HFEngine, process_logits, sample_rows
+from dapo_megatron.rollout.engines.engine import SamplingParams, WeightSyncTracker, ParamSpec, completions_to_group
+from dapo_megatron.rollout.engines.hf_engine import HFEngine, process_logits, sample_rows
 
 EOS = 3
 
@@ -343,7 +343,7 @@ def test_smollm2_chat_logprobs_match_teacher_forced():
 
 # ---------------------------------------------------------------------------- asynchronous rows
 def _rows(prompt_index, params, prompt_seed, n, prefixes=None, key=None):
-    from dapo_megatron.rollout.engine import RowRequest
+    from dapo_megatron.rollout.engines.engine import RowRequest
 
     return [RowRequest((key if key is not None else prompt_index, j), PROMPTS[prompt_index], params, prompt_seed, j,
                        prefix_ids=tuple(prefixes[j]) if prefixes else ()) for j in range(n)]

@@ -1,11 +1,11 @@
-"""The rollout layout (rollout/layout.py): the model's heads against the rollout TP, the deal of
+"""The rollout layout (rollout/engines/layout.py): the model's heads against the rollout TP, the deal of
 prompts over engines, the ranks of a server weight-update group."""
 
 from types import SimpleNamespace
 
 import pytest
 
-from dapo_megatron.rollout.layout import check_rollout_tp_fits_model, engine_share, server_rank_offsets
+from dapo_megatron.rollout.engines.layout import check_rollout_tp_fits_model, engine_share, server_rank_offsets
 from integration.test_examples import QWEN2_5
 
 
@@ -66,7 +66,7 @@ def test_server_rank_offsets():
 @pytest.mark.parametrize("world, rollout_tp", [(1, 1), (2, 2), (4, 2), (8, 4), (8, 8), (16, 8), (6, 3)])
 def test_rollout_groups_are_consecutive_ranks_and_leaders_drive_the_engines(world, rollout_tp):
     from dapo_megatron.platform.parallel_dims import rollout_groups
-    from dapo_megatron.rollout.layout import rollout_engines
+    from dapo_megatron.rollout.engines.layout import rollout_engines
 
     groups = rollout_groups(world, min(world, 8), rollout_tp)
     assert [r for g in groups for r in g] == list(range(world)), "every rank in one group, in order"
@@ -86,7 +86,7 @@ def test_rollout_groups_are_consecutive_ranks_and_leaders_drive_the_engines(worl
 def test_layouts_are_independent_every_prompt_sampled_once(world, actor_tp, actor_pp, rollout_tp):
     """Whatever the actor's TP × PP × DP, the prompts of a batch (every DP rank's, in global
     order) are dealt over the engines: each once, each engine's share within one of the others'."""
-    from dapo_megatron.rollout.layout import rollout_engines
+    from dapo_megatron.rollout.engines.layout import rollout_engines
 
     dp = world // (actor_tp * actor_pp)
     batch = 4 * dp  # gen_batch_size prompts, gen_batch_size / DP per DP rank
@@ -100,7 +100,7 @@ def test_layouts_are_independent_every_prompt_sampled_once(world, actor_tp, acto
 
 
 def test_server_mode_rank_e_drives_server_e():
-    from dapo_megatron.rollout.layout import rollout_engines
+    from dapo_megatron.rollout.engines.layout import rollout_engines
 
     assert [rollout_engines(r, 4, mode="server", num_servers=2) for r in range(4)] == [(2, 0), (2, 1), (2, None),
                                                                                          (2, None)]
@@ -109,7 +109,7 @@ def test_server_mode_rank_e_drives_server_e():
 
 
 def test_rollout_tp_must_divide_the_world_and_fit_a_node():
-    from dapo_megatron.rollout.layout import check_rollout_layout
+    from dapo_megatron.rollout.engines.layout import check_rollout_layout
 
     check_rollout_layout(16, 8, 8)
     with pytest.raises(ValueError, match=r"^rollout.tensor_model_parallel_size=4 does not divide the world size 6"):

@@ -16,9 +16,9 @@ import torch
 
 import sglang_reference
 from sglang_standin import StandIn, free_port
-from dapo_megatron.rollout.buckets import bucket_metadata, dtype_from_name, dtype_name, iter_buckets
-from dapo_megatron.rollout.engine import InvalidWeightsError, ParamSpec, SamplingParams
-from dapo_megatron.rollout.sglang_engine import (
+from dapo_megatron.rollout.engines.buckets import bucket_metadata, dtype_from_name, dtype_name, iter_buckets
+from dapo_megatron.rollout.engines.engine import InvalidWeightsError, ParamSpec, SamplingParams
+from dapo_megatron.rollout.engines.sglang_engine import (
     SGLangServerEngine,
     build_generate_request,
     check_result,
@@ -318,7 +318,7 @@ def fake_sglang(monkeypatch):
     import sys
     import types
 
-    from dapo_megatron.rollout import flat_bucket
+    from dapo_megatron.rollout.engines import flat_bucket
 
     flat_bucket._sglang_metadata_class.cache_clear()
     _SpyEngine.tensor_bucket = sglang_reference.install_tensor_bucket(monkeypatch.setitem)
@@ -344,7 +344,7 @@ def tiny_model_dir(tmp_path):
 def _full_weights(model_dir):
     from transformers import AutoConfig
 
-    from dapo_megatron.rollout.engine import hf_param_specs
+    from dapo_megatron.rollout.engines.engine import hf_param_specs
 
     specs, _ = hf_param_specs(AutoConfig.from_pretrained(model_dir))
     return [(n, torch.zeros(s.shape)) for n, s in specs.items()]
@@ -356,7 +356,7 @@ def test_trainer_places_each_ranks_engine_on_its_own_gpu(fake_sglang, tiny_model
     from types import SimpleNamespace
 
     from dapo_megatron.config import DAPOConfig, load_config
-    from dapo_megatron.rollout.factory import build_engine, training_engine_spec
+    from dapo_megatron.rollout.engines.factory import build_engine, training_engine_spec
 
     cfg = load_config(DAPOConfig, None, [f"model.hf_path={tiny_model_dir}", "model.params_dtype=bf16",
                                          "rollout.name=sglang", "rollout.gpu_memory_utilization=0.45",
@@ -384,8 +384,8 @@ def test_engine_kwargs_are_checked_against_sglang_arguments(fake_sglang, tiny_mo
     from dataclasses import make_dataclass
 
     from dapo_megatron.config import DAPOConfig, load_config
-    from dapo_megatron.rollout.sglang_engine import MANAGED_ENGINE_ARGS, check_engine_kwargs, engine_argument_names
-    from dapo_megatron.rollout.sglang_server_args import SERVER_ARGS_FIELDS
+    from dapo_megatron.rollout.engines.sglang_engine import MANAGED_ENGINE_ARGS, check_engine_kwargs, engine_argument_names
+    from dapo_megatron.rollout.engines.sglang_server_args import SERVER_ARGS_FIELDS
 
     base = [f"model.hf_path={tiny_model_dir}", "rollout.name=sglang"]
     with pytest.raises(ValueError, match=r"rollout\.engine_kwargs\.load_fromat is not an sglang\.Engine argument"
@@ -413,7 +413,7 @@ def test_engine_kwargs_are_checked_against_sglang_arguments(fake_sglang, tiny_mo
 
 
 def test_dtype_aliases_map_to_sglang_names():
-    from dapo_megatron.rollout.sglang_engine import sglang_dtype
+    from dapo_megatron.rollout.engines.sglang_engine import sglang_dtype
 
     assert [sglang_dtype(d) for d in ("bf16", "fp16", "fp32", "bfloat16", torch.bfloat16, torch.float32)] == [
         "bfloat16", "float16", "float32", "bfloat16", "bfloat16", "float32"]
@@ -425,8 +425,8 @@ def test_sleep_wake_sync_order_and_weight_validity(fake_sglang, tiny_model_dir):
     """The tags and order of release / resume / update / flush handed to sglang.Engine, and
     weights_valid through sleep (weights released: invalid until a sync), sleep(keep_weights)
     and a sync into a sleeping engine."""
-    from dapo_megatron.rollout.engine import InvalidWeightsError
-    from dapo_megatron.rollout.sglang_engine import SGLangEngine
+    from dapo_megatron.rollout.engines.engine import InvalidWeightsError
+    from dapo_megatron.rollout.engines.sglang_engine import SGLangEngine
 
     eng = SGLangEngine(tiny_model_dir, base_gpu_id=0, update_bucket_mb=1)
     spy = eng.engine
@@ -474,8 +474,8 @@ def test_async_rows_submit_poll_abort_at_the_sglang_boundary(fake_sglang, tiny_m
     """Each row is one async_generate task with prompt + prefix, its remaining budget and its own
     seed, under a fixed-width rid; abort() aborts every rid in flight and returns the partial
     outputs; an aborted output that already ends on a stop token counts as stopped."""
-    from dapo_megatron.rollout.engine import RowRequest, sample_seed
-    from dapo_megatron.rollout.sglang_engine import SGLangEngine
+    from dapo_megatron.rollout.engines.engine import RowRequest, sample_seed
+    from dapo_megatron.rollout.engines.sglang_engine import SGLangEngine
 
     eng = SGLangEngine(tiny_model_dir, base_gpu_id=0)
     spy = eng.engine
@@ -504,8 +504,8 @@ def test_async_rows_submit_poll_abort_at_the_sglang_boundary(fake_sglang, tiny_m
 
 
 def test_aborted_output_that_already_finished():
-    from dapo_megatron.rollout.engine import RowRequest
-    from dapo_megatron.rollout.sglang_engine import parse_row_output
+    from dapo_megatron.rollout.engines.engine import RowRequest
+    from dapo_megatron.rollout.engines.sglang_engine import parse_row_output
 
     row = RowRequest("k", [1], SamplingParams(max_new_tokens=5, stop_token_ids=(9,)), 0, 0, prefix_ids=[4, 4])
     item = lambda ids: sglang_item(ids, [-0.5] * len(ids), "abort") if ids else {
@@ -518,7 +518,7 @@ def test_aborted_output_that_already_finished():
 
 
 def test_cpu_weight_backup_keeps_weights_valid_across_sleep(fake_sglang, tiny_model_dir):
-    from dapo_megatron.rollout.sglang_engine import SGLangEngine
+    from dapo_megatron.rollout.engines.sglang_engine import SGLangEngine
 
     eng = SGLangEngine(tiny_model_dir, base_gpu_id=0, engine_kwargs={"enable_weights_cpu_backup": True})
     assert eng.engine.kwargs["enable_weights_cpu_backup"] is True
@@ -541,7 +541,7 @@ def test_check_result_reads_every_sglang_result_form():
 
 
 def test_error_messages_of_each_endpoint_format():
-    from dapo_megatron.rollout.sglang_engine import sglang_error_message
+    from dapo_megatron.rollout.engines.sglang_engine import sglang_error_message
 
     # sglang 0.5.11 http_server.py: weight-update endpoints, _create_error_response, FastAPI 422, /flush_cache
     assert sglang_error_message(b'{"success": false, "message": "shape mismatch"}') == "shape mismatch"
@@ -559,7 +559,7 @@ def test_engine_starts_after_the_allocator_cache_is_emptied(fake_sglang, tiny_mo
     from types import SimpleNamespace
 
     from dapo_megatron.config import DAPOConfig, load_config
-    from dapo_megatron.rollout.factory import build_engine, training_engine_spec
+    from dapo_megatron.rollout.engines.factory import build_engine, training_engine_spec
 
     events = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -1,4 +1,4 @@
-"""The step's data path (rollout.step_data): records replicated, grades graded once where held and
+"""The step's data path (rollout.plan.step_data): records replicated, grades graded once where held and
 replicated, the per-mini-batch DP plan, tokens delivered exactly to the ranks that train them,
 and the pooled mismatch metrics; on one process and on a 4-process gloo world (TP=2 × DP=2)."""
 
@@ -11,10 +11,10 @@ import torch
 
 from dapo_megatron.data.dataset import PromptRecord
 from dapo_megatron.platform import ParallelConfig, spawn
-from dapo_megatron.rollout.buffer import BufferConfig, RolloutBuffer, logprob_mismatch_metrics
-from dapo_megatron.rollout.dp_split import split_for_dp
-from dapo_megatron.rollout.engine import Completion, completions_to_group
-from dapo_megatron.rollout.step_data import DistributedGrader, gather_groups, plan_step, send_tokens
+from dapo_megatron.rollout.sampling.buffer import BufferConfig, RolloutBuffer, logprob_mismatch_metrics
+from dapo_megatron.rollout.plan.dp_split import split_for_dp
+from dapo_megatron.rollout.engines.engine import Completion, completions_to_group
+from dapo_megatron.rollout.plan.step_data import DistributedGrader, gather_groups, plan_step, send_tokens
 from dapo_megatron.rollout.types import Group, Sample
 
 N = 3  # responses per prompt
@@ -111,7 +111,7 @@ def _world_worker(out_path: str) -> None:
     import torch.distributed as dist
 
     from dapo_megatron.platform import init_distributed
-    from dapo_megatron.rollout.step_data import gather_preds
+    from dapo_megatron.rollout.plan.step_data import gather_preds
 
     par = init_distributed(ParallelConfig(2, 1), seed=0)  # 4 ranks: TP=2 × DP=2
     res = {}

@@ -12,11 +12,11 @@ import torch
 
 from dapo_megatron.algorithms.overlong import OverlongConfig
 from dapo_megatron.data.dataset import PromptRecord
-from dapo_megatron.rollout.buffer import BufferConfig, RolloutBuffer
-from dapo_megatron.rollout.engine import SamplingParams
-from dapo_megatron.rollout.hf_engine import HFEngine
-from dapo_megatron.rollout.prompt_skip import PromptSkipConfig, PromptSkipper
-from dapo_megatron.rollout.streaming import PENDING, EngineClient, PromptQueue, StreamingCollector
+from dapo_megatron.rollout.sampling.buffer import BufferConfig, RolloutBuffer
+from dapo_megatron.rollout.engines.engine import SamplingParams
+from dapo_megatron.rollout.engines.hf_engine import HFEngine
+from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipConfig, PromptSkipper
+from dapo_megatron.rollout.sampling.streaming import PENDING, EngineClient, PromptQueue, StreamingCollector
 from unit.rollout.test_hf_engine import tiny_llama
 
 N_PROMPTS, BATCH = 24, 6
@@ -163,7 +163,7 @@ def test_a_step_of_carried_groups_only_logs_no_generation_metric(engine):
     """Issue 25, streamed: a step whose N groups are all carried surplus (here: the groups the
     last step returned, loaded back as the buffer's surplus) submits nothing; its generation
     metrics are absent and every value it logs is finite."""
-    from dapo_megatron.rollout.buffer import GENERATION_METRICS, _group_to_dict
+    from dapo_megatron.rollout.sampling.buffer import GENERATION_METRICS, _group_to_dict
 
     buf, collector, queue, _ = make()
     client = EngineClient(engine, PARAMS)

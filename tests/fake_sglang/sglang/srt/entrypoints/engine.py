@@ -30,7 +30,7 @@ def kill_process_tree(parent_pid, include_parent: bool = True, skip_pid: Optiona
     real one uses psutil; the process tree is read from /proc here, psutil may be missing)."""
     import sys
 
-    from dapo_megatron.rollout.sglang_env import child_pids, pid_alive
+    from dapo_megatron.rollout.engines.sglang_env import child_pids, pid_alive
 
     if parent_pid is None:
         parent_pid, include_parent = os.getpid(), False
@@ -62,7 +62,7 @@ def kill_process_tree(parent_pid, include_parent: bool = True, skip_pid: Optiona
 
 def _server_args(kwargs: dict) -> dict:
     """``ServerArgs(**kwargs)``: the pinned field list, its defaults for what the fake reads."""
-    from dapo_megatron.rollout.sglang_server_args import SERVER_ARGS_FIELDS
+    from dapo_megatron.rollout.engines.sglang_server_args import SERVER_ARGS_FIELDS
 
     unknown = sorted(set(kwargs) - SERVER_ARGS_FIELDS)
     if unknown:

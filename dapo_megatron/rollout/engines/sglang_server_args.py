@@ -8,7 +8,7 @@ the fields of that dataclass. :data:`SERVER_ARGS_FIELDS` lists them for sglang
 ``sglang-0.5.11-cp312-cp312-manylinux_2_34_x86_64.whl`` wheel (the annotated class
 attributes of ``class ServerArgs``, 368 fields). Where SGLang is importable the
 real ``dataclasses.fields(ServerArgs)`` is used instead
-(:func:`dapo_megatron.rollout.sglang_engine.engine_argument_names`).
+(:func:`dapo_megatron.rollout.engines.sglang_engine.engine_argument_names`).
 
 Regenerate for another pin::
 

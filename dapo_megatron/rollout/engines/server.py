@@ -4,7 +4,7 @@ A real rollout server for CPU boxes (and small GPUs): ``rollout.mode=server`` ta
 exactly as to ``python -m sglang.launch_server``, so the trainer's server-mode code path runs
 end to end with real generation and a real gloo weight sync::
 
-    python -m dapo_megatron.rollout.server --model-path DIR_OR_GGUF --port 30000 [--num-threads 1]
+    python -m dapo_megatron.rollout.engines.server --model-path DIR_OR_GGUF --port 30000 [--num-threads 1]
 
 Endpoints, with the request and response fields of sglang 0.5.11
 (``srt/entrypoints/http_server.py``, ``srt/managers/io_struct.py``, ``tokenizer_manager.py``):
@@ -42,7 +42,7 @@ Endpoints, with the request and response fields of sglang 0.5.11
   cache between requests: there is nothing else to flush.
 * ``POST /init_weights_update_group`` (``master_address, master_port, rank_offset, world_size,
   group_name, backend``): joins the group as rank ``rank_offset`` (one worker: TP 1), with
-  :func:`~dapo_megatron.rollout.sglang_engine.init_custom_process_group`, SGLang's own
+  :func:`~dapo_megatron.rollout.engines.sglang_engine.init_custom_process_group`, SGLang's own
   construction. ``gloo`` on CPU (``nccl`` needs ``--device cuda``). A group of a name already
   joined is replaced (a restarted trainer joins again).
 * ``POST /update_weights_from_distributed`` (``names, dtypes, shapes, group_name, flush_cache,
@@ -64,7 +64,7 @@ Endpoints, with the request and response fields of sglang 0.5.11
 
 Every malformed request gets ONE 400 ``{"error": {"message"}}`` naming the field and the fix
 (SGLang's ``_create_error_response`` form; the project's client reads it with
-:func:`~dapo_megatron.rollout.sglang_engine.sglang_error_message`).
+:func:`~dapo_megatron.rollout.engines.sglang_engine.sglang_error_message`).
 
 Scheduling (:class:`Scheduler`): one thread owns the engine, as SGLang's scheduler process
 does: HTTP handlers queue commands; between two decode steps the thread applies them
@@ -100,9 +100,15 @@ from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from transformers import AutoTokenizer
 
-from dapo_megatron.rollout.engine import RowRequest, RowResult, SamplingParams
-from dapo_megatron.rollout.hf_engine import HFEngine
+from dapo_megatron.rollout.engines.buckets import dtype_from_name
+from dapo_megatron.rollout.engines.engine import RowRequest, RowResult, SamplingParams
+from dapo_megatron.rollout.engines.hf_engine import HFEngine
+from dapo_megatron.rollout.engines.sglang_engine import init_custom_process_group
 
 logger = logging.getLogger("dapo_rollout_server")
 
@@ -146,7 +152,7 @@ class ServerRow(RowRequest):
 
 
 class ServerEngine(HFEngine):
-    """:class:`~dapo_megatron.rollout.hf_engine.HFEngine` with the server's row semantics:
+    """:class:`~dapo_megatron.rollout.engines.hf_engine.HFEngine` with the server's row semantics:
     position-keyed draws (module docstring) and per-row ``ignore_eos``."""
 
     def _generator(self, req: ServerRow) -> torch.Generator:
@@ -571,8 +577,6 @@ class Scheduler:
         return self.engine.num_in_flight == 0  # scheduler.py flush_cache: only when fully idle
 
     def init_group(self, req: dict) -> dict:
-        from dapo_megatron.rollout.sglang_engine import init_custom_process_group
-
         for key in ("master_address", "master_port", "rank_offset", "world_size"):
             if key not in req:
                 raise BadRequest(f"/init_weights_update_group needs {key} (InitWeightsUpdateGroupReqInput)")
@@ -609,8 +613,6 @@ class Scheduler:
 
     def update_weights(self, req: dict) -> dict:
         """``/update_weights_from_distributed``: checks, then the broadcast(s), then the copies."""
-        from dapo_megatron.rollout.buckets import dtype_from_name
-
         names, dtypes, shapes = req.get("names"), req.get("dtypes"), req.get("shapes")
         if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)) \
                 or not len(names) == len(dtypes) == len(shapes) or not names:
@@ -689,9 +691,6 @@ class Scheduler:
 # ---------------------------------------------------------------------------- HTTP
 def build_app(scheduler: Scheduler, server_args: dict, context_length: int, random_seed: int):
     """The FastAPI app of the endpoints above (module docstring)."""
-    from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, Response
-
     app = FastAPI(title="dapo-rollout-server")
     rng = random.Random(random_seed)
     engine = scheduler.engine
@@ -869,8 +868,6 @@ def load_tokenizer(model_path: str):
     Raises:
         SystemExit: none loads, with the fix (``--skip-tokenizer-init``) in the message.
     """
-    from transformers import AutoTokenizer
-
     path, kwargs = model_path, {}
     if model_path.endswith(".gguf"):
         path, gguf = os.path.split(model_path)
@@ -884,8 +881,6 @@ def load_tokenizer(model_path: str):
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     """Load the model, start the scheduler thread, serve HTTP until terminated."""
-    import uvicorn
-
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     dtype = getattr(torch, args.dtype)

@@ -20,10 +20,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+from dapo_megatron.platform import device, local_device_index
+from dapo_megatron.rollout.engines.engine import RolloutEngine, hf_param_specs
+from dapo_megatron.rollout.engines.engine_group import EngineGroupMember, RolloutGroup
+from dapo_megatron.rollout.engines.hf_engine import HFEngine
+from dapo_megatron.rollout.engines.server_sync import ServerRollout
+from dapo_megatron.rollout.engines.sglang_engine import SGLangEngine
+from dapo_megatron.rollout.engines.sglang_env import release_allocator_cache
 
 if TYPE_CHECKING:
     from dapo_megatron.config.run import DAPOConfig
-    from dapo_megatron.rollout.engine import RolloutEngine
 
 ENGINES = ("hf", "sglang")
 
@@ -31,8 +39,6 @@ ENGINES = ("hf", "sglang")
 def load_tokenizer(hf_path: str, gguf_file: Optional[str] = None):
     """``AutoTokenizer.from_pretrained(hf_path[, gguf_file=...])``, its pad token set to EOS when
     it has none (the engines pad prompt batches with it)."""
-    from transformers import AutoTokenizer
-
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     tok = AutoTokenizer.from_pretrained(hf_path, **kwargs)
     if tok.pad_token_id is None:
@@ -60,8 +66,6 @@ def stop_token_ids(tokenizer, hf_config, model_path: Optional[str] = None) -> tu
     """
     ids = _as_ids(getattr(tokenizer, "eos_token_id", None)) | _as_ids(getattr(hf_config, "eos_token_id", None))
     if model_path and os.path.isfile(os.path.join(model_path, "generation_config.json")):
-        from transformers import GenerationConfig
-
         ids |= _as_ids(GenerationConfig.from_pretrained(model_path).eos_token_id)
     if not ids:
         raise ValueError(f"no EOS token id in the tokenizer, config or generation_config of {model_path!r}: "
@@ -84,7 +88,7 @@ class EngineSpec:
             config (the trainer's engine, whose weights come from the actor's first sync).
         device: ``hf``: the device; None is this rank's (``platform.device()``).
         tp_size, mem_fraction_static, enable_memory_saver, base_gpu_id, deterministic,
-            engine_kwargs: ``sglang`` only, see :class:`~dapo_megatron.rollout.sglang_engine.SGLangEngine`.
+            engine_kwargs: ``sglang`` only, see :class:`~dapo_megatron.rollout.engines.sglang_engine.SGLangEngine`.
         update_bucket_mb: ``sglang``: weight-update bucket (MiB); None keeps the engine's default.
     """
 
@@ -114,8 +118,6 @@ def training_engine_spec(cfg: DAPOConfig, tokenizer, hf_config) -> EngineSpec:
     rollout = cfg.rollout
     base_gpu_id = None
     if rollout.name == "sglang":
-        from dapo_megatron.platform import local_device_index
-
         base_gpu_id = local_device_index()  # this rank's GPU: torchrun sets no CUDA_VISIBLE_DEVICES
     return EngineSpec(
         name=rollout.name, model_path=cfg.model.hf_path, dtype=cfg.model.torch_dtype(),
@@ -134,35 +136,27 @@ def build_engine(spec: EngineSpec, hf_config=None, group=None) -> RolloutEngine:
         spec: see :class:`EngineSpec`.
         hf_config: the model's HF config; needed for ``name="hf"`` with ``pretrained=False``.
         group: ``sglang`` with ``tp_size > 1``: the
-            :class:`~dapo_megatron.rollout.engine_group.RolloutGroup` this process leads.
+            :class:`~dapo_megatron.rollout.engines.engine_group.RolloutGroup` this process leads.
 
     Raises:
         ValueError: ``pretrained=False`` without ``hf_config``; the engines' own errors.
     """
     bucket = {} if spec.update_bucket_mb is None else {"update_bucket_mb": spec.update_bucket_mb}
     if spec.name == "sglang":
-        from dapo_megatron.rollout.sglang_engine import SGLangEngine
-
         return SGLangEngine(model_path=spec.model_path, dtype=spec.dtype, tp_size=spec.tp_size,
                             mem_fraction_static=spec.mem_fraction_static,
                             enable_memory_saver=spec.enable_memory_saver, base_gpu_id=spec.base_gpu_id,
                             deterministic=spec.deterministic, engine_kwargs=spec.engine_kwargs or None, group=group,
                             **bucket)
-    from dapo_megatron.platform import device as rank_device
-    from dapo_megatron.rollout.hf_engine import HFEngine
-
     if spec.pretrained:
         model: Any = spec.model_path
         extra = {"gguf_file": spec.gguf_file}
     else:
         if hf_config is None:
             raise ValueError("build_engine: an engine with random weights (pretrained=False) needs hf_config")
-        from transformers import AutoModelForCausalLM
-
         model, extra = AutoModelForCausalLM.from_config(hf_config, dtype=spec.dtype), {}
-    return HFEngine(model, dtype=spec.dtype, device=spec.device or rank_device(),  # it loads tensor by tensor
+    return HFEngine(model, dtype=spec.dtype, device=spec.device or device(),  # it loads tensor by tensor
                     eos_token_ids=list(spec.eos_token_ids), **extra)
-
 
 
 def build_training_rollout(cfg: DAPOConfig, tokenizer, hf_config, parallel) -> tuple[Any, int, Optional[int]]:
@@ -173,18 +167,12 @@ def build_training_rollout(cfg: DAPOConfig, tokenizer, hf_config, parallel) -> t
     colocated (``rollout.mode``): ``parallel``'s rollout groups of
     ``rollout.tensor_model_parallel_size`` ranks; the group's leader builds the engine
     (:func:`training_engine_spec`; SGLang spans the group's GPUs), the other ranks are
-    :class:`~dapo_megatron.rollout.engine_group.EngineGroupMember` s feeding its weight sync.
-    server: a :class:`~dapo_megatron.rollout.server_sync.ServerRollout` on every rank (rank
+    :class:`~dapo_megatron.rollout.engines.engine_group.EngineGroupMember` s feeding its weight sync.
+    server: a :class:`~dapo_megatron.rollout.engines.server_sync.ServerRollout` on every rank (rank
     ``e`` drives ``rollout.server_urls[e]``; each pipeline stage's DP-0/TP-0 rank sends it).
     """
-    from dapo_megatron.rollout.engine import hf_param_specs
-    from dapo_megatron.rollout.engine_group import EngineGroupMember, RolloutGroup
-
     rollout = cfg.rollout
     if rollout.mode == "server":
-        from dapo_megatron.platform import device
-        from dapo_megatron.rollout.server_sync import ServerRollout
-
         servers = ServerRollout(
             rollout.server_urls, hf_param_specs(hf_config), stage=parallel.pp_rank, num_stages=parallel.pp_size,
             is_sender=parallel.tp_rank == 0 and parallel.dp_rank == 0, device=device(),
@@ -196,8 +184,6 @@ def build_training_rollout(cfg: DAPOConfig, tokenizer, hf_config, parallel) -> t
         # the engine's TP workers size their KV pools from the memory free on each GPU of the group,
         # and refuse to start when it differs too much: every rank hands its cached blocks back first,
         # and the leader starts the engine once all have (sglang_env.release_allocator_cache)
-        from dapo_megatron.rollout.sglang_env import release_allocator_cache
-
         release_allocator_cache()
         if parallel.rollout_group is not None:
             torch.distributed.barrier(group=parallel.rollout_group)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from dapo_megatron.platform.parallel_dims import ROLLOUT_TP_KEY
+from dapo_megatron.platform.parallel_dims import ROLLOUT_TP_KEY, rollout_groups
 
 
 def check_rollout_tp_fits_model(hf_config: Any, rollout_tp: int, key: str = ROLLOUT_TP_KEY) -> None:
@@ -61,7 +61,7 @@ def engine_share(num_items: int, num_engines: int, engine_index: int) -> list[in
 
     Round-robin so that every engine gets the same count ± 1 whatever the order of the
     items. Which engine samples an item does not change its responses: each response is
-    seeded from the item's global index (:func:`~dapo_megatron.rollout.engine.sample_seed`),
+    seeded from the item's global index (:func:`~dapo_megatron.rollout.engines.engine.sample_seed`),
     so the rollout is the same at any number of engines.
 
     Raises:
@@ -122,8 +122,6 @@ def check_rollout_layout(world_size: int, rollout_tp: int, ranks_per_node: "int 
     Raises:
         ValueError: naming ``rollout.tensor_model_parallel_size`` or ``rollout.server_urls``.
     """
-    from dapo_megatron.platform.parallel_dims import rollout_groups
-
     if mode == "server":
         if not 1 <= num_servers <= world_size:
             raise ValueError(f"rollout.server_urls lists {num_servers} servers; a launch of {world_size} trainer "

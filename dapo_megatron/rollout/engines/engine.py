@@ -5,8 +5,8 @@ logprobs of its sampling distribution, accepts new weights by Hugging Face param
 after every training step, and in colocated mode frees its accelerator memory while the
 actor trains (``sleep``) and takes it back for generation (``wake_up``).
 
-Implementations: :class:`dapo_megatron.rollout.hf_engine.HFEngine` (transformers, CPU
-default) and :class:`dapo_megatron.rollout.sglang_engine.SGLangEngine` /
+Implementations: :class:`dapo_megatron.rollout.engines.hf_engine.HFEngine` (transformers, CPU
+default) and :class:`dapo_megatron.rollout.engines.sglang_engine.SGLangEngine` /
 ``SGLangServerEngine`` (GPU).
 
 Names follow verl's ``actor_rollout_ref.rollout`` and SGLang's sampling params.
@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, NamedTuple, Optional, Sequence
 
 import torch
+from transformers import AutoModelForCausalLM
 
+from dapo_megatron.rollout.engines.buckets import iter_buckets
 from dapo_megatron.rollout.types import Group, Sample
 
 FINISH_REASONS = ("stop", "length")
@@ -418,8 +420,6 @@ def hf_param_specs(config: Any) -> tuple[dict[str, ParamSpec], dict[str, str]]:
     """Parameter specs of the HF causal LM described by ``config`` (a transformers
     ``PretrainedConfig``), built on the meta device (no memory, no download). Used by
     engines whose model lives in another process (SGLang) to check a sync before sending."""
-    from transformers import AutoModelForCausalLM
-
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return specs_from_module(model)
@@ -565,10 +565,8 @@ class RolloutEngine(abc.ABC):
     def _load_stream(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load a stream of validated full tensors: by default in buckets of
         ``update_bucket_bytes`` through :meth:`_load_bucket`. Engines that pack buckets
-        themselves (SGLang's flattened buckets, :mod:`dapo_megatron.rollout.engine_group`)
+        themselves (SGLang's flattened buckets, :mod:`dapo_megatron.rollout.engines.engine_group`)
         override this instead."""
-        from dapo_megatron.rollout.buckets import iter_buckets
-
         for bucket in iter_buckets(named_tensors, self.update_bucket_bytes):
             self._load_bucket(bucket)
 

@@ -15,7 +15,7 @@ TP × PP ranks of that DP rank. In order:
    holds in its own reward pool; ``(score, acc)`` are all-reduced, 3 float64 per response.
    The extracted answer (``pred``, for logs) stays on the holder.
 3. :func:`plan_step`, once per step: the DP split of every mini-batch
-   (:func:`~dapo_megatron.rollout.dp_split.split_for_dp`) from the replicated lengths,
+   (:func:`~dapo_megatron.rollout.plan.dp_split.split_for_dp`) from the replicated lengths,
    reused by every PPO epoch; it fixes the DP rank that trains each sample.
 4. :func:`send_tokens`, once per step: one ``all_to_all_single`` of int32 words (the
    token ids, then the float32 bits of the rollout logprobs) from each holder to the
@@ -23,7 +23,7 @@ TP × PP ranks of that DP rank. In order:
 
 The old logprobs are then computed on the ranks that train each sample and stay there; their
 mismatch metrics are pooled over DP as sums
-(:func:`~dapo_megatron.rollout.buffer.logprob_mismatch_metrics`).
+(:func:`~dapo_megatron.rollout.sampling.buffer.logprob_mismatch_metrics`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from dapo_megatron.platform.distributed import collective_device
-from dapo_megatron.rollout.dp_split import split_for_dp
+from dapo_megatron.rollout.plan.dp_split import split_for_dp
 from dapo_megatron.rollout.types import HELD_BY_ALL, Group, Sample
 
 FINISH_REASONS = ("stop", "length")
@@ -193,12 +193,12 @@ def plan_step(groups: Sequence[Group], groups_per_mini_batch: int, dp_size: int,
 
     Mini-batch ``m`` holds groups ``[m * groups_per_mini_batch, (m + 1) * groups_per_mini_batch)``
     (the last may be smaller); its samples are split with
-    :func:`~dapo_megatron.rollout.dp_split.split_for_dp` from their lengths alone, so every
+    :func:`~dapo_megatron.rollout.plan.dp_split.split_for_dp` from their lengths alone, so every
     rank computes the same plan, and every PPO epoch reuses it. ``share_prompts``: as there
     (the actor encodes a prompt once per micro-batch).
 
     Raises:
-        ValueError: as :func:`~dapo_megatron.rollout.dp_split.split_for_dp`.
+        ValueError: as :func:`~dapo_megatron.rollout.plan.dp_split.split_for_dp`.
     """
     samples = [s for g in groups for s in g.samples]
     owner = [-1] * len(samples)

@@ -12,7 +12,7 @@ rollout of one step in *rounds* instead:
    rate observed so far says will yield the missing groups (``ceil(missing / keep_rate)``,
    at most ``buffer.gen_batch_size`` per round and ``max_num_gen_batches * gen_batch_size``
    per step; GRESO's adaptive batch size, arXiv 2506.02177 Sec. 4.2, without its 1.25
-   margin: the next round tops up). A prompt that the :class:`~dapo_megatron.rollout.prompt_skip.PromptSkipper`
+   margin: the next round tops up). A prompt that the :class:`~dapo_megatron.rollout.sampling.prompt_skip.PromptSkipper`
    skips does not count;
 3. every engine advances ``rollout.stream_poll_tokens`` sampled tokens; the groups whose
    ``n`` responses have all finished are graded and kept or dropped, in submission order;
@@ -29,7 +29,7 @@ round in which a group finishes depends only on its responses' lengths and on th
 was submitted in: the kept groups, the aborted rows and the carried state are the same at
 any TP / PP / DP layout, and a resumed run repeats an uninterrupted one (responses
 themselves are batch-independent up to the last bits of batched matmuls, see
-:class:`~dapo_megatron.rollout.hf_engine.HFEngine`). SGLang cannot stop after a token
+:class:`~dapo_megatron.rollout.engines.hf_engine.HFEngine`). SGLang cannot stop after a token
 count: its rounds are time slices (``SGLangEngine.poll_timeout_s``), so which groups finish
 first, and hence which are kept, aborted or carried, depends on timing and is not
 reproducible; each response stays seed-exact under ``rollout.deterministic``, continued
@@ -42,10 +42,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence
 
-from dapo_megatron.rollout.buffer import (RolloutBuffer, _group_from_dict, _group_to_dict, group_staleness,
+from dapo_megatron.rollout.sampling.buffer import (RolloutBuffer, _group_from_dict, _group_to_dict, group_staleness,
                                           staleness_metrics)
-from dapo_megatron.rollout.engine import RolloutEngine, RowRequest, RowResult, SamplingParams
-from dapo_megatron.rollout.prompt_skip import PromptSkipper
+from dapo_megatron.rollout.engines.engine import RolloutEngine, RowRequest, RowResult, SamplingParams
+from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipper
 from dapo_megatron.rollout.types import Group, Sample
 
 PENDING = ""
@@ -191,7 +191,7 @@ class StreamingCollector:
             ``(groups, metrics)`` as :meth:`RolloutBuffer.collect`, plus
             ``rollout/{keep_rate, partial_in, partial_out, dropped_stale}`` and, with the
             generation's other metrics (absent when no token was sampled and no group graded,
-            :data:`~dapo_megatron.rollout.buffer.GENERATION_METRICS`), ``rollout/{rounds,
+            :data:`~dapo_megatron.rollout.sampling.buffer.GENERATION_METRICS`), ``rollout/{rounds,
             prompts_submitted, skipped_prompts, aborted_rows, aborted_tokens}``.
             ``rollout/gen_tokens`` counts the tokens sampled in this step (the continued part
             of a partial rollout, not its prefix; aborted tokens included, whether carried or

@@ -20,7 +20,7 @@ every one is wrong) has zero advantage for all its tokens and only dilutes the g
 Single-process and deterministic: the same generation batches and grades give the same
 output. In a distributed run every rank runs this same logic on the same records: the
 trainer replicates each sample's lengths, finish reason and grades
-(:mod:`~dapo_megatron.rollout.step_data`), while its token lists stay on the rank that
+(:mod:`~dapo_megatron.rollout.plan.step_data`), while its token lists stay on the rank that
 generated it (``Sample.response_ids`` is None elsewhere) until the step's DP plan sends
 them where they train.
 """
@@ -35,7 +35,8 @@ import torch
 import torch.distributed as dist
 
 from dapo_megatron.algorithms.overlong import OverlongConfig
-from dapo_megatron.rollout.prompt_skip import PromptSkipConfig
+from dapo_megatron.platform.distributed import collective_device
+from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipConfig
 from dapo_megatron.rollout.types import HELD_BY_ALL, Group, Sample
 
 FILTER_METRICS = ("acc", "score", "reward")
@@ -49,7 +50,7 @@ class RewardPoolLike(Protocol):
         """``(data_source, solution_str, ground_truth, extra_info)`` per response →
         ``{"score": float, "acc": bool, "pred": str | None}`` per response, same order.
         ``solution_str`` is None for a response this rank does not hold: only a distributed
-        pool (:class:`~dapo_megatron.rollout.step_data.DistributedGrader`) receives those."""
+        pool (:class:`~dapo_megatron.rollout.plan.step_data.DistributedGrader`) receives those."""
 
 
 @dataclass
@@ -84,7 +85,7 @@ class BufferConfig:
     """mask truncated responses (finish_reason "length") out of the loss: sets
     ``Sample.loss_mask_zero`` (they still count for their group's advantage statistics)."""
     prompt_skip: PromptSkipConfig = field(default_factory=PromptSkipConfig)
-    """GRESO prompt skipping before rollout (``rollout/prompt_skip.py``); needs
+    """GRESO prompt skipping before rollout (``rollout/sampling/prompt_skip.py``); needs
     ``rollout.streaming``."""
     max_staleness: int = 1
     """carried work (surplus groups, partial rollouts) whose oldest token was sampled more than
@@ -469,8 +470,6 @@ def logprob_mismatch_metrics(samples: Sequence[Sample], group=None) -> dict[str,
     totals = torch.tensor([float(d.sum()), float(d.numel()), float(len(diffs))], dtype=torch.float64)
     peak = torch.tensor([float(d.max()) if d.numel() else float("-inf")], dtype=torch.float64)
     if group is not None and dist.get_world_size(group) > 1:
-        from dapo_megatron.platform.distributed import collective_device
-
         dev = collective_device(group)
         totals, peak = totals.to(dev), peak.to(dev)
         dist.all_reduce(totals, group=group)

@@ -49,8 +49,9 @@ import os
 from typing import Iterable, Optional, Sequence, Union
 
 import torch
+from transformers import AutoModelForCausalLM, DynamicCache
 
-from dapo_megatron.rollout.engine import (
+from dapo_megatron.rollout.engines.engine import (
     Completion,
     GenerationOutput,
     ParamSpec,
@@ -228,8 +229,6 @@ class HFEngine(RolloutEngine):
         if isinstance(model_or_path, torch.nn.Module):
             model = model_or_path
         else:
-            from transformers import AutoModelForCausalLM
-
             path = os.fspath(model_or_path)
             if gguf_file is None and path.endswith(".gguf"):
                 path, gguf_file = os.path.split(path)
@@ -260,7 +259,7 @@ class HFEngine(RolloutEngine):
         distribution. Returns ``outputs[i][j]`` = j-th :class:`Completion` of prompt i.
 
         Reproducible: every response has its own ``torch.Generator`` seeded with
-        :func:`~dapo_megatron.rollout.engine.sample_seed` ``(params.seed, prompt_seeds[i], j)``,
+        :func:`~dapo_megatron.rollout.engines.engine.sample_seed` ``(params.seed, prompt_seeds[i], j)``,
         so a response depends on its prompt, its seed and the weights, not on the rest of
         the batch (up to the last bits of batched matmuls, which can flip a near-tie).
 
@@ -393,8 +392,6 @@ class HFEngine(RolloutEngine):
             input_ids[i, max_len - len(x):] = torch.tensor(x, dtype=torch.long, device=dev)
             attn[i, max_len - len(x):] = 1
         pos = (attn.cumsum(-1) - 1).clamp_min(0)
-        from transformers import DynamicCache
-
         cache = DynamicCache(config=self.model.config)
         out = self.model(input_ids=input_ids, attention_mask=attn, position_ids=pos, use_cache=True,
                          logits_to_keep=1, **{self._cache_kw: cache})  # the cache is filled in place

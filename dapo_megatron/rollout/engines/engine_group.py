@@ -2,16 +2,16 @@
 hands its GPU's copy of each bucket to the engine its leader drives.
 
 A rollout group is ``rollout.tensor_model_parallel_size`` consecutive ranks on one node
-(:mod:`dapo_megatron.rollout.layout`). Its first rank (the leader) creates one
+(:mod:`dapo_megatron.rollout.engines.layout`). Its first rank (the leader) creates one
 ``sglang.Engine(tp_size=<group size>, base_gpu_id=<its GPU>)``, whose TP worker ``i`` runs on
 GPU ``base_gpu_id + i`` (sglang 0.5.11 ``entrypoints/engine.py``
 ``_launch_scheduler_processes``: ``gpu_id = base_gpu_id + tp_rank * gpu_id_step``), i.e. on
 the GPU of the group's ``i``-th rank. Per bucket of the sync (:func:`sync_flat_buckets`):
 
 1. every rank of the group, fed the same full HF tensors by the bridge, packs the bucket into
-   its flat buffer on its own GPU (:class:`~dapo_megatron.rollout.flat_bucket.FlatBucketPacker`)
+   its flat buffer on its own GPU (:class:`~dapo_megatron.rollout.engines.flat_bucket.FlatBucketPacker`)
    and serializes it as CUDA-IPC handles (SGLang's ``MultiprocessingSerializer`` with its
-   torch-reduction patch, :func:`~dapo_megatron.rollout.flat_bucket.serialize_for_engine`);
+   torch-reduction patch, :func:`~dapo_megatron.rollout.engines.flat_bucket.serialize_for_engine`);
 2. the payloads are gathered over the group's gloo group to the leader, which checks that
    every rank packed the same bucket (names, shapes, dtypes, offsets) on the GPU its SGLang TP
    worker runs on;
@@ -40,8 +40,9 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.rollout.engine import GenerationOutput, ParamSpec, RolloutEngine, SamplingParams
-from dapo_megatron.rollout.flat_bucket import FlatBucketPacker, serialize_for_engine, sglang_bucket_dict
+from dapo_megatron.platform import device as rank_device
+from dapo_megatron.rollout.engines.engine import GenerationOutput, ParamSpec, RolloutEngine, SamplingParams
+from dapo_megatron.rollout.engines.flat_bucket import FlatBucketPacker, serialize_for_engine, sglang_bucket_dict
 
 NamedTensor = tuple[str, torch.Tensor]
 
@@ -231,8 +232,6 @@ class EngineGroupMember(RolloutEngine):
         if self._packer is None or self._packer.bucket_bytes != self.update_bucket_bytes:
             device = self._device
             if device is None:
-                from dapo_megatron.platform import device as rank_device
-
                 device = rank_device()
             self._packer = FlatBucketPacker(self.update_bucket_bytes, device)
         try:

@@ -13,7 +13,7 @@ from 0.5.5 on (setup.py's lower bound; ``cuda_graph`` became a memory tag in 0.5
 in 0.5.3), read in the sources of each release's wheel. Files are those of
 ``python/sglang/srt/`` in sglang 0.5.11:
 
-* Processes (``rollout/sglang_env.py``, docs/design.md §6): ``Engine(...)`` spawns its scheduler
+* Processes (``rollout/engines/sglang_env.py``, docs/design.md §6): ``Engine(...)`` spawns its scheduler
   and detokenizer processes, which inherit our environment (built without torchrun's
   ``TORCHELASTIC_USE_AGENT_STORE``, with ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1``), changes this
   process (``_set_envs_and_config``) and registers a kill-every-child atexit, which
@@ -42,7 +42,7 @@ in 0.5.3), read in the sources of each release's wheel. Files are those of
   so a row resubmitted as prompt + prefix draws what it would have drawn uninterrupted.
 * ``Engine.update_weights_from_tensor(named_tensors, load_format=None, flush_cache=True)``
   → ``(success, message)``; with ``load_format="flattened_bucket"``, ``named_tensors`` is the
-  list of serialized flattened buckets, one per TP worker (see ``rollout/engine_group.py``); ``Engine.flush_cache()`` → ``FlushCacheReqOutput(success,
+  list of serialized flattened buckets, one per TP worker (see ``rollout/engines/engine_group.py``); ``Engine.flush_cache()`` → ``FlushCacheReqOutput(success,
   message)`` (``managers/io_struct.py``); ``Engine.release_memory_occupation(tags)`` /
   ``resume_memory_occupation(tags)`` → None (``managers/tokenizer_control_mixin.py``).
 * Memory tags (``constants.py``): ``kv_cache``, ``weights``, ``cuda_graph``. Releasing
@@ -77,18 +77,27 @@ from __future__ import annotations
 import asyncio
 import atexit
 import dataclasses
+import difflib
+import inspect
 import itertools
 import json
+import socket
 import threading
 import urllib.error
+import urllib.parse
 import urllib.request
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
+from torch.distributed import TCPStore
+from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
+from transformers import AutoConfig, GenerationConfig
 
-from dapo_megatron.rollout.buckets import bucket_metadata, dtype_name
-from dapo_megatron.rollout.engine import (
+from dapo_megatron.platform import device as rank_device, local_device_index
+from dapo_megatron.rollout.engines import sglang_env
+from dapo_megatron.rollout.engines.buckets import bucket_metadata, dtype_name
+from dapo_megatron.rollout.engines.engine import (
     Completion,
     GenerationOutput,
     ParamSpec,
@@ -101,10 +110,8 @@ from dapo_megatron.rollout.engine import (
     sample_seed,
     validate_prompt_ids,
 )
-
-
-if TYPE_CHECKING:
-    from dapo_megatron.rollout.engine_group import RolloutGroup
+from dapo_megatron.rollout.engines.engine_group import RolloutGroup, sync_flat_buckets
+from dapo_megatron.rollout.engines.flat_bucket import FlatBucketPacker
 
 
 def _import_sglang():
@@ -152,7 +159,7 @@ def engine_argument_names() -> tuple[frozenset, str]:
 
     The fields of the installed ``sglang.srt.server_args.ServerArgs`` when SGLang imports,
     else those of the pinned version's source
-    (:data:`dapo_megatron.rollout.sglang_server_args.SERVER_ARGS_FIELDS`).
+    (:data:`dapo_megatron.rollout.engines.sglang_server_args.SERVER_ARGS_FIELDS`).
     """
     try:
         import dataclasses
@@ -162,7 +169,7 @@ def engine_argument_names() -> tuple[frozenset, str]:
 
         return frozenset(f.name for f in dataclasses.fields(ServerArgs)), f"sglang {sglang.__version__} ServerArgs"
     except Exception:  # not installed, or no CUDA to import it: the pinned list
-        from dapo_megatron.rollout.sglang_server_args import SERVER_ARGS_FIELDS, SGLANG_VERSION
+        from dapo_megatron.rollout.engines.sglang_server_args import SERVER_ARGS_FIELDS, SGLANG_VERSION
 
         return SERVER_ARGS_FIELDS, f"sglang {SGLANG_VERSION} ServerArgs (pinned list)"
 
@@ -174,8 +181,6 @@ def check_engine_kwargs(engine_kwargs: Optional[dict], key: str = "rollout.engin
         ValueError: a key the engine sets itself (naming the setting to use instead), or a
             key that is no ``sglang.Engine`` argument (with close names), naming ``key.<name>``.
     """
-    import difflib
-
     kwargs = dict(engine_kwargs or {})
     names, source = engine_argument_names()
     for name in kwargs:
@@ -194,7 +199,7 @@ def build_sampling_params(params: SamplingParams, seed: Optional[int]) -> dict[s
     """SGLang ``sampling_params`` dict of one response row with its own ``sampling_seed``.
 
     ``n`` is expanded into rows by the caller (one request per response), so each row has
-    its own seed (:func:`~dapo_megatron.rollout.engine.sample_seed`); ``no_stop_trim``
+    its own seed (:func:`~dapo_megatron.rollout.engines.engine.sample_seed`); ``no_stop_trim``
     keeps the stop token in the output.
     """
     sp: dict[str, Any] = {
@@ -216,7 +221,7 @@ def build_generate_request(prompt_ids: Sequence[Sequence[int]], params: Sampling
                            prompt_seeds: Optional[Sequence[int]] = None) -> dict[str, Any]:
     """The batched ``/generate`` payload (also the kwargs of ``Engine.generate``): each prompt
     repeated ``n`` times, one sampling-params dict per row (seeded per response, see
-    :func:`~dapo_megatron.rollout.engine.sample_seed`), logprobs of the output only."""
+    :func:`~dapo_megatron.rollout.engines.engine.sample_seed`), logprobs of the output only."""
     validate_prompt_ids(prompt_ids)
     seeds = resolve_prompt_seeds(prompt_ids, prompt_seeds)
     rows = [list(p) for p in prompt_ids for _ in range(params.n)]
@@ -277,7 +282,7 @@ def parse_generate_output(outputs: Any, num_prompts: int, n: int) -> GenerationO
 
 
 def build_row_request(row: RowRequest, rid: str) -> dict[str, Any]:
-    """``Engine.async_generate`` kwargs of one :class:`~dapo_megatron.rollout.engine.RowRequest`:
+    """``Engine.async_generate`` kwargs of one :class:`~dapo_megatron.rollout.engines.engine.RowRequest`:
     the prompt followed by the row's prefix, the remaining budget, the row's own seed."""
     params = dataclasses.replace(row.params, n=1, max_new_tokens=row.budget)
     return {"input_ids": list(row.prompt_ids + row.prefix_ids), "sampling_params": build_sampling_params(params, row.seed),
@@ -404,8 +409,6 @@ def _http_call(req: urllib.request.Request, url: str, timeout: float) -> bytes:
     """One HTTP request, every failure a ``RuntimeError`` naming the URL: an error status (with
     SGLang's message), an unreachable server, or no answer within ``timeout`` seconds (a hung
     server must not hang the trainer)."""
-    import socket
-
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.read()
@@ -437,12 +440,6 @@ def init_custom_process_group(backend: str, init_method: str, world_size: int, r
     the servers' workers would time out connecting. Rank 0 hosts it, as ``rendezvous`` does
     outside torchrun (``TCPStore(..., is_master=rank == 0, multi_tenant=True)``).
     """
-    import inspect
-    import urllib.parse
-
-    from torch.distributed import TCPStore
-    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
-
     parsed = urllib.parse.urlparse(init_method)
     if parsed.scheme != "tcp" or parsed.hostname is None or parsed.port is None:
         raise ValueError(f"init_method={init_method!r} must be tcp://host:port")
@@ -558,7 +555,7 @@ class _SGLangMemory:
 class SGLangEngine(_SGLangMemory, RolloutEngine):
     """Colocated offline ``sglang.Engine`` in this process, on this rank's GPU, or, with
     ``tp_size > 1``, on the GPUs of this rank's rollout group (this rank leads it; the other
-    ranks are :class:`~dapo_megatron.rollout.engine_group.EngineGroupMember` s).
+    ranks are :class:`~dapo_megatron.rollout.engines.engine_group.EngineGroupMember` s).
 
     Args:
         model_path: HF model directory (config, tokenizer, initial weights).
@@ -583,14 +580,14 @@ class SGLangEngine(_SGLangMemory, RolloutEngine):
             :func:`check_engine_kwargs` (e.g. ``load_format: dummy``: random weights at start,
             since the trainer syncs right after; the weights then count as invalid until the
             first sync; ``enable_weights_cpu_backup: true``: released weights survive sleep).
-        group: this rank's :class:`~dapo_megatron.rollout.engine_group.RolloutGroup` (``tp_size``
+        group: this rank's :class:`~dapo_megatron.rollout.engines.engine_group.RolloutGroup` (``tp_size``
             ranks, this one first); None: this process alone (with ``tp_size > 1`` its one copy
             of each bucket is read by every TP worker, across GPUs).
 
     ``update_weights`` checks names and shapes against the HF model built from the
     checkpoint's config on the meta device, sends every bucket as one flattened bucket per
     TP worker, each packed on the GPU of the group rank that worker runs on
-    (:func:`~dapo_megatron.rollout.engine_group.sync_flat_buckets`,
+    (:func:`~dapo_megatron.rollout.engines.engine_group.sync_flat_buckets`,
     ``update_weights_from_tensor(load_format="flattened_bucket", flush_cache=False)``), and
     flushes the prefix cache once at the end of a complete sync.
 
@@ -605,8 +602,6 @@ class SGLangEngine(_SGLangMemory, RolloutEngine):
                  base_gpu_id: Optional[int] = None, deterministic: bool = False, update_bucket_mb: int = 512,
                  engine_kwargs: Optional[dict] = None, group: Optional["RolloutGroup"] = None):
         super().__init__()
-        from dapo_megatron.rollout.engine_group import RolloutGroup
-
         dtype = sglang_dtype(dtype)
         extra = check_engine_kwargs(engine_kwargs, key="engine_kwargs")
         group = group or RolloutGroup.single(torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
@@ -615,8 +610,6 @@ class SGLangEngine(_SGLangMemory, RolloutEngine):
                              f"{tp_size} ranks (or by one process alone); got rank {group.rank} of group {group.ranks}")
         sglang = _import_sglang()
         if base_gpu_id is None:
-            from dapo_megatron.platform import local_device_index
-
             base_gpu_id = local_device_index()
         if torch.cuda.is_available() and torch.cuda.device_count() < base_gpu_id + tp_size:
             raise ValueError(
@@ -632,8 +625,6 @@ class SGLangEngine(_SGLangMemory, RolloutEngine):
         self.weights_cpu_backup = bool(extra.get("enable_weights_cpu_backup", False))
         self.deterministic = bool(deterministic)
         self.base_gpu_id = int(base_gpu_id)
-        from dapo_megatron.rollout import sglang_env
-
         # sglang_env's module docstring: SGLang sizes its KV pool from the memory free now; its
         # scheduler children inherit our environment (no torchrun agent store for their tcp://
         # init_process_group; CUDA graphs under the memory saver); its kill-all atexit goes
@@ -660,8 +651,6 @@ class SGLangEngine(_SGLangMemory, RolloutEngine):
     def eos_token_ids(self) -> frozenset:
         """The model's EOS ids (``config.json`` / ``generation_config.json``), which end a row."""
         if self._eos is None:
-            from transformers import AutoConfig, GenerationConfig
-
             ids = set()
             sources = [AutoConfig.from_pretrained(self.model_path)]
             try:
@@ -741,21 +730,14 @@ class SGLangEngine(_SGLangMemory, RolloutEngine):
         return parse_generate_output(out, len(prompt_ids), params.n)
 
     def _param_specs(self) -> tuple[dict[str, ParamSpec], dict[str, str]]:
-        from transformers import AutoConfig
-
         return hf_param_specs(AutoConfig.from_pretrained(self.model_path))
 
     def _load_stream(self, named_tensors) -> None:
         """Every bucket as one flattened bucket per TP worker, each from the GPU of its rollout-group
-        rank (:func:`~dapo_megatron.rollout.engine_group.sync_flat_buckets`); the prefix cache is
+        rank (:func:`~dapo_megatron.rollout.engines.engine_group.sync_flat_buckets`); the prefix cache is
         flushed once when the sync finishes (``_on_sync_finished``)."""
-        from dapo_megatron.rollout.engine_group import sync_flat_buckets
-        from dapo_megatron.rollout.flat_bucket import FlatBucketPacker
-
         self._bring_weights_back()
         if getattr(self, "_packer", None) is None or self._packer.bucket_bytes != self.update_bucket_bytes:
-            from dapo_megatron.platform import device as rank_device
-
             self._packer = FlatBucketPacker(self.update_bucket_bytes, rank_device())
         expected = None
         if torch.cuda.is_available() and self.group.size == self.tp_size:  # TP worker i: GPU base_gpu_id + i
@@ -790,10 +772,8 @@ class SGLangEngine(_SGLangMemory, RolloutEngine):
     def shutdown(self) -> None:
         """Stop the engine's own processes (scheduler(s), detokenizer) and wait for them; other
         children of this process (reward graders) live on, unlike with ``Engine.shutdown``, which
-        kills every child (:func:`~dapo_megatron.rollout.sglang_env.shutdown_engine`). Idempotent;
+        kills every child (:func:`~dapo_megatron.rollout.engines.sglang_env.shutdown_engine`). Idempotent;
         also run at exit."""
-        from dapo_megatron.rollout import sglang_env
-
         if getattr(self, "_engine_pids", None) is None:
             return
         pids, self._engine_pids = self._engine_pids, None
@@ -817,7 +797,7 @@ class SGLangServerEngine(_SGLangMemory, RolloutEngine):
     Args:
         base_url: e.g. ``"http://10.0.0.5:30000"``.
         param_specs: ``(specs, aliases)`` of the served model (e.g. from
-            :func:`dapo_megatron.rollout.engine.hf_param_specs`) for the sync checks.
+            :func:`dapo_megatron.rollout.engines.engine.hf_param_specs`) for the sync checks.
         device: device the broadcast tensors are moved to (a CUDA device for NCCL, ``"cpu"``
             for gloo); None: this rank's device (:func:`dapo_megatron.platform.device`).
         timeout_s: HTTP timeout per call, seconds.
@@ -835,8 +815,6 @@ class SGLangServerEngine(_SGLangMemory, RolloutEngine):
         self.base_url = base_url.rstrip("/")
         self._specs = param_specs
         if device is None:
-            from dapo_megatron.platform import device as rank_device
-
             device = rank_device()
         self.device = torch.device(device)
         self.timeout_s = timeout_s

@@ -11,7 +11,7 @@ unreachable server stops the step with an error naming its URL instead of hangin
 Weights (:class:`ServerWeightSender`, one per pipeline stage): the stage's sender (its DP-0,
 TP-0 rank) is rank 0 of a process group that every TP worker of every server joins
 (server ``e``'s worker ``i`` as rank ``rank_offsets[e] + i``,
-:func:`~dapo_megatron.rollout.layout.server_rank_offsets`; ``POST /init_weights_update_group``).
+:func:`~dapo_megatron.rollout.engines.layout.server_rank_offsets`; ``POST /init_weights_update_group``).
 Each bucket of the stage's own tensors (TP-gathered by the bridge, no pipeline broadcast) is
 announced to every server with ``POST /update_weights_from_distributed`` (names, dtypes,
 shapes in bucket order, ``load_format="flattened_bucket"``, ``flush_cache=False``), then
@@ -19,7 +19,7 @@ broadcast from rank 0 as ONE flat ``uint8`` buffer: the server allocates the sam
 ``FlattenedTensorBucket`` from the announced metadata and receives into it
 (``model_executor/model_runner.py`` ``_update_bucketed_weights_from_distributed``), so the
 buffer must be packed exactly as that bucket is, which
-:class:`~dapo_megatron.rollout.flat_bucket.FlatBucketPacker` does.
+:class:`~dapo_megatron.rollout.engines.flat_bucket.FlatBucketPacker` does.
 
 The stages send one after the other (stage 0 first), never at once: a server handles one
 update request at a time (while paused its tokenizer manager holds ``is_pause_cond`` for the
@@ -47,10 +47,18 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.rollout.buckets import dtype_name
-from dapo_megatron.rollout.flat_bucket import FlatBucketPacker
-from dapo_megatron.rollout.layout import server_rank_offsets
-from dapo_megatron.rollout.sglang_engine import http_get, http_post, init_custom_process_group
+from dapo_megatron.platform import free_port
+from dapo_megatron.rollout.engines.buckets import dtype_name
+from dapo_megatron.rollout.engines.engine import WeightSyncTracker
+from dapo_megatron.rollout.engines.flat_bucket import FlatBucketPacker
+from dapo_megatron.rollout.engines.layout import rollout_engines, server_rank_offsets
+from dapo_megatron.rollout.engines.sglang_engine import (
+    build_generate_request,
+    http_get,
+    http_post,
+    init_custom_process_group,
+    parse_generate_output,
+)
 
 NamedTensor = tuple[str, torch.Tensor]
 
@@ -194,8 +202,6 @@ class ServerWeightSender:
             master_port: a free port on it; None: one picked here.
             backend: ``"nccl"`` (default with CUDA) or ``"gloo"``.
         """
-        from dapo_megatron.platform import free_port
-
         backend = backend or ("nccl" if self.device.type == "cuda" else "gloo")
         self.backend = backend
         master_address = master_address or local_address_towards(self.servers[0].url)
@@ -362,8 +368,6 @@ def sync_servers(stage_tensors: Optional[Iterable[NamedTensor]], *, sender: Opti
         RuntimeError: on every rank, when any rank's sending failed (naming the server and the
             bucket) or the stages together left parameters unsent.
     """
-    from dapo_megatron.rollout.engine import WeightSyncTracker
-
     error = None
     if sender is not None:
         sender.bytes_sent = 0
@@ -428,7 +432,7 @@ class ServerRollout:
     Rank 0 queries every server (``/server_info``) and the answers are broadcast; the sender of
     each pipeline stage (its DP-0, TP-0 rank) creates the stage's weight-update group
     (:func:`connect_servers`); rank ``e`` drives server ``e`` for generation
-    (:func:`~dapo_megatron.rollout.layout.rollout_engines`).
+    (:func:`~dapo_megatron.rollout.engines.layout.rollout_engines`).
 
     The trainer treats it as its engine: :meth:`generate` on a driving rank, :meth:`sleep` /
     :meth:`wake_up` are nothing (the servers have GPUs of their own), :meth:`check_health`
@@ -449,8 +453,6 @@ class ServerRollout:
     def __init__(self, urls: Sequence[str], param_specs, *, stage: int, num_stages: int, is_sender: bool,
                  device: torch.device | str, timeout_s: float, generate_timeout_s: float, bucket_bytes: int,
                  backend: Optional[str] = None):
-        from dapo_megatron.rollout.layout import rollout_engines
-
         self.urls = list(urls)
         self.param_specs = param_specs
         self.stage, self.num_stages = int(stage), int(num_stages)
@@ -488,9 +490,7 @@ class ServerRollout:
 
     def generate(self, prompt_ids, params, prompt_seeds=None):
         """One ``/generate`` request to this rank's server (a driving rank only); see
-        :meth:`~dapo_megatron.rollout.engine.RolloutEngine.generate`."""
-        from dapo_megatron.rollout.sglang_engine import build_generate_request, parse_generate_output
-
+        :meth:`~dapo_megatron.rollout.engines.engine.RolloutEngine.generate`."""
         if self.engine_index is None:
             raise RuntimeError(f"rank {self.rank} drives no server (rollout.server_urls has {self.num_engines})")
         if not self.weights_valid:

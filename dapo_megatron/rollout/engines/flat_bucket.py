@@ -31,7 +31,7 @@ gets a FRESH buffer (:func:`reuses_buffer`): the engine reads it through a CUDA-
 only a fresh tensor keeps torch's IPC reference counting in charge of when its memory may be
 written again (a block a consumer still holds stays out of the caching allocator: torch's
 ``CudaIPCSentData`` limbo, ``torch/csrc/CudaIPCTypes.cpp``; ``torch.cuda.ipc_collect`` returns
-it once released, which :func:`~dapo_megatron.rollout.engine_group.sync_flat_buckets` calls
+it once released, which :func:`~dapo_megatron.rollout.engines.engine_group.sync_flat_buckets` calls
 after every bucket, as slime does). Refilling one buffer would rest on SGLang having finished its copies when it
 answers, which it does not promise: slime forbids the reuse ("can race with the consumer-side
 copy and corrupt weights", ``slime/backends/megatron_utils/update_weight/
@@ -48,9 +48,11 @@ from __future__ import annotations
 import functools
 import io
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 from typing import Any, Iterable, Iterator, Optional
 
 import torch
+import torch.multiprocessing  # noqa: F401  registers torch's tensor reductions with ForkingPickler
 
 NamedTensor = tuple[str, torch.Tensor]
 
@@ -113,7 +115,7 @@ class FlatBucketPacker:
 
     Bucket boundaries depend only on the names, shapes and dtypes of the stream (never on
     values or devices), so every rank of a rollout group, fed the same stream, cuts the same
-    buckets. The rule is :func:`~dapo_megatron.rollout.buckets.iter_buckets`' (a tensor joins
+    buckets. The rule is :func:`~dapo_megatron.rollout.engines.buckets.iter_buckets`' (a tensor joins
     the current bucket when the bucket stays within ``bucket_bytes``; a tensor larger than
     ``bucket_bytes`` is a bucket of its own), plus one: a tensor whose start would not be a
     multiple of its element size starts a new bucket, because SGLang views each byte range
@@ -238,10 +240,6 @@ def serialize_for_engine(obj: Any) -> bytes:
     serialize = _sglang_serialize()
     if serialize is not None:
         return serialize(obj)
-    from multiprocessing.reduction import ForkingPickler
-
-    import torch.multiprocessing  # noqa: F401  registers torch's tensor reductions with ForkingPickler
-
     buf = io.BytesIO()
     ForkingPickler(buf).dump(obj)
     return buf.getvalue()

@@ -62,7 +62,12 @@ import atexit
 import contextlib
 import logging
 import os
+import signal
+import time
+from multiprocessing import resource_tracker
 from typing import Any, Iterator, Optional
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -122,8 +127,6 @@ def release_allocator_cache() -> None:
     refuses to start when its GPUs' free memory differs too much (``model_runner.py``: "memory
     capacity is unbalanced"); blocks our allocator caches (weight loading, the HF export) are
     invisible to it. No-op without an initialised CUDA context."""
-    import torch
-
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -197,8 +200,6 @@ def engine_child_pids(engine: Any, before: set[int]) -> list[int]:
     get = getattr(engine, "get_all_child_pids", None)
     if callable(get):
         return [int(p) for p in get()]
-    from multiprocessing import resource_tracker
-
     tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
     return sorted(p for p in child_pids() - set(before) if p != tracker)
 
@@ -215,9 +216,6 @@ def shutdown_engine(engine: Any, pids: list[int], timeout_s: float = 60.0) -> No
     with its descendants and wait until they are gone (as ``Engine.shutdown``'s
     ``kill_process_tree(..., wait_timeout=60)``, so the GPU memory is free when this returns).
     Other children (reward graders, checkpoint writers) are untouched. Linux (``/proc``)."""
-    import signal
-    import time
-
     watchdog = getattr(getattr(engine, "tokenizer_manager", None), "_subprocess_watchdog", None)
     if watchdog is not None:
         watchdog.stop()

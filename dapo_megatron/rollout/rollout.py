@@ -1,0 +1,450 @@
+"""The rollout of a training run: one object for every engine layout (docs/design.md §2.3).
+
+:func:`build_rollout` builds a :class:`Rollout` for the layout the config names, and the
+trainer talks to that object only:
+
+* colocated, rollout TP = 1: every rank drives its own engine;
+* colocated rollout-TP groups (``rollout.tensor_model_parallel_size`` k > 1): the first rank
+  of each group of k drives the engine, the others only feed its weight sync;
+* separate servers (``rollout.mode: server``): rank ``e`` drives ``rollout.server_urls[e]``,
+  one rank per pipeline stage sends that stage's weights.
+
+Surface (every method is a collective: call it on every rank, in the same order):
+
+* :meth:`Rollout.collect` -> :class:`StepBatch`: the step's kept groups and rollout metrics,
+  by whole generation batches (:meth:`~dapo_megatron.rollout.sampling.buffer.RolloutBuffer.collect`)
+  or streamed (``rollout.streaming``,
+  :class:`~dapo_megatron.rollout.sampling.streaming.StreamingCollector`);
+* :meth:`Rollout.sync_weights`: the actor's weights into the engines, as version ``version``;
+* :meth:`Rollout.wake` / :meth:`Rollout.sleep`: the engines' GPU memory around generation
+  (no-ops for servers); :meth:`Rollout.check_health`: a dead server stops the step, named;
+* :meth:`Rollout.validate`: avg@k / pass@k on the validation set;
+* :meth:`Rollout.state_dict` / :meth:`Rollout.load_state_dict`: everything rollout-side a
+  checkpoint holds (prompt stream positions per DP rank, generation-batch counter, buffer
+  surplus, streamed partial groups and prompt queue).
+
+Prompts: every prompt of a generation batch is dealt over the engines
+(:func:`~dapo_megatron.rollout.engines.layout.engine_share`) and each response is seeded by
+the prompt's global position, so the rollout does not depend on the actor's TP / PP / DP nor
+on the engines' layout. Records (lengths, finish reasons, grades) end up replicated on every
+rank; token lists stay where they were generated
+(:func:`~dapo_megatron.rollout.plan.step_data.gather_groups`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from dapo_megatron.bridge import ExportBuffers, iter_hf_weights
+from dapo_megatron.data import PromptStream
+from dapo_megatron.data.dataset import unique_prompts
+from dapo_megatron.metrics import compute_val_metrics
+from dapo_megatron.platform import collective_device, device
+from dapo_megatron.platform.memory import check_memory
+from dapo_megatron.rewards import RewardPool
+from dapo_megatron.rollout.engines.engine import RolloutEngine, SamplingParams, completions_to_group
+from dapo_megatron.rollout.engines.factory import build_training_rollout
+from dapo_megatron.rollout.engines.layout import check_rollout_tp_fits_model, engine_share
+from dapo_megatron.rollout.plan.step_data import DistributedGrader, gather_groups, gather_preds, send_tokens
+from dapo_megatron.rollout.sampling.buffer import RolloutBuffer
+from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipper
+from dapo_megatron.rollout.sampling.streaming import PromptQueue, StreamingCollector, row_request
+from dapo_megatron.rollout.types import HELD_BY_ALL, Group, Sample
+
+if TYPE_CHECKING:  # config.run imports the trainer, which imports this module
+    from dapo_megatron.config.run import DAPOConfig
+    from dapo_megatron.platform import ParallelDims
+
+logger = logging.getLogger("dapo_megatron.rollout")
+
+
+@dataclass
+class StepBatch:
+    """What :meth:`Rollout.collect` returns for one training step.
+
+    Attributes:
+        groups: the kept groups, ``buffer.train_batch_size`` of them (fewer only at the cap
+            with ``buffer.on_cap="train_on_kept"``), group ids ``0..len-1``; records replicated
+            on every rank, token lists where generated.
+        metrics: the rollout's ``rollout/*`` (and ``train/*``) metrics, identical on all ranks.
+    """
+
+    groups: list[Group]
+    metrics: dict[str, float]
+
+    @property
+    def samples(self) -> list[Sample]:
+        """Every sample of :attr:`groups`, group by group."""
+        return [s for g in self.groups for s in g.samples]
+
+
+def _all_gather_objects(obj: Any, group=None) -> list[Any]:
+    """``all_gather_object`` over ``group`` (default: the world), in rank order."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return [obj]
+    out: list[Any] = [None] * world
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def check_rollout_fits(cfg: DAPOConfig, parallel: ParallelDims, hf_config: Any) -> None:
+    """Before any model loads: an SGLang engine of ``rollout.tensor_model_parallel_size`` GPUs
+    can shard the model, and a colocated actor + engine fits each GPU (the estimate logged on
+    rank 0), so the run stops now rather than at the first OOM minutes later.
+
+    Raises:
+        ValueError: naming the rollout TP key, or the memory that does not fit.
+    """
+    r = cfg.rollout
+    if r.mode == "colocated" and r.name == "sglang":  # the HF engine does not shard
+        check_rollout_tp_fits_model(hf_config, r.tensor_model_parallel_size)
+        if torch.cuda.is_available():
+            gpu_bytes = torch.cuda.get_device_properties(device()).total_memory
+            estimate = check_memory(cfg, hf_config, parallel.world_size, gpu_bytes=gpu_bytes)
+            if parallel.rank == 0:
+                logger.info("%s", estimate.report())
+
+
+def prompt_stream(cfg: DAPOConfig, parallel: ParallelDims, train_data: Any) -> PromptStream:
+    """The training prompts this rank reads: its DP rank's share of each generation batch, or,
+    streamed, the whole batch on every rank (the streamed decisions are replicated).
+
+    Raises:
+        ValueError: ``buffer.gen_batch_size`` does not divide over the DP ranks; from
+            :class:`~dapo_megatron.data.PromptStream` (fewer prompts than a batch).
+    """
+    b, d = cfg.buffer, cfg.data
+    if b.gen_batch_size % parallel.dp_size:
+        raise ValueError(f"buffer.gen_batch_size={b.gen_batch_size} must be divisible by the DP size "
+                         f"{parallel.dp_size}")
+    if cfg.rollout.streaming:
+        return PromptStream(train_data, b.gen_batch_size, 0, 1, seed=d.seed, shuffle=d.shuffle)
+    return PromptStream(train_data, b.gen_batch_size // parallel.dp_size, parallel.dp_rank, parallel.dp_size,
+                        seed=d.seed, shuffle=d.shuffle)
+
+
+def build_rollout(cfg: DAPOConfig, parallel: ParallelDims, *, tokenizer: Any, hf_config: Any, train_data: Any,
+                  val_data: Any, stream: PromptStream) -> Rollout:
+    """The :class:`Rollout` of this rank for ``cfg.rollout.mode`` / ``tensor_model_parallel_size``:
+    its engine (:func:`~dapo_megatron.rollout.engines.factory.build_training_rollout`), its reward
+    pool, the dynamic-sampling buffer and, with ``rollout.streaming``, the streamed collector and
+    its prompt queue; collective in server mode. Build it after the actor: an SGLang engine sizes
+    its KV cache from the GPU memory left free.
+
+    Raises:
+        ValueError: ``rollout.streaming`` with an engine that has no asynchronous generation.
+    """
+    engine, num_engines, engine_index = build_training_rollout(cfg, tokenizer, hf_config, parallel)
+    reward_pool = RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
+    reward_pool.wait_ready()
+
+    def decode(ids: list[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    b = cfg.buffer
+    buffer = RolloutBuffer(b, DistributedGrader(reward_pool), decode)
+    collector = prompt_queue = None
+    if cfg.rollout.streaming:
+        if not engine.supports_async:
+            raise ValueError(f"rollout.streaming=true needs an engine with asynchronous generation; "
+                             f"{type(engine).__name__} has none: set rollout.streaming=false")
+        collector = StreamingCollector(buffer, PromptSkipper(b.prompt_skip, seed=cfg.trainer.seed),
+                                       partial_rollout=cfg.rollout.partial_rollout,
+                                       poll_tokens=cfg.rollout.stream_poll_tokens)
+        prompt_queue = PromptQueue(stream.next_batch, b.gen_batch_size, train_data.__getitem__)
+    return Rollout(cfg, parallel, engine=engine, num_engines=num_engines, engine_index=engine_index,
+                   train_data=train_data, val_data=val_data, stream=stream, reward_pool=reward_pool, decode=decode,
+                   buffer=buffer, collector=collector, prompt_queue=prompt_queue)
+
+
+class Rollout:
+    """One run's rollout on this rank, whatever the engine layout (module docstring).
+
+    Build it with :func:`build_rollout`. Attributes are read-only outside this class:
+    ``engine`` (this rank's engine, group member or server client), ``num_engines`` and
+    ``engine_index`` (the engine whose prompts this rank deals, None: none), ``buffer``,
+    ``collector`` / ``prompt_queue`` (streamed only, else None), ``gen_batches_done``
+    (generation batches drawn so far: it seeds the sampler), ``reward_pool``.
+    """
+
+    def __init__(self, cfg: DAPOConfig, parallel: ParallelDims, *, engine: RolloutEngine, num_engines: int,
+                 engine_index: Optional[int], train_data: Any, val_data: Any, stream: PromptStream,
+                 reward_pool: RewardPool, decode: Callable[[list[int]], str], buffer: RolloutBuffer,
+                 collector: Optional[StreamingCollector], prompt_queue: Optional[PromptQueue]):
+        self.cfg, self.parallel = cfg, parallel
+        self.engine, self.num_engines, self.engine_index = engine, num_engines, engine_index
+        self.server_mode = cfg.rollout.mode == "server"
+        self.train_data, self.val_data, self.stream = train_data, val_data, stream
+        self.reward_pool, self.decode = reward_pool, decode
+        self.buffer, self.collector, self.prompt_queue = buffer, collector, prompt_queue
+        self.gen_batches_done = 0
+        # a CPU sync into fresh memory pays page faults worth several copies; on GPU the caching
+        # allocator reuses blocks, and kept buffers would be out of the engine's reach
+        self.export_buffers: Optional[ExportBuffers] = None
+        self._source: Any = None  # the actor of the last sync_weights, and its version
+        self._version = 0
+
+    # ------------------------------------------------------------------ the engines
+    def check_health(self) -> None:
+        """Server mode: every server answers ``/health`` (else the error names it, on every rank)."""
+        if self.server_mode:
+            self.engine.check_health()
+
+    def _free_allocator_cache(self) -> None:
+        """Hand the actor's cached-but-free GPU blocks back to the driver.
+
+        SGLang maps its weights and KV cache outside PyTorch's caching allocator
+        (torch_memory_saver), so blocks the actor freed but the allocator still caches are
+        invisible to it: wait for the actor's last kernels (synchronize), then empty the
+        cache. Called before every wake-up and weight sync of the engine, on every rank; with
+        rollout TP > 1 the group then waits for its slowest rank, because the leader's engine
+        maps memory on every GPU of the group (collective over ``parallel.rollout_group``)."""
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        if self.parallel.rollout_group is not None:
+            torch.distributed.barrier(group=self.parallel.rollout_group)
+
+    def wake(self) -> None:
+        """Give the engine its memory back before generating, with valid weights.
+
+        A wake-up that leaves the weights invalid (released by ``sleep`` without a backup
+        and not synced since, see ``RolloutEngine.weights_valid``) is followed by a full
+        re-sync of the last synced actor and version, so no rollout ever samples from garbage.
+        Every rank re-syncs when any engine needs it (the sync gathers over the model-parallel
+        group)."""
+        self._free_allocator_cache()
+        self.engine.wake_up()
+        if any(_all_gather_objects(not self.engine.weights_valid)):
+            logger.warning("a rollout engine woke up without valid weights; re-syncing weight version %d",
+                           self._version)
+            self.sync_weights(self._source, self._version)
+
+    def sleep(self, keep_weights: bool = False) -> None:
+        """Release the engine's GPU memory (its weights too unless ``keep_weights``)."""
+        self.engine.sleep(keep_weights=keep_weights)
+
+    def sync_weights(self, actor: Any, version: int) -> float:
+        """Megatron shards of ``actor`` → HF tensors (bucketed, collective) → this rank's engine,
+        or, in server mode, from one rank per pipeline stage into the servers; the engines then
+        hold weights ``version``. Returns the bytes sent (summed over ranks in server mode)."""
+        self._source, self._version = actor, version
+        if self.export_buffers is None and next(actor.model_chunks[0].parameters()).device.type == "cpu":
+            self.export_buffers = ExportBuffers()
+        self._free_allocator_cache()
+        bucket = self.cfg.rollout.update_weights_bucket_megabytes * 2**20
+        if self.server_mode:  # the stage's own tensors (no PP broadcast); DP > 0 ranks hold copies
+            stream = (iter_hf_weights(actor.model_chunks, parallel=self.parallel, bucket_bytes=bucket,
+                                      pp_broadcast=False, buffers=self.export_buffers)
+                      if self.parallel.dp_rank == 0 else None)
+            return float(sum(_all_gather_objects(self.engine.sync(stream, version=version))))
+        nbytes = 0
+
+        def counted(it):
+            nonlocal nbytes
+            for name, tensor in it:
+                nbytes += tensor.numel() * tensor.element_size()
+                yield name, tensor
+                del tensor  # held by nothing when the bridge produces the next: it reuses the memory
+
+        self.engine.update_weights(
+            counted(iter_hf_weights(actor.model_chunks, parallel=self.parallel, bucket_bytes=bucket,
+                                    buffers=self.export_buffers)),
+            version=version)
+        return float(nbytes)
+
+    # ------------------------------------------------------------------ generation
+    def _sampling_params(self, *, n: int, temperature: float, top_p: float, seed: int) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=r.top_k,
+                              max_new_tokens=r.response_length, seed=seed)
+
+    def _train_params(self) -> SamplingParams:
+        r = self.cfg.rollout
+        return self._sampling_params(n=self.cfg.buffer.n, temperature=r.temperature, top_p=r.top_p,
+                                     seed=self.cfg.trainer.seed)
+
+    def _engine_share(self, num_prompts: int) -> list[int]:
+        """The prompts (positions in a list every rank holds) this rank's engine samples."""
+        if self.engine_index is None:
+            return []
+        return engine_share(num_prompts, self.num_engines, self.engine_index)
+
+    def _global_batch(self, indices: list[int]) -> list[int]:
+        """The dataset indices of the whole generation batch, every DP rank's ``indices`` in DP
+        order (all DP ranks read equally many); one int64 all-gather over the DP group."""
+        dp_size = self.parallel.dp_size
+        if dp_size == 1:
+            return list(indices)
+        mine = torch.tensor(indices, dtype=torch.int64, device=collective_device(self.parallel.dp_group))
+        parts = [torch.empty_like(mine) for _ in range(dp_size)]
+        dist.all_gather(parts, mine, group=self.parallel.dp_group)
+        return torch.cat(parts).cpu().tolist()
+
+    def _generate_groups(self, records: Sequence[Any], params: SamplingParams, first_group_id: int) -> list[Group]:
+        """Generate ``params.n`` responses for each prompt of the generation batch (every DP
+        rank's ``records``), dealt over the rollout engines, and return the groups: every rank
+        gets the same list of records, ordered by DP rank then prompt position, with consecutive
+        group ids; the token lists only where generated."""
+        # the batch in global order (DP rank, position); position g seeds its responses, so the
+        # rollout depends neither on the actor's TP/PP/DP nor on the engines' layout
+        batch = self._global_batch([r.index for r in records])
+        mine = self._engine_share(len(batch))
+        prompts = [self.train_data[batch[g]].prompt_ids for g in mine]
+        outputs = self.engine.generate(prompts, params, [first_group_id + g for g in mine]) if mine else []
+        local = []
+        for g, completions in zip(mine, outputs):
+            rec = self.train_data[batch[g]]
+            local.append((0, g, completions_to_group(  # (0, g): ordered by global position
+                -1, rec.prompt_ids, completions, prompt_index=rec.index, data_source=rec.data_source,
+                ground_truth=rec.ground_truth, extra_info=rec.extra_info)))
+        groups = gather_groups(local, n=params.n, max_local=-(-len(batch) // self.num_engines),
+                               record_of=self.train_data.__getitem__)
+        version = self.engine.weight_version  # the same on every rank: the weights of the last sync
+        for k, g in enumerate(groups):
+            g.group_id = first_group_id + k
+            for s in g.samples:
+                s.group_id = g.group_id
+                s.versions = [(0, version)]
+        return groups
+
+    def _generate_batch(self) -> list[Group]:
+        """One generation batch for the buffer: ``buffer.gen_batch_size`` prompts × n."""
+        records = self.stream.next_batch()
+        first = self.gen_batches_done * self.cfg.buffer.gen_batch_size
+        self.gen_batches_done += 1
+        return self._generate_groups(records, self._train_params(), first)
+
+    def collect(self, step: int) -> StepBatch:
+        """The groups that train step ``step + 1`` (sampled by weights version ``step``):
+        generation, grading and dynamic sampling (docs/design.md §1, steps 1-3)."""
+        if self.collector is None:
+            return StepBatch(*self.buffer.collect(self._generate_batch, policy_version=step))
+        groups, metrics = self.collector.collect(_RankRows(self, self._train_params()), self.prompt_queue,
+                                                 policy_version=step)
+        self.gen_batches_done = self.prompt_queue.fetched
+        return StepBatch(groups, metrics)
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, step: int) -> dict[str, float]:
+        """avg@k and pass@k (k = ``rollout.val_n``) on the distinct problems of the validation set.
+
+        Validation samples ``rollout.val_n`` responses per DISTINCT problem: rows that are
+        copies of one problem (equal ``data_source``, chat-templated prompt ids and ground
+        truth; :func:`dapo_megatron.data.dataset.unique_prompts`) count once. The AIME 2024
+        parquet holds 30 problems × 32 copies, so ``val_n=32`` is the paper's avg@32 over
+        30 × 32 samples, not 960 × 32. ``rollout.val_max_prompts`` (> 0) keeps the first M
+        distinct problems (in file order of their first copy).
+
+        Problems are dealt round-robin over the rollout engines
+        (:func:`~dapo_megatron.rollout.engines.layout.engine_share`; ``rollout.val_temperature`` /
+        ``val_top_p`` / ``top_k``, at most ``rollout.response_length`` new tokens); response j of
+        problem i is seeded by ``(trainer.seed + 7919 * step, i, j)``, so the samples do not
+        depend on the world size. Responses are decoded with ``skip_special_tokens=True`` and
+        graded (0/1 ``acc``) by this rank's reward pool. The engine keeps its weights when it
+        sleeps afterwards: no update comes before the next rollout.
+
+        Returns:
+            :func:`dapo_megatron.metrics.compute_val_metrics` with ``k = val_n``:
+            ``val/avg@k`` (mean over problems of the mean accuracy of their ``val_n``
+            samples), ``val/pass@k`` (unbiased estimator), ``val/num_prompts`` (distinct
+            problems evaluated) and the same per ``data_source``; identical on all ranks.
+        """
+        r = self.cfg.rollout
+        problems = [rec for rec, _ in unique_prompts(self.val_data.records)]
+        if r.val_max_prompts > 0:
+            problems = problems[:r.val_max_prompts]
+        mine = self._engine_share(len(problems))
+        params = self._sampling_params(n=r.val_n, temperature=r.val_temperature, top_p=r.val_top_p,
+                                       seed=self.cfg.trainer.seed + 7919 * step)
+        self.wake()
+        outputs = self.engine.generate([problems[i].prompt_ids for i in mine], params, mine) if mine else []
+        self.sleep(keep_weights=True)  # no update before the next rollout: the weights stay valid
+        requests, owners = [], []
+        for i, comps in zip(mine, outputs):
+            rec = problems[i]
+            for c in comps:
+                requests.append((rec.data_source, self.decode(c.response_ids), rec.ground_truth, rec.extra_info))
+                owners.append(i)
+        results = self.reward_pool.grade(requests) if requests else []
+        local: dict[int, list[float]] = {}
+        for i, res in zip(owners, results):
+            local.setdefault(i, []).append(1.0 if res["acc"] else 0.0)
+        accs: dict[int, list[float]] = {}
+        for part in _all_gather_objects(local):
+            accs.update(part)
+        order = sorted(accs)
+        return compute_val_metrics([problems[i].data_source for i in order], [accs[i] for i in order], k=r.val_n)
+
+    def close(self) -> None:
+        """Stop the reward pool's grader processes."""
+        self.reward_pool.close()
+
+    # ------------------------------------------------------------------ checkpoint
+    def state_dict(self) -> dict[str, Any]:
+        """The rollout's part of a checkpoint (the same on every rank; rank 0's is written);
+        collective. Keys: ``gen_batches_done``, ``streams`` (one prompt-stream position per DP
+        rank), ``buffer`` and, streamed, ``streaming`` and ``prompt_queue``. Rank 0 receives the
+        surplus groups' token lists and extracted answers from the ranks that generated them."""
+        surplus = [s for g in self.buffer.surplus for s in g.samples]
+        send_tokens(surplus, [(0,)] * len(surplus))
+        gather_preds(surplus, dst=0)
+        # ranks of one DP rank read the same prompts: keep one reader position per DP rank
+        by_dp = dict(_all_gather_objects((self.parallel.dp_rank, self.stream.state_dict())))
+        return {
+            "gen_batches_done": self.gen_batches_done,
+            "streams": [by_dp[d] for d in range(self.parallel.dp_size)],
+            "buffer": self.buffer.state_dict(),
+            **({"streaming": self.collector.state_dict(), "prompt_queue": self.prompt_queue.state_dict()}
+               if self.collector is not None else {}),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (``state`` as read by every rank; ``state["step"]`` names
+        the checkpoint in errors). Every rank then holds the surplus' token lists.
+
+        Raises:
+            ValueError: a streamed run resumed from a batch run's checkpoint.
+        """
+        self.gen_batches_done = state["gen_batches_done"]
+        self.stream.load_state_dict(state["streams"][self.parallel.dp_rank])
+        self.buffer.load_state_dict(state["buffer"])
+        for g in self.buffer.surplus:  # every rank read the surplus' token lists from the checkpoint
+            for s in g.samples:
+                s.holder = HELD_BY_ALL
+        if self.collector is not None:
+            if "streaming" not in state:
+                raise ValueError(f"rollout.streaming=true but the checkpoint of step {state.get('step')} was written "
+                                 "by a batch (non-streaming) run; resume it with rollout.streaming=false")
+            self.collector.load_state_dict(state["streaming"])
+            self.prompt_queue.load_state_dict(state["prompt_queue"])
+
+
+class _RankRows:
+    """The streamed rollout's :class:`~dapo_megatron.rollout.sampling.streaming.RowClient` over every rank's
+    engine; each call is a collective. Group ``g`` runs on rank ``g.prompt_seed % world`` (its
+    ``n`` rows share one prefill there), continued rows included; the rows that finished or
+    were aborted on any rank are all-gathered, so every rank sees every result."""
+
+    def __init__(self, rollout: Rollout, params: SamplingParams):
+        self.rollout, self.params = rollout, params
+
+    def submit(self, rows) -> None:
+        p = self.rollout.parallel
+        mine = [row_request(g, j, self.params) for g, j in rows if g.prompt_seed % p.world_size == p.rank]
+        if mine:
+            self.rollout.engine.submit(mine)
+
+    def poll(self, max_tokens: int):
+        engine = self.rollout.engine
+        local = engine.poll(max_tokens) if engine.num_in_flight else []
+        return [r for part in _all_gather_objects(local) for r in part]
+
+    def abort(self):
+        return [r for part in _all_gather_objects(self.rollout.engine.abort()) for r in part]
