@@ -6,7 +6,7 @@ Two pieces:
   generating while the torchrun world trains. It speaks HTTP to the servers and calls the
   reward pool, and NEVER ``torch.distributed``, so it cannot race the training collectives
   of the main thread. It fills the training steps one after the other with exactly the rule
-  of synchronous server mode (:meth:`~dapo_megatron.rollout.buffer.RolloutBuffer.collect`):
+  of synchronous server mode (:meth:`~dapo_megatron.rollout.sampling.buffer.RolloutBuffer.collect`):
   carried surplus first (dropped when more than η = ``buffer.max_staleness`` versions behind
   the step's policy), then whole generation batches (``buffer.gen_batch_size`` prompts, the
   same stream, seeds and group numbering as synchronous mode, dealt round-robin over the
@@ -17,7 +17,7 @@ Two pieces:
   ``sync_weights``, ``pause``, ``state_dict``). Rank 0 takes the oldest ready step
   (``time/wait_rollout_s``) and broadcasts its records (lengths, grades, versions; no token
   lists) to the other ranks, which then receive each sample's tokens in the step's plan
-  exactly as in synchronous server mode (:func:`~dapo_megatron.rollout.step_data.send_tokens`,
+  exactly as in synchronous server mode (:func:`~dapo_megatron.rollout.plan.step_data.send_tokens`,
   from holder rank 0).
 
 Staleness (η = ``buffer.max_staleness``, integer weight versions; version ``k`` is the actor
@@ -41,12 +41,19 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-from dapo_megatron.rollout.buffer import (RolloutBuffer, _group_from_dict, _group_to_dict, staleness_metrics)
-from dapo_megatron.rollout.engine import SamplingParams, completions_to_group
-from dapo_megatron.rollout.layout import engine_share
+import torch.distributed as dist
+
+from dapo_megatron.rollout.engines.engine import SamplingParams, completions_to_group
+from dapo_megatron.rollout.engines.layout import engine_share
+from dapo_megatron.rollout.sampling.buffer import RolloutBuffer, _group_from_dict, _group_to_dict, staleness_metrics
+from dapo_megatron.rollout.rollout import Rollout, StepBatch
 from dapo_megatron.rollout.types import Group, Sample
+
+if TYPE_CHECKING:
+    from dapo_megatron.config.run import DAPOConfig
+    from dapo_megatron.platform import ParallelDims
 
 logger = logging.getLogger("dapo_megatron.rollout.async")
 
@@ -54,18 +61,18 @@ logger = logging.getLogger("dapo_megatron.rollout.async")
 def generate_on_servers(urls: Sequence[str], prompts: Sequence[Sequence[int]], params: SamplingParams,
                         prompt_seeds: Sequence[int], timeout_s: float, pool: Optional[ThreadPoolExecutor] = None):
     """One generation batch dealt round-robin over ``urls`` (prompt ``i`` to server
-    ``i % len(urls)``, :func:`~dapo_megatron.rollout.layout.engine_share`), one batched
+    ``i % len(urls)``, :func:`~dapo_megatron.rollout.engines.layout.engine_share`), one batched
     ``/generate`` per server, all at once; returns ``outputs[i][j]`` (a
-    :class:`~dapo_megatron.rollout.engine.Completion`) in prompt order.
+    :class:`~dapo_megatron.rollout.engines.engine.Completion`) in prompt order.
 
     The same request per server as synchronous server mode sends from trainer rank ``e`` to
-    server ``e`` (:meth:`~dapo_megatron.rollout.server_sync.ServerRollout.generate`), so the
+    server ``e`` (:meth:`~dapo_megatron.rollout.engines.server_sync.ServerRollout.generate`), so the
     same continuous batch runs there. HTTP only.
 
     Raises:
         RuntimeError: a server failed or timed out (its URL in the message).
     """
-    from dapo_megatron.rollout.sglang_engine import build_generate_request, http_post, parse_generate_output
+    from dapo_megatron.rollout.engines.sglang_engine import build_generate_request, http_post, parse_generate_output
 
     shares = [engine_share(len(prompts), len(urls), e) for e in range(len(urls))]
 
@@ -357,67 +364,166 @@ def strip_tokens(groups: Sequence[Group]) -> list[Group]:
                   g.prompt_seed) for g in groups]
 
 
-class AsyncRollout:
-    """The trainer's seam to the asynchronous rollout; build it on every rank.
+class AsyncRollout(Rollout):
+    """The :class:`~dapo_megatron.rollout.rollout.Rollout` of ``async_training.enable`` (server
+    mode), on every rank; :func:`~dapo_megatron.rollout.rollout.build_rollout` builds it.
 
-    ``collect(step)`` (collective) gives every rank the step's groups: rank 0's
-    :class:`RolloutController` takes the oldest ready step and the records go to the other
-    ranks (one object broadcast; the token lists stay on rank 0 until the plan sends them).
-    ``sync_weights(sync, version)`` runs the trainer's weight sync (collective) with the
-    controller paused on rank 0, and hands it the new version. ``pause()`` / ``resume()``
-    hold the controller around anything else that must see no generation (validation).
+    Same surface, every method a collective:
 
-    Args:
-        controller: rank 0's controller (None on the other ranks); started by :meth:`start`.
-        rank: this trainer rank.
-        broadcast: ``obj -> obj`` of rank 0 on every rank (the trainer's object broadcast).
+    * :meth:`collect`: rank 0's :class:`RolloutController` hands over the oldest ready step
+      (``time/wait_rollout_s``); its records (no token lists) are broadcast, the token lists
+      stay on rank 0 (``Sample.holder = 0``) until the step's plan sends them where they train;
+    * :meth:`sync_weights`: every ``async_training.trigger_parameter_sync_step`` versions (and
+      at start), with the controller paused on rank 0 (after the batch in flight: its tokens
+      carry one version), which then generates with the new version; between those steps
+      nothing is sent and the servers keep their weights;
+    * :meth:`validate`: with the controller paused, so every validation request runs on the
+      weights of the last sync;
+    * :meth:`state_dict`: the controller's ready steps, the step being filled, the batch
+      counter and the prompt streams, taken paused (nothing in flight), written by rank 0.
+
+    The controller reads every DP rank's share of each generation batch, in DP order, from
+    streams of its own (the batch synchronous server mode assembles with an all-gather), so
+    the prompts, seeds and group numbers are those of synchronous server mode at any layout.
     """
 
-    def __init__(self, controller: Optional[RolloutController], rank: int, broadcast: Callable[[Any], Any]):
-        if (controller is None) != (rank != 0):
-            raise ValueError("AsyncRollout: the controller lives on rank 0 and only there")
-        self.controller, self.rank, self._broadcast = controller, rank, broadcast
+    def __init__(self, cfg: "DAPOConfig", parallel: "ParallelDims", **kwargs):
+        super().__init__(cfg, parallel, **kwargs)
+        b, d = cfg.buffer, cfg.data
+        self.sync_every = cfg.async_training.trigger_parameter_sync_step
+        self.controller: Optional[RolloutController] = None
+        self.streams: list = []
+        self._started = False
+        self._last_collect: Optional[float] = None
+        self._idle_before = 0.0
+        self._sync_pause_s = 0.0
+        if parallel.rank != 0:
+            return
+        from dapo_megatron.data import PromptStream
 
-    def start(self) -> None:
+        dp = parallel.dp_size
+        self.streams = [PromptStream(self.train_data, b.gen_batch_size // dp, r, dp, seed=d.seed, shuffle=d.shuffle)
+                        for r in range(dp)]
+
+        def next_batch():
+            return [rec for st in self.streams for rec in st.next_batch()]
+
+        # grades from the controller thread with the reward pool itself (no collective): nothing
+        # else grades while it runs (validation pauses it)
+        buffer = RolloutBuffer(b, self.reward_pool, self.decode)
+        self.controller = RolloutController(buffer, next_batch, cfg.rollout.server_urls, self._train_params(),
+                                            generate_timeout_s=cfg.rollout.server_generate_timeout_s,
+                                            version=0, policy_version=0)
+
+    def _broadcast(self, obj: Any) -> Any:
+        box = [obj]
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _start(self, version: int) -> None:
+        if self._started:
+            return
+        self._started = True
         if self.controller is not None:
+            self.controller.version = version
             self.controller.start()
 
-    def stop(self) -> None:
-        if self.controller is not None:
-            self.controller.stop()
+    def collect(self, step: int) -> StepBatch:
+        """The oldest ready step, for policy version ``step``, on every rank (collective).
 
-    def collect(self, policy_version: int) -> tuple[list[Group], dict[str, float]]:
-        """The step's groups and metrics on every rank (collective)."""
+        Metrics: those of synchronous mode (:meth:`RolloutBuffer.collect`), plus
+        ``time/wait_rollout_s`` (the trainer waited for the rollout), ``trainer/idle_ratio``
+        (that wait over the wall time since the previous collect returned, i.e. one step),
+        ``rollouter/idle_ratio`` (the controller's time with nothing it was allowed to start,
+        over the same wall time) and ``time/sync_pause_s`` (the last sync's wait for the batch
+        in flight)."""
+        self._start(step)
         payload = None
         if self.controller is not None:
+            now = time.perf_counter()
             try:
-                groups, metrics = self.controller.take(policy_version)
-                payload = (strip_tokens(groups), metrics)
+                groups, metrics = self.controller.take(step)
             except RuntimeError as err:
                 payload = err
+            else:
+                end = time.perf_counter()
+                wall = end - (self._last_collect if self._last_collect is not None else now)
+                idle = self.controller.idle_s - self._idle_before
+                self._last_collect, self._idle_before = end, self.controller.idle_s
+                if wall > 0:
+                    metrics["trainer/idle_ratio"] = metrics["time/wait_rollout_s"] / wall
+                    metrics["rollouter/idle_ratio"] = min(1.0, idle / wall)
+                metrics["time/sync_pause_s"] = self._sync_pause_s
+                payload = (strip_tokens(groups), metrics)
         payload = self._broadcast(payload)
         if isinstance(payload, BaseException):
             raise RuntimeError(str(payload))
         if self.controller is not None:
-            return groups, metrics
-        return payload
+            return StepBatch(groups, metrics)
+        return StepBatch(*payload)
 
-    def pause(self) -> float:
-        return self.controller.pause() if self.controller is not None else 0.0
-
-    def resume(self, version: Optional[int] = None) -> None:
-        if self.controller is not None:
-            self.controller.resume(version)
-
-    def sync_weights(self, sync: Callable[[], float], version: int) -> tuple[float, float]:
-        """``sync()`` (the trainer's collective weight sync) with the controller paused on rank 0;
-        then the controller generates with ``version``. Returns ``(bytes, seconds waited for the
-        batch in flight)``."""
-        waited = self.pause()
+    def sync_weights(self, actor: Any, version: int) -> float:
+        """The weight sync of version ``version`` when it is due (start, or ``version`` a multiple
+        of ``trigger_parameter_sync_step``), with the controller paused on rank 0; 0.0 bytes
+        when not due (the servers keep their weights)."""
+        if self._started and version % self.sync_every:
+            return 0.0
+        self._sync_pause_s = self.controller.pause() if self.controller is not None else 0.0
         ok = False
         try:
-            nbytes = sync()
+            nbytes = super().sync_weights(actor, version)
             ok = True
         finally:
-            self.resume(version if ok else None)
-        return nbytes, waited
+            if self.controller is not None:
+                self.controller.resume(version if ok else None)
+        return nbytes
+
+    def wake(self) -> None:
+        """Nothing: the servers have their own memory and their weights are synced by
+        :meth:`sync_weights` only."""
+
+    def validate(self, step: int) -> dict[str, float]:
+        """:meth:`Rollout.validate` with the controller paused: every request on one weight version."""
+        if self.controller is not None:
+            self.controller.pause()
+        try:
+            self._broadcast(None)  # no rank sends a validation request before rank 0 has paused
+            return super().validate(step)
+        finally:
+            if self.controller is not None:
+                self.controller.resume()
+
+    def close(self) -> None:
+        if self.controller is not None:
+            self.controller.stop()
+        super().close()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Rank 0's controller state (``async_rollout``) and its prompt streams (``streams``),
+        taken paused; the batch counter as ``gen_batches_done``. Other ranks return ``{}``
+        (rank 0 writes the trainer state)."""
+        if self.controller is None:
+            return {}
+        self.controller.pause()
+        try:
+            return {"gen_batches_done": self.controller.gen_batches_done,
+                    "streams": [st.state_dict() for st in self.streams],
+                    "async_rollout": self.controller.state_dict()}
+        finally:
+            self.controller.resume()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` on rank 0 (before the first :meth:`collect`).
+
+        Raises:
+            ValueError: the checkpoint was written by a synchronous run.
+        """
+        if "async_rollout" not in state:
+            raise ValueError(f"async_training.enable=true but the checkpoint of step {state.get('step')} was written "
+                             "by a synchronous run; resume it with async_training.enable=false")
+        if self.controller is None:
+            return
+        for st, s in zip(self.streams, state["streams"]):
+            st.load_state_dict(s)
+        self.controller.load_state_dict(state["async_rollout"])
