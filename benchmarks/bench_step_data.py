@@ -230,6 +230,147 @@ def path_after(args, par, records, local_completions):
     return plan
 
 
+# --------------------------------------------------------------------------- streamed
+class _ScriptedEngine:
+    """A rollout engine's asynchronous interface over :func:`_completions`: response ``j`` of the
+    prompt at position ``p`` is ``_completions(args, p)[j]``; a poll advances every row
+    ``max_tokens`` tokens and returns those that reached their length, an abort the rest with
+    their tokens so far. Its completions are made before the timed part (generation is not timed)."""
+
+    supports_async = True
+    weight_version = 0
+
+    def __init__(self, args, positions):
+        self.completions = {p: _completions(args, p) for p in positions}
+        self.rows: dict = {}  # key -> [row, tokens generated]
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self.rows)
+
+    def submit(self, rows) -> None:
+        for row in rows:
+            self.rows[row.key] = [row, len(row.prefix_ids)]
+
+    def _result(self, row, upto, finish):
+        from dapo_megatron.rollout.engines.engine import RowResult
+
+        c = self.completions[row.prompt_seed][row.index]
+        start = len(row.prefix_ids)
+        return RowResult(row.key, c.response_ids[start:upto], c.logprobs[start:upto], finish, self.weight_version)
+
+    def poll(self, max_tokens=None):
+        out = []
+        for key, state in list(self.rows.items()):
+            row = state[0]
+            c = self.completions[row.prompt_seed][row.index]
+            state[1] += max_tokens
+            if state[1] >= len(c.response_ids):
+                out.append(self._result(row, len(c.response_ids), c.finish_reason))
+                del self.rows[key]
+        return out
+
+    def abort(self):
+        out = [self._result(row, upto, "abort") for row, upto in self.rows.values()]
+        self.rows = {}
+        return out
+
+
+class _AllGatherRows:
+    """The streamed rollout's client before issue 20 (``trainer._RankRows`` at 4cf9916): group
+    ``g`` on rank ``g.prompt_seed % world``, every finished or aborted row's tokens and logprobs
+    all-gathered to every rank each round (as Python objects), so every sample is held by all."""
+
+    def __init__(self, engine, params, *, num_engines, engine_index):
+        self.engine, self.params, self.world, self.rank = engine, params, num_engines, engine_index
+
+    def submit(self, rows) -> None:
+        from dapo_megatron.rollout.sampling.streaming import row_request
+
+        mine = [row_request(g, j, self.params) for g, j in rows if g.prompt_seed % self.world == self.rank]
+        if mine:
+            self.engine.submit(mine)
+
+    def _everywhere(self, local):
+        from dapo_megatron.rollout.sampling.streaming import RowUpdate
+        from dapo_megatron.rollout.types import HELD_BY_ALL
+
+        return [RowUpdate(r.key, len(r.response_ids), r.finish_reason, r.version, HELD_BY_ALL, r.response_ids,
+                          r.logprobs) for part in _all_gather_objects(local) for r in part]
+
+    def poll(self, max_tokens):
+        return self._everywhere(self.engine.poll(max_tokens) if self.engine.num_in_flight else [])
+
+    def abort(self):
+        return self._everywhere(self.engine.abort())
+
+
+def _records_client(engine, params, *, num_engines, engine_index):
+    """The streamed rollout's client now: records replicated, tokens where generated."""
+    from dapo_megatron.rollout.sampling.streaming import EngineClient
+
+    return EngineClient(engine, params, num_engines=num_engines, engine_index=engine_index)
+
+
+def path_streamed(args, par, records, client):
+    """One streamed step (:class:`~dapo_megatron.rollout.sampling.streaming.StreamingCollector` over the
+    trainer's selector, ``train_batch_size`` = half the prompts, the rest aborted once it has
+    them), then the step's plan, the tokens to where they train and the old logprobs there."""
+    from dapo_megatron.algorithms.overlong import OverlongConfig
+    from dapo_megatron.rollout.sampling.buffer import BufferConfig, RolloutBuffer, logprob_mismatch_metrics
+    from dapo_megatron.rollout.plan.dp_split import split_for_dp
+    from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipConfig, PromptSkipper
+    from dapo_megatron.rollout.plan.step_data import DistributedGrader, plan_step, send_tokens
+    from dapo_megatron.rollout.sampling.streaming import PromptQueue, StreamingCollector
+
+    cfg = BufferConfig(train_batch_size=args.prompts // 2, n=args.n, gen_batch_size=args.prompts,
+                       max_num_gen_batches=1, overlong=OverlongConfig(enable=False), on_cap="train_on_kept")
+    selector = RolloutBuffer(cfg, DistributedGrader(_Pool()), decode=list)  # _grade reads the token ids
+    collector = StreamingCollector(selector, PromptSkipper(PromptSkipConfig(), seed=0), partial_rollout=True,
+                                   poll_tokens=max(1, int(args.poll_tokens * args.token_scale)))
+    queue = PromptQueue(lambda: records, args.prompts, records.__getitem__)
+    groups, _ = collector.collect(client, queue, policy_version=0)
+    samples = [s for g in groups for s in g.samples]
+    plan = plan_step(groups, args.mini_batch, par.dp_size, args.budget)
+    ranks_of = [par.ranks_of_dp_rank(d) for d in range(par.dp_size)]
+    send_tokens(samples, [ranks_of[d] for d in plan.owner])
+    mine = plan.owned(par.dp_rank)
+    for i in mine:
+        samples[i].old_logprobs = torch.tensor(samples[i].rollout_logprobs, dtype=torch.float32).tolist()
+    split_for_dp([samples[i] for i in mine], 1, args.budget)
+    logprob_mismatch_metrics([samples[i] for i in mine], group=par.dp_group)
+    return plan
+
+
+def _time_streamed(args, par, records, client_of) -> dict:
+    """Bytes (one counted pass) and seconds (best of ``--repeats``) of :func:`path_streamed`."""
+    from dapo_megatron.rollout.engines.engine import SamplingParams
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    params = SamplingParams(max_new_tokens=int(args.max_response * args.token_scale), seed=args.seed)
+    positions = [p for p in range(args.prompts) if p % world == rank]
+
+    def client():
+        return client_of(_ScriptedEngine(args, positions), params, num_engines=world, engine_index=rank)
+
+    with ByteCounter() as counter:
+        path_streamed(args, par, records, client())
+    total = torch.tensor([counter.bytes], dtype=torch.float64)
+    dist.all_reduce(total)
+    result = {"bytes": float(total), "seconds": []}
+    for _ in range(args.repeats):
+        c = client()
+        gc.collect()
+        dist.barrier()
+        t0 = time.perf_counter()
+        path_streamed(args, par, records, c)
+        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        result["seconds"].append(float(dt))
+        del c
+    return result
+
+
 # --------------------------------------------------------------------------- the ranks
 def _worker(args, out_path):
     from dapo_megatron.platform import ParallelConfig, init_distributed
@@ -257,6 +398,8 @@ def _worker(args, out_path):
             results[name]["seconds"].append(float(dt))
             del local
             gc.collect()
+    for name, client_of in (("streamed before", _AllGatherRows), ("streamed after", _records_client)):
+        results[name] = _time_streamed(args, par, records, client_of)
     if dist.get_rank() == 0:
         torch.save(results, out_path)
 
@@ -274,6 +417,8 @@ def main(argv=None) -> int:
     p.add_argument("--mini-batch", type=int, default=32, help="groups per mini-batch (the paper: 32 x 16)")
     p.add_argument("--budget", type=int, default=0,
                    help="ppo_max_token_len_per_gpu; 0: longest prompt + longest response")
+    p.add_argument("--poll-tokens", type=int, default=2048,
+                   help="streamed arm: tokens per engine per round (rollout.stream_poll_tokens), before --token-scale")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
@@ -292,13 +437,15 @@ def main(argv=None) -> int:
         out = os.path.join(tmp, "res.pt")
         spawn(_worker, args.dp, args, out)
         res = torch.load(out)
-    for name in ("before", "after"):
+    for name in ("before", "after", "streamed before", "streamed after"):
         r = res[name]
-        print(f"{name:>6}: {r['bytes'] / 1e6:12.1f} MB moved (all ranks), "
+        print(f"{name:>15}: {r['bytes'] / 1e6:12.1f} MB moved (all ranks), "
               f"{min(r['seconds']):8.2f} s per step (runs: {', '.join(f'{s:.2f}' for s in r['seconds'])})")
-    b, a = res["before"], res["after"]
-    print(f"bytes before / after: {b['bytes'] / a['bytes']:.1f}x")
-    print(f"seconds per step before / after: {min(b['seconds']) / min(a['seconds']):.2f}x")
+    ratio = {arm: (res[f"{arm}before"], res[f"{arm}after"]) for arm in ("", "streamed ")}
+    print("bytes before / after: " + ", ".join(f"{arm or 'batch '}{b['bytes'] / a['bytes']:.1f}x"
+                                               for arm, (b, a) in ratio.items()))
+    print("seconds per step before / after: " + ", ".join(f"{arm or 'batch '}{min(b['seconds']) / min(a['seconds']):.2f}x"
+                                                          for arm, (b, a) in ratio.items()))
     return 0
 
 

@@ -11,10 +11,13 @@ and exit (torchrun stops every worker as soon as one exits non-zero), as ``dapo-
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
 from typing import Callable, Optional, Sequence
+
+from dapo_megatron.platform.console import quiet_third_party
 
 RANK0_GRACE_S = 60.0  # how long a silent torchrun rank waits for rank 0 to print the error
 
@@ -55,11 +58,28 @@ def run_tool(prog: str, main: Callable[[Optional[Sequence[str]]], object], argv:
              input_errors: tuple[type[BaseException], ...] = ()) -> int:
     """Run a tool's ``main(argv)``; :class:`InputError`, ``FileNotFoundError`` and ``input_errors``
     become one line and exit status 2, anything else propagates. Returns the exit status."""
-    from dapo_megatron.platform.console import quiet_third_party
-
     quiet_third_party()  # the known-benign import warnings of megatron-core on CPU: one line means one line
     try:
         main(argv)
     except (InputError, FileNotFoundError, NotADirectoryError, *input_errors) as err:
         return report_input_error(prog, err)
     return 0
+
+
+def launch_world_size(tp: int, pp: int, ep: int = 1, etp: Optional[int] = None) -> int:
+    """The processes a tool's ``--tp/--pp/--ep/--etp`` layout needs: ``pp × lcm(tp, ep × etp)``
+    (the fewest that both the dense grid TP × DP and the expert grid ETP × EP × EDP fill)."""
+    return pp * math.lcm(tp, ep * (etp or tp))
+
+
+def require_launch_world(tp: int, pp: int, ep: int = 1, etp: Optional[int] = None) -> None:
+    """Raise :class:`InputError` (a one-line error of the tool, with the
+    torchrun command to use) unless this launch has exactly :func:`launch_world_size` processes:
+    the tools take their layout from ``--tp``/``--pp`` (``--ep``/``--etp`` for a mixture of
+    experts; each >= 1, checked by their parsers)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    need = launch_world_size(tp, pp, ep, etp)
+    if world != need:
+        layout = f"--tp {tp} × --pp {pp}" + (f" with --ep {ep}" + (f" --etp {etp}" if etp else "") if ep > 1 or etp else "")
+        raise InputError(f"{layout} = {need} processes needed, running {world}: "
+                         f"launch with torchrun --nproc_per_node={need}")

@@ -37,6 +37,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
+import torch.distributed as dist
+
 from dapo_megatron.checkpointing import (
     LATEST_FILENAME,
     CheckpointError,
@@ -197,8 +199,6 @@ def prepare_run_dir(cfg: DAPOConfig, parallel: Optional[ParallelDims] = None) ->
     """:func:`plan_start` on rank 0, the previous run moved aside there (a new run), and the same
     :class:`RunStart` (or the same :class:`CheckpointError`) on every rank; collective when
     ``torch.distributed`` is initialised. Rank 0 logs the plan's warning."""
-    import torch.distributed as dist
-
     rank = parallel.rank if parallel is not None else (dist.get_rank() if dist.is_initialized() else 0)
     result: Any = None
     if rank == 0:

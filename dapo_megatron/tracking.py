@@ -28,6 +28,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+import torch.distributed as dist
+from tqdm.auto import tqdm
+
 logger = logging.getLogger(__name__)
 
 MAX_PARAM_VALUE_CHARS = 6000  # MLflow's limit on a param value
@@ -102,13 +105,8 @@ def flatten_dict(d: Mapping[str, Any], prefix: str = "", sep: str = ".") -> dict
 
 
 def _default_rank() -> int:
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
-    except ImportError:  # pragma: no cover
-        pass
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
     return int(os.environ.get("RANK", "0"))
 
 
@@ -151,6 +149,7 @@ class Tracker:
         self.mlflow_active = False
         self.run_id: str | None = None
         self._client = None
+        self._mlflow: Any = None  # the mlflow module, once a run is started
         self._jsonl = None
         if not self.enabled:
             return
@@ -169,9 +168,11 @@ class Tracker:
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(self.config.http_max_retries))
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(self.config.http_timeout_s))
         try:
-            from mlflow.tracking import MlflowClient
+            # mlflow (2 s to import) only where tracking.use_mlflow is on: runs and tests without it skip it
+            import mlflow
 
-            client = MlflowClient(tracking_uri=self.tracking_uri)
+            self._mlflow = mlflow
+            client = mlflow.tracking.MlflowClient(tracking_uri=self.tracking_uri)
             if self.config.run_id is not None:
                 run = client.get_run(self.config.run_id)  # raises if it does not exist
                 client.update_run(run.info.run_id, status="RUNNING")
@@ -225,9 +226,7 @@ class Tracker:
             json.dump(existing, f, indent=1, sort_keys=True)
         if not self.mlflow_active:
             return
-        from mlflow.entities import Param
-
-        items = [Param(k, str(v)[:MAX_PARAM_VALUE_CHARS]) for k, v in flat.items()]
+        items = [self._mlflow.entities.Param(k, str(v)[:MAX_PARAM_VALUE_CHARS]) for k, v in flat.items()]
         try:
             for i in range(0, len(items), MLFLOW_BATCH_LIMIT):
                 self._client.log_batch(self.run_id, params=items[i : i + MLFLOW_BATCH_LIMIT])
@@ -256,10 +255,8 @@ class Tracker:
         self._jsonl.flush()
         if not self.mlflow_active or not values:
             return
-        from mlflow.entities import Metric
-
         ts = int(now * 1000)
-        items = [Metric(mlflow_metric_name(k), v, ts, int(step)) for k, v in values.items()]
+        items = [self._mlflow.entities.Metric(mlflow_metric_name(k), v, ts, int(step)) for k, v in values.items()]
         try:
             for i in range(0, len(items), MLFLOW_BATCH_LIMIT * 10):  # MLflow allows 1000 metrics per batch
                 self._client.log_batch(self.run_id, metrics=items[i : i + MLFLOW_BATCH_LIMIT * 10])
@@ -338,8 +335,6 @@ class ProgressBar:
         self._last_val: dict[str, str] = {}
         self._bar = None
         if self.rank == 0:
-            from tqdm.auto import tqdm
-
             self._bar = tqdm(total=total, desc=desc, dynamic_ncols=True)
 
     @staticmethod

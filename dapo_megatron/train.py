@@ -22,6 +22,13 @@ import os
 import sys
 import time
 
+from dapo_megatron.checkpointing import CheckpointError
+from dapo_megatron.config import ConfigError, DAPOConfig, documented_keys, load_config, to_yaml
+from dapo_megatron.data import DatasetError
+from dapo_megatron.platform import destroy_distributed, init_distributed
+from dapo_megatron.platform.console import quiet_third_party
+from dapo_megatron.rollout.engines.sglang_env import align_nccl_with_sglang_server
+from dapo_megatron.run_dir import banner, prepare_run_dir, summary
 
 _ENV_HELP = """environment:
   DAPO_SHOW_WARNINGS=1  print the third-party warnings and INFO logs that dapo-train hides
@@ -94,14 +101,8 @@ def main(argv=None) -> int:
     starts), a damaged / missing checkpoint (one line from rank 0) or a broken dataset
     (:func:`_input_error`). Rank 0 prints a start-up banner and an end-of-run summary
     (:mod:`dapo_megatron.run_dir`). Other errors propagate with their traceback."""
-    from dapo_megatron.platform.console import quiet_third_party
-
     quiet_third_party()  # before anything imports megatron-core (its import-time warnings)
     args = parse_args(argv)
-
-    from dapo_megatron.config import ConfigError, DAPOConfig, documented_keys, load_config, to_yaml
-    from dapo_megatron.data import DatasetError
-
     if args.list_keys:
         for key in documented_keys(DAPOConfig):
             print(key)
@@ -125,9 +126,7 @@ def main(argv=None) -> int:
               flush=True)
         return 0
 
-    from dapo_megatron.checkpointing import CheckpointError
-    from dapo_megatron.platform import destroy_distributed, init_distributed
-    from dapo_megatron.run_dir import banner, prepare_run_dir, summary
+    # the trainer imports megatron-core: here, once quiet_third_party has silenced its import warnings
     from dapo_megatron.trainer import DAPOTrainer
 
     t0 = time.time()
@@ -136,8 +135,6 @@ def main(argv=None) -> int:
     # colocated: ranks per engine; server mode: every rank is its own (trainer) rank of the rollout
     rollout_tp = cfg.rollout.tensor_model_parallel_size if cfg.rollout.mode == "colocated" else 1
     if cfg.rollout.mode == "server":  # before the first NCCL communicator: the servers' NCCL_CUMEM_ENABLE
-        from dapo_megatron.rollout.engines.sglang_env import align_nccl_with_sglang_server
-
         align_nccl_with_sglang_server()
     parallel = init_distributed(cfg.parallel, seed=cfg.trainer.seed, rollout_tp=rollout_tp)
     rank = parallel.rank
@@ -171,5 +168,5 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":  # required: reward workers and checkpoint writers re-import __main__
+if __name__ == "__main__":  # megatron-core's checkpoint writer may spawn a child that re-imports __main__ (docs/design.md §5.2)
     sys.exit(main())

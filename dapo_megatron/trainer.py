@@ -1,37 +1,27 @@
 """The DAPO training loop (docs/design.md §1), to be read top to bottom.
 
-Every rank runs this same code under ``torchrun`` (SPMD). One step:
+Every rank runs this same code under ``torchrun`` (SPMD); every method is a collective. The
+trainer owns the actor, the tracker and the step counter; everything about how the rollout
+is spread over ranks (engines, servers, rollout-TP groups, streamed rounds) is behind one
+:class:`~dapo_megatron.rollout.rollout.Rollout` (docs/design.md §2.3). One step:
 
-1. rollout: each rank reads its DP shard of a generation batch of prompts; the whole batch
-   is dealt over the rollout engines (colocated: one per group of
-   ``rollout.tensor_model_parallel_size`` ranks; server mode: one per ``rollout.server_urls``
-   entry, after a health check of every server); every rank gets the record of every response (lengths, finish reasons), the token lists stay
-   where they were generated (:mod:`~dapo_megatron.rollout.plan.step_data`);
-2. rewards: every rank grades the responses it generated in its killable grader pool and
-   the grades are all-reduced (:class:`~dapo_megatron.rollout.plan.step_data.DistributedGrader`);
-3. buffer: dynamic sampling and overlong shaping run identically on every rank
-   (:class:`~dapo_megatron.rollout.sampling.buffer.RolloutBuffer`) until N groups are kept; with
-   ``rollout.streaming`` the rollout runs in rounds, graded as groups finish and stopped once
-   N are kept (:class:`~dapo_megatron.rollout.sampling.streaming.StreamingCollector`: steps 1-3 at once);
+1-3. rollout, rewards, dynamic sampling: ``Rollout.collect`` returns the step's N kept
+   groups (records replicated on every rank, token lists where generated) and its metrics;
 4. advantages: group-relative (:func:`~dapo_megatron.algorithms.compute_group_advantages`);
 5. the plan: every mini-batch split over DP ranks by token count once (reused by every PPO
-   epoch), and each response's tokens sent to the DP rank that trains it; the old logprobs
-   are recomputed there and stay there; not at all when the step is one mini-batch and one
-   epoch (``pi_old = sg(pi_theta)`` in the training forward) or with
-   ``actor.old_logprob_source: rollout`` (the engine's logprobs);
+   epoch), each response's tokens sent to the DP rank that trains it, the old logprobs
+   recomputed there (not at all when the first training forward gives them, or with
+   ``actor.old_logprob_source: rollout``);
 6. updates: ``ppo_epochs`` × mini-batches, each cut into micro-batches by a token budget,
    with the DAPO token-mean loss normalised by the mini-batch's global token count;
-7. weight sync: Megatron shards → HF tensors in buckets → the engines (colocated: every
-   rank of a rollout group hands its GPU's copy to the group's engine; server mode: one
-   rank per pipeline stage broadcasts its stage to the servers);
+7. weight sync into the engines (``Rollout.sync_weights``) as version ``step``;
 8. metrics → MLflow; validation every ``test_freq`` steps; checkpoint every ``save_freq``.
 
 Determinism: every response is sampled with its own seed, derived from ``trainer.seed``
-and the prompt's global position in the run (a generation-batch counter kept in the
-checkpoint), so the rollout is the same at any TP/PP/DP layout and a resumed run repeats
-the uninterrupted one (streamed too, partial rollouts and skip history included: they are in
-the checkpoint). Versions: the engine holds weights version ``step`` while step ``step + 1``
-rolls out; every sample records the versions that sampled it (``Sample.versions``).
+and the prompt's global position in the run (kept in the checkpoint), so the rollout is
+the same at any TP/PP/DP layout and a resumed run repeats the uninterrupted one. Versions:
+the engines hold weights version ``step`` while step ``step + 1`` rolls out; every sample
+records the versions that sampled it (``Sample.versions``).
 """
 
 from __future__ import annotations
@@ -159,7 +149,7 @@ def _mean(xs: Sequence[float]) -> float:
 
 # --------------------------------------------------------------------------- trainer
 class DAPOTrainer:
-    """Owns the actor, the engine, the data stream, the buffer and the tracker of one run.
+    """Owns the actor, the rollout (:class:`~dapo_megatron.rollout.rollout.Rollout`) and the tracker of one run.
 
     Build it on every rank with the :class:`~dapo_megatron.platform.ParallelDims` that
     :func:`dapo_megatron.platform.init_distributed` returned; then :meth:`fit`. Construction

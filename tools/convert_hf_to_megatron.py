@@ -61,7 +61,7 @@ def convert(argv=None) -> None:
     """Parse ``argv`` and convert (every rank); see the module docstring."""
     args = parse_args(argv)
     from dapo_megatron.cli import InputError
-    from dapo_megatron.platform.distributed import require_launch_world
+    from dapo_megatron.cli import require_launch_world
 
     require_launch_world(args.tp, args.pp, args.ep, args.etp)
     if not os.path.isdir(args.hf):

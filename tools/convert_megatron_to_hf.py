@@ -117,7 +117,7 @@ def write_safetensors(state: dict, out_dir: str, shard_bytes: int = SHARD_BYTES)
 def convert(argv=None) -> None:
     """Parse ``argv`` and convert (every rank); see the module docstring."""
     args = parse_args(argv)
-    from dapo_megatron.platform.distributed import require_launch_world
+    from dapo_megatron.cli import require_launch_world
 
     require_launch_world(args.tp, args.pp, args.ep, args.etp)
     args.ckpt = resolve_checkpoint(args.ckpt)  # before torch.distributed and any model: file checks only

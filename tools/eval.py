@@ -518,5 +518,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     return run_tool(PROG, lambda _: run(cfg), None, (CheckpointError, DatasetError))
 
 
-if __name__ == "__main__":  # required: the grader pool spawns processes that re-import __main__
+if __name__ == "__main__":  # an entry point keeps the guard (docs/design.md §5.2)
     sys.exit(main())

@@ -127,8 +127,8 @@ class ActorConfig:
     ppo_epochs: int = 1
     """passes over the rollout batch (trainer loop)."""
     ppo_max_token_len_per_gpu: int = 16384
-    """token budget (prompt + response) of one micro-batch on one GPU
-    (:func:`~dapo_megatron.actor.packing.split_by_token_budget`)."""
+    """token budget (prompt + response) of one micro-batch on one GPU: the step's plan cuts each DP
+    rank's share of a mini-batch by it (:func:`~dapo_megatron.rollout.plan.dp_split.split_for_dp`)."""
     clip_ratio_low: float = 0.2
     """eps_low of DAPO's decoupled clip, in [0, 1): the ratio is clipped below at 1 - eps_low (paper: 0.2)."""
     clip_ratio_high: float = 0.28
@@ -506,8 +506,8 @@ class MegatronActor:
         returns them.
 
         Args:
-            micro_batches: list of micro-batches (lists of Sample), e.g. from
-                :func:`~dapo_megatron.actor.packing.split_by_token_budget`.
+            micro_batches: list of micro-batches (lists of Sample), e.g. a DP rank's share cut by
+                :func:`~dapo_megatron.rollout.plan.dp_split.split_for_dp`.
             temperature: the rollout's sampling temperature (logits are divided by it).
             return_entropy: also return per-token entropies.
 

@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 
+from dapo_megatron.algorithms.policy_loss import agg_loss, compute_policy_loss
 from .micro_batch import MicroBatch
 
 # the per-micro-batch values that are summed over micro-batches, PP stages and DP ranks
@@ -98,8 +99,6 @@ def dapo_loss_func(mb: MicroBatch, output_tensor: torch.Tensor, *, actor_cfg, te
         ``rollout_rs_masked_frac`` weighted by the valid-token share; with ``return_logprobs``
         also ``logprobs`` ``[B, T]``.
     """
-    from dapo_megatron.algorithms.policy_loss import agg_loss, compute_policy_loss
-
     cfg, mode, n_tok, n_seq = actor_cfg, actor_cfg.loss_agg_mode, global_num_tokens, global_num_seqs
     n_valid = n_tok if global_num_valid_tokens is None else global_num_valid_tokens
     lp, ent = mb.logprobs_and_entropy(output_tensor, logits_at_labels_only=logits_at_labels_only,

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
+from dapo_megatron.algorithms.policy_loss import rollout_correction
 from dapo_megatron.rollout.types import Sample
 
 from .logprobs import vocab_parallel_logprobs_and_entropy
@@ -124,8 +125,6 @@ class MicroBatch:
     def correction(self, old_logprobs: torch.Tensor, cfg: "ActorConfig"):
         """:func:`~dapo_megatron.algorithms.policy_loss.rollout_correction` of this micro-batch:
         ``(is_weights, loss_mask, metrics)``."""
-        from dapo_megatron.algorithms.policy_loss import rollout_correction
-
         return rollout_correction(
             old_logprobs, self.rollout_logprobs, self.batch.loss_mask, tokens=self.corrected,
             rollout_is=cfg.rollout_is, rollout_is_threshold=cfg.rollout_is_threshold, rollout_rs=cfg.rollout_rs,

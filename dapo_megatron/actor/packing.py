@@ -147,6 +147,7 @@ class PackedBatch:
         if self.shares_prompts:
             raise ValueError("a shared-prompt batch cannot be described by PackedSeqParams (one causal block per "
                              "segment); it needs its attention_mask")
+        # megatron-core here, not at the top: models/ and actor/ hold config sections, and the config loads without it
         from megatron.core.packed_seq_params import PackedSeqParams
 
         cu = self.cu_seqlens

@@ -64,6 +64,7 @@ MICRO_BATCH_LAYOUTS = ("thd", "bshd")
 def fp8_align_size(fp8_recipe) -> int:
     """Token alignment of FP8 GEMMs for a recipe: megatron-core's ``get_fp8_align_size``
     (16, or 32 for ``mxfp8``; module docstring)."""
+    # megatron-core here, not at the top: models/ and actor/ hold config sections, and the config loads without it
     from megatron.core.enums import Fp8Recipe
     from megatron.core.fp8_utils import get_fp8_align_size
 

@@ -23,7 +23,11 @@ import os
 import shutil
 
 import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing.validation import StrictHandling
+from transformers import AutoConfig
 
+from dapo_megatron.models.config import rope_parameters
 from .weights import _as_list, unwrap_model
 
 META_FILE = "dapo_megatron.json"
@@ -112,8 +116,6 @@ def save_model_checkpoint(model_chunks, ckpt_dir: str, hf_config, tokenizer=None
         hf_config: the HF config the model was built from (written as config.json).
         tokenizer: optional HF tokenizer, saved next to the weights.
     """
-    from megatron.core import dist_checkpointing
-
     ckpt_dir = os.path.abspath(ckpt_dir)
     tmp = ckpt_dir + ".tmp"
     if _rank() == 0:
@@ -153,8 +155,6 @@ def read_checkpoint_meta(ckpt_dir: str) -> dict:
 
 def load_checkpoint_hf_config(ckpt_dir: str):
     """The HF config stored in a checkpoint directory (config.json)."""
-    from transformers import AutoConfig
-
     read_checkpoint_meta(ckpt_dir)
     return AutoConfig.from_pretrained(ckpt_dir)
 
@@ -171,8 +171,6 @@ def check_config_fits(model_hf_config, ckpt_hf_config, where: str = "checkpoint"
             b = b or ckpt_hf_config.num_attention_heads
         if a != b:
             raise ValueError(f"hf_config.{name}={a!r} does not fit the {where} ({name}={b!r})")
-    from dapo_megatron.models.config import rope_parameters
-
     ra, rb = rope_parameters(model_hf_config), rope_parameters(ckpt_hf_config)
     if ra != rb:
         raise ValueError(f"hf_config.rope_parameters={ra} does not fit the {where} ({rb})")
@@ -192,9 +190,6 @@ def load_model_checkpoint(model_chunks, ckpt_dir: str, strict: bool = True) -> N
         vocab does not fit the checkpoint (naming the field). Errors of
         ``dist_checkpointing.load`` (naming the missing / unexpected / mis-shaped key).
     """
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.validation import StrictHandling
-
     meta = read_checkpoint_meta(ckpt_dir)
     chunks = _as_list(model_chunks)
     model = unwrap_model(chunks[0])

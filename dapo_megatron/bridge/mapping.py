@@ -50,6 +50,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from dapo_megatron.models.config import ATTENTION_FAMILY, check_hf_config, head_dim, moe_layout
+
 SPLITS = ("replicated", "column", "row", "row_heads", "vocab", "qkv", "gate_up")
 
 
@@ -199,8 +201,6 @@ class ModelLayout:
         cls, hf_config, padded_vocab_size: Optional[int] = None, padded_num_query_groups: Optional[int] = None
     ) -> "ModelLayout":
         """Layout of an HF config; the padded sizes default to the real ones."""
-        from dapo_megatron.models.config import ATTENTION_FAMILY, check_hf_config, head_dim, moe_layout
-
         model_type = check_hf_config(hf_config)
         moe = moe_layout(hf_config)
         groups = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads

@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from typing import Iterator, Optional
 
 import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
 
 
 class SafetensorsSource(Mapping):
@@ -24,8 +26,6 @@ class SafetensorsSource(Mapping):
     """
 
     def __init__(self, path: str):
-        from safetensors import safe_open
-
         self.path = path
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.isfile(index):
@@ -45,8 +45,6 @@ class SafetensorsSource(Mapping):
                     self._where[key] = fname
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
         if name not in self._where:
             raise KeyError(f"HF tensor {name!r} is not in {self.path}")
         with safe_open(os.path.join(self.path, self._where[name]), framework="pt") as f:
@@ -69,8 +67,6 @@ def load_gguf_state_dict(path: str, gguf_file: str, dtype: torch.dtype = torch.f
     Raises:
         FileNotFoundError: the GGUF file is missing.
     """
-    from transformers import AutoModelForCausalLM
-
     if not os.path.isfile(os.path.join(path, gguf_file)):
         raise FileNotFoundError(f"gguf_file {gguf_file!r} not found in {path!r}")
     model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=dtype)

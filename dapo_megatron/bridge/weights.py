@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Iterator, Optional
 
 import torch
 import torch.distributed as dist
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .mapping import (
     ModelLayout,
@@ -277,8 +278,6 @@ def _storage_use_count(buf: torch.Tensor) -> Optional[int]:
     count = getattr(torch._C, "_storage_Use_Count", None)
     if count is None:
         return None
-    from torch.multiprocessing.reductions import StorageWeakRef
-
     return int(count(StorageWeakRef(buf.untyped_storage()).cdata))
 
 

@@ -11,6 +11,8 @@
   shuffled, exactly resumable; NVIDIA DALI CPU pipeline, imported lazily).
 """
 
+import importlib
+
 _EXPORTS = {
     "ArithmeticConfig": "arithmetic",
     "write_arithmetic_dataset": "arithmetic",
@@ -33,8 +35,6 @@ def __getattr__(name):
     # module pre-imported by this package (runpy warning), and importing the
     # package should not pull in pyarrow/numpy until needed.
     if name in _EXPORTS:
-        import importlib
-
         return getattr(importlib.import_module(f"dapo_megatron.data.{_EXPORTS[name]}"), name)
     raise AttributeError(f"module 'dapo_megatron.data' has no attribute {name!r}")
 

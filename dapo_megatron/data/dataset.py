@@ -10,6 +10,7 @@ tokens after the chat template are filtered out and counted too (verl's
 
 from __future__ import annotations
 
+import difflib
 import logging
 import os
 from dataclasses import dataclass, field
@@ -24,6 +25,7 @@ from dapo_megatron.data.schema import (  # noqa: F401  (the schema's names, re-e
     validate_row,
     write_dapo_rows,
 )
+from dapo_megatron.rewards.registry import DATA_SOURCES, resolve_grader
 
 logger = logging.getLogger(__name__)
 
@@ -168,10 +170,6 @@ def _check_data_sources(rows: list[tuple[str, int, dict]], stats: DatasetStats,
     Raises:
         DatasetError: field ``data_source``.
     """
-    import difflib
-
-    from dapo_megatron.rewards.registry import DATA_SOURCES, resolve_grader
-
     kept, known = [], {}
     for path, i, row in rows:
         source = row["data_source"]

@@ -18,6 +18,9 @@ import os
 import random
 import re
 
+from dapo_megatron.cli import ArgumentParser, InputError
+from dapo_megatron.data.schema import write_dapo_rows
+
 DATA_SOURCE = "openai/gsm8k"
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 _NUMBER = re.compile(r"^-?\d+(\.\d+)?$")
@@ -112,9 +115,6 @@ def convert_gsm8k(
         GSM8KFormatError: bad input line, or no problem in the input.
         InputError (a ValueError): ``split_val`` out of range, or an output path is the input.
     """
-    from dapo_megatron.cli import InputError
-    from dapo_megatron.data.schema import write_dapo_rows
-
     if not os.path.isfile(input_path):
         raise InputError(f"--input {input_path!r} is not a file (GSM8K jsonl)")
     val_path = val_output or default_val_path(output_path)
@@ -144,8 +144,6 @@ def convert_gsm8k(
 def main(argv: list[str] | None = None) -> dict[str, int]:
     """CLI: ``--input gsm8k_train.jsonl --output out.parquet [--split-val N]``; bad input raises
     (``tools/prepare_gsm8k.py`` prints it as one line, exit status 2)."""
-    from dapo_megatron.cli import ArgumentParser
-
     p = ArgumentParser(prog="prepare_gsm8k", description="Convert GSM8K jsonl to the DAPO schema (parquet or jsonl).")
     p.add_argument("--input", required=True, help="GSM8K jsonl with question/answer ('#### N')")
     p.add_argument("--output", required=True, help="train output, .parquet or .jsonl")

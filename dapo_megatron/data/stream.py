@@ -44,7 +44,7 @@ from dapo_megatron.data.dataset import PromptRecord
 
 
 def _import_dali():
-    try:
+    try:  # DALI (nvidia-dali-cuda120) is imported only where a stream is read
         from nvidia.dali import fn, types
         from nvidia.dali.pipeline import Pipeline
     except ImportError as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Optional
 
+from .config import ATTENTION_FAMILY, moe_grouped_gemm, moe_layout
 from .config import (
     ModelConfig,
     check_hf_config,
@@ -13,6 +14,7 @@ from .config import (
     padded_vocab_size,
     resolve_transformer_impl,
 )
+from dapo_megatron.platform import ParallelConfig
 
 if TYPE_CHECKING:
     from dapo_megatron.platform import ParallelDims
@@ -29,6 +31,7 @@ def load_hf_config(path: str, gguf_file: Optional[str] = None):
         FileNotFoundError: ``path`` (or the GGUF file) does not exist.
         ValueError: the config's model_type is not supported (see ``check_hf_config``).
     """
+    # transformers here, not at the top: models/ holds a config section, and the config loads without it
     from transformers import AutoConfig
 
     if not os.path.isdir(path):
@@ -55,15 +58,15 @@ def layer_spec(hf_config, model_cfg: ModelConfig):
     ``experts.local_experts.{i}``), the TE spec with ``moe_grouped_gemm`` as ``TEGroupedMLP``
     (``experts.linear_fc1.weight{i}``, one grouped GEMM per rank); TE is imported only then.
     """
-    from .config import ATTENTION_FAMILY, moe_grouped_gemm, moe_layout
-
     qk_norm = ATTENTION_FAMILY[check_hf_config(hf_config)] == "qwen3"
     moe = moe_layout(hf_config)
     moe_kwargs = {} if moe is None else dict(num_experts=moe.num_experts, moe_grouped_gemm=moe_grouped_gemm(model_cfg))
     if resolve_transformer_impl(model_cfg) == "transformer_engine":
+        # megatron-core here, not at the top: models/ and actor/ hold config sections, and the config loads without it
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm, **moe_kwargs)
+    # megatron-core here, not at the top: models/ and actor/ hold config sections, and the config loads without it
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     return get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm", **moe_kwargs)
@@ -110,9 +113,8 @@ def build_gpt_model(
         ValueError: see :func:`hf_to_transformer_config`; ``vp_stage`` without
             ``pre_process`` / ``post_process``.
     """
+    # megatron-core here, not at the top: models/ and actor/ hold config sections, and the config loads without it
     from megatron.core.models.gpt import GPTModel
-
-    from dapo_megatron.platform import ParallelConfig
 
     model_cfg = model_cfg or ModelConfig()
     tp = parallel.tp_size

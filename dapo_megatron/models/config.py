@@ -28,11 +28,16 @@ different numerics.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import math
+import os
 from dataclasses import dataclass, field
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Optional
 
 import torch
+from packaging.version import Version
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")
 MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
@@ -166,9 +171,6 @@ class ModelConfig:
           (``torch.cuda.is_available()``: no CUDA context is created; the compute capability
           and TE version per recipe are :func:`validate_fp8`'s, at model build).
         """
-        import difflib
-        import os
-
         path = self.hf_path
         if path is None:
             raise ValueError("hf_path is required: an HF model directory or a directory holding gguf_file")
@@ -188,8 +190,7 @@ class ModelConfig:
             raise ValueError(f"hf_path={path!r} has no config.json (an HF model directory has config.json and "
                              f"safetensors){hint}")
         if self.extra_transformer_config:
-            import dataclasses
-
+            # megatron-core here, not at the top: models/ and actor/ hold config sections, and the config loads without it
             from megatron.core.transformer import TransformerConfig
 
             names = {f.name for f in dataclasses.fields(TransformerConfig)}
@@ -233,24 +234,18 @@ def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tp: int = 1) -> 
 
 
 def _version(v: str):
-    from packaging.version import Version
-
     return Version(v)
 
 
 def _te_version() -> Optional[str]:
     """Installed Transformer Engine version, or None (monkeypatched in tests)."""
-    try:
-        from importlib.metadata import PackageNotFoundError, version
-    except ImportError:  # pragma: no cover
-        return None
     for dist_name in ("transformer-engine", "transformer-engine-torch"):
         try:
             return version(dist_name)
         except PackageNotFoundError:
             continue
     if torch.cuda.is_available():  # source builds (some NGC images) may lack dist metadata
-        try:
+        try:  # Transformer Engine: GPU only
             import transformer_engine
 
             return transformer_engine.__version__
@@ -620,6 +615,7 @@ def hf_to_transformer_config(hf_config, parallel, model_cfg: ModelConfig = None)
             divide the FFN size (or the query groups with ``pad_query_groups=False``), PP that does not divide the layers,
             or FP8 settings that cannot run here (see :func:`validate_fp8`).
     """
+    # megatron-core here, not at the top: models/ and actor/ hold config sections, and the config loads without it
     from megatron.core.transformer import TransformerConfig
 
     model_cfg = model_cfg or ModelConfig()

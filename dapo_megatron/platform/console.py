@@ -21,6 +21,8 @@ import warnings
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
+import torch
+
 SHOW_WARNINGS_ENV = "DAPO_SHOW_WARNINGS"
 
 
@@ -93,8 +95,6 @@ def quiet_third_party(on_cpu: Optional[bool] = None, environ: Optional[Mapping[s
     if show_warnings(environ):
         return False
     if on_cpu is None:
-        import torch
-
         on_cpu = not torch.cuda.is_available()
     for w in KNOWN_BENIGN_WARNINGS:
         if on_cpu or not w.cpu_only:

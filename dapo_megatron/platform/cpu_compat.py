@@ -213,6 +213,7 @@ def _maybe_move_tensor_to_cpu(tensor, as_numpy: bool = False, record_stream: boo
 
 
 def _patch_megatron_moe() -> None:
+    # megatron-core here, not at the top: platform loads before quiet_third_party has silenced its import warnings
     try:
         from megatron.core.transformer.moe import moe_utils, token_dispatcher
     except ImportError:
@@ -224,6 +225,7 @@ def _patch_megatron_moe() -> None:
 
 
 def _patch_megatron_rng() -> None:
+    # megatron-core here, not at the top: platform loads before quiet_third_party has silenced its import warnings
     try:
         from megatron.core.tensor_parallel import random as mrandom
     except ImportError:  # megatron-core not installed: nothing to patch
@@ -255,6 +257,7 @@ def _l2_norm_fp64(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
 
 
 def _patch_megatron_grad_norm() -> None:
+    # megatron-core here, not at the top: platform loads before quiet_third_party has silenced its import warnings
     try:
         from megatron.core.optimizer import clip_grads
         from megatron.core.utils import local_multi_tensor_l2_norm

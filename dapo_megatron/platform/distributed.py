@@ -72,29 +72,6 @@ class ParallelConfig:
             )
 
 
-def launch_world_size(tp: int, pp: int, ep: int = 1, etp: Optional[int] = None) -> int:
-    """The processes a tool's ``--tp/--pp/--ep/--etp`` layout needs: ``pp × lcm(tp, ep × etp)``
-    (the fewest that both the dense grid TP × DP and the expert grid ETP × EP × EDP fill)."""
-    import math
-
-    return pp * math.lcm(tp, ep * (etp or tp))
-
-
-def require_launch_world(tp: int, pp: int, ep: int = 1, etp: Optional[int] = None) -> None:
-    """Raise :class:`~dapo_megatron.cli.InputError` (a one-line error of the tool, with the
-    torchrun command to use) unless this launch has exactly :func:`launch_world_size` processes:
-    the tools take their layout from ``--tp``/``--pp`` (``--ep``/``--etp`` for a mixture of
-    experts; each >= 1, checked by their parsers)."""
-    from dapo_megatron.cli import InputError
-
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    need = launch_world_size(tp, pp, ep, etp)
-    if world != need:
-        layout = f"--tp {tp} × --pp {pp}" + (f" with --ep {ep}" + (f" --etp {etp}" if etp else "") if ep > 1 or etp else "")
-        raise InputError(f"{layout} = {need} processes needed, running {world}: "
-                         f"launch with torchrun --nproc_per_node={need}")
-
-
 def free_port() -> int:
     """An unused TCP port on 127.0.0.1 (for single-process and test worlds)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -179,6 +156,7 @@ def init_distributed(
             divide the world size and the ranks per node (naming
             ``rollout.tensor_model_parallel_size``).
     """
+    # megatron-core here, not at the top: platform loads before quiet_third_party has silenced its import warnings
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -278,6 +256,7 @@ def _rollout_gloo_group(engines: list[tuple[int, ...]], index: int):
 
 def destroy_distributed() -> None:
     """Tear down Megatron parallel state and the default process group."""
+    # megatron-core here, not at the top: platform loads before quiet_third_party has silenced its import warnings
     from megatron.core import parallel_state
 
     if parallel_state.model_parallel_is_initialized():

@@ -12,9 +12,11 @@ from __future__ import annotations
 import os
 from typing import Any, Callable
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .distributed import free_port
+from .distributed import destroy_distributed, free_port
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple) -> None:
@@ -27,17 +29,11 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: 
         MASTER_PORT=str(port),
         OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
     )
-    import torch
-
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     try:
         fn(*args)
     finally:
-        import torch.distributed as dist
-
         if dist.is_initialized():
-            from .distributed import destroy_distributed
-
             destroy_distributed()
 
 

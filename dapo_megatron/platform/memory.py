@@ -75,6 +75,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from dapo_megatron.config.loader import ConfigError
+from dapo_megatron.models.config import ATTENTION_FAMILY, moe_layout
+from dapo_megatron.rollout.engines.sglang_env import cuda_graphs_released
+
 GB = 10**9
 #: H100 SXM / PCIe "80 GB" as marketed (decimal); the driver reports ~85.0e9 bytes.
 H100_80GB = 80 * GB
@@ -108,8 +112,6 @@ class ModelShape:
 
     @classmethod
     def from_hf(cls, hf_config) -> "ModelShape":
-        from dapo_megatron.models.config import ATTENTION_FAMILY, moe_layout
-
         h, nh = hf_config.hidden_size, hf_config.num_attention_heads
         model_type = getattr(hf_config, "model_type", "llama")
         attention = ATTENTION_FAMILY.get(model_type, model_type)
@@ -375,8 +377,6 @@ def estimate_from_config(cfg, hf_config, world_size: int, *, rollout_tp: Optiona
     if rollout_tp is None:
         rollout_tp = cfg.rollout.tensor_model_parallel_size
     if "cuda_graphs_released" not in kwargs:  # what the colocated engine's children will get
-        from dapo_megatron.rollout.engines.sglang_env import cuda_graphs_released
-
         kwargs["cuda_graphs_released"] = cuda_graphs_released()
     return estimate_memory(
         hf_config, tp=cfg.parallel.tensor_model_parallel_size, pp=cfg.parallel.pipeline_model_parallel_size,
@@ -396,8 +396,6 @@ def check_memory(cfg, hf_config, world_size: int, **kwargs) -> MemoryEstimate:
         ConfigError: (a ``ValueError``) with, per problem, the numbers and the settings to
             change, then the estimate's report; ``dapo-train`` prints it from rank 0.
     """
-    from dapo_megatron.config.loader import ConfigError  # not the package: config.run imports the trainer
-
     est = estimate_from_config(cfg, hf_config, world_size, **kwargs)
     if not est.fits:
         raise ConfigError("the colocated actor + SGLang engine do not fit one GPU:\n- "

@@ -378,6 +378,7 @@ def _is_number_token(token: str | None) -> bool:
 
 # --------------------------------------------------------------------------- arithmetic
 def _sympy():
+    # sympy (0.3 s) only for irrational radicals: grader workers start without it
     import sympy
 
     return sympy

@@ -61,9 +61,12 @@ _MV = None
 
 
 def _math_verify():
-    """Lazily import math-verify (sympy import costs ~0.3 s) with LaTeX-only extraction."""
+    """Lazily import math-verify (sympy import costs ~0.3 s) with LaTeX-only extraction: the
+    config (data sources name their graders) and every grader worker load this module, and
+    only math answers need it."""
     global _MV
     if _MV is None:
+        # math-verify (0.4 s with sympy) only for math answers: the config and grader workers start without it
         from math_verify import LatexExtractionConfig, parse, verify
 
         # we disable its timeouts on purpose; silence the warning it logs about that
@@ -193,7 +196,7 @@ def _written_items(normalized: str) -> int:
 def _repeats_elements(pred_parsed: list, gold_parsed: list) -> bool:
     """The response lists more items than its set holds (a repeated element, ``5, 5``)
     and more than the gold lists."""
-    from sympy import FiniteSet
+    from sympy import FiniteSet  # only once math-verify parsed (see _math_verify)
 
     pred_expr = pred_parsed[0]
     if not isinstance(pred_expr, FiniteSet) or len(pred_parsed) < 2 or not isinstance(pred_parsed[1], str):
@@ -208,7 +211,7 @@ def _solved_relation(pred_expr, gold_expr) -> bool:
     variable against a constant, the same variable throughout), naming the gold's
     variable when the gold has free symbols: then it may be compared with a gold set
     (``verify(..., allow_set_relation_comp=True)``, module docstring)."""
-    from sympy import And, Symbol
+    from sympy import And, Symbol  # only once math-verify parsed (see _math_verify)
     from sympy.core.relational import Relational
 
     if isinstance(pred_expr, Relational):

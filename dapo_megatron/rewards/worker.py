@@ -29,12 +29,15 @@ a launcher that kills the group (torchrun) stops it too.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
+import resource
 import signal
 import sys
 
 # the pool never imports this module, so "python -m" runs its only copy
+from dapo_megatron.rewards import registry
 from dapo_megatron.rewards.pool import error_result, package_dir
 
 
@@ -51,13 +54,11 @@ def _vm_size_bytes() -> int | None:
 
 def _limit_memory(memory_limit_mb: int) -> None:
     try:
-        import resource
-
         current = _vm_size_bytes()
         if current is not None:
             limit = current + memory_limit_mb * 1024 * 1024
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    except (ImportError, ValueError, OSError):  # not Linux, or a hard limit already lower
+    except (ValueError, OSError):  # a hard limit already lower
         pass
 
 
@@ -67,8 +68,6 @@ def _die_with_parent(parent_pid: int | None) -> None:
     parent is already gone (the race before the call)."""
     if sys.platform.startswith("linux"):
         try:
-            import ctypes
-
             pr_set_pdeathsig = 1  # <linux/prctl.h>
             ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
         except (OSError, AttributeError):
@@ -98,8 +97,6 @@ def main(argv: list[str] | None = None) -> None:
     protocol_fd = os.dup(1)
     os.dup2(2, 1)  # stray prints go to stderr, never into the protocol stream
     send = _writer(protocol_fd)
-
-    from dapo_megatron.rewards import registry
 
     registry.warmup()
     if args.memory_limit_mb is not None:

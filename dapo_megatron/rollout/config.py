@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from dapo_megatron.rollout.engines.sglang_engine import check_engine_kwargs
+from dapo_megatron.rollout.engines.sglang_server_args import check_engine_kwargs
 
 
 @dataclass
@@ -135,12 +135,6 @@ class RolloutConfig:
         if self.partial_rollout and not self.streaming:
             raise ValueError("partial_rollout=true needs streaming=true (only a streamed rollout stops with responses "
                              "in flight)")
-        if self.streaming and (self.mode != "colocated" or self.tensor_model_parallel_size != 1):
-            # the streamed rollout submits each group to its own rank's engine (rollout.rollout._RankRows);
-            # rollout groups (one engine over several ranks) and servers are not wired into it yet
-            raise ValueError(f"streaming=true runs on one colocated engine per rank (mode='colocated', "
-                             f"tensor_model_parallel_size=1); got mode={self.mode!r}, tensor_model_parallel_size="
-                             f"{self.tensor_model_parallel_size}: set streaming=false for this layout")
         if self.val_max_prompts < 0:
             raise ValueError(f"val_max_prompts={self.val_max_prompts} must be >= 0 (0 = all)")
         if self.name != "sglang" and self.deterministic:

@@ -53,7 +53,7 @@ from dapo_megatron.rollout.engines.layout import check_rollout_tp_fits_model, en
 from dapo_megatron.rollout.plan.step_data import DistributedGrader, gather_groups, gather_preds, send_tokens
 from dapo_megatron.rollout.sampling.buffer import RolloutBuffer
 from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipper
-from dapo_megatron.rollout.sampling.streaming import PromptQueue, StreamingCollector, row_request
+from dapo_megatron.rollout.sampling.streaming import EngineClient, PromptQueue, StreamingCollector
 from dapo_megatron.rollout.types import HELD_BY_ALL, Group, Sample
 
 if TYPE_CHECKING:  # config.run imports the trainer, which imports this module
@@ -138,7 +138,8 @@ def build_rollout(cfg: DAPOConfig, parallel: ParallelDims, *, tokenizer: Any, hf
     its KV cache from the GPU memory left free.
 
     Raises:
-        ValueError: ``rollout.streaming`` with an engine that has no asynchronous generation.
+        ValueError: ``rollout.streaming`` with an engine that has no asynchronous generation
+            (on every rank: :class:`~dapo_megatron.rollout.sampling.streaming.EngineClient`).
     """
     engine, num_engines, engine_index = build_training_rollout(cfg, tokenizer, hf_config, parallel)
     reward_pool = RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
@@ -151,9 +152,6 @@ def build_rollout(cfg: DAPOConfig, parallel: ParallelDims, *, tokenizer: Any, hf
     buffer = RolloutBuffer(b, DistributedGrader(reward_pool), decode)
     collector = prompt_queue = None
     if cfg.rollout.streaming:
-        if not engine.supports_async:
-            raise ValueError(f"rollout.streaming=true needs an engine with asynchronous generation; "
-                             f"{type(engine).__name__} has none: set rollout.streaming=false")
         collector = StreamingCollector(buffer, PromptSkipper(b.prompt_skip, seed=cfg.trainer.seed),
                                        partial_rollout=cfg.rollout.partial_rollout,
                                        poll_tokens=cfg.rollout.stream_poll_tokens)
@@ -172,7 +170,7 @@ class Rollout:
     Build it with :func:`build_rollout`. Attributes are read-only outside this class:
     ``engine`` (this rank's engine, group member or server client), ``num_engines`` and
     ``engine_index`` (the engine whose prompts this rank deals, None: none), ``buffer``,
-    ``collector`` / ``prompt_queue`` (streamed only, else None), ``gen_batches_done``
+    ``collector`` / ``prompt_queue`` / ``row_client`` (streamed only, else None), ``gen_batches_done``
     (generation batches drawn so far: it seeds the sampler), ``reward_pool``.
     """
 
@@ -186,6 +184,10 @@ class Rollout:
         self.train_data, self.val_data, self.stream = train_data, val_data, stream
         self.reward_pool, self.decode = reward_pool, decode
         self.buffer, self.collector, self.prompt_queue = buffer, collector, prompt_queue
+        # streamed: group g on engine g.prompt_seed % num_engines (its driving rank); each round
+        # replicates records only, the tokens stay there until the step's plan sends them on
+        self.row_client = (EngineClient(engine, self._train_params(), num_engines=num_engines,
+                                        engine_index=engine_index) if collector is not None else None)
         self.gen_batches_done = 0
         # a CPU sync into fresh memory pays page faults worth several copies; on GPU the caching
         # allocator reuses blocks, and kept buffers would be out of the engine's reach
@@ -329,8 +331,7 @@ class Rollout:
         generation, grading and dynamic sampling (docs/design.md §1, steps 1-3)."""
         if self.collector is None:
             return StepBatch(*self.buffer.collect(self._generate_batch, policy_version=step))
-        groups, metrics = self.collector.collect(_RankRows(self, self._train_params()), self.prompt_queue,
-                                                 policy_version=step)
+        groups, metrics = self.collector.collect(self.row_client, self.prompt_queue, policy_version=step)
         self.gen_batches_done = self.prompt_queue.fetched
         return StepBatch(groups, metrics)
 
@@ -394,9 +395,11 @@ class Rollout:
         """The rollout's part of a checkpoint (the same on every rank; rank 0's is written);
         collective. Keys: ``gen_batches_done``, ``streams`` (one prompt-stream position per DP
         rank), ``buffer`` and, streamed, ``streaming`` and ``prompt_queue``. Rank 0 receives the
-        surplus groups' token lists and extracted answers from the ranks that generated them."""
+        surplus and partial groups' token lists and the surplus' extracted answers from the
+        ranks that generated them."""
         surplus = [s for g in self.buffer.surplus for s in g.samples]
-        send_tokens(surplus, [(0,)] * len(surplus))
+        partial = [s for g in self.collector.partial for s in g.samples] if self.collector is not None else []
+        send_tokens(surplus + partial, [(0,)] * (len(surplus) + len(partial)))  # streamed partial groups too
         gather_preds(surplus, dst=0)
         # ranks of one DP rank read the same prompts: keep one reader position per DP rank
         by_dp = dict(_all_gather_objects((self.parallel.dp_rank, self.stream.state_dict())))
@@ -427,27 +430,3 @@ class Rollout:
                                  "by a batch (non-streaming) run; resume it with rollout.streaming=false")
             self.collector.load_state_dict(state["streaming"])
             self.prompt_queue.load_state_dict(state["prompt_queue"])
-
-
-class _RankRows:
-    """The streamed rollout's :class:`~dapo_megatron.rollout.sampling.streaming.RowClient` over every rank's
-    engine; each call is a collective. Group ``g`` runs on rank ``g.prompt_seed % world`` (its
-    ``n`` rows share one prefill there), continued rows included; the rows that finished or
-    were aborted on any rank are all-gathered, so every rank sees every result."""
-
-    def __init__(self, rollout: Rollout, params: SamplingParams):
-        self.rollout, self.params = rollout, params
-
-    def submit(self, rows) -> None:
-        p = self.rollout.parallel
-        mine = [row_request(g, j, self.params) for g, j in rows if g.prompt_seed % p.world_size == p.rank]
-        if mine:
-            self.rollout.engine.submit(mine)
-
-    def poll(self, max_tokens: int):
-        engine = self.rollout.engine
-        local = engine.poll(max_tokens) if engine.num_in_flight else []
-        return [r for part in _all_gather_objects(local) for r in part]
-
-    def abort(self):
-        return [r for part in _all_gather_objects(self.rollout.engine.abort()) for r in part]

@@ -166,6 +166,52 @@ def test_abort_by_rid_stops_that_row_of_a_batch_only(server):
     assert b["meta_info"]["finish_reason"] == {"type": "length", "length": 20} and len(b["output_ids"]) == 20
 
 
+def test_streamed_rows_poll_abort_and_continue_exactly_as_uninterrupted(server, local_model):
+    """ServerRows (the streamed rollout's rows on one server, rollout/server_sync.py): a short
+    group answers at a poll, a long group is aborted mid-way with its partial tokens, and its
+    rows, resubmitted after their prefix, end with exactly the tokens of the uninterrupted rows
+    (the server seeds draws by position); logprobs are the model's."""
+    from dapo_megatron.rollout.engines.server_sync import ServerRows
+
+    # top_k=4: the EOS is rarely among a random model's 4 likeliest tokens, so the long rows run on
+    long_params, short_params = SamplingParams(max_new_tokens=3000, top_k=4, seed=11), SamplingParams(max_new_tokens=3)
+
+    def rows(prompt, seed, params, prefixes=None):
+        return [RowRequest((seed, j), tuple(prompt), params, seed, j, prefix_ids=tuple(prefixes[j]) if prefixes else ())
+                for j in range(2)]
+
+    def uninterrupted(row):
+        out = http_post(server.url, "/generate", build_row_request(row, f"ref-{row.key}"), 120)
+        return out["output_ids"], [e[0] for e in out["meta_info"]["output_token_logprobs"]]
+
+    # the long group: rows whose uninterrupted responses run >= 1500 tokens (picked by seed)
+    seed = next((ps for ps in range(20) if all(len(uninterrupted(r)[0]) >= 1500 for r in rows(PROMPTS[0], ps,
+                                                                                               long_params))), None)
+    assert seed is not None, "no seed gives long responses: the abort would find nothing running"
+    long_rows, short_rows = rows(PROMPTS[0], seed, long_params), rows(PROMPTS[1], 1000, short_params)
+    client = ServerRows(server.url, generate_timeout_s=120, timeout_s=10, eos_token_ids=[EOS], rid_prefix="t")
+    client.submit(short_rows + long_rows)
+    assert client.num_in_flight == 4
+    got = []
+    deadline = time.monotonic() + 30
+    while len(got) < 2 and time.monotonic() < deadline:
+        got += client.poll(max_tokens=1, version=3)
+    assert sorted(r.key for r in got) == [(1000, 0), (1000, 1)] and client.num_in_flight == 2
+    for r, row in zip(sorted(got), short_rows):
+        assert r.version == 3 and r.finish_reason in ("stop", "length") and 0 < len(r.response_ids) <= 3
+        assert r.response_ids == uninterrupted(row)[0]
+        assert r.logprobs == pytest.approx(_logprobs(local_model, PROMPTS[1], r.response_ids), abs=1e-4)
+    aborted = sorted(client.abort(version=3))
+    assert [r.key for r in aborted] == [row.key for row in long_rows] and client.num_in_flight == 0
+    assert all(r.finish_reason == "abort" and 0 < len(r.response_ids) < 1500 for r in aborted), aborted
+    client.submit(rows(PROMPTS[0], seed, long_params, [r.response_ids for r in aborted]))
+    rest = {r.key: r for r in client.poll()}  # until every row answers
+    for row, r in zip(long_rows, aborted):
+        ids, logprobs = uninterrupted(row)
+        assert r.response_ids + rest[row.key].response_ids == ids, row.key
+        assert r.logprobs + rest[row.key].logprobs == pytest.approx(logprobs, abs=1e-5), row.key
+
+
 def test_pause_aborts_every_row_and_holds_new_requests_until_continue(server):
     _, payload = _long(PROMPTS[2], "p-1")
     first = {}

@@ -213,7 +213,8 @@ def test_trainer_in_server_mode_checks_health_generates_and_syncs_every_step(tmp
     batch is dealt over the two servers (rank e drives server e) and really generated there (the
     actor's recomputed logprobs match the servers' to float32 noise), and both servers hold the
     same weights after the sync that ends the step (moved off the GGUF's iff the step trained).
-    Then a dead server stops the run at start naming its URL."""
+    Then the streamed rollout on the same servers keeps the streamed metrics, and a dead server
+    stops the run at start naming its URL."""
     import subprocess
     import sys
 
@@ -265,6 +266,25 @@ def test_trainer_in_server_mode_checks_health_generates_and_syncs_every_step(tmp
             assert torch.equal(rows[0].view(torch.int32), rows[1].view(torch.int32)), name
             changed |= not torch.equal(rows[0], tensor[:8].float())
         assert changed == (row["actor/grad_norm"] > 0), (changed, row["actor/grad_norm"])
+
+        # the streamed rollout on the same servers (issue 20): group g on server g % 2, rounds of
+        # records, the tokens sent once from the rank that drove the server to the ranks that train
+        # them. Filtering off: the keep rate's prior (1) submits exactly N = 2 prompts, both kept
+        # when they finish, nothing left to abort
+        before = [len(s.calls()) for s in servers]
+        out = run(tmp_path / "streamed", "rollout.streaming=true", "rollout.stream_poll_tokens=4")
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        with open(tmp_path / "streamed" / "metrics.jsonl") as f:
+            (row,) = [json.loads(line) for line in f]
+        assert row["rollout/kept_groups"] == 2 and row["rollout/prompts_submitted"] == 2
+        assert row["rollout/num_gen_batches"] == 1 and row["rollout/rounds"] >= 1 and row["rollout/keep_rate"] == 1
+        assert row["rollout/aborted_rows"] == row["rollout/aborted_tokens"] == row["rollout/skipped_prompts"] == 0
+        assert row["rollout/partial_in"] == row["rollout/partial_out"] == 0
+        assert row["rollout/gen_tokens"] == row["train/response_length_mean"] * 2 * 4  # every response trains
+        assert row["rollout/gen_response_length_mean"] == row["train/response_length_mean"] > 0
+        assert row["rollout/logprob_diff_max"] <= LOGPROB_GAP_MAX, row["rollout/logprob_diff_max"]
+        for s, skip in zip(servers, before):
+            assert "POST /generate" in s.calls()[skip:], "each server streamed one of the two groups"
 
         servers[1].kill()
         out = run(tmp_path / "dead")

@@ -90,10 +90,23 @@ def test_rollout_tensor_parallel_groups_sample_the_same_rollout(tmp_path, smollm
     feeds the sync), the batch dealt over engines, not over model-parallel ranks. Against one
     engine per rank: the same responses and rewards, both with a TP=2 actor (the group is the
     actor's TP group) and with DP=2 (the group spans both DP ranks, so the engine samples both
-    ranks' prompts)."""
+    ranks' prompts). Streamed too: the same streamed rollout as one engine alone."""
     ref = _first_step(tmp_path, smollm2_gguf, tp=1, pp=1)
     for tp, pp in ((2, 1), (1, 1)):
         got = _first_step(tmp_path, smollm2_gguf, tp, pp, "rollout.tensor_model_parallel_size=2", dp=2 // (tp * pp))
         for key in ("rollout/gen_tokens", "rollout/gen_reward_mean", "rollout/kept_groups", "rollout/num_gen_batches"):
             assert got[key] == ref[key], (tp, pp, key, got[key], ref[key])
         assert _rel(got["actor/pg_loss"], ref["actor/pg_loss"]) <= REL_BOUND
+    # streamed (issue 20): the leader's engine runs every group; records are replicated each round,
+    # the tokens stay with the leader until the plan sends DP rank 1 its half. The HF engine's
+    # rounds are token counts, so the streamed rollout equals one engine in a world of one
+    streamed = ["rollout.streaming=true", "rollout.stream_poll_tokens=4", "buffer.on_cap=train_on_kept"]
+    ref = _first_step(tmp_path, smollm2_gguf, 1, 1, *streamed)
+    got = _first_step(tmp_path, smollm2_gguf, 1, 1, "rollout.tensor_model_parallel_size=2", *streamed, dp=2)
+    assert ref["rollout/rounds"] > 1 and ref["rollout/kept_groups"] >= 1
+    for key in ("rollout/gen_tokens", "rollout/gen_reward_mean", "rollout/kept_groups", "rollout/num_gen_batches",
+                "rollout/rounds", "rollout/prompts_submitted", "rollout/aborted_rows", "rollout/aborted_tokens",
+                "rollout/keep_rate", "rollout/partial_out", "train/response_length_mean"):
+        assert got[key] == ref[key], (key, got[key], ref[key])
+    assert _rel(got["actor/pg_loss"], ref["actor/pg_loss"]) <= REL_BOUND
+    assert got["rollout/logprob_diff_max"] <= LOGPROB_GAP_MAX, got["rollout/logprob_diff_max"]

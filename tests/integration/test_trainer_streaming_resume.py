@@ -61,19 +61,18 @@ def _final_state(trainer) -> dict:
 
 
 def _killed_worker(hf_dir, run_dir):
-    import dapo_megatron.rollout.rollout as rollout_mod
-
     trainer = _trainer(hf_dir, run_dir)
-    real_poll, polls = rollout_mod._RankRows.poll, [0]
+    client = trainer.rollout.row_client  # the streamed rollout's client (rollout.streaming.EngineClient)
+    real_poll, polls = client.poll, [0]
 
-    def poll(self, max_tokens):
+    def poll(max_tokens):
         if trainer.step == KILL_IN_STEP - 1:  # inside step 3, its rollout under way
             polls[0] += 1
             if polls[0] == 2:
                 os._exit(9)
-        return real_poll(self, max_tokens)
+        return real_poll(max_tokens)
 
-    rollout_mod._RankRows.poll = poll
+    client.poll = poll
     trainer.fit()
 
 

@@ -195,7 +195,7 @@ def _sglang_metadata_class():
     (``sglang.srt.weight_sync.tensor_bucket.`` is on it, ``dapo_megatron.`` is not): the
     metadata objects of a real payload must be SGLang's own class.
     """
-    try:
+    try:  # sglang needs CUDA
         from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata
     except Exception:  # not installed, or no CUDA to import it
         return None
@@ -248,7 +248,7 @@ def serialize_for_engine(obj: Any) -> bytes:
 @functools.lru_cache(maxsize=None)
 def _sglang_serialize():
     """SGLang's ``MultiprocessingSerializer.serialize`` with the reduction patch applied, or None."""
-    try:
+    try:  # sglang needs CUDA
         from sglang.srt.utils import MultiprocessingSerializer
         from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
     except Exception:  # not installed, or no CUDA to import it

@@ -36,6 +36,7 @@ then), and after the last stage the prefix cache is flushed and generation conti
 
 from __future__ import annotations
 
+import itertools
 import socket
 import threading
 import time
@@ -49,15 +50,17 @@ import torch.distributed as dist
 
 from dapo_megatron.platform import free_port
 from dapo_megatron.rollout.engines.buckets import dtype_name
-from dapo_megatron.rollout.engines.engine import WeightSyncTracker
+from dapo_megatron.rollout.engines.engine import RowRequest, RowResult, WeightSyncTracker
 from dapo_megatron.rollout.engines.flat_bucket import FlatBucketPacker
 from dapo_megatron.rollout.engines.layout import rollout_engines, server_rank_offsets
 from dapo_megatron.rollout.engines.sglang_engine import (
     build_generate_request,
+    build_row_request,
     http_get,
     http_post,
     init_custom_process_group,
     parse_generate_output,
+    parse_row_output,
 )
 
 NamedTensor = tuple[str, torch.Tensor]
@@ -161,6 +164,28 @@ class _Call:
             self.error = err
         finally:
             self.done.set()
+
+
+class _RowsRequest:
+    """One streamed ``/generate`` request (a batch of rows) running in a thread."""
+
+    def __init__(self, rows: list, rids: list[str], url: str, payload: dict, timeout_s: float,
+                 answered: threading.Event):
+        self.rows, self.rids, self.url = rows, rids, url
+        self.result, self.error, self.done = None, None, threading.Event()
+        self._timeout_s = timeout_s
+        self._answered = answered
+        threading.Thread(target=self._run, args=(payload,), daemon=True).start()
+
+    def _run(self, payload: dict) -> None:
+        try:
+            self.result = http_post(self.url, "/generate", payload, self._timeout_s)
+        except BaseException as err:  # raised by the polling thread, naming the server
+            self.error = err
+        finally:
+            self.done.set()
+            self._answered.set()
+
 
 
 class ServerWeightSender:
@@ -430,6 +455,112 @@ def sync_servers(stage_tensors: Optional[Iterable[NamedTensor]], *, sender: Opti
     return sender.bytes_sent if sender is not None else 0
 
 
+class ServerRows:
+    """The asynchronous rows of one server (the streamed rollout's ``submit`` / ``poll`` / ``abort``).
+
+    Each submitted run of rows of one prompt (a group's rows share their prefill) is one
+    batched ``/generate`` request with one ``rid`` per row, running in a thread. A poll returns
+    the rows of the requests that answered (it waits for one, at most :attr:`poll_timeout_s`:
+    like SGLang's offline engine, a server cannot stop after a token count, so a streamed
+    round is a time slice). An abort posts ``/abort_request`` with each row's ``rid``
+    (sglang 0.5.11 ``tokenizer_manager.py`` ``abort_request`` ignores a rid that is not a
+    request's own, so a batch's prefix would not do) and waits for the answers: the tokens
+    sampled so far, finish reason ``"abort"`` (``"stop"`` / ``"length"`` where the row had
+    already finished, :func:`~dapo_megatron.rollout.engines.sglang_engine.parse_row_output`).
+
+    Args:
+        url: the server.
+        generate_timeout_s: bound on one ``/generate`` request; timeout_s: on an abort call.
+        eos_token_ids: the model's stop tokens (an aborted row that ends on one has finished).
+        rid_prefix: the rids' prefix, unique among the server's clients (``dapo-<rank>``).
+    """
+
+    poll_timeout_s = 0.5
+    """The longest a :meth:`poll` with ``max_tokens`` waits for a request to answer (seconds)."""
+
+    def __init__(self, url: str, *, generate_timeout_s: float, timeout_s: float, eos_token_ids: Sequence[int] = (),
+                 rid_prefix: str = "dapo"):
+        self.url = url
+        self.generate_timeout_s, self.timeout_s = float(generate_timeout_s), float(timeout_s)
+        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
+        self.rid_prefix = rid_prefix
+        self._requests: list[_RowsRequest] = []  # in flight, in submission order
+        self._answered = threading.Event()  # set by every request that answers: wakes poll()
+        self._rids = itertools.count()
+
+    @property
+    def num_in_flight(self) -> int:
+        """Rows submitted and not yet returned by :meth:`poll` or :meth:`abort`."""
+        return sum(len(r.rows) for r in self._requests)
+
+    def submit(self, rows: Sequence[RowRequest]) -> None:
+        """Start the rows (each with its own ``rid``, seed and remaining budget, continued after
+        its prefix; :func:`~dapo_megatron.rollout.engines.sglang_engine.build_row_request`).
+
+        Raises:
+            ValueError: a row key already in flight.
+        """
+        keys = {row.key for r in self._requests for row in r.rows}
+        batches: list[list[RowRequest]] = []
+        for row in rows:
+            if row.key in keys:
+                raise ValueError(f"ServerRows.submit: row key {row.key!r} is already in flight")
+            keys.add(row.key)
+            if batches and batches[-1][0].prompt_seed == row.prompt_seed:
+                batches[-1].append(row)
+            else:
+                batches.append([row])
+        for batch in batches:
+            # fixed width: dapo-rollout-server aborts every row whose rid starts with the given one
+            rids = [f"{self.rid_prefix}-{next(self._rids):012d}" for _ in batch]
+            reqs = [build_row_request(row, rid) for row, rid in zip(batch, rids)]
+            payload = {"input_ids": [r["input_ids"] for r in reqs], "rid": rids, "return_logprob": True,
+                       "sampling_params": [r["sampling_params"] for r in reqs]}
+            self._requests.append(_RowsRequest(batch, rids, self.url, payload, self.generate_timeout_s,
+                                               self._answered))
+
+    def poll(self, max_tokens: Optional[int] = None, version: int = 0) -> list[RowResult]:
+        """The rows of the requests that answered, labelled weights ``version``: waits until
+        one does (at most :attr:`poll_timeout_s` when ``max_tokens`` is set), or until all do
+        when None.
+
+        Raises:
+            RuntimeError: a request failed (naming the server).
+        """
+        if not self._requests:
+            return []
+        if max_tokens is None:
+            for r in self._requests:
+                r.done.wait()
+        elif not any(r.done.is_set() for r in self._requests):
+            self._answered.wait(self.poll_timeout_s)
+        return self._collect(version, only_done=True)
+
+    def abort(self, version: int = 0) -> list[RowResult]:
+        """Stop every row in flight; every request's answer (see the class docstring)."""
+        for r in self._requests:
+            if not r.done.is_set():
+                for rid in r.rids:
+                    http_post(self.url, "/abort_request", {"rid": rid}, self.timeout_s)
+        for r in self._requests:
+            r.done.wait()
+        return self._collect(version, only_done=False)
+
+    def _collect(self, version: int, only_done: bool) -> list[RowResult]:
+        self._answered.clear()  # before reading: an answer arriving now is seen by the next poll's check
+        done = [r for r in self._requests if r.done.is_set() or not only_done]
+        self._requests = [r for r in self._requests if r not in done]
+        out = []
+        for r in done:
+            if r.error is not None:
+                raise RuntimeError(f"streamed rows on {r.url}: {r.error}")
+            items = r.result if isinstance(r.result, list) else [r.result]
+            if len(items) != len(r.rows):
+                raise RuntimeError(f"SGLang server {r.url} answered {len(items)} outputs for {len(r.rows)} rows")
+            out += [parse_row_output(item, row, version, self.eos_token_ids) for item, row in zip(items, r.rows)]
+        return out
+
+
 class ServerRollout:
     """``rollout.mode: server`` as one trainer rank sees it; build it on every rank (collective).
 
@@ -440,7 +571,9 @@ class ServerRollout:
 
     The trainer treats it as its engine: :meth:`generate` on a driving rank, :meth:`sleep` /
     :meth:`wake_up` are nothing (the servers have GPUs of their own), :meth:`check_health`
-    starts every step, :meth:`sync` sends the weights.
+    starts every step, :meth:`sync` sends the weights; the streamed rollout
+    (:class:`~dapo_megatron.rollout.sampling.streaming.EngineClient`) submits, polls and aborts rows on
+    the rank's server (:class:`ServerRows`).
 
     Args:
         urls: ``rollout.server_urls``.
@@ -452,11 +585,13 @@ class ServerRollout:
             ``rollout.server_generate_timeout_s``.
         bucket_bytes: ``rollout.update_weights_bucket_megabytes`` in bytes.
         backend: of the weight-update groups; None: NCCL on a CUDA device, else gloo.
+        eos_token_ids: the model's stop tokens (an aborted row that already ends on one has
+            finished: ``"stop"``, :func:`~dapo_megatron.rollout.engines.sglang_engine.parse_row_output`).
     """
 
     def __init__(self, urls: Sequence[str], param_specs, *, stage: int, num_stages: int, is_sender: bool,
                  device: torch.device | str, timeout_s: float, generate_timeout_s: float, bucket_bytes: int,
-                 backend: Optional[str] = None):
+                 backend: Optional[str] = None, eos_token_ids: Sequence[int] = ()):
         self.urls = list(urls)
         self.param_specs = param_specs
         self.stage, self.num_stages = int(stage), int(num_stages)
@@ -479,6 +614,9 @@ class ServerRollout:
                                       backend=backend)
         self.weight_version = 0
         self.weights_valid = True  # the servers loaded their checkpoint; the first sync follows
+        self.rows = (ServerRows(self.urls[self.engine_index], generate_timeout_s=generate_timeout_s,
+                                timeout_s=timeout_s, eos_token_ids=eos_token_ids, rid_prefix=f"dapo-{self.rank}")
+                     if self.engine_index is not None else None)
 
     def check_health(self) -> None:
         """:func:`check_health` of every server from rank 0; every rank raises the same error."""
@@ -504,6 +642,35 @@ class ServerRollout:
         out = http_post(url, "/generate", build_generate_request(prompt_ids, params, prompt_seeds),
                         self.generate_timeout_s)
         return parse_generate_output(out, len(prompt_ids), params.n)
+
+    # ---- asynchronous rows (the streamed rollout): this rank's server's ServerRows --------
+    supports_async = True
+
+    @property
+    def num_in_flight(self) -> int:
+        """Rows submitted and not yet returned by :meth:`poll` or :meth:`abort`."""
+        return self.rows.num_in_flight if self.rows is not None else 0
+
+    def submit(self, rows: Sequence[RowRequest]) -> None:
+        """:meth:`ServerRows.submit` on this rank's server.
+
+        Raises:
+            RuntimeError: a rank that drives no server, or weights left invalid by a failed sync.
+        """
+        if self.rows is None:
+            raise RuntimeError(f"rank {self.rank} drives no server (rollout.server_urls has {self.num_engines})")
+        if not self.weights_valid:
+            raise RuntimeError("the servers' weights are partly updated by a failed sync; a full sync must succeed "
+                               "before generating")
+        self.rows.submit(rows)
+
+    def poll(self, max_tokens: Optional[int] = None) -> list[RowResult]:
+        """:meth:`ServerRows.poll` (nothing on a rank that drives no server)."""
+        return self.rows.poll(max_tokens, self.weight_version) if self.rows is not None else []
+
+    def abort(self) -> list[RowResult]:
+        """:meth:`ServerRows.abort` (nothing on a rank that drives no server)."""
+        return self.rows.abort(self.weight_version) if self.rows is not None else []
 
     def sleep(self, keep_weights: bool = False) -> None:
         """Nothing: the servers do not share the trainer's GPUs."""

@@ -77,7 +77,6 @@ from __future__ import annotations
 import asyncio
 import atexit
 import dataclasses
-import difflib
 import inspect
 import itertools
 import json
@@ -112,6 +111,11 @@ from dapo_megatron.rollout.engines.engine import (
 )
 from dapo_megatron.rollout.engines.engine_group import RolloutGroup, sync_flat_buckets
 from dapo_megatron.rollout.engines.flat_bucket import FlatBucketPacker
+from dapo_megatron.rollout.engines.sglang_server_args import (  # noqa: F401  (checked here, defined beside the list)
+    MANAGED_ENGINE_ARGS,
+    check_engine_kwargs,
+    engine_argument_names,
+)
 
 
 def _import_sglang():
@@ -129,18 +133,6 @@ _SGLANG_DTYPES = {"auto": "auto", "bfloat16": "bfloat16", "bf16": "bfloat16", "f
                   "fp16": "float16", "half": "float16", "float32": "float32", "fp32": "float32",
                   "float": "float32"}
 
-#: Engine arguments the engine sets itself, and where the user sets them instead.
-MANAGED_ENGINE_ARGS = {
-    "model_path": "model.hf_path",
-    "dtype": "model.params_dtype",
-    "tp_size": "the engine's tensor parallel size (tp_size)",
-    "mem_fraction_static": "rollout.gpu_memory_utilization",
-    "enable_memory_saver": "enable_memory_saver (needed for sleep / wake_up)",
-    "base_gpu_id": "the GPU of this rank (LOCAL_RANK % torch.cuda.device_count())",
-    "enable_deterministic_inference": "rollout.deterministic",
-}
-
-
 def sglang_dtype(dtype: Any) -> str:
     """SGLang's ``dtype`` string for a ``torch.dtype`` or a dtype name (``"bf16"`` →
     ``"bfloat16"``, ``"fp32"`` → ``"float32"``).
@@ -152,46 +144,6 @@ def sglang_dtype(dtype: Any) -> str:
     if name not in _SGLANG_DTYPES:
         raise ValueError(f"dtype {dtype!r} is not an SGLang dtype; use one of {sorted(_SGLANG_DTYPES)}")
     return _SGLANG_DTYPES[name]
-
-
-def engine_argument_names() -> tuple[frozenset, str]:
-    """``(names, source)``: the keyword arguments ``sglang.Engine`` accepts.
-
-    The fields of the installed ``sglang.srt.server_args.ServerArgs`` when SGLang imports,
-    else those of the pinned version's source
-    (:data:`dapo_megatron.rollout.engines.sglang_server_args.SERVER_ARGS_FIELDS`).
-    """
-    try:
-        import dataclasses
-
-        from sglang.srt.server_args import ServerArgs
-        import sglang
-
-        return frozenset(f.name for f in dataclasses.fields(ServerArgs)), f"sglang {sglang.__version__} ServerArgs"
-    except Exception:  # not installed, or no CUDA to import it: the pinned list
-        from dapo_megatron.rollout.engines.sglang_server_args import SERVER_ARGS_FIELDS, SGLANG_VERSION
-
-        return SERVER_ARGS_FIELDS, f"sglang {SGLANG_VERSION} ServerArgs (pinned list)"
-
-
-def check_engine_kwargs(engine_kwargs: Optional[dict], key: str = "rollout.engine_kwargs") -> dict:
-    """Check extra ``sglang.Engine`` arguments; returns them as a plain dict.
-
-    Raises:
-        ValueError: a key the engine sets itself (naming the setting to use instead), or a
-            key that is no ``sglang.Engine`` argument (with close names), naming ``key.<name>``.
-    """
-    kwargs = dict(engine_kwargs or {})
-    names, source = engine_argument_names()
-    for name in kwargs:
-        if name in MANAGED_ENGINE_ARGS:
-            raise ValueError(f"{key}.{name} is set by dapo-megatron from {MANAGED_ENGINE_ARGS[name]}; remove it")
-        if name not in names:
-            close = difflib.get_close_matches(name, sorted(names), n=3)
-            raise ValueError(f"{key}.{name} is not an sglang.Engine argument (a field of {source})"
-                             + (f"; did you mean {', '.join(close)}?" if close else "")
-                             + "; see `python -m sglang.launch_server --help` for the list")
-    return kwargs
 
 
 # ---------------------------------------------------------------------------- requests

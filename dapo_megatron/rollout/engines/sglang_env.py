@@ -163,7 +163,7 @@ def _proc_children(pid: int) -> list[int]:
 
 def child_pids(pid: Optional[int] = None, recursive: bool = False) -> set[int]:
     """PIDs of the children of ``pid`` (this process), with their descendants when ``recursive``."""
-    try:
+    try:  # psutil comes with sglang (GPU image); /proc is read without it
         import psutil
     except ImportError:
         psutil = None

@@ -8,7 +8,8 @@ the fields of that dataclass. :data:`SERVER_ARGS_FIELDS` lists them for sglang
 ``sglang-0.5.11-cp312-cp312-manylinux_2_34_x86_64.whl`` wheel (the annotated class
 attributes of ``class ServerArgs``, 368 fields). Where SGLang is importable the
 real ``dataclasses.fields(ServerArgs)`` is used instead
-(:func:`dapo_megatron.rollout.engines.sglang_engine.engine_argument_names`).
+(:func:`engine_argument_names`), and :func:`check_engine_kwargs` checks ``rollout.engine_kwargs``
+against them here, so the config loads without the engines.
 
 Regenerate for another pin::
 
@@ -20,6 +21,12 @@ Regenerate for another pin::
     print([s.target.id for s in cls.body if isinstance(s, ast.AnnAssign)])
     PY
 """
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Optional
 
 SGLANG_VERSION = "0.5.11"
 
@@ -128,3 +135,50 @@ SERVER_ARGS_FIELDS = frozenset({
     "limit_mm_data_per_request", "enable_mm_global_cache", "decrypted_config_file",
     "decrypted_draft_config_file", "forward_hooks", "enable_quant_communications", "msprobe_dump_config",
 })
+
+#: Engine arguments the engine sets itself, and where the user sets them instead.
+MANAGED_ENGINE_ARGS = {
+    "model_path": "model.hf_path",
+    "dtype": "model.params_dtype",
+    "tp_size": "the engine's tensor parallel size (tp_size)",
+    "mem_fraction_static": "rollout.gpu_memory_utilization",
+    "enable_memory_saver": "enable_memory_saver (needed for sleep / wake_up)",
+    "base_gpu_id": "the GPU of this rank (LOCAL_RANK % torch.cuda.device_count())",
+    "enable_deterministic_inference": "rollout.deterministic",
+}
+
+
+def engine_argument_names() -> tuple[frozenset, str]:
+    """``(names, source)``: the keyword arguments ``sglang.Engine`` accepts.
+
+    The fields of the installed ``sglang.srt.server_args.ServerArgs`` when SGLang imports,
+    else those of the pinned version's source
+    (:data:`SERVER_ARGS_FIELDS`).
+    """
+    try:  # sglang needs CUDA: imported here, where a CPU machine falls back to the pinned list
+        from sglang.srt.server_args import ServerArgs
+        import sglang
+
+        return frozenset(f.name for f in dataclasses.fields(ServerArgs)), f"sglang {sglang.__version__} ServerArgs"
+    except Exception:  # not installed, or no CUDA to import it: the pinned list
+        return SERVER_ARGS_FIELDS, f"sglang {SGLANG_VERSION} ServerArgs (pinned list)"
+
+
+def check_engine_kwargs(engine_kwargs: Optional[dict], key: str = "rollout.engine_kwargs") -> dict:
+    """Check extra ``sglang.Engine`` arguments; returns them as a plain dict.
+
+    Raises:
+        ValueError: a key the engine sets itself (naming the setting to use instead), or a
+            key that is no ``sglang.Engine`` argument (with close names), naming ``key.<name>``.
+    """
+    kwargs = dict(engine_kwargs or {})
+    names, source = engine_argument_names()
+    for name in kwargs:
+        if name in MANAGED_ENGINE_ARGS:
+            raise ValueError(f"{key}.{name} is set by dapo-megatron from {MANAGED_ENGINE_ARGS[name]}; remove it")
+        if name not in names:
+            close = difflib.get_close_matches(name, sorted(names), n=3)
+            raise ValueError(f"{key}.{name} is not an sglang.Engine argument (a field of {source})"
+                             + (f"; did you mean {', '.join(close)}?" if close else "")
+                             + "; see `python -m sglang.launch_server --help` for the list")
+    return kwargs

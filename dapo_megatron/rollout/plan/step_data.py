@@ -48,6 +48,42 @@ def _world(group=None) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def all_gather_rows(rows: torch.Tensor, max_rows: Optional[int] = None, group=None) -> list[tuple[int, list[int]]]:
+    """Every rank's rows of an int64 record table on every rank; a collective over ``group``
+    (default: the world).
+
+    Args:
+        rows: ``[k, w]`` int64 on this rank (``k`` may differ between ranks, ``w`` may not).
+        max_rows: a bound on every rank's ``k``, the same on every rank: one all-gather of the
+            padded tables; None: the row counts are all-gathered first (two collectives).
+        group: the process group.
+
+    Returns:
+        ``(source rank, row)`` for every row of every rank, in rank order, each rank's rows in
+        its order (ranks of ``group``).
+
+    Raises:
+        ValueError: more than ``max_rows`` rows here.
+    """
+    rank, world = _world(group)
+    k, width = rows.shape
+    if world == 1:
+        return [(rank, row) for row in rows.tolist()]
+    if max_rows is not None and k > max_rows:
+        raise ValueError(f"{k} rows, more than max_rows={max_rows}")
+    dev = collective_device(group)
+    if max_rows is None:
+        counts = [torch.empty(1, dtype=torch.int64, device=dev) for _ in range(world)]
+        dist.all_gather(counts, torch.tensor([k], dtype=torch.int64, device=dev), group=group)
+        max_rows = int(max(int(c) for c in counts))
+    padded = torch.zeros((max_rows, 1 + width), dtype=torch.int64)  # column 0 marks a real row
+    padded[:k, 0] = 1
+    padded[:k, 1:] = rows
+    parts = [torch.empty_like(padded, device=dev) for _ in range(world)]
+    dist.all_gather(parts, padded.to(dev), group=group)
+    return [(src, row[1:]) for src, part in enumerate(parts) for row in part.cpu().tolist() if row[0]]
+
+
 # --------------------------------------------------------------------------- 1. generation
 def gather_groups(local: Sequence[tuple[int, int, Group]], *, n: int, max_local: int,
                   record_of: Callable[[int], Any]) -> list[Group]:
@@ -74,10 +110,10 @@ def gather_groups(local: Sequence[tuple[int, int, Group]], *, n: int, max_local:
         ValueError: more than ``max_local`` local groups, a group without ``n`` samples, or
             an unknown finish reason.
     """
-    rank, world = _world()
+    rank, _ = _world()
     if len(local) > max_local:
         raise ValueError(f"{len(local)} local groups, more than max_local={max_local}")
-    rows = torch.full((max_local, 3 + 2 * n), -1, dtype=torch.int64)  # dp_rank -1 marks padding
+    rows = torch.zeros((len(local), 3 + 2 * n), dtype=torch.int64)
     for k, (dp_rank, position, g) in enumerate(local):
         if len(g.samples) != n:
             raise ValueError(f"group at DP rank {dp_rank}, position {position} has {len(g.samples)} samples, need {n}")
@@ -88,15 +124,8 @@ def gather_groups(local: Sequence[tuple[int, int, Group]], *, n: int, max_local:
         rows[k] = torch.tensor([dp_rank, position, g.samples[0].prompt_index]
                                + [s.response_length for s in g.samples]
                                + [FINISH_REASONS.index(s.finish_reason) for s in g.samples])
-    if world > 1:
-        dev = collective_device()
-        parts = [torch.empty_like(rows, device=dev) for _ in range(world)]
-        dist.all_gather(parts, rows.to(dev))
-        table = torch.cat(parts).cpu().tolist()
-    else:
-        table = rows.tolist()
     mine = {(dp_rank, position): g for dp_rank, position, g in local}
-    entries = sorted((row[0], row[1], i // max_local, row) for i, row in enumerate(table) if row[0] >= 0)
+    entries = sorted((row[0], row[1], src, row) for src, row in all_gather_rows(rows, max_rows=max_local))
     groups = []
     for dp_rank, position, src, row in entries:
         if src == rank:

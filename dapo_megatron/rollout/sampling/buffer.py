@@ -3,7 +3,10 @@
 One training step needs exactly ``train_batch_size`` (N) prompt groups of ``n`` (G)
 responses whose accuracies are not all equal: a group where every response is right (or
 every one is wrong) has zero advantage for all its tokens and only dilutes the gradient.
-:meth:`RolloutBuffer.collect` therefore
+:class:`GroupSelector` holds that rule once, with the step's keep/drop tally, the group
+renumbering, the surplus and the metrics; two feeders offer it groups: whole generation
+batches (:meth:`RolloutBuffer.collect`, below) or streamed rounds
+(:class:`~dapo_megatron.rollout.sampling.streaming.StreamingCollector`). :meth:`RolloutBuffer.collect`
 
 1. starts from the surplus groups kept at earlier steps (used first), dropping those more
    than ``max_staleness`` weight versions behind the actor (counted),
@@ -113,21 +116,48 @@ class BufferConfig:
             raise ValueError("overlong must be a dapo_megatron.algorithms.OverlongConfig")
 
 
-def _sample_to_dict(s: Sample) -> dict:
-    return dataclasses.asdict(s)
+def group_to_dict(g: Group) -> dict:
+    """A group as plain python (its samples' every field), for checkpoints."""
+    return {"group_id": g.group_id, "samples": [dataclasses.asdict(s) for s in g.samples], "prompt_seed": g.prompt_seed}
 
 
-def _group_to_dict(g: Group) -> dict:
-    return {"group_id": g.group_id, "samples": [_sample_to_dict(s) for s in g.samples], "prompt_seed": g.prompt_seed}
-
-
-def _group_from_dict(d: dict) -> Group:
+def group_from_dict(d: dict) -> Group:
+    """The inverse of :func:`group_to_dict`."""
     samples = [Sample(**{**s, "versions": [tuple(v) for v in s.get("versions", [])]}) for s in d["samples"]]
     return Group(group_id=int(d["group_id"]), samples=samples, prompt_seed=int(d.get("prompt_seed", -1)))
 
 
-class RolloutBuffer:
-    """Dynamic-sampling buffer; see the module docstring.
+KEPT = "kept"
+"""What :meth:`GroupSelector.offer` answers for a group it keeps."""
+DROP_REASONS = ("all_correct", "all_wrong", "other")
+"""Why a group is dropped (its ``filter_metric`` is constant): every response correct, every one
+wrong, or otherwise constant (e.g. equal shaped rewards of mixed accuracy); logged as
+``rollout/dropped_<reason>``."""
+
+
+@dataclass
+class _Step:
+    """The tally of one step between :meth:`GroupSelector.begin` and :meth:`GroupSelector.take`."""
+
+    policy_version: Optional[int]
+    kept: list[Group]
+    surplus_in: int
+    dropped_stale: int
+    graded: list[Sample] = field(default_factory=list)
+    dropped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(DROP_REASONS, 0))
+    out: Optional[list[Group]] = None
+
+
+class GroupSelector:
+    """DAPO's dynamic-sampling selector: grading, the keep rule, the step's tally, the surplus.
+
+    One selector serves both ways of feeding a step (slime's ``filter_hub`` shape): whole
+    generation batches (:meth:`RolloutBuffer.collect`) or streamed rounds
+    (:class:`~dapo_megatron.rollout.sampling.streaming.StreamingCollector`). A step is
+    :meth:`begin` (the carried surplus within ``max_staleness`` counts as kept, the stale rest
+    is dropped and counted), then :meth:`grade` + :meth:`offer` per finished group, in
+    generation order, until :attr:`missing` is 0 or the feeder's cap, then :meth:`take` (the
+    first N kept, renumbered ``0..N-1``; the rest becomes the surplus) and :meth:`step_metrics`.
 
     Args:
         config: :class:`BufferConfig` (validated here).
@@ -146,6 +176,7 @@ class RolloutBuffer:
         self.reward_pool = reward_pool
         self.decode = decode
         self._surplus: list[Group] = []
+        self._step: Optional[_Step] = None
 
     # ---- state ----------------------------------------------------------------------
     @property
@@ -155,28 +186,16 @@ class RolloutBuffer:
 
     def state_dict(self) -> dict:
         """Plain python (lists, dicts, numbers, strings): the surplus groups, for checkpoints."""
-        return {"surplus": [_group_to_dict(g) for g in self._surplus]}
+        return {"surplus": [group_to_dict(g) for g in self._surplus]}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the surplus written by :meth:`state_dict`."""
         if not isinstance(state, dict) or "surplus" not in state:
-            raise ValueError("RolloutBuffer.load_state_dict: expected a dict with key 'surplus' (from state_dict())")
-        self._surplus = [_group_from_dict(d) for d in state["surplus"]]
+            raise ValueError(f"{type(self).__name__}.load_state_dict: expected a dict with key 'surplus' "
+                             "(from state_dict())")
+        self._surplus = [group_from_dict(d) for d in state["surplus"]]
 
-    # ---- grading ----------------------------------------------------------------------
-    def _check_batch(self, groups: Any, batch_index: int) -> list[Group]:
-        cfg = self.config
-        if not isinstance(groups, list) or not groups or not all(isinstance(g, Group) for g in groups):
-            raise ValueError(f"generate_batch() call {batch_index} must return a non-empty list of Group")
-        if len(groups) > cfg.gen_batch_size:
-            raise ValueError(f"generate_batch() call {batch_index} returned {len(groups)} groups, more than "
-                             f"buffer.gen_batch_size={cfg.gen_batch_size}")
-        for g in groups:
-            if len(g.samples) != cfg.n:
-                raise ValueError(f"group {g.group_id} of generation batch {batch_index} has {len(g.samples)} "
-                                 f"responses; buffer.n={cfg.n} requires exactly n per prompt")
-        return groups
-
+    # ---- grading and the keep rule --------------------------------------------------------
     def grade(self, groups: list[Group]) -> None:
         """Grade and shape every sample of ``groups`` in place (one ``reward_pool.grade`` call):
         sets ``score``, ``acc``, ``pred``, ``overlong_penalty``, ``reward``, ``loss_mask_zero``."""
@@ -213,7 +232,6 @@ class RolloutBuffer:
         """Dynamic-sampling rule: ``max(metric) - min(metric) > 0`` over the group's responses."""
         return not self.config.filter_groups or not self.zero_variance(g)
 
-    # ---- the step -------------------------------------------------------------------
     def drop_stale(self, groups: list[Group], policy_version: Optional[int]) -> tuple[list[Group], int]:
         """``(kept, dropped)``: the groups within ``max_staleness`` versions of ``policy_version``
         (all of them when it is None), and how many were not."""
@@ -221,6 +239,117 @@ class RolloutBuffer:
             return list(groups), 0
         kept = [g for g in groups if group_staleness(g, policy_version) <= self.config.max_staleness]
         return kept, len(groups) - len(kept)
+
+    # ---- the step -------------------------------------------------------------------------
+    def begin(self, policy_version: Optional[int]) -> None:
+        """Start a step for the actor of weights version ``policy_version`` (None: no staleness
+        bookkeeping): the surplus within ``max_staleness`` is kept first, the rest dropped."""
+        kept, dropped_stale = self.drop_stale(self._surplus, policy_version)
+        self._surplus = []
+        self._step = _Step(policy_version, kept, surplus_in=len(kept), dropped_stale=dropped_stale)
+
+    def _current(self) -> _Step:
+        if self._step is None:
+            raise RuntimeError(f"{type(self).__name__}: call begin(policy_version) before offering groups")
+        return self._step
+
+    @property
+    def num_kept(self) -> int:
+        """Groups kept in this step so far (carried surplus included)."""
+        return len(self._current().kept)
+
+    @property
+    def missing(self) -> int:
+        """Kept groups still needed for ``train_batch_size`` (0 once reached)."""
+        return max(0, self.config.train_batch_size - self.num_kept)
+
+    def offer(self, g: Group) -> str:
+        """Offer one graded group of this step's generation: :data:`KEPT`, or the reason it was
+        dropped (one of :data:`DROP_REASONS`). Its samples count for the generation metrics
+        either way."""
+        step = self._current()
+        step.graded.extend(g.samples)
+        if self.keep_group(g):
+            step.kept.append(g)
+            return KEPT
+        reason = "all_correct" if all(g.accs) else "all_wrong" if not any(g.accs) else "other"
+        step.dropped[reason] += 1
+        return reason
+
+    def fail_at_cap(self, what: str) -> None:
+        """End the step at the feeder's cap with fewer than N kept under ``on_cap="error"``: the
+        kept groups stay in the surplus, and ``RuntimeError`` names ``what`` was spent, the
+        dropped counts and the knobs."""
+        step = self._current()
+        self._surplus, self._step = step.kept, None
+        d = step.dropped
+        raise RuntimeError(
+            f"{what}: kept {len(step.kept)} of train_batch_size={self.config.train_batch_size} prompt groups "
+            f"(dropped {d['all_correct']} all-correct, {d['all_wrong']} all-wrong, {d['other']} other constant "
+            "groups). Raise max_num_gen_batches or gen_batch_size, use data of suitable difficulty, or set "
+            "on_cap='train_on_kept'.")
+
+    def take(self) -> list[Group]:
+        """The step's trained groups: the first ``train_batch_size`` kept (surplus first),
+        renumbered ``group_id = 0..len-1`` (samples too) so ids are unique per step; the kept
+        rest becomes the surplus."""
+        step = self._current()
+        n = self.config.train_batch_size
+        step.out, self._surplus = step.kept[:n], step.kept[n:]
+        for i, g in enumerate(step.out):
+            g.group_id = i
+            for s in g.samples:
+                s.group_id = i
+        return list(step.out)
+
+    def step_metrics(self, *, num_batches: int, gen_tokens: Optional[int] = None) -> dict[str, float]:
+        """The metrics of the step that :meth:`take` ended (and ends the step).
+
+        ``rollout/{num_gen_batches, kept_groups, surplus_in, surplus_out, hit_cap,
+        dropped_stale}`` (``hit_cap``: fewer than N trained); the trained batch
+        (:func:`trained_batch_metrics`, :func:`staleness_metrics`); the step's generation
+        (:func:`generation_metrics` over the offered groups' samples; ``gen_tokens``: the
+        tokens sampled, default their response tokens), absent when nothing was generated.
+        """
+        step = self._current()
+        if step.out is None:
+            raise RuntimeError(f"{type(self).__name__}.step_metrics: call take() first")
+        self._step = None
+        out = step.out
+        metrics = {
+            "rollout/num_gen_batches": float(num_batches),
+            "rollout/kept_groups": float(len(out)),
+            "rollout/surplus_in": float(step.surplus_in),
+            "rollout/surplus_out": float(len(self._surplus)),
+            "rollout/hit_cap": float(len(out) < self.config.train_batch_size),
+        }
+        train = [s for g in out for s in g.samples]
+        metrics.update(trained_batch_metrics(train))
+        if gen_tokens is None:
+            gen_tokens = sum(s.response_length for s in step.graded)
+        metrics.update(generation_metrics(step.graded, gen_tokens, train,
+                                          tuple(step.dropped[r] for r in DROP_REASONS)))
+        metrics["rollout/dropped_stale"] = float(step.dropped_stale)
+        metrics.update(staleness_metrics(train, step.policy_version))
+        return metrics
+
+
+class RolloutBuffer(GroupSelector):
+    """The batch feeder of the selector (verl's dynamic sampling): whole generation batches
+    until N groups are kept; see the module docstring. Constructed as :class:`GroupSelector`."""
+
+    def _check_batch(self, groups: Any, batch_index: int) -> list[Group]:
+        cfg = self.config
+        if not isinstance(groups, list) or not groups or not all(isinstance(g, Group) for g in groups):
+            raise ValueError(f"generate_batch() call {batch_index} must return a non-empty list of Group")
+        if len(groups) > cfg.gen_batch_size:
+            raise ValueError(f"generate_batch() call {batch_index} returned {len(groups)} groups, more than "
+                             f"buffer.gen_batch_size={cfg.gen_batch_size}")
+        for g in groups:
+            if len(g.samples) != cfg.n:
+                raise ValueError(f"group {g.group_id} of generation batch {batch_index} has {len(g.samples)} "
+                                 f"responses; buffer.n={cfg.n} requires exactly n per prompt")
+        return groups
 
     def collect(self, generate_batch: Callable[[], list[Group]],
                 policy_version: Optional[int] = None) -> tuple[list[Group], dict[str, float]]:
@@ -238,7 +367,7 @@ class RolloutBuffer:
             ``on_cap="train_on_kept"`` at the cap, then ``metrics["rollout/hit_cap"] == 1``;
             possibly 0 — the trainer must skip such a step), surplus from the previous step
             first, renumbered ``group_id = 0..len-1`` (samples too) so ids are unique per step.
-            ``metrics``: see :meth:`_metrics`.
+            ``metrics``: :meth:`GroupSelector.step_metrics`.
 
         Raises:
             RuntimeError: ``max_num_gen_batches`` generation batches did not yield
@@ -247,73 +376,21 @@ class RolloutBuffer:
             ValueError: a generation batch of the wrong shape.
         """
         cfg = self.config
-        kept, dropped_stale = self.drop_stale(self._surplus, policy_version)
-        surplus_in = len(kept)
-        self._surplus = []
-        generated: list[Sample] = []
-        dropped_correct = dropped_wrong = dropped_other = 0
+        self.begin(policy_version)
         num_batches = 0
-        hit_cap = False
-        while len(kept) < cfg.train_batch_size:
+        while self.missing:
             if num_batches >= cfg.max_num_gen_batches:
-                hit_cap = True
                 if cfg.on_cap == "error":
-                    self._surplus = kept
-                    raise RuntimeError(
-                        f"dynamic sampling kept {len(kept)} of train_batch_size={cfg.train_batch_size} prompt groups "
-                        f"after max_num_gen_batches={cfg.max_num_gen_batches} generation batches "
-                        f"(dropped {dropped_correct} all-correct, {dropped_wrong} all-wrong, {dropped_other} other "
-                        "constant groups). Raise max_num_gen_batches or gen_batch_size, use data of suitable "
-                        "difficulty, or set on_cap='train_on_kept'.")
+                    self.fail_at_cap(f"dynamic sampling after max_num_gen_batches={cfg.max_num_gen_batches} "
+                                     "generation batches")
                 break
             groups = self._check_batch(generate_batch(), num_batches)
             num_batches += 1
             self.grade(groups)
             for g in groups:
-                generated.extend(g.samples)
-                if self.keep_group(g):
-                    kept.append(g)
-                elif all(g.accs):
-                    dropped_correct += 1
-                elif not any(g.accs):
-                    dropped_wrong += 1
-                else:
-                    dropped_other += 1
-        out, self._surplus = kept[:cfg.train_batch_size], kept[cfg.train_batch_size:]
-        for i, g in enumerate(out):
-            g.group_id = i
-            for s in g.samples:
-                s.group_id = i
-        metrics = self._metrics(out, generated, num_batches=num_batches, surplus_in=surplus_in,
-                                dropped=(dropped_correct, dropped_wrong, dropped_other), hit_cap=hit_cap)
-        metrics["rollout/dropped_stale"] = float(dropped_stale)
-        metrics.update(staleness_metrics([s for g in out for s in g.samples], policy_version))
-        return out, metrics
-
-    def _metrics(self, out: list[Group], generated: list[Sample], *, num_batches: int, surplus_in: int,
-                 dropped: tuple[int, int, int], hit_cap: bool, gen_tokens: Optional[int] = None) -> dict[str, float]:
-        """Per-step metrics: the step's bookkeeping, its generation and its trained batch.
-
-        Always: ``rollout/{num_gen_batches, kept_groups, surplus_in, surplus_out, hit_cap}``.
-        The trained batch (``out``, carried surplus included): :func:`trained_batch_metrics`.
-        The step's generation (``generated``: the responses generated and graded in this step,
-        before filtering; ``gen_tokens``: the tokens sampled, default their response tokens):
-        :func:`generation_metrics` with the dropped-group counts; absent when nothing was
-        generated (a step that trains carried groups only).
-        """
-        metrics = {
-            "rollout/num_gen_batches": float(num_batches),
-            "rollout/kept_groups": float(len(out)),
-            "rollout/surplus_in": float(surplus_in),
-            "rollout/surplus_out": float(len(self._surplus)),
-            "rollout/hit_cap": float(hit_cap),
-        }
-        train = [s for g in out for s in g.samples]
-        metrics.update(trained_batch_metrics(train))
-        if gen_tokens is None:
-            gen_tokens = sum(s.response_length for s in generated)
-        metrics.update(generation_metrics(generated, gen_tokens, train, dropped))
-        return metrics
+                self.offer(g)
+        out = self.take()
+        return out, self.step_metrics(num_batches=num_batches)
 
 
 GENERATION_METRICS = (

@@ -40,16 +40,45 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence
 
-from dapo_megatron.rollout.sampling.buffer import (RolloutBuffer, _group_from_dict, _group_to_dict, group_staleness,
-                                          staleness_metrics)
+import torch
+import torch.distributed as dist
+
+from dapo_megatron.rollout.sampling.buffer import KEPT, GroupSelector, group_from_dict, group_staleness, group_to_dict
 from dapo_megatron.rollout.engines.engine import RolloutEngine, RowRequest, RowResult, SamplingParams
 from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipper
-from dapo_megatron.rollout.types import Group, Sample
+from dapo_megatron.rollout.plan.step_data import all_gather_rows
+from dapo_megatron.rollout.types import HELD_BY_ALL, Group, Sample
 
 PENDING = ""
 """``Sample.finish_reason`` of a response in flight (not started, or partial)."""
+
+ROW_FINISH = ("stop", "length", "abort")
+"""The finish reasons of a row result (:class:`~dapo_megatron.rollout.engines.engine.RowResult`), coded by
+position in the replicated record table."""
+
+
+class RowUpdate(NamedTuple):
+    """What one round did to one row, as every rank sees it.
+
+    Attributes:
+        key: ``(group.prompt_seed, j)``: response ``j`` of the group.
+        num_tokens: new tokens sampled (after what the row held).
+        finish_reason: ``"stop"``, ``"length"`` or ``"abort"`` (partial).
+        version: the engine weights version that sampled them.
+        holder: the global rank that holds the row's tokens (its engine's driving rank),
+            :data:`~dapo_megatron.rollout.types.HELD_BY_ALL` in one process.
+        response_ids, logprobs: the new tokens and their logprobs on the holder, None elsewhere.
+    """
+
+    key: tuple[int, int]
+    num_tokens: int
+    finish_reason: str
+    version: int
+    holder: int
+    response_ids: Optional[list[int]] = None
+    logprobs: Optional[list[float]] = None
 
 
 class RowClient(Protocol):
@@ -59,35 +88,96 @@ class RowClient(Protocol):
         """Start (or continue, after the tokens ``group.samples[j]`` already holds) response
         ``j`` of each group; the row's key is ``(group.prompt_seed, j)``."""
 
-    def poll(self, max_tokens: int) -> list[RowResult]:
+    def poll(self, max_tokens: int) -> list[RowUpdate]:
         """Advance every engine ``max_tokens`` sampled tokens; the rows that finished."""
 
-    def abort(self) -> list[RowResult]:
+    def abort(self) -> list[RowUpdate]:
         """Stop every row; each one's new tokens since its submission (``"abort"``)."""
 
 
 class EngineClient:
-    """:class:`RowClient` over one engine with the asynchronous interface (one process)."""
+    """:class:`RowClient` over the run's rollout engines; in a distributed run every call is a
+    collective over the world.
 
-    def __init__(self, engine: RolloutEngine, params: SamplingParams):
-        if not engine.supports_async:
-            raise ValueError(f"{type(engine).__name__} has no asynchronous generation; set rollout.streaming: false")
+    Group ``g`` runs on engine ``g.prompt_seed % num_engines`` (its ``n`` rows share one
+    prefill there), continued rows included, so a partial response is always continued where
+    its tokens are. Each rank passes the engine it drives (colocated: the leader of a rollout
+    group of ``rollout.tensor_model_parallel_size`` ranks; server mode: rank ``e`` drives
+    ``rollout.server_urls[e]``) with its ``engine_index``, or None where it drives none (the
+    other ranks of a rollout group). A round replicates records only: per finished or aborted
+    row ``(prompt_seed, j, new tokens, finish reason, version)``, 5 int64 in one all-gather
+    (:func:`~dapo_megatron.rollout.plan.step_data.all_gather_rows`); the tokens and logprobs stay on
+    the rank that generated them (:attr:`RowUpdate.holder`) until the step's plan sends them,
+    once, to the ranks that train them (:func:`~dapo_megatron.rollout.plan.step_data.send_tokens`).
+
+    Args:
+        engine: this rank's engine (asynchronous interface: ``submit`` / ``poll`` / ``abort``).
+        params: the rollout's sampling parameters (``n`` ignored: one row per response).
+        num_engines: engines of the run.
+        engine_index: the engine this rank drives, or None.
+
+    Raises:
+        ValueError: on every rank, when a driving rank's engine has no asynchronous
+            generation (a collective check).
+    """
+
+    def __init__(self, engine: Optional[RolloutEngine], params: SamplingParams, *, num_engines: int = 1,
+                 engine_index: Optional[int] = 0):
+        if num_engines < 1 or (engine_index is not None and not 0 <= engine_index < num_engines):
+            raise ValueError(f"engine_index={engine_index} must be None or in [0, num_engines={num_engines})")
         self.engine, self.params = engine, params
+        self.num_engines, self.engine_index = num_engines, engine_index
+        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        lacking = engine_index is not None and not engine.supports_async
+        names = [type(engine).__name__] if lacking else []
+        if self.world > 1:  # every rank raises, not only the one whose engine lacks it
+            parts: list = [None] * self.world
+            dist.all_gather_object(parts, names)
+            names = [n for part in parts for n in part]
+        if names:
+            raise ValueError(f"rollout.streaming=true needs engines with asynchronous generation; {names[0]} has "
+                             "none: set rollout.streaming=false")
+
+    def engine_of(self, g: Group) -> int:
+        """The engine that samples group ``g`` (and continues its partial responses)."""
+        return g.prompt_seed % self.num_engines
 
     def submit(self, rows: Sequence[tuple[Group, int]]) -> None:
-        self.engine.submit([row_request(g, j, self.params) for g, j in rows])
+        mine = [row_request(g, j, self.params) for g, j in rows if self.engine_of(g) == self.engine_index]
+        if mine:
+            self.engine.submit(mine)
 
-    def poll(self, max_tokens: int) -> list[RowResult]:
-        return self.engine.poll(max_tokens)
+    def poll(self, max_tokens: int) -> list[RowUpdate]:
+        driving = self.engine_index is not None and self.engine.num_in_flight
+        return self._replicate(self.engine.poll(max_tokens) if driving else [])
 
-    def abort(self) -> list[RowResult]:
-        return self.engine.abort()
+    def abort(self) -> list[RowUpdate]:
+        return self._replicate(self.engine.abort() if self.engine_index is not None else [])
+
+    def _replicate(self, local: list[RowResult]) -> list[RowUpdate]:
+        """Every rank's results as :class:`RowUpdate` s, in rank order then each engine's order;
+        the tokens only in this rank's own."""
+        if self.world == 1:
+            return [RowUpdate(r.key, len(r.response_ids), r.finish_reason, r.version, HELD_BY_ALL, list(r.response_ids),
+                              list(r.logprobs)) for r in local]
+        table = torch.tensor([[r.key[0], r.key[1], len(r.response_ids), ROW_FINISH.index(r.finish_reason), r.version]
+                              for r in local], dtype=torch.int64).view(len(local), 5)
+        own = iter(local)
+        out = []
+        for src, (seed, j, num, finish, version) in all_gather_rows(table):
+            r = next(own) if src == self.rank else None
+            out.append(RowUpdate((seed, j), num, ROW_FINISH[finish], version, src,
+                                 None if r is None else list(r.response_ids), None if r is None else list(r.logprobs)))
+        return out
 
 
 def row_request(g: Group, j: int, params: SamplingParams) -> RowRequest:
     """The :class:`RowRequest` of response ``j`` of a group in flight: keyed
     ``(prompt_seed, j)``, continuing after the tokens it holds."""
     s = g.samples[j]
+    if s.response_ids is None:
+        raise RuntimeError(f"response {j} of the group of prompt position {g.prompt_seed} is continued on a rank "
+                           f"that does not hold its tokens (held by rank {s.holder})")
     return RowRequest((g.prompt_seed, j), s.prompt_ids, params, g.prompt_seed, j, prefix_ids=s.response_ids)
 
 
@@ -134,31 +224,41 @@ def new_group(record: Any, position: int, n: int) -> Group:
     return Group(group_id=-1, samples=samples, prompt_seed=position)
 
 
-def extend_sample(s: Sample, r: RowResult) -> None:
-    """Append a row's new tokens to its sample, with the version that sampled them."""
-    if r.response_ids:
-        start = len(s.response_ids)
-        if not s.versions or s.versions[-1][1] != r.version:
-            s.versions = list(s.versions) + [(start, r.version)]
-        s.response_ids = list(s.response_ids) + list(r.response_ids)
-        s.rollout_logprobs = list(s.rollout_logprobs) + list(r.logprobs)
-    s.finish_reason = PENDING if r.finish_reason == "abort" else r.finish_reason
+def extend_sample(s: Sample, u: RowUpdate) -> None:
+    """Apply one row's update to its sample: on the holder the new tokens and logprobs are
+    appended; elsewhere the sample keeps its length only (``num_response_tokens``, the token
+    lists None). The span of the version that sampled them is recorded everywhere."""
+    start = s.response_length
+    if u.num_tokens and (not s.versions or s.versions[-1][1] != u.version):
+        s.versions = list(s.versions) + [(start, u.version)]
+    if u.response_ids is not None:
+        if s.response_ids is None:
+            raise RuntimeError(f"rank {u.holder} got new tokens of a response whose earlier tokens it does not hold")
+        s.response_ids = list(s.response_ids) + list(u.response_ids)
+        s.rollout_logprobs = list(s.rollout_logprobs) + list(u.logprobs)
+    else:
+        s.response_ids = s.rollout_logprobs = None
+        s.num_response_tokens = start + u.num_tokens
+    s.holder = u.holder
+    s.finish_reason = PENDING if u.finish_reason == "abort" else u.finish_reason
 
 
 class StreamingCollector:
-    """Streaming dynamic sampling over a :class:`RolloutBuffer` (module docstring).
+    """The streamed feeder of the dynamic-sampling selector (module docstring).
 
     Args:
-        buffer: grading, the keep rule, the surplus and the batch-size settings.
+        selector: the :class:`~dapo_megatron.rollout.sampling.buffer.GroupSelector` (the trainer's
+            :class:`~dapo_megatron.rollout.sampling.buffer.RolloutBuffer`): grading, the keep rule, the
+            step's tally, the surplus and the batch-size settings.
         skipper: prompt skipping (a disabled one never skips).
         partial_rollout: keep aborted responses and continue them next step.
         poll_tokens: sampled tokens per engine per round, >= 1.
     """
 
-    def __init__(self, buffer: RolloutBuffer, skipper: PromptSkipper, *, partial_rollout: bool, poll_tokens: int):
+    def __init__(self, selector: GroupSelector, skipper: PromptSkipper, *, partial_rollout: bool, poll_tokens: int):
         if poll_tokens < 1:
             raise ValueError(f"rollout.stream_poll_tokens={poll_tokens} must be >= 1")
-        self.buffer, self.skipper = buffer, skipper
+        self.selector, self.skipper = selector, skipper
         self.partial_rollout, self.poll_tokens = partial_rollout, poll_tokens
         self._partial: list[Group] = []
         self._kept, self._graded = 0.0, 0.0  # decayed counts of kept / graded groups: the keep rate
@@ -175,11 +275,18 @@ class StreamingCollector:
         return (self._kept + 1.0) / (self._graded + 1.0)
 
     def state_dict(self) -> dict:
-        return {"partial": [_group_to_dict(g) for g in self._partial], "kept": self._kept, "graded": self._graded,
+        """The partial groups (whole: the caller gives this rank their tokens first), the keep
+        rate's counts and the skipper's history."""
+        return {"partial": [group_to_dict(g) for g in self._partial], "kept": self._kept, "graded": self._graded,
                 "skipper": self.skipper.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self._partial = [_group_from_dict(d) for d in state["partial"]]
+        """Restore :meth:`state_dict`; every rank then holds the partial groups' tokens
+        (``holder`` :data:`~dapo_megatron.rollout.types.HELD_BY_ALL`)."""
+        self._partial = [group_from_dict(d) for d in state["partial"]]
+        for g in self._partial:
+            for s in g.samples:
+                s.holder = HELD_BY_ALL
         self._kept, self._graded = float(state["kept"]), float(state["graded"])
         self.skipper.load_state_dict(state["skipper"])
 
@@ -188,9 +295,10 @@ class StreamingCollector:
         """The groups of one training step (module docstring); a collective when the client is.
 
         Returns:
-            ``(groups, metrics)`` as :meth:`RolloutBuffer.collect`, plus
-            ``rollout/{keep_rate, partial_in, partial_out, dropped_stale}`` and, with the
-            generation's other metrics (absent when no token was sampled and no group graded,
+            ``(groups, metrics)`` as :meth:`~dapo_megatron.rollout.sampling.buffer.RolloutBuffer.collect`,
+            plus ``rollout/{keep_rate, partial_in, partial_out}``, ``rollout/dropped_stale``
+            counting stale partial groups too, and, with the generation's other metrics
+            (absent when no token was sampled and no group graded,
             :data:`~dapo_megatron.rollout.sampling.buffer.GENERATION_METRICS`), ``rollout/{rounds,
             prompts_submitted, skipped_prompts, aborted_rows, aborted_tokens}``.
             ``rollout/gen_tokens`` counts the tokens sampled in this step (the continued part
@@ -201,11 +309,9 @@ class StreamingCollector:
             RuntimeError: the cap was reached with fewer than N kept and ``on_cap="error"``
                 (the kept groups stay in the surplus).
         """
-        buf, cfg = self.buffer, self.buffer.config
+        sel, cfg = self.selector, self.selector.config
         self._kept, self._graded = self._kept / 2, self._graded / 2
-        kept, dropped_stale = buf.drop_stale(buf._surplus, policy_version)
-        surplus_in = len(kept)
-        buf._surplus = []
+        sel.begin(policy_version)
         carried, stale_partial = [], 0
         for g in self._partial:
             if group_staleness(g, policy_version) > cfg.max_staleness:
@@ -224,10 +330,8 @@ class StreamingCollector:
         cap = cfg.max_num_gen_batches * cfg.gen_batch_size
         fetched_before = prompts.fetched
         submitted = skipped = rounds = gen_tokens = 0
-        graded: list[Sample] = []
-        drops = [0, 0, 0]  # all correct, all wrong, other constant
-        while len(kept) < cfg.train_batch_size:
-            missing = cfg.train_batch_size - len(kept) - self.keep_rate * len(inflight)
+        while sel.missing:
+            missing = sel.missing - self.keep_rate * len(inflight)
             if missing > 0 and submitted < cap:
                 want = min(math.ceil(missing / self.keep_rate), cfg.gen_batch_size, cap - submitted)
                 new = []
@@ -244,59 +348,38 @@ class StreamingCollector:
             if not inflight:
                 break  # at the cap, nothing running
             rounds += 1
-            for r in client.poll(self.poll_tokens):
-                extend_sample(inflight[r.key[0]].samples[r.key[1]], r)
-                gen_tokens += len(r.response_ids)
+            for u in client.poll(self.poll_tokens):
+                extend_sample(inflight[u.key[0]].samples[u.key[1]], u)
+                gen_tokens += u.num_tokens
             done = [g for g in inflight.values() if all(s.finish_reason != PENDING for s in g.samples)]
             if not done:
                 continue
             for g in done:
                 del inflight[g.prompt_seed]
-            buf.grade(done)
-            for g in done:
-                graded.extend(g.samples)
-                zero = buf.zero_variance(g)
-                self.skipper.record(g.samples[0].prompt_index, zero)
+            sel.grade(done)
+            for g in done:  # in submission order
+                self.skipper.record(g.samples[0].prompt_index, sel.zero_variance(g))
                 self._graded += 1
-                if buf.keep_group(g):
-                    kept.append(g)
+                if sel.offer(g) == KEPT:
                     self._kept += 1
-                elif all(g.accs):
-                    drops[0] += 1
-                elif not any(g.accs):
-                    drops[1] += 1
-                else:
-                    drops[2] += 1
         aborted = client.abort() if inflight else []
         aborted_tokens = 0
-        for r in aborted:
-            extend_sample(inflight[r.key[0]].samples[r.key[1]], r)
-            gen_tokens += len(r.response_ids)
-            aborted_tokens += len(r.response_ids)
+        for u in aborted:
+            extend_sample(inflight[u.key[0]].samples[u.key[1]], u)
+            gen_tokens += u.num_tokens
+            aborted_tokens += u.num_tokens
         if self.partial_rollout:
             self._partial = list(inflight.values())
-        hit_cap = len(kept) < cfg.train_batch_size
-        if hit_cap and cfg.on_cap == "error":
-            buf._surplus = kept
-            raise RuntimeError(
-                f"streaming dynamic sampling kept {len(kept)} of train_batch_size={cfg.train_batch_size} prompt groups "
-                f"after {submitted} prompts (max_num_gen_batches={cfg.max_num_gen_batches} x gen_batch_size="
-                f"{cfg.gen_batch_size}); dropped {drops[0]} all-correct, {drops[1]} all-wrong, {drops[2]} other constant "
-                f"groups, skipped {skipped} prompts. Raise max_num_gen_batches or gen_batch_size, use data of suitable "
-                "difficulty, or set on_cap='train_on_kept'.")
-        out, buf._surplus = kept[:cfg.train_batch_size], kept[cfg.train_batch_size:]
-        for i, g in enumerate(out):
-            g.group_id = i
-            for s in g.samples:
-                s.group_id = i
-        trained = [s for g in out for s in g.samples]
-        metrics = buf._metrics(out, graded, num_batches=prompts.fetched - fetched_before, surplus_in=surplus_in,
-                               dropped=tuple(drops), hit_cap=hit_cap, gen_tokens=gen_tokens)
+        if sel.missing and cfg.on_cap == "error":
+            sel.fail_at_cap(f"streaming dynamic sampling after {submitted} prompts (max_num_gen_batches="
+                            f"{cfg.max_num_gen_batches} x gen_batch_size={cfg.gen_batch_size}; {skipped} skipped)")
+        out = sel.take()
+        metrics = sel.step_metrics(num_batches=prompts.fetched - fetched_before, gen_tokens=gen_tokens)
         metrics.update({
             "rollout/keep_rate": self.keep_rate,
             "rollout/partial_in": float(partial_in),
             "rollout/partial_out": float(sum(s.finish_reason == PENDING for g in self._partial for s in g.samples)),
-            "rollout/dropped_stale": float(dropped_stale + stale_partial),
+            "rollout/dropped_stale": metrics["rollout/dropped_stale"] + stale_partial,
         })
         if "rollout/gen_tokens" in metrics:  # absent with the generation's other metrics when nothing was sampled
             metrics.update({
@@ -306,5 +389,4 @@ class StreamingCollector:
                 "rollout/aborted_rows": float(len(aborted)),
                 "rollout/aborted_tokens": float(aborted_tokens),
             })
-        metrics.update(staleness_metrics(trained, policy_version))
         return out, metrics

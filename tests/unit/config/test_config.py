@@ -187,17 +187,15 @@ def test_real_schema_errors_begin_once_with_the_dotted_key():
     load_config(DAPOConfig, None, [*base, "actor.optim.lr_warmup_steps=1599"])
 
 
-def test_streaming_is_rejected_on_layouts_it_does_not_drive():
-    """The streamed rollout submits each group to its own rank's engine: a rollout group (one
-    engine over several ranks) or separate servers would leave groups with no engine."""
+def test_streaming_loads_on_every_layout():
+    """The streamed rollout drives every engine layout (rollout.streaming.EngineClient): one
+    colocated engine per rank, rollout-TP groups and separate servers."""
     from dapo_megatron.config import DAPOConfig
 
     base = ["model.hf_path=/models/x", "rollout.name=sglang", "rollout.streaming=true"]
-    for layout in (["rollout.tensor_model_parallel_size=2"],
+    for layout in ([], ["rollout.tensor_model_parallel_size=2"],
                    ["rollout.mode=server", "rollout.server_urls=[http://h:30000]"]):
-        with pytest.raises(ConfigError, match=r"^rollout\.streaming=true runs on one colocated engine per rank"):
-            load_config(DAPOConfig, None, [*base, *layout])
-    load_config(DAPOConfig, None, base)
+        assert load_config(DAPOConfig, None, [*base, *layout]).rollout.streaming
 
 
 def test_config_errors_prefixes_run_time_checks_once():

@@ -163,13 +163,13 @@ def test_a_step_of_carried_groups_only_logs_no_generation_metric(engine):
     """Issue 25, streamed: a step whose N groups are all carried surplus (here: the groups the
     last step returned, loaded back as the buffer's surplus) submits nothing; its generation
     metrics are absent and every value it logs is finite."""
-    from dapo_megatron.rollout.sampling.buffer import GENERATION_METRICS, _group_to_dict
+    from dapo_megatron.rollout.sampling.buffer import GENERATION_METRICS, group_to_dict
 
     buf, collector, queue, _ = make()
     client = EngineClient(engine, PARAMS)
     out, m1 = collector.collect(client, queue, policy_version=engine.weight_version)
     assert set(GENERATION_METRICS) - {"perf/gen_tokens_per_s"} <= set(m1)  # a step that generated logs them all
-    buf.load_state_dict({"surplus": [_group_to_dict(g) for g in out]})
+    buf.load_state_dict({"surplus": [group_to_dict(g) for g in out]})
     fetched = queue.fetched
     again, m = collector.collect(client, queue, policy_version=engine.weight_version)
     assert [g.prompt_seed for g in again] == [g.prompt_seed for g in out] and queue.fetched == fetched
