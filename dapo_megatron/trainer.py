@@ -46,9 +46,8 @@ from dapo_megatron.data import load_from_config, resolve_data_files
 from dapo_megatron.models import build_gpt_model, load_hf_config
 from dapo_megatron.platform import ParallelDims
 from dapo_megatron.rollout.engines.factory import load_tokenizer
-from dapo_megatron.rollout.plan.dp_split import split_for_dp
-from dapo_megatron.rollout.plan.step_data import plan_step, send_tokens
-from dapo_megatron.rollout.rollout import build_rollout, check_rollout_fits, prompt_stream
+from dapo_megatron.rollout.plan.step_data import old_logprob_micro_batches, plan_step, send_tokens
+from dapo_megatron.rollout.build import build_rollout, check_rollout_fits, prompt_stream
 from dapo_megatron.rollout.sampling.buffer import logprob_mismatch_metrics, split_fresh_stale
 from dapo_megatron.rollout.types import HELD_BY_ALL, Group, Sample
 from dapo_megatron.run_dir import RunStart, prepare_run_dir
@@ -84,6 +83,9 @@ class DAPOTrainer:
     def __init__(self, cfg: DAPOConfig, parallel: ParallelDims, start: RunStart | None = None):
         self.cfg = cfg
         t = cfg.trainer
+        if parallel.rank == 0:
+            for warning in cfg.warnings():
+                logger.warning("%s", warning)
         self.run_dir = os.path.abspath(t.run_dir)
         self.parallel = parallel
         self.rank, self.world = parallel.rank, parallel.world_size
@@ -164,9 +166,9 @@ class DAPOTrainer:
         mine = plan.owned(self.dp_rank)
         if not recompute:
             return plan, mine
-        # one forward-only pass over this DP rank's samples, packed by the micro-batch budget
-        # (forward-only passes need no equal micro-batch count across DP ranks)
-        micro = split_for_dp([samples[i] for i in mine], 1, actor.ppo_max_token_len_per_gpu, share_prompts=share)[0]
+        micro = old_logprob_micro_batches(plan, mine, self.dp_rank, actor.ppo_max_token_len_per_gpu,
+                                          [samples[i] for i in mine], share_prompts=share,
+                                          equal_counts=self.parallel.experts_span_dp)
         lps = self.actor.compute_logprobs([[samples[mine[j]] for j in mb] for mb in micro],
                                           temperature=self.cfg.rollout.temperature)
         for j, lp in zip([j for mb in micro for j in mb], lps):

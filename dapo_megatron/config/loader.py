@@ -174,7 +174,17 @@ def _suggest(key: str, valid: Sequence[str]) -> str:
     return ""
 
 
+MOVED_KEYS = {
+    "async_training.staleness_threshold": (
+        "is verl's staleness as a fraction of a batch; here the bound is buffer.max_staleness, eta in integer "
+        "weight versions (the oldest token of a trained sample is at most that many versions behind the actor)"),
+}
+"""Keys of other stacks with a different meaning here: the error points to ours."""
+
+
 def _unknown_key_error(key: str, valid: dict[str, Any], source: str) -> ConfigError:
+    if key in MOVED_KEYS:
+        return ConfigError(f"config key '{key}' ({source}) {MOVED_KEYS[key]}: set that instead")
     section = key.rpartition(".")[0]
     while section and section not in valid:  # an unknown section: list its parent's keys
         section = section.rpartition(".")[0]

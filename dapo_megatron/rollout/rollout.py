@@ -35,30 +35,23 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from dapo_megatron.bridge import ExportBuffers, iter_hf_weights
-from dapo_megatron.data import PromptStream
+from dapo_megatron.config.run import DAPOConfig
 from dapo_megatron.data.dataset import unique_prompts
 from dapo_megatron.metrics import compute_val_metrics
-from dapo_megatron.platform import collective_device, device
-from dapo_megatron.platform.memory import check_memory
-from dapo_megatron.rewards import RewardPool
+from dapo_megatron.platform import ParallelDims, collective_device
 from dapo_megatron.rollout.engines.engine import RolloutEngine, SamplingParams, completions_to_group
-from dapo_megatron.rollout.engines.factory import build_training_rollout
-from dapo_megatron.rollout.engines.layout import check_rollout_tp_fits_model, engine_share
-from dapo_megatron.rollout.plan.step_data import DistributedGrader, gather_groups, gather_preds, send_tokens
+from dapo_megatron.rollout.engines.layout import engine_share
+from dapo_megatron.rollout.plan.step_data import gather_groups, gather_preds, send_tokens
 from dapo_megatron.rollout.sampling.buffer import RolloutBuffer
-from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipper
 from dapo_megatron.rollout.sampling.streaming import EngineClient, PromptQueue, StreamingCollector
 from dapo_megatron.rollout.types import HELD_BY_ALL, Group, Sample
 
-if TYPE_CHECKING:  # config.run imports the trainer, which imports this module
-    from dapo_megatron.config.run import DAPOConfig
-    from dapo_megatron.platform import ParallelDims
 
 logger = logging.getLogger("dapo_megatron.rollout")
 
@@ -91,74 +84,6 @@ def _all_gather_objects(obj: Any, group=None) -> list[Any]:
     out: list[Any] = [None] * world
     dist.all_gather_object(out, obj, group=group)
     return out
-
-
-def check_rollout_fits(cfg: DAPOConfig, parallel: ParallelDims, hf_config: Any) -> None:
-    """Before any model loads: an SGLang engine of ``rollout.tensor_model_parallel_size`` GPUs
-    can shard the model, and a colocated actor + engine fits each GPU (the estimate logged on
-    rank 0), so the run stops now rather than at the first OOM minutes later.
-
-    Raises:
-        ValueError: naming the rollout TP key, or the memory that does not fit.
-    """
-    r = cfg.rollout
-    if r.mode == "colocated" and r.name == "sglang":  # the HF engine does not shard
-        check_rollout_tp_fits_model(hf_config, r.tensor_model_parallel_size)
-        if torch.cuda.is_available():
-            gpu_bytes = torch.cuda.get_device_properties(device()).total_memory
-            estimate = check_memory(cfg, hf_config, parallel.world_size, gpu_bytes=gpu_bytes)
-            if parallel.rank == 0:
-                logger.info("%s", estimate.report())
-
-
-def prompt_stream(cfg: DAPOConfig, parallel: ParallelDims, train_data: Any) -> PromptStream:
-    """The training prompts this rank reads: its DP rank's share of each generation batch, or,
-    streamed, the whole batch on every rank (the streamed decisions are replicated).
-
-    Raises:
-        ValueError: ``buffer.gen_batch_size`` does not divide over the DP ranks; from
-            :class:`~dapo_megatron.data.PromptStream` (fewer prompts than a batch).
-    """
-    b, d = cfg.buffer, cfg.data
-    if b.gen_batch_size % parallel.dp_size:
-        raise ValueError(f"buffer.gen_batch_size={b.gen_batch_size} must be divisible by the DP size "
-                         f"{parallel.dp_size}")
-    if cfg.rollout.streaming:
-        return PromptStream(train_data, b.gen_batch_size, 0, 1, seed=d.seed, shuffle=d.shuffle)
-    return PromptStream(train_data, b.gen_batch_size // parallel.dp_size, parallel.dp_rank, parallel.dp_size,
-                        seed=d.seed, shuffle=d.shuffle)
-
-
-def build_rollout(cfg: DAPOConfig, parallel: ParallelDims, *, tokenizer: Any, hf_config: Any, train_data: Any,
-                  val_data: Any, stream: PromptStream) -> Rollout:
-    """The :class:`Rollout` of this rank for ``cfg.rollout.mode`` / ``tensor_model_parallel_size``:
-    its engine (:func:`~dapo_megatron.rollout.engines.factory.build_training_rollout`), its reward
-    pool, the dynamic-sampling buffer and, with ``rollout.streaming``, the streamed collector and
-    its prompt queue; collective in server mode. Build it after the actor: an SGLang engine sizes
-    its KV cache from the GPU memory left free.
-
-    Raises:
-        ValueError: ``rollout.streaming`` with an engine that has no asynchronous generation
-            (on every rank: :class:`~dapo_megatron.rollout.sampling.streaming.EngineClient`).
-    """
-    engine, num_engines, engine_index = build_training_rollout(cfg, tokenizer, hf_config, parallel)
-    reward_pool = RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
-    reward_pool.wait_ready()
-
-    def decode(ids: list[int]) -> str:
-        return tokenizer.decode(ids, skip_special_tokens=True)
-
-    b = cfg.buffer
-    buffer = RolloutBuffer(b, DistributedGrader(reward_pool), decode)
-    collector = prompt_queue = None
-    if cfg.rollout.streaming:
-        collector = StreamingCollector(buffer, PromptSkipper(b.prompt_skip, seed=cfg.trainer.seed),
-                                       partial_rollout=cfg.rollout.partial_rollout,
-                                       poll_tokens=cfg.rollout.stream_poll_tokens)
-        prompt_queue = PromptQueue(stream.next_batch, b.gen_batch_size, train_data.__getitem__)
-    return Rollout(cfg, parallel, engine=engine, num_engines=num_engines, engine_index=engine_index,
-                   train_data=train_data, val_data=val_data, stream=stream, reward_pool=reward_pool, decode=decode,
-                   buffer=buffer, collector=collector, prompt_queue=prompt_queue)
 
 
 class Rollout:
