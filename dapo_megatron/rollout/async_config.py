@@ -7,6 +7,8 @@ verl's ``staleness_threshold`` is a fraction of a batch, while the bound here is
 weight versions, the NeMo-RL / AReaL / TRL meaning, and it is ``buffer.max_staleness`` (the
 bound that synchronous mode already applies to carried work). The loader rejects
 ``async_training.staleness_threshold`` with a pointer to it (``config.loader.MOVED_KEYS``).
+
+Design: docs/design.md §2.3 (the rollout rooms).
 """
 
 from __future__ import annotations

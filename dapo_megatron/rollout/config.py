@@ -1,4 +1,7 @@
-"""The ``rollout.*`` section: generation settings of the training and validation rollouts."""
+"""The ``rollout.*`` section: generation settings of the training and validation rollouts.
+
+Design: docs/design.md §2.3 (the rollout rooms).
+"""
 
 from __future__ import annotations
 

@@ -6,6 +6,8 @@ the actor builds its micro-batches. In a distributed step every rank holds a
 :class:`Sample` of every response, but its token lists (``response_ids``,
 ``rollout_logprobs``) only where they are needed: on the rank that generated it
 (``holder``) and, once the step's DP plan is fixed, on the ranks that train it.
+
+Design: docs/design.md §2.3 (the rollout rooms).
 """
 
 from __future__ import annotations

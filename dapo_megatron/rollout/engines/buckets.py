@@ -5,6 +5,8 @@ the order it produced them and the receiver (SGLang's ``update_weights_from_tens
 NCCL broadcast with metadata sent first) reads them in that same order. These helpers
 therefore never reorder anything (in particular never group by dtype, a fault class other
 stacks shipped: one side sorted by dtype, the other did not).
+
+Design: docs/design.md §1 (step 7, weight sync).
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ default) and :class:`dapo_megatron.rollout.engines.sglang_engine.SGLangEngine` /
 ``SGLangServerEngine`` (GPU).
 
 Names follow verl's ``actor_rollout_ref.rollout`` and SGLang's sampling params.
+
+Design: docs/design.md §2.3 (the engine API in the engines room).
 """
 
 from __future__ import annotations

@@ -29,6 +29,8 @@ generate calls (``managers/tokenizer_control_mixin.py`` ``update_weights_from_te
 prefix cache is flushed once at the end of a complete sync (the engines' ``_on_sync_finished``).
 On CPU the same path runs with the tensors in shared memory instead of CUDA IPC
 (``ForkingPickler``'s own reduction for CPU tensors), which is how the tests check it.
+
+Design: docs/design.md §2 (rollout-TP groups).
 """
 
 from __future__ import annotations

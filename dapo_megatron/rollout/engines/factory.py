@@ -11,6 +11,8 @@ model config's ``eos_token_id`` (an int or a list) and, when the model directory
 takes the union of ``hf_config.eos_token_id`` and ``hf_generation_config.eos_token_id``, and
 its scheduler also ends a request on the tokenizer's ``eos_token_id``
 (``Req.check_finished``). The HF engine is given the same set explicitly.
+
+Design: docs/design.md §1 (stop tokens) and §2.3.
 """
 
 from __future__ import annotations

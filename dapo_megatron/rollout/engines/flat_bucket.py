@@ -41,6 +41,8 @@ bucket from fresh clones (``verl/workers/rollout/sglang_rollout/utils.py``
 the engine has let it go, so this costs no extra memory in steady state. On CPU (the tests'
 shared-memory transport, whose consumer copies before it answers) one buffer is reused: fresh
 CPU memory costs page faults worth several copies.
+
+Design: docs/design.md §2 (rollout-TP groups) and §6.
 """
 
 from __future__ import annotations

@@ -40,6 +40,8 @@ Seeds: row ``j`` of a prompt draws from its own ``torch.Generator`` seeded with
 ``sample_seed(seed, prompt_seed, j)``, one float64 uniform per sampled token; a partial
 rollout continued after ``k`` tokens first draws ``k`` uniforms, so its random stream
 continues where it stopped.
+
+Design: docs/design.md §2.3 and §3.7 (streamed rounds).
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ Two layouts of the rollout side, both independent of the actor's TP × PP × DP:
 
 Every function here is pure (no process group, no GPU) so the trainer, the parallel-state
 object and the tests share one definition.
+
+Design: docs/design.md §2 (the rollout layout).
 """
 
 from __future__ import annotations

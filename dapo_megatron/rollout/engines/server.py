@@ -80,6 +80,8 @@ is what SGLang's deterministic sampler gives (``layers/sampler.py``
 reports ``enable_deterministic_inference: true``. A row without a seed gets one from the
 server's generator (``--random-seed``). Outputs equal colocated ``HFEngine`` outputs in
 distribution, not draw for draw (that engine counts draws from the first response token).
+
+Design: docs/design.md §2.2 (server mode on CPU).
 """
 
 

@@ -32,6 +32,8 @@ Around a sync (:func:`sync_servers`): generation is paused (``POST /pause_genera
 ``abort``: nothing finishes on half-updated weights; the trainer's own rollout is over by
 then), and after the last stage the prefix cache is flushed and generation continues
 (``/flush_cache``, ``/continue_generation``). SGLang >= 0.5.6 has every endpoint used here.
+
+Design: docs/design.md §2 (server mode) and §2.2.
 """
 
 from __future__ import annotations

@@ -20,6 +20,8 @@ Regenerate for another pin::
     cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "ServerArgs")
     print([s.target.id for s in cls.body if isinstance(s, ast.AnnAssign)])
     PY
+
+Design: docs/design.md §6 (SGLang in the trainer's process).
 """
 
 from __future__ import annotations

@@ -31,6 +31,8 @@ With ``share_prompts`` the unit of steps 1-4 is an *item*, a prompt's group of s
 weighted by the tokens the shared-prompt forward computes (the prompt once plus every
 response); a group is cut into two items only where it overflows the budget or where a
 split needs it (an item for every rank; a micro-batch holding a single group).
+
+Design: docs/design.md §3.4 (exact under any micro-batch or DP split).
 """
 
 from __future__ import annotations

@@ -26,6 +26,8 @@ trainer replicates each sample's lengths, finish reason and grades
 (:mod:`~dapo_megatron.rollout.plan.step_data`), while its token lists stay on the rank that
 generated it (``Sample.response_ids`` is None elsewhere) until the step's DP plan sends
 them where they train.
+
+Design: docs/design.md §3.3 (dynamic sampling).
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ easy / hard class; that controller is not implemented.)
 Every draw is a pure function of ``(seed, prompt index, encounter count)`` (blake2b), so
 the decisions are the same on every rank and after a resume; the per-prompt streaks and
 encounter counts are the whole state (:meth:`PromptSkipper.state_dict`, in the checkpoint).
+
+Design: docs/design.md §3.7 (skipping).
 """
 
 from __future__ import annotations

@@ -34,6 +34,8 @@ count: its rounds are time slices (``SGLangEngine.poll_timeout_s``), so which gr
 first, and hence which are kept, aborted or carried, depends on timing and is not
 reproducible; each response stays seed-exact under ``rollout.deterministic``, continued
 ones included.
+
+Design: docs/design.md §3.7 (streaming, partial rollouts).
 """
 
 from __future__ import annotations
