@@ -119,6 +119,8 @@ def main(argv=None) -> int:
         print(to_yaml(cfg))
         return 0
     if args.check_config:
+        for warning in cfg.warnings():
+            print(f"dapo-train: warning: {warning}", flush=True)
         layout = f"{world} process(es)" + (f", {per_node} per node" if per_node else "")
         print(f"dapo-train: config ok ({args.config or 'defaults'}, {len(args.overrides)} override(s), {layout})",
               flush=True)

@@ -171,6 +171,9 @@ class DAPOTrainer:
 
         self.cfg = cfg
         t = cfg.trainer
+        if parallel.rank == 0:
+            for warning in cfg.warnings():
+                logger.warning("%s", warning)
         self.run_dir = os.path.abspath(t.run_dir)
         self.parallel = parallel
         self.rank, self.world = parallel.rank, parallel.world_size

@@ -14,8 +14,10 @@ from dapo_megatron.data.dataset import DataConfig
 from dapo_megatron.models.config import ModelConfig
 from dapo_megatron.platform.distributed import ParallelConfig
 from dapo_megatron.rewards.config import RewardConfig
+from dapo_megatron.rollout.async_config import AsyncTrainingConfig
 from dapo_megatron.rollout.sampling.buffer import BufferConfig
 from dapo_megatron.rollout.config import RolloutConfig
+from dapo_megatron.rollout.engines.layout import check_rollout_layout
 from dapo_megatron.tracking import TrackingConfig
 from dapo_megatron.trainer import TrainerConfig
 
@@ -48,6 +50,8 @@ class DAPOConfig:
     """steps, checkpointing, validation cadence, run directory."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     """MLflow."""
+    async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
+    """generation on the servers overlapped with training (verl's fully async names)."""
 
     def validate(self) -> None:
         """Checks across sections (each section validates itself); messages name every key in full."""
@@ -74,10 +78,43 @@ class DAPOConfig:
         if self.buffer.train_batch_size % self.actor.ppo_mini_batch_size:
             raise ValueError(f"buffer.train_batch_size={self.buffer.train_batch_size} must be a multiple of "
                              f"actor.ppo_mini_batch_size={self.actor.ppo_mini_batch_size} (groups)")
+        self._validate_async()
         updates = self.trainer.total_training_steps * self.actor.ppo_epochs * (
             self.buffer.train_batch_size // self.actor.ppo_mini_batch_size)
         with config_errors("actor.optim"):  # trainer.total_training_steps × ppo_epochs × mini-batches per step
             self.actor.optim.check_total_steps(updates)
+
+    def _validate_async(self) -> None:
+        """``async_training`` against the rollout and the staleness bound η = ``buffer.max_staleness``."""
+        a = self.async_training
+        if not a.enable:
+            if a.trigger_parameter_sync_step != 1:
+                raise ValueError(f"async_training.trigger_parameter_sync_step={a.trigger_parameter_sync_step} applies "
+                                 "to async_training.enable=true only (a synchronous step syncs after every update)")
+            return
+        if self.rollout.mode != "server":
+            raise ValueError(f"async_training.enable=true needs rollout.mode=server (got rollout.mode="
+                             f"{self.rollout.mode!r}): the servers generate while the torchrun world trains; set "
+                             "rollout.name=sglang, rollout.mode=server and rollout.server_urls")
+        eta = self.buffer.max_staleness
+        if a.trigger_parameter_sync_step > eta + 1:
+            # between syncs the servers' weights fall behind by up to k - 1 steps: a group sampled
+            # right before a sync trains k - 1 versions later, so k - 1 > η would stall the rollout
+            raise ValueError(f"async_training.trigger_parameter_sync_step={a.trigger_parameter_sync_step} must be <= "
+                             f"buffer.max_staleness + 1 = {eta + 1}: weights synced every k steps are up to k - 1 "
+                             "versions behind the actor; raise buffer.max_staleness or sync more often")
+
+    def warnings(self) -> list[str]:
+        """Settings that run but are likely a mistake, one line each (``dapo-train`` logs them once,
+        ``--check-config`` prints them)."""
+        out = []
+        if (self.async_training.enable and self.buffer.max_staleness > 0
+                and self.actor.old_logprob_source == "rollout"):
+            out.append(f"actor.old_logprob_source=rollout with async_training and buffer.max_staleness="
+                       f"{self.buffer.max_staleness}: pi_old is then the stale engine's policy and PPO's clip is "
+                       "centred on it; actor.old_logprob_source=recompute (pi_old at the current weights, plus the "
+                       "token TIS of actor.rollout_is on stale tokens: decoupled PPO) is the corrected form")
+        return out
 
     def check_inputs(self) -> None:
         """Raise :class:`ConfigError` for an input that is not on this machine: the model files
@@ -96,8 +133,6 @@ class DAPOConfig:
         size divides ``buffer.gen_batch_size`` (each DP rank reads an equal share of every
         generation batch), and the rollout layout fits
         (:func:`~dapo_megatron.rollout.engines.layout.check_rollout_layout`)."""
-        from dapo_megatron.rollout.engines.layout import check_rollout_layout
-
         with config_errors("parallel"):
             self.parallel.check_world_size(world_size)
         r = self.rollout

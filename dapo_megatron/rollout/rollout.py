@@ -156,7 +156,10 @@ def build_rollout(cfg: DAPOConfig, parallel: ParallelDims, *, tokenizer: Any, hf
                                        partial_rollout=cfg.rollout.partial_rollout,
                                        poll_tokens=cfg.rollout.stream_poll_tokens)
         prompt_queue = PromptQueue(stream.next_batch, b.gen_batch_size, train_data.__getitem__)
-    return Rollout(cfg, parallel, engine=engine, num_engines=num_engines, engine_index=engine_index,
+    cls = Rollout
+    if cfg.async_training.enable:  # server mode, generation overlapped with training
+        from dapo_megatron.rollout.async_rollout import AsyncRollout as cls
+    return cls(cfg, parallel, engine=engine, num_engines=num_engines, engine_index=engine_index,
                    train_data=train_data, val_data=val_data, stream=stream, reward_pool=reward_pool, decode=decode,
                    buffer=buffer, collector=collector, prompt_queue=prompt_queue)
 

@@ -211,6 +211,7 @@ class ServerWeightSender:
         self.group = None
         self.backend: Optional[str] = None
         self.bytes_sent = 0
+        self.weight_version: Optional[str] = None  # sent with every bucket when set (sync_servers)
 
     @property
     def urls(self) -> list[str]:
@@ -283,6 +284,8 @@ class ServerWeightSender:
             request = {"names": bucket.names, "dtypes": [dtype_name(e.dtype) for e in bucket.entries],
                        "shapes": [list(e.shape) for e in bucket.entries], "group_name": self.group_name,
                        "load_format": "flattened_bucket", "flush_cache": False}
+            if self.weight_version is not None:  # the servers report it per output (meta_info.weight_version)
+                request["weight_version"] = self.weight_version
             calls = [_Call(http_post, url, "/update_weights_from_distributed", request, self.timeout_s)
                      for url in self.urls]
             work = dist.broadcast(bucket.flat, src=0, group=self.group, async_op=True)
@@ -396,6 +399,7 @@ def sync_servers(stage_tensors: Optional[Iterable[NamedTensor]], *, sender: Opti
     error = None
     if sender is not None:
         sender.bytes_sent = 0
+        sender.weight_version = str(version)  # SGLang's UpdateWeightsFromDistributedReqInput.weight_version
     if coordinator:
         try:
             pause_servers(urls, timeout_s)

@@ -161,6 +161,10 @@ DOMAINS: dict[str, Case] = {
     "tracking.http_max_retries": Case([-1], 3),
     "tracking.http_timeout_s": Case([0, -1], 10),
     "tracking.metrics_file": Case(["''", "logs/m.jsonl"], "m.jsonl"),
+    # async_training
+    "async_training.enable": Case(["true"], "true", good_ctx=SERVER),  # true needs rollout.mode=server
+    "async_training.trigger_parameter_sync_step": Case([0, -1, 3], 2, ctx=["async_training.enable=true", *SERVER],
+                                                       good_ctx=["buffer.max_staleness=1"]),  # 3 > eta + 1 = 2
 }
 
 FREE: dict[str, str] = {
@@ -299,3 +303,22 @@ def test_defaults_and_examples_still_load():
     cfg = _load()
     assert cfg.actor.clip_ratio_low == 0.2 and math.isfinite(cfg.algorithm.adv_eps)
     assert typing.get_type_hints(type(cfg))  # the schema resolves
+
+
+def test_async_training_keys_point_to_ours_and_check_their_context():
+    """verl's fraction-of-a-batch staleness is rejected with a pointer to buffer.max_staleness (η in
+    versions); async needs server mode; the stale-engine pi_old warns only where staleness can occur."""
+    with pytest.raises(ConfigError) as err:
+        _load(*SERVER, "async_training.enable=true", "async_training.staleness_threshold=0.1")
+    msg = str(err.value)
+    assert msg.startswith("config key 'async_training.staleness_threshold'") and "buffer.max_staleness" in msg, msg
+    assert "\n" not in msg
+    with pytest.raises(ConfigError, match=r"^async_training.enable=true needs rollout.mode=server"):
+        _load("async_training.enable=true")
+    with pytest.raises(ConfigError, match=r"^async_training.trigger_parameter_sync_step=2 applies to "):
+        _load("async_training.trigger_parameter_sync_step=2")
+    bypass = ["actor.old_logprob_source=rollout"]
+    assert _load(*SERVER, "async_training.enable=true", "buffer.max_staleness=0", *bypass).warnings() == []
+    assert _load(*SERVER, *bypass).warnings() == []  # synchronous: the engine's policy is the actor's
+    (warning,) = _load(*SERVER, "async_training.enable=true", "buffer.max_staleness=1", *bypass).warnings()
+    assert warning.startswith("actor.old_logprob_source=rollout with async_training and buffer.max_staleness=1")
