@@ -228,7 +228,8 @@ class MegatronActor:
         self.dp_group = parallel.dp_group
         self.pp_group = parallel.pp_group
         self.device = pdist.device()
-        self.plan = resolve_actor_plan(actor_cfg, chunks[0], tp_size=self.tp_size)
+        self.plan = resolve_actor_plan(actor_cfg, chunks[0], tp_size=self.tp_size,
+                                       experts_span_dp=bool(getattr(parallel, "experts_span_dp", False)))
         gpt = gpt_model_of(chunks[0])
         self._output_layer = getattr(gpt, "output_layer", None) if gpt is not None and gpt.post_process else None
         self._rotary = getattr(gpt, "rotary_pos_emb", None) if getattr(gpt, "position_embedding_type", None) == (

@@ -196,7 +196,7 @@ def gpt_model_of(module):
     return next((m for m in module.modules() if hasattr(m, "decoder") and hasattr(m, "post_process")), None)
 
 
-def resolve_actor_plan(actor_cfg, model, *, tp_size: int) -> ActorPlan:
+def resolve_actor_plan(actor_cfg, model, *, tp_size: int, experts_span_dp: bool = False) -> ActorPlan:
     """Resolve and check the :class:`ActorPlan` of one model chunk (called once per actor).
 
     Args:
@@ -205,6 +205,9 @@ def resolve_actor_plan(actor_cfg, model, *, tp_size: int) -> ActorPlan:
         model: this rank's model chunk (a ``GPTModel``, possibly wrapped); its ``config``
             (``TransformerConfig``) gives sequence parallelism, FP8, MTP and CP.
         tp_size: tensor-parallel size (the sequence-parallel multiple).
+        experts_span_dp: the MoE layers' collectives reach other DP ranks
+            (:attr:`~dapo_megatron.platform.ParallelDims.experts_span_dp`): no length buckets,
+            so that one caller micro-batch is one model call on every DP rank.
 
     Returns:
         The plan. Auto choices: THD with ``PackedSeqParams`` when the model's core
@@ -259,7 +262,9 @@ def resolve_actor_plan(actor_cfg, model, *, tp_size: int) -> ActorPlan:
                                and getattr(config, "mtp_num_layers", None) is None),
         # bshd: each micro-batch runs as row groups of similar length (less padding); the loss
         # is scaled by the global token count, so the cut changes no result (tested)
-        length_buckets=layout == "bshd",
+        # Not where the experts span DP (EP all-to-all across DP ranks): every model call is then a
+        # collective over DP, and a cut by length could give the DP ranks different call counts
+        length_buckets=layout == "bshd" and not experts_span_dp,
         seq_multiple=tp_size if config.sequence_parallel else 1,
         fp8_align=fp8_align_size(config.fp8_recipe) if fp8 else 1,
         fp8_local_align=fp8_local_align_size(config.fp8_recipe) if fp8 and config.sequence_parallel else 1,

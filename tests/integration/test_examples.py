@@ -25,6 +25,7 @@ CONFIGS = sorted(glob.glob(os.path.join(REPO, "examples", "configs", "*.yaml")))
 SCRIPTS = sorted(glob.glob(os.path.join(REPO, "examples", "*.sh")))
 CPU = os.path.join(REPO, "examples", "configs", "dapo_smollm2_cpu.yaml")
 CPU_BF16 = os.path.join(REPO, "examples", "configs", "dapo_smollm2_cpu_bf16.yaml")
+CPU_MOE = os.path.join(REPO, "examples", "configs", "dapo_smollm2_moe_cpu.yaml")
 H100 = {
     "7b": os.path.join(REPO, "examples", "configs", "dapo_qwen2_5_7b_h100.yaml"),
     "32b": os.path.join(REPO, "examples", "configs", "dapo_qwen2_5_32b_h100.yaml"),
@@ -88,6 +89,25 @@ def test_cpu_bf16_config_is_the_main_job_in_bf16():
     }
     assert set(fp32) == set(bf16)
 
+
+
+def test_cpu_moe_config_is_the_main_job_at_ep2():
+    """The MoE CPU job (the upcycled SmolLM2) differs from the main job in the model source (no
+    GGUF: an HF directory), the layout (TP 1, EP 2 over the 2 ranks: DP 2), the dispatcher, 20
+    steps (the README's curve) and its run names only, so the README compares the curves."""
+    from dapo_megatron.config.loader import to_flat_dict
+
+    dense, moe = to_flat_dict(_load(CPU)), to_flat_dict(_load(CPU_MOE))
+    differ = {k: (dense[k], moe[k]) for k in dense if dense[k] != moe[k]}
+    assert differ == {
+        "model.gguf_file": ("SmolLM2-135M-Instruct.Q4_1.gguf", None),
+        "parallel.tensor_model_parallel_size": (2, 1),
+        "parallel.expert_model_parallel_size": (1, 2),
+        "trainer.total_training_steps": (40, 20),
+        "trainer.default_local_dir": ("runs/dapo_smollm2_cpu", "runs/dapo_smollm2_moe_cpu"),
+        "trainer.experiment_name": ("dapo_smollm2_cpu", "dapo_smollm2_moe_cpu"),
+    }, differ
+    assert moe["model.moe_token_dispatcher_type"] == "alltoall"
 
 @pytest.mark.parametrize("path", SCRIPTS, ids=os.path.basename)
 def test_every_script_parses(path):

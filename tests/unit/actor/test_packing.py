@@ -312,3 +312,25 @@ def test_fp8_gemm_inputs_fit_transformer_engine_at_every_tp_and_layout(recipe):
                         assert (T * B) % align == 0, f"{where}: wgrad inner dim {T * B} % {align}"
                         checked += 1
     assert checked > 100
+
+
+def test_no_length_buckets_where_the_experts_span_dp():
+    """An EP=2 MoE's every model call is an all-to-all over the DP ranks: a caller micro-batch must
+    be one model call (length buckets cut the one below into 2 calls on one rank, and the other
+    rank, cut differently, hung in the all-to-all of a call it never made)."""
+    from types import SimpleNamespace
+
+    from dapo_megatron.actor.actor import ActorConfig
+    from dapo_megatron.actor.micro_batch import make_micro_batches
+    from dapo_megatron.actor.plan import resolve_actor_plan
+
+    config = SimpleNamespace(sequence_parallel=False, fp8=None, mtp_num_layers=None, context_parallel_size=1,
+                             multi_latent_attention=False)
+    cfg = ActorConfig(micro_batch_layout="bshd", shared_prompt="off")
+    samples = [Sample(prompt_ids=[1] * 4, response_ids=[2] * r, rollout_logprobs=[0.0] * r, finish_reason="stop")
+               for r in (2, 3, 300, 310)]  # two short rows, two long: buckets pay off
+    calls = {}
+    for span in (False, True):
+        plan = resolve_actor_plan(cfg, _ProbeModel(config, te=False), tp_size=1, experts_span_dp=span)
+        calls[span] = len(make_micro_batches([samples], plan, device="cpu")[0])
+    assert calls == {False: 2, True: 1}

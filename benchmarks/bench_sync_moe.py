@@ -1,0 +1,157 @@
+"""Full weight sync from an EP=2 mixture-of-experts actor into HFEngine: sync GB/s vs the
+transport floor measured in the same run.
+
+Both ranks of an EP=2 world (TP=1, 2 gloo processes on CPU, the layout of
+examples/configs/dapo_smollm2_moe_cpu.yaml) build the same Mixtral-shaped actor, each rank
+holding half of every layer's experts, and an HFEngine each (the colocated engines, every one
+needs every expert), then time ``engine.update_weights(iter_hf_weights(actor))``: each expert
+bucket broadcast from the EP rank that holds it, the Megatron → HF layout conversion (QKV
+de-interleave, gate/up split, vocab trim), the bucketing, and the engine's checked copy into
+its fused expert parameters through per-expert names. The floor is what any sync of these
+bytes must pay on this transport: the expert bytes moved over the EP group by a bare
+``all_gather_into_tensor`` (each rank contributing the half it holds, one collective per
+bucket; ``all_gather`` into views where the backend lacks it), the non-expert bytes (whole on
+every rank at TP=1) not moved at all, and one copy of every synced byte into preallocated
+parameters; no layout conversion, no checks. A second floor with the bridge's own primitive
+(each expert bucket broadcast from its owner) is printed beside it. The last line is
+sync ÷ floor (GB/s over GB/s), higher is better.
+
+    python benchmarks/bench_sync_moe.py [--hidden 512 --layers 8 --experts 4 --bucket-mb 64 --repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+
+def _worker(args: argparse.Namespace, out_path: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    from dapo_megatron.bridge import ExportBuffers, iter_hf_weights
+    from dapo_megatron.models import ModelConfig, build_gpt_model
+    from dapo_megatron.platform import ParallelConfig, init_distributed
+    from dapo_megatron.rollout.engines.hf_engine import HFEngine
+
+    parallel = init_distributed(ParallelConfig(1, 1, 2), seed=0)  # TP=1, PP=1, EP=2 (= DP=2)
+    hf_config = MixtralConfig(
+        vocab_size=32000, hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3 // 64 * 64,
+        num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
+        num_key_value_heads=max(1, args.hidden // 256), max_position_embeddings=512, tie_word_embeddings=False,
+        num_local_experts=args.experts, num_experts_per_tok=2, sliding_window=None,
+    )
+    actor = build_gpt_model(hf_config, ModelConfig(transformer_impl="local"), parallel=parallel)
+    engine = HFEngine(AutoModelForCausalLM.from_config(hf_config), eos_token_ids=[2])
+    bucket = args.bucket_mb * 2**20
+    buffers = ExportBuffers()  # kept from sync to sync, as the trainer does for a CPU actor
+
+    def sync() -> tuple[int, int]:
+        nbytes, expert_bytes = 0, 0
+
+        def counted():
+            nonlocal nbytes, expert_bytes
+            for name, t in iter_hf_weights(actor, parallel=parallel, bucket_bytes=bucket, buffers=buffers):
+                n = t.numel() * t.element_size()
+                nbytes += n
+                expert_bytes += n if ".experts." in name else 0
+                yield name, t
+                del t  # as the trainer does: the bridge reuses bucket memory nobody holds
+
+        engine.update_weights(counted(), version=1)
+        return nbytes, expert_bytes
+
+    nbytes, expert_bytes = sync()  # warm-up, and the byte counts
+
+    group, ep = parallel.ep_group, parallel.ep_size
+    dtype = next(actor.parameters()).dtype
+    elem = torch.empty((), dtype=dtype).element_size()
+    total, experts_total = nbytes // elem, expert_bytes // elem
+    chunk = max(ep, bucket // elem // ep * ep)
+    sizes = [n for n in (min(chunk, experts_total - off) // ep * ep for off in range(0, experts_total, chunk)) if n]
+    shards = [torch.randn(n // ep, dtype=dtype) for n in sizes]  # the half of each bucket this rank holds
+    gathered = [torch.empty(n, dtype=dtype) for n in sizes]
+    dense_src = torch.randn(total - sum(sizes), dtype=dtype)  # the non-expert bytes, whole on every rank
+    params = torch.empty(total, dtype=dtype)  # the engine's parameters, flat and preallocated
+    into_tensor = dist.get_backend(group) == "nccl"
+    try:  # gloo gained all_gather_into_tensor in recent torch releases
+        dist.all_gather_into_tensor(gathered[0], shards[0], group=group)
+        into_tensor = True
+    except (RuntimeError, NotImplementedError, ValueError):
+        pass
+
+    def floor() -> None:
+        off = 0
+        for shard, out in zip(shards, gathered):
+            if into_tensor:
+                dist.all_gather_into_tensor(out, shard, group=group)
+            else:
+                dist.all_gather(list(out.chunk(ep)), shard, group=group)
+            params[off:off + out.numel()].copy_(out)
+            off += out.numel()
+        params[off:].copy_(dense_src)
+
+    def floor_broadcast() -> None:
+        # the bridge's primitive: bucket k whole from EP rank k % EP (the owner), then one copy
+        off = 0
+        for k, out in enumerate(gathered):
+            dist.broadcast(out, src=parallel.ep_ranks[k % ep], group=group)
+            params[off:off + out.numel()].copy_(out)
+            off += out.numel()
+        params[off:].copy_(dense_src)
+
+    def timed(fn) -> float:
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        dist.barrier()
+        return time.perf_counter() - t0
+
+    floor()  # warm-up
+    floor_broadcast()
+    # sync and floors alternate, so that load from outside the benchmark hits all alike; the
+    # medians are compared
+    rounds = [(timed(sync), timed(floor), timed(floor_broadcast)) for _ in range(args.repeats)]
+    sync_s, floor_s, bcast_s = (statistics.median(r[i] for r in rounds) for i in range(3))
+    floor_bytes = params.numel() * elem
+    if dist.get_rank() == 0:
+        torch.save({"sync_GBps": nbytes / sync_s / 1e9, "floor_GBps": floor_bytes / floor_s / 1e9,
+                    "floor_bcast_GBps": floor_bytes / bcast_s / 1e9,
+                    "floor_primitive": "all_gather_into_tensor" if into_tensor else "all_gather",
+                    "bytes": nbytes, "expert_bytes": expert_bytes,
+                    "experts_here": [list(layer.mlp.local_expert_indices) for layer in actor.decoder.layers][0]},
+                   out_path)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--experts", type=int, default=4, help="experts per layer (even: EP=2)")
+    p.add_argument("--bucket-mb", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args(argv)
+    import torch
+
+    from dapo_megatron.platform import spawn
+
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "result.pt")
+        spawn(_worker, 2, args, out)
+        r = torch.load(out)
+    print(f"weights synced: {r['bytes'] / 2**20:.1f} MiB, {r['expert_bytes'] / 2**20:.1f} MiB of it experts "
+          f"(EP=2 -> HFEngine, rank 0 holds experts {r['experts_here']} of {args.experts}, bucket {args.bucket_mb} MiB)")
+    print(f"sync GB/s:   {r['sync_GBps']:.3f}")
+    print(f"floor GB/s, broadcast from the owner + one copy: {r['floor_bcast_GBps']:.3f}")
+    print(f"floor GB/s ({r['floor_primitive']} of the experts over EP=2 + one copy): {r['floor_GBps']:.3f}")
+    print(f"ratio sync/floor: {r['sync_GBps'] / r['floor_GBps']:.3f}")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    main()
