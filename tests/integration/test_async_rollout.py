@@ -33,9 +33,33 @@ CONFIG = [
     "model.transformer_impl=local", "reward.num_workers=1", "tracking.use_mlflow=false",
 ]
 NUM_STOP_IDS = 16384
+LONG = ["buffer.max_staleness=1", "async_training.enable=true", "async_training.partial_rollout=true",
+        "buffer.filter_groups=false", "rollout.response_length=96", "buffer.overlong.max_response_length=96",
+        "buffer.overlong.overlong_buffer_len=4", "buffer.gen_batch_size=2"]
 
 
-def _run_worker(hf_dir, url, run_dir, extra, out_path):
+def _sync_lands_in_flight(rollout):
+    """Each weight sync after the first waits until the controller has a /generate in flight, so
+    the sync's /pause_generation (abort) interrupts it: the interruption, not its timing, is tested."""
+    import threading
+
+    ctrl, started = rollout.controller, threading.Event()
+    real_generate, real_sync = ctrl._generate, rollout.sync_weights
+
+    def generate(rows, version):
+        started.set()
+        return real_generate(rows, version)
+
+    def sync_weights(actor, version):
+        if rollout._started:
+            assert started.wait(60), "no generation in flight"
+        started.clear()
+        return real_sync(actor, version)
+
+    ctrl._generate, rollout.sync_weights = generate, sync_weights
+
+
+def _run_worker(hf_dir, url, run_dir, extra, out_path, interrupt=False):
     """3 steps; per step the trained samples (every field) and the metrics; the final weights."""
     from dapo_megatron.config import DAPOConfig, load_config
     from dapo_megatron.platform import init_distributed
@@ -44,6 +68,8 @@ def _run_worker(hf_dir, url, run_dir, extra, out_path):
     cfg = load_config(DAPOConfig, None, CONFIG + [f"model.hf_path={hf_dir}", f"trainer.default_local_dir={run_dir}",
                                                   f"rollout.server_urls=[{url}]", *extra])
     trainer = DAPOTrainer(cfg, init_distributed(cfg.parallel, seed=cfg.trainer.seed))
+    if interrupt:
+        _sync_lands_in_flight(trainer.rollout)
     steps = []
     try:
         for _ in range(STEPS):
@@ -73,9 +99,18 @@ def runs(smollm2_gguf, tmp_path_factory):
     config = AutoConfig.from_pretrained(hf_dir)
     config.eos_token_id = [config.eos_token_id] + list(range(1000, 1000 + NUM_STOP_IDS - 1))
     config.save_pretrained(hf_dir)
+    # no stop ids: every response runs its whole budget, long enough that a weight sync lands
+    # while a generation batch is in flight (A2: partial rollouts)
+    long_dir = tiny_llama_with_smollm2_tokenizer_dir(smollm2_gguf, root / "tiny_long", hidden_size=32,
+                                                     intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                                     num_key_value_heads=1)
     server = RolloutServer(hf_dir, root / "server.log")
+    long_server = RolloutServer(long_dir, root / "long_server.log")
     out = {}
     try:
+        path = str(root / "A2.pt")
+        spawn(_run_worker, 1, long_dir, long_server.url, str(root / "A2"), LONG, path, True)
+        out["A2"] = torch.load(path, weights_only=False)
         arms = {"S": ["buffer.max_staleness=0"],
                 "A0": ["buffer.max_staleness=0", "async_training.enable=true"],
                 "A1": ["buffer.max_staleness=1", "async_training.enable=true"]}
@@ -85,6 +120,7 @@ def runs(smollm2_gguf, tmp_path_factory):
             out[name] = torch.load(path, weights_only=False)
     finally:
         server.stop()
+        long_server.stop()
     return out
 
 
@@ -105,7 +141,30 @@ def test_async_at_eta_0_is_synchronous_server_mode_bit_for_bit(runs):
         assert torch.equal(w, a0["weights"][name]), name
 
 
-@pytest.mark.parametrize("arm,eta", [("A0", 0), ("A1", 1)])
+def test_the_a1_run_overlaps_and_reports_verl_metrics(runs):
+    rows = [st["metrics"] for st in runs["A1"]["steps"]]
+    print("A1", [(m["train/staleness_max"], m["async/partial_ratio"], m["rollout/resubmitted_rows"],
+                  m["time/wait_rollout_s"], m.get("rollouter/idle_ratio")) for m in rows])
+    for m in rows:
+        assert 0 <= m["async/partial_ratio"] <= 1 and m["async/max_partial_span"] <= 1
+        assert m["time/wait_rollout_s"] >= 0 and "time/sync_pause_s" in m
+
+
+def test_a_sync_interrupts_generation_and_the_rows_continue_on_the_new_weights(runs):
+    """A2: the sync aborted rows in flight; each continued after it as prompt + prefix on the new
+    weights, with a second version span; the rest of the bound holds (next test)."""
+    steps = runs["A2"]["steps"]
+    print("A2", [(st["metrics"]["async/partial_ratio"], st["metrics"]["rollout/resubmitted_rows"]) for st in steps])
+    assert sum(st["metrics"]["rollout/resubmitted_rows"] for st in steps) > 0
+    partial = [x for st in steps for x in st["samples"] if len(x[4]) > 1]
+    assert partial, "no trained sample spans two weight versions"
+    for x in partial:
+        (a, va), (b, vb) = x[4]
+        assert a == 0 < b < len(x[1]) == 96 and vb == va + 1, x[4]
+        assert x[3] == "length" and len(x[2]) == len(x[1])
+
+
+@pytest.mark.parametrize("arm,eta", [("A0", 0), ("A1", 1), ("A2", 1)])
 def test_every_trained_token_is_within_the_staleness_bound(runs, arm, eta):
     for st in runs[arm]["steps"]:
         p, m = st["policy_version"], st["metrics"]
