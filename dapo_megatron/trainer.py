@@ -248,8 +248,7 @@ class DAPOTrainer:
         tokens sent to the ranks of the DP rank that trains it, and ``Sample.old_logprobs``
         filled there (``recompute``; else left for the training forward); collective. Returns ``(plan, mine)``: the plan and the indices into
         ``samples`` of this DP rank's samples."""
-        from dapo_megatron.rollout.plan.dp_split import split_for_dp
-        from dapo_megatron.rollout.plan.step_data import plan_step, send_tokens
+        from dapo_megatron.rollout.plan.step_data import old_logprob_micro_batches, plan_step, send_tokens
 
         actor, share = self.cfg.actor, self.actor.plan.shares_prompts
         plan = plan_step(groups, actor.ppo_mini_batch_size, self.dp_size, actor.ppo_max_token_len_per_gpu,
@@ -259,9 +258,9 @@ class DAPOTrainer:
         mine = plan.owned(self.dp_rank)
         if not recompute:
             return plan, mine
-        # one forward-only pass over this DP rank's samples, packed by the micro-batch budget
-        # (forward-only passes need no equal micro-batch count across DP ranks)
-        micro = split_for_dp([samples[i] for i in mine], 1, actor.ppo_max_token_len_per_gpu, share_prompts=share)[0]
+        micro = old_logprob_micro_batches(plan, mine, self.dp_rank, actor.ppo_max_token_len_per_gpu,
+                                          [samples[i] for i in mine], share_prompts=share,
+                                          equal_counts=self.parallel.experts_span_dp)
         lps = self.actor.compute_logprobs([[samples[mine[j]] for j in mb] for mb in micro],
                                           temperature=self.cfg.rollout.temperature)
         for j, lp in zip([j for mb in micro for j in mb], lps):

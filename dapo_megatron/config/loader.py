@@ -39,11 +39,16 @@ import dataclasses
 import difflib
 import enum
 import inspect
+import io
 import math
 import os
 import types
 import typing
 from typing import Any, Iterator, Literal, Sequence, TypeVar
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 T = TypeVar("T")
 
@@ -138,8 +143,6 @@ def _open_dict_fields(cfg: Any, schema: type, update: Any = None) -> None:
     struct. A None-valued ``Optional[dict]`` field that ``update`` (the plain mapping about
     to be merged) sets to a mapping becomes ``{}`` first (a mapping merged into None would
     inherit the parent's struct flag)."""
-    from omegaconf import DictConfig, OmegaConf
-
     for name, tp in _field_types(schema).items():
         sub_update = update.get(name) if isinstance(update, dict) else None
         sub = _section_type(tp)
@@ -226,9 +229,6 @@ def _lookup(data: Any, dotted: str) -> Any:
 
 
 def _merge(base: Any, update: Any, valid: dict[str, Any], source: str, raw: dict) -> Any:
-    from omegaconf import OmegaConf
-    from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
-
     try:
         return OmegaConf.merge(base, update)
     except ConfigKeyError as e:  # should be caught by _check_keys; keep a clear message
@@ -279,12 +279,6 @@ def _read_yaml(path: str) -> Any:
             mark: a syntax error, a tab, a duplicate key), or ``"<path>: ..."`` for a
             document that OmegaConf cannot hold.
     """
-    import io
-
-    import yaml
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
     with open(path, "rb") as f:
         data = f.read()
     try:
@@ -310,9 +304,6 @@ def _dotlist(item: str, key: str) -> Any:
         ConfigError: ``"override 'k=v', column C: ..."`` (C counts from the override's first
             character; a value cut short is reported at its end).
     """
-    import yaml
-    from omegaconf import OmegaConf
-
     try:
         return OmegaConf.from_dotlist([item])
     except yaml.YAMLError as e:
@@ -449,8 +440,6 @@ def load_config(schema: type[T], yaml_path: str | None = None, overrides: Sequen
             once, e.g. ``trainer.save_freq=-2 must be ...``).
         TypeError: a section's ``validate`` does not follow ``validate(self) -> None``.
     """
-    from omegaconf import OmegaConf
-
     if not _is_dataclass_type(schema):
         raise TypeError(f"schema must be a dataclass type, got {schema!r}")
     valid = _leaf_keys(schema)
@@ -503,8 +492,6 @@ def to_yaml(cfg: Any) -> str:
     Raises:
         TypeError: ``cfg`` is not a dataclass instance.
     """
-    from omegaconf import OmegaConf
-
     if not dataclasses.is_dataclass(cfg) or isinstance(cfg, type):
         raise TypeError(f"to_yaml expects a dataclass instance, got {type(cfg).__name__}")
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))

@@ -17,6 +17,7 @@ from dapo_megatron.rewards.config import RewardConfig
 from dapo_megatron.rollout.async_config import AsyncTrainingConfig
 from dapo_megatron.rollout.sampling.buffer import BufferConfig
 from dapo_megatron.rollout.config import RolloutConfig
+from dapo_megatron.rollout.engines.layout import check_rollout_layout
 from dapo_megatron.tracking import TrackingConfig
 from dapo_megatron.trainer import TrainerConfig
 
@@ -132,8 +133,6 @@ class DAPOConfig:
         size divides ``buffer.gen_batch_size`` (each DP rank reads an equal share of every
         generation batch), and the rollout layout fits
         (:func:`~dapo_megatron.rollout.engines.layout.check_rollout_layout`)."""
-        from dapo_megatron.rollout.engines.layout import check_rollout_layout
-
         with config_errors("parallel"):
             self.parallel.check_world_size(world_size)
         r = self.rollout

@@ -295,8 +295,3 @@ def activate(force: bool = False) -> bool:
         _MODE.__enter__()
         _ACTIVE = True
         return True
-
-
-def is_active() -> bool:
-    """Whether :func:`activate` installed the layer in this process."""
-    return _ACTIVE

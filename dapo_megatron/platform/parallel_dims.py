@@ -180,6 +180,14 @@ class ParallelDims:
         return tuple(r for r, d in enumerate(self.dp_rank_of) if d == dp_rank)
 
     @property
+    def experts_span_dp(self) -> bool:
+        """The MoE layers' collectives (the EP all-to-all, an expert-TP group wider than TP) reach
+        ranks of other DP shards: every forward is then a collective across DP ranks, so forward-only
+        passes too must run the same number of micro-batches on every DP rank (or hang)."""
+        own = set(self.ranks_of_dp_rank(self.dp_rank))
+        return not set(self.ep_ranks) <= own or self.etp_size > self.tp_size
+
+    @property
     def rollout_leader(self) -> int:
         """Global rank that creates and drives this rank's engine (its group's first rank)."""
         return self.rollout_group_ranks[0]

@@ -248,6 +248,29 @@ def plan_step(groups: Sequence[Group], groups_per_mini_batch: int, dp_size: int,
     return StepPlan(mini_batches=tuple(minis), owner=tuple(owner))
 
 
+
+def old_logprob_micro_batches(plan: StepPlan, mine: Sequence[int], dp_rank: int, max_tokens_per_micro_batch: int,
+                              local: Sequence[Sample], *, share_prompts: bool = False,
+                              equal_counts: bool = False) -> list[list[int]]:
+    """The micro-batches of this DP rank's old-logprob (forward-only) pass, as indices into
+    ``mine`` (= into ``local``, this rank's samples ``[samples[i] for i in mine]``).
+
+    ``equal_counts=False`` (dense models): ``local`` packed anew by the budget
+    (:func:`~dapo_megatron.rollout.plan.dp_split.split_for_dp` at one rank): the fewest forwards; a
+    dense model's forward has no collective across DP ranks, so counts may differ.
+    ``equal_counts=True`` (``ParallelDims.experts_span_dp``: an MoE whose EP all-to-all reaches
+    other DP shards): the plan's training micro-batches of ``dp_rank``, mini-batch after
+    mini-batch, whose counts :func:`plan_step` makes equal on every DP rank; packing anew could
+    give the ranks different counts, and the rank with more forwards would wait forever in the
+    all-to-all of a forward the others never run.
+
+    Every index of ``range(len(mine))`` appears exactly once.
+    """
+    if not equal_counts:
+        return split_for_dp(local, 1, max_tokens_per_micro_batch, share_prompts=share_prompts)[0]
+    position = {i: j for j, i in enumerate(mine)}
+    return [[position[i] for i in mb] for mini in plan.mini_batches for mb in mini.micro_batches[dp_rank]]
+
 # --------------------------------------------------------------------------- 4. the tokens
 def send_tokens(samples: Sequence[Sample], destinations: Sequence[Sequence[int]], group=None) -> int:
     """Deliver each sample's token lists from its holder to the ranks of ``destinations[i]``.

@@ -12,6 +12,8 @@ Mixtral, tiny and random (tests/conftest.py ``tiny_moe_config``).
   the EP=2 actor (2 DP ranks, each its own samples) the synced engine gives the actor's logprobs;
 - EP=2 with the all-to-all dispatcher really moves tokens: the two EP ranks forward different
   sequences, each checked against transformers on its own;
+- a dense Llama upcycled into a Mixtral (tools/upcycle_moe.py's functions) imports at EP=1 and
+  EP=2 with the *dense* model's transformers logprobs (the step-0 MoE is the dense model);
 - layouts that cannot work fail with one line naming the key.
 
 One spawned world runs every layout (the spawn costs more than the models). The oracle
@@ -33,12 +35,13 @@ from unit.bridge.test_bridge_dist import megatron_logprobs as _logprobs
 # (name, TP, PP, EP, ETP); the EP=2 layout's two ranks are its two DP ranks
 LAYOUTS = (("ep1", 1, 1, 1, None), ("ep2", 1, 1, 2, None), ("tp2", 2, 1, 1, None), ("tp2_etp1", 2, 1, 1, 1),
            ("etp2_tp1", 1, 1, 1, 2), ("pp2", 1, 2, 1, None))  # etp2_tp1: experts split, attention whole
-ALL_FAMILIES_AT = ("ep1", "ep2")  # Qwen2-MoE and Mixtral here; Qwen3-MoE at every layout
+ALL_FAMILIES_AT = ("ep1", "ep2")  # Qwen2-MoE, Mixtral and the upcycled Llama here; Qwen3-MoE at every layout
+UPCYCLED = "upcycled"  # a tiny dense Llama upcycled into a 4-expert top-2 Mixtral
 SEQ = 16
 
 
 def _cases_at(layout: str) -> tuple[str, ...]:
-    return TINY_MOE_FAMILIES if layout in ALL_FAMILIES_AT else ("qwen3_moe",)
+    return (*TINY_MOE_FAMILIES, UPCYCLED) if layout in ALL_FAMILIES_AT else ("qwen3_moe",)
 
 
 def _train_then_sync(model, cfg, par, engine, rank: int) -> dict:
@@ -113,8 +116,8 @@ def _worker(out_dir: str, cases: dict, ids: dict) -> None:
                 with torch.no_grad():
                     logits = engine.model(my_ids).logits.float()
                 eng_lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, my_ids[:, 1:, None])[..., 0]
-                dropped = f"model.layers.1.{'block_sparse_moe' if name == 'mixtral' else 'mlp'}.experts.3." + \
-                    ("w2" if name == "mixtral" else "down_proj") + ".weight"
+                dropped = f"model.layers.1.{'block_sparse_moe' if cfg.model_type == 'mixtral' else 'mlp'}.experts.3." + \
+                    ("w2" if cfg.model_type == "mixtral" else "down_proj") + ".weight"
                 try:
                     engine.update_weights(((n, t) for n, t in iter_hf_weights(model, parallel=par) if n != dropped),
                                           version=2)
@@ -170,6 +173,17 @@ def moe_results(tmp_path_factory):
             for r, x in ids.items():
                 logits = hf(x).logits.float()
                 ref_lp[(name, r)] = torch.log_softmax(logits[:, :-1], -1).gather(-1, x[:, 1:, None])[..., 0]
+    # the upcycled Llama: its oracle is the dense model's logprobs
+    from dapo_megatron.models.upcycle import upcycle_config, upcycle_state_dict
+
+    dense_cfg = tiny_hf_config("llama_tied")
+    dense = random_hf_model(dense_cfg, seed=9)
+    moe_cfg = upcycle_config(dense_cfg, 4, 2)
+    cases[UPCYCLED] = (moe_cfg, upcycle_state_dict(dense.state_dict(), moe_cfg, router_init_std=0.5, seed=1))
+    with torch.no_grad():
+        for r, x in ids.items():
+            logits = dense(x).logits.float()
+            ref_lp[(UPCYCLED, r)] = torch.log_softmax(logits[:, :-1], -1).gather(-1, x[:, 1:, None])[..., 0]
     cases["dense"] = (tiny_hf_config("qwen3_qknorm"), {})
     spawn(_worker, 2, str(out), cases, ids)
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
@@ -206,6 +220,17 @@ def test_moe_export_is_the_hf_checkpoint_bitwise_on_every_rank(moe_results, layo
     cfg = cases[family][0]
     per_expert = [n for n in names if ".experts." in n]
     assert len(per_expert) == cfg.num_hidden_layers * 4 * 3  # layers × experts × (gate, up, down)
+
+
+@pytest.mark.dist
+def test_upcycled_llama_gives_the_dense_logprobs_at_ep1_and_ep2(moe_results):
+    ranks, ref_lp, cases = moe_results
+    assert cases[UPCYCLED][0].model_type == "mixtral" and cases[UPCYCLED][0].tie_word_embeddings
+    ep1, ep2 = ranks[0]["lp"][("ep1", UPCYCLED)], ranks[0]["lp"][("ep2", UPCYCLED)]  # rank 0: the same sequences
+    assert (ep1 - ref_lp[(UPCYCLED, 0)]).abs().max().item() <= 1e-5
+    assert (ep2 - ep1).abs().max().item() <= 1e-5
+    assert (ranks[1]["lp"][("ep2", UPCYCLED)] - ref_lp[(UPCYCLED, 1)]).abs().max().item() <= 1e-5
+    assert ranks[1]["experts"][("ep2", UPCYCLED)][0] == [2, 3]  # EP=2 really split the experts
 
 
 @pytest.mark.dist

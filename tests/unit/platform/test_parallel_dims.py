@@ -72,6 +72,14 @@ def test_parallel_dims_is_frozen_and_checks_its_sizes():
         _dims(rollout_group_ranks=(2, 3))
 
 
+
+def test_experts_span_dp_when_the_expert_groups_leave_the_dp_shard():
+    # world 4 = TP 2 × DP 2, rank 1 in DP shard 0 = ranks (0, 1)
+    assert not _dims().experts_span_dp  # dense: EP of one, experts split as TP
+    assert not _dims(ep_size=2, ep_rank=1, ep_ranks=(0, 1), etp_size=1, etp_rank=0).experts_span_dp  # EP = the TP pair
+    assert _dims(ep_size=2, ep_rank=0, ep_ranks=(1, 3), etp_size=2, etp_rank=1).experts_span_dp  # EP across DP
+    assert _dims(etp_size=4, etp_rank=1).experts_span_dp  # expert-TP wider than TP: over both DP shards
+
 LAYOUTS = [(2, 1, 1), (2, 1, 2), (1, 2, 1), (1, 2, 2), (1, 1, 1), (1, 1, 2)]  # (TP, PP, rollout TP)
 
 

@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 
 from dapo_megatron.algorithms.overlong import OverlongConfig
 from dapo_megatron.rollout.sampling.buffer import BufferConfig, RolloutBuffer
-from dapo_megatron.rollout.plan.dp_split import padding_stats, split_for_dp
+from dapo_megatron.rollout.plan.dp_split import split_for_dp
 from dapo_megatron.rollout.types import Group, Sample
 
 
@@ -161,21 +161,6 @@ def test_deterministic():
     b = split_for_dp(samples_of(lengths), 2, 12)
     assert a == b
     check_plan(a, lengths, 2, 12)
-
-
-def test_padding_stats_hand_computed():
-    samples = samples_of([3, 5, 4])
-    plan = [[[0, 1], [2]]]
-    st = padding_stats(samples, plan)
-    assert st["padding/real_tokens"] == 12
-    assert st["padding/padded_tokens"] == 2 * 5 + 4 and st["padding/padded_share"] == pytest.approx(2 / 14)
-    assert st["padding/packed_tokens"] == 12 and st["padding/packed_share"] == 0.0
-    st = padding_stats(samples, plan, packed_sequence_multiple=4, pad_to_multiple=8)
-    # padded: max lengths rounded to 8 → 2*8 + 8; packed: [4+8]→16, [4]→8
-    assert st["padding/padded_tokens"] == 24 and st["padding/packed_tokens"] == 24
-    st2 = padding_stats(samples_of([6, 2, 4, 4]), [[[0]], [[1, 2, 3]]])
-    assert st2["dp/token_imbalance"] == pytest.approx(10 / 8)
-
 
 
 @settings(max_examples=200, deadline=None)

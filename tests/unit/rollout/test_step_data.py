@@ -11,10 +11,16 @@ import torch
 
 from dapo_megatron.data.dataset import PromptRecord
 from dapo_megatron.platform import ParallelConfig, spawn
-from dapo_megatron.rollout.sampling.buffer import BufferConfig, RolloutBuffer, logprob_mismatch_metrics
-from dapo_megatron.rollout.plan.dp_split import split_for_dp
 from dapo_megatron.rollout.engines.engine import Completion, completions_to_group
-from dapo_megatron.rollout.plan.step_data import DistributedGrader, gather_groups, plan_step, send_tokens
+from dapo_megatron.rollout.plan.dp_split import split_for_dp
+from dapo_megatron.rollout.plan.step_data import (
+    DistributedGrader,
+    gather_groups,
+    old_logprob_micro_batches,
+    plan_step,
+    send_tokens,
+)
+from dapo_megatron.rollout.sampling.buffer import BufferConfig, RolloutBuffer, logprob_mismatch_metrics
 from dapo_megatron.rollout.types import Group, Sample
 
 N = 3  # responses per prompt
@@ -91,6 +97,26 @@ def test_plan_splits_each_mini_batch_once_like_split_for_dp(dp, mb, budget):
     assert sorted(owner) == list(range(len(samples))) and plan.owner == tuple(owner[i] for i in range(len(samples)))
     assert sorted(i for d in range(dp) for i in plan.owned(d)) == list(range(len(samples)))
 
+
+
+def test_old_logprob_pass_runs_equal_micro_batch_counts_on_every_dp_rank_when_experts_span_dp():
+    # DP=2, 2 mini-batches of 2 groups: packing each rank's whole share anew gives the two ranks
+    # 4 and 5 micro-batches (fine for a dense model; an EP=2 MoE hung in the all-to-all of the
+    # fifth forward, in the SmolLM2 MoE job's first step)
+    groups = _groups_with_lengths([[2, 30, 1, 3], [1, 20, 20, 20], [20, 2, 1, 20], [1, 20, 20, 30]])
+    samples = [s for g in groups for s in g.samples]
+    budget = 40
+    plan = plan_step(groups, 2, 2, budget)
+    counts = {}
+    for equal in (False, True):
+        for d in range(2):
+            mine = plan.owned(d)
+            mbs = old_logprob_micro_batches(plan, mine, d, budget, [samples[i] for i in mine], equal_counts=equal)
+            assert sorted(j for mb in mbs for j in mb) == list(range(len(mine)))  # each own sample once
+            assert all(sum(samples[mine[j]].total_length for j in mb) <= budget for mb in mbs)
+            counts[(equal, d)] = len(mbs)
+    assert counts[(False, 0)] != counts[(False, 1)], counts  # the case the equal counts are for
+    assert counts[(True, 0)] == counts[(True, 1)] == sum(len(m.micro_batches[0]) for m in plan.mini_batches)
 
 def test_one_process_gathers_its_own_groups_and_grades_them():
     local = [(0, p, _group(0, p)) for p in (2, 0, 1)]
