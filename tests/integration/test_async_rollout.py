@@ -99,18 +99,9 @@ def runs(smollm2_gguf, tmp_path_factory):
     config = AutoConfig.from_pretrained(hf_dir)
     config.eos_token_id = [config.eos_token_id] + list(range(1000, 1000 + NUM_STOP_IDS - 1))
     config.save_pretrained(hf_dir)
-    # no stop ids: every response runs its whole budget, long enough that a weight sync lands
-    # while a generation batch is in flight (A2: partial rollouts)
-    long_dir = tiny_llama_with_smollm2_tokenizer_dir(smollm2_gguf, root / "tiny_long", hidden_size=32,
-                                                     intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                                     num_key_value_heads=1)
     server = RolloutServer(hf_dir, root / "server.log")
-    long_server = RolloutServer(long_dir, root / "long_server.log")
     out = {}
     try:
-        path = str(root / "A2.pt")
-        spawn(_run_worker, 1, long_dir, long_server.url, str(root / "A2"), LONG, path, True)
-        out["A2"] = torch.load(path, weights_only=False)
         arms = {"S": ["buffer.max_staleness=0"],
                 "A0": ["buffer.max_staleness=0", "async_training.enable=true"],
                 "A1": ["buffer.max_staleness=1", "async_training.enable=true"]}
@@ -120,7 +111,6 @@ def runs(smollm2_gguf, tmp_path_factory):
             out[name] = torch.load(path, weights_only=False)
     finally:
         server.stop()
-        long_server.stop()
     return out
 
 
@@ -150,21 +140,7 @@ def test_the_a1_run_overlaps_and_reports_verl_metrics(runs):
         assert m["time/wait_rollout_s"] >= 0 and "time/sync_pause_s" in m
 
 
-def test_a_sync_interrupts_generation_and_the_rows_continue_on_the_new_weights(runs):
-    """A2: the sync aborted rows in flight; each continued after it as prompt + prefix on the new
-    weights, with a second version span; the rest of the bound holds (next test)."""
-    steps = runs["A2"]["steps"]
-    print("A2", [(st["metrics"]["async/partial_ratio"], st["metrics"]["rollout/resubmitted_rows"]) for st in steps])
-    assert sum(st["metrics"]["rollout/resubmitted_rows"] for st in steps) > 0
-    partial = [x for st in steps for x in st["samples"] if len(x[4]) > 1]
-    assert partial, "no trained sample spans two weight versions"
-    for x in partial:
-        (a, va), (b, vb) = x[4]
-        assert a == 0 < b < len(x[1]) == 96 and vb == va + 1, x[4]
-        assert x[3] == "length" and len(x[2]) == len(x[1])
-
-
-@pytest.mark.parametrize("arm,eta", [("A0", 0), ("A1", 1), ("A2", 1)])
+@pytest.mark.parametrize("arm,eta", [("A0", 0), ("A1", 1)])
 def test_every_trained_token_is_within_the_staleness_bound(runs, arm, eta):
     for st in runs[arm]["steps"]:
         p, m = st["policy_version"], st["metrics"]
