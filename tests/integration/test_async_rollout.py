@@ -33,10 +33,6 @@ CONFIG = [
     "model.transformer_impl=local", "reward.num_workers=1", "tracking.use_mlflow=false",
 ]
 NUM_STOP_IDS = 16384
-LONG = ["buffer.max_staleness=1", "async_training.enable=true", "async_training.partial_rollout=true",
-        "buffer.filter_groups=false", "rollout.response_length=96", "buffer.overlong.max_response_length=96",
-        "buffer.overlong.overlong_buffer_len=4", "buffer.gen_batch_size=2"]
-
 
 def _sync_lands_in_flight(rollout):
     """Each weight sync after the first waits until the controller has a /generate in flight, so
