@@ -33,6 +33,12 @@ class AsyncTrainingConfig:
     >= 1 and <= ``buffer.max_staleness + 1``: the servers' weights are at most that many steps
     behind, and a group may be at most η versions behind the actor that trains on it."""
 
+    partial_rollout: bool = True
+    """a weight sync interrupts the generation in flight (verl's name, AReaL's interruptible
+    generation): the servers abort their rows, the sync runs, and each aborted row continues
+    from its tokens on the new weights (``Sample.versions`` records both spans); false: the sync
+    waits for the generation batch in flight to finish."""
+
     def validate(self) -> None:
         """Raise ``ValueError`` naming the bad field."""
         k = self.trigger_parameter_sync_step

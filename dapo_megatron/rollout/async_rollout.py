@@ -35,7 +35,6 @@ the controller, syncs, and hands it the new version.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import threading
@@ -47,10 +46,10 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 import torch.distributed as dist
 
 from dapo_megatron.data import PromptStream
-from dapo_megatron.rollout.engines.engine import SamplingParams, completions_to_group
+from dapo_megatron.rollout.engines.engine import Completion, SamplingParams, completions_to_group, sample_seed
 from dapo_megatron.rollout.engines.layout import engine_share
-from dapo_megatron.rollout.engines.sglang_engine import build_generate_request, http_post, parse_generate_output
-from dapo_megatron.rollout.sampling.buffer import RolloutBuffer, group_from_dict, group_to_dict, staleness_metrics
+from dapo_megatron.rollout.engines.sglang_engine import build_sampling_params, http_post, parse_completion
+from dapo_megatron.rollout.sampling.buffer import DROP_REASONS, GroupSelector, group_from_dict, group_to_dict
 from dapo_megatron.rollout.rollout import Rollout, StepBatch
 from dapo_megatron.rollout.types import Group, Sample
 
@@ -61,76 +60,113 @@ if TYPE_CHECKING:
 logger = logging.getLogger("dapo_megatron.rollout.async")
 
 
-def generate_on_servers(urls: Sequence[str], prompts: Sequence[Sequence[int]], params: SamplingParams,
-                        prompt_seeds: Sequence[int], timeout_s: float, pool: Optional[ThreadPoolExecutor] = None):
-    """One generation batch dealt round-robin over ``urls`` (prompt ``i`` to server
-    ``i % len(urls)``, :func:`~dapo_megatron.rollout.engines.layout.engine_share`), one batched
-    ``/generate`` per server, all at once; returns ``outputs[i][j]`` (a
-    :class:`~dapo_megatron.rollout.engines.engine.Completion`) in prompt order.
+def _parse_row(item: Any, row: int, fallback_version: int) -> tuple[list[int], list[float], str, int]:
+    """One SGLang output row → ``(token ids, logprobs, finish kind, weight version)``: kind
+    ``"stop"`` / ``"length"`` / ``"abort"`` (the tokens sampled before the abort); the version is
+    the output's ``meta_info.weight_version`` (the weights that sampled it: SGLang reports the
+    version of its last update), ``fallback_version`` when the server reports none.
 
-    The same request per server as synchronous server mode sends from trainer rank ``e`` to
-    server ``e`` (:meth:`~dapo_megatron.rollout.engines.server_sync.ServerRollout.generate`), so the
-    same continuous batch runs there. HTTP only.
+    Raises:
+        RuntimeError: a failed row (any other finish kind), or a malformed one.
+    """
+
+    meta = item.get("meta_info") if isinstance(item, dict) else None
+    fr = meta.get("finish_reason") if isinstance(meta, dict) else None
+    kind = fr.get("type") if isinstance(fr, dict) else fr
+    try:
+        version = int(meta.get("weight_version"))
+    except (TypeError, ValueError, AttributeError):
+        version = fallback_version
+    if kind == "abort":
+        entries = meta.get("output_token_logprobs") or []
+        return [int(e[1]) for e in entries], [float(e[0]) for e in entries], "abort", version
+    c = parse_completion(item, row)
+    return list(c.response_ids), list(c.logprobs), c.finish_reason, version
+
+
+def generate_rows_on_servers(urls: Sequence[str], rows: Sequence[tuple[int, list[int], dict]], timeout_s: float,
+                             version: int, pool: Optional[ThreadPoolExecutor] = None) -> list[tuple]:
+    """Rows ``(server index, input ids, sampling_params)``, one batched ``/generate`` per server
+    (rows in the order given), all servers at once; the :func:`_parse_row` of each row, in the
+    order given. HTTP only.
 
     Raises:
         RuntimeError: a server failed or timed out (its URL in the message).
     """
-    shares = [engine_share(len(prompts), len(urls), e) for e in range(len(urls))]
+
+    by_server: dict[int, list[int]] = {}
+    for k, (e, _, _) in enumerate(rows):
+        by_server.setdefault(e, []).append(k)
 
     def one(e):
-        mine = shares[e]
-        if not mine:
-            return []
-        req = build_generate_request([prompts[i] for i in mine], params, [prompt_seeds[i] for i in mine])
+        ks = by_server[e]
+        req = {"input_ids": [list(rows[k][1]) for k in ks], "sampling_params": [rows[k][2] for k in ks],
+               "return_logprob": True}
         try:
             out = http_post(urls[e], "/generate", req, timeout_s)
-            return parse_generate_output(out, len(mine), params.n)
+            if isinstance(out, dict):
+                out = [out]
+            if not isinstance(out, list) or len(out) != len(ks):
+                raise RuntimeError(f"/generate returned {len(out) if isinstance(out, list) else out!r} outputs "
+                                   f"for {len(ks)} rows")
+            return [_parse_row(item, r, version) for r, item in enumerate(out)]
         except Exception as err:
-            raise RuntimeError(f"rollout server {urls[e]}: /generate of {len(mine)} prompts failed: {err}") from err
+            raise RuntimeError(f"rollout server {urls[e]}: /generate of {len(ks)} rows failed: {err}") from err
 
-    if pool is None or len(urls) == 1:
-        parts = [one(e) for e in range(len(urls))]
-    else:
-        parts = list(pool.map(one, range(len(urls))))
-    outputs: list = [None] * len(prompts)
-    for e, mine in enumerate(shares):
-        for i, comps in zip(mine, parts[e]):
-            outputs[i] = comps
-    return outputs
+    servers = sorted(by_server)
+    parts = list(pool.map(one, servers)) if pool is not None and len(servers) > 1 else [one(e) for e in servers]
+    results: list = [None] * len(rows)
+    for e, part in zip(servers, parts):
+        for k, res in zip(by_server[e], part):
+            results[k] = res
+    return results
 
 
-class _Step:
-    """The step being filled: policy version ``version`` and what synchronous ``collect`` tracks."""
+class _Stopped(Exception):
+    """The controller was stopped while rows waited for a weight sync to end."""
 
-    def __init__(self, version: int, kept: list[Group], surplus_in: int, dropped_stale: int):
+
+_EMPTY = Completion([], [], "")
+
+
+class _Fill:
+    """The step being filled: the selector's step (``GroupSelector.begin`` .. ``take``) of policy
+    version ``version``, and what the controller counts for it."""
+
+    def __init__(self, version: int):
         self.version = version
-        self.kept = kept
-        self.surplus_in, self.dropped_stale = surplus_in, dropped_stale
         self.num_batches = 0
-        self.generated: list[Sample] = []
-        self.drops = [0, 0, 0]  # all correct, all wrong, other constant
+        self.resubmitted = self.reprefilled = 0  # partial rows continued after a sync, their prefix tokens
 
-    def state_dict(self) -> dict:
-        return {"version": self.version, "kept": [group_to_dict(g) for g in self.kept],
-                "surplus_in": self.surplus_in, "dropped_stale": self.dropped_stale, "num_batches": self.num_batches,
-                "generated": [group_to_dict(Group(-1, [s])) for s in self.generated], "drops": list(self.drops)}
+    def state_dict(self, selector: GroupSelector) -> dict:
+        st = selector._step  # the selector's tally of the open step (begin() .. take())
+        return {"version": self.version, "num_batches": self.num_batches, "resubmitted": self.resubmitted,
+                "reprefilled": self.reprefilled, "surplus": selector.state_dict(),
+                "kept": [group_to_dict(g) for g in st.kept], "surplus_in": st.surplus_in,
+                "dropped_stale": st.dropped_stale, "graded": [group_to_dict(Group(-1, [x])) for x in st.graded],
+                "dropped": dict(st.dropped)}
 
     @classmethod
-    def from_state(cls, d: dict) -> "_Step":
-        st = cls(int(d["version"]), [group_from_dict(g) for g in d["kept"]], int(d["surplus_in"]),
-                 int(d["dropped_stale"]))
-        st.num_batches = int(d["num_batches"])
-        st.generated = [group_from_dict(g).samples[0] for g in d["generated"]]
-        st.drops = [int(x) for x in d["drops"]]
-        return st
+    def load(cls, d: dict, selector: GroupSelector) -> "_Fill":
+        f = cls(int(d["version"]))
+        f.num_batches, f.resubmitted, f.reprefilled = int(d["num_batches"]), int(d["resubmitted"]), int(d["reprefilled"])
+        selector.load_state_dict({"surplus": []})
+        selector.begin(f.version)
+        st = selector._step
+        st.kept = [group_from_dict(g) for g in d["kept"]]
+        st.surplus_in, st.dropped_stale = int(d["surplus_in"]), int(d["dropped_stale"])
+        st.graded = [group_from_dict(g).samples[0] for g in d["graded"]]
+        st.dropped = {r: int(d["dropped"][r]) for r in DROP_REASONS}
+        return f
 
 
 class RolloutController:
     """The rollout thread of trainer rank 0 (module docstring). HTTP and the reward pool only.
 
     Args:
-        buffer: the keep rule, grading (its reward pool is used from this thread: nothing else
-            may grade while the controller runs, see :meth:`pause`) and the batch sizes.
+        selector: synchronous mode's dynamic-sampling selector (grading, the keep rule, the
+            step's tally, the surplus; its reward pool is used from this thread: nothing else may
+            grade while the controller runs, see :meth:`pause`) and the batch sizes.
         next_batch: the next generation batch of dataset records, in the order synchronous mode
             deals them (every DP rank's share, DP rank order).
         urls: the servers.
@@ -139,24 +175,25 @@ class RolloutController:
         version: the weights the servers hold now (the trainer's step).
         policy_version: the policy version of the first step to fill (the trainer's step).
         gen_batches_done: generation batches drawn so far (numbers groups, seeds responses).
-        generate: ``(prompts, params, prompt_seeds) -> outputs``; default
-            :func:`generate_on_servers` over ``urls``.
+        generate: ``(rows, version) -> results`` of :func:`generate_rows_on_servers`; default:
+            that function over ``urls``.
     """
 
-    def __init__(self, buffer: RolloutBuffer, next_batch: Callable[[], Sequence[Any]], urls: Sequence[str],
+    def __init__(self, selector: GroupSelector, next_batch: Callable[[], Sequence[Any]], urls: Sequence[str],
                  params: SamplingParams, *, generate_timeout_s: float, version: int, policy_version: int,
                  gen_batches_done: int = 0, generate: Optional[Callable] = None):
-        self.buffer, self.cfg = buffer, buffer.config
+        self.selector, self.cfg = selector, selector.config
         self.next_batch = next_batch
         self.urls = list(urls)
         self.params = params
         self.timeout_s = float(generate_timeout_s)
         self._pool = ThreadPoolExecutor(max(1, len(self.urls)), thread_name_prefix="rollout-http")
-        self._generate = generate or (lambda prompts, p, seeds: generate_on_servers(
-            self.urls, prompts, p, seeds, self.timeout_s, self._pool))
+        self._generate = generate or (lambda rows, version: generate_rows_on_servers(
+            self.urls, rows, self.timeout_s, version, self._pool))
         self.gen_batches_done = int(gen_batches_done)
         self.version = int(version)
-        self._fill = _Step(int(policy_version), [], 0, 0)
+        self._fill = _Fill(int(policy_version))
+        selector.begin(self._fill.version)
         self._ready: deque = deque()  # (policy version, groups, metrics) or (version, RuntimeError, None)
         self._cv = threading.Condition()
         self._paused = 0
@@ -182,13 +219,15 @@ class RolloutController:
             self._thread = None
         self._pool.shutdown(wait=False)
 
-    def pause(self) -> float:
-        """Wait for the batch in flight (its generation and grading) and stop starting new
-        ones until :meth:`resume`; nestable. Returns the seconds waited."""
+    def pause(self, wait: bool = True) -> float:
+        """Stop starting new batches and continuing aborted rows until :meth:`resume`; nestable.
+        ``wait``: also wait for the batch in flight (its generation and grading); else the
+        caller aborts it on the servers (a weight sync's ``/pause_generation``) and its rows
+        continue after :meth:`resume`. Returns the seconds waited."""
         t0 = time.perf_counter()
         with self._cv:
             self._paused += 1
-            while self._busy:
+            while wait and self._busy:
                 self._cv.wait()
         return time.perf_counter() - t0
 
@@ -233,16 +272,16 @@ class RolloutController:
     def state_dict(self) -> dict:
         """The ready steps, the step being filled and the batch counter; call it paused."""
         with self._cv:
-            if not self._paused or self._busy:
+            if not self._paused or self._busy:  # a waiting pause(): nothing in flight
                 raise RuntimeError("RolloutController.state_dict needs the controller paused (pause())")
-            return {"gen_batches_done": self.gen_batches_done, "fill": self._fill.state_dict(),
+            return {"gen_batches_done": self.gen_batches_done, "fill": self._fill.state_dict(self.selector),
                     "ready": [{"version": v, "groups": [group_to_dict(g) for g in gs], "metrics": m}
                               for v, gs, m in self._ready if not isinstance(gs, BaseException)]}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` (before :meth:`start`)."""
         self.gen_batches_done = int(state["gen_batches_done"])
-        self._fill = _Step.from_state(state["fill"])
+        self._fill = _Fill.load(state["fill"], self.selector)
         self._ready = deque((int(r["version"]), [group_from_dict(g) for g in r["groups"]], dict(r["metrics"]))
                             for r in state["ready"])
 
@@ -253,8 +292,7 @@ class RolloutController:
         return self.version >= self._fill.version - self.cfg.max_staleness
 
     def _step_done(self) -> bool:
-        f = self._fill
-        return len(f.kept) >= self.cfg.train_batch_size or f.num_batches >= self.cfg.max_num_gen_batches
+        return not self.selector.missing or self._fill.num_batches >= self.cfg.max_num_gen_batches
 
     def _run(self) -> None:
         try:
@@ -276,8 +314,8 @@ class RolloutController:
                     records = list(self.next_batch())
                 t0 = time.perf_counter()
                 try:
-                    groups = self._generate_batch(records, first, version)
-                    self.buffer.grade(groups)
+                    groups, resubmitted, reprefilled = self._generate_batch(records, first, version)
+                    self.selector.grade(groups)
                 finally:
                     self.busy_s += time.perf_counter() - t0
                     with self._cv:
@@ -285,7 +323,11 @@ class RolloutController:
                         self._cv.notify_all()
                 with self._cv:
                     self._add_batch(groups)
+                    self._fill.resubmitted += resubmitted
+                    self._fill.reprefilled += reprefilled
                     self._cv.notify_all()
+        except _Stopped:
+            return
         except BaseException as err:  # surfaced by take() on the main thread
             logger.error("rollout controller failed: %s", err)
             with self._cv:
@@ -293,71 +335,122 @@ class RolloutController:
                 self._busy = False
                 self._cv.notify_all()
 
-    def _generate_batch(self, records, first: int, version: int) -> list[Group]:
-        """Synchronous server mode's ``_generate_groups`` over HTTP: group ``g`` of the batch
-        is seeded and numbered ``first + g``; every sample ``versions = [(0, version)]`` and
-        ``holder = 0`` (trainer rank 0 holds the token lists)."""
-        outputs = self._generate([r.prompt_ids for r in records], self.params, [first + g for g in range(len(records))])
+    def _generate_batch(self, records, first: int, version: int) -> tuple[list[Group], int, int]:
+        """Synchronous server mode's ``_generate_groups`` over HTTP, interruptible.
+
+        Group ``g`` of the batch is seeded and numbered ``first + g`` and dealt to server
+        ``g % len(urls)`` (:func:`~dapo_megatron.rollout.engines.layout.engine_share`); the first
+        round is exactly synchronous server mode's request per server. A row that a weight sync
+        aborts (the sync pauses the servers with ``mode=abort``) comes back with the tokens it
+        sampled; once the sync is over it is resubmitted as prompt + those tokens with the
+        remaining budget and the same seed (the server's draws are keyed on the absolute
+        position, so the row continues as it would have), and its new tokens get a new version
+        span. Every token's version is the one its output reports (``meta_info.weight_version``).
+        ``holder = 0``: trainer rank 0 holds the token lists.
+
+        Returns:
+            ``(groups, rows resubmitted, prefix tokens re-prefilled)``.
+        """
+        import dataclasses as dc
+
+
+        n, p = self.params.n, self.params
         groups = []
-        for g, (rec, comps) in enumerate(zip(records, outputs)):
+        for g, rec in enumerate(records):
+            comps = [_EMPTY] * n
             grp = completions_to_group(first + g, rec.prompt_ids, comps, prompt_index=rec.index,
                                        data_source=rec.data_source, ground_truth=rec.ground_truth,
-                                       extra_info=rec.extra_info, version=version)
+                                       extra_info=rec.extra_info)
             grp.prompt_seed = first + g
             for s in grp.samples:
-                s.holder = 0
+                s.holder, s.finish_reason = 0, ""
             groups.append(grp)
-        return groups
+        pending = [(g, j) for g in range(len(records)) for j in range(n)]
+        resubmitted = reprefilled = 0
+        while pending:
+            rows = []
+            for g, j in pending:
+                s = groups[g].samples[j]
+                budget = p.max_new_tokens - len(s.response_ids)
+                sp = build_sampling_params(dc.replace(p, n=1, max_new_tokens=budget), sample_seed(p.seed, first + g, j))
+                rows.append((g % len(self.urls), list(s.prompt_ids) + list(s.response_ids), sp))
+                if s.response_ids:
+                    resubmitted += 1
+                    reprefilled += len(s.response_ids)
+            results = self._generate(rows, version)
+            still = []
+            for (g, j), (ids, lps, kind, row_version) in zip(pending, results):
+                s = groups[g].samples[j]
+                if ids:
+                    if not s.versions or s.versions[-1][1] != row_version:
+                        s.versions = list(s.versions) + [(len(s.response_ids), row_version)]
+                    s.response_ids = list(s.response_ids) + ids
+                    s.rollout_logprobs = list(s.rollout_logprobs) + lps
+                if kind == "abort" and len(s.response_ids) < p.max_new_tokens:
+                    still.append((g, j))
+                else:
+                    s.finish_reason = "length" if kind == "abort" else kind
+                    if not s.versions:
+                        s.versions = [(0, row_version)]
+            pending = still
+            if pending:  # aborted by a weight sync: continue once it is over, on the new weights
+                with self._cv:
+                    while self._paused and not self._stop:
+                        self._cv.wait()
+                    if self._stop:
+                        raise _Stopped()
+                    version = self.version
+        return groups, resubmitted, reprefilled
 
     def _add_batch(self, groups: list[Group]) -> None:
-        f = self._fill
-        f.num_batches += 1
+        self._fill.num_batches += 1
         for g in groups:
-            f.generated.extend(g.samples)
-            if self.buffer.keep_group(g):
-                f.kept.append(g)
-            elif all(g.accs):
-                f.drops[0] += 1
-            elif not any(g.accs):
-                f.drops[1] += 1
-            else:
-                f.drops[2] += 1
+            self.selector.offer(g)
 
     def _close_step(self) -> None:
-        """Hand the filled step to the ready queue (exactly N groups, or fewer at the cap) and
-        open the next one with the surplus that is still within η of it."""
-        cfg, f, buf = self.cfg, self._fill, self.buffer
-        hit_cap = len(f.kept) < cfg.train_batch_size
-        if hit_cap and cfg.on_cap == "error":
-            d = f.drops
-            self._ready.append((f.version, RuntimeError(
-                f"dynamic sampling kept {len(f.kept)} of train_batch_size={cfg.train_batch_size} prompt groups "
-                f"after max_num_gen_batches={cfg.max_num_gen_batches} generation batches "
-                f"(dropped {d[0]} all-correct, {d[1]} all-wrong, {d[2]} other constant groups). Raise "
-                "max_num_gen_batches or gen_batch_size, use data of suitable difficulty, or set "
-                "on_cap='train_on_kept'."), None))
+        """Hand the filled step to the ready queue (exactly N groups, or fewer at the cap), as
+        :meth:`RolloutBuffer.collect` ends a step, and open the next: the selector's ``begin``
+        keeps the surplus that is within η of it, the rest is dropped and counted."""
+        cfg, f, sel = self.cfg, self._fill, self.selector
+        if sel.missing and cfg.on_cap == "error":
+            try:
+                sel.fail_at_cap(f"dynamic sampling after max_num_gen_batches={cfg.max_num_gen_batches} "
+                                "generation batches")
+            except RuntimeError as err:
+                self._ready.append((f.version, err, None))
             self._stop = True
             return
-        out, surplus = f.kept[:cfg.train_batch_size], f.kept[cfg.train_batch_size:]
-        for i, g in enumerate(out):
-            g.group_id = i
-            for s in g.samples:
-                s.group_id = i
-        buf._surplus = surplus  # what _metrics reports as surplus_out
-        metrics = buf._metrics(out, f.generated, num_batches=f.num_batches, surplus_in=f.surplus_in,
-                               dropped=tuple(f.drops), hit_cap=hit_cap)
-        buf._surplus = []
-        metrics["rollout/dropped_stale"] = float(f.dropped_stale)
-        metrics.update(staleness_metrics([s for g in out for s in g.samples], f.version))
+        generated = list(sel._step.graded)
+        out = sel.take()
+        metrics = sel.step_metrics(num_batches=f.num_batches)
+        metrics.update(partial_metrics([s for g in out for s in g.samples], resubmitted=f.resubmitted,
+                                       reprefilled=f.reprefilled, generated=generated))
         self._ready.append((f.version, out, metrics))
-        kept, dropped = buf.drop_stale(surplus, f.version + 1)
-        self._fill = _Step(f.version + 1, kept, len(kept), dropped)
+        self._fill = _Fill(f.version + 1)
+        sel.begin(self._fill.version)
+
+
+def partial_metrics(trained: Sequence[Sample], *, resubmitted: int, reprefilled: int,
+                    generated: Sequence[Sample]) -> dict[str, float]:
+    """verl's partial-rollout metrics of a step: ``async/partial_ratio`` (trained samples whose
+    tokens span more than one weight version), ``async/max_partial_span`` (the most versions
+    between the oldest and the newest token of a trained sample), ``rollout/resubmitted_rows``
+    (rows continued after a sync, in the step's generation) and ``rollout/reprefill_ratio``
+    (their prefix tokens, prefilled again, over the tokens the step generated)."""
+    spans = [max(v for _, v in s.versions) - min(v for _, v in s.versions) for s in trained if s.versions]
+    gen_tokens = sum(s.response_length for s in generated)
+    return {"async/partial_ratio": sum(1 for s in trained if len(s.versions) > 1) / max(len(trained), 1),
+            "async/max_partial_span": float(max(spans, default=0)),
+            "rollout/resubmitted_rows": float(resubmitted),
+            "rollout/reprefill_ratio": reprefilled / max(gen_tokens, 1)}
 
 
 def strip_tokens(groups: Sequence[Group]) -> list[Group]:
     """Copies of ``groups`` whose samples carry no token lists (``response_ids`` /
     ``rollout_logprobs`` None, the length in ``num_response_tokens``) nor extracted answer:
     the records every rank holds of a response another rank holds."""
+    import dataclasses
+
     return [Group(g.group_id, [dataclasses.replace(s, response_ids=None, rollout_logprobs=None, pred=None,
                                                    num_response_tokens=s.response_length) for s in g.samples],
                   g.prompt_seed) for g in groups]
@@ -365,7 +458,7 @@ def strip_tokens(groups: Sequence[Group]) -> list[Group]:
 
 class AsyncRollout(Rollout):
     """The :class:`~dapo_megatron.rollout.rollout.Rollout` of ``async_training.enable`` (server
-    mode), on every rank; :func:`~dapo_megatron.rollout.build.build_rollout` builds it.
+    mode), on every rank; :func:`~dapo_megatron.rollout.rollout.build_rollout` builds it.
 
     Same surface, every method a collective:
 
@@ -398,6 +491,7 @@ class AsyncRollout(Rollout):
         self._sync_pause_s = 0.0
         if parallel.rank != 0:
             return
+
         dp = parallel.dp_size
         self.streams = [PromptStream(self.train_data, b.gen_batch_size // dp, r, dp, seed=d.seed, shuffle=d.shuffle)
                         for r in range(dp)]
@@ -407,8 +501,8 @@ class AsyncRollout(Rollout):
 
         # grades from the controller thread with the reward pool itself (no collective): nothing
         # else grades while it runs (validation pauses it)
-        buffer = RolloutBuffer(b, self.reward_pool, self.decode)
-        self.controller = RolloutController(buffer, next_batch, cfg.rollout.server_urls, self._train_params(),
+        selector = type(self.buffer)(b, self.reward_pool, self.decode)
+        self.controller = RolloutController(selector, next_batch, cfg.rollout.server_urls, self._train_params(),
                                             generate_timeout_s=cfg.rollout.server_generate_timeout_s,
                                             version=0, policy_version=0)
 
@@ -466,7 +560,10 @@ class AsyncRollout(Rollout):
         when not due (the servers keep their weights)."""
         if self._started and version % self.sync_every:
             return 0.0
-        self._sync_pause_s = self.controller.pause() if self.controller is not None else 0.0
+        # partial rollouts: the sync's /pause_generation aborts the rows in flight, which continue
+        # after it; else wait for the batch in flight to finish first
+        wait = not self.cfg.async_training.partial_rollout
+        self._sync_pause_s = self.controller.pause(wait=wait) if self.controller is not None else 0.0
         ok = False
         try:
             nbytes = super().sync_weights(actor, version)

@@ -34,8 +34,28 @@ CONFIG = [
 ]
 NUM_STOP_IDS = 16384
 
+def _sync_lands_in_flight(rollout):
+    """Each weight sync after the first waits until the controller has a /generate in flight, so
+    the sync's /pause_generation (abort) interrupts it: the interruption, not its timing, is tested."""
+    import threading
 
-def _run_worker(hf_dir, url, run_dir, extra, out_path):
+    ctrl, started = rollout.controller, threading.Event()
+    real_generate, real_sync = ctrl._generate, rollout.sync_weights
+
+    def generate(rows, version):
+        started.set()
+        return real_generate(rows, version)
+
+    def sync_weights(actor, version):
+        if rollout._started:
+            assert started.wait(60), "no generation in flight"
+        started.clear()
+        return real_sync(actor, version)
+
+    ctrl._generate, rollout.sync_weights = generate, sync_weights
+
+
+def _run_worker(hf_dir, url, run_dir, extra, out_path, interrupt=False):
     """3 steps; per step the trained samples (every field) and the metrics; the final weights."""
     from dapo_megatron.config import DAPOConfig, load_config
     from dapo_megatron.platform import init_distributed
@@ -44,6 +64,8 @@ def _run_worker(hf_dir, url, run_dir, extra, out_path):
     cfg = load_config(DAPOConfig, None, CONFIG + [f"model.hf_path={hf_dir}", f"trainer.default_local_dir={run_dir}",
                                                   f"rollout.server_urls=[{url}]", *extra])
     trainer = DAPOTrainer(cfg, init_distributed(cfg.parallel, seed=cfg.trainer.seed))
+    if interrupt:
+        _sync_lands_in_flight(trainer.rollout)
     steps = []
     try:
         for _ in range(STEPS):
@@ -103,6 +125,15 @@ def test_async_at_eta_0_is_synchronous_server_mode_bit_for_bit(runs):
     assert s["weights"].keys() == a0["weights"].keys()
     for name, w in s["weights"].items():
         assert torch.equal(w, a0["weights"][name]), name
+
+
+def test_the_a1_run_overlaps_and_reports_verl_metrics(runs):
+    rows = [st["metrics"] for st in runs["A1"]["steps"]]
+    print("A1", [(m["train/staleness_max"], m["async/partial_ratio"], m["rollout/resubmitted_rows"],
+                  m["time/wait_rollout_s"], m.get("rollouter/idle_ratio")) for m in rows])
+    for m in rows:
+        assert 0 <= m["async/partial_ratio"] <= 1 and m["async/max_partial_span"] <= 1
+        assert m["time/wait_rollout_s"] >= 0 and "time/sync_pause_s" in m
 
 
 @pytest.mark.parametrize("arm,eta", [("A0", 0), ("A1", 1)])

@@ -186,6 +186,7 @@ FREE: dict[str, str] = {
     "actor.use_packed_seq_params": "bool or null (auto)",
     "trainer.val_before_train": "bool",
     "tracking.use_mlflow": "bool",
+    "async_training.partial_rollout": "bool",
 }
 
 
