@@ -35,6 +35,7 @@ the controller, syncs, and hands it the new version.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -351,7 +352,6 @@ class RolloutController:
         Returns:
             ``(groups, rows resubmitted, prefix tokens re-prefilled)``.
         """
-        import dataclasses as dc
 
 
         n, p = self.params.n, self.params
@@ -372,7 +372,7 @@ class RolloutController:
             for g, j in pending:
                 s = groups[g].samples[j]
                 budget = p.max_new_tokens - len(s.response_ids)
-                sp = build_sampling_params(dc.replace(p, n=1, max_new_tokens=budget), sample_seed(p.seed, first + g, j))
+                sp = build_sampling_params(dataclasses.replace(p, n=1, max_new_tokens=budget), sample_seed(p.seed, first + g, j))
                 rows.append((g % len(self.urls), list(s.prompt_ids) + list(s.response_ids), sp))
                 if s.response_ids:
                     resubmitted += 1
@@ -449,8 +449,6 @@ def strip_tokens(groups: Sequence[Group]) -> list[Group]:
     """Copies of ``groups`` whose samples carry no token lists (``response_ids`` /
     ``rollout_logprobs`` None, the length in ``num_response_tokens``) nor extracted answer:
     the records every rank holds of a response another rank holds."""
-    import dataclasses
-
     return [Group(g.group_id, [dataclasses.replace(s, response_ids=None, rollout_logprobs=None, pred=None,
                                                    num_response_tokens=s.response_length) for s in g.samples],
                   g.prompt_seed) for g in groups]
