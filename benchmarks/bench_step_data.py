@@ -23,6 +23,16 @@ all-reduced), :func:`~dapo_megatron.rollout.plan.step_data.plan_step` once,
 :func:`~dapo_megatron.rollout.plan.step_data.send_tokens` (each response once to the rank that
 trains it), old logprobs kept where computed, mismatch metrics pooled over DP.
 
+streamed (``rollout.streaming``): one streamed step through the public
+:class:`~dapo_megatron.rollout.sampling.streaming.StreamingCollector` over the trainer's
+selector (:class:`~dapo_megatron.rollout.sampling.buffer.RolloutBuffer`; N = half the prompts,
+``--poll-tokens`` per round, the rest aborted and carried), on a scripted engine per rank that
+returns the same seeded completions row by row, then the plan, the tokens and the old logprobs
+as above. before: the client the trainer used before issue 20 (``_RankRows``), which
+all-gathers every finished row's tokens and logprobs to every rank each round; after:
+:class:`~dapo_megatron.rollout.sampling.streaming.EngineClient` (records replicated, tokens
+sent once by :func:`~dapo_megatron.rollout.plan.step_data.send_tokens`).
+
 Not timed, the same in both: generating the responses, decoding and grading them (a grade
 computed from the response's last token stands in for the graders) and the actor's forward
 pass (the old logprobs are the rollout logprobs, a float32 tensor per sample, as
@@ -35,7 +45,7 @@ their tensors, ``all_reduce`` ``2 (w - 1) / w`` of its tensor per rank (the ring
 algorithm). Counted in a separate, untimed pass. Seconds: the slowest rank's wall time
 from a barrier to the end of the path, best of ``--repeats``.
 
-Last line: before / after of the seconds per step.
+Last line: before / after of the seconds per step, batch and streamed.
 """
 
 from __future__ import annotations
