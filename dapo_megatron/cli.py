@@ -66,6 +66,20 @@ def run_tool(prog: str, main: Callable[[Optional[Sequence[str]]], object], argv:
     return 0
 
 
+def require_hf_source(hf: str, gguf_file: Optional[str]) -> None:
+    """Raise :class:`InputError` unless ``--hf`` (with ``--gguf-file`` when given) names a model
+    the bridge can open: an HF directory with ``config.json``, or a directory holding the GGUF
+    file; a GGUF-only directory without ``--gguf-file`` gets the flag to add in its message."""
+    if not os.path.isdir(hf):
+        raise InputError(f"--hf {hf!r} is not a directory (an HF model directory, or one holding --gguf-file)")
+    if gguf_file and not os.path.isfile(os.path.join(hf, gguf_file)):
+        raise InputError(f"--gguf-file {gguf_file!r} is not in --hf {hf!r}")
+    if not gguf_file and not os.path.isfile(os.path.join(hf, "config.json")):
+        ggufs = sorted(f for f in os.listdir(hf) if f.endswith(".gguf"))
+        raise InputError(f"--hf {hf!r} has no config.json (not an HF directory)"
+                         + (f"; pass --gguf-file {ggufs[0]}" if ggufs else ""))
+
+
 def launch_world_size(tp: int, pp: int, ep: int = 1, etp: Optional[int] = None) -> int:
     """The processes a tool's ``--tp/--pp/--ep/--etp`` layout needs: ``pp × lcm(tp, ep × etp)``
     (the fewest that both the dense grid TP × DP and the expert grid ETP × EP × EDP fill)."""

@@ -29,7 +29,8 @@ from __future__ import annotations
 import os
 import sys
 
-from dapo_megatron.cli import ArgumentParser, positive_int, run_tool
+from dapo_megatron.cli import (ArgumentParser, InputError, positive_int, require_hf_source, require_launch_world,
+                               run_tool)
 
 PROG = "convert_hf_to_megatron"
 
@@ -60,18 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def convert(argv=None) -> None:
     """Parse ``argv`` and convert (every rank); see the module docstring."""
     args = parse_args(argv)
-    from dapo_megatron.cli import InputError
-    from dapo_megatron.cli import require_launch_world
-
     require_launch_world(args.tp, args.pp, args.ep, args.etp)
-    if not os.path.isdir(args.hf):
-        raise InputError(f"--hf {args.hf!r} is not a directory (an HF model directory, or one holding --gguf-file)")
-    if args.gguf_file and not os.path.isfile(os.path.join(args.hf, args.gguf_file)):
-        raise InputError(f"--gguf-file {args.gguf_file!r} is not in --hf {args.hf!r}")
-    if not args.gguf_file and not os.path.isfile(os.path.join(args.hf, "config.json")):
-        ggufs = sorted(f for f in os.listdir(args.hf) if f.endswith(".gguf"))
-        raise InputError(f"--hf {args.hf!r} has no config.json (not an HF directory)"
-                         + (f"; pass --gguf-file {ggufs[0]}" if ggufs else ""))
+    require_hf_source(args.hf, args.gguf_file)
 
     import torch.distributed as dist
 

@@ -33,7 +33,7 @@ import os
 import shutil
 import sys
 
-from dapo_megatron.cli import ArgumentParser, InputError, positive_int, run_tool
+from dapo_megatron.cli import ArgumentParser, InputError, positive_int, require_hf_source, run_tool
 
 PROG = "upcycle_moe"
 
@@ -66,14 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def upcycle(argv=None) -> None:
     """Parse ``argv``, upcycle and write ``--out``; see the module docstring."""
     args = parse_args(argv)
-    if not os.path.isdir(args.hf):
-        raise InputError(f"--hf {args.hf!r} is not a directory (an HF model directory, or one holding --gguf-file)")
-    if args.gguf_file and not os.path.isfile(os.path.join(args.hf, args.gguf_file)):
-        raise InputError(f"--gguf-file {args.gguf_file!r} is not in --hf {args.hf!r}")
-    if not args.gguf_file and not os.path.isfile(os.path.join(args.hf, "config.json")):
-        ggufs = sorted(f for f in os.listdir(args.hf) if f.endswith(".gguf"))
-        raise InputError(f"--hf {args.hf!r} has no config.json (not an HF directory)"
-                         + (f"; pass --gguf-file {ggufs[0]}" if ggufs else ""))
+    require_hf_source(args.hf, args.gguf_file)
     if args.top_k > args.num_experts:
         raise InputError(f"--top-k {args.top_k} is above --num-experts {args.num_experts} (a token picks top-k of them)")
 
