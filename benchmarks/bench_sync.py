@@ -24,6 +24,46 @@ import tempfile
 import time
 
 
+def all_gather_floor(shards: list, gathered: list, params, group) -> tuple:
+    """The transport floor of a bucketed sync over ``group``: each rank's ``shards[k]`` (1-D)
+    all-gathered into ``gathered[k]`` (``world ×`` as long), then one copy into the flat
+    preallocated ``params`` from offset 0, bucket after bucket. Returns ``(floor, primitive)``:
+    the zero-argument function doing it once, and the collective's name
+    (``all_gather_into_tensor`` where the backend has it, else ``all_gather`` into chunks)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    into_tensor = dist.get_backend(group) == "nccl"
+    try:  # gloo gained all_gather_into_tensor in recent torch releases
+        dist.all_gather_into_tensor(gathered[0], shards[0], group=group)
+        into_tensor = True
+    except (RuntimeError, NotImplementedError, ValueError):
+        pass
+
+    def floor() -> None:
+        off = 0
+        for shard, out in zip(shards, gathered):
+            if into_tensor:
+                dist.all_gather_into_tensor(out, shard, group=group)
+            else:
+                dist.all_gather(list(out.chunk(world)), shard, group=group)
+            params[off:off + out.numel()].copy_(out)
+            off += out.numel()
+
+    return floor, "all_gather_into_tensor" if into_tensor else "all_gather"
+
+
+def timed(fn) -> float:
+    """Seconds of one ``fn()`` between two world barriers (every rank's share counted)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - t0
+
+
 def _worker(args: argparse.Namespace, out_path: str) -> None:
     import torch
     import torch.distributed as dist
@@ -82,29 +122,7 @@ def _worker(args: argparse.Namespace, out_path: str) -> None:
     shards = [torch.randn(n // tp, dtype=dtype) for n in sizes if n]
     gathered = [torch.empty(n, dtype=dtype) for n in sizes if n]
     params = torch.empty(sum(g.numel() for g in gathered), dtype=dtype)
-    into_tensor = dist.get_backend(group) == "nccl"
-    try:  # gloo gained all_gather_into_tensor in recent torch releases
-        dist.all_gather_into_tensor(gathered[0], shards[0], group=group)
-        into_tensor = True
-    except (RuntimeError, NotImplementedError, ValueError):
-        pass
-
-    def floor() -> None:
-        off = 0
-        for shard, out in zip(shards, gathered):
-            if into_tensor:
-                dist.all_gather_into_tensor(out, shard, group=group)
-            else:
-                dist.all_gather(list(out.chunk(tp)), shard, group=group)
-            params[off:off + out.numel()].copy_(out)
-            off += out.numel()
-
-    def timed(fn) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        dist.barrier()
-        return time.perf_counter() - t0
+    floor, primitive = all_gather_floor(shards, gathered, params, group)
 
     floor()  # warm-up
     # sync and floor alternate, so that load from outside the benchmark hits both alike; the
@@ -116,7 +134,7 @@ def _worker(args: argparse.Namespace, out_path: str) -> None:
     if dist.get_rank() == 0:
         torch.save({"sync_GBps": nbytes / sync_s / 1e9, "memcpy_GBps": copy_bytes / copy_s / 1e9,
                     "floor_GBps": floor_bytes / floor_s / 1e9, "floor_primitive":
-                    "all_gather_into_tensor" if into_tensor else "all_gather", "bytes": nbytes}, out_path)
+                    primitive, "bytes": nbytes}, out_path)
 
 
 def main(argv=None) -> None:

@@ -27,7 +27,8 @@ import os
 import statistics
 import sys
 import tempfile
-import time
+
+from bench_sync import all_gather_floor, timed  # benchmarks/ is sys.path[0]: one floor for both syncs
 
 
 def _worker(args: argparse.Namespace, out_path: str) -> None:
@@ -79,23 +80,11 @@ def _worker(args: argparse.Namespace, out_path: str) -> None:
     gathered = [torch.empty(n, dtype=dtype) for n in sizes]
     dense_src = torch.randn(total - sum(sizes), dtype=dtype)  # the non-expert bytes, whole on every rank
     params = torch.empty(total, dtype=dtype)  # the engine's parameters, flat and preallocated
-    into_tensor = dist.get_backend(group) == "nccl"
-    try:  # gloo gained all_gather_into_tensor in recent torch releases
-        dist.all_gather_into_tensor(gathered[0], shards[0], group=group)
-        into_tensor = True
-    except (RuntimeError, NotImplementedError, ValueError):
-        pass
+    gather_experts, primitive = all_gather_floor(shards, gathered, params, group)
 
     def floor() -> None:
-        off = 0
-        for shard, out in zip(shards, gathered):
-            if into_tensor:
-                dist.all_gather_into_tensor(out, shard, group=group)
-            else:
-                dist.all_gather(list(out.chunk(ep)), shard, group=group)
-            params[off:off + out.numel()].copy_(out)
-            off += out.numel()
-        params[off:].copy_(dense_src)
+        gather_experts()
+        params[sum(sizes):].copy_(dense_src)
 
     def floor_broadcast() -> None:
         # the bridge's primitive: bucket k whole from EP rank k % EP (the owner), then one copy
@@ -105,13 +94,6 @@ def _worker(args: argparse.Namespace, out_path: str) -> None:
             params[off:off + out.numel()].copy_(out)
             off += out.numel()
         params[off:].copy_(dense_src)
-
-    def timed(fn) -> float:
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        dist.barrier()
-        return time.perf_counter() - t0
 
     floor()  # warm-up
     floor_broadcast()
@@ -123,7 +105,7 @@ def _worker(args: argparse.Namespace, out_path: str) -> None:
     if dist.get_rank() == 0:
         torch.save({"sync_GBps": nbytes / sync_s / 1e9, "floor_GBps": floor_bytes / floor_s / 1e9,
                     "floor_bcast_GBps": floor_bytes / bcast_s / 1e9,
-                    "floor_primitive": "all_gather_into_tensor" if into_tensor else "all_gather",
+                    "floor_primitive": primitive,
                     "bytes": nbytes, "expert_bytes": expert_bytes,
                     "experts_here": [list(layer.mlp.local_expert_indices) for layer in actor.decoder.layers][0]},
                    out_path)
