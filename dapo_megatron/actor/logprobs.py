@@ -28,6 +28,8 @@ own columns and receives the same upstream gradient):
 
 and ``d x / d logits = 1 / temperature``. The only tensor saved for backward is
 ``p`` (fp32, the size of the local logits), as in Megatron's cross entropy.
+
+Design: docs/design.md §3.1 (objective, ratio and advantage).
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ tokens (no prompt, no padding)::
 scaled by ``penalty_factor`` (verl ``overlong_penalty_factor``) and never below
 ``-penalty_factor``. Overlong filtering (Sec. 3.4, "Overlong Filtering") is the
 separate option of masking the loss of truncated samples.
+
+Design: docs/design.md §3.5 (soft overlong punishment).
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ so a crashed save never leaves a directory that looks complete.
 
 Trainer checkpoints (optimizer, RNG, data position) are ``dapo_megatron.checkpointing``'s
 job; these helpers cover the model weights for the conversion tools.
+
+Design: docs/design.md §5.3 (resharded loads are verified) and §7 (the run directory).
 """
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
 """Load HF weights into Megatron model chunks, and stream them back out as HF tensors.
 
 Both directions go through :mod:`.mapping`; nothing here knows a layout rule.
+
+Design: docs/design.md §1 step 7 (weight sync).
 """
 
 from __future__ import annotations

@@ -7,6 +7,8 @@
 * :mod:`.run`: the root :class:`DAPOConfig`, whose fields are the sections, each defined
   beside the code it configures (``RolloutConfig`` in :mod:`dapo_megatron.rollout.config`,
   ``TrainerConfig`` in :mod:`.trainer`, ...), re-exported here.
+
+Design: docs/design.md §1 (one training step: the config it reads).
 """
 
 from .docs import KeyDoc, assert_all_documented, documented_keys, field_docs

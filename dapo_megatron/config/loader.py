@@ -30,6 +30,8 @@ Validation convention for schema authors (one for every section):
 Source: OmegaConf structured configs (``OmegaConf.structured``, ``OmegaConf.merge``,
 ``OmegaConf.from_dotlist``, ``OmegaConf.to_object``); key names follow verl's
 ``ppo_trainer.yaml`` (``trainer.*``).
+
+Design: docs/design.md §1 (one training step: the config it reads) and §7 (a bad key stops the run).
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 Each section's dataclass lives beside the code it configures; this module only composes
 them into the tree that ``dapo-train`` loads (YAML + dotted overrides).
+
+Design: docs/design.md §1 (one training step: the config it reads).
 """
 
 from __future__ import annotations

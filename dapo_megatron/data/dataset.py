@@ -6,6 +6,8 @@ row index and the field, unless ``skip_invalid_rows=True`` in which case it is s
 and counted in :class:`DatasetStats` (and logged). Prompts longer than ``max_prompt_length``
 tokens after the chat template are filtered out and counted too (verl's
 ``filter_overlong_prompts``); nothing is dropped silently.
+
+Design: docs/design.md §1 step 1 (the prompts of a rollout).
 """
 
 from __future__ import annotations

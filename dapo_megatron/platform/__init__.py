@@ -1,4 +1,7 @@
-"""Devices, process groups and the CPU compatibility layer for megatron-core."""
+"""Devices, process groups and the CPU compatibility layer for megatron-core.
+
+Design: docs/design.md §2 (parallel layouts) and §5 (megatron-core on CPU).
+"""
 
 from .cpu_compat import activate as activate_cpu_compat
 from .launch import spawn

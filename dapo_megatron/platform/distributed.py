@@ -5,6 +5,8 @@ Under ``torchrun`` the usual ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` /
 becomes a world of one. The backend is NCCL when CUDA is available and gloo
 otherwise, in which case the CPU compatibility layer (:mod:`.cpu_compat`) is
 activated before megatron-core is touched.
+
+Design: docs/design.md §2 (parallel layouts) and §5.1 (gloo on CPU).
 """
 
 from __future__ import annotations
