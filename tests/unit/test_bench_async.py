@@ -4,19 +4,15 @@ worked out by hand)."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from conftest import load_benchmark
+
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_async", os.path.join(REPO, "benchmarks", "bench_async.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("bench_async")
 
 
 @pytest.mark.parametrize("arm,enable,eta,partial", [("S", False, 0, None), ("A0", True, 0, False),
