@@ -2,6 +2,8 @@
 
 * :mod:`.loader`: :func:`load_config` (OmegaConf, struct mode, errors that name the key),
   :func:`to_yaml`, :func:`to_flat_dict`, :class:`ConfigError`;
+* :mod:`.frozen`: :func:`freeze`, :func:`is_frozen`, :class:`FrozenConfigError` (a loaded
+  config is frozen: assigning a field raises, naming the key);
 * :mod:`.docs`: :func:`documented_keys` (``dapo-train --list-keys``) and
   :func:`assert_all_documented`;
 * :mod:`.run`: the root :class:`DAPOConfig`, whose fields are the sections, each defined
@@ -10,6 +12,7 @@
 """
 
 from .docs import KeyDoc, assert_all_documented, documented_keys, field_docs
+from .frozen import FrozenConfigError, freeze, is_frozen
 from .loader import ConfigError, config_errors, load_config, to_flat_dict, to_yaml
 from .run import (
     ActorConfig,
@@ -32,6 +35,7 @@ __all__ = [
     "ConfigError",
     "DAPOConfig",
     "DataConfig",
+    "FrozenConfigError",
     "KeyDoc",
     "ModelConfig",
     "ParallelConfig",
@@ -43,6 +47,8 @@ __all__ = [
     "config_errors",
     "documented_keys",
     "field_docs",
+    "freeze",
+    "is_frozen",
     "load_config",
     "to_flat_dict",
     "to_yaml",
