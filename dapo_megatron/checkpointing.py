@@ -53,15 +53,14 @@ import random
 import re
 import shutil
 import uuid
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from typing import Any, Callable, Literal
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 
-if TYPE_CHECKING:
-    from dapo_megatron.platform import ParallelDims
+from dapo_megatron.platform.parallel_dims import ParallelDims, dims_or_single
 
 logger = logging.getLogger(__name__)
 
@@ -254,21 +253,6 @@ def _rank() -> int:
 
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _check_parallel(parallel: ParallelDims | None, what: str) -> None:
-    """A world of more than one rank needs the run's layout for the collectives (ParallelDims)."""
-    if parallel is None and _world_size() > 1:
-        raise ValueError(f"{what}: pass parallel= (the run's ParallelDims) in a world of {_world_size()} ranks")
-
-
-def _barrier(parallel: ParallelDims | None) -> None:
-    if parallel is not None:
-        parallel.barrier("world")
-
-
-def _broadcast_from_rank0(obj: Any, parallel: ParallelDims | None) -> Any:
-    return obj if parallel is None else parallel.broadcast_object(obj, "world", src=0)
 
 
 def _fsync_path(path: str) -> None:
@@ -583,7 +567,7 @@ def save_checkpoint(
         raise ValueError(f"trainer_state must be a dict, got {type(trainer_state).__name__}")
     if max_ckpt_to_keep is not None and max_ckpt_to_keep < 0:
         raise ValueError(f"max_ckpt_to_keep={max_ckpt_to_keep} must be >= 0 (0 or None keeps all)")
-    _check_parallel(parallel, "save_checkpoint")
+    dims = dims_or_single(parallel, "save_checkpoint")
     chunks = _as_list(model_chunks)
     state = _full_sharded_state_dict(chunks, optimizer, scheduler, optim_sharding_type, False)
 
@@ -594,7 +578,7 @@ def save_checkpoint(
         _clean_stale_tmp_dirs(root)
         tmp_dir = os.path.join(root, f"step_{int(step)}.tmp-{uuid.uuid4().hex}")
         os.makedirs(tmp_dir)
-    tmp_dir = _broadcast_from_rank0(tmp_dir, parallel)
+    tmp_dir = dims.broadcast_object(tmp_dir, "world", src=0)
 
     # Synchronous save: no async writer process (see the module docstring).
     dist_checkpointing.save(state, tmp_dir, async_sharded_save=False)
@@ -605,7 +589,7 @@ def save_checkpoint(
             write_extra(tmp_dir)
         info = _info(step, chunks, optim_sharding_type, optimizer, parallel)
         _write_text_atomic(os.path.join(tmp_dir, INFO_FILENAME), json.dumps(info, indent=2))
-    _barrier(parallel)  # every rank's files are on disk before the commit
+    dims.barrier("world")  # every rank's files are on disk before the commit
 
     final_dir = step_dir(run_dir, step)
     if _rank() == 0:
@@ -614,7 +598,7 @@ def save_checkpoint(
         removed = _prune(run_dir, max_ckpt_to_keep, keep_step=step)
         if removed:
             logger.info("pruned checkpoints of steps %s", removed)
-    _barrier(parallel)
+    dims.barrier("world")
     return final_dir
 
 
@@ -683,7 +667,7 @@ def load_checkpoint(
         ValueError: the checkpoint's format or optimizer sharding is unknown, or ``parallel``
             is None in a world of more than one rank.
     """
-    _check_parallel(parallel, "load_checkpoint")
+    dims = dims_or_single(parallel, "load_checkpoint")
     # megatron-core here, not at the top: dapo-train imports this module before quiet_third_party has silenced its import warnings
     from megatron.core import dist_checkpointing
 
@@ -734,7 +718,7 @@ def load_checkpoint(
     trainer_state = torch.load(
         os.path.join(checkpoint_dir, TRAINER_STATE_FILENAME), weights_only=False
     )
-    _barrier(parallel)
+    dims.barrier("world")
     if load_rng:
         _load_rng_state(checkpoint_dir)
     return trainer_state

@@ -30,7 +30,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 
@@ -158,7 +158,7 @@ class DAPOTrainer:
         plan = plan_step(groups, actor.ppo_mini_batch_size, self.dp_size, actor.ppo_max_token_len_per_gpu,
                          share_prompts=share)
         ranks_of = [self.parallel.ranks_of_dp_rank(d) for d in range(self.dp_size)]
-        send_tokens(samples, [ranks_of[d] for d in plan.owner])
+        send_tokens(samples, [ranks_of[d] for d in plan.owner], parallel=self.parallel)
         mine = plan.owned(self.dp_rank)
         if not recompute:
             return plan, mine

@@ -29,14 +29,21 @@ ReduceOp = dist.ReduceOp
 
 
 def _require(group: Any, op: str) -> Any:
-    if group is None:
+    """``group``; a None group is refused once ``torch.distributed`` runs (it would be the default
+    group). Without it (a world of one) None is the only group there is."""
+    if group is None and dist.is_initialized():
         raise TypeError(f"{op}: group=None would be the default world group; pass the group explicitly "
                         "(ParallelDims.world_group for the world)")
     return group
 
 
 def group_size(group: Any) -> int:
-    """Ranks in ``group``; 1 when ``torch.distributed`` is not initialised (a world of one)."""
+    """Ranks in ``group``; 1 when ``torch.distributed`` is not initialised (a world of one).
+
+    Raises:
+        TypeError: ``group`` is None while ``torch.distributed`` runs (so in every function here:
+            the default group is never implied).
+    """
     return dist.get_world_size(_require(group, "group_size")) if dist.is_initialized() else 1
 
 
@@ -44,7 +51,7 @@ def broadcast_object(obj: Any, *, group: Any, src: int = 0) -> Any:
     """``obj`` of global rank ``src`` on every rank of ``group`` (pickled; small objects only).
 
     Returns ``obj`` itself on ``src`` and in a group of one (no communication)."""
-    if group_size(group) == 1:
+    if group_size(_require(group, "broadcast_object")) == 1:
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=group)
@@ -53,7 +60,7 @@ def broadcast_object(obj: Any, *, group: Any, src: int = 0) -> Any:
 
 def all_gather_objects(obj: Any, *, group: Any) -> list[Any]:
     """Every rank's ``obj``, in the rank order of ``group``, on every rank of it."""
-    world = group_size(group)
+    world = group_size(_require(group, "all_gather_objects"))
     if world == 1:
         return [obj]
     out: list[Any] = [None] * world
@@ -63,7 +70,7 @@ def all_gather_objects(obj: Any, *, group: Any) -> list[Any]:
 
 def gather_objects(obj: Any, *, group: Any, dst: int = 0) -> Optional[list[Any]]:
     """Every rank's ``obj`` on global rank ``dst`` (group rank order); None on the other ranks."""
-    world = group_size(group)
+    world = group_size(_require(group, "gather_objects"))
     if world == 1:
         return [obj]
     parts: Optional[list[Any]] = [None] * world if dist.get_rank() == dst else None
@@ -73,14 +80,14 @@ def gather_objects(obj: Any, *, group: Any, dst: int = 0) -> Optional[list[Any]]
 
 def barrier(*, group: Any) -> None:
     """Wait until every rank of ``group`` reaches here (nothing in a group of one)."""
-    if group_size(group) > 1:
+    if group_size(_require(group, "barrier")) > 1:
         dist.barrier(group=group)
 
 
 def all_reduce(tensor: torch.Tensor, *, group: Any, op=ReduceOp.SUM) -> torch.Tensor:
     """``tensor`` reduced in place over ``group`` (``torch.distributed.all_reduce``, synchronous)
     and returned; in a group of one it already is the result (no communication)."""
-    if group_size(group) > 1:
+    if group_size(_require(group, "all_reduce")) > 1:
         dist.all_reduce(tensor, op=op, group=group)
     return tensor
 

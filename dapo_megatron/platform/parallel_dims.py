@@ -286,3 +286,29 @@ class ParallelDims:
         handle, size = self._sized(group)
         if size > 1:
             collectives.broadcast(tensor, src=src, group=handle)
+
+
+def single_process() -> ParallelDims:
+    """The layout of a world of one: rank 0, every size one, no process groups (a plain
+    ``python`` process without ``torch.distributed``: unit tests, tools). Every collective of it
+    returns without communicating."""
+    return ParallelDims(world_size=1, rank=0, local_rank=0, local_world_size=1, tp_size=1, tp_rank=0, tp_group=None,
+                        pp_size=1, pp_rank=0, pp_group=None, pp_ranks=(0,), dp_size=1, dp_rank=0, dp_group=None,
+                        dp_rank_of=(0,), mp_size=1, mp_rank=0, mp_group=None, rollout_tp_size=1,
+                        rollout_group_ranks=(0,), rollout_index=0, num_engines=1)
+
+
+def dims_or_single(parallel: Optional[ParallelDims], what: str) -> ParallelDims:
+    """``parallel``, or :func:`single_process` when it is None and no ``torch.distributed`` world of
+    more than one rank runs.
+
+    Raises:
+        ValueError: ``parallel`` is None in a world of more than one rank (naming ``what``, the
+            caller): its collectives need the run's layout.
+    """
+    if parallel is not None:
+        return parallel
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(f"{what}: pass parallel= (the run's ParallelDims from init_distributed) in a world of "
+                         f"{dist.get_world_size()} ranks")
+    return single_process()

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from dapo_megatron.algorithms.overlong import OverlongConfig
+from dapo_megatron.platform import collectives
 from dapo_megatron.platform.distributed import collective_device
 from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipConfig
 from dapo_megatron.rollout.types import HELD_BY_ALL, Group, Sample
@@ -548,12 +549,10 @@ def logprob_mismatch_metrics(samples: Sequence[Sample], group=None) -> dict[str,
     # [sum, token count, samples with old_logprobs] and the max: exact to pool over ranks
     totals = torch.tensor([float(d.sum()), float(d.numel()), float(len(diffs))], dtype=torch.float64)
     peak = torch.tensor([float(d.max()) if d.numel() else float("-inf")], dtype=torch.float64)
-    if group is not None and dist.get_world_size(group) > 1:
+    if group is not None and collectives.group_size(group) > 1:
         dev = collective_device(group)
-        totals, peak = totals.to(dev), peak.to(dev)
-        dist.all_reduce(totals, group=group)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-        totals, peak = totals.cpu(), peak.cpu()
+        totals = collectives.all_reduce(totals.to(dev), group=group).cpu()
+        peak = collectives.all_reduce(peak.to(dev), group=group, op=collectives.ReduceOp.MAX).cpu()
     total, count, with_old = totals.tolist()
     if with_old == 0:
         raise ValueError("logprob_mismatch_metrics: no sample has old_logprobs; compute actor logprobs first")
