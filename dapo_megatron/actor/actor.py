@@ -169,7 +169,8 @@ class MegatronActor:
             stages each pass their own stage. Virtual pipeline (several chunks) is not
             supported. Weights must be loaded *before* construction (DDP copies them
             into its contiguous buffers and the optimizer shards them).
-        actor_cfg: :class:`ActorConfig`.
+        actor_cfg: :class:`ActorConfig`, validated (``load_config`` validates it and its ``optim`` once;
+            a config built in code: their ``validate()`` first).
         total_steps: optimizer steps of the whole run (the LR schedule's horizon).
         parallel: this rank's layout (TP group of the vocab-parallel logprobs, PP group of
             the last-stage broadcasts, DP group of the token counts and metrics).
@@ -215,9 +216,7 @@ class MegatronActor:
                 f"got {len(chunks)} model chunks: virtual pipeline parallelism is not supported; pass this "
                 "rank's single pipeline stage"
             )
-        actor_cfg.validate()
-        actor_cfg.optim.validate()
-        actor_cfg.optim.check_total_steps(total_steps)
+        actor_cfg.optim.check_total_steps(total_steps)  # a run-time fact; the fields: load_config validated them
         self.cfg = actor_cfg
         self.vocab_size = vocab_size
         config = chunks[0].config

@@ -311,7 +311,6 @@ def load_from_config(cfg: DataConfig, tokenizer: Any, split: str = "train") -> P
     """
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
-    cfg.validate()
     files = cfg.train_files if split == "train" else cfg.val_files
     if not files:
         raise ValueError(

@@ -163,7 +163,8 @@ class GroupSelector:
     first N kept, renumbered ``0..N-1``; the rest becomes the surplus) and :meth:`step_metrics`.
 
     Args:
-        config: :class:`BufferConfig` (validated here).
+        config: :class:`BufferConfig`, validated: ``load_config`` validates it (with its nested
+            sections) once; a config built in code is validated by its own ``validate()`` first.
         reward_pool: object with ``grade(requests) -> list[dict]`` (``RewardPool``, or the
             trainer's ``DistributedGrader``).
         decode: token ids → response text for grading (tokenizer ``decode`` with
@@ -172,9 +173,6 @@ class GroupSelector:
     """
 
     def __init__(self, config: BufferConfig, reward_pool: RewardPoolLike, decode: Callable[[list[int]], str]):
-        config.validate()
-        if config.overlong.enable:
-            config.overlong.validate()
         self.config = config
         self.reward_pool = reward_pool
         self.decode = decode
