@@ -39,6 +39,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from dapo_megatron.platform import collectives
+
 
 def _tp_rank_world(tp_group) -> tuple[int, int]:
     if tp_group is None or not dist.is_initialized():
@@ -47,9 +49,7 @@ def _tp_rank_world(tp_group) -> tuple[int, int]:
 
 
 def _all_reduce(t: torch.Tensor, op, tp_group, world: int) -> torch.Tensor:
-    if world > 1:
-        dist.all_reduce(t, op=op, group=tp_group)
-    return t
+    return collectives.all_reduce(t, group=tp_group, op=op) if world > 1 else t
 
 
 class _VocabParallelLogprobEntropy(torch.autograd.Function):

@@ -143,7 +143,6 @@ class OverlongConfig:
         """float32 ``[batch]`` penalty of :func:`soft_overlong_penalty`, zeros when disabled."""
         if not self.enable:
             return torch.zeros(len(response_length), dtype=torch.float32)
-        self.validate()
         return soft_overlong_penalty(
             torch.as_tensor(response_length),
             max_response_length=self.max_response_length,

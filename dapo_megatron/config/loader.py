@@ -52,6 +52,8 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
+from .frozen import freeze
+
 T = TypeVar("T")
 
 __all__ = ["ConfigError", "config_errors", "load_config", "to_flat_dict", "to_yaml"]
@@ -426,7 +428,10 @@ def load_config(schema: type[T], yaml_path: str | None = None, overrides: Sequen
             (``model.extra_transformer_config.recompute_granularity=full``).
 
     Returns:
-        An instance of ``schema`` whose nested sections are instances of their dataclasses.
+        An instance of ``schema`` whose nested sections are instances of their dataclasses,
+        validated once here and frozen (:func:`~dapo_megatron.config.frozen.freeze`: assigning a
+        field raises ``FrozenConfigError`` naming the key; ``dataclasses.replace`` makes a changed,
+        unfrozen copy).
 
     Raises:
         TypeError: ``schema`` is not a dataclass type.
@@ -482,7 +487,7 @@ def load_config(schema: type[T], yaml_path: str | None = None, overrides: Sequen
     except Exception as e:  # e.g. an interpolation naming a missing key, a MISSING value
         raise ConfigError(f"cannot resolve the config: {e}") from None
     _validate_tree(obj)
-    return obj
+    return freeze(obj)
 
 
 # --------------------------------------------------------------------------- output

@@ -14,7 +14,7 @@ from .distributed import (
     init_distributed,
     local_device_index,
 )
-from .parallel_dims import ParallelDims, rollout_groups
+from .parallel_dims import ParallelDims, dims_or_single, rollout_groups, single_process
 
 __all__ = [
     "ParallelConfig",
@@ -23,9 +23,11 @@ __all__ = [
     "collective_device",
     "destroy_distributed",
     "device",
+    "dims_or_single",
     "free_port",
     "init_distributed",
     "local_device_index",
     "rollout_groups",
+    "single_process",
     "spawn",
 ]

@@ -20,7 +20,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from . import cpu_compat
+from . import collectives, cpu_compat
 from .parallel_dims import ParallelDims, rollout_groups
 
 
@@ -204,8 +204,8 @@ def init_distributed(
     rank = dist.get_rank()
     index = rank // rollout_tp
     dp_rank = parallel_state.get_data_parallel_rank()
-    dp_rank_of: list = [None] * world
-    dist.all_gather_object(dp_rank_of, dp_rank)  # once per call: every rank's DP shard, for routing data to it
+    # once per call: every rank's DP shard, for routing data to it
+    dp_rank_of = collectives.all_gather_objects(dp_rank, group=dist.group.WORLD)
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     mp_group = parallel_state.get_model_parallel_group()
     ep_group = parallel_state.get_expert_model_parallel_group()
