@@ -4,21 +4,24 @@ Nothing here serves the weight sync to the rollout engine: :mod:`dapo_megatron.b
 reads ``MegatronActor.model_chunks`` for that.
 """
 
-from .actor import ActorConfig, MegatronActor, OptimConfig
+from .actor import ActorConfig, MegatronActor, OptimConfig, TrainOutput
 from .logprobs import vocab_parallel_entropy, vocab_parallel_logprobs, vocab_parallel_logprobs_and_entropy
 from .packing import PackedBatch, group_by_length, pack_samples, split_by_token_budget
-from .plan import ActorPlan, resolve_actor_plan
+from .plan import ActorPlan, OldLogprobPlan, resolve_actor_plan, resolve_old_logprob_plan
 
 __all__ = [
     "ActorConfig",
     "ActorPlan",
     "MegatronActor",
+    "OldLogprobPlan",
     "OptimConfig",
     "PackedBatch",
     "group_by_length",
     "pack_samples",
     "resolve_actor_plan",
+    "resolve_old_logprob_plan",
     "split_by_token_budget",
+    "TrainOutput",
     "vocab_parallel_entropy",
     "vocab_parallel_logprobs",
     "vocab_parallel_logprobs_and_entropy",

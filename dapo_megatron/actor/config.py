@@ -206,10 +206,3 @@ class ActorConfig:
             if self.old_logprob_source == "rollout":
                 raise ValueError("rollout_rs needs the recomputed pi_old (old_logprob_source='recompute'): in bypass "
                                  "mode pi_old is the rollout policy and no token is off it; set rollout_rs: null")
-
-    @property
-    def corrects(self) -> bool:
-        """Whether stale (or, with ``rollout_is_scope='all'``, all) tokens get the behaviour-policy
-        correction: ``rollout_is`` or ``rollout_rs`` set, and ``pi_old`` recomputed (in bypass mode
-        ``pi_old`` is the behaviour policy: every weight would be 1)."""
-        return self.old_logprob_source == "recompute" and (self.rollout_is is not None or self.rollout_rs is not None)

@@ -120,7 +120,7 @@ def _run_layout(out_dir, tp, pp):
         logprob_mismatch_metrics([samples[i] for i in mine], group=par.dp_group)
         (mini,) = plan.mini_batches
         out = actor.train_mini_batch([[samples[i] for i in mb] for mb in mini.micro_batches[par.dp_rank]],
-                                     TEMPERATURE, global_num_tokens=mini.global_num_tokens)
+                                     TEMPERATURE, global_num_tokens=mini.global_num_tokens).metrics
         assert out["skipped"] == 0.0 and out["num_tokens"] == mini.global_num_tokens, out
 
         # step 7 (weight sync into this rank's engine) and the checkpoint

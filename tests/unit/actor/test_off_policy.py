@@ -39,6 +39,7 @@ def _versions(samples):
 def _effective_weights_worker(out_path):
     from dapo_megatron.actor.actor import ActorConfig, MegatronActor, OptimConfig
     from dapo_megatron.actor.micro_batch import MicroBatch
+    from dapo_megatron.actor.plan import resolve_old_logprob_plan
     from dapo_megatron.platform import init_distributed
 
     par = init_distributed(seed=0)
@@ -78,7 +79,8 @@ def _effective_weights_worker(out_path):
         MicroBatch.logprobs_and_entropy = spy
         try:
             metrics = actor.forward_backward([samples[:5], samples[5:]], TEMPERATURE, policy_version=POLICY_VERSION,
-                                             old_from_current=variant == "skip_recompute")
+                                             old=resolve_old_logprob_plan(
+                                                 cfg, num_updates=1 if variant == "skip_recompute" else None)).metrics
         finally:
             MicroBatch.logprobs_and_entropy = real
         res[variant] = {
