@@ -48,7 +48,7 @@ from dapo_megatron.data import load_from_config, resolve_data_files
 from dapo_megatron.models import build_gpt_model, load_hf_config
 from dapo_megatron.platform import ParallelDims
 from dapo_megatron.rollout.engines.factory import load_tokenizer
-from dapo_megatron.rollout.plan.step_data import old_logprob_micro_batches, plan_step, send_tokens
+from dapo_megatron.rollout.plan.step_data import old_logprob_micro_batches, route_step
 from dapo_megatron.rollout.build import build_rollout, check_rollout_fits, prompt_stream
 from dapo_megatron.rollout.sampling.buffer import logprob_mismatch_metrics, split_fresh_stale
 from dapo_megatron.rollout.types import HELD_BY_ALL, Group, Sample
@@ -158,18 +158,15 @@ class DAPOTrainer:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _route_and_old_logprobs(self, groups: list[Group], samples: list[Sample], metrics: dict[str, float]):
-        """The step's plan (:func:`~dapo_megatron.rollout.plan.step_data.plan_step`), each sample's
-        tokens sent to the ranks of the DP rank that trains it, the step's
+        """The step's plan and each sample's tokens sent to the ranks of the DP rank that trains it
+        (:func:`~dapo_megatron.rollout.plan.step_data.route_step`), the step's
         :class:`~dapo_megatron.actor.plan.OldLogprobPlan` (from its update count) and, as it says,
         ``Sample.old_logprobs`` there: recomputed (and the rollout-vs-actor mismatch metrics), the
         rollout's, or left to the training forward; collective. Returns ``(plan, mine, old)``: the
         plan, the indices into ``samples`` of this DP rank's samples, the old-logprob plan."""
         actor, share = self.cfg.actor, self.actor.plan.shares_prompts
-        plan = plan_step(groups, actor.ppo_mini_batch_size, self.dp_size, actor.ppo_max_token_len_per_gpu,
-                         share_prompts=share)
-        ranks_of = [self.parallel.ranks_of_dp_rank(d) for d in range(self.dp_size)]
-        send_tokens(samples, [ranks_of[d] for d in plan.owner])
-        mine = plan.owned(self.dp_rank)
+        plan, mine = route_step(groups, samples, self.parallel, actor.ppo_mini_batch_size,
+                                actor.ppo_max_token_len_per_gpu, share_prompts=share)
         old = resolve_old_logprob_plan(actor, num_updates=actor.ppo_epochs * len(plan.mini_batches))
         if old.source == ROLLOUT:  # bypass mode: the engine's logprobs are pi_old
             for i in mine:
