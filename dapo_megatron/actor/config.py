@@ -107,7 +107,9 @@ class ActorConfig:
     (three-policy form; tokens sampled by older weights get the ``rollout_is`` correction). The
     recompute is skipped when the step is one mini-batch and one epoch (``pi_old = sg(pi_theta)``
     in the training forward, the same value and gradient). ``"rollout"``: the engine's logprobs
-    are ``pi_old`` and no recompute pass runs (verl's bypass mode, two-policy form)."""
+    are ``pi_old`` and no recompute pass runs (verl's bypass mode, two-policy form). Resolved
+    once per step, with whether the correction applies, by
+    :func:`~dapo_megatron.actor.plan.resolve_old_logprob_plan`."""
     rollout_is: Optional[str] = "token"
     """importance weight against the behaviour policy (verl rollout-correction name):
     ``"token"`` (``min(pi_old / mu, C)`` per token), ``"sequence"`` (product over the response's
