@@ -243,8 +243,8 @@ class DAPOTrainer:
     def _update(self, groups: list[Group], samples: list[Sample], metrics: dict[str, float],
                 timing: dict[str, float]) -> int:
         """Steps 4-6 of :meth:`train_step` on its kept groups: advantages, the plan and the old
-        logprobs, the updates; adds their metrics and timings; returns the tokens trained per
-        epoch (prompt + response); collective."""
+        logprobs, the updates; adds their metrics and timings; returns the tokens (prompt +
+        response) the updates trained, summed over the epochs; collective."""
         cfg, a = self.cfg, self.cfg.actor
 
         # 4. group-relative advantages (on the shaped reward)
