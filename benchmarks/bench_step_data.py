@@ -242,7 +242,7 @@ class _BatchEngine:
         return out
 
 
-def _buffer(args, train_batch_size):
+def _buffer(args, par, train_batch_size):
     """The trainer's selector over the stand-in grader (every group kept, no overlong shaping)."""
     from dapo_megatron.algorithms.overlong import OverlongConfig
     from dapo_megatron.rollout.plan.step_data import DistributedGrader
@@ -251,7 +251,7 @@ def _buffer(args, train_batch_size):
     cfg = BufferConfig(train_batch_size=train_batch_size, n=args.n, gen_batch_size=args.prompts,
                        max_num_gen_batches=1, filter_groups=False, overlong=OverlongConfig(enable=False),
                        on_cap="train_on_kept")
-    return RolloutBuffer(cfg, DistributedGrader(_Pool()), decode=list)  # _grade reads the token ids
+    return RolloutBuffer(cfg, DistributedGrader(_Pool(), par), decode=list)  # _grade reads the token ids
 
 
 def batch_rollout(args, par, records, engine):
@@ -262,7 +262,7 @@ def batch_rollout(args, par, records, engine):
     from dapo_megatron.rollout.rollout import Rollout
 
     cfg = DAPOConfig()
-    buffer = _buffer(args, args.prompts)
+    buffer = _buffer(args, par, args.prompts)
     cfg.buffer = buffer.config
     cfg.rollout.response_length = int(args.max_response * args.token_scale)
     return Rollout(cfg, par, engine=engine, num_engines=par.world_size, engine_index=par.rank, train_data=records,
@@ -332,7 +332,7 @@ class _AllGatherRows:
     ``g`` on rank ``g.prompt_seed % world``, every finished or aborted row's tokens and logprobs
     all-gathered to every rank each round (as Python objects), so every sample is held by all."""
 
-    def __init__(self, engine, params, *, num_engines, engine_index):
+    def __init__(self, engine, params, *, num_engines, engine_index, parallel=None):
         self.engine, self.params, self.world, self.rank = engine, params, num_engines, engine_index
 
     def submit(self, rows) -> None:
@@ -356,11 +356,11 @@ class _AllGatherRows:
         return self._everywhere(self.engine.abort())
 
 
-def _records_client(engine, params, *, num_engines, engine_index):
+def _records_client(engine, params, *, num_engines, engine_index, parallel):
     """The streamed rollout's client now: records replicated, tokens where generated."""
     from dapo_megatron.rollout.sampling.streaming import EngineClient
 
-    return EngineClient(engine, params, num_engines=num_engines, engine_index=engine_index)
+    return EngineClient(engine, params, num_engines=num_engines, engine_index=engine_index, parallel=parallel)
 
 
 def path_streamed(args, par, records, client):
@@ -371,7 +371,7 @@ def path_streamed(args, par, records, client):
     from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipConfig, PromptSkipper
     from dapo_megatron.rollout.sampling.streaming import PromptQueue, StreamingCollector
 
-    selector = _buffer(args, args.prompts // 2)
+    selector = _buffer(args, par, args.prompts // 2)
     collector = StreamingCollector(selector, PromptSkipper(PromptSkipConfig(), seed=0), partial_rollout=True,
                                    poll_tokens=max(1, int(args.poll_tokens * args.token_scale)))
     queue = PromptQueue(lambda: records, args.prompts, records.__getitem__)
@@ -391,7 +391,7 @@ def _time_streamed(args, par, records, client_of) -> dict:
     positions = [p for p in range(args.prompts) if p % world == rank]
 
     def client():
-        return client_of(_ScriptedEngine(args, positions), params, num_engines=world, engine_index=rank)
+        return client_of(_ScriptedEngine(args, positions), params, num_engines=world, engine_index=rank, parallel=par)
 
     with ByteCounter() as counter:
         path_streamed(args, par, records, client())

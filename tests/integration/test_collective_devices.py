@@ -102,8 +102,9 @@ def _run_layout(out_dir, tp, pp):
         prompts = [k for k in range(len(all_groups)) if k % par.dp_size == par.dp_rank]
         local = [(par.dp_rank, pos, all_groups[k]) for pos, k in enumerate(prompts)
                  if pos % par.mp_size == par.mp_rank]
-        groups = gather_groups(local, n=2, max_local=-(-len(prompts) // par.mp_size), record_of=records.__getitem__)
-        RolloutBuffer(BufferConfig(train_batch_size=4, n=2, gen_batch_size=4), DistributedGrader(_ParityGrader()),
+        groups = gather_groups(local, n=2, max_local=-(-len(prompts) // par.mp_size), record_of=records.__getitem__,
+                               parallel=par)
+        RolloutBuffer(BufferConfig(train_batch_size=4, n=2, gen_batch_size=4), DistributedGrader(_ParityGrader(), par),
                       lambda ids: " ".join(map(str, ids))).grade(groups)
         samples = [s for g in groups for s in g.samples]
         g = torch.Generator().manual_seed(1)
