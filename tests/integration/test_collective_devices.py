@@ -170,7 +170,8 @@ def test_every_collective_tensor_is_on_its_groups_device(spied, tp, pp):
         # optimizer and the bridge were all seen, each with its tensors
         sites = {c[4].rsplit(":", 1)[0] for c in tensor_calls}
         assert all(c[2] for c in tensor_calls), "a tensor collective without a recorded tensor"
-        assert any(c[0] == "all_reduce" and c[4].startswith("dapo_megatron/actor/actor.py") for c in tensor_calls)
+        if tp == 1:  # the actor's counts and metrics over DP (and PP); at TP=2 both are groups of one, skipped
+            assert any(c[0] == "all_reduce" and c[4].startswith("dapo_megatron/actor/actor.py") for c in tensor_calls)
         assert "megatron/core/optimizer/clip_grads.py" in sites or "megatron/core/optimizer/optimizer.py" in sites
         if tp * pp == 1:  # DP=2: gradient reduce-scatter and parameter all-gather of the distributed optimizer
             assert {"reduce_scatter_tensor", "all_gather_into_tensor"} <= {c[0] for c in tensor_calls}, sites
