@@ -180,6 +180,10 @@ class _Call:
             self.done.set()
 
 
+class _NamedFailure(RuntimeError):
+    """A failed weight-sync bucket whose message already names the servers."""
+
+
 class _RowsRequest:
     """One streamed ``/generate`` request (a batch of rows) running in a thread."""
 
@@ -304,8 +308,13 @@ class ServerWeightSender:
                 request["weight_version"] = self.weight_version
             calls = [_Call(http_post, url, "/update_weights_from_distributed", request, self.timeout_s)
                      for url in self.urls]
-            work = dist.broadcast(bucket.flat, src=0, group=self.group, async_op=True)
-            self._wait(work, calls, bucket.names[0])
+            try:
+                work = dist.broadcast(bucket.flat, src=0, group=self.group, async_op=True)
+                self._wait(work, calls, bucket.names[0])
+            except Exception as err:  # the transport's error names a socket, not a server
+                if isinstance(err, _NamedFailure):
+                    raise RuntimeError(str(err)) from None
+                raise RuntimeError(self._broadcast_failure(calls, bucket.names[0], err)) from err
             for result, url in zip(self._join(calls, "/update_weights_from_distributed"), self.urls):
                 if isinstance(result, dict) and result.get("success") is False:
                     raise RuntimeError(f"SGLang server {url} update_weights_from_distributed failed: "
@@ -315,6 +324,17 @@ class ServerWeightSender:
             del bucket, work  # a bucket larger than the packer's is the bridge's own memory
         return sent
 
+    def _broadcast_failure(self, calls: list[_Call], first: str, err: BaseException) -> str:
+        """The message of a broadcast the transport failed (a peer reset the connection): the
+        servers whose HTTP call failed or is unanswered (waited for up to ``timeout_s``), by URL."""
+        deadline = time.monotonic() + self.timeout_s
+        for call in calls:
+            call.done.wait(max(0.0, deadline - time.monotonic()))
+        bad = [f"{url}: {call.error}" if call.done.is_set() else f"{url}: no answer within {self.timeout_s:g} s"
+               for url, call in zip(self.urls, calls) if not call.done.is_set() or call.error is not None]
+        return (f"weight sync bucket starting at {first!r}, stage {self.stage}: the broadcast failed ({err}); "
+                f"failed server(s): {'; '.join(bad) or 'none answered with an error: ' + ', '.join(self.urls)}")
+
     def _wait(self, work, calls: list[_Call], first: str) -> None:
         """Wait for the broadcast, watching the servers' HTTP calls: a server that answers with an
         error (or whose connection drops) will never take part, so stop at once, naming it."""
@@ -322,10 +342,10 @@ class ServerWeightSender:
         while not work.is_completed():
             for server, call in zip(self.servers, calls):
                 if call.done.is_set() and call.error is not None:
-                    raise RuntimeError(f"weight sync bucket starting at {first!r}, stage {self.stage}: {call.error}")
+                    raise _NamedFailure(f"weight sync bucket starting at {first!r}, stage {self.stage}: {call.error}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"weight sync bucket starting at {first!r}, stage {self.stage}: the broadcast to "
-                                   f"{self.urls} did not complete within {self.timeout_s:g} s")
+                raise _NamedFailure(f"weight sync bucket starting at {first!r}, stage {self.stage}: the broadcast to "
+                                    f"{self.urls} did not complete within {self.timeout_s:g} s")
             time.sleep(0.0005)
         work.wait()
 
@@ -603,18 +623,21 @@ class ServerRollout:
         backend: of the weight-update groups; None: NCCL on a CUDA device, else gloo.
         eos_token_ids: the model's stop tokens (an aborted row that already ends on one has
             finished: ``"stop"``, :func:`~dapo_megatron.rollout.engines.sglang_engine.parse_row_output`).
+        one_driver: ``async_training``: rank 0's controller sends the training rows to every
+            server, so there may be more servers than ranks
+            (:func:`~dapo_megatron.rollout.engines.layout.rollout_engines`).
     """
 
     def __init__(self, urls: Sequence[str], param_specs, *, stage: int, num_stages: int, is_sender: bool,
                  device: torch.device | str, timeout_s: float, generate_timeout_s: float, bucket_bytes: int,
-                 backend: Optional[str] = None, eos_token_ids: Sequence[int] = ()):
+                 backend: Optional[str] = None, eos_token_ids: Sequence[int] = (), one_driver: bool = False):
         self.urls = list(urls)
         self.param_specs = param_specs
         self.stage, self.num_stages = int(stage), int(num_stages)
         self.timeout_s, self.generate_timeout_s = float(timeout_s), float(generate_timeout_s)
         self.rank = dist.get_rank()
         self.num_engines, self.engine_index = rollout_engines(self.rank, dist.get_world_size(), mode="server",
-                                                              num_servers=len(self.urls))
+                                                              num_servers=len(self.urls), one_driver=one_driver)
         box: list = [None]
         if self.rank == 0:
             try:
