@@ -361,34 +361,38 @@ class RolloutController:
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` (before :meth:`start`), evicting what is now too stale.
 
-        When every kept group of the ready steps and of the step being filled is within
-        η = ``buffer.max_staleness`` versions of the step it is for, the state is restored as
-        it was (the resumed run repeats the uninterrupted one). Else (η was lowered for the
-        resume) no step is kept whole: every kept group, in generation order (ready steps
-        oldest first, then the open step's, then its surplus), is carried into the step of the
-        oldest policy version as synchronous mode carries surplus: that step takes the carried
-        groups within η of it first, and those more than η behind it are dropped, counted in
-        its ``rollout/evicted_on_resume`` (and ``rollout/dropped_stale``); the rest is carried
-        on as surplus (a later step drops what is too stale for it as ``rollout/dropped_stale``).
-        No group is lost or used twice either way: those not evicted are trained, in order.
+        Each kept group is checked against the policy version of the step it was kept for
+        (a ready step's, or the open step's for its kept groups and surplus), with η =
+        ``buffer.max_staleness`` of this run (a resume may lower it). The steps before the
+        first one holding a group more than η behind are restored as they were; so is all of
+        it when there is none (the resumed run repeats the uninterrupted one). From that step
+        on, the groups more than η behind their step are evicted, counted in that step's
+        ``rollout/evicted_on_resume``, and the others, in generation order, are carried into
+        it as synchronous mode carries surplus (each is within η of it: it is not newer than
+        the step they were kept for); the step is filled again from there. No group is lost
+        or used twice: every one is trained once or counted as evicted.
         """
         self.gen_batches_done = int(state["gen_batches_done"])
         self._fill = _Fill.load(state["fill"], self.selector)
         self._ready = deque((int(r["version"]), [group_from_dict(g) for g in r["groups"]], dict(r["metrics"]))
                             for r in state["ready"])
-        eta = self.cfg.max_staleness
-        steps = [(v, gs) for v, gs, _ in self._ready] + [(self._fill.version, self.selector._step.kept)]
-        if all(group_staleness(g, v) <= eta for v, gs in steps for g in gs):
+        eta, fill = self.cfg.max_staleness, self._fill
+        steps = [(v, gs) for v, gs, _ in self._ready] + [(fill.version, self.selector._step.kept + self.selector.surplus)]
+        stale = [any(group_staleness(g, v) > eta for g in gs) for v, gs in steps]
+        if not any(stale):
             return
-        carried = [g for _, gs in steps for g in gs] + self.selector.surplus
-        first = min(v for v, _ in steps)
-        self._ready.clear()
-        self._fill = _Fill(first)
-        self.selector.load_state_dict({"surplus": [group_to_dict(g) for g in carried]})
-        self.selector.begin(first)
-        self._fill.evicted = self.selector._step.dropped_stale
-        logger.warning("resume: %d of %d carried groups are more than buffer.max_staleness=%d versions behind policy "
-                       "version %d: evicted", self._fill.evicted, len(carried), eta, first)
+        first = stale.index(True)
+        keep = [g for v, gs in steps[first:] for g in gs if group_staleness(g, v) <= eta]
+        evicted = sum(len(gs) for _, gs in steps[first:]) - len(keep)
+        version = steps[first][0]
+        self._ready = deque(list(self._ready)[:first])
+        if first < len(steps) - 1:  # a ready step is filled again: the open step's tally starts anew
+            self._fill = _Fill(version)
+        self.selector.load_state_dict({"surplus": [group_to_dict(g) for g in keep]})
+        self.selector.begin(version)
+        self._fill.evicted = evicted
+        logger.warning("resume: %d carried groups are more than buffer.max_staleness=%d versions behind the step they "
+                       "were kept for: evicted from the step of policy version %d on", evicted, eta, version)
 
     # ---- the thread -----------------------------------------------------------------
     def _admits(self) -> bool:
