@@ -50,7 +50,8 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.platform import free_port
+from dapo_megatron.platform import collectives, free_port
+from dapo_megatron.platform.parallel_dims import ParallelDims, dims_or_single
 from dapo_megatron.rollout.engines.buckets import dtype_name
 from dapo_megatron.rollout.engines.engine import RowRequest, RowResult, WeightSyncTracker
 from dapo_megatron.rollout.engines.flat_bucket import FlatBucketPacker
@@ -309,7 +310,7 @@ class ServerWeightSender:
             calls = [_Call(http_post, url, "/update_weights_from_distributed", request, self.timeout_s)
                      for url in self.urls]
             try:
-                work = dist.broadcast(bucket.flat, src=0, group=self.group, async_op=True)
+                work = collectives.broadcast(bucket.flat, src=0, group=self.group, async_op=True)
                 self._wait(work, calls, bucket.names[0])
             except Exception as err:  # the transport's error names a socket, not a server
                 if isinstance(err, _NamedFailure):
@@ -352,9 +353,10 @@ class ServerWeightSender:
 
 def connect_servers(servers: Sequence[ServerInfo], *, stage: int, num_stages: int, is_sender: bool,
                     device: torch.device | str, timeout_s: float, bucket_bytes: int,
-                    backend: Optional[str] = None, group=None, group_suffix: str = "") -> Optional[ServerWeightSender]:
+                    backend: Optional[str] = None, parallel: Optional[ParallelDims] = None,
+                    group_suffix: str = "") -> Optional[ServerWeightSender]:
     """Create the weight-update group of every pipeline stage, stage by stage; collective over
-    ``group`` (default: the world).
+    the world of ``parallel`` (None: a world of one).
 
     In turn ``s`` the sender of stage ``s`` (``is_sender``: its DP-0 TP-0 rank) asks every
     server to join ``dapo_weights_pp<s>`` and joins as rank 0; the others wait. One stage at a
@@ -366,7 +368,9 @@ def connect_servers(servers: Sequence[ServerInfo], *, stage: int, num_stages: in
 
     Raises:
         RuntimeError: on every rank, naming the server that did not join.
+        ValueError: ``parallel`` is None in a world of more than one rank.
     """
+    parallel = dims_or_single(parallel, "connect_servers")
     sender, error = None, None
     for turn in range(num_stages):
         if turn == stage and is_sender:
@@ -376,8 +380,7 @@ def connect_servers(servers: Sequence[ServerInfo], *, stage: int, num_stages: in
                 sender.init_group(backend=backend)
             except Exception as err:
                 error = f"creating the weight-update group of pipeline stage {stage}: {err}"
-        errors: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(errors, error, group=group)
+        errors = parallel.all_gather_objects(error, "world")
         if any(errors):
             raise RuntimeError("; ".join(e for e in errors if e))
     return sender
@@ -407,8 +410,9 @@ def _prepend(first, rest: Iterator):
 
 def sync_servers(stage_tensors: Optional[Iterable[NamedTensor]], *, sender: Optional[ServerWeightSender],
                  urls: Sequence[str], timeout_s: float, param_specs, version: int, coordinator: bool,
-                 stage: int = 0, num_stages: int = 1, group=None) -> int:
-    """One weight sync into the servers; collective over ``group`` (default: the world).
+                 stage: int = 0, num_stages: int = 1, parallel: Optional[ParallelDims] = None) -> int:
+    """One weight sync into the servers; collective over the world of ``parallel`` (None: a world
+    of one).
 
     Args:
         stage_tensors: this rank's part of the bridge stream: the tensors of its pipeline stage
@@ -441,8 +445,8 @@ def sync_servers(stage_tensors: Optional[Iterable[NamedTensor]], *, sender: Opti
             pause_servers(urls, timeout_s)
         except Exception as err:
             error = f"pausing generation before the weight sync: {err}"
-    errors = [None] * dist.get_world_size(group)
-    dist.all_gather_object(errors, error, group=group)  # no stage sends into a server that is not paused
+    parallel = dims_or_single(parallel, "sync_servers")
+    errors = parallel.all_gather_objects(error, "world")  # no stage sends into a server that is not paused
     if any(errors):
         raise RuntimeError(next(e for e in errors if e))
     sent: list[tuple[str, tuple[int, ...]]] = []
@@ -464,8 +468,7 @@ def sync_servers(stage_tensors: Optional[Iterable[NamedTensor]], *, sender: Opti
                     error = str(err)
             for item in stream:  # after a failure (or off the sender): keep the bridge's TP gathers in step
                 del item
-        reports: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(reports, (sent if turn == stage else [], error), group=group)
+        reports = parallel.all_gather_objects((sent if turn == stage else [], error), "world")
         every_sent += [item for part, _ in reports for item in part]
         failed = [e for _, e in reports if e]
         if failed:
@@ -484,10 +487,9 @@ def sync_servers(stage_tensors: Optional[Iterable[NamedTensor]], *, sender: Opti
             flush_and_continue(urls, timeout_s)
         except Exception as err:
             failed = [f"resuming generation after the weight sync: {err}"]
-    box = [failed]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    if box[0]:
-        raise RuntimeError("; ".join(box[0]))
+    failed = parallel.broadcast_object(failed, "world", src=0)
+    if failed:
+        raise RuntimeError("; ".join(failed))
     return sender.bytes_sent if sender is not None else 0
 
 
@@ -626,30 +628,34 @@ class ServerRollout:
         one_driver: ``async_training``: rank 0's controller sends the training rows to every
             server, so there may be more servers than ranks
             (:func:`~dapo_megatron.rollout.engines.layout.rollout_engines`).
+        parallel: the run's layout (the world group of the rank-0 broadcasts and the sync's
+            gathers); None: a world of one.
     """
 
     def __init__(self, urls: Sequence[str], param_specs, *, stage: int, num_stages: int, is_sender: bool,
                  device: torch.device | str, timeout_s: float, generate_timeout_s: float, bucket_bytes: int,
-                 backend: Optional[str] = None, eos_token_ids: Sequence[int] = (), one_driver: bool = False):
+                 backend: Optional[str] = None, eos_token_ids: Sequence[int] = (), one_driver: bool = False,
+                 parallel: Optional[ParallelDims] = None):
+        self.parallel = dims_or_single(parallel, "ServerRollout")
         self.urls = list(urls)
         self.param_specs = param_specs
         self.stage, self.num_stages = int(stage), int(num_stages)
         self.timeout_s, self.generate_timeout_s = float(timeout_s), float(generate_timeout_s)
-        self.rank = dist.get_rank()
-        self.num_engines, self.engine_index = rollout_engines(self.rank, dist.get_world_size(), mode="server",
+        self.rank = self.parallel.rank
+        self.num_engines, self.engine_index = rollout_engines(self.rank, self.parallel.world_size, mode="server",
                                                               num_servers=len(self.urls), one_driver=one_driver)
-        box: list = [None]
+        answer = None
         if self.rank == 0:
             try:
-                box[0] = _each(self.urls, lambda url: query_server(url, self.timeout_s))
+                answer = _each(self.urls, lambda url: query_server(url, self.timeout_s))
             except RuntimeError as err:
-                box[0] = f"rollout.server_urls: {err}"
-        dist.broadcast_object_list(box, src=0)
-        if isinstance(box[0], str):
-            raise RuntimeError(box[0])
-        self.servers: list[ServerInfo] = box[0]
+                answer = f"rollout.server_urls: {err}"
+        answer = self.parallel.broadcast_object(answer, "world", src=0)
+        if isinstance(answer, str):
+            raise RuntimeError(answer)
+        self.servers: list[ServerInfo] = answer
         self._connect = dict(stage=stage, num_stages=num_stages, is_sender=is_sender, device=device,
-                             timeout_s=timeout_s, bucket_bytes=bucket_bytes, backend=backend)
+                             timeout_s=timeout_s, bucket_bytes=bucket_bytes, backend=backend, parallel=self.parallel)
         self.sender = connect_servers(self.servers, **self._connect)
         self.members = list(range(len(self.servers)))  # the servers the weight syncs go to (set_members)
         self._group_generation = 0
@@ -661,15 +667,15 @@ class ServerRollout:
 
     def check_health(self) -> None:
         """:func:`check_health` of every server from rank 0; every rank raises the same error."""
-        box = [None]
+        error = None
         if self.rank == 0:
             try:
                 check_health(self.urls, self.timeout_s)
             except RuntimeError as err:
-                box[0] = str(err)
-        dist.broadcast_object_list(box, src=0)
-        if box[0]:
-            raise RuntimeError(box[0])
+                error = str(err)
+        error = self.parallel.broadcast_object(error, "world", src=0)
+        if error:
+            raise RuntimeError(error)
 
     def generate(self, prompt_ids, params, prompt_seeds=None):
         """One ``/generate`` request to this rank's server (a driving rank only); see
@@ -752,6 +758,6 @@ class ServerRollout:
         urls = [self.urls[e] for e in self.members]
         nbytes = sync_servers(stage_tensors, sender=self.sender, urls=urls, timeout_s=self.timeout_s,
                               param_specs=self.param_specs, version=version, coordinator=self.rank == 0,
-                              stage=self.stage, num_stages=self.num_stages)
+                              stage=self.stage, num_stages=self.num_stages, parallel=self.parallel)
         self.weight_version, self.weights_valid = version, True
         return nbytes
