@@ -323,13 +323,17 @@ class RolloutController:
         metrics, those of :meth:`RolloutBuffer.collect`, plus ``time/wait_rollout_s``.
 
         Raises:
-            RuntimeError: the controller failed (the cause chained), or the step hit the cap
-                with ``on_cap="error"`` (synchronous mode's message).
+            RuntimeError: the controller failed (the cause chained), the step hit the cap
+                with ``on_cap="error"`` (synchronous mode's message), or it has no step for
+                ``policy_version`` (a state that does not match the trainer's).
         """
         t0 = time.perf_counter()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cv:
             while not self._ready and self._error is None:
+                if self._fill.version > policy_version:  # that step will never come: fail, do not wait
+                    raise RuntimeError(f"the rollout controller has no step for policy version {policy_version} (it "
+                                       f"fills version {self._fill.version}): its state does not match the trainer's")
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise RuntimeError(f"the rollout controller produced no step in {timeout_s} s")
