@@ -96,7 +96,8 @@ def runs(smollm2_gguf, tmp_path_factory):
         with pytest.raises(Exception, match="exit code 9|exitcode 9|exited with exit code"):
             spawn(_worker, 1, hf_dir, server.url, str(root / "KILLED"), ETA1, str(root / "KILLED.pt"), True)
         ckpt = os.path.join(root, "KILLED", "checkpoints", f"step_{KILL_IN_STEP - 1}")
-        out["ckpt_state"] = torch.load(os.path.join(ckpt, "trainer_state.pt"), weights_only=False)
+        out["ckpt_state"] = torch.load(os.path.join(ckpt, "trainer_state.pt"),
+                                       weights_only=False)["components"]["rollout"]  # Checkpointer's layout 2
         shutil.copytree(root / "KILLED", root / "EVICT")
         spawn(_worker, 1, hf_dir, server.url, str(root / "KILLED"), ETA1, str(root / "RESUMED.pt"))
         spawn(_worker, 1, hf_dir, server.url, str(root / "EVICT"), ETA0, str(root / "EVICT.pt"))
