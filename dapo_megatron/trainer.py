@@ -191,6 +191,9 @@ class DAPOTrainer:
             if everywhere:
                 metrics.update({k.replace("logprob_diff", f"logprob_diff_{name}"): v
                                 for k, v in logprob_mismatch_metrics(here, group=group).items()})
+        if any(s.staleness(self.step) for s in batch):  # over the stale tokens alone (a partial row's too)
+            metrics.update({k.replace("logprob_diff", "logprob_diff_stale_token"): v for k, v in
+                            logprob_mismatch_metrics(measured, group=group, older_than=self.step).items()})
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict[str, float]:

@@ -146,7 +146,7 @@ class DAPOConfig:
         r = self.rollout
         try:
             check_rollout_layout(world_size, r.tensor_model_parallel_size, ranks_per_node, mode=r.mode,
-                                 num_servers=len(r.server_urls))
+                                 num_servers=len(r.server_urls), one_driver=self.async_training.enable)
         except ValueError as err:
             raise ConfigError(str(err)) from None
         p = self.parallel

@@ -48,8 +48,10 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 from dapo_megatron.data import PromptStream
 from dapo_megatron.rollout.engines.engine import Completion, SamplingParams, completions_to_group, sample_seed
 from dapo_megatron.rollout.engines.layout import engine_share
+from dapo_megatron.rollout.engines.server_sync import probe_health
 from dapo_megatron.rollout.engines.sglang_engine import build_sampling_params, http_post, parse_completion
-from dapo_megatron.rollout.sampling.buffer import DROP_REASONS, GroupSelector, group_from_dict, group_to_dict
+from dapo_megatron.rollout.sampling.buffer import (DROP_REASONS, GroupSelector, group_from_dict, group_staleness,
+                                                  group_to_dict)
 from dapo_megatron.rollout.rollout import Rollout, StepBatch
 from dapo_megatron.rollout.types import Group, Sample
 
@@ -84,14 +86,23 @@ def _parse_row(item: Any, row: int, fallback_version: int) -> tuple[list[int], l
     return list(c.response_ids), list(c.logprobs), c.finish_reason, version
 
 
-def generate_rows_on_servers(urls: Sequence[str], rows: Sequence[tuple[int, list[int], dict]], timeout_s: float,
-                             version: int, pool: Optional[ThreadPoolExecutor] = None) -> list[tuple]:
-    """Rows ``(server index, input ids, sampling_params)``, one batched ``/generate`` per server
-    (rows in the order given), all servers at once; the :func:`_parse_row` of each row, in the
-    order given. HTTP only.
+@dataclasses.dataclass(frozen=True)
+class ServerFailure:
+    """What :func:`generate_rows_on_servers` answers for a row whose server failed: the server's
+    index and the error (naming its URL: unreachable, reset, an HTTP error, no answer within
+    the timeout, or a malformed answer)."""
 
-    Raises:
-        RuntimeError: a server failed or timed out (its URL in the message).
+    server: int
+    message: str
+
+
+def generate_rows_on_servers(urls: Sequence[str], rows: Sequence[tuple[int, list[int], dict]], timeout_s: float,
+                             version: int, pool: Optional[ThreadPoolExecutor] = None) -> list:
+    """Rows ``(server index, input ids, sampling_params)``, one batched ``/generate`` per server
+    (rows in the order given), all servers at once, each bounded by ``timeout_s``; per row, in
+    the order given, its :func:`_parse_row`, or a :class:`ServerFailure` for every row of a
+    server that failed (the other servers' rows are unaffected). HTTP only; never raises for
+    a server's failure.
     """
 
     by_server: dict[int, list[int]] = {}
@@ -110,8 +121,9 @@ def generate_rows_on_servers(urls: Sequence[str], rows: Sequence[tuple[int, list
                 raise RuntimeError(f"/generate returned {len(out) if isinstance(out, list) else out!r} outputs "
                                    f"for {len(ks)} rows")
             return [_parse_row(item, r, version) for r, item in enumerate(out)]
-        except Exception as err:
-            raise RuntimeError(f"rollout server {urls[e]}: /generate of {len(ks)} rows failed: {err}") from err
+        except Exception as err:  # this server's rows only: the controller retries them on another
+            failure = ServerFailure(e, f"rollout server {urls[e]}: /generate of {len(ks)} rows failed: {err}")
+            return [failure] * len(ks)
 
     servers = sorted(by_server)
     parts = list(pool.map(one, servers)) if pool is not None and len(servers) > 1 else [one(e) for e in servers]
@@ -137,11 +149,15 @@ class _Fill:
         self.version = version
         self.num_batches = 0
         self.resubmitted = self.reprefilled = 0  # partial rows continued after a sync, their prefix tokens
+        self.retried = self.server_failures = 0  # rows sent again after their server failed; servers that did
+        self.evicted = 0  # carried groups a resume found more than η versions behind (load_state_dict)
 
     def state_dict(self, selector: GroupSelector) -> dict:
         st = selector._step  # the selector's tally of the open step (begin() .. take())
         return {"version": self.version, "num_batches": self.num_batches, "resubmitted": self.resubmitted,
-                "reprefilled": self.reprefilled, "surplus": selector.state_dict(),
+                "reprefilled": self.reprefilled, "retried": self.retried, "server_failures": self.server_failures,
+                "evicted": self.evicted,
+                "surplus": selector.state_dict(),
                 "kept": [group_to_dict(g) for g in st.kept], "surplus_in": st.surplus_in,
                 "dropped_stale": st.dropped_stale, "graded": [group_to_dict(Group(-1, [x])) for x in st.graded],
                 "dropped": dict(st.dropped)}
@@ -150,6 +166,8 @@ class _Fill:
     def load(cls, d: dict, selector: GroupSelector) -> "_Fill":
         f = cls(int(d["version"]))
         f.num_batches, f.resubmitted, f.reprefilled = int(d["num_batches"]), int(d["resubmitted"]), int(d["reprefilled"])
+        f.retried, f.server_failures = int(d.get("retried", 0)), int(d.get("server_failures", 0))
+        f.evicted = int(d.get("evicted", 0))
         selector.load_state_dict({"surplus": []})
         selector.begin(f.version)
         st = selector._step
@@ -171,22 +189,38 @@ class RolloutController:
             deals them (every DP rank's share, DP rank order).
         urls: the servers.
         params: sampling parameters (``n = buffer.n``, seed ``trainer.seed``).
-        generate_timeout_s: bound on one ``/generate`` call.
+        generate_timeout_s: bound on one ``/generate`` call (``rollout.server_generate_timeout_s``):
+            a server that does not answer in time fails, as one that is unreachable does.
+        health_timeout_s: bound on one ``/health`` probe (``rollout.server_timeout_s``).
         version: the weights the servers hold now (the trainer's step).
         policy_version: the policy version of the first step to fill (the trainer's step).
         gen_batches_done: generation batches drawn so far (numbers groups, seeds responses).
         generate: ``(rows, version) -> results`` of :func:`generate_rows_on_servers`; default:
             that function over ``urls``.
+
+    Server health (every state change under the lock; :attr:`health` per server):
+    ``"healthy"`` servers get the rows, dealt round-robin over them; a server whose
+    ``/generate`` fails (unreachable, reset, an HTTP error, or no answer within
+    ``generate_timeout_s``) or whose ``/health`` probe fails before a sync becomes ``"down"``:
+    it leaves dispatch at once and its rows (the prefix they had before that request, their
+    own seed) go to the healthy servers in the next round; the trainer's weight syncs leave it
+    out (:meth:`members_for_sync`). A down server that answers ``/health`` again is
+    ``"back"``: it is in the next sync, and only once that sync has put the current weights
+    into it does it turn ``"healthy"`` and get work (:meth:`resume`). With no healthy server
+    left the controller fails, naming every server and its error.
     """
 
     def __init__(self, selector: GroupSelector, next_batch: Callable[[], Sequence[Any]], urls: Sequence[str],
                  params: SamplingParams, *, generate_timeout_s: float, version: int, policy_version: int,
-                 gen_batches_done: int = 0, generate: Optional[Callable] = None):
+                 gen_batches_done: int = 0, generate: Optional[Callable] = None, health_timeout_s: float = 60.0):
         self.selector, self.cfg = selector, selector.config
         self.next_batch = next_batch
         self.urls = list(urls)
         self.params = params
         self.timeout_s = float(generate_timeout_s)
+        self.health_timeout_s = float(health_timeout_s)
+        self.health = ["healthy"] * len(self.urls)
+        self.server_errors: list[Optional[str]] = [None] * len(self.urls)  # the last failure of each
         self._pool = ThreadPoolExecutor(max(1, len(self.urls)), thread_name_prefix="rollout-http")
         self._generate = generate or (lambda rows, version: generate_rows_on_servers(
             self.urls, rows, self.timeout_s, version, self._pool))
@@ -197,6 +231,7 @@ class RolloutController:
         self._ready: deque = deque()  # (policy version, groups, metrics) or (version, RuntimeError, None)
         self._cv = threading.Condition()
         self._paused = 0
+        self._holds: list[bool] = []  # per pause() in force: True for one that does not wait (a sync's)
         self._busy = False
         self._stop = False
         self._error: Optional[BaseException] = None
@@ -227,30 +262,78 @@ class RolloutController:
         t0 = time.perf_counter()
         with self._cv:
             self._paused += 1
+            self._holds.append(not wait)
             while wait and self._busy:
                 self._cv.wait()
         return time.perf_counter() - t0
 
-    def resume(self, version: Optional[int] = None) -> None:
-        """Undo one :meth:`pause`; ``version``: the weights the servers hold now."""
+    def resume(self, version: Optional[int] = None, synced: Optional[Sequence[int]] = None) -> None:
+        """Undo the last :meth:`pause`; ``version``: the weights the servers hold now;
+        ``synced``: the servers a sync just put them into (they turn ``"healthy"``)."""
         with self._cv:
             if version is not None:
                 self.version = int(version)
+            for e in synced or ():
+                if self.health[e] != "healthy":
+                    logger.info("rollout server %s is back in dispatch at weight version %s", self.urls[e], version)
+                self.health[e] = "healthy"
             self._paused = max(0, self._paused - 1)
+            if self._holds:
+                self._holds.pop()
             self._cv.notify_all()
+
+    # ---- server health ------------------------------------------------------------------
+    def _mark_down(self, e: int, message: str) -> None:
+        """Server ``e`` failed: out of dispatch (call under the lock)."""
+        if self.health[e] != "down":
+            logger.warning("rollout server %s leaves dispatch: %s", self.urls[e], message)
+            self._fill.server_failures += 1
+        self.health[e], self.server_errors[e] = "down", message
+
+    def _healthy(self) -> list[int]:
+        """The servers that get rows (call under the lock).
+
+        Raises:
+            RuntimeError: none is healthy (every server named with its last error).
+        """
+        live = [e for e, h in enumerate(self.health) if h == "healthy"]
+        if not live:
+            raise RuntimeError("every rollout server failed (rollout.server_urls): " + "; ".join(
+                f"{u}: {err}" for u, err in zip(self.urls, self.server_errors)) + ". Restart them (or list the live "
+                "ones in rollout.server_urls) and resume from the last checkpoint")
+        return live
+
+    def members_for_sync(self) -> list[int]:
+        """The servers the next weight sync goes to: ``GET /health`` of every server (at once,
+        ``health_timeout_s`` each; HTTP only, from the main thread): a healthy server that fails
+        it goes down; a down one that answers is back (synced, then dispatched: :meth:`resume`).
+        Returns their indices (ascending), possibly none."""
+        errors = probe_health(self.urls, self.health_timeout_s)
+        with self._cv:
+            for e, err in enumerate(errors):
+                if err is not None:
+                    self._mark_down(e, err)
+                elif self.health[e] == "down":
+                    logger.info("rollout server %s answers /health again: it joins the next weight sync", self.urls[e])
+                    self.health[e] = "back"
+            return [e for e, h in enumerate(self.health) if h != "down"]
 
     def take(self, policy_version: int, timeout_s: Optional[float] = None) -> tuple[list[Group], dict]:
         """The oldest ready step (it must be the step of ``policy_version``): its groups and its
         metrics, those of :meth:`RolloutBuffer.collect`, plus ``time/wait_rollout_s``.
 
         Raises:
-            RuntimeError: the controller failed (the cause chained), or the step hit the cap
-                with ``on_cap="error"`` (synchronous mode's message).
+            RuntimeError: the controller failed (the cause chained), the step hit the cap
+                with ``on_cap="error"`` (synchronous mode's message), or it has no step for
+                ``policy_version`` (a state that does not match the trainer's).
         """
         t0 = time.perf_counter()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cv:
             while not self._ready and self._error is None:
+                if self._fill.version > policy_version:  # that step will never come: fail, do not wait
+                    raise RuntimeError(f"the rollout controller has no step for policy version {policy_version} (it "
+                                       f"fills version {self._fill.version}): its state does not match the trainer's")
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise RuntimeError(f"the rollout controller produced no step in {timeout_s} s")
@@ -279,11 +362,40 @@ class RolloutController:
                               for v, gs, m in self._ready if not isinstance(gs, BaseException)]}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` (before :meth:`start`)."""
+        """Restore :meth:`state_dict` (before :meth:`start`), evicting what is now too stale.
+
+        Each kept group is checked against the policy version of the step it was kept for
+        (a ready step's, or the open step's for its kept groups and surplus), with η =
+        ``buffer.max_staleness`` of this run (a resume may lower it). The steps before the
+        first one holding a group more than η behind are restored as they were; so is all of
+        it when there is none (the resumed run repeats the uninterrupted one). From that step
+        on, the groups more than η behind their step are evicted, counted in that step's
+        ``rollout/evicted_on_resume``, and the others, in generation order, are carried into
+        it as synchronous mode carries surplus (each is within η of it: it is not newer than
+        the step they were kept for); the step is filled again from there. No group is lost
+        or used twice: every one is trained once or counted as evicted.
+        """
         self.gen_batches_done = int(state["gen_batches_done"])
         self._fill = _Fill.load(state["fill"], self.selector)
         self._ready = deque((int(r["version"]), [group_from_dict(g) for g in r["groups"]], dict(r["metrics"]))
                             for r in state["ready"])
+        eta, fill = self.cfg.max_staleness, self._fill
+        steps = [(v, gs) for v, gs, _ in self._ready] + [(fill.version, self.selector._step.kept + self.selector.surplus)]
+        stale = [any(group_staleness(g, v) > eta for g in gs) for v, gs in steps]
+        if not any(stale):
+            return
+        first = stale.index(True)
+        keep = [g for v, gs in steps[first:] for g in gs if group_staleness(g, v) <= eta]
+        evicted = sum(len(gs) for _, gs in steps[first:]) - len(keep)
+        version = steps[first][0]
+        self._ready = deque(list(self._ready)[:first])
+        if first < len(steps) - 1:  # a ready step is filled again: the open step's tally starts anew
+            self._fill = _Fill(version)
+        self.selector.load_state_dict({"surplus": [group_to_dict(g) for g in keep]})
+        self.selector.begin(version)
+        self._fill.evicted = evicted
+        logger.warning("resume: %d carried groups are more than buffer.max_staleness=%d versions behind the step they "
+                       "were kept for: evicted from the step of policy version %d on", evicted, eta, version)
 
     # ---- the thread -----------------------------------------------------------------
     def _admits(self) -> bool:
@@ -314,7 +426,7 @@ class RolloutController:
                     records = list(self.next_batch())
                 t0 = time.perf_counter()
                 try:
-                    groups, resubmitted, reprefilled = self._generate_batch(records, first, version)
+                    groups, resubmitted, reprefilled, retried = self._generate_batch(records, first, version)
                     self.selector.grade(groups)
                 finally:
                     self.busy_s += time.perf_counter() - t0
@@ -325,6 +437,7 @@ class RolloutController:
                     self._add_batch(groups)
                     self._fill.resubmitted += resubmitted
                     self._fill.reprefilled += reprefilled
+                    self._fill.retried += retried
                     self._cv.notify_all()
         except _Stopped:
             return
@@ -335,7 +448,7 @@ class RolloutController:
                 self._busy = False
                 self._cv.notify_all()
 
-    def _generate_batch(self, records, first: int, version: int) -> tuple[list[Group], int, int]:
+    def _generate_batch(self, records, first: int, version: int) -> tuple[list[Group], int, int, int]:
         """Synchronous server mode's ``_generate_groups`` over HTTP, interruptible.
 
         Group ``g`` of the batch is seeded and numbered ``first + g`` and dealt to server
@@ -349,7 +462,13 @@ class RolloutController:
         ``holder = 0``: trainer rank 0 holds the token lists.
 
         Returns:
-            ``(groups, rows resubmitted, prefix tokens re-prefilled)``.
+            ``(groups, rows resubmitted, prefix tokens re-prefilled, rows retried)``: rows
+            retried are those sent again after their server failed (the server's error marks
+            it down: :meth:`_mark_down`; they restart from the prefix they had, on a healthy
+            server, with their own seed, so they draw what they would have drawn).
+
+        Raises:
+            RuntimeError: no healthy server is left (:meth:`_healthy`).
         """
 
 
@@ -365,20 +484,30 @@ class RolloutController:
                 s.holder, s.finish_reason = 0, ""
             groups.append(grp)
         pending = [(g, j) for g in range(len(records)) for j in range(n)]
-        resubmitted = reprefilled = 0
+        resubmitted = reprefilled = retried = 0
         while pending:
+            with self._cv:
+                live = self._healthy()
             rows = []
             for g, j in pending:
                 s = groups[g].samples[j]
                 budget = p.max_new_tokens - len(s.response_ids)
                 sp = build_sampling_params(dataclasses.replace(p, n=1, max_new_tokens=budget), sample_seed(p.seed, first + g, j))
-                rows.append((g % len(self.urls), list(s.prompt_ids) + list(s.response_ids), sp))
+                # all servers healthy: server g % len(urls), synchronous server mode's deal
+                rows.append((live[g % len(live)], list(s.prompt_ids) + list(s.response_ids), sp))
                 if s.response_ids:
                     resubmitted += 1
                     reprefilled += len(s.response_ids)
             results = self._generate(rows, version)
             still = []
-            for (g, j), (ids, lps, kind, row_version) in zip(pending, results):
+            for (g, j), res in zip(pending, results):
+                if isinstance(res, ServerFailure):  # its server leaves dispatch; the row goes to another
+                    with self._cv:
+                        self._mark_down(res.server, res.message)
+                    still.append((g, j))
+                    retried += 1
+                    continue
+                ids, lps, kind, row_version = res
                 s = groups[g].samples[j]
                 if ids:
                     if not s.versions or s.versions[-1][1] != row_version:
@@ -394,12 +523,12 @@ class RolloutController:
             pending = still
             if pending:  # aborted by a weight sync: continue once it is over, on the new weights
                 with self._cv:
-                    while self._paused and not self._stop:
+                    while any(self._holds) and not self._stop:
                         self._cv.wait()
                     if self._stop:
                         raise _Stopped()
                     version = self.version
-        return groups, resubmitted, reprefilled
+        return groups, resubmitted, reprefilled, retried
 
     def _add_batch(self, groups: list[Group]) -> None:
         self._fill.num_batches += 1
@@ -424,6 +553,9 @@ class RolloutController:
         metrics = sel.step_metrics(num_batches=f.num_batches)
         metrics.update(partial_metrics([s for g in out for s in g.samples], resubmitted=f.resubmitted,
                                        reprefilled=f.reprefilled, generated=generated))
+        metrics.update({"rollout/retried_rows": float(f.retried), "rollout/server_failures": float(f.server_failures),
+                        "rollout/healthy_servers": float(sum(h == "healthy" for h in self.health)),
+                        "rollout/evicted_on_resume": float(f.evicted)})
         self._ready.append((f.version, out, metrics))
         self._fill = _Fill(f.version + 1)
         sel.begin(self._fill.version)
@@ -501,7 +633,8 @@ class AsyncRollout(Rollout):
         selector = type(self.buffer)(b, self.reward_pool, self.decode)
         self.controller = RolloutController(selector, next_batch, cfg.rollout.server_urls, self._train_params(),
                                             generate_timeout_s=cfg.rollout.server_generate_timeout_s,
-                                            version=0, policy_version=0)
+                                            health_timeout_s=cfg.rollout.server_timeout_s, version=0,
+                                            policy_version=0)
 
     def _broadcast(self, obj: Any) -> Any:
         return self.parallel.broadcast_object(obj, "world", src=0)
@@ -551,9 +684,30 @@ class AsyncRollout(Rollout):
     def sync_weights(self, actor: Any, version: int) -> float:
         """The weight sync of version ``version`` when it is due (start, or ``version`` a multiple
         of ``trigger_parameter_sync_step``), with the controller paused on rank 0; 0.0 bytes
-        when not due (the servers keep their weights)."""
+        when not due (the servers keep their weights).
+
+        It goes to the servers that answer ``/health`` now
+        (:meth:`RolloutController.members_for_sync`, broadcast from rank 0): a failed server is
+        left out, and one that is back is in it and gets work only after it
+        (:meth:`~dapo_megatron.rollout.engines.server_sync.ServerRollout.set_members` re-forms the
+        weight-update groups when the set changes).
+
+        Raises:
+            RuntimeError: on every rank, no server answers ``/health`` (each named), or a
+                server failed during the sync (:func:`~dapo_megatron.rollout.engines.server_sync.sync_servers`
+                names it); the run stops and resumes from its last checkpoint.
+        """
         if self._started and version % self.sync_every:
             return 0.0
+        members = self.controller.members_for_sync() if self.controller is not None else None
+        if members is not None and not members:
+            members = ("no rollout server answers /health for the weight sync of version "
+                       f"{version}: " + "; ".join(f"{u}: {e}" for u, e in zip(self.controller.urls,
+                                                                            self.controller.server_errors)))
+        members = self._broadcast(members)
+        if isinstance(members, str):
+            raise RuntimeError(members)
+        self.engine.set_members(members)
         # partial rollouts: the sync's /pause_generation aborts the rows in flight, which continue
         # after it; else wait for the batch in flight to finish first
         wait = not self.cfg.async_training.partial_rollout
@@ -564,8 +718,13 @@ class AsyncRollout(Rollout):
             ok = True
         finally:
             if self.controller is not None:
-                self.controller.resume(version if ok else None)
+                self.controller.resume(version if ok else None, members if ok else None)
         return nbytes
+
+    def check_health(self) -> None:
+        """Nothing: the controller keeps its servers' health (a failed server leaves dispatch,
+        its rows go to the others; :class:`RolloutController`), and a step with no healthy
+        server left fails in :meth:`collect`, naming every server."""
 
     def wake(self) -> None:
         """Nothing: the servers have their own memory and their weights are synced by

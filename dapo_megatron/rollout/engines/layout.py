@@ -95,36 +95,41 @@ def server_rank_offsets(tp_sizes: Sequence[int]) -> tuple[list[int], int]:
 
 
 def rollout_engines(rank: int, world_size: int, *, mode: str = "colocated", rollout_tp: int = 1,
-                    num_servers: int = 0) -> tuple[int, "int | None"]:
+                    num_servers: int = 0, one_driver: bool = False) -> tuple[int, "int | None"]:
     """``(number of engines, index of the engine this rank drives or None)``.
 
     colocated: engine ``e`` is rollout group ``e``
     (:func:`~dapo_megatron.platform.parallel_dims.rollout_groups`), driven by its leader
     ``e * rollout_tp``; server: engine ``e`` is ``rollout.server_urls[e]``, driven by rank
-    ``e``. Prompts go to engines by :func:`engine_share`; a rank that drives none generates
-    nothing.
+    ``e``; with ``one_driver`` (``async_training``: rank 0's controller sends the training
+    rows to every server over HTTP) there may be more servers than ranks, and the engines are
+    the first ``min(num_servers, world_size)`` (they serve validation). Prompts go to engines
+    by :func:`engine_share`; a rank that drives none generates nothing.
     """
     if mode == "server":
-        check_rollout_layout(world_size, 1, mode="server", num_servers=num_servers)
-        return num_servers, (rank if rank < num_servers else None)
+        check_rollout_layout(world_size, 1, mode="server", num_servers=num_servers, one_driver=one_driver)
+        return min(num_servers, world_size), (rank if rank < num_servers else None)
     check_rollout_layout(world_size, rollout_tp)
     return world_size // rollout_tp, (rank // rollout_tp if rank % rollout_tp == 0 else None)
 
 
 def check_rollout_layout(world_size: int, rollout_tp: int, ranks_per_node: "int | None" = None, *,
-                         mode: str = "colocated", num_servers: int = 0) -> None:
+                         mode: str = "colocated", num_servers: int = 0, one_driver: bool = False) -> None:
     """Raise unless the rollout layout fits a launch of ``world_size`` ranks,
     ``ranks_per_node`` of them per node (torchrun's ``LOCAL_WORLD_SIZE``; None: unknown).
 
     colocated: :func:`~dapo_megatron.platform.parallel_dims.rollout_groups`'s rules (the
     rollout TP divides the world size and the ranks per node: SGLang's TP workers of one
     engine are local processes), checked when the config is loaded; server: at most
-    ``world_size`` servers (server ``e`` is driven by rank ``e``).
+    ``world_size`` servers (server ``e`` is driven by rank ``e``), or any number >= 1 with
+    ``one_driver`` (``async_training``: rank 0's controller drives them all).
 
     Raises:
         ValueError: naming ``rollout.tensor_model_parallel_size`` or ``rollout.server_urls``.
     """
     if mode == "server":
+        if one_driver and num_servers >= 1:
+            return
         if not 1 <= num_servers <= world_size:
             raise ValueError(f"rollout.server_urls lists {num_servers} servers; a launch of {world_size} trainer "
                              f"ranks drives 1..{world_size} (server e is driven by rank e)")

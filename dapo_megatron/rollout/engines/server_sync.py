@@ -128,6 +128,19 @@ def _each(urls: Sequence[str], fn) -> list:
     return results
 
 
+def probe_health(urls: Sequence[str], timeout_s: float) -> list[Optional[str]]:
+    """``GET /health`` of every server at once, each within ``timeout_s``: per server None
+    (healthy) or the error naming its URL (down, unhealthy, or silent). Never raises."""
+    def one(url):
+        try:
+            http_get(url, "/health", timeout_s)
+        except Exception as err:  # reported per server
+            return str(err)
+        return None
+
+    return _each(list(urls), one)
+
+
 def check_health(urls: Sequence[str], timeout_s: float) -> None:
     """``GET /health`` of every server (at once), each within ``timeout_s``.
 
@@ -137,10 +150,9 @@ def check_health(urls: Sequence[str], timeout_s: float) -> None:
     Raises:
         RuntimeError: naming every server that is down, unhealthy, or silent for ``timeout_s``.
     """
-    try:
-        _each(list(urls), lambda url: http_get(url, "/health", timeout_s))
-    except RuntimeError as err:
-        raise RuntimeError(f"rollout server health check failed: {err}") from None
+    failed = [e for e in probe_health(urls, timeout_s) if e is not None]
+    if failed:
+        raise RuntimeError(f"rollout server health check failed: {'; '.join(failed)}")
 
 
 def local_address_towards(url: str) -> str:
@@ -167,6 +179,10 @@ class _Call:
             self.error = err
         finally:
             self.done.set()
+
+
+class _NamedFailure(RuntimeError):
+    """A failed weight-sync bucket whose message already names the servers."""
 
 
 class _RowsRequest:
@@ -200,13 +216,15 @@ class ServerWeightSender:
         device: device of the flat buffers (this rank's GPU for NCCL, ``cpu`` for gloo).
         timeout_s: bound on every HTTP call and on every broadcast.
         bucket_bytes: bucket size in bytes.
+        group_suffix: appended to the group's name: a group over another set of servers needs
+            a name of its own (torch refuses to create a process group under a used name).
     """
 
     def __init__(self, servers: Sequence[ServerInfo], stage: int, *, device: torch.device | str,
-                 timeout_s: float, bucket_bytes: int):
+                 timeout_s: float, bucket_bytes: int, group_suffix: str = ""):
         self.servers = list(servers)
         self.stage = stage
-        self.group_name = f"dapo_weights_pp{stage}"
+        self.group_name = f"dapo_weights_pp{stage}{group_suffix}"
         self.device = torch.device(device)
         self.timeout_s = float(timeout_s)
         self.packer = FlatBucketPacker(bucket_bytes, self.device)
@@ -291,8 +309,13 @@ class ServerWeightSender:
                 request["weight_version"] = self.weight_version
             calls = [_Call(http_post, url, "/update_weights_from_distributed", request, self.timeout_s)
                      for url in self.urls]
-            work = collectives.broadcast(bucket.flat, src=0, group=self.group, async_op=True)
-            self._wait(work, calls, bucket.names[0])
+            try:
+                work = collectives.broadcast(bucket.flat, src=0, group=self.group, async_op=True)
+                self._wait(work, calls, bucket.names[0])
+            except Exception as err:  # the transport's error names a socket, not a server
+                if isinstance(err, _NamedFailure):
+                    raise RuntimeError(str(err)) from None
+                raise RuntimeError(self._broadcast_failure(calls, bucket.names[0], err)) from err
             for result, url in zip(self._join(calls, "/update_weights_from_distributed"), self.urls):
                 if isinstance(result, dict) and result.get("success") is False:
                     raise RuntimeError(f"SGLang server {url} update_weights_from_distributed failed: "
@@ -302,6 +325,17 @@ class ServerWeightSender:
             del bucket, work  # a bucket larger than the packer's is the bridge's own memory
         return sent
 
+    def _broadcast_failure(self, calls: list[_Call], first: str, err: BaseException) -> str:
+        """The message of a broadcast the transport failed (a peer reset the connection): the
+        servers whose HTTP call failed or is unanswered (waited for up to ``timeout_s``), by URL."""
+        deadline = time.monotonic() + self.timeout_s
+        for call in calls:
+            call.done.wait(max(0.0, deadline - time.monotonic()))
+        bad = [f"{url}: {call.error}" if call.done.is_set() else f"{url}: no answer within {self.timeout_s:g} s"
+               for url, call in zip(self.urls, calls) if not call.done.is_set() or call.error is not None]
+        return (f"weight sync bucket starting at {first!r}, stage {self.stage}: the broadcast failed ({err}); "
+                f"failed server(s): {'; '.join(bad) or 'none answered with an error: ' + ', '.join(self.urls)}")
+
     def _wait(self, work, calls: list[_Call], first: str) -> None:
         """Wait for the broadcast, watching the servers' HTTP calls: a server that answers with an
         error (or whose connection drops) will never take part, so stop at once, naming it."""
@@ -309,25 +343,25 @@ class ServerWeightSender:
         while not work.is_completed():
             for server, call in zip(self.servers, calls):
                 if call.done.is_set() and call.error is not None:
-                    raise RuntimeError(f"weight sync bucket starting at {first!r}, stage {self.stage}: {call.error}")
+                    raise _NamedFailure(f"weight sync bucket starting at {first!r}, stage {self.stage}: {call.error}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"weight sync bucket starting at {first!r}, stage {self.stage}: the broadcast to "
-                                   f"{self.urls} did not complete within {self.timeout_s:g} s")
+                raise _NamedFailure(f"weight sync bucket starting at {first!r}, stage {self.stage}: the broadcast to "
+                                    f"{self.urls} did not complete within {self.timeout_s:g} s")
             time.sleep(0.0005)
         work.wait()
 
 
 def connect_servers(servers: Sequence[ServerInfo], *, stage: int, num_stages: int, is_sender: bool,
                     device: torch.device | str, timeout_s: float, bucket_bytes: int,
-                    backend: Optional[str] = None,
-                    parallel: Optional[ParallelDims] = None) -> Optional[ServerWeightSender]:
+                    backend: Optional[str] = None, parallel: Optional[ParallelDims] = None,
+                    group_suffix: str = "") -> Optional[ServerWeightSender]:
     """Create the weight-update group of every pipeline stage, stage by stage; collective over
     the world of ``parallel`` (None: a world of one).
 
     In turn ``s`` the sender of stage ``s`` (``is_sender``: its DP-0 TP-0 rank) asks every
     server to join ``dapo_weights_pp<s>`` and joins as rank 0; the others wait. One stage at a
     time because a server's scheduler takes one group init at a time and blocks in it until the
-    group is complete (see the module docstring).
+    group is complete (see the module docstring). ``group_suffix``: :class:`ServerWeightSender`'s.
 
     Returns:
         this rank's :class:`ServerWeightSender`, or None off the senders.
@@ -342,7 +376,7 @@ def connect_servers(servers: Sequence[ServerInfo], *, stage: int, num_stages: in
         if turn == stage and is_sender:
             try:
                 sender = ServerWeightSender(servers, stage, device=device, timeout_s=timeout_s,
-                                            bucket_bytes=bucket_bytes)
+                                            bucket_bytes=bucket_bytes, group_suffix=group_suffix)
                 sender.init_group(backend=backend)
             except Exception as err:
                 error = f"creating the weight-update group of pipeline stage {stage}: {err}"
@@ -591,13 +625,16 @@ class ServerRollout:
         backend: of the weight-update groups; None: NCCL on a CUDA device, else gloo.
         eos_token_ids: the model's stop tokens (an aborted row that already ends on one has
             finished: ``"stop"``, :func:`~dapo_megatron.rollout.engines.sglang_engine.parse_row_output`).
+        one_driver: ``async_training``: rank 0's controller sends the training rows to every
+            server, so there may be more servers than ranks
+            (:func:`~dapo_megatron.rollout.engines.layout.rollout_engines`).
         parallel: the run's layout (the world group of the rank-0 broadcasts and the sync's
             gathers); None: a world of one.
     """
 
     def __init__(self, urls: Sequence[str], param_specs, *, stage: int, num_stages: int, is_sender: bool,
                  device: torch.device | str, timeout_s: float, generate_timeout_s: float, bucket_bytes: int,
-                 backend: Optional[str] = None, eos_token_ids: Sequence[int] = (),
+                 backend: Optional[str] = None, eos_token_ids: Sequence[int] = (), one_driver: bool = False,
                  parallel: Optional[ParallelDims] = None):
         self.parallel = dims_or_single(parallel, "ServerRollout")
         self.urls = list(urls)
@@ -606,7 +643,7 @@ class ServerRollout:
         self.timeout_s, self.generate_timeout_s = float(timeout_s), float(generate_timeout_s)
         self.rank = self.parallel.rank
         self.num_engines, self.engine_index = rollout_engines(self.rank, self.parallel.world_size, mode="server",
-                                                              num_servers=len(self.urls))
+                                                              num_servers=len(self.urls), one_driver=one_driver)
         answer = None
         if self.rank == 0:
             try:
@@ -617,9 +654,11 @@ class ServerRollout:
         if isinstance(answer, str):
             raise RuntimeError(answer)
         self.servers: list[ServerInfo] = answer
-        self.sender = connect_servers(self.servers, stage=stage, num_stages=num_stages, is_sender=is_sender,
-                                      device=device, timeout_s=timeout_s, bucket_bytes=bucket_bytes,
-                                      backend=backend, parallel=self.parallel)
+        self._connect = dict(stage=stage, num_stages=num_stages, is_sender=is_sender, device=device,
+                             timeout_s=timeout_s, bucket_bytes=bucket_bytes, backend=backend, parallel=self.parallel)
+        self.sender = connect_servers(self.servers, **self._connect)
+        self.members = list(range(len(self.servers)))  # the servers the weight syncs go to (set_members)
+        self._group_generation = 0
         self.weight_version = 0
         self.weights_valid = True  # the servers loaded their checkpoint; the first sync follows
         self.rows = (ServerRows(self.urls[self.engine_index], generate_timeout_s=generate_timeout_s,
@@ -686,12 +725,38 @@ class ServerRollout:
     def wake_up(self) -> None:
         """Nothing (see :meth:`sleep`)."""
 
+    def set_members(self, members: Sequence[int]) -> None:
+        """Send the next weight syncs to the servers ``members`` only (indices into
+        ``rollout.server_urls``; asynchronous training drops a failed server and takes one back
+        that answers ``/health`` again); collective. Nothing happens when they are the members
+        already; else every stage's weight-update group is created anew over them, under a
+        new name (``_m<k>``), and the old one given up (:meth:`ServerWeightSender.abort`).
+
+        Raises:
+            ValueError: no member, or an index outside ``rollout.server_urls``.
+            RuntimeError: on every rank, a member did not join (naming it).
+        """
+        members = sorted(int(e) for e in members)
+        if not members or not all(0 <= e < len(self.servers) for e in members):
+            raise ValueError(f"set_members({members}): needs at least one index in [0, {len(self.servers)}) "
+                             "(rollout.server_urls)")
+        if members == self.members:
+            return
+        if self.sender is not None:
+            self.sender.abort()
+        self._group_generation += 1
+        self.members = members
+        self.sender = connect_servers([self.servers[e] for e in members], group_suffix=f"_m{self._group_generation}",
+                                      **self._connect)
+
     def sync(self, stage_tensors: Optional[Iterable[NamedTensor]], version: int) -> int:
         """:func:`sync_servers` of this rank's part of the bridge stream; collective. Returns the
         bytes this rank sent. On failure the weights count as invalid and the error (naming the
-        server) is raised on every rank."""
+        server) is raised on every rank. Only the :attr:`members` are paused, sent to, flushed
+        and resumed."""
         self.weights_valid = False
-        nbytes = sync_servers(stage_tensors, sender=self.sender, urls=self.urls, timeout_s=self.timeout_s,
+        urls = [self.urls[e] for e in self.members]
+        nbytes = sync_servers(stage_tensors, sender=self.sender, urls=urls, timeout_s=self.timeout_s,
                               param_specs=self.param_specs, version=version, coordinator=self.rank == 0,
                               stage=self.stage, num_stages=self.num_stages, parallel=self.parallel)
         self.weight_version, self.weights_valid = version, True

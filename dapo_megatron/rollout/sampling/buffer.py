@@ -511,7 +511,7 @@ def split_fresh_stale(samples: Sequence[Sample], policy_version: int) -> tuple[l
     return fresh, stale
 
 
-def logprob_mismatch_metrics(samples: Sequence[Sample], group=None) -> dict[str, float]:
+def logprob_mismatch_metrics(samples: Sequence[Sample], group=None, older_than: Optional[int] = None) -> dict[str, float]:
     """Rollout-vs-actor logprob mismatch over all response tokens of ``samples``.
 
     ``|Sample.rollout_logprobs - Sample.old_logprobs|`` per token (nats), pooled over all
@@ -525,6 +525,10 @@ def logprob_mismatch_metrics(samples: Sequence[Sample], group=None) -> dict[str,
         group: the DP group to pool over (a collective then: every rank of it calls);
             None pools ``samples`` alone. The mean is the pooled float64 sum over the pooled
             token count (bitwise ``torch.mean`` of the concatenated tokens on one rank).
+        older_than: count only the tokens sampled by weights older than this version
+            (``Sample.token_versions``: the stale tokens of a policy version, also those of a
+            partial rollout whose later tokens are fresh; tokens of unknown version count as
+            fresh); None: every token.
 
     Returns:
         ``{"rollout/logprob_diff_mean": mean over tokens, "rollout/logprob_diff_max": max}``.
@@ -541,8 +545,11 @@ def logprob_mismatch_metrics(samples: Sequence[Sample], group=None) -> dict[str,
             raise ValueError(f"samples[{i}]: old_logprobs has {len(s.old_logprobs)} entries but rollout_logprobs "
                              f"has {None if s.rollout_logprobs is None else len(s.rollout_logprobs)} (both must "
                              "cover response_ids)")
-        diffs.append(torch.tensor(s.rollout_logprobs, dtype=torch.float64)
-                     - torch.tensor(s.old_logprobs, dtype=torch.float64))
+        d = torch.tensor(s.rollout_logprobs, dtype=torch.float64) - torch.tensor(s.old_logprobs, dtype=torch.float64)
+        if older_than is not None:
+            versions = s.token_versions() or [older_than] * len(d)  # unknown versions count as fresh
+            d = d[torch.tensor([v < older_than for v in versions], dtype=torch.bool)]
+        diffs.append(d)
     d = torch.cat(diffs).abs() if diffs else torch.zeros(0, dtype=torch.float64)
     # [sum, token count, samples with old_logprobs] and the max: exact to pool over ranks
     totals = torch.tensor([float(d.sum()), float(d.numel()), float(len(diffs))], dtype=torch.float64)

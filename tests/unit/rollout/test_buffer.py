@@ -292,3 +292,16 @@ def test_logprob_mismatch_metrics():
         logprob_mismatch_metrics([Sample([1], [4], [-1.0], "stop", old_logprobs=[-1.0, -2.0])])
     with pytest.raises(ValueError, match="old_logprobs"):
         logprob_mismatch_metrics([c])
+
+
+def test_the_stale_token_gap_counts_the_tokens_of_older_weights_only():
+    # a partial rollout: tokens 0-1 by version 3, tokens 2-3 by version 5; a fresh sample; one of unknown version
+    partial = Sample([1], [4, 5, 6, 7], [-1.0, -2.0, -3.0, -4.0], "stop", old_logprobs=[-1.25, -2.5, -9.0, -9.0],
+                     versions=[(0, 3), (2, 5)])
+    fresh = Sample([1], [6], [-0.1], "stop", old_logprobs=[-5.0], versions=[(0, 5)])
+    unknown = Sample([1], [6], [-0.1], "stop", old_logprobs=[-7.0])
+    m = logprob_mismatch_metrics([partial, fresh, unknown], older_than=5)
+    assert m == {"rollout/logprob_diff_mean": pytest.approx((0.25 + 0.5) / 2), "rollout/logprob_diff_max": 0.5}
+    assert logprob_mismatch_metrics([fresh], older_than=5) == {"rollout/logprob_diff_mean": 0.0,
+                                                              "rollout/logprob_diff_max": 0.0}
+    assert logprob_mismatch_metrics([partial], older_than=4)["rollout/logprob_diff_max"] == 0.5

@@ -106,6 +106,11 @@ def test_server_mode_rank_e_drives_server_e():
                                                                                          (2, None)]
     with pytest.raises(ValueError, match=r"rollout.server_urls lists 3 servers; a launch of 2 trainer ranks"):
         rollout_engines(0, 2, mode="server", num_servers=3)
+    # async_training: rank 0's controller sends the training rows to all 3; ranks 0, 1 drive servers 0, 1
+    # for validation
+    assert [rollout_engines(r, 2, mode="server", num_servers=3, one_driver=True) for r in range(2)] == [(2, 0), (2, 1)]
+    with pytest.raises(ValueError, match=r"lists 0 servers"):
+        rollout_engines(0, 2, mode="server", num_servers=0, one_driver=True)
 
 
 def test_rollout_tp_must_divide_the_world_and_fit_a_node():

@@ -1,0 +1,161 @@
+"""async_training killed mid-step and resumed from its checkpoint: no prompt lost, none trained
+twice, and what a resume with a lower η finds too stale is evicted and counted.
+
+One real dapo-rollout-server, the tiny model of test_async_rollout. η = 1 with the weights
+synced every 2 steps (``async_training.trigger_parameter_sync_step=2``, syncs of versions 0,
+2, 4): the controller fills the steps of policy versions 4 and 5 with the weights of version 4
+and then waits (policy version 6 is not admitted before the sync of version 6), so what each
+step trains does not depend on timing, and the checkpoint after step 4 (a sync was due: the
+resumed servers hold what the uninterrupted ones did) holds two ready steps: policy version
+4's, fresh, and 5's, its tokens one version behind.
+
+FULL runs 6 steps; KILLED the same, saving every step, until ``os._exit`` inside step 5's
+update (no cleanup, as under SIGKILL: the step taken from the ready queue is gone with the
+process); RESUMED continues KILLED from its step-4 checkpoint; EVICT resumes a copy of that
+checkpoint with η = 0 (and a sync every step).
+"""
+
+import os
+import shutil
+
+import pytest
+import torch
+
+from dapo_megatron.platform import spawn
+from integration.test_async_faults import _record
+from integration.test_async_rollout import CONFIG, NUM_STOP_IDS
+from rollout_server import RolloutServer
+
+STEPS, KILL_IN_STEP = 6, 5
+RESUME_CONFIG = [f"trainer.total_training_steps={STEPS}", "trainer.save_freq=1", "async_training.enable=true"]
+ETA1 = ["buffer.max_staleness=1", "async_training.trigger_parameter_sync_step=2"]
+ETA0 = ["buffer.max_staleness=0", "async_training.trigger_parameter_sync_step=1"]
+
+
+def _worker(hf_dir, url, run_dir, extra, out_path, kill=False):
+    """Train to step STEPS from run_dir's checkpoint (if any), saving after every step; ``kill``:
+    before the step-4 save wait until the ready queue holds policy version 5's step, then
+    ``os._exit(9)`` inside step 5's update."""
+    import time
+
+    from dapo_megatron.config import DAPOConfig, load_config
+    from dapo_megatron.platform import init_distributed
+    from dapo_megatron.trainer import DAPOTrainer
+
+    cfg = load_config(DAPOConfig, None, CONFIG + RESUME_CONFIG + extra + [
+        f"model.hf_path={hf_dir}", f"trainer.default_local_dir={run_dir}", f"rollout.server_urls=[{url}]"])
+    trainer = DAPOTrainer(cfg, init_distributed(cfg.parallel, seed=cfg.trainer.seed))
+    ctrl, out, collected = trainer.rollout.controller, {"start": trainer.step, "steps": {}}, {}
+    real_collect, real_train = trainer.rollout.collect, trainer.actor.train_mini_batch
+
+    def collect(step):
+        batch = real_collect(step)
+        collected["groups"] = batch.groups
+        return batch
+
+    def train_mini_batch(*args, **kwargs):
+        if kill and trainer.step == KILL_IN_STEP - 1:
+            os._exit(9)
+        return real_train(*args, **kwargs)
+
+    trainer.rollout.collect, trainer.actor.train_mini_batch = collect, train_mini_batch
+    try:
+        while trainer.step < STEPS:
+            policy_version = trainer.step
+            metrics = trainer.train_step()
+            out["steps"][trainer.step] = {"policy_version": policy_version, "metrics": metrics,
+                                          **_record(trainer, collected["groups"])}
+            if kill and trainer.step == KILL_IN_STEP - 1:
+                deadline = time.monotonic() + 120
+                while not any(v == KILL_IN_STEP for v, _, _ in list(ctrl._ready)):
+                    assert time.monotonic() < deadline, "the step of policy version 5 never got ready"
+                    time.sleep(0.05)
+            trainer.save()
+            torch.save(out, out_path)  # the steps so far: a killed run leaves them
+    finally:
+        trainer.rollout.close()
+
+
+@pytest.fixture(scope="module")
+def runs(smollm2_gguf, tmp_path_factory):
+    from transformers import AutoConfig
+
+    from conftest import tiny_llama_with_smollm2_tokenizer_dir
+
+    root = tmp_path_factory.mktemp("async_resume")
+    hf_dir = tiny_llama_with_smollm2_tokenizer_dir(smollm2_gguf, root / "tiny_hf", hidden_size=32,
+                                                   intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                                   num_key_value_heads=1)
+    config = AutoConfig.from_pretrained(hf_dir)
+    config.eos_token_id = [config.eos_token_id] + list(range(1000, 1000 + NUM_STOP_IDS - 1))
+    config.save_pretrained(hf_dir)
+    server = RolloutServer(hf_dir, root / "server.log")
+    out = {}
+    try:
+        spawn(_worker, 1, hf_dir, server.url, str(root / "FULL"), ETA1, str(root / "FULL.pt"))
+        with pytest.raises(Exception, match="exit code 9|exitcode 9|exited with exit code"):
+            spawn(_worker, 1, hf_dir, server.url, str(root / "KILLED"), ETA1, str(root / "KILLED.pt"), True)
+        ckpt = os.path.join(root, "KILLED", "checkpoints", f"step_{KILL_IN_STEP - 1}")
+        out["ckpt_state"] = torch.load(os.path.join(ckpt, "trainer_state.pt"),
+                                       weights_only=False)["components"]["rollout"]  # Checkpointer's layout 2
+        shutil.copytree(root / "KILLED", root / "EVICT")
+        spawn(_worker, 1, hf_dir, server.url, str(root / "KILLED"), ETA1, str(root / "RESUMED.pt"))
+        spawn(_worker, 1, hf_dir, server.url, str(root / "EVICT"), ETA0, str(root / "EVICT.pt"))
+        for name in ("FULL", "KILLED", "RESUMED", "EVICT"):
+            out[name] = torch.load(root / f"{name}.pt", weights_only=False)
+    finally:
+        server.stop()
+    return out
+
+
+def _seeds(steps: dict) -> list[int]:
+    return [seed for k in sorted(steps) for seed in steps[k]["seeds"]]
+
+
+def test_the_checkpoint_holds_a_fresh_and_a_stale_ready_step(runs):
+    state = runs["ckpt_state"]["async_rollout"]
+    assert sorted(runs["KILLED"]["steps"]) == [1, 2, 3, 4]  # step 5 never finished
+    assert [r["version"] for r in state["ready"]] == [4, 5] and state["fill"]["version"] == 6
+    versions = {v for r in state["ready"] for g in r["groups"] for s in g["samples"] for _, v in s["versions"]}
+    assert versions == {4}
+
+
+def test_the_resumed_run_trains_the_uninterrupted_runs_prompts_each_once(runs):
+    full, killed, resumed = runs["FULL"]["steps"], runs["KILLED"]["steps"], runs["RESUMED"]["steps"]
+    assert runs["RESUMED"]["start"] == KILL_IN_STEP - 1 and sorted(resumed) == [5, 6]
+    done = {**{k: killed[k] for k in (1, 2, 3, 4)}, **resumed}
+    assert sorted(full) == sorted(done) == [1, 2, 3, 4, 5, 6]
+    # count them: the same prompts step by step, none twice
+    assert _seeds(done) == _seeds(full) and len(set(_seeds(full))) == len(_seeds(full)) >= STEPS
+    for k in full:
+        assert done[k]["tokens"] == full[k]["tokens"], k
+        assert done[k]["logprobs"] == full[k]["logprobs"], k
+        for key in ("rollout/num_gen_batches", "rollout/dropped_stale", "rollout/surplus_in", "actor/pg_loss",
+                    "train/staleness_max"):
+            assert done[k]["metrics"][key] == full[k]["metrics"][key], (k, key)
+    # the scenario: steps 5 and 6 train on the weights of version 4 (one version stale at step 6)
+    assert [full[k]["metrics"]["train/staleness_max"] for k in sorted(full)] == [0, 1, 0, 1, 0, 1]
+
+
+def test_a_resume_with_a_lower_eta_evicts_and_counts_the_too_stale_groups(runs):
+    state, evict, full = runs["ckpt_state"]["async_rollout"], runs["EVICT"]["steps"], runs["FULL"]["steps"]
+    assert runs["EVICT"]["start"] == KILL_IN_STEP - 1 and sorted(evict) == [5, 6]
+    # independently: every carried group (ready steps, the open step's kept and surplus) with a
+    # token sampled before the policy version of the step it was kept for
+    carried = ([(r["version"], g) for r in state["ready"] for g in r["groups"]]
+               + [(state["fill"]["version"], g) for g in state["fill"]["kept"] + state["fill"]["surplus"]["surplus"]])
+    stale = [g["prompt_seed"] for p, g in carried if min(v for s in g["samples"] for _, v in s["versions"]) < p]
+    assert stale, "nothing in the checkpoint is stale at eta=0: the test would test nothing"
+    # step 5 trains the fresh ready step as it was; step 6's is filled again without the evicted groups
+    assert evict[5]["seeds"] == full[5]["seeds"] and evict[5]["tokens"] == full[5]["tokens"]
+    m6 = evict[6]["metrics"]
+    assert m6["rollout/evicted_on_resume"] == len(stale) and m6["rollout/dropped_stale"] == 0
+    assert evict[5]["metrics"]["rollout/evicted_on_resume"] == 0
+    assert all(evict[k]["metrics"]["train/staleness_max"] == 0 for k in evict)
+    for k in evict:
+        for per_sample in evict[k]["token_versions"]:
+            assert all(v == evict[k]["policy_version"] for vs in per_sample for v in vs)
+    # no prompt twice: what steps 5, 6 train is neither trained before the checkpoint nor evicted
+    before = _seeds({k: runs["KILLED"]["steps"][k] for k in (1, 2, 3, 4)})
+    after = _seeds(evict)
+    assert len(set(after)) == len(after) and not set(after) & (set(before) | set(stale))
