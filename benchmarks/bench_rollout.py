@@ -28,7 +28,6 @@ is the ratio (b)/(a) of generated tokens per kept token (goal <= 0.7).
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import subprocess

@@ -27,6 +27,7 @@ fit ``--tp`` x ``--pp``) is one line, ``convert_hf_to_megatron: error: ...``, ex
 from __future__ import annotations
 
 import os
+from argparse import Namespace
 import sys
 
 from dapo_megatron.cli import (ArgumentParser, InputError, positive_int, require_hf_source, require_launch_world,
@@ -43,7 +44,7 @@ def has_tokenizer_files(path: str) -> bool:
     return any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv=None) -> Namespace:
     p = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--hf", required=True, help="HF model directory (config.json + safetensors, or a GGUF file)")
     p.add_argument("--gguf-file", default=None, help="GGUF file name inside --hf (de-quantised to fp32)")

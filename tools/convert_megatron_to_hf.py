@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+from argparse import Namespace
 import shutil
 import sys
 
@@ -38,7 +39,7 @@ SHARD_BYTES = 4 * 2**30
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv=None) -> Namespace:
     p = ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.add_argument("--ckpt", required=True,
                    help="Megatron model checkpoint, trainer checkpoint step_<k>, or run directory (its latest)")

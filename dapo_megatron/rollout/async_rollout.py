@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import threading
 import time
 from collections import deque
@@ -47,7 +46,6 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from dapo_megatron.data import PromptStream
 from dapo_megatron.rollout.engines.engine import Completion, SamplingParams, completions_to_group, sample_seed
-from dapo_megatron.rollout.engines.layout import engine_share
 from dapo_megatron.rollout.engines.server_sync import probe_health
 from dapo_megatron.rollout.engines.sglang_engine import build_sampling_params, http_post, parse_completion
 from dapo_megatron.rollout.sampling.buffer import (DROP_REASONS, GroupSelector, group_from_dict, group_staleness,

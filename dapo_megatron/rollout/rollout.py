@@ -41,9 +41,11 @@ import torch
 
 from dapo_megatron.bridge import ExportBuffers, iter_hf_weights
 from dapo_megatron.config.run import DAPOConfig
+from dapo_megatron.data import PromptStream
 from dapo_megatron.data.dataset import unique_prompts
 from dapo_megatron.metrics import compute_val_metrics
 from dapo_megatron.platform import ParallelDims, collective_device
+from dapo_megatron.rewards.pool import RewardPool
 from dapo_megatron.rollout.engines.engine import RolloutEngine, SamplingParams, completions_to_group
 from dapo_megatron.rollout.engines.layout import engine_share
 from dapo_megatron.rollout.plan.step_data import gather_groups, gather_preds, send_tokens

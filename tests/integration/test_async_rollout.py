@@ -11,7 +11,6 @@ S (synchronous server mode), A0 (async, η = 0) and A1 (async, η = 1) each run 
 the same server (each run's first sync overwrites every weight the last one left there).
 """
 
-import os
 
 import pytest
 import torch

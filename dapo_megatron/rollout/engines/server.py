@@ -88,7 +88,6 @@ Design: docs/design.md §2.2 (server mode on CPU).
 import argparse
 import asyncio
 import collections
-import dataclasses
 import json
 import logging
 import os
