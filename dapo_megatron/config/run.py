@@ -79,10 +79,30 @@ class DAPOConfig:
             raise ValueError(f"buffer.train_batch_size={self.buffer.train_batch_size} must be a multiple of "
                              f"actor.ppo_mini_batch_size={self.actor.ppo_mini_batch_size} (groups)")
         self._validate_async()
+        self._validate_routing_replay()
         updates = self.trainer.total_training_steps * self.actor.ppo_epochs * (
             self.buffer.train_batch_size // self.actor.ppo_mini_batch_size)
         with config_errors("actor.optim"):  # trainer.total_training_steps × ppo_epochs × mini-batches per step
             self.actor.optim.check_total_steps(updates)
+
+    def _validate_routing_replay(self) -> None:
+        """``actor.routing_replay: rollout`` needs an engine that returns every token's experts:
+        the colocated HF engine (its routers' outputs) or SGLang (``return_routed_experts``, launched
+        with ``enable_return_routed_experts``). A dense model is refused where the model is built."""
+        if self.actor.routing_replay != "rollout":
+            return
+        r = self.rollout
+        if r.mode == "server":
+            raise ValueError("actor.routing_replay=rollout with rollout.mode=server is not supported yet (the server "
+                             "client does not carry meta_info.routed_experts): use rollout.mode=colocated or "
+                             "actor.routing_replay=off")
+        if r.streaming:
+            raise ValueError("actor.routing_replay=rollout with rollout.streaming=true is not supported yet (the "
+                             "streamed rows do not carry routes): set rollout.streaming=false or "
+                             "actor.routing_replay=off")
+        if r.name == "sglang" and (r.engine_kwargs or {}).get("enable_return_routed_experts", True) is False:
+            raise ValueError("actor.routing_replay=rollout with rollout.engine_kwargs.enable_return_routed_experts="
+                             "false: SGLang then returns no routes; remove the key (the engine sets it)")
 
     def _validate_async(self) -> None:
         """``async_training`` against the rollout and the staleness bound η = ``buffer.max_staleness``."""
