@@ -46,6 +46,7 @@ from dapo_megatron.data import load_from_config, resolve_data_files
 from dapo_megatron.models import build_gpt_model, load_hf_config
 from dapo_megatron.platform import ParallelDims
 from dapo_megatron.rollout.engines.factory import load_tokenizer
+from dapo_megatron.rollout.engines.routes import replay_routes_layout
 from dapo_megatron.rollout.plan.step_data import old_logprob_micro_batches, plan_step, send_tokens
 from dapo_megatron.rollout.build import build_rollout, check_rollout_fits, prompt_stream
 from dapo_megatron.rollout.sampling.buffer import logprob_mismatch_metrics, split_fresh_stale
@@ -111,7 +112,9 @@ class DAPOTrainer:
         # model: Megatron actor (trains) and its HF twin in the rollout engines (generate)
         self.hf_config = load_hf_config(cfg.model.hf_path, cfg.model.gguf_file)
         check_rollout_fits(cfg, parallel, self.hf_config)
-        model = build_gpt_model(self.hf_config, cfg.model, parallel=parallel)
+        model = build_gpt_model(self.hf_config, cfg.model, parallel=parallel,
+                                routing_replay=cfg.actor.routing_replay == "rollout")
+        self.routes_layout = replay_routes_layout(cfg.actor.routing_replay, self.hf_config)  # R3: routes travel too
         resuming = self.start.resuming
         if not resuming:  # a resumed run loads its weights from the checkpoint below
             load_hf_weights(model, open_hf_source(cfg.model.hf_path, cfg.model.gguf_file), strict=True,
@@ -162,7 +165,7 @@ class DAPOTrainer:
         plan = plan_step(groups, actor.ppo_mini_batch_size, self.dp_size, actor.ppo_max_token_len_per_gpu,
                          share_prompts=share)
         ranks_of = [self.parallel.ranks_of_dp_rank(d) for d in range(self.dp_size)]
-        send_tokens(samples, [ranks_of[d] for d in plan.owner])
+        send_tokens(samples, [ranks_of[d] for d in plan.owner], routes=self.routes_layout)
         mine = plan.owned(self.dp_rank)
         if not recompute:
             return plan, mine
@@ -275,6 +278,7 @@ class DAPOTrainer:
         # every micro-batch forward of the step on this rank: old-logprob recompute and updates
         metrics["actor/num_model_calls"] = float(self.actor.num_model_calls - calls_before)
         metrics["actor/recomputed_old_logprobs"] = float(not from_training)
+        metrics.update(self.actor.pop_routing_metrics())  # R3: moe/route_agreement, expert load, aux loss
 
         # 7. weight sync into the engine
         t0 = time.perf_counter()

@@ -35,6 +35,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from dapo_megatron.models.config import moe_layout
+
 
 def route_dtype(num_experts: int) -> torch.dtype:
     """The compact dtype of routes over ``num_experts`` experts: uint8 up to 256, else int16.
@@ -45,6 +47,22 @@ def route_dtype(num_experts: int) -> torch.dtype:
     if not 1 <= int(num_experts) <= 32768:
         raise ValueError(f"num_experts={num_experts} must be in 1 .. 32768 for routing replay")
     return torch.uint8 if num_experts <= 256 else torch.int16
+
+
+def replay_routes_layout(routing_replay: str, hf_config) -> Optional[tuple[int, int, torch.dtype]]:
+    """``(L, K, dtype)`` of the routes a run carries (``actor.routing_replay: rollout`` on an MoE
+    model), None when it carries none (``off``).
+
+    Raises:
+        ValueError: ``rollout`` on a dense model (naming ``actor.routing_replay``).
+    """
+    if routing_replay != "rollout":
+        return None
+    moe = moe_layout(hf_config)
+    if moe is None:
+        raise ValueError(f"actor.routing_replay=rollout needs a mixture-of-experts model; hf_config.model_type="
+                         f"{getattr(hf_config, 'model_type', None)!r} is dense: set actor.routing_replay=off")
+    return int(hf_config.num_hidden_layers), moe.topk, route_dtype(moe.num_experts)
 
 
 def num_route_tokens(prompt_len: int, response_len: int) -> int:
@@ -84,6 +102,31 @@ def compact_routes(routes, *, num_tokens: int, num_layers: int, topk: int, num_e
     if t.numel() and (int(t.min()) < 0 or int(t.max()) >= num_experts):
         raise ValueError(f"{what}: expert indices in [{int(t.min())}, {int(t.max())}], outside [0, {num_experts})")
     return t.to(route_dtype(num_experts)).contiguous()
+
+
+# ----------------------------------------------------------------------------- across ranks
+def route_words(num_tokens: int, num_layers: int, topk: int, dtype: torch.dtype) -> int:
+    """int32 words that carry ``[num_tokens, L, K]`` routes of ``dtype`` (bytes rounded up to 4)."""
+    nbytes = num_tokens * num_layers * topk * torch.empty(0, dtype=dtype).element_size()
+    return -(-nbytes // 4)
+
+
+def routes_to_words(routes: torch.Tensor) -> torch.Tensor:
+    """The routes' bytes as int32 words (zero-padded to a multiple of 4 bytes), for the int32
+    ``all_to_all_single`` of :func:`~dapo_megatron.rollout.plan.step_data.send_tokens`."""
+    raw = routes.contiguous().view(-1).view(torch.uint8)
+    pad = (-raw.numel()) % 4
+    if pad:
+        raw = torch.cat([raw, raw.new_zeros(pad)])
+    return raw.view(torch.int32)
+
+
+def routes_from_words(words: torch.Tensor, num_tokens: int, num_layers: int, topk: int,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of :func:`routes_to_words`: ``[num_tokens, L, K]`` of ``dtype`` (a copy)."""
+    n = num_tokens * num_layers * topk
+    raw = words.contiguous().view(torch.uint8)[:n * torch.empty(0, dtype=dtype).element_size()]
+    return raw.clone().view(dtype).view(num_tokens, num_layers, topk)
 
 
 # ----------------------------------------------------------------------------- SGLang

@@ -402,3 +402,74 @@ def test_sglang_routed_experts_round_trip_and_dtypes():
         compact_routes(r, num_tokens=10, num_layers=3, topk=8, num_experts=128)
     with pytest.raises(ValueError, match=r"outside \[0, 100\)"):
         compact_routes(r, num_tokens=9, num_layers=3, topk=8, num_experts=100)
+
+
+# --------------------------------------------------------------------------- the routes travel with the tokens
+def _route_samples(dtype):
+    from dapo_megatron.rollout.engines.routes import num_route_tokens
+    from dapo_megatron.rollout.types import Sample
+
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for i, (p, r) in enumerate(((3, 4), (2, 0), (5, 1), (1, 6), (4, 3))):  # odd byte counts: padded words
+        n = num_route_tokens(p, r)
+        out.append(Sample(prompt_ids=list(range(1, p + 1)), response_ids=torch.randint(1, 99, (r,), generator=g).tolist(),
+                          rollout_logprobs=torch.randn(r, generator=g).tolist(), finish_reason="stop",
+                          routes=torch.randint(0, 300 if dtype == torch.int16 else 255, (n, 3, 3), generator=g).to(dtype)))
+    return out
+
+
+def _send_worker(out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from dapo_megatron.platform import init_distributed
+    from dapo_megatron.rollout.plan.step_data import send_tokens
+
+    init_distributed(ParallelConfig(1, 1), seed=0)
+    rank = dist.get_rank()
+    res = {}
+    for dtype in (torch.uint8, torch.int16):
+        samples = _route_samples(dtype)
+        for i, s in enumerate(samples):
+            s.holder = i % 2
+            if s.holder != rank:  # the record without its token lists
+                s.num_response_tokens = len(s.response_ids)
+                s.response_ids = s.rollout_logprobs = s.routes = None
+        send_tokens(samples, [(1 - i % 2,) for i in range(len(samples))], routes=(3, 3, dtype))
+        res[str(dtype)] = [(s.response_ids, s.rollout_logprobs, s.routes) for s in samples]
+    torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.mark.dist
+def test_send_tokens_delivers_the_routes_bitwise(tmp_path):
+    spawn(_send_worker, 2, str(tmp_path))
+    for rank in range(2):
+        res = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        for dtype in (torch.uint8, torch.int16):
+            for s, (ids, lps, routes) in zip(_route_samples(dtype), res[str(dtype)]):
+                assert ids == s.response_ids and lps == pytest.approx(s.rollout_logprobs, abs=0)
+                assert routes.dtype == dtype and torch.equal(routes, s.routes)
+
+
+def test_sglang_generate_output_gives_each_completion_its_routes():
+    from dapo_megatron.rollout.engines.routes import encode_sglang_routes
+    from dapo_megatron.rollout.engines.sglang_engine import parse_generate_output
+
+    g = torch.Generator().manual_seed(1)
+    prompts, n, L, K, E = [[1, 2, 3], [4, 5]], 2, 3, 2, 8
+    items, want = [], []
+    for p in prompts:
+        for j in range(n):
+            R = 2 + j
+            r = torch.randint(0, E, (len(p) + R - 1, L, K), generator=g)  # SGLang: seqlen - 1 rows
+            want.append(r)
+            items.append({"output_ids": list(range(10, 10 + R)), "meta_info": {
+                "finish_reason": {"type": "stop"}, "routed_experts": encode_sglang_routes(r),
+                "output_token_logprobs": [(-0.5, t, None) for t in range(10, 10 + R)]}})
+    out = parse_generate_output(items, len(prompts), n, prompt_lens=[len(p) for p in prompts], routes_shape=(L, K, E))
+    got = [c.routes for cs in out for c in cs]
+    assert all(torch.equal(a.long(), b) for a, b in zip(got, want))
+    assert parse_generate_output(items, len(prompts), n)[0][0].routes is None  # replay off: not decoded
+    del items[1]["meta_info"]["routed_experts"]
+    with pytest.raises(RuntimeError, match="row 1 has no meta_info.routed_experts"):
+        parse_generate_output(items, len(prompts), n, prompt_lens=[3, 2], routes_shape=(L, K, E))
