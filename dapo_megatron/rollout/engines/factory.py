@@ -192,7 +192,8 @@ def build_training_rollout(cfg: DAPOConfig, tokenizer, hf_config, parallel) -> t
             is_sender=parallel.tp_rank == 0 and parallel.dp_rank == 0, device=device(),
             timeout_s=rollout.server_timeout_s, generate_timeout_s=rollout.server_generate_timeout_s,
             bucket_bytes=rollout.update_weights_bucket_megabytes * 2**20,
-            eos_token_ids=stop_token_ids(tokenizer, hf_config, cfg.model.hf_path))
+            eos_token_ids=stop_token_ids(tokenizer, hf_config, cfg.model.hf_path),
+            record_routes=_routes_shape(cfg, hf_config))
         return servers, servers.num_engines, servers.engine_index
     index = parallel.rollout_index if parallel.is_rollout_leader else None
     if rollout.name == "sglang":

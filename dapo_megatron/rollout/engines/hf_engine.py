@@ -363,6 +363,11 @@ class HFEngine(RolloutEngine):
                 self._batch = None
         return out
 
+    @property
+    def records_routes(self) -> bool:
+        """Whether the engine records routes (``record_routes``)."""
+        return self._routes is not None
+
     # ---- the running batch ---------------------------------------------------------
     def _row_routes(self, row: _Row) -> Optional[torch.Tensor]:
         """The row's routes over ``prompt + prefix + tokens`` minus the last token (compact), or

@@ -25,6 +25,8 @@ Sources: transformers 5 ``Qwen3MoeTopKRouter`` / ``Qwen2MoeTopKRouter`` / ``Mixt
 int32 expert ids base64-encoded in ``meta_info["routed_experts"]``, row-major
 ``[seqlen - 1, num_layers, topk]``; ``meta_info["routed_experts_dtype"]`` names another dtype
 where the server sends one).
+
+Design: docs/design.md §2.1 (routing replay).
 """
 
 from __future__ import annotations
