@@ -48,6 +48,8 @@ tokens but each sample's last):
   ``E · Σ_e f_e P_e`` without its coefficient (``moe_utils.switch_load_balancing_loss_func``: f
   the share of the router's own top-k choices per expert, P the mean router probability), here
   over the pooled engine-routed tokens rather than per micro-batch.
+
+Design: docs/design.md §2.1 (routing replay).
 """
 
 from __future__ import annotations

@@ -87,14 +87,16 @@ class DAPOConfig:
 
     def _validate_routing_replay(self) -> None:
         """``actor.routing_replay: rollout`` needs an engine that returns every token's experts:
-        the colocated HF engine (its routers' outputs) or SGLang (``return_routed_experts``, launched
-        with ``enable_return_routed_experts``). A dense model is refused where the model is built."""
+        the HF engine (its routers' outputs) or SGLang (``return_routed_experts``, launched with
+        ``enable_return_routed_experts``); in server mode the servers must be launched with
+        ``--enable-return-routed-experts`` (SGLang or dapo-rollout-server), which a server without
+        it answers with a 400 naming the flag. A dense model is refused where the model is built."""
         if self.actor.routing_replay != "rollout":
             return
         r = self.rollout
-        if r.mode == "server":
-            raise ValueError("actor.routing_replay=rollout with rollout.mode=server is not supported yet (the server "
-                             "client does not carry meta_info.routed_experts): use rollout.mode=colocated or "
+        if self.async_training.enable:
+            raise ValueError("actor.routing_replay=rollout with async_training.enable=true is not supported yet (its "
+                             "streamed rows do not carry routes): set async_training.enable=false or "
                              "actor.routing_replay=off")
         if r.streaming:
             raise ValueError("actor.routing_replay=rollout with rollout.streaming=true is not supported yet (the "

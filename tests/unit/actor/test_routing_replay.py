@@ -354,8 +354,11 @@ def test_run_config_refuses_replay_with_an_engine_that_cannot_return_routes():
         return c
 
     cfg().validate()  # the HF engine records them
-    with pytest.raises(ValueError, match="actor.routing_replay=rollout with rollout.mode=server"):
-        cfg(mode="server", name="sglang", server_urls=["http://h:1"]).validate()
+    cfg(mode="server", name="sglang", server_urls=["http://h:1"]).validate()  # servers with the flag return them
+    c = cfg(mode="server", name="sglang", server_urls=["http://h:1"])
+    c.async_training.enable = True
+    with pytest.raises(ValueError, match="actor.routing_replay=rollout with async_training.enable=true"):
+        c.validate()
     with pytest.raises(ValueError, match="actor.routing_replay=rollout with rollout.streaming=true"):
         cfg(streaming=True).validate()
     with pytest.raises(ValueError, match="rollout.engine_kwargs.enable_return_routed_experts=false"):
