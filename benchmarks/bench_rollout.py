@@ -93,7 +93,7 @@ class Run:
         self.engine = HFEngine(model, eos_token_ids=eos, num_threads=args.threads)
         data = DataConfig(seed=1)
         data.arithmetic.num_train_problems = args.num_prompts
-        resolve_data_files(data, os.path.join(args.run_dir, "data"))
+        data = resolve_data_files(data, os.path.join(args.run_dir, "data"))
         self.dataset = load_from_config(data, self.tokenizer, "train")
         self.stream = PromptStream(self.dataset, args.gen_batch, seed=data.seed)
         self.params = SamplingParams(n=args.n, temperature=1.0, top_p=1.0, max_new_tokens=args.response_length,

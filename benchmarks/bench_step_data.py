@@ -218,7 +218,8 @@ def path_after(args, par, records, local_completions):
                                                            ground_truth=rec.ground_truth,
                                                            extra_info=rec.extra_info)))
     per_dp = args.prompts // par.dp_size
-    groups = gather_groups(local, n=args.n, max_local=-(-per_dp // par.mp_size), record_of=records.__getitem__)
+    groups = gather_groups(local, n=args.n, max_local=-(-per_dp // par.mp_size), record_of=records.__getitem__,
+                           parallel=par)
     for gid, g in enumerate(groups):
         g.group_id = gid
         for s in g.samples:
@@ -226,11 +227,11 @@ def path_after(args, par, records, local_completions):
     samples = [s for g in groups for s in g.samples]
     # the buffer's requests: the response where held, None elsewhere
     requests = [(s.data_source, s.response_ids, s.ground_truth, s.extra_info) for s in samples]
-    for s, res in zip(samples, DistributedGrader(_Pool()).grade(requests)):
+    for s, res in zip(samples, DistributedGrader(_Pool(), par).grade(requests)):
         s.score, s.acc, s.pred = res["score"], res["acc"], res.get("pred")
     plan = plan_step(groups, args.mini_batch, par.dp_size, args.budget)
     ranks_of = [par.ranks_of_dp_rank(d) for d in range(par.dp_size)]
-    send_tokens(samples, [ranks_of[d] for d in plan.owner])
+    send_tokens(samples, [ranks_of[d] for d in plan.owner], parallel=par)
     mine = plan.owned(par.dp_rank)
     micro = split_for_dp([samples[i] for i in mine], 1, args.budget)[0]
     lps = [torch.tensor(samples[mine[j]].rollout_logprobs, dtype=torch.float32) for mb in micro for j in mb]
@@ -291,7 +292,7 @@ class _AllGatherRows:
     ``g`` on rank ``g.prompt_seed % world``, every finished or aborted row's tokens and logprobs
     all-gathered to every rank each round (as Python objects), so every sample is held by all."""
 
-    def __init__(self, engine, params, *, num_engines, engine_index):
+    def __init__(self, engine, params, *, num_engines, engine_index, parallel=None):
         self.engine, self.params, self.world, self.rank = engine, params, num_engines, engine_index
 
     def submit(self, rows) -> None:
@@ -315,11 +316,11 @@ class _AllGatherRows:
         return self._everywhere(self.engine.abort())
 
 
-def _records_client(engine, params, *, num_engines, engine_index):
+def _records_client(engine, params, *, num_engines, engine_index, parallel):
     """The streamed rollout's client now: records replicated, tokens where generated."""
     from dapo_megatron.rollout.sampling.streaming import EngineClient
 
-    return EngineClient(engine, params, num_engines=num_engines, engine_index=engine_index)
+    return EngineClient(engine, params, num_engines=num_engines, engine_index=engine_index, parallel=parallel)
 
 
 def path_streamed(args, par, records, client):
@@ -335,7 +336,7 @@ def path_streamed(args, par, records, client):
 
     cfg = BufferConfig(train_batch_size=args.prompts // 2, n=args.n, gen_batch_size=args.prompts,
                        max_num_gen_batches=1, overlong=OverlongConfig(enable=False), on_cap="train_on_kept")
-    selector = RolloutBuffer(cfg, DistributedGrader(_Pool()), decode=list)  # _grade reads the token ids
+    selector = RolloutBuffer(cfg, DistributedGrader(_Pool(), par), decode=list)  # _grade reads the token ids
     collector = StreamingCollector(selector, PromptSkipper(PromptSkipConfig(), seed=0), partial_rollout=True,
                                    poll_tokens=max(1, int(args.poll_tokens * args.token_scale)))
     queue = PromptQueue(lambda: records, args.prompts, records.__getitem__)
@@ -343,7 +344,7 @@ def path_streamed(args, par, records, client):
     samples = [s for g in groups for s in g.samples]
     plan = plan_step(groups, args.mini_batch, par.dp_size, args.budget)
     ranks_of = [par.ranks_of_dp_rank(d) for d in range(par.dp_size)]
-    send_tokens(samples, [ranks_of[d] for d in plan.owner])
+    send_tokens(samples, [ranks_of[d] for d in plan.owner], parallel=par)
     mine = plan.owned(par.dp_rank)
     for i in mine:
         samples[i].old_logprobs = torch.tensor(samples[i].rollout_logprobs, dtype=torch.float32).tolist()
@@ -361,7 +362,7 @@ def _time_streamed(args, par, records, client_of) -> dict:
     positions = [p for p in range(args.prompts) if p % world == rank]
 
     def client():
-        return client_of(_ScriptedEngine(args, positions), params, num_engines=world, engine_index=rank)
+        return client_of(_ScriptedEngine(args, positions), params, num_engines=world, engine_index=rank, parallel=par)
 
     with ByteCounter() as counter:
         path_streamed(args, par, records, client())

@@ -53,15 +53,14 @@ import random
 import re
 import shutil
 import uuid
-from typing import TYPE_CHECKING, Any, Callable, Literal
+from typing import Any, Callable, Literal
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 
-if TYPE_CHECKING:
-    from dapo_megatron.platform import ParallelDims
+from dapo_megatron.platform.parallel_dims import ParallelDims, dims_or_single
 
 logger = logging.getLogger(__name__)
 
@@ -254,19 +253,6 @@ def _rank() -> int:
 
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _broadcast_from_rank0(obj: Any) -> Any:
-    if not dist.is_initialized():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def _fsync_path(path: str) -> None:
@@ -559,14 +545,16 @@ def save_checkpoint(
             config, tokenizer and ``dapo_megatron.json`` there, so
             ``tools/convert_megatron_to_hf.py`` converts the step directory).
         parallel: the run's layout, recorded in ``checkpoint_info.json`` (TP / PP / DP
-            sizes); None records none.
+            sizes), whose world group the save's collectives run over; None: a world of one
+            (records no layout).
 
     Returns:
         The path of the complete checkpoint, ``run_dir/checkpoints/step_{step}``.
 
     Raises:
         ValueError: ``step`` is negative, ``trainer_state`` is not a dict,
-            ``optim_sharding_type`` or ``max_ckpt_to_keep`` is invalid.
+            ``optim_sharding_type`` or ``max_ckpt_to_keep`` is invalid, or ``parallel`` is
+            None in a world of more than one rank.
         OSError / CheckpointingException: a write failed; ``latest`` still names the
             previous checkpoint and the partial tmp dir is removed by the next save.
     """
@@ -579,6 +567,7 @@ def save_checkpoint(
         raise ValueError(f"trainer_state must be a dict, got {type(trainer_state).__name__}")
     if max_ckpt_to_keep is not None and max_ckpt_to_keep < 0:
         raise ValueError(f"max_ckpt_to_keep={max_ckpt_to_keep} must be >= 0 (0 or None keeps all)")
+    dims = dims_or_single(parallel, "save_checkpoint")
     chunks = _as_list(model_chunks)
     state = _full_sharded_state_dict(chunks, optimizer, scheduler, optim_sharding_type, False)
 
@@ -589,7 +578,7 @@ def save_checkpoint(
         _clean_stale_tmp_dirs(root)
         tmp_dir = os.path.join(root, f"step_{int(step)}.tmp-{uuid.uuid4().hex}")
         os.makedirs(tmp_dir)
-    tmp_dir = _broadcast_from_rank0(tmp_dir)
+    tmp_dir = dims.broadcast_object(tmp_dir, "world", src=0)
 
     # Synchronous save: no async writer process (see the module docstring).
     dist_checkpointing.save(state, tmp_dir, async_sharded_save=False)
@@ -600,7 +589,7 @@ def save_checkpoint(
             write_extra(tmp_dir)
         info = _info(step, chunks, optim_sharding_type, optimizer, parallel)
         _write_text_atomic(os.path.join(tmp_dir, INFO_FILENAME), json.dumps(info, indent=2))
-    _barrier()  # every rank's files are on disk before the commit
+    dims.barrier("world")  # every rank's files are on disk before the commit
 
     final_dir = step_dir(run_dir, step)
     if _rank() == 0:
@@ -609,7 +598,7 @@ def save_checkpoint(
         removed = _prune(run_dir, max_ckpt_to_keep, keep_step=step)
         if removed:
             logger.info("pruned checkpoints of steps %s", removed)
-    _barrier()
+    dims.barrier("world")
     return final_dir
 
 
@@ -645,6 +634,7 @@ def load_checkpoint(
     *,
     checkpoint_dir: str | None = None,
     load_rng: bool = True,
+    parallel: ParallelDims | None = None,
 ) -> dict[str, Any] | None:
     """Restore a checkpoint written by :func:`save_checkpoint`; the trainer state or None.
 
@@ -663,6 +653,7 @@ def load_checkpoint(
             given as a path); overrides ``run_dir`` and ``step``.
         load_rng: restore this rank's RNG from ``rng/rank_{r}.pt``; set False only when
             resuming at a different world size.
+        parallel: the run's layout (the world group of the final barrier); None: a world of one.
 
     Returns:
         The dict given as ``trainer_state`` to :func:`save_checkpoint`, on every rank, or
@@ -673,8 +664,10 @@ def load_checkpoint(
             the RNG file of this rank is missing (world size changed).
         CheckpointError: a file of the checkpoint is missing or truncated
             (:func:`validate_checkpoint`, naming it).
-        ValueError: the checkpoint's format or optimizer sharding is unknown.
+        ValueError: the checkpoint's format or optimizer sharding is unknown, or ``parallel``
+            is None in a world of more than one rank.
     """
+    dims = dims_or_single(parallel, "load_checkpoint")
     # megatron-core here, not at the top: dapo-train imports this module before quiet_third_party has silenced its import warnings
     from megatron.core import dist_checkpointing
 
@@ -725,7 +718,7 @@ def load_checkpoint(
     trainer_state = torch.load(
         os.path.join(checkpoint_dir, TRAINER_STATE_FILENAME), weights_only=False
     )
-    _barrier()
+    dims.barrier("world")
     if load_rng:
         _load_rng_state(checkpoint_dir)
     return trainer_state

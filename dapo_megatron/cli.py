@@ -6,6 +6,8 @@ any other exception keeps its traceback (a bug must stay visible). Under torchru
 prints: an input error is the same on every rank, and a silent rank waits for rank 0 to print
 and exit (torchrun stops every worker as soon as one exits non-zero), as ``dapo-train`` does
 (:func:`dapo_megatron.train._input_error`).
+
+Design: docs/design.md §1 (one training step; the command-line tools share these checks).
 """
 
 from __future__ import annotations

@@ -8,6 +8,8 @@
   ``1 - C(n-c, k) / C(n, k)`` (Chen et al. 2021, "Evaluating Large Language
   Models Trained on Code", Eq. 1), evaluated as the numerically stable product
   ``1 - prod_{i=n-c+1}^{n} (1 - k/i)`` from the paper's reference code.
+
+Design: docs/design.md §1 step 8 (validation avg@k / pass@k).
 """
 
 from __future__ import annotations

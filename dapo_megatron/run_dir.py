@@ -37,8 +37,6 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
-import torch.distributed as dist
-
 from dapo_megatron.checkpointing import (
     LATEST_FILENAME,
     CheckpointError,
@@ -47,10 +45,10 @@ from dapo_megatron.checkpointing import (
     step_dir,
     validate_checkpoint,
 )
+from dapo_megatron.platform.parallel_dims import ParallelDims, dims_or_single
 
 if TYPE_CHECKING:
     from dapo_megatron.config.run import DAPOConfig
-    from dapo_megatron.platform import ParallelDims
     from dapo_megatron.config.trainer import TrainerConfig
 
 logger = logging.getLogger(__name__)
@@ -197,9 +195,15 @@ def move_previous_run(run_dir: str, names: tuple[str, ...]) -> Optional[str]:
 
 def prepare_run_dir(cfg: DAPOConfig, parallel: Optional[ParallelDims] = None) -> RunStart:
     """:func:`plan_start` on rank 0, the previous run moved aside there (a new run), and the same
-    :class:`RunStart` (or the same :class:`CheckpointError`) on every rank; collective when
-    ``torch.distributed`` is initialised. Rank 0 logs the plan's warning."""
-    rank = parallel.rank if parallel is not None else (dist.get_rank() if dist.is_initialized() else 0)
+    :class:`RunStart` (or the same :class:`CheckpointError`) on every rank; collective over the
+    world of ``parallel`` (None: a world of one). Rank 0 logs the plan's warning.
+
+    Raises:
+        CheckpointError: on every rank, from :func:`plan_start`.
+        ValueError: ``parallel`` is None in a world of more than one rank.
+    """
+    parallel = dims_or_single(parallel, "prepare_run_dir")
+    rank = parallel.rank
     result: Any = None
     if rank == 0:
         try:
@@ -210,10 +214,7 @@ def prepare_run_dir(cfg: DAPOConfig, parallel: Optional[ParallelDims] = None) ->
             result = start
         except CheckpointError as err:
             result = err
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        box = [result]
-        dist.broadcast_object_list(box, src=0)
-        result = box[0]
+    result = parallel.broadcast_object(result, "world", src=0)
     if isinstance(result, CheckpointError):
         raise CheckpointError(str(result))
     if rank == 0:

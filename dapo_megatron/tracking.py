@@ -14,6 +14,8 @@ from then on metrics go to the JSONL file only (texts to ``<run_dir>/texts/``).
 To keep MLflow from blocking training, ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` and
 ``MLFLOW_HTTP_REQUEST_TIMEOUT`` are set (unless already set by the user) from
 the config before the client is created.
+
+Design: docs/design.md §1 step 8 (bookkeeping) and §7 (the run directory).
 """
 
 from __future__ import annotations

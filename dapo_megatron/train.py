@@ -12,6 +12,8 @@ checks everything that can be checked before a launch (the keys and values, the 
 ``--nnodes`` × ``--nproc-per-node`` processes, the model and data paths) in one process and
 exits 0 or 2 with one line; the example launchers run it before torchrun, whose own report of
 a failed worker is 40 lines and exit status 1.
+
+Design: docs/design.md §1 (one training step) and §5.2 (entry points need a __main__ guard).
 """
 
 from __future__ import annotations

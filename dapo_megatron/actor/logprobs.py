@@ -28,6 +28,8 @@ own columns and receives the same upstream gradient):
 
 and ``d x / d logits = 1 / temperature``. The only tensor saved for backward is
 ``p`` (fp32, the size of the local logits), as in Megatron's cross entropy.
+
+Design: docs/design.md §3.1 (objective, ratio and advantage).
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from dapo_megatron.platform import collectives
+
 
 def _tp_rank_world(tp_group) -> tuple[int, int]:
     if tp_group is None or not dist.is_initialized():
@@ -45,9 +49,7 @@ def _tp_rank_world(tp_group) -> tuple[int, int]:
 
 
 def _all_reduce(t: torch.Tensor, op, tp_group, world: int) -> torch.Tensor:
-    if world > 1:
-        dist.all_reduce(t, op=op, group=tp_group)
-    return t
+    return collectives.all_reduce(t, group=tp_group, op=op) if world > 1 else t
 
 
 class _VocabParallelLogprobEntropy(torch.autograd.Function):

@@ -14,6 +14,8 @@ Contract (megatron-core 0.16.1 ``pipeline_parallel/schedules.py``,
 
 Both functions take the micro-batch first so that ``functools.partial(fn, mb, ...)`` is the
 ``loss_func`` of that micro-batch's ``forward_step``.
+
+Design: docs/design.md §3.4 (token-level loss, exact under any micro-batch or DP split).
 """
 
 from __future__ import annotations

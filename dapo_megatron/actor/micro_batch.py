@@ -5,6 +5,8 @@ then packed as the plan says: in the shared-prompt form where the plan allows it
 with ``shared_prompt='auto'``, where it computes fewer tokens), and, for BSHD, as row
 groups of similar length (length buckets). Every rank of a model-parallel group receives
 the same micro-batches, so all cut them identically.
+
+Design: docs/design.md §1 steps 5-6 (the plan, micro-batches) and §3.4 (token-level loss under any split).
 """
 
 from __future__ import annotations

@@ -52,6 +52,8 @@ logits predict it. Segments always get an attention mask (THD: ``[1, 1, T, T]``;
 ``[n_segments, 1, S, S]``), because neither Megatron's causal mask nor
 ``PackedSeqParams`` (one causal block per ``cu_seqlens`` segment) can express "see the
 prompt, not the sibling responses".
+
+Design: docs/design.md §1 step 6 (micro-batches) and §3.4 (token-level loss under any split).
 """
 
 from __future__ import annotations

@@ -46,6 +46,8 @@ here can run, so ``auto`` resolves to off there (the reason is logged and kept i
 BSHD layout fails the same check: ``TEDotProductAttention`` applies its spec's causal
 mask type and ignores an arbitrary mask. Context parallelism, multi-latent attention and
 fused RoPE are refused for the same kind of reason.
+
+Design: docs/design.md §1 steps 5-6 (old logprobs, updates) and §3.7 (which logprobs are pi_old).
 """
 
 from __future__ import annotations

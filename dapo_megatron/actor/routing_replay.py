@@ -57,7 +57,6 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from dapo_megatron.platform.distributed import collective_device
 from dapo_megatron.rollout.engines.routes import num_route_tokens
@@ -269,16 +268,16 @@ class RoutingReplay:
                                  "routed": None if self._current is None else mask.cpu()})
         self.stats.add(layer, used[mask], own[mask], probs[mask], engine)
 
-    def pop_metrics(self, *, groups: Sequence = ()) -> dict[str, float]:
-        """The metrics since the last call (module docstring), their sums all-reduced over
-        ``groups`` (the DP group, the PP group with PP > 1, the TP group with sequence
-        parallelism): a collective over them, every rank calls it at the same point."""
+    def pop_metrics(self, parallel=None, groups: Sequence[str] = ()) -> dict[str, float]:
+        """The metrics since the last call (module docstring), their sums all-reduced over the
+        ``groups`` of ``parallel`` (``ParallelDims`` group names: ``"dp"``, ``"pp"`` with PP > 1,
+        ``"tp"`` with sequence parallelism): a collective over them, every rank calls it at the
+        same point. ``parallel`` None: this rank's sums only."""
         table = self.stats.table
-        if dist.is_initialized():
-            for g in groups:
-                t = table.to(collective_device(g))
-                dist.all_reduce(t, group=g)
-                table = t.cpu()
+        for name in groups if parallel is not None else ():
+            t = table.to(collective_device(parallel.group(name)))
+            parallel.all_reduce(t, name)
+            table = t.cpu()
         self.stats.table = table
         out = self.stats.metrics()
         self.stats = RouteStats(self.num_layers, self.num_experts)

@@ -8,6 +8,8 @@ Numerics: the mean and the deviations are computed in float64 in two passes
 (never ``E[x^2] - E[x]^2``, which cancels catastrophically in fp32 and turns a
 near-constant group into a blow-up), the std is the unbiased sample std like
 ``torch.std``, and a group whose scores are all bitwise equal gets exactly 0.
+
+Design: docs/design.md §3.1 (objective, ratio and advantage).
 """
 
 from __future__ import annotations

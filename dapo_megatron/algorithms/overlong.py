@@ -11,6 +11,8 @@ tokens (no prompt, no padding)::
 scaled by ``penalty_factor`` (verl ``overlong_penalty_factor``) and never below
 ``-penalty_factor``. Overlong filtering (Sec. 3.4, "Overlong Filtering") is the
 separate option of masking the loss of truncated samples.
+
+Design: docs/design.md §3.5 (soft overlong punishment).
 """
 
 from __future__ import annotations
@@ -141,7 +143,6 @@ class OverlongConfig:
         """float32 ``[batch]`` penalty of :func:`soft_overlong_penalty`, zeros when disabled."""
         if not self.enable:
             return torch.zeros(len(response_length), dtype=torch.float32)
-        self.validate()
         return soft_overlong_penalty(
             torch.as_tensor(response_length),
             max_response_length=self.max_response_length,

@@ -64,6 +64,8 @@ Sources:
   ``rollout_rs``, ``rollout_rs_threshold``, ``rollout_rs_threshold_lower``) and their
   token / sequence / geometric levels from verl's ``trainer/ppo/rollout_corr_helper.py``.
 - Aggregation modes mirror verl's ``agg_loss`` (``loss_agg_mode``).
+
+Design: docs/design.md §3.1 (objective, ratio and advantage), §3.2 (clip-higher), §3.4 (token-level loss).
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """Megatron ⇄ HF weights: one mapping table (:mod:`.mapping`), TP/PP gather/scatter,
-bucketed streaming (:func:`iter_hf_weights`) and model-only distributed checkpoints."""
+bucketed streaming (:func:`iter_hf_weights`) and model-only distributed checkpoints.
+
+Design: docs/design.md §1 step 7 (weight sync).
+"""
 
 from .dist_ckpt import (
     check_config_fits,

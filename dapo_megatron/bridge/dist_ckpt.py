@@ -14,6 +14,8 @@ so a crashed save never leaves a directory that looks complete.
 
 Trainer checkpoints (optimizer, RNG, data position) are ``dapo_megatron.checkpointing``'s
 job; these helpers cover the model weights for the conversion tools.
+
+Design: docs/design.md §5.3 (resharded loads are verified) and §7 (the run directory).
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from typing import Optional
 
-import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from transformers import AutoConfig
 
 from dapo_megatron.models.config import rope_parameters
+from dapo_megatron.platform.parallel_dims import ParallelDims, dims_or_single
 from .weights import _as_list, unwrap_model
 
 META_FILE = "dapo_megatron.json"
@@ -41,15 +44,6 @@ ARCH_FIELDS = (
     "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
     "shared_expert_intermediate_size", "norm_topk_prob",
 )
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def model_sharded_state_dict(model_chunks) -> dict:
@@ -104,7 +98,8 @@ def write_model_meta(ckpt_dir: str, model_chunks, hf_config, tokenizer=None) -> 
         json.dump(meta, f, indent=2)
 
 
-def save_model_checkpoint(model_chunks, ckpt_dir: str, hf_config, tokenizer=None) -> None:
+def save_model_checkpoint(model_chunks, ckpt_dir: str, hf_config, tokenizer=None, *,
+                          parallel: Optional[ParallelDims] = None) -> None:
     """Save the model as a torch_dist distributed checkpoint plus its HF config (collective).
 
     Every rank calls it. The launching script must have an ``if __name__ == "__main__":``
@@ -115,16 +110,22 @@ def save_model_checkpoint(model_chunks, ckpt_dir: str, hf_config, tokenizer=None
         ckpt_dir: target directory; replaced atomically if it exists.
         hf_config: the HF config the model was built from (written as config.json).
         tokenizer: optional HF tokenizer, saved next to the weights.
+        parallel: the layout the model was built with (the world group of the barriers);
+            None: a world of one.
+
+    Raises:
+        ValueError: ``parallel`` is None in a world of more than one rank.
     """
+    parallel = dims_or_single(parallel, "save_model_checkpoint")
     ckpt_dir = os.path.abspath(ckpt_dir)
     tmp = ckpt_dir + ".tmp"
-    if _rank() == 0:
+    if parallel.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    _barrier()
+    parallel.barrier("world")
     dist_checkpointing.save(model_sharded_state_dict(model_chunks), tmp, sharded_strategy=("torch_dist", 1))
-    _barrier()
-    if _rank() == 0:
+    parallel.barrier("world")
+    if parallel.rank == 0:
         write_model_meta(tmp, model_chunks, hf_config, tokenizer)
         if os.path.exists(ckpt_dir):
             old = ckpt_dir + ".old"
@@ -134,7 +135,7 @@ def save_model_checkpoint(model_chunks, ckpt_dir: str, hf_config, tokenizer=None
             shutil.rmtree(old)
         else:
             os.rename(tmp, ckpt_dir)
-    _barrier()
+    parallel.barrier("world")
 
 
 def read_checkpoint_meta(ckpt_dir: str) -> dict:

@@ -40,6 +40,8 @@ Sources: Megatron-LM ``tools/checkpoint`` loaders/savers (llama/qwen QKV interle
 SwiGLU fusion), megatron-core ``ColumnParallelLinear`` / ``RowParallelLinear`` /
 ``VocabParallelEmbedding`` partitioning, transformers ``LlamaForCausalLM`` /
 ``Qwen2ForCausalLM`` / ``Qwen3ForCausalLM`` parameter names.
+
+Design: docs/design.md §1 step 7 (weight sync: the one rule table).
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""Read-only HF weight sources: a safetensors directory (lazy) or a GGUF file (de-quantised)."""
+"""Read-only HF weight sources: a safetensors directory (lazy) or a GGUF file (de-quantised).
+
+Design: docs/design.md §1 step 7 (weight sync).
+"""
 
 from __future__ import annotations
 

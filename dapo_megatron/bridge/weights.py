@@ -1,6 +1,8 @@
 """Load HF weights into Megatron model chunks, and stream them back out as HF tensors.
 
 Both directions go through :mod:`.mapping`; nothing here knows a layout rule.
+
+Design: docs/design.md §1 step 7 (weight sync).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from typing import TYPE_CHECKING, Iterator, Optional
 import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
+
+from dapo_megatron.platform import collectives
 
 from .mapping import (
     ModelLayout,
@@ -234,16 +238,14 @@ def _export_plan(layout: ModelLayout, params: dict, parallel: ParallelDims) -> l
     # names → EP rank holding them (routed experts); the other parameters every EP rank holds
     ep_of: dict[str, int] = {n: parallel.ep_rank for n in mine if n in exported and exported[n].expert}
     if parallel.ep_size > 1:
-        peers: list = [None] * parallel.ep_size
-        dist.all_gather_object(peers, (mine, problems, sorted(dtypes), ep_of), group=parallel.ep_group)
+        peers = parallel.all_gather_objects((mine, problems, sorted(dtypes), ep_of), "ep")
         mine = sorted({n for names, _, _, _ in peers for n in names})
         problems = [p for _, probs, _, _ in peers for p in probs]
         dtypes = {d for _, _, ds, _ in peers for d in ds}
         ep_of = {n: r for _, _, _, held in peers for n, r in held.items()}
     held = [(mine, problems, sorted(dtypes), ep_of)]
     if pp_size > 1:
-        local, held = held[0], [None] * pp_size
-        dist.all_gather_object(held, local, group=parallel.pp_group)
+        held = parallel.all_gather_objects(held[0], "pp")
     for stage, (_, stage_problems, _, _) in enumerate(held):
         if stage_problems:
             more = f" (and {len(stage_problems) - 1} more)" if len(stage_problems) > 1 else ""
@@ -388,7 +390,7 @@ def _all_gather_flat(out: torch.Tensor, local: torch.Tensor, group):
     flat_in = local.reshape(-1)
     if _INTO_TENSOR_ON.get(backend, True):
         try:
-            work = dist.all_gather_into_tensor(out.view(-1), flat_in, group=group, async_op=True)
+            work = collectives.all_gather_into_tensor(out.view(-1), flat_in, group=group, async_op=True)
             _INTO_TENSOR_ON[backend] = True
             return work
         except RuntimeError as e:  # an older gloo: "no support for _allgather_base in Gloo process group"
@@ -396,7 +398,7 @@ def _all_gather_flat(out: torch.Tensor, local: torch.Tensor, group):
                 raise
             _INTO_TENSOR_ON[backend] = False
     world = dist.get_world_size(group)
-    return dist.all_gather(list(out.view(world, -1).unbind(0)), flat_in, group=group, async_op=True)
+    return collectives.all_gather(out.view(world, -1).unbind(0), flat_in, group=group, async_op=True)
 
 
 @dataclass(frozen=True)
@@ -496,7 +498,7 @@ def iter_hf_weights(
     layout = model_layout(model_chunks)
     params = local_parameters(model_chunks)
     plan = _export_plan(layout, params, parallel)
-    pp_size, pp_rank, pp_group, pp_ranks = parallel.pp_size, parallel.pp_rank, parallel.pp_group, parallel.pp_ranks
+    pp_size, pp_rank, pp_ranks = parallel.pp_size, parallel.pp_rank, parallel.pp_ranks
     any_param = params[next(e.megatron for e in plan if e.megatron in params)]  # the exported dtype
     dtype = any_param.dtype
     elem = torch.empty((), dtype=dtype).element_size()
@@ -544,9 +546,9 @@ def iter_hf_weights(
             if ep_owner is None or ep_owner == parallel.ep_rank:
                 _fill_bucket(flat, slots, params, layout, parallel, buffers, scratch_numel)
             if ep_owner is not None and parallel.ep_size > 1:  # the other EP ranks of the stage
-                dist.broadcast(flat, src=parallel.ep_ranks[ep_owner], group=parallel.ep_group)
+                parallel.broadcast(flat, "ep", src=parallel.ep_ranks[ep_owner])
         if pp_size > 1 and pp_broadcast:
-            dist.broadcast(flat, src=pp_ranks[owner], group=pp_group)
+            parallel.broadcast(flat, "pp", src=pp_ranks[owner])
         buffers.settle()
         named = [item for slot in slots for item in slot.hf_views(flat)]
         del flat  # from here the consumer's views alone decide whether the buffer is reused

@@ -13,6 +13,8 @@ The text is taken from the syntax tree of the class's source file (:mod:`ast`: t
 literal is the statement after the field's annotated assignment), not parsed out of
 prose, and whitespace is collapsed to one line. Fields inherited from a base class are
 documented by the base's body.
+
+Design: docs/design.md §1 (one training step: the config it reads).
 """
 
 from __future__ import annotations

@@ -30,6 +30,8 @@ Validation convention for schema authors (one for every section):
 Source: OmegaConf structured configs (``OmegaConf.structured``, ``OmegaConf.merge``,
 ``OmegaConf.from_dotlist``, ``OmegaConf.to_object``); key names follow verl's
 ``ppo_trainer.yaml`` (``trainer.*``).
+
+Design: docs/design.md §1 (one training step: the config it reads) and §7 (a bad key stops the run).
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ from typing import Any, Iterator, Literal, Sequence, TypeVar
 import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+from .frozen import freeze
 
 T = TypeVar("T")
 
@@ -424,7 +428,10 @@ def load_config(schema: type[T], yaml_path: str | None = None, overrides: Sequen
             (``model.extra_transformer_config.recompute_granularity=full``).
 
     Returns:
-        An instance of ``schema`` whose nested sections are instances of their dataclasses.
+        An instance of ``schema`` whose nested sections are instances of their dataclasses,
+        validated once here and frozen (:func:`~dapo_megatron.config.frozen.freeze`: assigning a
+        field raises ``FrozenConfigError`` naming the key; ``dataclasses.replace`` makes a changed,
+        unfrozen copy).
 
     Raises:
         TypeError: ``schema`` is not a dataclass type.
@@ -480,7 +487,7 @@ def load_config(schema: type[T], yaml_path: str | None = None, overrides: Sequen
     except Exception as e:  # e.g. an interpolation naming a missing key, a MISSING value
         raise ConfigError(f"cannot resolve the config: {e}") from None
     _validate_tree(obj)
-    return obj
+    return freeze(obj)
 
 
 # --------------------------------------------------------------------------- output

@@ -2,6 +2,8 @@
 
 Each section's dataclass lives beside the code it configures; this module only composes
 them into the tree that ``dapo-train`` loads (YAML + dotted overrides).
+
+Design: docs/design.md §1 (one training step: the config it reads).
 """
 
 from __future__ import annotations
@@ -125,6 +127,12 @@ class DAPOConfig:
             raise ValueError(f"async_training.trigger_parameter_sync_step={a.trigger_parameter_sync_step} must be <= "
                              f"buffer.max_staleness + 1 = {eta + 1}: weights synced every k steps are up to k - 1 "
                              "versions behind the actor; raise buffer.max_staleness or sync more often")
+        t, k = self.trainer, a.trigger_parameter_sync_step
+        if t.test_freq > 0 and (t.test_freq % k or t.total_training_steps % k):
+            # validation at a step without a sync would grade the servers' older weights as this step's
+            raise ValueError(f"trainer.test_freq={t.test_freq} and trainer.total_training_steps={t.total_training_steps} "
+                             f"must be multiples of async_training.trigger_parameter_sync_step={k}: validation runs "
+                             "on the servers, which hold the actor's weights only at a sync step")
 
     def warnings(self) -> list[str]:
         """Settings that run but are likely a mistake, one line each (``dapo-train`` logs them once,

@@ -9,6 +9,8 @@
 * :mod:`~dapo_megatron.data.gsm8k`: GSM8K -> DAPO schema (``tools/prepare_gsm8k.py``).
 * :mod:`~dapo_megatron.data.stream`: ``PromptStream`` (DP-sharded, per-epoch
   shuffled, exactly resumable; NVIDIA DALI CPU pipeline, imported lazily).
+
+Design: docs/design.md §1 step 1 (the prompts of a rollout).
 """
 
 import importlib

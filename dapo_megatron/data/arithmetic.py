@@ -18,6 +18,8 @@ goes through the same reader (:func:`~dapo_megatron.data.dataset.load_prompt_dat
 as real data.
 
 CLI: ``python -m dapo_megatron.data.arithmetic --out train.parquet --n 1024 [--seed 1]``.
+
+Design: docs/design.md §1 step 1 (the prompts of a rollout).
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ row index and the field, unless ``skip_invalid_rows=True`` in which case it is s
 and counted in :class:`DatasetStats` (and logged). Prompts longer than ``max_prompt_length``
 tokens after the chat template are filtered out and counted too (verl's
 ``filter_overlong_prompts``); nothing is dropped silently.
+
+Design: docs/design.md §1 step 1 (the prompts of a rollout).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import difflib
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Sequence
 
 from dapo_megatron.data.arithmetic import ArithmeticConfig, write_arithmetic_dataset
@@ -311,7 +313,6 @@ def load_from_config(cfg: DataConfig, tokenizer: Any, split: str = "train") -> P
     """
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
-    cfg.validate()
     files = cfg.train_files if split == "train" else cfg.val_files
     if not files:
         raise ValueError(
@@ -322,21 +323,23 @@ def load_from_config(cfg: DataConfig, tokenizer: Any, split: str = "train") -> P
 
 
 def resolve_data_files(cfg: DataConfig, data_dir: str) -> DataConfig:
-    """Fill empty ``train_files``/``val_files`` with the embedded arithmetic task.
+    """``cfg`` with empty ``train_files``/``val_files`` filled with the embedded arithmetic task.
 
     Writes ``<data_dir>/arithmetic_train.parquet`` (seed ``cfg.seed``) and
     ``arithmetic_val.parquet`` (seed ``cfg.seed + 1``) with
     :func:`~dapo_megatron.data.arithmetic.write_arithmetic_dataset`, so the
     default task goes through the same reader as real data. Deterministic:
-    the same config writes the same files. Returns ``cfg`` (modified in place).
+    the same config writes the same files. Returns a copy (``dataclasses.replace``, unfrozen);
+    ``cfg`` is left as it is (a loaded config is frozen).
     """
     a = cfg.arithmetic
+    files = {}
     if not cfg.train_files:
         path = os.path.join(data_dir, "arithmetic_train.parquet")
         write_arithmetic_dataset(path, a.num_train_problems, cfg.seed, config=a, split="train")
-        cfg.train_files = [path]
+        files["train_files"] = [path]
     if not cfg.val_files:
         path = os.path.join(data_dir, "arithmetic_val.parquet")
         write_arithmetic_dataset(path, a.num_val_problems, cfg.seed + 1, config=a, split="val")
-        cfg.val_files = [path]
-    return cfg
+        files["val_files"] = [path]
+    return replace(cfg, **files)

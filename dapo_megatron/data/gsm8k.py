@@ -9,6 +9,8 @@ last line is ``#### N`` (openai/grade-school-math). Output rows:
 * ``reward_model = {"ground_truth": N, "style": "rule"}`` with ``N`` the text
   after ``####``, thousands separators removed (``"1,000" -> "1000"``);
 * ``extra_info = {"split", "index", "question", "answer"}``.
+
+Design: docs/design.md §1 step 1 (the prompts of a rollout).
 """
 
 from __future__ import annotations

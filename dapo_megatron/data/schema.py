@@ -19,6 +19,8 @@ JSON object per line). Every row is validated; a broken row raises
 :class:`DatasetStats` (and logged). The writers (:func:`write_dapo_rows`, used by the
 arithmetic generator and the GSM8K converter) validate every row first, so they cannot
 produce a file the reader rejects. This module depends on nothing else of the package.
+
+Design: docs/design.md §1 step 1 (the prompts of a rollout).
 """
 
 from __future__ import annotations

@@ -32,6 +32,8 @@ prepared batches ahead; :meth:`PromptStream.load_state_dict` rebuilds the
 pipeline to start at the saved position.
 
 DALI runs CPU-only (``device_id=None``) and is imported lazily.
+
+Design: docs/design.md §1 step 1 (the prompt stream, restored exactly by a checkpoint).
 """
 
 from __future__ import annotations

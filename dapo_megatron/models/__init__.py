@@ -1,4 +1,7 @@
-"""HF config → megatron-core TransformerConfig + layer spec + GPTModel (local on CPU, TE/FP8 on GPU)."""
+"""HF config → megatron-core TransformerConfig + layer spec + GPTModel (local on CPU, TE/FP8 on GPU).
+
+Design: docs/design.md §2 (parallel layouts) and §2.1 (mixtures of experts).
+"""
 
 from .builder import build_gpt_model, layer_spec, load_hf_config
 from .config import (

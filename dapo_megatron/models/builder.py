@@ -1,4 +1,7 @@
-"""Build a megatron-core ``GPTModel`` from an HF config for one rank of a parallel layout."""
+"""Build a megatron-core ``GPTModel`` from an HF config for one rank of a parallel layout.
+
+Design: docs/design.md §2 (parallel layouts) and §5 (megatron-core on CPU).
+"""
 
 from __future__ import annotations
 

@@ -14,6 +14,8 @@ the step-0 model beyond fp32 rounding of the weighted sum.
 Tensor names are HF checkpoint names (``model.layers.{l}.block_sparse_moe.experts.{e}.w1/w3/w2``
 and ``...block_sparse_moe.gate.weight``, as Mixtral checkpoints on the Hub hold them and
 transformers 5 writes them; it fuses the experts on load, ``conversion_mapping.py`` "mixtral").
+
+Design: docs/design.md §2.1 (mixtures of experts).
 """
 
 from __future__ import annotations

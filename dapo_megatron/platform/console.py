@@ -11,6 +11,8 @@ hides exactly
 
 Every other warning and log record is printed as usual. ``DAPO_SHOW_WARNINGS=1`` in the
 environment turns the filtering off, so the hidden lines are printed again.
+
+Design: docs/design.md §5 (megatron-core on CPU: the warnings it prints there).
 """
 
 from __future__ import annotations

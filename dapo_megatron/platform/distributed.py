@@ -5,6 +5,8 @@ Under ``torchrun`` the usual ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK`` /
 becomes a world of one. The backend is NCCL when CUDA is available and gloo
 otherwise, in which case the CPU compatibility layer (:mod:`.cpu_compat`) is
 activated before megatron-core is touched.
+
+Design: docs/design.md §2 (parallel layouts) and §5.1 (gloo on CPU).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from . import cpu_compat
+from . import collectives, cpu_compat
 from .parallel_dims import ParallelDims, rollout_groups
 
 
@@ -202,8 +204,8 @@ def init_distributed(
     rank = dist.get_rank()
     index = rank // rollout_tp
     dp_rank = parallel_state.get_data_parallel_rank()
-    dp_rank_of: list = [None] * world
-    dist.all_gather_object(dp_rank_of, dp_rank)  # once per call: every rank's DP shard, for routing data to it
+    # once per call: every rank's DP shard, for routing data to it
+    dp_rank_of = collectives.all_gather_objects(dp_rank, group=dist.group.WORLD)
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     mp_group = parallel_state.get_model_parallel_group()
     ep_group = parallel_state.get_expert_model_parallel_group()

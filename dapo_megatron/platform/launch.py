@@ -5,6 +5,8 @@ processes (the ``spawn`` start method: no forked torch threads) with the same
 environment torchrun would set, so code under test calls
 :func:`dapo_megatron.platform.init_distributed` exactly as in production.
 An exception in any rank is re-raised in the caller with that rank's traceback.
+
+Design: docs/design.md §2 (parallel layouts).
 """
 
 from __future__ import annotations

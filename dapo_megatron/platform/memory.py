@@ -68,6 +68,8 @@ Phases (the engine sleeps while the actor trains):
   embedding, which is a bucket of its own; the engine payload's bucket (a tensor larger than
   it is sent from the bridge's memory); at actor TP > 1 the bridge's two scratch buffers of
   the largest re-laid-out tensor, a layer's full gate/up weight.
+
+Design: docs/design.md §1 (the colocated pair's memory check) and §2 (parallel layouts).
 """
 
 from __future__ import annotations

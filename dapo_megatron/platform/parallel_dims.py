@@ -15,12 +15,20 @@ Two layouts share the world (docs/design.md §2):
 - the rollout's: the world cut into rollout groups of ``rollout_tp_size`` consecutive ranks on
   one node (verl's ``rollout.tensor_model_parallel_size``); each group owns one engine, whose
   leader is the group's first rank. With ``rollout_tp_size == 1`` every rank is its own engine.
+
+The collectives over these groups are its methods (:meth:`ParallelDims.broadcast_object`,
+:meth:`~ParallelDims.all_reduce`, ...), which name the group (``"world"``, ``"dp"``, ...) and call
+:mod:`.collectives`; the package calls no ``torch.distributed`` collective elsewhere.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Optional
+
+import torch.distributed as dist
+
+from . import collectives
 
 ROLLOUT_TP_KEY = "rollout.tensor_model_parallel_size"
 
@@ -200,3 +208,107 @@ class ParallelDims:
     @property
     def is_rollout_leader(self) -> bool:
         return self.rank == self.rollout_leader
+
+    # ------------------------------------------------------------------ collectives (platform/collectives.py)
+
+    #: the group names the collectives take, with the attribute holding each group and its size
+    GROUPS = {"world": ("world_group", "world_size"), "tp": ("tp_group", "tp_size"), "pp": ("pp_group", "pp_size"),
+              "dp": ("dp_group", "dp_size"), "mp": ("mp_group", "mp_size"),
+              "rollout": ("rollout_group", "rollout_tp_size"), "ep": ("ep_group", "ep_size"),
+              "etp": ("etp_group", "etp_size")}
+
+    @property
+    def world_group(self) -> Any:
+        """The world as an explicit group handle (``torch.distributed.group.WORLD``)."""
+        return dist.group.WORLD
+
+    def group(self, name: str) -> Any:
+        """The process group called ``name`` (a key of :attr:`GROUPS`).
+
+        Raises:
+            ValueError: ``name`` is not a group name.
+        """
+        return self._sized(name)[0]
+
+    def _sized(self, name: str) -> tuple[Any, int]:
+        if name not in self.GROUPS:
+            raise ValueError(f"group={name!r} is none of {sorted(self.GROUPS)}")
+        attr, size = self.GROUPS[name]
+        return getattr(self, attr), getattr(self, size)
+
+    def broadcast_object(self, obj: Any, group: str = "world", src: Optional[int] = None) -> Any:
+        """``obj`` of global rank ``src`` (default: the group's first rank) on every rank of ``group``;
+        returned as is in a group of one (no communication, also without ``torch.distributed``)."""
+        handle, size = self._sized(group)
+        if size == 1:
+            return obj
+        src = dist.get_global_rank(handle, 0) if src is None else src
+        return collectives.broadcast_object(obj, group=handle, src=src)
+
+    def all_gather_objects(self, obj: Any, group: str = "world") -> list[Any]:
+        """Every rank's ``obj`` on every rank of ``group``, in its rank order (``[obj]`` in a group of one)."""
+        handle, size = self._sized(group)
+        return [obj] if size == 1 else collectives.all_gather_objects(obj, group=handle)
+
+    def gather_objects(self, obj: Any, group: str = "world", dst: Optional[int] = None) -> Optional[list[Any]]:
+        """Every rank's ``obj`` (group rank order) on global rank ``dst`` (default: the group's first
+        rank); **None on every other rank**. ``[obj]`` in a group of one."""
+        handle, size = self._sized(group)
+        if size == 1:
+            return [obj]
+        dst = dist.get_global_rank(handle, 0) if dst is None else dst
+        return collectives.gather_objects(obj, group=handle, dst=dst)
+
+    def barrier(self, group: str = "world") -> None:
+        """Wait for every rank of ``group`` (nothing in a group of one)."""
+        handle, size = self._sized(group)
+        if size > 1:
+            collectives.barrier(group=handle)
+
+    def all_reduce(self, tensor, group: str, op=collectives.ReduceOp.SUM):
+        """``tensor`` reduced in place over ``group`` and returned (as is in a group of one). The
+        tensor lives on ``collective_device(parallel.group(group))`` (the caller's part)."""
+        handle, size = self._sized(group)
+        return tensor if size == 1 else collectives.all_reduce(tensor, group=handle, op=op)
+
+    def all_gather(self, tensor, group: str) -> list:
+        """Every rank's ``tensor`` (same shape and dtype on all) in the rank order of ``group``."""
+        handle, size = self._sized(group)
+        if size == 1:
+            return [tensor]
+        parts = [tensor.new_empty(tensor.shape) for _ in range(size)]
+        collectives.all_gather(parts, tensor, group=handle)
+        return parts
+
+    def broadcast(self, tensor, group: str, src: int) -> None:
+        """``tensor`` of global rank ``src`` copied in place on every rank of ``group`` (nothing in a
+        group of one)."""
+        handle, size = self._sized(group)
+        if size > 1:
+            collectives.broadcast(tensor, src=src, group=handle)
+
+
+def single_process() -> ParallelDims:
+    """The layout of a world of one: rank 0, every size one, no process groups (a plain
+    ``python`` process without ``torch.distributed``: unit tests, tools). Every collective of it
+    returns without communicating."""
+    return ParallelDims(world_size=1, rank=0, local_rank=0, local_world_size=1, tp_size=1, tp_rank=0, tp_group=None,
+                        pp_size=1, pp_rank=0, pp_group=None, pp_ranks=(0,), dp_size=1, dp_rank=0, dp_group=None,
+                        dp_rank_of=(0,), mp_size=1, mp_rank=0, mp_group=None, rollout_tp_size=1,
+                        rollout_group_ranks=(0,), rollout_index=0, num_engines=1)
+
+
+def dims_or_single(parallel: Optional[ParallelDims], what: str) -> ParallelDims:
+    """``parallel``, or :func:`single_process` when it is None and no ``torch.distributed`` world of
+    more than one rank runs.
+
+    Raises:
+        ValueError: ``parallel`` is None in a world of more than one rank (naming ``what``, the
+            caller): its collectives need the run's layout.
+    """
+    if parallel is not None:
+        return parallel
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(f"{what}: pass parallel= (the run's ParallelDims from init_distributed) in a world of "
+                         f"{dist.get_world_size()} ranks")
+    return single_process()

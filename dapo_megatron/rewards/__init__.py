@@ -8,6 +8,8 @@ Graders by ``data_source``: DAPO math / ``aime*`` (:mod:`.math_dapo`), boxed
 MATH with math-verify (:mod:`.math_boxed`), ``math`` in either form, a box or an
 ``Answer:`` line (:mod:`.math_either`), GSM8K (:mod:`.gsm8k`) and the embedded
 arithmetic task (:mod:`.arithmetic`).
+
+Design: docs/design.md §4 (rewards in killable processes).
 """
 
 from dapo_megatron.rewards.config import RewardConfig

@@ -41,6 +41,8 @@ Accepted around the number: prose (``The answer is 12.``), ``= 12``,
 
 Every rule reads a fixed window of text around the last number, so grading is
 linear in the response length.
+
+Design: docs/design.md §4 (rewards in killable processes).
 """
 
 from __future__ import annotations

@@ -1,4 +1,7 @@
-"""The ``reward.*`` section: the grader pool (:class:`~dapo_megatron.rewards.pool.RewardPool`)."""
+"""The ``reward.*`` section: the grader pool (:class:`~dapo_megatron.rewards.pool.RewardPool`).
+
+Design: docs/design.md §4 (rewards in killable processes).
+"""
 
 from __future__ import annotations
 

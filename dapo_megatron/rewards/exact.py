@@ -33,6 +33,8 @@ computed (the grader then falls back to math-verify, which runs inside the
 pool's killable worker under its timeout and memory limit). sympy is imported only for radicals that are not rational. Nothing
 here calls ``eval``/``sympify``/``parse_expr``: sympy objects are built from
 Python ints only.
+
+Design: docs/design.md §4 (rewards in killable processes).
 """
 
 from __future__ import annotations

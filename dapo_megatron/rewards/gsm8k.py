@@ -10,6 +10,8 @@ values are compared exactly as fractions (``72``, ``72.0``, ``72.00`` are equal;
 ``72.0000001`` is not). A number that runs on into more digits is not an answer:
 ``#### 1,2`` (a decimal comma or a list), ``#### 3, 4``, ``#### 100 0`` give no
 prediction, where verl reads 1, 3 and 100; an earlier ``####`` does not stand in.
+
+Design: docs/design.md §4 (rewards in killable processes).
 """
 
 from __future__ import annotations

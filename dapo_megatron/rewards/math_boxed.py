@@ -47,6 +47,8 @@ wrong reason are refused (the gold is trusted):
 
 Runs in the calling process without a timeout; grade model text through
 :func:`dapo_megatron.rewards.compute_score` or :class:`~dapo_megatron.rewards.RewardPool`.
+
+Design: docs/design.md §4 (rewards in killable processes).
 """
 
 from __future__ import annotations

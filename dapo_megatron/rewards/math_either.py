@@ -33,6 +33,8 @@ else ``ground_truth`` itself (:func:`~dapo_megatron.rewards.math_boxed.gold_cont
 
 Runs in the calling process without a timeout; grade model text through
 :func:`dapo_megatron.rewards.compute_score` or :class:`~dapo_megatron.rewards.RewardPool`.
+
+Design: docs/design.md §4 (rewards in killable processes).
 """
 
 from __future__ import annotations

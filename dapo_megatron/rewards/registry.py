@@ -3,6 +3,8 @@
 Graders run in the calling process here; :mod:`dapo_megatron.rewards.pool` runs
 them in killable worker processes. Importing this module is cheap (no sympy,
 no torch): math-verify is imported by the boxed grader on first use.
+
+Design: docs/design.md §4 (rewards in killable processes).
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 
 Nothing here evaluates text: numbers are parsed with strict regular expressions
 into :class:`fractions.Fraction`, never with ``eval``/``sympify``/``parse_expr``.
+
+Design: docs/design.md §4 (rewards in killable processes).
 """
 
 from __future__ import annotations

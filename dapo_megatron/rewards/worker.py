@@ -24,6 +24,8 @@ MemoryError and the item scores -1), and dies with its parent (Linux
 ``PR_SET_PDEATHSIG``), so a parent killed with SIGKILL leaves no worker
 computing a power tower for hours. It stays in the parent's process group, so
 a launcher that kills the group (torchrun) stops it too.
+
+Design: docs/design.md §4 (rewards in killable processes).
 """
 
 from __future__ import annotations

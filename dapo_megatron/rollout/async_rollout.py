@@ -44,7 +44,6 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
-import torch.distributed as dist
 
 from dapo_megatron.data import PromptStream
 from dapo_megatron.rollout.engines.engine import Completion, SamplingParams, completions_to_group, sample_seed
@@ -505,10 +504,7 @@ class AsyncRollout(Rollout):
                                             version=0, policy_version=0)
 
     def _broadcast(self, obj: Any) -> Any:
-        box = [obj]
-        if dist.get_world_size() > 1:
-            dist.broadcast_object_list(box, src=0)
-        return box[0]
+        return self.parallel.broadcast_object(obj, "world", src=0)
 
     def _start(self, version: int) -> None:
         if self._started:

@@ -89,7 +89,7 @@ def build_rollout(cfg: DAPOConfig, parallel: ParallelDims, *, tokenizer: Any, hf
         return tokenizer.decode(ids, skip_special_tokens=True)
 
     b = cfg.buffer
-    buffer = RolloutBuffer(b, DistributedGrader(reward_pool), decode)
+    buffer = RolloutBuffer(b, DistributedGrader(reward_pool, parallel), decode)
     collector = prompt_queue = None
     if cfg.rollout.streaming:
         collector = StreamingCollector(buffer, PromptSkipper(b.prompt_skip, seed=cfg.trainer.seed),

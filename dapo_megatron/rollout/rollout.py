@@ -38,7 +38,6 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from dapo_megatron.bridge import ExportBuffers, iter_hf_weights
 from dapo_megatron.config.run import DAPOConfig
@@ -76,16 +75,6 @@ class StepBatch:
         return [s for g in self.groups for s in g.samples]
 
 
-def _all_gather_objects(obj: Any, group=None) -> list[Any]:
-    """``all_gather_object`` over ``group`` (default: the world), in rank order."""
-    world = dist.get_world_size(group)
-    if world == 1:
-        return [obj]
-    out: list[Any] = [None] * world
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
 class Rollout:
     """One run's rollout on this rank, whatever the engine layout (module docstring).
 
@@ -111,7 +100,8 @@ class Rollout:
         # streamed: group g on engine g.prompt_seed % num_engines (its driving rank); each round
         # replicates records only, the tokens stay there until the step's plan sends them on
         self.row_client = (EngineClient(engine, self._train_params(), num_engines=num_engines,
-                                        engine_index=engine_index) if collector is not None else None)
+                                        engine_index=engine_index, parallel=parallel)
+                           if collector is not None else None)
         self.gen_batches_done = 0
         # a CPU sync into fresh memory pays page faults worth several copies; on GPU the caching
         # allocator reuses blocks, and kept buffers would be out of the engine's reach
@@ -137,8 +127,7 @@ class Rollout:
         if torch.cuda.is_available():
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
-        if self.parallel.rollout_group is not None:
-            torch.distributed.barrier(group=self.parallel.rollout_group)
+        self.parallel.barrier("rollout")
 
     def wake(self) -> None:
         """Give the engine its memory back before generating, with valid weights.
@@ -150,7 +139,7 @@ class Rollout:
         group)."""
         self._free_allocator_cache()
         self.engine.wake_up()
-        if any(_all_gather_objects(not self.engine.weights_valid)):
+        if any(self.parallel.all_gather_objects(not self.engine.weights_valid, "world")):
             logger.warning("a rollout engine woke up without valid weights; re-syncing weight version %d",
                            self._version)
             self.sync_weights(self._source, self._version)
@@ -172,7 +161,7 @@ class Rollout:
             stream = (iter_hf_weights(actor.model_chunks, parallel=self.parallel, bucket_bytes=bucket,
                                       pp_broadcast=False, buffers=self.export_buffers)
                       if self.parallel.dp_rank == 0 else None)
-            return float(sum(_all_gather_objects(self.engine.sync(stream, version=version))))
+            return float(sum(self.parallel.all_gather_objects(self.engine.sync(stream, version=version), "world")))
         nbytes = 0
 
         def counted(it):
@@ -212,9 +201,7 @@ class Rollout:
         if dp_size == 1:
             return list(indices)
         mine = torch.tensor(indices, dtype=torch.int64, device=collective_device(self.parallel.dp_group))
-        parts = [torch.empty_like(mine) for _ in range(dp_size)]
-        dist.all_gather(parts, mine, group=self.parallel.dp_group)
-        return torch.cat(parts).cpu().tolist()
+        return torch.cat(self.parallel.all_gather(mine, "dp")).cpu().tolist()
 
     def _generate_groups(self, records: Sequence[Any], params: SamplingParams, first_group_id: int) -> list[Group]:
         """Generate ``params.n`` responses for each prompt of the generation batch (every DP
@@ -234,7 +221,7 @@ class Rollout:
                 -1, rec.prompt_ids, completions, prompt_index=rec.index, data_source=rec.data_source,
                 ground_truth=rec.ground_truth, extra_info=rec.extra_info)))
         groups = gather_groups(local, n=params.n, max_local=-(-len(batch) // self.num_engines),
-                               record_of=self.train_data.__getitem__)
+                               record_of=self.train_data.__getitem__, parallel=self.parallel)
         version = self.engine.weight_version  # the same on every rank: the weights of the last sync
         for k, g in enumerate(groups):
             g.group_id = first_group_id + k
@@ -305,7 +292,7 @@ class Rollout:
         for i, res in zip(owners, results):
             local.setdefault(i, []).append(1.0 if res["acc"] else 0.0)
         accs: dict[int, list[float]] = {}
-        for part in _all_gather_objects(local):
+        for part in self.parallel.all_gather_objects(local, "world"):
             accs.update(part)
         order = sorted(accs)
         return compute_val_metrics([problems[i].data_source for i in order], [accs[i] for i in order], k=r.val_n)
@@ -324,10 +311,10 @@ class Rollout:
         surplus = [s for g in self.buffer.surplus for s in g.samples]
         partial = [s for g in self.collector.partial for s in g.samples] if self.collector is not None else []
         send_tokens(surplus + partial, [(0,)] * (len(surplus) + len(partial)),  # streamed partial groups too
-                    routes=self.routes_layout)
-        gather_preds(surplus, dst=0)
+                    parallel=self.parallel, routes=self.routes_layout)
+        gather_preds(surplus, parallel=self.parallel, dst=0)
         # ranks of one DP rank read the same prompts: keep one reader position per DP rank
-        by_dp = dict(_all_gather_objects((self.parallel.dp_rank, self.stream.state_dict())))
+        by_dp = dict(self.parallel.all_gather_objects((self.parallel.dp_rank, self.stream.state_dict()), "world"))
         return {
             "gen_batches_done": self.gen_batches_done,
             "streams": [by_dp[d] for d in range(self.parallel.dp_size)],

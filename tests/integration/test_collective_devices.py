@@ -102,8 +102,9 @@ def _run_layout(out_dir, tp, pp):
         prompts = [k for k in range(len(all_groups)) if k % par.dp_size == par.dp_rank]
         local = [(par.dp_rank, pos, all_groups[k]) for pos, k in enumerate(prompts)
                  if pos % par.mp_size == par.mp_rank]
-        groups = gather_groups(local, n=2, max_local=-(-len(prompts) // par.mp_size), record_of=records.__getitem__)
-        RolloutBuffer(BufferConfig(train_batch_size=4, n=2, gen_batch_size=4), DistributedGrader(_ParityGrader()),
+        groups = gather_groups(local, n=2, max_local=-(-len(prompts) // par.mp_size), record_of=records.__getitem__,
+                               parallel=par)
+        RolloutBuffer(BufferConfig(train_batch_size=4, n=2, gen_batch_size=4), DistributedGrader(_ParityGrader(), par),
                       lambda ids: " ".join(map(str, ids))).grade(groups)
         samples = [s for g in groups for s in g.samples]
         g = torch.Generator().manual_seed(1)
@@ -111,7 +112,7 @@ def _run_layout(out_dir, tp, pp):
             s.advantage = float(torch.randn((), generator=g))
         plan = plan_step(groups, 4, par.dp_size, cfg.ppo_max_token_len_per_gpu)
         ranks_of = [par.ranks_of_dp_rank(d) for d in range(par.dp_size)]
-        send_tokens(samples, [ranks_of[d] for d in plan.owner])
+        send_tokens(samples, [ranks_of[d] for d in plan.owner], parallel=par)
         mine = plan.owned(par.dp_rank)
         micro = split_for_dp([samples[i] for i in mine], 1, cfg.ppo_max_token_len_per_gpu)[0]
         lps = actor.compute_logprobs([[samples[mine[j]] for j in mb] for mb in micro], TEMPERATURE)

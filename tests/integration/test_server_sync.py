@@ -51,7 +51,8 @@ def _sync_worker(tp, pp, urls, out_dir, timeout_s=60):
     stage, stages = parallel.pp_rank, parallel.pp_size
     sender = connect_servers(servers, stage=stage, num_stages=stages,
                              is_sender=parallel.tp_rank == 0 and parallel.dp_rank == 0,
-                             device="cpu", timeout_s=timeout_s, bucket_bytes=BUCKET, backend="gloo")
+                             device="cpu", timeout_s=timeout_s, bucket_bytes=BUCKET, backend="gloo",
+                             parallel=parallel)
     check_health(urls, 10)
     dist.barrier()
     result = {"rank": rank}
@@ -70,7 +71,7 @@ def _sync_worker(tp, pp, urls, out_dir, timeout_s=60):
         stream = iter_hf_weights(model, parallel=parallel, bucket_bytes=BUCKET, pp_broadcast=False, buffers=buffers)
         result["bytes"] = sync_servers(stream, sender=sender,
                                        urls=urls, timeout_s=timeout_s, param_specs=hf_param_specs(hf_config), version=1,
-                                       coordinator=rank == 0, stage=stage, num_stages=stages)
+                                       coordinator=rank == 0, stage=stage, num_stages=stages, parallel=parallel)
     except RuntimeError as err:
         result["error"] = str(err)
     result["bucket_allocations"] = buffers.allocations

@@ -18,14 +18,13 @@ import os
 
 import pytest
 
+from conftest import load_benchmark
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_vs_trl", os.path.join(REPO, "benchmarks", "bench_vs_trl.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("bench_vs_trl")
 
 
 def _ours(bench, dtype, tmp_path):

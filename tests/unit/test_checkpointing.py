@@ -121,14 +121,14 @@ def _run_first_half(out_dir, run_dir, tp, steps):
 
     positions = [None] * dist.get_world_size()
     dist.all_gather_object(positions, {"rank": dist.get_rank(), "reader_pos": 7 * steps})
-    ckpt.save_checkpoint(run_dir, steps, [ddp], opt, sched, {"step": steps, "readers": positions})
+    ckpt.save_checkpoint(run_dir, steps, [ddp], opt, sched, {"step": steps, "readers": positions}, parallel=par)
     torch.save({"hist": hist, "probe": _rng_probe()}, _out(out_dir, "first"))
 
 
 def _run_second_half(out_dir, run_dir, tp, steps):
     ddp, opt, sched, par = _build(tp)
     _seed_this_rank(par)  # a fresh process seeds as usual; load must win over this
-    state = ckpt.load_checkpoint(run_dir, [ddp], opt, sched)
+    state = ckpt.load_checkpoint(run_dir, [ddp], opt, sched, parallel=par)
     probe = _rng_probe()
     hist = [_train_step(ddp, opt, sched) for _ in range(steps)]
     torch.save({"state": state, "probe": probe, "hist": hist, "params": _params(ddp)}, _out(out_dir, "second"))
@@ -138,7 +138,7 @@ def _run_save_before_first_step(out_dir, run_dir, tp, steps):
     """Save before any optimizer step (a first step that kept no group), then train on."""
     ddp, opt, sched, par = _build(tp)
     _seed_this_rank(par)
-    ckpt.save_checkpoint(run_dir, 0, [ddp], opt, sched, {"step": 0})
+    ckpt.save_checkpoint(run_dir, 0, [ddp], opt, sched, {"step": 0}, parallel=par)
     hist = [_train_step(ddp, opt, sched) for _ in range(steps)]
     torch.save({"hist": hist, "params": _params(ddp)}, _out(out_dir, "early"))
 
@@ -147,7 +147,7 @@ def _run_crash(out_dir, run_dir):
     ddp, opt, sched, par = _build(2)  # TP=2: replicated and TP-sharded weights, TP-specific RNG
     _seed_this_rank(par)
     _train_step(ddp, opt, sched)
-    ckpt.save_checkpoint(run_dir, 1, [ddp], opt, sched, {"step": 1}, max_ckpt_to_keep=2)
+    ckpt.save_checkpoint(run_dir, 1, [ddp], opt, sched, {"step": 1}, max_ckpt_to_keep=2, parallel=par)
     at_step1, probe_step1 = _params(ddp), _rng_probe()
     _train_step(ddp, opt, sched)
 
@@ -160,7 +160,7 @@ def _run_crash(out_dir, run_dir):
 
     ckpt._save_rng_state = crash_after_model_written
     try:
-        ckpt.save_checkpoint(run_dir, 2, [ddp], opt, sched, {"step": 2}, max_ckpt_to_keep=2)
+        ckpt.save_checkpoint(run_dir, 2, [ddp], opt, sched, {"step": 2}, max_ckpt_to_keep=2, parallel=par)
         crashed = False
     except RuntimeError as e:
         crashed = "simulated crash" in str(e)
@@ -172,15 +172,15 @@ def _run_crash(out_dir, run_dir):
     import torch.distributed as dist
 
     dist.barrier()
-    state = ckpt.load_checkpoint(run_dir, [ddp], opt, sched)
+    state = ckpt.load_checkpoint(run_dir, [ddp], opt, sched, parallel=par)
     probe_loaded = _rng_probe()
     params_loaded = _params(ddp)
     same = all(torch.equal(params_loaded[n], at_step1[n]) for n in at_step1)
     # train on and save twice more: the stale tmp dir goes, pruning keeps the newest two
     _train_step(ddp, opt, sched)
-    ckpt.save_checkpoint(run_dir, 2, [ddp], opt, sched, {"step": 2}, max_ckpt_to_keep=2)
+    ckpt.save_checkpoint(run_dir, 2, [ddp], opt, sched, {"step": 2}, max_ckpt_to_keep=2, parallel=par)
     _train_step(ddp, opt, sched)
-    ckpt.save_checkpoint(run_dir, 3, [ddp], opt, sched, {"step": 3}, max_ckpt_to_keep=2)
+    ckpt.save_checkpoint(run_dir, 3, [ddp], opt, sched, {"step": 3}, max_ckpt_to_keep=2, parallel=par)
     final = {"latest": ckpt.read_latest_step(run_dir), "entries": sorted(os.listdir(root))}
     torch.save(
         {

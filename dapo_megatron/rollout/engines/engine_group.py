@@ -40,8 +40,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
+from dapo_megatron.platform import collectives
 from dapo_megatron.platform import device as rank_device
 from dapo_megatron.rollout.engines.engine import GenerationOutput, ParamSpec, RolloutEngine, SamplingParams
 from dapo_megatron.rollout.engines.flat_bucket import FlatBucketPacker, serialize_for_engine, sglang_bucket_dict
@@ -129,18 +129,13 @@ def sync_flat_buckets(named_tensors: Iterable[NamedTensor], group: RolloutGroup,
             item = (serialize_for_engine(sglang_bucket_dict(bucket)), bucket.signature(), _device_id(bucket.flat), None)
         except Exception:  # reported by the leader on every rank, instead of a hang in the gather
             item = (None, bucket.signature(), None, traceback.format_exc(limit=3))
-        if group.size > 1:
-            gathered = [None] * group.size if group.is_leader else None
-            dist.gather_object(item, gathered, dst=group.leader, group=group.group)
-        else:
-            gathered = [item]
+        # on the leader only (None elsewhere); [item] in a group of one
+        gathered = [item] if group.size == 1 else collectives.gather_objects(item, group=group.group, dst=group.leader)
         outcome = None
         if group.is_leader:
             outcome = _apply_gathered(gathered, group, apply, expected_devices)
         if group.size > 1:
-            box = [outcome]
-            dist.broadcast_object_list(box, src=group.leader, group=group.group)
-            outcome = box[0]
+            outcome = collectives.broadcast_object(outcome, group=group.group, src=group.leader)
         # from here the engine holds no handle to this rank's buffer: the packer may refill it
         if outcome is not None:
             raise RuntimeError(outcome)

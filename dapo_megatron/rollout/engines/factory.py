@@ -192,7 +192,7 @@ def build_training_rollout(cfg: DAPOConfig, tokenizer, hf_config, parallel) -> t
             is_sender=parallel.tp_rank == 0 and parallel.dp_rank == 0, device=device(),
             timeout_s=rollout.server_timeout_s, generate_timeout_s=rollout.server_generate_timeout_s,
             bucket_bytes=rollout.update_weights_bucket_megabytes * 2**20,
-            eos_token_ids=stop_token_ids(tokenizer, hf_config, cfg.model.hf_path),
+            eos_token_ids=stop_token_ids(tokenizer, hf_config, cfg.model.hf_path), parallel=parallel,
             record_routes=_routes_shape(cfg, hf_config))
         return servers, servers.num_engines, servers.engine_index
     index = parallel.rollout_index if parallel.is_rollout_leader else None
@@ -201,8 +201,7 @@ def build_training_rollout(cfg: DAPOConfig, tokenizer, hf_config, parallel) -> t
         # and refuse to start when it differs too much: every rank hands its cached blocks back first,
         # and the leader starts the engine once all have (sglang_env.release_allocator_cache)
         release_allocator_cache()
-        if parallel.rollout_group is not None:
-            torch.distributed.barrier(group=parallel.rollout_group)
+        parallel.barrier("rollout")
     if parallel.rollout_tp_size == 1:
         return build_engine(training_engine_spec(cfg, tokenizer, hf_config), hf_config), parallel.num_engines, index
     group = RolloutGroup(parallel.rollout_group_ranks, parallel.rank, parallel.rollout_group)

@@ -111,6 +111,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from transformers import AutoTokenizer
 
+from dapo_megatron.platform import collectives
 from dapo_megatron.rollout.engines.buckets import dtype_from_name
 from dapo_megatron.rollout.engines.engine import RowRequest, RowResult, SamplingParams
 from dapo_megatron.rollout.engines.hf_engine import HFEngine
@@ -670,7 +671,7 @@ class Scheduler:
         try:
             if load_format == "flattened_bucket":
                 flat = torch.empty(offset, dtype=torch.uint8, device=device)
-                torch.distributed.broadcast(flat, src=0, group=group)
+                collectives.broadcast(flat, src=0, group=group)
                 received, start = [], 0
                 for n, dtype, s in tensors:
                     nbytes = torch.Size(s).numel() * torch.empty((), dtype=dtype).element_size()
@@ -680,7 +681,7 @@ class Scheduler:
                 received = []
                 for n, dtype, s in tensors:
                     t = torch.empty(s, dtype=dtype, device=device)
-                    torch.distributed.broadcast(t, src=0, group=group)
+                    collectives.broadcast(t, src=0, group=group)
                     received.append((n, t))
             with torch.no_grad():
                 for n, t in received:

@@ -50,7 +50,8 @@ from typing import Any, Iterable, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.platform import free_port
+from dapo_megatron.platform import collectives, free_port
+from dapo_megatron.platform.parallel_dims import ParallelDims, dims_or_single
 from dapo_megatron.rollout.engines.buckets import dtype_name
 from dapo_megatron.rollout.engines.engine import RowRequest, RowResult, WeightSyncTracker
 from dapo_megatron.rollout.engines.flat_bucket import FlatBucketPacker
@@ -290,7 +291,7 @@ class ServerWeightSender:
                 request["weight_version"] = self.weight_version
             calls = [_Call(http_post, url, "/update_weights_from_distributed", request, self.timeout_s)
                      for url in self.urls]
-            work = dist.broadcast(bucket.flat, src=0, group=self.group, async_op=True)
+            work = collectives.broadcast(bucket.flat, src=0, group=self.group, async_op=True)
             self._wait(work, calls, bucket.names[0])
             for result, url in zip(self._join(calls, "/update_weights_from_distributed"), self.urls):
                 if isinstance(result, dict) and result.get("success") is False:
@@ -318,9 +319,10 @@ class ServerWeightSender:
 
 def connect_servers(servers: Sequence[ServerInfo], *, stage: int, num_stages: int, is_sender: bool,
                     device: torch.device | str, timeout_s: float, bucket_bytes: int,
-                    backend: Optional[str] = None, group=None) -> Optional[ServerWeightSender]:
+                    backend: Optional[str] = None,
+                    parallel: Optional[ParallelDims] = None) -> Optional[ServerWeightSender]:
     """Create the weight-update group of every pipeline stage, stage by stage; collective over
-    ``group`` (default: the world).
+    the world of ``parallel`` (None: a world of one).
 
     In turn ``s`` the sender of stage ``s`` (``is_sender``: its DP-0 TP-0 rank) asks every
     server to join ``dapo_weights_pp<s>`` and joins as rank 0; the others wait. One stage at a
@@ -332,7 +334,9 @@ def connect_servers(servers: Sequence[ServerInfo], *, stage: int, num_stages: in
 
     Raises:
         RuntimeError: on every rank, naming the server that did not join.
+        ValueError: ``parallel`` is None in a world of more than one rank.
     """
+    parallel = dims_or_single(parallel, "connect_servers")
     sender, error = None, None
     for turn in range(num_stages):
         if turn == stage and is_sender:
@@ -342,8 +346,7 @@ def connect_servers(servers: Sequence[ServerInfo], *, stage: int, num_stages: in
                 sender.init_group(backend=backend)
             except Exception as err:
                 error = f"creating the weight-update group of pipeline stage {stage}: {err}"
-        errors: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(errors, error, group=group)
+        errors = parallel.all_gather_objects(error, "world")
         if any(errors):
             raise RuntimeError("; ".join(e for e in errors if e))
     return sender
@@ -373,8 +376,9 @@ def _prepend(first, rest: Iterator):
 
 def sync_servers(stage_tensors: Optional[Iterable[NamedTensor]], *, sender: Optional[ServerWeightSender],
                  urls: Sequence[str], timeout_s: float, param_specs, version: int, coordinator: bool,
-                 stage: int = 0, num_stages: int = 1, group=None) -> int:
-    """One weight sync into the servers; collective over ``group`` (default: the world).
+                 stage: int = 0, num_stages: int = 1, parallel: Optional[ParallelDims] = None) -> int:
+    """One weight sync into the servers; collective over the world of ``parallel`` (None: a world
+    of one).
 
     Args:
         stage_tensors: this rank's part of the bridge stream: the tensors of its pipeline stage
@@ -407,8 +411,8 @@ def sync_servers(stage_tensors: Optional[Iterable[NamedTensor]], *, sender: Opti
             pause_servers(urls, timeout_s)
         except Exception as err:
             error = f"pausing generation before the weight sync: {err}"
-    errors = [None] * dist.get_world_size(group)
-    dist.all_gather_object(errors, error, group=group)  # no stage sends into a server that is not paused
+    parallel = dims_or_single(parallel, "sync_servers")
+    errors = parallel.all_gather_objects(error, "world")  # no stage sends into a server that is not paused
     if any(errors):
         raise RuntimeError(next(e for e in errors if e))
     sent: list[tuple[str, tuple[int, ...]]] = []
@@ -430,8 +434,7 @@ def sync_servers(stage_tensors: Optional[Iterable[NamedTensor]], *, sender: Opti
                     error = str(err)
             for item in stream:  # after a failure (or off the sender): keep the bridge's TP gathers in step
                 del item
-        reports: list = [None] * dist.get_world_size(group)
-        dist.all_gather_object(reports, (sent if turn == stage else [], error), group=group)
+        reports = parallel.all_gather_objects((sent if turn == stage else [], error), "world")
         every_sent += [item for part, _ in reports for item in part]
         failed = [e for _, e in reports if e]
         if failed:
@@ -450,10 +453,9 @@ def sync_servers(stage_tensors: Optional[Iterable[NamedTensor]], *, sender: Opti
             flush_and_continue(urls, timeout_s)
         except Exception as err:
             failed = [f"resuming generation after the weight sync: {err}"]
-    box = [failed]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    if box[0]:
-        raise RuntimeError("; ".join(box[0]))
+    failed = parallel.broadcast_object(failed, "world", src=0)
+    if failed:
+        raise RuntimeError("; ".join(failed))
     return sender.bytes_sent if sender is not None else 0
 
 
@@ -589,6 +591,8 @@ class ServerRollout:
         backend: of the weight-update groups; None: NCCL on a CUDA device, else gloo.
         eos_token_ids: the model's stop tokens (an aborted row that already ends on one has
             finished: ``"stop"``, :func:`~dapo_megatron.rollout.engines.sglang_engine.parse_row_output`).
+        parallel: the run's layout (the world group of the rank-0 broadcasts and the sync's
+            gathers); None: a world of one.
         record_routes: routing replay, ``(L, K, E)`` of the model: :meth:`generate` asks for
             ``return_routed_experts`` and every completion carries its routes (servers launched
             with ``--enable-return-routed-experts``, SGLang or dapo-rollout-server); None: off.
@@ -597,28 +601,29 @@ class ServerRollout:
     def __init__(self, urls: Sequence[str], param_specs, *, stage: int, num_stages: int, is_sender: bool,
                  device: torch.device | str, timeout_s: float, generate_timeout_s: float, bucket_bytes: int,
                  backend: Optional[str] = None, eos_token_ids: Sequence[int] = (),
-                 record_routes: Optional[tuple[int, int, int]] = None):
+                 parallel: Optional[ParallelDims] = None, record_routes: Optional[tuple[int, int, int]] = None):
+        self.parallel = dims_or_single(parallel, "ServerRollout")
         self.urls = list(urls)
         self.record_routes = record_routes
         self.param_specs = param_specs
         self.stage, self.num_stages = int(stage), int(num_stages)
         self.timeout_s, self.generate_timeout_s = float(timeout_s), float(generate_timeout_s)
-        self.rank = dist.get_rank()
-        self.num_engines, self.engine_index = rollout_engines(self.rank, dist.get_world_size(), mode="server",
+        self.rank = self.parallel.rank
+        self.num_engines, self.engine_index = rollout_engines(self.rank, self.parallel.world_size, mode="server",
                                                               num_servers=len(self.urls))
-        box: list = [None]
+        answer = None
         if self.rank == 0:
             try:
-                box[0] = _each(self.urls, lambda url: query_server(url, self.timeout_s))
+                answer = _each(self.urls, lambda url: query_server(url, self.timeout_s))
             except RuntimeError as err:
-                box[0] = f"rollout.server_urls: {err}"
-        dist.broadcast_object_list(box, src=0)
-        if isinstance(box[0], str):
-            raise RuntimeError(box[0])
-        self.servers: list[ServerInfo] = box[0]
+                answer = f"rollout.server_urls: {err}"
+        answer = self.parallel.broadcast_object(answer, "world", src=0)
+        if isinstance(answer, str):
+            raise RuntimeError(answer)
+        self.servers: list[ServerInfo] = answer
         self.sender = connect_servers(self.servers, stage=stage, num_stages=num_stages, is_sender=is_sender,
                                       device=device, timeout_s=timeout_s, bucket_bytes=bucket_bytes,
-                                      backend=backend)
+                                      backend=backend, parallel=self.parallel)
         self.weight_version = 0
         self.weights_valid = True  # the servers loaded their checkpoint; the first sync follows
         self.rows = (ServerRows(self.urls[self.engine_index], generate_timeout_s=generate_timeout_s,
@@ -627,15 +632,15 @@ class ServerRollout:
 
     def check_health(self) -> None:
         """:func:`check_health` of every server from rank 0; every rank raises the same error."""
-        box = [None]
+        error = None
         if self.rank == 0:
             try:
                 check_health(self.urls, self.timeout_s)
             except RuntimeError as err:
-                box[0] = str(err)
-        dist.broadcast_object_list(box, src=0)
-        if box[0]:
-            raise RuntimeError(box[0])
+                error = str(err)
+        error = self.parallel.broadcast_object(error, "world", src=0)
+        if error:
+            raise RuntimeError(error)
 
     def generate(self, prompt_ids, params, prompt_seeds=None):
         """One ``/generate`` request to this rank's server (a driving rank only); see
@@ -695,6 +700,6 @@ class ServerRollout:
         self.weights_valid = False
         nbytes = sync_servers(stage_tensors, sender=self.sender, urls=self.urls, timeout_s=self.timeout_s,
                               param_specs=self.param_specs, version=version, coordinator=self.rank == 0,
-                              stage=self.stage, num_stages=self.num_stages)
+                              stage=self.stage, num_stages=self.num_stages, parallel=self.parallel)
         self.weight_version, self.weights_valid = version, True
         return nbytes

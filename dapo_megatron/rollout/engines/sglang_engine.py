@@ -93,7 +93,7 @@ from torch.distributed import TCPStore
 from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 from transformers import AutoConfig, GenerationConfig
 
-from dapo_megatron.platform import device as rank_device, local_device_index
+from dapo_megatron.platform import collectives, device as rank_device, local_device_index
 from dapo_megatron.rollout.engines import sglang_env
 from dapo_megatron.rollout.engines.buckets import bucket_metadata, dtype_name
 from dapo_megatron.rollout.engines.engine import (
@@ -835,7 +835,7 @@ class SGLangServerEngine(_SGLangMemory, RolloutEngine):
         call = _Background(self._post, "/update_weights_from_distributed",
                            distributed_update_request(bucket, self.group_name, flush_cache=False))
         for _, tensor in bucket:
-            torch.distributed.broadcast(tensor.detach().to(self.device).contiguous(), src=0, group=self.group)
+            collectives.broadcast(tensor.detach().to(self.device).contiguous(), src=0, group=self.group)
         call.join(self.timeout_s)
 
     def _release(self, tags: list[str]) -> None:

@@ -34,7 +34,9 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from dapo_megatron.platform import collectives
 from dapo_megatron.platform.distributed import collective_device
+from dapo_megatron.platform.parallel_dims import ParallelDims, dims_or_single
 from dapo_megatron.rollout.engines.routes import num_route_tokens, route_words, routes_from_words, routes_to_words
 from dapo_megatron.rollout.plan.dp_split import split_for_dp
 from dapo_megatron.rollout.types import HELD_BY_ALL, Group, Sample
@@ -43,21 +45,14 @@ FINISH_REASONS = ("stop", "length")
 """The finish reasons an engine reports (``rollout.engine.Completion``), coded by position."""
 
 
-def _world(group=None) -> tuple[int, int]:
-    if not dist.is_initialized():
-        return 0, 1
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
-def all_gather_rows(rows: torch.Tensor, max_rows: Optional[int] = None, group=None) -> list[tuple[int, list[int]]]:
-    """Every rank's rows of an int64 record table on every rank; a collective over ``group``
-    (default: the world).
+def all_gather_rows(rows: torch.Tensor, max_rows: Optional[int] = None, *, group) -> list[tuple[int, list[int]]]:
+    """Every rank's rows of an int64 record table on every rank; a collective over ``group``.
 
     Args:
         rows: ``[k, w]`` int64 on this rank (``k`` may differ between ranks, ``w`` may not).
         max_rows: a bound on every rank's ``k``, the same on every rank: one all-gather of the
             padded tables; None: the row counts are all-gathered first (two collectives).
-        group: the process group.
+        group: the process group (``parallel.world_group`` for the world).
 
     Returns:
         ``(source rank, row)`` for every row of every rank, in rank order, each rank's rows in
@@ -66,28 +61,28 @@ def all_gather_rows(rows: torch.Tensor, max_rows: Optional[int] = None, group=No
     Raises:
         ValueError: more than ``max_rows`` rows here.
     """
-    rank, world = _world(group)
+    world = collectives.group_size(group)
     k, width = rows.shape
     if world == 1:
-        return [(rank, row) for row in rows.tolist()]
+        return [(dist.get_rank(group) if dist.is_initialized() else 0, row) for row in rows.tolist()]
     if max_rows is not None and k > max_rows:
         raise ValueError(f"{k} rows, more than max_rows={max_rows}")
     dev = collective_device(group)
     if max_rows is None:
         counts = [torch.empty(1, dtype=torch.int64, device=dev) for _ in range(world)]
-        dist.all_gather(counts, torch.tensor([k], dtype=torch.int64, device=dev), group=group)
+        collectives.all_gather(counts, torch.tensor([k], dtype=torch.int64, device=dev), group=group)
         max_rows = int(max(int(c) for c in counts))
     padded = torch.zeros((max_rows, 1 + width), dtype=torch.int64)  # column 0 marks a real row
     padded[:k, 0] = 1
     padded[:k, 1:] = rows
     parts = [torch.empty_like(padded, device=dev) for _ in range(world)]
-    dist.all_gather(parts, padded.to(dev), group=group)
+    collectives.all_gather(parts, padded.to(dev), group=group)
     return [(src, row[1:]) for src, part in enumerate(parts) for row in part.cpu().tolist() if row[0]]
 
 
 # --------------------------------------------------------------------------- 1. generation
 def gather_groups(local: Sequence[tuple[int, int, Group]], *, n: int, max_local: int,
-                  record_of: Callable[[int], Any]) -> list[Group]:
+                  record_of: Callable[[int], Any], parallel: Optional[ParallelDims] = None) -> list[Group]:
     """Every group of one generation batch on every rank, the token lists only where generated.
 
     A collective over the world. Each rank passes the groups it generated, with their DP
@@ -103,15 +98,17 @@ def gather_groups(local: Sequence[tuple[int, int, Group]], *, n: int, max_local:
         max_local: the most groups any rank generated (the same on every rank).
         record_of: prompt index → its dataset record (``PromptRecord``: ``prompt_ids``,
             ``data_source``, ``ground_truth``, ``extra_info``, ``index``).
+        parallel: the run's layout (its world group); None: a world of one.
 
     Returns:
         The batch's groups; ``group_id`` is left for the caller to number.
 
     Raises:
         ValueError: more than ``max_local`` local groups, a group without ``n`` samples, or
-            an unknown finish reason.
+            an unknown finish reason; ``parallel`` None in a world of more than one rank.
     """
-    rank, _ = _world()
+    parallel = dims_or_single(parallel, "gather_groups")
+    rank = parallel.rank
     if len(local) > max_local:
         raise ValueError(f"{len(local)} local groups, more than max_local={max_local}")
     rows = torch.zeros((len(local), 3 + 2 * n), dtype=torch.int64)
@@ -126,7 +123,8 @@ def gather_groups(local: Sequence[tuple[int, int, Group]], *, n: int, max_local:
                                + [s.response_length for s in g.samples]
                                + [FINISH_REASONS.index(s.finish_reason) for s in g.samples])
     mine = {(dp_rank, position): g for dp_rank, position, g in local}
-    entries = sorted((row[0], row[1], src, row) for src, row in all_gather_rows(rows, max_rows=max_local))
+    entries = sorted((row[0], row[1], src, row) for src, row in all_gather_rows(rows, max_rows=max_local,
+                                                                                   group=parallel.world_group))
     groups = []
     for dp_rank, position, src, row in entries:
         if src == rank:
@@ -154,8 +152,9 @@ class DistributedGrader:
     response (exactly one rank holds each).
     """
 
-    def __init__(self, pool):
+    def __init__(self, pool, parallel: Optional[ParallelDims] = None):
         self.pool = pool
+        self.parallel = dims_or_single(parallel, "DistributedGrader")
 
     def grade(self, requests: Sequence[tuple]) -> list[dict]:
         """``{"score", "acc"}`` for every request, plus ``"pred"`` for the ones graded here.
@@ -168,12 +167,9 @@ class DistributedGrader:
         table = torch.zeros(len(requests), 3, dtype=torch.float64)  # score, acc, graded here
         for i, res in zip(mine, results):
             table[i] = torch.tensor([float(res["score"]), 1.0 if res["acc"] else 0.0, 1.0], dtype=torch.float64)
-        _, world = _world()
-        if world > 1:  # each row is non-zero on one rank only: the sum is that rank's row, exactly
-            dev = collective_device()
-            table = table.to(dev)
-            dist.all_reduce(table)
-            table = table.cpu()
+        if self.parallel.world_size > 1:  # each row is non-zero on one rank only: the sum is that rank's row, exactly
+            dev = collective_device(self.parallel.world_group)
+            table = self.parallel.all_reduce(table.to(dev), "world").cpu()
         graded = table[:, 2]
         if len(requests) and not bool((graded == 1).all()):
             bad = int((graded != 1).nonzero()[0])
@@ -273,11 +269,11 @@ def old_logprob_micro_batches(plan: StepPlan, mine: Sequence[int], dp_rank: int,
     return [[position[i] for i in mb] for mini in plan.mini_batches for mb in mini.micro_batches[dp_rank]]
 
 # --------------------------------------------------------------------------- 4. the tokens
-def send_tokens(samples: Sequence[Sample], destinations: Sequence[Sequence[int]], group=None, *,
-                routes: Optional[tuple[int, int, torch.dtype]] = None) -> int:
+def send_tokens(samples: Sequence[Sample], destinations: Sequence[Sequence[int]], *,
+                parallel: Optional[ParallelDims] = None, routes: Optional[tuple[int, int, torch.dtype]] = None) -> int:
     """Deliver each sample's token lists from its holder to the ranks of ``destinations[i]``.
 
-    A collective over ``group`` (default: the world; ranks are ranks of ``group``): every
+    A collective over the world of ``parallel`` (None: a world of one; global ranks): every
     rank passes the same samples (records) and destinations. Sample ``i`` travels from
     ``samples[i].holder`` to every destination other than the holder, as int32 words:
     ``response_ids`` then the float32 bits of ``rollout_logprobs`` (exact for the engines'
@@ -294,9 +290,10 @@ def send_tokens(samples: Sequence[Sample], destinations: Sequence[Sequence[int]]
 
     Raises:
         ValueError: a holder without the token lists it should send (or, with ``routes``, without
-            routes of that shape).
+            routes of that shape); ``parallel`` None in a world of more than one rank.
     """
-    rank, world = _world(group)
+    parallel = dims_or_single(parallel, "send_tokens")
+    rank, world, group = parallel.rank, parallel.world_size, parallel.world_group
     if world == 1:
         return 0
 
@@ -332,7 +329,7 @@ def send_tokens(samples: Sequence[Sample], destinations: Sequence[Sequence[int]]
     flat = [p for parts in send_parts for p in parts]
     send = torch.cat(flat).to(dev) if flat else torch.zeros(0, dtype=torch.int32, device=dev)
     recv = torch.empty(sum(recv_sizes), dtype=torch.int32, device=dev)
-    dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes, group=group)
+    collectives.all_to_all_single(recv, send, output_split_sizes=recv_sizes, input_split_sizes=send_sizes, group=group)
     recv = recv.cpu()
     offset = 0
     for idx in recv_plan:
@@ -347,16 +344,16 @@ def send_tokens(samples: Sequence[Sample], destinations: Sequence[Sequence[int]]
     return 4 * recv.numel()
 
 
-def gather_preds(samples: Sequence[Sample], dst: int = 0) -> None:
+def gather_preds(samples: Sequence[Sample], *, parallel: Optional[ParallelDims] = None, dst: int = 0) -> None:
     """Give rank ``dst`` the ``pred`` (extracted answer) of every sample from its holder; a
-    collective over the world (small python objects, for checkpoints and logs only)."""
-    rank, world = _world()
-    if world == 1:
+    collective over the world of ``parallel`` (None: a world of one, nothing to do; small python
+    objects, for checkpoints and logs only)."""
+    parallel = dims_or_single(parallel, "gather_preds")
+    if parallel.world_size == 1:
         return
-    mine = {i: s.pred for i, s in enumerate(samples) if s.holder == rank}
-    parts: Optional[list] = [None] * world if rank == dst else None
-    dist.gather_object(mine, parts, dst=dst)
-    if rank == dst:
+    mine = {i: s.pred for i, s in enumerate(samples) if s.holder == parallel.rank}
+    parts = parallel.gather_objects(mine, "world", dst=dst)
+    if parts is not None:  # on dst only
         for part in parts:
             for i, pred in part.items():
                 samples[i].pred = pred

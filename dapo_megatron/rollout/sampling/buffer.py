@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from dapo_megatron.algorithms.overlong import OverlongConfig
+from dapo_megatron.platform import collectives
 from dapo_megatron.platform.distributed import collective_device
 from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipConfig
 from dapo_megatron.rollout.types import HELD_BY_ALL, Group, Sample
@@ -162,7 +163,8 @@ class GroupSelector:
     first N kept, renumbered ``0..N-1``; the rest becomes the surplus) and :meth:`step_metrics`.
 
     Args:
-        config: :class:`BufferConfig` (validated here).
+        config: :class:`BufferConfig`, validated: ``load_config`` validates it (with its nested
+            sections) once; a config built in code is validated by its own ``validate()`` first.
         reward_pool: object with ``grade(requests) -> list[dict]`` (``RewardPool``, or the
             trainer's ``DistributedGrader``).
         decode: token ids → response text for grading (tokenizer ``decode`` with
@@ -171,9 +173,6 @@ class GroupSelector:
     """
 
     def __init__(self, config: BufferConfig, reward_pool: RewardPoolLike, decode: Callable[[list[int]], str]):
-        config.validate()
-        if config.overlong.enable:
-            config.overlong.validate()
         self.config = config
         self.reward_pool = reward_pool
         self.decode = decode
@@ -548,12 +547,10 @@ def logprob_mismatch_metrics(samples: Sequence[Sample], group=None) -> dict[str,
     # [sum, token count, samples with old_logprobs] and the max: exact to pool over ranks
     totals = torch.tensor([float(d.sum()), float(d.numel()), float(len(diffs))], dtype=torch.float64)
     peak = torch.tensor([float(d.max()) if d.numel() else float("-inf")], dtype=torch.float64)
-    if group is not None and dist.get_world_size(group) > 1:
+    if group is not None and collectives.group_size(group) > 1:
         dev = collective_device(group)
-        totals, peak = totals.to(dev), peak.to(dev)
-        dist.all_reduce(totals, group=group)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-        totals, peak = totals.cpu(), peak.cpu()
+        totals = collectives.all_reduce(totals.to(dev), group=group).cpu()
+        peak = collectives.all_reduce(peak.to(dev), group=group, op=collectives.ReduceOp.MAX).cpu()
     total, count, with_old = totals.tolist()
     if with_old == 0:
         raise ValueError("logprob_mismatch_metrics: no sample has old_logprobs; compute actor logprobs first")

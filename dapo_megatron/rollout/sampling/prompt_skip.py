@@ -56,12 +56,12 @@ class PromptSkipper:
     """The skip decisions and per-prompt history (see the module docstring).
 
     Args:
-        config: :class:`PromptSkipConfig` (validated here).
+        config: :class:`PromptSkipConfig`, validated (by ``load_config``, once; a config built in
+            code: its ``validate()`` first).
         seed: base seed of the draws (``trainer.seed``).
     """
 
     def __init__(self, config: PromptSkipConfig, seed: int = 0):
-        config.validate()
         self.config = config
         self.seed = int(seed)
         self._streak: dict[int, int] = {}  # prompt index -> consecutive zero-variance visits (capped at k)

@@ -45,8 +45,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence
 
 import torch
-import torch.distributed as dist
 
+from dapo_megatron.platform.parallel_dims import ParallelDims, dims_or_single
 from dapo_megatron.rollout.sampling.buffer import KEPT, GroupSelector, group_from_dict, group_staleness, group_to_dict
 from dapo_megatron.rollout.engines.engine import RolloutEngine, RowRequest, RowResult, SamplingParams
 from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipper
@@ -117,25 +117,25 @@ class EngineClient:
         params: the rollout's sampling parameters (``n`` ignored: one row per response).
         num_engines: engines of the run.
         engine_index: the engine this rank drives, or None.
+        parallel: the run's layout (its world group); None: a world of one.
 
     Raises:
         ValueError: on every rank, when a driving rank's engine has no asynchronous
-            generation (a collective check).
+            generation (a collective check); ``parallel`` None in a world of more than one rank.
     """
 
     def __init__(self, engine: Optional[RolloutEngine], params: SamplingParams, *, num_engines: int = 1,
-                 engine_index: Optional[int] = 0):
+                 engine_index: Optional[int] = 0, parallel: Optional[ParallelDims] = None):
         if num_engines < 1 or (engine_index is not None and not 0 <= engine_index < num_engines):
             raise ValueError(f"engine_index={engine_index} must be None or in [0, num_engines={num_engines})")
         self.engine, self.params = engine, params
         self.num_engines, self.engine_index = num_engines, engine_index
-        self.rank, self.world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+        self.parallel = dims_or_single(parallel, "EngineClient")
+        self.rank, self.world = self.parallel.rank, self.parallel.world_size
         lacking = engine_index is not None and not engine.supports_async
         names = [type(engine).__name__] if lacking else []
-        if self.world > 1:  # every rank raises, not only the one whose engine lacks it
-            parts: list = [None] * self.world
-            dist.all_gather_object(parts, names)
-            names = [n for part in parts for n in part]
+        # every rank raises, not only the one whose engine lacks it
+        names = [n for part in self.parallel.all_gather_objects(names, "world") for n in part]
         if names:
             raise ValueError(f"rollout.streaming=true needs engines with asynchronous generation; {names[0]} has "
                              "none: set rollout.streaming=false")
@@ -166,7 +166,7 @@ class EngineClient:
                               for r in local], dtype=torch.int64).view(len(local), 5)
         own = iter(local)
         out = []
-        for src, (seed, j, num, finish, version) in all_gather_rows(table):
+        for src, (seed, j, num, finish, version) in all_gather_rows(table, group=self.parallel.world_group):
             r = next(own) if src == self.rank else None
             out.append(RowUpdate((seed, j), num, ROW_FINISH[finish], version, src,
                                  None if r is None else list(r.response_ids), None if r is None else list(r.logprobs)))

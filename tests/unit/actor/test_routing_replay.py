@@ -428,7 +428,7 @@ def _send_worker(out_dir: str) -> None:
     from dapo_megatron.platform import init_distributed
     from dapo_megatron.rollout.plan.step_data import send_tokens
 
-    init_distributed(ParallelConfig(1, 1), seed=0)
+    par = init_distributed(ParallelConfig(1, 1), seed=0)
     rank = dist.get_rank()
     res = {}
     for dtype in (torch.uint8, torch.int16):
@@ -438,7 +438,7 @@ def _send_worker(out_dir: str) -> None:
             if s.holder != rank:  # the record without its token lists
                 s.num_response_tokens = len(s.response_ids)
                 s.response_ids = s.rollout_logprobs = s.routes = None
-        send_tokens(samples, [(1 - i % 2,) for i in range(len(samples))], routes=(3, 3, dtype))
+        send_tokens(samples, [(1 - i % 2,) for i in range(len(samples))], parallel=par, routes=(3, 3, dtype))
         res[str(dtype)] = [(s.response_ids, s.rollout_logprobs, s.routes) for s in samples]
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
 

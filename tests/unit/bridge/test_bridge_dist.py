@@ -130,7 +130,7 @@ def _worker(out_dir: str, cases: dict, ids: torch.Tensor) -> None:
         cfg, state = cases[name]
         model = build_gpt_model(cfg, parallel=par)
         load_hf_weights(model, state, parallel=par)
-        save_model_checkpoint(model, os.path.join(out_dir, f"ckpt_{name}"), cfg)
+        save_model_checkpoint(model, os.path.join(out_dir, f"ckpt_{name}"), cfg, parallel=par)
     par = init_distributed(ParallelConfig(1, 2), seed=13)
     for name in CKPT_CASES:
         cfg, state = cases[name]

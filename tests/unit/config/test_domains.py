@@ -319,6 +319,15 @@ def test_async_training_keys_point_to_ours_and_check_their_context():
         _load("async_training.enable=true")
     with pytest.raises(ConfigError, match=r"^async_training.trigger_parameter_sync_step=2 applies to "):
         _load("async_training.trigger_parameter_sync_step=2")
+    # evaluation at sync points only: the servers hold the actor's weights at a sync step
+    sync2 = [*SERVER, "async_training.enable=true", "buffer.max_staleness=1", "async_training.trigger_parameter_sync_step=2"]
+    assert _load(*sync2, "trainer.test_freq=4", "trainer.total_training_steps=10").async_training.enable
+    assert _load(*sync2, "trainer.test_freq=-1", "trainer.total_training_steps=9").async_training.enable
+    for bad in (["trainer.test_freq=3", "trainer.total_training_steps=12"],
+                ["trainer.test_freq=4", "trainer.total_training_steps=9"]):
+        with pytest.raises(ConfigError, match=r"^trainer.test_freq=\d+ and trainer.total_training_steps=\d+ must be "
+                                              r"multiples of async_training.trigger_parameter_sync_step=2"):
+            _load(*sync2, *bad)
     bypass = ["actor.old_logprob_source=rollout"]
     assert _load(*SERVER, "async_training.enable=true", "buffer.max_staleness=0", *bypass).warnings() == []
     assert _load(*SERVER, *bypass).warnings() == []  # synchronous: the engine's policy is the actor's

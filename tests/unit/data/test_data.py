@@ -249,8 +249,9 @@ def test_arithmetic_operators_exact_answers():
 
 
 def test_arithmetic_goes_through_reader(tmp_path, tokenizer):
-    cfg = DataConfig(max_prompt_length=100, arithmetic=ArithmeticConfig(num_train_problems=12, num_val_problems=4))
-    resolve_data_files(cfg, str(tmp_path))
+    given = DataConfig(max_prompt_length=100, arithmetic=ArithmeticConfig(num_train_problems=12, num_val_problems=4))
+    cfg = resolve_data_files(given, str(tmp_path))
+    assert given.train_files == [] and given.val_files == []  # a copy: the given section is left as it is
     train = load_from_config(cfg, tokenizer, "train")
     val = load_from_config(cfg, tokenizer, "val")
     assert len(train) == 12 and len(val) == 4

@@ -1,5 +1,6 @@
-"""ParallelDims: the rollout groups of many layouts, the validation that names the key, and the
-object init_distributed returns on a 2-process world at TP=2 / PP=2 / DP=2 with rollout TP 1 and 2."""
+"""ParallelDims: the rollout groups of many layouts, the validation that names the key, the
+object init_distributed returns on a 2-process world at TP=2 / PP=2 / DP=2 with rollout TP 1 and 2,
+and its collectives (``platform/collectives.py``) run for real on that world (the same processes)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import os
 import pytest
 import torch
 
-from dapo_megatron.platform import ParallelConfig, ParallelDims, rollout_groups, spawn
+from dapo_megatron.platform import ParallelConfig, ParallelDims, rollout_groups, single_process, spawn
 
 
 @pytest.mark.parametrize("world,local,rtp", [
@@ -117,13 +118,95 @@ def _layout_worker(out_path: str) -> None:
         res["error"] = None
     except ValueError as e:
         res["error"] = str(e)
+    res["collectives"] = _collectives(init_distributed(ParallelConfig(1, 1), seed=0, rollout_tp=2), rank)
     torch.save(res, out_path.format(rank=rank))
+
+
+def _collectives(d: ParallelDims, rank: int) -> dict:
+    """Every collective of ParallelDims and of platform/collectives.py on the DP=2 world (rollout
+    group of both ranks, TP group of one): what each returns on this rank."""
+    from dapo_megatron.platform import collectives, dims_or_single
+
+    max_op = collectives.ReduceOp.MAX
+    out = {
+        "broadcast_object": d.broadcast_object({"from": rank}, "world", src=1),
+        "broadcast_object_first": d.broadcast_object(10 * rank + 7, "rollout"),  # src: the group's first rank
+        "all_gather_objects": d.all_gather_objects(("r", rank), "dp"),
+        "gather_objects_dst1": d.gather_objects(rank + 100, "world", dst=1),
+        "gather_objects_first": d.gather_objects([rank], "rollout"),
+        "all_reduce_sum": d.all_reduce(torch.tensor([rank + 1.0, 2.0 * rank]), "dp").tolist(),
+        "all_reduce_max": d.all_reduce(torch.tensor([3.0 - rank, float(rank)]), "world", op=max_op).tolist(),
+        "all_reduce_tp1": d.all_reduce(torch.tensor([rank + 0.5]), "tp").tolist(),  # a group of one: as given
+        "all_gather": [t.tolist() for t in d.all_gather(torch.tensor([rank, rank * rank + 3]), "world")],
+        "raw_all_gather_objects": collectives.all_gather_objects(rank * 2, group=d.world_group),
+        "raw_gather_objects": collectives.gather_objects(rank, group=d.rollout_group, dst=0),
+        "raw_broadcast_object": collectives.broadcast_object(f"r{rank}", group=d.dp_group, src=1),
+    }
+    t = torch.tensor([float(rank), -1.0])
+    d.broadcast(t, "world", src=1)
+    out["broadcast"] = t.tolist()
+    flat = torch.empty(4, dtype=torch.int64)
+    collectives.all_gather_into_tensor(flat, torch.tensor([rank, 5 + rank]), group=d.dp_group, async_op=True).wait()
+    out["all_gather_into_tensor"] = flat.tolist()
+    d.barrier("world")
+    collectives.barrier(group=d.rollout_group)
+    for name, call in (("none_group", lambda: collectives.all_reduce(torch.zeros(1), group=None)),
+                       ("bad_name", lambda: d.barrier("xp")),
+                       ("no_parallel", lambda: dims_or_single(None, "probe"))):
+        try:
+            call()
+            out[name] = None
+        except (TypeError, ValueError) as e:
+            out[name] = (type(e).__name__, str(e))
+    return out
+
+
+def test_collectives_of_a_world_of_one_return_without_torch_distributed():
+    """single_process(): every collective returns its input (gather: the one-element list) and
+    nothing touches torch.distributed (not initialised here)."""
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    d = single_process()
+    t = torch.tensor([1.5])
+    assert d.broadcast_object("x") == "x" and d.all_gather_objects(3, "dp") == [3]
+    assert d.gather_objects({"a": 1}, "world", dst=0) == [{"a": 1}]
+    assert d.all_reduce(t, "world") is t and t.tolist() == [1.5]
+    assert d.all_gather(t, "pp") == [t]
+    d.barrier("rollout")
+    d.broadcast(t, "tp", src=0)
+    with pytest.raises(ValueError, match="group='xp' is none of"):
+        d.broadcast_object(1, "xp")
 
 
 @pytest.mark.dist
 def test_init_distributed_returns_each_layout(tmp_path):
     path = str(tmp_path / "rank{rank}.pt")
     spawn(_layout_worker, 2, path)
+    for rank in (0, 1):
+        got = torch.load(path.format(rank=rank), weights_only=False)["collectives"]
+        want = {
+            "broadcast_object": {"from": 1},
+            "broadcast_object_first": 7,
+            "all_gather_objects": [("r", 0), ("r", 1)],
+            "gather_objects_dst1": [100, 101] if rank == 1 else None,  # None off dst
+            "gather_objects_first": [[0], [1]] if rank == 0 else None,
+            "all_reduce_sum": [1.0 + 2.0, 0.0 + 2.0],
+            "all_reduce_max": [3.0, 1.0],
+            "all_reduce_tp1": [rank + 0.5],
+            "all_gather": [[0, 3], [1, 4]],
+            "raw_all_gather_objects": [0, 2],
+            "raw_gather_objects": [0, 1] if rank == 0 else None,
+            "raw_broadcast_object": "r1",
+            "broadcast": [1.0, -1.0],
+            "all_gather_into_tensor": [0, 5, 1, 6],
+            "none_group": ("TypeError", "all_reduce: group=None would be the default world group; pass the group "
+                                        "explicitly (ParallelDims.world_group for the world)"),
+            "no_parallel": ("ValueError", "probe: pass parallel= (the run's ParallelDims from init_distributed) in "
+                                          "a world of 2 ranks"),
+        }
+        assert {k: got[k] for k in want} == want, rank
+        assert got["bad_name"][0] == "ValueError" and "group='xp' is none of" in got["bad_name"][1]
     for rank in (0, 1):
         res = torch.load(path.format(rank=rank), weights_only=False)
         for tp, pp, rtp in LAYOUTS:

@@ -143,21 +143,22 @@ def _world_worker(out_path: str) -> None:
     res = {}
     positions = list(range(par.mp_rank, PER_DP, par.mp_size))
     local = [(par.dp_rank, p, _group(par.dp_rank, p)) for p in positions]
-    groups = gather_groups(local, n=N, max_local=-(-PER_DP // par.mp_size), record_of=RECORDS.__getitem__)
+    groups = gather_groups(local, n=N, max_local=-(-PER_DP // par.mp_size), record_of=RECORDS.__getitem__,
+                           parallel=par)
     samples = [s for g in groups for s in g.samples]
     res["records"] = [(s.prompt_index, s.prompt_ids, s.response_length, s.finish_reason, s.holder, s.data_source,
                        s.ground_truth, s.extra_info) for s in samples]
     res["held"] = [s.response_ids is not None for s in samples]
 
     grader = ParityGrader()
-    RolloutBuffer(BufferConfig(train_batch_size=1, n=N, gen_batch_size=2 * PER_DP), DistributedGrader(grader),
+    RolloutBuffer(BufferConfig(train_batch_size=1, n=N, gen_batch_size=2 * PER_DP), DistributedGrader(grader, par),
                   _decode).grade(groups)
     res["graded_here"] = list(grader.seen)
     res["grades"] = [(s.score, s.acc, s.reward, s.pred) for s in samples]
 
     plan = plan_step(groups, 3, par.dp_size, 24)
     res["owner"] = plan.owner
-    received = send_tokens(samples, [par.ranks_of_dp_rank(d) for d in plan.owner])
+    received = send_tokens(samples, [par.ranks_of_dp_rank(d) for d in plan.owner], parallel=par)
     mine = plan.owned(par.dp_rank)
     res["received_bytes"] = received
     res["mine"] = {i: (samples[i].response_ids, samples[i].rollout_logprobs) for i in mine}
@@ -166,8 +167,8 @@ def _world_worker(out_path: str) -> None:
         samples[i].old_logprobs = [x - 0.25 * (k % 3) for k, x in enumerate(samples[i].rollout_logprobs)]
     res["mismatch"] = logprob_mismatch_metrics([samples[i] for i in mine], group=par.dp_group)
 
-    send_tokens(samples, [(0,)] * len(samples))  # as DAPOTrainer.save does for its surplus
-    gather_preds(samples, dst=0)
+    send_tokens(samples, [(0,)] * len(samples), parallel=par)  # as DAPOTrainer.save does for its surplus
+    gather_preds(samples, parallel=par, dst=0)
     if par.rank == 0:
         res["rank0_all"] = [(s.response_ids, s.rollout_logprobs, s.pred) for s in samples]
     torch.save(res, out_path.format(rank=dist.get_rank()))
