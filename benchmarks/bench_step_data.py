@@ -16,27 +16,31 @@ and logprobs as Python lists), grades of requests ``r::world`` all-gathered as d
 split of all samples for the old logprobs, their all-gather over DP as Python lists, then a
 second DP split per mini-batch.
 
-after: the trainer's path (``DAPOTrainer._generate_groups`` / ``_route_and_old_logprobs``):
-:func:`~dapo_megatron.rollout.plan.step_data.gather_groups` (int64 records),
+after: the trainer's path through the public API: :meth:`~dapo_megatron.rollout.rollout.Rollout.collect`
+of a :class:`~dapo_megatron.rollout.rollout.Rollout` (the trainer's, built from its parts, on a
+scripted engine per rank: the prompt stream, each prompt on engine ``position % DP``,
+:func:`~dapo_megatron.rollout.plan.step_data.gather_groups` (int64 records), the trainer's
+selector :class:`~dapo_megatron.rollout.sampling.buffer.RolloutBuffer` grading through
 :class:`~dapo_megatron.rollout.plan.step_data.DistributedGrader` (3 float64 per response
-all-reduced), :func:`~dapo_megatron.rollout.plan.step_data.plan_step` once,
-:func:`~dapo_megatron.rollout.plan.step_data.send_tokens` (each response once to the rank that
-trains it), old logprobs kept where computed, mismatch metrics pooled over DP.
+all-reduced), every group kept), then :func:`~dapo_megatron.rollout.plan.step_data.route_step`
+(the plan once, each response sent once to the rank that trains it), the old-logprob pass's
+micro-batches (:func:`~dapo_megatron.rollout.plan.step_data.old_logprob_micro_batches`), old
+logprobs kept where computed, mismatch metrics pooled over DP.
 
 streamed (``rollout.streaming``): one streamed step through the public
 :class:`~dapo_megatron.rollout.sampling.streaming.StreamingCollector` over the trainer's
 selector (:class:`~dapo_megatron.rollout.sampling.buffer.RolloutBuffer`; N = half the prompts,
 ``--poll-tokens`` per round, the rest aborted and carried), on a scripted engine per rank that
-returns the same seeded completions row by row, then the plan, the tokens and the old logprobs
-as above. before: the client the trainer used before issue 20 (``_RankRows``), which
+returns the same seeded completions row by row, then :func:`~dapo_megatron.rollout.plan.step_data.route_step`
+and the old logprobs as above. before: the client the trainer used before issue 20 (``_RankRows``), which
 all-gathers every finished row's tokens and logprobs to every rank each round; after:
 :class:`~dapo_megatron.rollout.sampling.streaming.EngineClient` (records replicated, tokens
 sent once by :func:`~dapo_megatron.rollout.plan.step_data.send_tokens`).
 
-Not timed, the same in both: generating the responses, decoding and grading them (a grade
-computed from the response's last token stands in for the graders) and the actor's forward
-pass (the old logprobs are the rollout logprobs, a float32 tensor per sample, as
-``compute_logprobs`` returns them).
+Not timed, the same in both: generating the responses (made before the timed runs; the scripted
+engines return them), decoding and grading them (a grade computed from the response's last
+token stands in for the graders) and the actor's forward pass (the old logprobs are the rollout
+logprobs, a float32 tensor per sample, as ``compute_logprobs`` returns them).
 
 Bytes moved: the bytes every rank receives, summed over ranks, per collective as torch
 runs it: ``all_gather_object`` pads every rank's pickle to the largest and all-gathers
@@ -203,41 +207,77 @@ def path_before(args, par, records, local_completions):
 
 
 # --------------------------------------------------------------------------- after
-def path_after(args, par, records, local_completions):
-    """The trainer's data path (``DAPOTrainer._generate_groups`` / ``_route_and_old_logprobs``)."""
+def _old_logprobs_where_trained(args, par, plan, mine, samples) -> None:
+    """The trainer's old-logprob pass on this DP rank's samples, the rollout logprobs standing in
+    for the forward (a float32 tensor per sample, as ``compute_logprobs`` returns them): its
+    micro-batches, the values kept where computed, the mismatch metrics pooled over DP."""
+    from dapo_megatron.rollout.plan.step_data import old_logprob_micro_batches
     from dapo_megatron.rollout.sampling.buffer import logprob_mismatch_metrics
-    from dapo_megatron.rollout.plan.dp_split import split_for_dp
-    from dapo_megatron.rollout.engines.engine import completions_to_group
-    from dapo_megatron.rollout.plan.step_data import DistributedGrader, gather_groups, plan_step, send_tokens
 
-    local = []
-    for i, (k, comps) in enumerate(local_completions):
-        rec = records[k]
-        local.append((par.dp_rank, i, completions_to_group(-1, rec.prompt_ids, comps, prompt_index=rec.index,
-                                                           data_source=rec.data_source,
-                                                           ground_truth=rec.ground_truth,
-                                                           extra_info=rec.extra_info)))
-    per_dp = args.prompts // par.dp_size
-    groups = gather_groups(local, n=args.n, max_local=-(-per_dp // par.mp_size), record_of=records.__getitem__,
-                           parallel=par)
-    for gid, g in enumerate(groups):
-        g.group_id = gid
-        for s in g.samples:
-            s.group_id = gid
-    samples = [s for g in groups for s in g.samples]
-    # the buffer's requests: the response where held, None elsewhere
-    requests = [(s.data_source, s.response_ids, s.ground_truth, s.extra_info) for s in samples]
-    for s, res in zip(samples, DistributedGrader(_Pool(), par).grade(requests)):
-        s.score, s.acc, s.pred = res["score"], res["acc"], res.get("pred")
-    plan = plan_step(groups, args.mini_batch, par.dp_size, args.budget)
-    ranks_of = [par.ranks_of_dp_rank(d) for d in range(par.dp_size)]
-    send_tokens(samples, [ranks_of[d] for d in plan.owner], parallel=par)
-    mine = plan.owned(par.dp_rank)
-    micro = split_for_dp([samples[i] for i in mine], 1, args.budget)[0]
-    lps = [torch.tensor(samples[mine[j]].rollout_logprobs, dtype=torch.float32) for mb in micro for j in mb]
-    for j, lp in zip([j for mb in micro for j in mb], lps):
-        samples[mine[j]].old_logprobs = lp.tolist()
+    micro = old_logprob_micro_batches(plan, mine, par.dp_rank, args.budget, [samples[i] for i in mine])
+    for j in [j for mb in micro for j in mb]:
+        s = samples[mine[j]]
+        s.old_logprobs = torch.tensor(s.rollout_logprobs, dtype=torch.float32).tolist()
     logprob_mismatch_metrics([samples[i] for i in mine], group=par.dp_group)
+
+
+class _BatchEngine:
+    """A rollout engine's ``generate`` over :func:`_completions`: the completions of each prompt
+    (found by its token ids), made once and kept, so only the first, untimed (byte-counting) pass
+    pays for them."""
+
+    weight_version = 0
+
+    def __init__(self, args, records):
+        self.args, self.made = args, {}
+        self.index_of = {tuple(r.prompt_ids): r.index for r in records}
+
+    def generate(self, prompts, params, seeds):
+        out = []
+        for ids in prompts:
+            k = self.index_of[tuple(ids)]
+            if k not in self.made:
+                self.made[k] = _completions(self.args, k)
+            out.append(self.made[k])
+        return out
+
+
+def _buffer(args, par, train_batch_size):
+    """The trainer's selector over the stand-in grader (every group kept, no overlong shaping)."""
+    from dapo_megatron.algorithms.overlong import OverlongConfig
+    from dapo_megatron.rollout.plan.step_data import DistributedGrader
+    from dapo_megatron.rollout.sampling.buffer import BufferConfig, RolloutBuffer
+
+    cfg = BufferConfig(train_batch_size=train_batch_size, n=args.n, gen_batch_size=args.prompts,
+                       max_num_gen_batches=1, filter_groups=False, overlong=OverlongConfig(enable=False),
+                       on_cap="train_on_kept")
+    return RolloutBuffer(cfg, DistributedGrader(_Pool(), par), decode=list)  # _grade reads the token ids
+
+
+def batch_rollout(args, par, records, engine):
+    """The trainer's :class:`~dapo_megatron.rollout.rollout.Rollout` of this rank (colocated, TP = 1:
+    one engine per rank), as :func:`~dapo_megatron.rollout.build.build_rollout` assembles it."""
+    from dapo_megatron.config.run import DAPOConfig
+    from dapo_megatron.rollout.build import prompt_stream
+    from dapo_megatron.rollout.rollout import Rollout
+
+    cfg = DAPOConfig()
+    buffer = _buffer(args, par, args.prompts)
+    cfg.buffer = buffer.config
+    cfg.rollout.response_length = int(args.max_response * args.token_scale)
+    return Rollout(cfg, par, engine=engine, num_engines=par.world_size, engine_index=par.rank, train_data=records,
+                   val_data=None, stream=prompt_stream(cfg, par, records), reward_pool=None, decode=list,
+                   buffer=buffer, collector=None, prompt_queue=None)
+
+
+def path_after(args, par, records, rollout):
+    """The trainer's data path through the public API (see the module docstring)."""
+    from dapo_megatron.rollout.plan.step_data import route_step
+
+    batch = rollout.collect(0)
+    samples = batch.samples
+    plan, mine = route_step(batch.groups, samples, par, args.mini_batch, args.budget)
+    _old_logprobs_where_trained(args, par, plan, mine, samples)
     return plan
 
 
@@ -327,29 +367,18 @@ def path_streamed(args, par, records, client):
     """One streamed step (:class:`~dapo_megatron.rollout.sampling.streaming.StreamingCollector` over the
     trainer's selector, ``train_batch_size`` = half the prompts, the rest aborted once it has
     them), then the step's plan, the tokens to where they train and the old logprobs there."""
-    from dapo_megatron.algorithms.overlong import OverlongConfig
-    from dapo_megatron.rollout.sampling.buffer import BufferConfig, RolloutBuffer, logprob_mismatch_metrics
-    from dapo_megatron.rollout.plan.dp_split import split_for_dp
+    from dapo_megatron.rollout.plan.step_data import route_step
     from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipConfig, PromptSkipper
-    from dapo_megatron.rollout.plan.step_data import DistributedGrader, plan_step, send_tokens
     from dapo_megatron.rollout.sampling.streaming import PromptQueue, StreamingCollector
 
-    cfg = BufferConfig(train_batch_size=args.prompts // 2, n=args.n, gen_batch_size=args.prompts,
-                       max_num_gen_batches=1, overlong=OverlongConfig(enable=False), on_cap="train_on_kept")
-    selector = RolloutBuffer(cfg, DistributedGrader(_Pool(), par), decode=list)  # _grade reads the token ids
+    selector = _buffer(args, par, args.prompts // 2)
     collector = StreamingCollector(selector, PromptSkipper(PromptSkipConfig(), seed=0), partial_rollout=True,
                                    poll_tokens=max(1, int(args.poll_tokens * args.token_scale)))
     queue = PromptQueue(lambda: records, args.prompts, records.__getitem__)
     groups, _ = collector.collect(client, queue, policy_version=0)
     samples = [s for g in groups for s in g.samples]
-    plan = plan_step(groups, args.mini_batch, par.dp_size, args.budget)
-    ranks_of = [par.ranks_of_dp_rank(d) for d in range(par.dp_size)]
-    send_tokens(samples, [ranks_of[d] for d in plan.owner], parallel=par)
-    mine = plan.owned(par.dp_rank)
-    for i in mine:
-        samples[i].old_logprobs = torch.tensor(samples[i].rollout_logprobs, dtype=torch.float32).tolist()
-    split_for_dp([samples[i] for i in mine], 1, args.budget)
-    logprob_mismatch_metrics([samples[i] for i in mine], group=par.dp_group)
+    plan, mine = route_step(groups, samples, par, args.mini_batch, args.budget)
+    _old_logprobs_where_trained(args, par, plan, mine, samples)
     return plan
 
 
@@ -391,24 +420,29 @@ def _worker(args, out_path):
     per_dp = args.prompts // par.dp_size
     mine = range(par.dp_rank * per_dp, (par.dp_rank + 1) * per_dp)
     results = {}
-    for name, path in (("before", path_before), ("after", path_after)):
-        local = [(k, _completions(args, k)) for k in mine]
+    engine = _BatchEngine(args, records)  # "after": the trainer's Rollout, a fresh one per run
+    arms = (("before", lambda: [(k, _completions(args, k)) for k in mine], path_before),
+            ("after", lambda: batch_rollout(args, par, records, engine), path_after))
+    for name, prepare, path in arms:
+        data = prepare()
         with ByteCounter() as counter:
-            path(args, par, records, local)
+            path(args, par, records, data)
         total = torch.tensor([counter.bytes], dtype=torch.float64)
         dist.all_reduce(total)
         results[name] = {"bytes": float(total), "seconds": []}
+        del data
         gc.collect()
         for _ in range(args.repeats):
-            local = [(k, _completions(args, k)) for k in mine]
+            data = prepare()
             dist.barrier()
             t0 = time.perf_counter()
-            path(args, par, records, local)
+            path(args, par, records, data)
             dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
             dist.all_reduce(dt, op=dist.ReduceOp.MAX)
             results[name]["seconds"].append(float(dt))
-            del local
+            del data
             gc.collect()
+    engine.made.clear()  # the streamed arm makes its own completions
     for name, client_of in (("streamed before", _AllGatherRows), ("streamed after", _records_client)):
         results[name] = _time_streamed(args, par, records, client_of)
     if dist.get_rank() == 0:

@@ -1,4 +1,5 @@
-"""Atomic, resumable trainer checkpoints: Megatron distributed checkpoint + per-rank RNG.
+"""Atomic, resumable trainer checkpoints: Megatron distributed checkpoint + per-rank RNG + the
+state of every other component, saved and restored by one :class:`Checkpointer`.
 
 Directory layout (``run_dir`` is ``trainer.default_local_dir``)::
 
@@ -13,7 +14,8 @@ Directory layout (``run_dir`` is ``trainer.default_local_dir``)::
                                          "opt_param_scheduler": scheduler.state_dict()}
             rng/rank_0.pt          RNG state of global rank 0 (python, numpy, torch CPU,
             rng/rank_1.pt          torch CUDA if present, Megatron's CUDA RNG tracker) ...
-            trainer_state.pt       the trainer's picklable dict, from global rank 0
+            trainer_state.pt       the components' picklable state, from global rank 0
+                                   (:class:`Checkpointer`: layout below)
             checkpoint_info.json   step, world/TP/PP/DP sizes, optimizer sharding type
         step_40.tmp-<uuid>/        an unfinished or abandoned save: never loaded, deleted
                                    by the next save
@@ -30,6 +32,14 @@ Commit protocol of :func:`save_checkpoint` (every rank calls it):
 
 A crash at any point therefore leaves ``latest`` naming either the previous complete
 checkpoint or the new one, never a half-written one.
+
+``trainer_state.pt`` as :class:`Checkpointer` writes it (layout 2)::
+
+    {"layout": 2, "step": k, "tracking_run_id": <MLflow run id or None>,
+     "components": {name: component.state_dict(), ...}}     e.g. {"rollout": {...}}
+
+Layout 1 (written up to commit e9128fc) is flat: ``{"step", "mlflow_run_id", **rollout state}``;
+:func:`upgrade_trainer_state` reads it as layout 2 with the one component ``"rollout"``.
 
 Launcher requirement: megatron-core's torch_dist writer can start a multiprocessing
 manager; a script launched with ``torchrun script.py`` whose module-level code is not
@@ -53,7 +63,8 @@ import random
 import re
 import shutil
 import uuid
-from typing import Any, Callable, Literal
+from dataclasses import dataclass
+from typing import Any, Callable, Literal, Mapping, Protocol
 
 import numpy as np
 import torch
@@ -70,6 +81,7 @@ TRAINER_STATE_FILENAME = "trainer_state.pt"
 INFO_FILENAME = "checkpoint_info.json"
 RNG_DIRNAME = "rng"
 FORMAT_VERSION = 1
+TRAINER_STATE_LAYOUT = 2  # of trainer_state.pt as Checkpointer writes it (module docstring)
 
 DCP_METADATA_FILENAME = ".metadata"  # torch.distributed.checkpoint.filesystem._metadata_fn
 MCORE_CONFIG_FILENAME = "metadata.json"  # megatron.core.dist_checkpointing.core.CONFIG_FNAME
@@ -722,3 +734,104 @@ def load_checkpoint(
     if load_rng:
         _load_rng_state(checkpoint_dir)
     return trainer_state
+
+
+# --------------------------------------------------------------------------- the components
+
+
+class Stateful(Protocol):
+    """A component with checkpointed state. ``state_dict()`` is called on every rank (it may be a
+    collective) and returns plain picklable python; global rank 0's is written. ``load_state_dict``
+    gets that dict on every rank and raises ``ValueError`` / ``KeyError`` for one it cannot take."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What :meth:`Checkpointer.load` restored besides the components: the step count and the
+    tracking (MLflow) run to continue."""
+
+    step: int
+    tracking_run_id: str | None
+
+
+def upgrade_trainer_state(state: Any, path: str) -> dict[str, Any]:
+    """``trainer_state.pt`` as layout 2 (module docstring), whichever layout ``path`` holds.
+
+    Raises:
+        CheckpointError: neither layout (naming ``path`` and the ``trainer.resume_mode`` to set).
+    """
+    fix = "set trainer.resume_mode=disable to start a new run, or to the path of another step_<k>"
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise CheckpointError(f"{path} holds no trainer state (a dict with an int 'step'): {fix}")
+    layout = state.get("layout", 1)
+    if layout == 1:  # e9128fc and before: the rollout's keys beside step and the MLflow run id
+        rollout = {k: v for k, v in state.items() if k not in ("step", "mlflow_run_id")}
+        return {"layout": TRAINER_STATE_LAYOUT, "step": state["step"], "tracking_run_id": state.get("mlflow_run_id"),
+                "components": {"rollout": rollout}}
+    if layout != TRAINER_STATE_LAYOUT or not isinstance(state.get("components"), dict):
+        raise CheckpointError(f"{path} has trainer-state layout {layout!r}; this code reads layouts 1 and "
+                              f"{TRAINER_STATE_LAYOUT}: {fix}")
+    return state
+
+
+class Checkpointer:
+    """Saves and restores everything a run resumes from, atomically (:func:`save_checkpoint`'s
+    protocol, module docstring): the actor's model chunks, optimizer and LR scheduler
+    (``torch_dist`` shards from every rank), every rank's RNG, and the state of each named
+    component (:class:`Stateful`: the rollout, which holds the prompt streams, the selector's
+    surplus, the streamed partial groups, prompt queue and skip history), with the step count
+    and the tracking run id. Every method is a collective: call it on every rank.
+
+    Args:
+        run_dir: the run directory (``trainer.default_local_dir``).
+        actor: has ``model_chunks``, ``optimizer``, ``scheduler``
+            (:class:`~dapo_megatron.actor.MegatronActor`).
+        components: ``{name: component}``; each name keys its state in ``trainer_state.pt``.
+        parallel: the run's layout (recorded in ``checkpoint_info.json``; its world group runs the
+            collectives); None: a world of one.
+        max_ckpt_to_keep, write_extra: as :func:`save_checkpoint`.
+    """
+
+    def __init__(self, run_dir: str, actor: Any, components: Mapping[str, Stateful], *,
+                 parallel: ParallelDims | None = None, max_ckpt_to_keep: int | None = None,
+                 write_extra: Callable[[str], None] | None = None):
+        self.run_dir, self.actor, self.components = run_dir, actor, dict(components)
+        self.parallel, self.max_ckpt_to_keep, self.write_extra = parallel, max_ckpt_to_keep, write_extra
+
+    def save(self, step: int, *, tracking_run_id: str | None = None) -> str:
+        """Write the checkpoint of ``step`` completed steps; returns its ``step_{step}`` directory."""
+        state = {"layout": TRAINER_STATE_LAYOUT, "step": int(step), "tracking_run_id": tracking_run_id,
+                 "components": {name: c.state_dict() for name, c in self.components.items()}}
+        a = self.actor
+        return save_checkpoint(self.run_dir, step, a.model_chunks, a.optimizer, a.scheduler, state,
+                               max_ckpt_to_keep=self.max_ckpt_to_keep, write_extra=self.write_extra,
+                               parallel=self.parallel)
+
+    def load(self, checkpoint_dir: str) -> Restored:
+        """Restore the ``step_{k}`` directory ``checkpoint_dir`` (layout 1 or 2): the actor and the RNG
+        (:func:`load_checkpoint`), then every component, in the order given.
+
+        Raises:
+            CheckpointError: a missing or truncated file (:func:`validate_checkpoint`), a trainer
+                state of neither layout, without a component's state, or one its component refuses;
+                each names the file and the ``trainer.resume_mode`` to set.
+        """
+        a = self.actor
+        raw = load_checkpoint(self.run_dir, a.model_chunks, a.optimizer, a.scheduler, checkpoint_dir=checkpoint_dir,
+                              parallel=self.parallel)
+        path = os.path.join(checkpoint_dir, TRAINER_STATE_FILENAME)
+        state = upgrade_trainer_state(raw, path)
+        fix = "set trainer.resume_mode=disable to start a new run"
+        for name, component in self.components.items():
+            if name not in state["components"]:
+                raise CheckpointError(f"{path} holds no {name!r} state (it has {sorted(state['components'])}): {fix}")
+            try:
+                component.load_state_dict(state["components"][name])
+            except (KeyError, TypeError, ValueError) as err:
+                detail = f"missing key {err}" if isinstance(err, KeyError) else str(err)
+                raise CheckpointError(f"{path}: the {name!r} state does not load: {detail}; or {fix}") from err
+        return Restored(step=state["step"], tracking_run_id=state["tracking_run_id"])

@@ -9,9 +9,10 @@ is spread over ranks (engines, servers, rollout-TP groups, streamed rounds) is b
    groups (records replicated on every rank, token lists where generated) and its metrics;
 4. advantages: group-relative (:func:`~dapo_megatron.algorithms.compute_group_advantages`);
 5. the plan: every mini-batch split over DP ranks by token count once (reused by every PPO
-   epoch), each response's tokens sent to the DP rank that trains it, the old logprobs
-   recomputed there (not at all when the first training forward gives them, or with
-   ``actor.old_logprob_source: rollout``);
+   epoch), each response's tokens sent to the DP rank that trains it, and the step's
+   :class:`~dapo_megatron.actor.plan.OldLogprobPlan`: the old logprobs recomputed there, taken
+   from the first training forward (one update in the step), or the rollout's
+   (``actor.old_logprob_source: rollout``);
 6. updates: ``ppo_epochs`` × mini-batches, each cut into micro-batches by a token budget,
    with the DAPO token-mean loss normalised by the mini-batch's global token count;
 7. weight sync into the engines (``Rollout.sync_weights``) as version ``step``;
@@ -34,11 +35,12 @@ from typing import Sequence
 
 import torch
 
-from dapo_megatron.actor import MegatronActor
+from dapo_megatron.actor import MegatronActor, resolve_old_logprob_plan
+from dapo_megatron.actor.plan import ROLLOUT
 from dapo_megatron.algorithms import compute_group_advantages
 from dapo_megatron.bridge import load_hf_weights, open_hf_source
 from dapo_megatron.bridge.dist_ckpt import write_model_meta
-from dapo_megatron.checkpointing import load_checkpoint, save_checkpoint
+from dapo_megatron.checkpointing import Checkpointer
 from dapo_megatron.config.frozen import freeze, is_frozen
 from dapo_megatron.config.loader import to_flat_dict
 from dapo_megatron.config.run import DAPOConfig
@@ -47,7 +49,7 @@ from dapo_megatron.models import build_gpt_model, load_hf_config
 from dapo_megatron.platform import ParallelDims
 from dapo_megatron.rollout.engines.factory import load_tokenizer
 from dapo_megatron.rollout.engines.routes import replay_routes_layout
-from dapo_megatron.rollout.plan.step_data import old_logprob_micro_batches, plan_step, send_tokens
+from dapo_megatron.rollout.plan.step_data import old_logprob_micro_batches, route_step
 from dapo_megatron.rollout.build import build_rollout, check_rollout_fits, prompt_stream
 from dapo_megatron.rollout.sampling.buffer import logprob_mismatch_metrics, split_fresh_stale
 from dapo_megatron.rollout.types import HELD_BY_ALL, Group, Sample
@@ -121,15 +123,16 @@ class DAPOTrainer:
         self.rollout = build_rollout(cfg, parallel, tokenizer=self.tokenizer, hf_config=self.hf_config,
                                      train_data=self.train_data, val_data=self.val_data, stream=stream)
 
+        # every component with state, saved and restored by one checkpointer (with the RNG of every rank)
+        self.checkpointer = Checkpointer(
+            self.run_dir, self.actor, {"rollout": self.rollout}, parallel=parallel,
+            max_ckpt_to_keep=t.max_ckpt_to_keep,
+            write_extra=lambda d: write_model_meta(d, self.actor.model_chunks, self.hf_config, self.tokenizer))
         self.step = 0
         mlflow_run_id = None
         if resuming:
-            state = load_checkpoint(self.run_dir, self.actor.model_chunks, self.actor.optimizer,
-                                    self.actor.scheduler, checkpoint_dir=self.start.checkpoint_dir,
-                                    parallel=self.parallel)
-            self.step = state["step"]
-            self.rollout.load_state_dict(state)
-            mlflow_run_id = state.get("mlflow_run_id")
+            restored = self.checkpointer.load(self.start.checkpoint_dir)
+            self.step, mlflow_run_id = restored.step, restored.tracking_run_id
             logger.info("resumed from step %d", self.step)
         self.rollout.sync_weights(self.actor, self.step)
 
@@ -152,19 +155,22 @@ class DAPOTrainer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _route_and_old_logprobs(self, groups: list[Group], samples: list[Sample], recompute: bool = True):
-        """The step's plan (:func:`~dapo_megatron.rollout.plan.step_data.plan_step`), each sample's
-        tokens sent to the ranks of the DP rank that trains it, and ``Sample.old_logprobs``
-        filled there (``recompute``; else left for the training forward); collective. Returns ``(plan, mine)``: the plan and the indices into
-        ``samples`` of this DP rank's samples."""
+    def _route_and_old_logprobs(self, groups: list[Group], samples: list[Sample], metrics: dict[str, float]):
+        """The step's plan and each sample's tokens sent to the ranks of the DP rank that trains it
+        (:func:`~dapo_megatron.rollout.plan.step_data.route_step`), the step's
+        :class:`~dapo_megatron.actor.plan.OldLogprobPlan` (from its update count) and, as it says,
+        ``Sample.old_logprobs`` there: recomputed (and the rollout-vs-actor mismatch metrics), the
+        rollout's, or left to the training forward; collective. Returns ``(plan, mine, old)``: the
+        plan, the indices into ``samples`` of this DP rank's samples, the old-logprob plan."""
         actor, share = self.cfg.actor, self.actor.plan.shares_prompts
-        plan = plan_step(groups, actor.ppo_mini_batch_size, self.dp_size, actor.ppo_max_token_len_per_gpu,
-                         share_prompts=share)
-        ranks_of = [self.parallel.ranks_of_dp_rank(d) for d in range(self.dp_size)]
-        send_tokens(samples, [ranks_of[d] for d in plan.owner], parallel=self.parallel, routes=self.routes_layout)
-        mine = plan.owned(self.dp_rank)
-        if not recompute:
-            return plan, mine
+        plan, mine = route_step(groups, samples, self.parallel, actor.ppo_mini_batch_size,
+                                actor.ppo_max_token_len_per_gpu, share_prompts=share, routes=self.routes_layout)
+        old = resolve_old_logprob_plan(actor, num_updates=actor.ppo_epochs * len(plan.mini_batches))
+        if old.source == ROLLOUT:  # bypass mode: the engine's logprobs are pi_old
+            for i in mine:
+                samples[i].old_logprobs = list(samples[i].rollout_logprobs)
+        if not old.recompute:
+            return plan, mine, old
         micro = old_logprob_micro_batches(plan, mine, self.dp_rank, actor.ppo_max_token_len_per_gpu,
                                           [samples[i] for i in mine], share_prompts=share,
                                           equal_counts=self.parallel.experts_span_dp)
@@ -172,7 +178,8 @@ class DAPOTrainer:
                                           temperature=self.cfg.rollout.temperature)
         for j, lp in zip([j for mb in micro for j in mb], lps):
             samples[mine[j]].old_logprobs = lp.tolist()
-        return plan, mine
+        self._mismatch_metrics(samples, [samples[i] for i in mine], metrics)
+        return plan, mine, old
 
     def _mismatch_metrics(self, batch: Sequence[Sample], measured: Sequence[Sample], metrics: dict[str, float]) -> None:
         """The rollout-vs-actor logprob gap, pooled over DP: all, fresh (sampled by the actor's
@@ -190,9 +197,9 @@ class DAPOTrainer:
 
     # ------------------------------------------------------------------ one step
     def train_step(self) -> dict[str, float]:
-        """One DAPO step (docs/design.md §1); collective. Advances ``self.step`` and returns
-        the step's metrics ``{name: float}`` (rank 0's are the ones logged)."""
-        cfg, metrics, timing = self.cfg, {}, {}
+        """One DAPO step (docs/design.md §1); collective. Advances ``self.step`` (the one place
+        it is counted) and returns the step's metrics ``{name: float}`` (rank 0's are logged)."""
+        metrics, timing = {}, {}
 
         # 1-3. rollout, rewards, dynamic sampling
         t0 = time.perf_counter()
@@ -202,16 +209,41 @@ class DAPOTrainer:
         self.rollout.sleep()  # weights too: the actor needs the memory; step 7 syncs them back
         timing["gen"] = time.perf_counter() - t0
         metrics.update(batch.metrics)
-        groups, samples = batch.groups, batch.samples
-        if not samples:  # on_cap="train_on_kept" with nothing kept: no update this step
+        samples = batch.samples
+        if samples:  # 4-6
+            train_tokens = self._update(batch.groups, samples, metrics, timing)
+        else:  # on_cap="train_on_kept" with nothing kept: no update this step
             logger.warning("step %d: no group with mixed accuracy was kept; skipping the update", self.step + 1)
-            self.step += 1
-            # weights unchanged, but relabelled as version step: the next step's samples are fresh
-            # (engine version == policy version), not one version stale and corrected as such
-            self.rollout.sync_weights(self.actor, self.step)
             metrics["actor/skipped_no_groups"] = 1.0
-            self._last_samples = []
+
+        # 7. weight sync into the engine as version step (after a skipped update the unchanged
+        # weights are relabelled: the next step's samples are fresh, not one version stale)
+        t0 = time.perf_counter()
+        self.step += 1
+        nbytes = self.rollout.sync_weights(self.actor, self.step)
+        timing["sync"] = time.perf_counter() - t0
+        self._last_samples = samples
+        if not samples:
             return metrics
+
+        if "rollout/gen_tokens" in metrics:  # absent when the step trained carried groups only
+            metrics["perf/gen_tokens_per_s"] = metrics["rollout/gen_tokens"] / max(timing["gen"], 1e-9)
+        metrics["perf/update_tokens_per_s"] = train_tokens / max(timing["update"], 1e-9)
+        if metrics["actor/recomputed_old_logprobs"]:
+            metrics["perf/old_logprob_tokens_per_s"] = (
+                sum(s.total_length for s in samples) / max(timing["old_logprob"], 1e-9))
+        metrics["perf/sync_GBps"] = nbytes / 1e9 / max(timing["sync"], 1e-9)
+        for k, v in timing.items():
+            metrics[f"time/{k}_s"] = v
+        metrics["time/step_s"] = sum(timing.values())
+        return metrics
+
+    def _update(self, groups: list[Group], samples: list[Sample], metrics: dict[str, float],
+                timing: dict[str, float]) -> int:
+        """Steps 4-6 of :meth:`train_step` on its kept groups: advantages, the plan and the old
+        logprobs, the updates; adds their metrics and timings; returns the tokens (prompt +
+        response) the updates trained, summed over the epochs; collective."""
+        cfg, a = self.cfg, self.cfg.actor
 
         # 4. group-relative advantages (on the shaped reward)
         adv = compute_group_advantages(
@@ -219,25 +251,14 @@ class DAPOTrainer:
             torch.tensor([s.group_id for s in samples]),
             norm_by_std=cfg.algorithm.norm_adv_by_std_in_grpo, eps=cfg.algorithm.adv_eps,
         )
-        for s, a in zip(samples, adv.tolist()):
-            s.advantage = a
+        for s, v in zip(samples, adv.tolist()):
+            s.advantage = v
 
-        # 5. the plan, the tokens to where they train, old logprobs there (and the rollout-vs-actor
-        # mismatch they reveal, pooled over DP). Not recomputed when the first training forward
-        # computes the same numbers (one mini-batch, one epoch: pi_old = sg(pi_theta)), nor in bypass
-        # mode (the engine's logprobs are pi_old)
+        # 5. the plan, the tokens to where they train, old logprobs there as the step's
+        # OldLogprobPlan says (and the rollout-vs-actor mismatch they reveal, pooled over DP)
         t0 = time.perf_counter()
-        a = cfg.actor
         calls_before = self.actor.num_model_calls
-        one_update = a.ppo_epochs == 1 and len(groups) <= a.ppo_mini_batch_size
-        bypass = a.old_logprob_source == "rollout"
-        from_training = bypass or (one_update and a.rollout_rs is None)
-        plan, mine = self._route_and_old_logprobs(groups, samples, recompute=not from_training)
-        if bypass:
-            for i in mine:
-                samples[i].old_logprobs = list(samples[i].rollout_logprobs)
-        elif not from_training:
-            self._mismatch_metrics(samples, [samples[i] for i in mine], metrics)
+        plan, mine, old = self._route_and_old_logprobs(groups, samples, metrics)
         timing["old_logprob"] = time.perf_counter() - t0
 
         # 6. ppo_epochs × mini-batches of ppo_mini_batch_size groups, each on the DP split planned above
@@ -249,19 +270,17 @@ class DAPOTrainer:
                 micro_batches = [[samples[i] for i in mb] for mb in mini.micro_batches[self.dp_rank]]
                 # the first update's forward runs at the weights pi_old is defined by: its logprobs
                 # are the actor's side of the mismatch metrics when no recompute ran
-                first = epoch == 0 and m == 0 and from_training
+                first = epoch == 0 and m == 0 and not old.recompute
                 out = self.actor.train_mini_batch(micro_batches, cfg.rollout.temperature,
                                                   global_num_tokens=mini.global_num_tokens, policy_version=self.step,
-                                                  old_from_current=from_training and not bypass,
-                                                  return_logprobs=first)
+                                                  old=old, return_logprobs=first)
                 if first:
-                    out, lps = out
                     shard = [s for mb in micro_batches for s in mb]
                     self._mismatch_metrics(samples[mini.start:mini.start + mini.size],
                                            [dataclasses.replace(s, old_logprobs=lp.tolist())
-                                            for s, lp in zip(shard, lps)], metrics)
+                                            for s, lp in zip(shard, out.logprobs)], metrics)
                 train_tokens += mini.total_tokens
-                for k, v in out.items():
+                for k, v in out.metrics.items():
                     actor_metrics.setdefault(k, []).append(float(v))
         timing["update"] = time.perf_counter() - t0
         for k, vs in actor_metrics.items():
@@ -273,27 +292,9 @@ class DAPOTrainer:
                                                 ) / max(metrics["actor/tokens_copied"], 1.0)
         # every micro-batch forward of the step on this rank: old-logprob recompute and updates
         metrics["actor/num_model_calls"] = float(self.actor.num_model_calls - calls_before)
-        metrics["actor/recomputed_old_logprobs"] = float(not from_training)
+        metrics["actor/recomputed_old_logprobs"] = float(old.recompute)
         metrics.update(self.actor.pop_routing_metrics())  # R3: moe/route_agreement, expert load, aux loss
-
-        # 7. weight sync into the engine
-        t0 = time.perf_counter()
-        self.step += 1
-        nbytes = self.rollout.sync_weights(self.actor, self.step)
-        timing["sync"] = time.perf_counter() - t0
-
-        if "rollout/gen_tokens" in metrics:  # absent when the step trained carried groups only
-            metrics["perf/gen_tokens_per_s"] = metrics["rollout/gen_tokens"] / max(timing["gen"], 1e-9)
-        metrics["perf/update_tokens_per_s"] = train_tokens / max(timing["update"], 1e-9)
-        if not from_training:
-            metrics["perf/old_logprob_tokens_per_s"] = (
-                sum(s.total_length for s in samples) / max(timing["old_logprob"], 1e-9))
-        metrics["perf/sync_GBps"] = nbytes / 1e9 / max(timing["sync"], 1e-9)
-        for k, v in timing.items():
-            metrics[f"time/{k}_s"] = v
-        metrics["time/step_s"] = sum(timing.values())
-        self._last_samples = samples
-        return metrics
+        return train_tokens
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> dict[str, float]:
@@ -303,15 +304,9 @@ class DAPOTrainer:
 
     # ------------------------------------------------------------------ checkpoint
     def save(self) -> None:
-        """Write the checkpoint of ``self.step`` (atomic, :func:`~dapo_megatron.checkpointing.save_checkpoint`);
+        """Write the checkpoint of ``self.step`` (atomic, :class:`~dapo_megatron.checkpointing.Checkpointer`);
         collective."""
-        # rank 0 writes the trainer state
-        state = {"step": self.step, **self.rollout.state_dict(), "mlflow_run_id": self.tracker.run_id}
-        save_checkpoint(self.run_dir, self.step, self.actor.model_chunks, self.actor.optimizer,
-                        self.actor.scheduler, state, max_ckpt_to_keep=self.cfg.trainer.max_ckpt_to_keep,
-                        parallel=self.parallel,
-                        write_extra=lambda d: write_model_meta(d, self.actor.model_chunks, self.hf_config,
-                                                               self.tokenizer))
+        self.checkpointer.save(self.step, tracking_run_id=self.tracker.run_id)
 
     def _log_samples(self, samples: list[Sample], k: int = 4) -> None:
         """The step's first ``k`` samples as text (``samples/step_<k>.txt``, written by rank 0);

@@ -50,11 +50,31 @@ from dapo_megatron.rollout.types import Sample
 from .config import OLD_LOGPROB_SOURCES, SUPPORTED_LOSS_AGG_MODES, ActorConfig, OptimConfig  # noqa: F401
 from .loss import SUM_KEYS, dapo_loss_func, logprob_loss_func
 from .micro_batch import MicroBatch, Targets, make_micro_batches
-from .plan import gpt_model_of, resolve_actor_plan
+from .plan import OldLogprobPlan, gpt_model_of, resolve_actor_plan, resolve_old_logprob_plan
 from .routing_replay import RoutingReplay
 
 # token counts of the model calls, summed like the loss metrics (see forward_backward)
 COUNT_KEYS = ("tokens_computed", "tokens_padding", "tokens_copied")
+
+
+@dataclass(frozen=True)
+class TrainOutput:
+    """What a training call of :class:`MegatronActor` returns (:meth:`~MegatronActor.forward_backward`,
+    :meth:`~MegatronActor.train_mini_batch`): one shape whatever was asked.
+
+    Attributes:
+        metrics: ``{name: float}`` over the whole mini-batch, identical on all ranks (the keys
+            are listed by the method that returned it; ``grad_norm``, ``lr`` and ``skipped``
+            after :meth:`~MegatronActor.train_mini_batch` only).
+        logprobs: the training forward's detached per-token logprobs, ``list[Tensor[R_i]]``
+            float32 CPU (nats) in the caller's flattened micro-batch order, on every rank:
+            ``log pi_theta`` at the weights before the update, which is the ``log pi_old`` the
+            loss used under an :class:`~dapo_megatron.actor.plan.OldLogprobPlan` ``FROM_TRAINING``.
+            Given with that plan or ``return_logprobs=True``; else None.
+    """
+
+    metrics: dict[str, float]
+    logprobs: Optional[list[torch.Tensor]] = None
 
 
 def _wrap_ddp(chunks, config):
@@ -379,8 +399,8 @@ class MegatronActor:
     def forward_backward(
         self, micro_batches: Sequence[Sequence[Sample]], temperature: float = 1.0,
         global_num_tokens: Optional[int] = None, *, policy_version: Optional[int] = None,
-        old_from_current: bool = False, return_logprobs: bool = False,
-    ):
+        old: Optional[OldLogprobPlan] = None, return_logprobs: bool = False,
+    ) -> TrainOutput:
         """Accumulate the DAPO policy-gradient of one mini-batch into the DDP grad buffers.
 
         Zeroes the grad buffers, runs every micro-batch through the schedule and
@@ -389,7 +409,7 @@ class MegatronActor:
 
         Args:
             micro_batches: this DP rank's micro-batches of the mini-batch. Samples need
-                ``advantage`` and ``old_logprobs`` (unless ``old_from_current``); the
+                ``advantage`` and ``old_logprobs`` (unless ``old`` is ``FROM_TRAINING``); the
                 behaviour-policy correction (``actor.rollout_is`` / ``rollout_rs``) also reads
                 ``rollout_logprobs`` and ``versions`` of the tokens it corrects.
             temperature: the rollout's sampling temperature.
@@ -400,14 +420,17 @@ class MegatronActor:
             policy_version: the actor's weights version (trainer step count): tokens with an
                 older ``Sample.versions`` entry are stale and get the correction when
                 ``actor.rollout_is_scope == "stale"``; None: no token is stale.
-            old_from_current: ``log pi_old = sg(log pi_theta)`` of this forward instead of
-                ``Sample.old_logprobs`` (exact when this is the first update since the weights
-                that would have recomputed them: one mini-batch, one epoch). Not with
-                ``rollout_rs`` (its denominator needs ``pi_old`` before the forward).
+            old: the step's :class:`~dapo_megatron.actor.plan.OldLogprobPlan`
+                (:func:`~dapo_megatron.actor.plan.resolve_old_logprob_plan`): ``FROM_TRAINING``
+                takes ``log pi_old = sg(log pi_theta)`` of this forward instead of
+                ``Sample.old_logprobs`` (exact for the first update since the weights a recompute
+                would use: one mini-batch, one epoch); it also says whether the correction
+                applies. None: the plan of a caller that fills ``Sample.old_logprobs``
+                (``resolve_old_logprob_plan(actor_cfg)``).
             return_logprobs: also return the training forward's detached logprobs.
 
         Returns:
-            metrics over the whole mini-batch (identical on all ranks): ``loss`` (incl.
+            :class:`TrainOutput`; its ``metrics`` over the whole mini-batch (identical on all ranks): ``loss`` (incl.
             entropy bonus), ``pg_loss``, ``pg_clipfrac_lower``, ``pg_clipfrac_upper``,
             ``ppo_kl``, ``entropy`` (token means), ``ratio_min``, ``ratio_max``,
             ``num_tokens``, ``num_micro_batches`` (the caller's), ``num_model_calls``
@@ -419,19 +442,21 @@ class MegatronActor:
             ``(tokens_computed - tokens_padding) / tokens_copied``; the correction's
             ``rollout_corr_frac``, ``rollout_is_mean``, ``rollout_is_clipfrac``,
             ``rollout_rs_masked_frac`` (fractions of the valid tokens; 0, 1, 0, 0 when nothing is
-            corrected); ``num_tokens`` is after rejection. With ``return_logprobs`` the tuple
-            ``(metrics, logprobs)``: ``list[Tensor[R_i]]`` in the caller's flattened order.
+            corrected); ``num_tokens`` is after rejection. Its ``logprobs``: see :class:`TrainOutput`.
 
         Raises:
             ValueError: missing ``old_logprobs``, a ``global_num_tokens`` that differs
-                from the count of the samples, empty micro-batches, ``old_from_current``
-                with ``rollout_rs``.
+                from the count of the samples, empty micro-batches, ``old`` ``FROM_TRAINING``
+                with ``actor.rollout_rs`` set.
         """
         cfg = self.cfg
-        if old_from_current and cfg.rollout_rs is not None and cfg.corrects:
-            raise ValueError("old_from_current=True with actor.rollout_rs set: the rejection changes the loss "
-                             "denominator, which must be known before the forward; recompute old_logprobs first")
-        targets = Targets(cfg=cfg, policy_version=policy_version, old_from_current=old_from_current)
+        old = resolve_old_logprob_plan(cfg) if old is None else old
+        if old.from_training and cfg.rollout_rs is not None:
+            raise ValueError("an OldLogprobPlan FROM_TRAINING with actor.rollout_rs set: the rejection changes the "
+                             "loss denominator, which must be known before the forward; recompute old_logprobs first "
+                             "(resolve_old_logprob_plan does)")
+        return_logprobs = return_logprobs or old.from_training
+        targets = Targets(cfg=cfg, policy_version=policy_version, old=old)
         mbs, order = self._make_micro_batches(micro_batches, targets)
         # counted in python, all-reduced over DP on the group's device (a CPU tensor fails under NCCL)
         counts = torch.tensor([sum(mb.num_valid_tokens for mb in mbs), sum(mb.num_loss_tokens for mb in mbs),
@@ -483,9 +508,8 @@ class MegatronActor:
         metrics["num_model_calls"] = float(len(mbs))
         if n_valid == 0:  # nothing to weight: the correction's neutral values
             metrics["rollout_is_mean"] = 1.0
-        if return_logprobs:
-            return metrics, self._per_sample_outputs(mbs, order, outs, ("logprobs",))[0]
-        return metrics
+        logprobs = self._per_sample_outputs(mbs, order, outs, ("logprobs",))[0] if return_logprobs else None
+        return TrainOutput(metrics, logprobs)
 
     def optimizer_step(self) -> dict[str, float]:
         """Clip, step the distributed optimizer, then the LR scheduler (only on success).
@@ -510,8 +534,8 @@ class MegatronActor:
     def train_mini_batch(
         self, micro_batches: Sequence[Sequence[Sample]], temperature: float = 1.0,
         global_num_tokens: Optional[int] = None, *, policy_version: Optional[int] = None,
-        old_from_current: bool = False, return_logprobs: bool = False,
-    ):
+        old: Optional[OldLogprobPlan] = None, return_logprobs: bool = False,
+    ) -> TrainOutput:
         """One optimizer step on one mini-batch: :meth:`forward_backward` + :meth:`optimizer_step`
         (the keyword arguments are :meth:`forward_backward`'s).
 
@@ -524,16 +548,16 @@ class MegatronActor:
         - non-finite gradients (Megatron's found-inf check, see :meth:`optimizer_step`).
 
         Returns:
-            the union of both methods' metrics; with ``return_logprobs`` the tuple
-            ``(metrics, logprobs)`` of :meth:`forward_backward`.
+            :meth:`forward_backward`'s :class:`TrainOutput`, its ``metrics`` with
+            :meth:`optimizer_step`'s added.
         """
         out = self.forward_backward(micro_batches, temperature, global_num_tokens, policy_version=policy_version,
-                                    old_from_current=old_from_current, return_logprobs=return_logprobs)
-        metrics, logprobs = out if return_logprobs else (out, None)
+                                    old=old, return_logprobs=return_logprobs)
+        metrics = out.metrics
         if metrics["num_tokens"] == 0 or not math.isfinite(metrics["loss"]):
             lr = self.optimizer.param_groups[0]["lr"]
             grad_norm = 0.0 if metrics["num_tokens"] == 0 else float("nan")
             metrics = {**metrics, "grad_norm": grad_norm, "lr": float(lr), "skipped": 1.0}
         else:
             metrics = {**metrics, **self.optimizer_step()}
-        return (metrics, logprobs) if return_logprobs else metrics
+        return TrainOutput(metrics, out.logprobs)

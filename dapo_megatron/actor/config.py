@@ -108,7 +108,9 @@ class ActorConfig:
     (three-policy form; tokens sampled by older weights get the ``rollout_is`` correction). The
     recompute is skipped when the step is one mini-batch and one epoch (``pi_old = sg(pi_theta)``
     in the training forward, the same value and gradient). ``"rollout"``: the engine's logprobs
-    are ``pi_old`` and no recompute pass runs (verl's bypass mode, two-policy form)."""
+    are ``pi_old`` and no recompute pass runs (verl's bypass mode, two-policy form). Resolved
+    once per step, with whether the correction applies, by
+    :func:`~dapo_megatron.actor.plan.resolve_old_logprob_plan`."""
     rollout_is: Optional[str] = "token"
     """importance weight against the behaviour policy (verl rollout-correction name):
     ``"token"`` (``min(pi_old / mu, C)`` per token), ``"sequence"`` (product over the response's
@@ -219,10 +221,3 @@ class ActorConfig:
             if self.old_logprob_source == "rollout":
                 raise ValueError("rollout_rs needs the recomputed pi_old (old_logprob_source='recompute'): in bypass "
                                  "mode pi_old is the rollout policy and no token is off it; set rollout_rs: null")
-
-    @property
-    def corrects(self) -> bool:
-        """Whether stale (or, with ``rollout_is_scope='all'``, all) tokens get the behaviour-policy
-        correction: ``rollout_is`` or ``rollout_rs`` set, and ``pi_old`` recomputed (in bypass mode
-        ``pi_old`` is the behaviour policy: every weight would be 1)."""
-        return self.old_logprob_source == "recompute" and (self.rollout_is is not None or self.rollout_rs is not None)

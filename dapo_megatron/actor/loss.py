@@ -74,7 +74,7 @@ def dapo_loss_func(mb: MicroBatch, output_tensor: torch.Tensor, *, actor_cfg, te
     the entropy (same aggregation) is subtracted, differentiably. Tokens sampled by older
     weights carry the micro-batch's behaviour-policy weights and rejection mask
     (:meth:`MicroBatch.correction`, the three-policy form of ``algorithms/policy_loss.py``);
-    without ``mb.old_logprobs`` (``old_from_current``) ``log pi_old`` is this forward's own
+    without ``mb.old_logprobs`` (an ``OldLogprobPlan`` ``FROM_TRAINING``) ``log pi_old`` is this forward's own
     detached logprobs and the weights are computed from them here.
 
     Args:

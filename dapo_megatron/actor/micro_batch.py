@@ -23,7 +23,7 @@ from dapo_megatron.rollout.types import Sample
 from .config import ActorConfig
 from .logprobs import vocab_parallel_logprobs_and_entropy
 from .packing import PackedBatch, group_by_length, pack_samples, padded_tokens, prompt_segments, segment_length
-from .plan import ActorPlan
+from .plan import ActorPlan, OldLogprobPlan
 
 
 
@@ -35,13 +35,14 @@ class Targets:
         cfg: the actor's config (the correction settings ``rollout_is*``, ``rollout_rs*``).
         policy_version: the actor's weights version; a token whose ``Sample.versions`` entry
             is older is stale. None: no token is.
-        old_from_current: ``log pi_old = sg(log pi_theta)`` of the training forward (no
-            ``Sample.old_logprobs`` needed).
+        old: the step's :class:`~.plan.OldLogprobPlan`: whether ``Sample.old_logprobs`` is read
+            (not with ``FROM_TRAINING``: ``log pi_old = sg(log pi_theta)`` of the training
+            forward) and whether the correction applies.
     """
 
     cfg: ActorConfig
     policy_version: Optional[int]
-    old_from_current: bool
+    old: OldLogprobPlan
 
 
 class MicroBatch:
@@ -55,14 +56,14 @@ class MicroBatch:
             logits predict those labels; with a shared prompt, a prompt's last position is
             repeated once per response that starts after it.
         old_logprobs, advantages: float32 ``[B, T]`` at the label slots (with ``targets``;
-            ``old_logprobs`` None with ``targets.old_from_current``).
+            ``old_logprobs`` None when ``targets.old`` is ``FROM_TRAINING``).
         rollout_logprobs, corrected: the behaviour policy's logprobs and the tokens the
             correction applies to (``[B, T]``; both None when no token is corrected, so an
             on-policy micro-batch trains exactly as without correction).
         loss_mask: float32 ``[B, T]``, the packed batch's loss mask minus the tokens
             ``rollout_rs`` rejects; ``is_weights`` the detached ``rollout_is`` weights (None:
-            1); ``corr_metrics`` their statistics. Known here unless ``old_from_current``
-            (then :func:`~.loss.dapo_loss_func` computes them from the training forward).
+            1); ``corr_metrics`` their statistics. Known here unless ``targets.old`` is
+            ``FROM_TRAINING`` (then :func:`~.loss.dapo_loss_func` computes them from the training forward).
         num_valid_tokens: response tokens in the loss before rejection.
         num_loss_tokens, num_loss_seqs: response tokens / sequences in the loss.
 
@@ -87,9 +88,9 @@ class MicroBatch:
         self.label_index_sb = (rows % T) * B + rows // T
         if targets is None:
             return
-        cfg = targets.cfg
+        cfg, from_training = targets.cfg, targets.old.from_training
         for i, s in enumerate(samples):
-            if not targets.old_from_current and (s.old_logprobs is None or len(s.old_logprobs) != len(s.response_ids)):
+            if not from_training and (s.old_logprobs is None or len(s.old_logprobs) != len(s.response_ids)):
                 raise ValueError(
                     f"sample {i}: old_logprobs must hold one value per response token (got "
                     f"{None if s.old_logprobs is None else len(s.old_logprobs)}, need {len(s.response_ids)}); "
@@ -97,13 +98,13 @@ class MicroBatch:
                 )
             if not math.isfinite(s.advantage):
                 raise ValueError(f"sample {i}: advantage={s.advantage} is not finite")
-        self.old_logprobs = (None if targets.old_from_current
+        self.old_logprobs = (None if from_training
                              else b.scatter_per_sample([s.old_logprobs for s in samples]))
         self.advantages = b.scatter_per_sample([[s.advantage] * len(s.response_ids) for s in samples])
         self.loss_mask = b.loss_mask.float()
         self.is_weights = self.corrected = self.rollout_logprobs = None
         self.corr_metrics: dict[str, torch.Tensor] = {}
-        if cfg.corrects:
+        if targets.old.corrects:
             if cfg.rollout_is_scope == "all":
                 flags = [[1.0] * len(s.response_ids) for s in samples]
             else:  # the tokens of weights older than the actor's

@@ -1,4 +1,5 @@
-"""How the actor lays out its micro-batches for the model: one frozen plan, resolved once.
+"""How the actor runs: the micro-batch layout (one frozen plan, resolved once per actor) and
+where each step's ``log pi_old`` comes from (one frozen plan, resolved once per step).
 
 :class:`ActorPlan` holds every execution choice the actor makes per micro-batch (THD or
 BSHD, the attention mask, logits at the labels only, length buckets, the padding
@@ -29,6 +30,14 @@ to ``lcm(TP, 16)`` alone leaves 4 local tokens at TP = 4 and 2 at TP = 8 (slime 
 ``tp_size × data_pad_size_multiplier`` for the same reason); the multiples are combined in
 :func:`dapo_megatron.actor.packing.row_multiple`. Padding tokens sit outside every
 label slot, so no logprob, loss, token count or metric sees them (tested).
+
+Old logprobs (:class:`OldLogprobPlan`, :func:`resolve_old_logprob_plan`, docs/design.md §3.7).
+A step's ``log pi_old`` is recomputed by a forward-only pass at the weights before its first
+update (``RECOMPUTE``), taken from the training forward itself (``FROM_TRAINING``: with one
+update per step the weights of that forward are the ones a recompute would use, so
+``sg(log pi_theta)`` gives the same values and gradients), or the engine's logprobs
+(``ROLLOUT``, ``actor.old_logprob_source: rollout``, verl's bypass mode). The same resolution
+decides whether the behaviour-policy correction (``actor.rollout_is`` / ``rollout_rs``) applies.
 
 Shared prompt (``actor.shared_prompt``, Prefix Grouper, arXiv 2506.05433). A GRPO
 group's prompt is encoded once per micro-batch; each response attends to the prompt's
@@ -61,6 +70,9 @@ logger = logging.getLogger(__name__)
 
 SHARED_PROMPT_MODES = ("auto", "on", "off")
 MICRO_BATCH_LAYOUTS = ("thd", "bshd")
+RECOMPUTE, FROM_TRAINING, ROLLOUT = "recompute", "from_training", "rollout"
+OLD_LOGPROB_PLANS = (RECOMPUTE, FROM_TRAINING, ROLLOUT)
+"""Where a step's ``log pi_old`` comes from (:class:`OldLogprobPlan`)."""
 
 
 def fp8_align_size(fp8_recipe) -> int:
@@ -273,3 +285,64 @@ def resolve_actor_plan(actor_cfg, model, *, tp_size: int, experts_span_dp: bool 
         shared_prompt="off" if reason is not None else mode,
         shared_prompt_off_reason=reason if mode == "auto" else None,
     )
+
+
+@dataclass(frozen=True)
+class OldLogprobPlan:
+    """Where one step's ``log pi_old`` comes from, and whether the behaviour-policy correction
+    applies (module docstring); resolved once per step by :func:`resolve_old_logprob_plan`.
+
+    Attributes:
+        source: ``RECOMPUTE``: ``Sample.old_logprobs`` holds a forward-only pass at the weights
+            before the step's first update (the trainer fills it); ``FROM_TRAINING``: each
+            training forward uses its own detached logprobs, ``Sample.old_logprobs`` is not
+            read (exact for the first update after those weights only); ``ROLLOUT``:
+            ``Sample.old_logprobs`` holds the engine's logprobs (two-policy form).
+        corrects: stale (``rollout_is_scope='stale'``) or all tokens get the ``rollout_is``
+            weight / ``rollout_rs`` rejection against ``Sample.rollout_logprobs``.
+
+    Raises:
+        ValueError: an unknown ``source``, or ``corrects`` with ``ROLLOUT`` (``pi_old`` is then
+            the behaviour policy: every weight would be 1).
+    """
+
+    source: str
+    corrects: bool = False
+
+    def __post_init__(self) -> None:
+        if self.source not in OLD_LOGPROB_PLANS:
+            raise ValueError(f"OldLogprobPlan.source={self.source!r} must be one of {OLD_LOGPROB_PLANS}")
+        if self.corrects and self.source == ROLLOUT:
+            raise ValueError("OldLogprobPlan: the rollout's logprobs as pi_old leave nothing to correct")
+
+    @property
+    def recompute(self) -> bool:
+        """A forward-only pass at the current weights fills ``Sample.old_logprobs``."""
+        return self.source == RECOMPUTE
+
+    @property
+    def from_training(self) -> bool:
+        """``log pi_old = sg(log pi_theta)`` of the training forward (no ``Sample.old_logprobs``)."""
+        return self.source == FROM_TRAINING
+
+
+def resolve_old_logprob_plan(actor_cfg, num_updates: Optional[int] = None) -> OldLogprobPlan:
+    """The :class:`OldLogprobPlan` of one step (docs/design.md §3.7), in this order:
+
+    1. ``actor.old_logprob_source: rollout``: ``ROLLOUT``, no correction;
+    2. exactly one update in the step (``num_updates == 1``) and no ``actor.rollout_rs``:
+       ``FROM_TRAINING``, corrected when ``actor.rollout_is`` is set (``rollout_rs`` changes the
+       loss denominator, which must be known before the forward, so it needs a recompute);
+    3. else ``RECOMPUTE``, corrected when ``actor.rollout_is`` or ``actor.rollout_rs`` is set.
+
+    Args:
+        actor_cfg: :class:`~dapo_megatron.actor.ActorConfig` (validated).
+        num_updates: optimizer updates of the step, ``ppo_epochs`` x its mini-batches; None:
+            not known (a caller that fills ``Sample.old_logprobs`` itself), never rule 2.
+    """
+    rs = actor_cfg.rollout_rs is not None
+    if actor_cfg.old_logprob_source == ROLLOUT:
+        return OldLogprobPlan(ROLLOUT)
+    if num_updates == 1 and not rs:
+        return OldLogprobPlan(FROM_TRAINING, corrects=actor_cfg.rollout_is is not None)
+    return OldLogprobPlan(RECOMPUTE, corrects=actor_cfg.rollout_is is not None or rs)

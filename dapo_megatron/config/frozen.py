@@ -15,6 +15,8 @@ refuses while the instance carries the mark; unmarked instances of the class beh
 ``copy.deepcopy`` and pickling keep the mark (they restore ``__dict__`` without ``__setattr__``);
 ``dataclasses.replace`` builds an unmarked copy. The lists and dicts held by fields are not
 copied or wrapped: freezing covers assigning (and deleting) fields.
+
+Design: docs/design.md §1 (one training step: the config it reads).
 """
 
 from __future__ import annotations

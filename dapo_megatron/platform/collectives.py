@@ -16,6 +16,8 @@ The object collectives pickle into a byte tensor that torch places itself: on
 gloo (``torch/distributed/distributed_c10d.py``, ``_object_to_tensor`` and its callers).
 
 Ranks: ``src`` / ``dst`` are global ranks, as in torch's collectives.
+
+Design: docs/design.md §2 (parallel layouts: the process groups) and §5.1 (gloo on CPU).
 """
 
 from __future__ import annotations

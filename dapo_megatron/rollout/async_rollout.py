@@ -608,8 +608,8 @@ class AsyncRollout(Rollout):
             ValueError: the checkpoint was written by a synchronous run.
         """
         if "async_rollout" not in state:
-            raise ValueError(f"async_training.enable=true but the checkpoint of step {state.get('step')} was written "
-                             "by a synchronous run; resume it with async_training.enable=false")
+            raise ValueError("async_training.enable=true but the checkpoint was written by a synchronous run; "
+                             "resume it with async_training.enable=false")
         if self.controller is None:
             return
         for st, s in zip(self.streams, state["streams"]):

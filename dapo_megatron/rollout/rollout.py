@@ -324,8 +324,8 @@ class Rollout:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` (``state`` as read by every rank; ``state["step"]`` names
-        the checkpoint in errors). Every rank then holds the surplus' token lists.
+        """Restore :meth:`state_dict` (``state`` as read by every rank). Every rank then holds the
+        surplus' token lists.
 
         Raises:
             ValueError: a streamed run resumed from a batch run's checkpoint.
@@ -338,7 +338,7 @@ class Rollout:
                 s.holder = HELD_BY_ALL
         if self.collector is not None:
             if "streaming" not in state:
-                raise ValueError(f"rollout.streaming=true but the checkpoint of step {state.get('step')} was written "
-                                 "by a batch (non-streaming) run; resume it with rollout.streaming=false")
+                raise ValueError("rollout.streaming=true but the checkpoint was written by a batch (non-streaming) "
+                                 "run; resume it with rollout.streaming=false")
             self.collector.load_state_dict(state["streaming"])
             self.prompt_queue.load_state_dict(state["prompt_queue"])

@@ -163,7 +163,7 @@ def _fp8_step(parallel, recipe: str, sp: bool) -> None:
     for s, lp in zip(samples, lp8):
         s.old_logprobs = lp.tolist()
     n_tok = sum(len(s.response_ids) for s in samples)
-    out = act.train_mini_batch([samples[:6], samples[6:]], T, global_num_tokens=n_tok)
+    out = act.train_mini_batch([samples[:6], samples[6:]], T, global_num_tokens=n_tok).metrics
     assert out["skipped"] == 0.0 and math.isfinite(out["grad_norm"]) and out["num_tokens"] == n_tok, out
     if parallel.rank == 0:
         print(f"fp8 {recipe} (TP {parallel.tp_size}, sequence parallel {sp}) vs bf16 logprobs max |d| "

@@ -142,7 +142,7 @@ def check_train_step(fam: Family, actor):
         s.old_logprobs = (lp + 0.05 * torch.randn(lp.shape, generator=g)).tolist()
         s.advantage = float(torch.randn((), generator=g))
     n_tok = sum(len(s.response_ids) for s in fam.samples)
-    out = actor.train_mini_batch([fam.samples[:3], fam.samples[3:]], TEMPERATURE, global_num_tokens=n_tok)
+    out = actor.train_mini_batch([fam.samples[:3], fam.samples[3:]], TEMPERATURE, global_num_tokens=n_tok).metrics
     assert out["skipped"] == 0.0, f"the step was skipped: {out}"
     assert math.isfinite(out["loss"]) and math.isfinite(out["grad_norm"]) and out["grad_norm"] > 0, out
     assert out["num_tokens"] == n_tok, out

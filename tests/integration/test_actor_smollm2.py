@@ -31,7 +31,7 @@ def _worker(hf_dir: str, samples: list, out_path: str) -> None:
     for s, lp in zip(samples, before):
         s.old_logprobs = lp.tolist()
         s.advantage = 1.0
-    step = actor.train_mini_batch([samples[:3], samples[3:]], TEMPERATURE)
+    step = actor.train_mini_batch([samples[:3], samples[3:]], TEMPERATURE).metrics
     after = actor.compute_logprobs([samples], TEMPERATURE)
     torch.save({"before": before, "after": after, "step": step, "padded_vocab": model.vocab_size}, out_path)
 

@@ -72,7 +72,7 @@ def _run_layout(out_dir, tp, pp):
     from dapo_megatron.rollout.sampling.buffer import BufferConfig, RolloutBuffer, logprob_mismatch_metrics
     from dapo_megatron.rollout.plan.dp_split import split_for_dp
     from dapo_megatron.rollout.engines.hf_engine import HFEngine
-    from dapo_megatron.rollout.plan.step_data import DistributedGrader, gather_groups, plan_step, send_tokens
+    from dapo_megatron.rollout.plan.step_data import DistributedGrader, gather_groups, route_step
     from transformers import AutoModelForCausalLM
 
     real_backend, real_device, real_current = pdist.group_backend, pdist.device, torch.cuda.current_device
@@ -95,8 +95,8 @@ def _run_layout(out_dir, tp, pp):
         cfg = ActorConfig(ppo_max_token_len_per_gpu=48, optim=OptimConfig(lr=1e-3))
         actor = MegatronActor(model, cfg, total_steps=4, parallel=par, vocab_size=hf_config.vocab_size)
 
-        # the trainer's steps 1-6 (Rollout._generate_groups, the buffer's grading,
-        # _route_and_old_logprobs, train_step): DP rank d holds prompts d::DP, its model-parallel
+        # the trainer's steps 1-6 (Rollout._generate_groups, the buffer's grading, route_step and
+        # the old logprobs, train_step): DP rank d holds prompts d::DP, its model-parallel
         # rank m generates positions m::MP of them
         all_groups, records = _prompt_groups(hf_config.vocab_size)
         prompts = [k for k in range(len(all_groups)) if k % par.dp_size == par.dp_rank]
@@ -110,10 +110,7 @@ def _run_layout(out_dir, tp, pp):
         g = torch.Generator().manual_seed(1)
         for s in samples:  # replicated, as the advantages are
             s.advantage = float(torch.randn((), generator=g))
-        plan = plan_step(groups, 4, par.dp_size, cfg.ppo_max_token_len_per_gpu)
-        ranks_of = [par.ranks_of_dp_rank(d) for d in range(par.dp_size)]
-        send_tokens(samples, [ranks_of[d] for d in plan.owner], parallel=par)
-        mine = plan.owned(par.dp_rank)
+        plan, mine = route_step(groups, samples, par, 4, cfg.ppo_max_token_len_per_gpu)
         micro = split_for_dp([samples[i] for i in mine], 1, cfg.ppo_max_token_len_per_gpu)[0]
         lps = actor.compute_logprobs([[samples[mine[j]] for j in mb] for mb in micro], TEMPERATURE)
         for j, lp in zip([j for mb in micro for j in mb], lps):
@@ -121,7 +118,7 @@ def _run_layout(out_dir, tp, pp):
         logprob_mismatch_metrics([samples[i] for i in mine], group=par.dp_group)
         (mini,) = plan.mini_batches
         out = actor.train_mini_batch([[samples[i] for i in mb] for mb in mini.micro_batches[par.dp_rank]],
-                                     TEMPERATURE, global_num_tokens=mini.global_num_tokens)
+                                     TEMPERATURE, global_num_tokens=mini.global_num_tokens).metrics
         assert out["skipped"] == 0.0 and out["num_tokens"] == mini.global_num_tokens, out
 
         # step 7 (weight sync into this rank's engine) and the checkpoint

@@ -105,14 +105,15 @@ def _run(hf_dir, out_dir, variant):
         first = not any(u["step"] == step for u in updates)
         samples = [s for mb in micro_batches for s in mb]
         ref = None
-        if first and not kw.get("old_from_current"):  # pi_old at the weights of the step's first update
+        from_training = kw["old"].from_training  # the step's OldLogprobPlan: pi_old from the training forward
+        if first and not from_training:  # pi_old at the weights of the step's first update
             before = self.num_model_calls
             ref = [lp.tolist() for lp in real_compute(self, [samples], temperature=temperature)]
             self.num_model_calls = before  # the check's forward is not the trainer's
-        rec = {"step": step, "policy_version": kw.get("policy_version"), "old_from_current": kw.get("old_from_current"),
+        rec = {"step": step, "policy_version": kw.get("policy_version"), "old_from_current": from_training,
                "samples": [_sample_record(s) for s in samples], "ref_old_lp": ref}
         out = real_train(self, micro_batches, temperature, global_num_tokens, **kw)
-        metrics = out[0] if isinstance(out, tuple) else out
+        metrics = out.metrics
         calls["train_model_calls"] += metrics["num_model_calls"]
         rec["metrics"] = {k: float(v) for k, v in metrics.items()}
         updates.append(rec)

@@ -102,7 +102,7 @@ def runs(smollm2_gguf, tmp_path_factory):
         spawn(_killed_worker, 1, hf_dir, killed)
     at_kill = _metrics(killed)
     ckpt_state = torch.load(os.path.join(killed, "checkpoints", f"step_{KILL_IN_STEP - 1}", "trainer_state.pt"),
-                            weights_only=False)
+                            weights_only=False)["components"]["rollout"]  # the rollout's part (Checkpointer layout 2)
     spawn(_full_then_resume_worker, 1, hf_dir, full, killed)
     return {"full": full, "killed": killed, "at_kill": at_kill, "ckpt_state": ckpt_state}
 

@@ -65,7 +65,7 @@ def _sync_worker(family: str, out_path: str) -> None:
     temperature = 0.8
     for s, lp in zip(samples, actor.compute_logprobs([samples], temperature)):
         s.old_logprobs = lp.tolist()
-    metrics = actor.train_mini_batch([samples[:2], samples[2:]], temperature)
+    metrics = actor.train_mini_batch([samples[:2], samples[2:]], temperature).metrics
     assert metrics["skipped"] == 0.0 and metrics["grad_norm"] > 0
     actor_lp = actor.compute_logprobs([samples], temperature)
 

@@ -19,7 +19,7 @@ TP × PP ranks of that DP rank. In order:
    reused by every PPO epoch; it fixes the DP rank that trains each sample.
 4. :func:`send_tokens`, once per step: one ``all_to_all_single`` of int32 words (the
    token ids, then the float32 bits of the rollout logprobs) from each holder to the
-   ranks of the owning DP rank.
+   ranks of the owning DP rank (3 and 4 together: :func:`route_step`).
 
 The old logprobs are then computed on the ranks that train each sample and stay there; their
 mismatch metrics are pooled over DP as sums
@@ -342,6 +342,25 @@ def send_tokens(samples: Sequence[Sample], destinations: Sequence[Sequence[int]]
                                                       n_routes(samples[i]), *routes)
             offset += words[i]
     return 4 * recv.numel()
+
+
+def route_step(groups: Sequence[Group], samples: Sequence[Sample], parallel: ParallelDims, groups_per_mini_batch: int,
+               max_tokens_per_micro_batch: int, *, share_prompts: bool = False,
+               routes: Optional[tuple[int, int, torch.dtype]] = None) -> tuple[StepPlan, list[int]]:
+    """The step's plan (:func:`plan_step`) and every sample's tokens sent to the ranks of the DP
+    rank that trains it (:func:`send_tokens`, with ``Sample.routes`` when ``routes`` is given:
+    routing replay); collective. ``samples``: every sample of
+    ``groups``, group by group. Returns ``(plan, mine)``: the plan and the indices into
+    ``samples`` of this DP rank's samples (:meth:`StepPlan.owned`).
+
+    Raises:
+        ValueError: as :func:`plan_step`.
+    """
+    plan = plan_step(groups, groups_per_mini_batch, parallel.dp_size, max_tokens_per_micro_batch,
+                     share_prompts=share_prompts)
+    ranks_of = [parallel.ranks_of_dp_rank(d) for d in range(parallel.dp_size)]
+    send_tokens(samples, [ranks_of[d] for d in plan.owner], parallel=parallel, routes=routes)
+    return plan, plan.owned(parallel.dp_rank)
 
 
 def gather_preds(samples: Sequence[Sample], *, parallel: Optional[ParallelDims] = None, dst: int = 0) -> None:

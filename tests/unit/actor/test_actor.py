@@ -139,20 +139,20 @@ def _reference_worker(out_path):
     for s, lp in zip(samples, lps):  # old policy = current policy + noise, so ratios leave the clip range
         s.old_logprobs = (lp + 0.3 * torch.randn(lp.shape, generator=g)).tolist()
 
-    one = actor.forward_backward([samples], TEMPERATURE)
+    one = actor.forward_backward([samples], TEMPERATURE).metrics
     grads_one = _full_grads(actor)
-    three = actor.forward_backward([samples[:1], samples[1:7], samples[7:]], TEMPERATURE)
+    three = actor.forward_backward([samples[:1], samples[1:7], samples[7:]], TEMPERATURE).metrics
     grads_three = _full_grads(actor)
     actor.cfg.loss_agg_mode = "seq-mean-token-mean"  # GRPO ablation: read at every call
-    seq_one = actor.forward_backward([samples], TEMPERATURE)
+    seq_one = actor.forward_backward([samples], TEMPERATURE).metrics
     seq_grads_one = _full_grads(actor)
-    seq_three = actor.forward_backward([samples[:1], samples[1:7], samples[7:]], TEMPERATURE)
+    seq_three = actor.forward_backward([samples[:1], samples[1:7], samples[7:]], TEMPERATURE).metrics
     seq_grads_three = _full_grads(actor)
     actor.cfg.loss_agg_mode = "token-mean"
     actor.cfg.entropy_coeff = 0.01  # entropy bonus: differentiable entropy through the same scaling
-    ent_one = actor.forward_backward([samples], TEMPERATURE)
+    ent_one = actor.forward_backward([samples], TEMPERATURE).metrics
     ent_grads_one = _full_grads(actor)
-    ent_three = actor.forward_backward([samples[:5], samples[5:]], TEMPERATURE)
+    ent_three = actor.forward_backward([samples[:5], samples[5:]], TEMPERATURE).metrics
     ent_grads_three = _full_grads(actor)
     actor.cfg.entropy_coeff = 0.0
     default_plan = actor.plan
@@ -161,15 +161,15 @@ def _reference_worker(out_path):
     actor.plan = default_plan.replace(layout="thd", build_attention_mask=True, logits_at_labels_only=False,
                                       length_buckets=False)
     thd_lps = actor.compute_logprobs([samples[:4], samples[4:]], TEMPERATURE)
-    thd_one = actor.forward_backward([samples], TEMPERATURE)
+    thd_one = actor.forward_backward([samples], TEMPERATURE).metrics
     thd_grads_one = _full_grads(actor)
     # length buckets at zero overhead: every distinct length its own model call
     actor.plan = default_plan.replace(length_bucket_overhead_tokens=0)
     bucket_lps = actor.compute_logprobs([samples[:4], samples[4:]], TEMPERATURE)
-    bucket_one = actor.forward_backward([samples], TEMPERATURE)
+    bucket_one = actor.forward_backward([samples], TEMPERATURE).metrics
     bucket_grads_one = _full_grads(actor)
     actor.plan = default_plan
-    step = actor.train_mini_batch([samples], TEMPERATURE, global_num_tokens=int(one["num_tokens"]))
+    step = actor.train_mini_batch([samples], TEMPERATURE, global_num_tokens=int(one["num_tokens"])).metrics
     # the TP=1 optimizer step that the parallel layouts must reproduce
     stepped_sd = {n: p.detach().clone() for n, p in model.named_parameters()}
     stepped_lps = actor.compute_logprobs([samples[:4], samples[4:]], TEMPERATURE)
@@ -320,9 +320,9 @@ def _dp2_worker(ref_path, out_path):
     # rank 0: the 2 longest sequences (22 loss tokens) in one micro-batch; rank 1: the 8 shorter
     # ones (43 loss tokens, incl. an empty and a filtered response) in two
     mine = [order[:2]] if dist.get_rank() == 0 else [order[2:5], order[5:]]
-    fb = actor.forward_backward(mine, TEMPERATURE)
+    fb = actor.forward_backward(mine, TEMPERATURE).metrics
     grads = _full_grads(actor)
-    step = actor.train_mini_batch(mine, TEMPERATURE, global_num_tokens=int(ref["one"]["num_tokens"]))
+    step = actor.train_mini_batch(mine, TEMPERATURE, global_num_tokens=int(ref["one"]["num_tokens"])).metrics
     weight_errors = _weight_errors(model, ref["stepped_sd"], cfg, par)
     try:
         actor.train_mini_batch(mine, TEMPERATURE, global_num_tokens=int(ref["one"]["num_tokens"]) - 1)
@@ -374,7 +374,7 @@ def _model_parallel_worker(ref_path, out_path, tp, pp):
     actor, ref = model_parallel_actor(ref_path, tp, pp, _actor_cfg())
     samples = ref["samples"]
     lps = actor.compute_logprobs([samples[:5], samples[5:]], TEMPERATURE)
-    step = actor.train_mini_batch([samples[:4], samples[4:]], TEMPERATURE)
+    step = actor.train_mini_batch([samples[:4], samples[4:]], TEMPERATURE).metrics
     weight_errors = _weight_errors(actor.model_chunks[0].module, ref["stepped_sd"], actor.config, actor.parallel)
     stepped_lps = actor.compute_logprobs([samples[:5], samples[5:]], TEMPERATURE)
     gathered = [None] * dist.get_world_size()
@@ -435,7 +435,7 @@ def _nan_and_schedule_worker(out_path):
         if i == 2:  # a NaN old logprob: NaN loss, but the clamped log-ratio passes no (NaN) gradient
             samples[0].rollout_logprobs[0] = 0.0
             samples[0].old_logprobs[0], good = float("nan"), samples[0].old_logprobs[0]
-        m = actor.train_mini_batch([samples], TEMPERATURE)
+        m = actor.train_mini_batch([samples], TEMPERATURE).metrics
         if i == 2:
             samples[0].old_logprobs[0] = good
         res["lrs"].append((m["lr"], m["skipped"], m["grad_norm"]))
@@ -446,7 +446,7 @@ def _nan_and_schedule_worker(out_path):
     for s in filtered:
         s.loss_mask_zero = True
     before = snapshot()
-    res["all_filtered"] = actor.train_mini_batch([filtered], TEMPERATURE)
+    res["all_filtered"] = actor.train_mini_batch([filtered], TEMPERATURE).metrics
     res["all_filtered_changed"] = any(not torch.equal(a, b) for a, b in zip(before, snapshot()))
     torch.save(res, out_path)
 

@@ -103,7 +103,7 @@ def _worker(weights_path, out_path, tp):
         s.old_logprobs = (lp + 0.3 * torch.randn(lp.shape, generator=g)).tolist()
 
     old_main = [m.detach().clone().double() for _, m in pairs]
-    fb32, fb16 = a32.forward_backward([samples], TEMPERATURE), a16.forward_backward([samples], TEMPERATURE)
+    fb32, fb16 = a32.forward_backward([samples], TEMPERATURE).metrics, a16.forward_backward([samples], TEMPERATURE).metrics
     # the fp32 gradients in the DDP buffers, before the optimizer clips them in place
     g32 = {n: p.main_grad.double() for n, p in unwrap_model(a32.model_chunks[0]).named_parameters()}
     g16 = {n: p.main_grad.double() for n, p in named16}

@@ -39,6 +39,7 @@ def _versions(samples):
 def _effective_weights_worker(out_path):
     from dapo_megatron.actor.actor import ActorConfig, MegatronActor, OptimConfig
     from dapo_megatron.actor.micro_batch import MicroBatch
+    from dapo_megatron.actor.plan import FROM_TRAINING, OldLogprobPlan, resolve_old_logprob_plan
     from dapo_megatron.platform import init_distributed
 
     par = init_distributed(seed=0)
@@ -78,7 +79,8 @@ def _effective_weights_worker(out_path):
         MicroBatch.logprobs_and_entropy = spy
         try:
             metrics = actor.forward_backward([samples[:5], samples[5:]], TEMPERATURE, policy_version=POLICY_VERSION,
-                                             old_from_current=variant == "skip_recompute")
+                                             old=resolve_old_logprob_plan(
+                                                 cfg, num_updates=1 if variant == "skip_recompute" else None)).metrics
         finally:
             MicroBatch.logprobs_and_entropy = real
         res[variant] = {
@@ -92,6 +94,13 @@ def _effective_weights_worker(out_path):
             "calls": actor.num_model_calls,
         }
         res.setdefault("state", {n: p.detach().clone() for n, p in actor.model_chunks[0].module.named_parameters()})
+    # pi_old from the training forward cannot serve rollout_rs (its denominator is needed before the forward)
+    actor.cfg.old_logprob_source, actor.cfg.rollout_rs, actor.cfg.rollout_rs_threshold = "recompute", "token", 2.0
+    try:
+        actor.forward_backward([samples], TEMPERATURE, old=OldLogprobPlan(FROM_TRAINING, corrects=True))
+        res["rs_from_training"] = "accepted"
+    except ValueError as e:
+        res["rs_from_training"] = str(e)
     torch.save(res, out_path)
 
 
@@ -166,3 +175,7 @@ def test_bypass_mode_ratio_is_to_the_behaviour_policy_with_ppo_clipping(runs):
             assert w == pytest.approx(0.0 if out else ratio, rel=2e-5, abs=1e-6), (i, t, w, ratio)
     assert clipped > 2
     assert r["metrics"]["rollout_corr_frac"] == 0.0 and r["metrics"]["rollout_is_mean"] == pytest.approx(1.0)
+
+
+def test_pi_old_from_the_training_forward_refuses_rollout_rs(runs):
+    assert "FROM_TRAINING with actor.rollout_rs set" in runs["rs_from_training"], runs["rs_from_training"]

@@ -144,7 +144,8 @@ def _worker(out_dir: str, cases: dict, world: int) -> None:
                 metrics = actor.pop_routing_metrics()
                 for s, x in zip(mine, lp):
                     s.old_logprobs, s.advantage = x.tolist(), 1.0
-                train, train_lp = actor.train_mini_batch(mbs_in, return_logprobs=True)
+                trained = actor.train_mini_batch(mbs_in, return_logprobs=True)
+                train, train_lp = trained.metrics, trained.logprobs
                 train_records = actor.routing.records
                 actor.routing.records = []
                 out[mode] = {"lp": lp, "train_lp": train_lp, "metrics": metrics, "skipped": train["skipped"],

@@ -51,7 +51,7 @@ def _run(actor, samples, micro_batches):
     """logprobs / entropies (no grad), then one forward_backward: metrics and full gradients."""
     mbs = [[samples[i] for i in mb] for mb in micro_batches]
     lps, ents = actor.compute_logprobs(mbs, TEMPERATURE, return_entropy=True)
-    fb = actor.forward_backward(mbs, TEMPERATURE)
+    fb = actor.forward_backward(mbs, TEMPERATURE).metrics
     return dict(lps=lps, ents=ents, fb=fb, grads=_full_grads(actor))
 
 
@@ -107,8 +107,8 @@ def _reference_worker(out_path):
                     run=_run(actor, samples, CUT), shapes=[tuple(m.batch.input_ids.shape) for m in mbs])
     # auto: shared where it saves tokens, the copied form where no two samples share a prompt
     actor.plan = res["plan"].replace(shared_prompt="auto")
-    res["auto_groups"] = actor.forward_backward([samples[:12]], TEMPERATURE)
-    res["auto_lone"] = actor.forward_backward([[samples[0], samples[4], samples[8], samples[12]]], TEMPERATURE)
+    res["auto_groups"] = actor.forward_backward([samples[:12]], TEMPERATURE).metrics
+    res["auto_lone"] = actor.forward_backward([[samples[0], samples[4], samples[8], samples[12]]], TEMPERATURE).metrics
     torch.save(res, out_path)
 
 

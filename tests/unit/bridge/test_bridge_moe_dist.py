@@ -64,7 +64,7 @@ def _train_then_sync(model, cfg, par, engine, rank: int) -> dict:
     before = actor.compute_logprobs([samples], 1.0)
     for s, lp in zip(samples, before):
         s.old_logprobs = lp.tolist()
-    metrics = actor.train_mini_batch([samples[:2], samples[2:]], 1.0)
+    metrics = actor.train_mini_batch([samples[:2], samples[2:]], 1.0).metrics
     after = actor.compute_logprobs([samples], 1.0)
     engine.update_weights(iter_hf_weights(actor.model_chunks, parallel=par, bucket_bytes=4096), version=3)
     diff = 0.0

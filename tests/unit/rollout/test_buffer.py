@@ -267,8 +267,11 @@ def test_filter_groups_off_keeps_everything():
                                       (dict(on_cap="skip"), "on_cap"), (dict(train_batch_size=0), "train_batch_size"),
                                       (dict(max_staleness=-1), "max_staleness")])
 def test_config_validation(kw, field):
+    """BufferConfig.validate is the one owner of these checks (load_config runs it; the buffer's
+    constructor takes a validated section and does not check it again)."""
+    cfg = dict(train_batch_size=2, n=4, gen_batch_size=4, max_num_gen_batches=4, overlong=OverlongConfig(enable=False))
     with pytest.raises(ValueError, match=field):
-        make_buffer(**kw)
+        BufferConfig(**{**cfg, **kw}).validate()
 
 
 def test_bad_generation_batch_rejected():
