@@ -51,6 +51,7 @@ from .config import OLD_LOGPROB_SOURCES, SUPPORTED_LOSS_AGG_MODES, ActorConfig, 
 from .loss import SUM_KEYS, dapo_loss_func, logprob_loss_func
 from .micro_batch import MicroBatch, Targets, make_micro_batches
 from .plan import OldLogprobPlan, gpt_model_of, resolve_actor_plan, resolve_old_logprob_plan
+from .routing_replay import RoutingReplay
 
 # token counts of the model calls, summed like the loss metrics (see forward_backward)
 COUNT_KEYS = ("tokens_computed", "tokens_padding", "tokens_copied")
@@ -249,6 +250,9 @@ class MegatronActor:
         self.device = pdist.device()
         self.plan = resolve_actor_plan(actor_cfg, chunks[0], tp_size=self.tp_size,
                                        experts_span_dp=bool(getattr(parallel, "experts_span_dp", False)))
+        # R3: megatron-core's RouterReplay follows Sample.routes in every forward (actor/routing_replay.py)
+        self.routing = (RoutingReplay(chunks[0], replay=True, tp_rank=parallel.tp_rank, tp_size=self.tp_size)
+                        if actor_cfg.routing_replay == "rollout" else None)
         gpt = gpt_model_of(chunks[0])
         self._output_layer = getattr(gpt, "output_layer", None) if gpt is not None and gpt.post_process else None
         self._rotary = getattr(gpt, "rotary_pos_emb", None) if getattr(gpt, "position_embedding_type", None) == (
@@ -285,6 +289,8 @@ class MegatronActor:
         b = mb.batch
         psp = b.packed_seq_params if self.plan.use_packed_seq_params else None
         handles = []
+        if self.routing is not None:
+            self.routing.begin(mb)
         try:
             if b.shares_prompts and self._rotary is not None:
                 handles.append(self._rotary.register_forward_hook(
@@ -296,6 +302,18 @@ class MegatronActor:
         finally:
             for h in handles:
                 h.remove()
+            if self.routing is not None:
+                self.routing.end()
+
+    def pop_routing_metrics(self) -> dict[str, float]:
+        """``actor.routing_replay: rollout``: the routing metrics of every forward since the last
+        call (:meth:`~dapo_megatron.actor.routing_replay.RoutingReplay.pop_metrics`), pooled over
+        DP (and PP, and TP with sequence parallelism); a collective over those groups. ``{}`` when off."""
+        if self.routing is None:
+            return {}
+        groups = ["dp"] + (["pp"] if self.pp_size > 1 else []) + (
+            ["tp"] if getattr(self.config, "sequence_parallel", False) and self.tp_size > 1 else [])
+        return self.routing.pop_metrics(self.parallel, groups)
 
     def _run_schedule(self, mbs: list[MicroBatch], forward_step, forward_only: bool):
         # megatron-core here, not at the top: the config loads actor/ (its ActorConfig) without it

@@ -17,6 +17,7 @@ from .plan import SHARED_PROMPT_MODES
 
 SUPPORTED_LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean")
 OLD_LOGPROB_SOURCES = ("recompute", "rollout")
+ROUTING_REPLAY_MODES = ("off", "rollout")
 
 
 @dataclass
@@ -150,6 +151,13 @@ class ActorConfig:
     ``ppo_max_token_len_per_gpu``. Auto: on where the path supports it (the local spec; the TE path
     does not, see ``dapo_megatron.actor.plan``) and, per micro-batch, where it computes fewer
     tokens. On where it cannot run: an error at actor construction."""
+    routing_replay: str = "off"
+    """mixture-of-experts models: ``"rollout"`` (R3) routes every token of the old-logprob and
+    training forwards through the experts the rollout engine routed it to (the engine returns
+    them: the HF engine from its routers, SGLang through ``return_routed_experts``; megatron-core's
+    ``RouterReplay``, :mod:`dapo_megatron.actor.routing_replay`), and logs ``moe/route_agreement``
+    (the actor's own routing against the engine's), per-layer expert load and the load-balancing
+    loss. ``"off"``: the actor routes on its own. ``rollout`` on a dense model is an error."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     """AdamW, learning-rate schedule and gradient clipping (:class:`OptimConfig`)."""
 
@@ -159,6 +167,8 @@ class ActorConfig:
         spelled = {True: "on", False: "off", "True": "on", "False": "off", "true": "on", "false": "off"}
         if isinstance(self.shared_prompt, (bool, str)) and self.shared_prompt in spelled:
             self.shared_prompt = spelled[self.shared_prompt]
+        if isinstance(self.routing_replay, (bool, str)) and self.routing_replay in (False, "False", "false"):
+            self.routing_replay = "off"  # `routing_replay: off` in YAML 1.1 is the boolean false
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the bad field (``optim`` validates itself)."""
@@ -186,6 +196,9 @@ class ActorConfig:
             )
         if self.shared_prompt not in SHARED_PROMPT_MODES:
             raise ValueError(f"shared_prompt={self.shared_prompt!r} must be one of {SHARED_PROMPT_MODES}")
+        if self.routing_replay not in ROUTING_REPLAY_MODES:
+            raise ValueError(f"routing_replay={self.routing_replay!r} must be one of {ROUTING_REPLAY_MODES} "
+                             "('rollout': replay the engine's expert routes in the actor, MoE models only)")
         if self.old_logprob_source not in OLD_LOGPROB_SOURCES:
             raise ValueError(f"old_logprob_source={self.old_logprob_source!r} must be one of {OLD_LOGPROB_SOURCES}")
         if self.rollout_is is not None and self.rollout_is not in ROLLOUT_IS_LEVELS:

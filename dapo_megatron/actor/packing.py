@@ -177,6 +177,13 @@ class PackedBatch:
             )
         return [values[r, a:b] for r, a, b in self._label_slices]
 
+    def response_start(self, i: int) -> tuple[int, int]:
+        """``(row, t)``: sample ``i``'s first response token sits at ``[row, t]`` of the batch
+        (its prompt at ``[row, offsets[i] : offsets[i] + P_i]``; with a shared prompt ``t`` is
+        after the earlier responses of its segment)."""
+        r, a, _ = self._label_slices[i]
+        return r, a + 1
+
     def scatter_per_sample(self, per_sample: Sequence, *, dtype=torch.float32, fill: float = 0.0) -> torch.Tensor:
         """Inverse of :meth:`unpack`: per-sample ``[R_i]`` values -> ``[B, T]`` at label positions.
 

@@ -81,10 +81,32 @@ class DAPOConfig:
             raise ValueError(f"buffer.train_batch_size={self.buffer.train_batch_size} must be a multiple of "
                              f"actor.ppo_mini_batch_size={self.actor.ppo_mini_batch_size} (groups)")
         self._validate_async()
+        self._validate_routing_replay()
         updates = self.trainer.total_training_steps * self.actor.ppo_epochs * (
             self.buffer.train_batch_size // self.actor.ppo_mini_batch_size)
         with config_errors("actor.optim"):  # trainer.total_training_steps × ppo_epochs × mini-batches per step
             self.actor.optim.check_total_steps(updates)
+
+    def _validate_routing_replay(self) -> None:
+        """``actor.routing_replay: rollout`` needs an engine that returns every token's experts:
+        the HF engine (its routers' outputs) or SGLang (``return_routed_experts``, launched with
+        ``enable_return_routed_experts``); in server mode the servers must be launched with
+        ``--enable-return-routed-experts`` (SGLang or dapo-rollout-server), which a server without
+        it answers with a 400 naming the flag. A dense model is refused where the model is built."""
+        if self.actor.routing_replay != "rollout":
+            return
+        r = self.rollout
+        if self.async_training.enable:
+            raise ValueError("actor.routing_replay=rollout with async_training.enable=true is not supported yet (its "
+                             "streamed rows do not carry routes): set async_training.enable=false or "
+                             "actor.routing_replay=off")
+        if r.streaming:
+            raise ValueError("actor.routing_replay=rollout with rollout.streaming=true is not supported yet (the "
+                             "streamed rows do not carry routes): set rollout.streaming=false or "
+                             "actor.routing_replay=off")
+        if r.name == "sglang" and (r.engine_kwargs or {}).get("enable_return_routed_experts", True) is False:
+            raise ValueError("actor.routing_replay=rollout with rollout.engine_kwargs.enable_return_routed_experts="
+                             "false: SGLang then returns no routes; remove the key (the engine sets it)")
 
     def _validate_async(self) -> None:
         """``async_training`` against the rollout and the staleness bound η = ``buffer.max_staleness``."""

@@ -83,6 +83,7 @@ def build_gpt_model(
     pre_process: Optional[bool] = None,
     post_process: Optional[bool] = None,
     vp_stage: Optional[int] = None,
+    routing_replay: bool = False,
 ):
     """Build the ``GPTModel`` (this rank's TP shard of this rank's PP stage).
 
@@ -102,6 +103,9 @@ def build_gpt_model(
             norm and output layer; default from the PP rank (first / last stage).
         vp_stage: virtual pipeline stage index (None without interleaving); with it,
             pass ``pre_process`` and ``post_process`` (``parallel`` has no VP size).
+        routing_replay: an MoE model whose routers can replay given routes
+            (``TransformerConfig.moe_enable_routing_replay``: each ``TopKRouter`` gets a
+            megatron-core ``RouterReplay``; ``actor.routing_replay: rollout``).
 
     Returns:
         ``megatron.core.models.gpt.GPTModel`` with ``vocab_size`` =
@@ -114,7 +118,7 @@ def build_gpt_model(
 
     Raises:
         ValueError: see :func:`hf_to_transformer_config`; ``vp_stage`` without
-            ``pre_process`` / ``post_process``.
+            ``pre_process`` / ``post_process``; ``routing_replay`` on a dense model.
     """
     # megatron-core here, not at the top: models/ and actor/ hold config sections, and the config loads without it
     from megatron.core.models.gpt import GPTModel
@@ -122,7 +126,8 @@ def build_gpt_model(
     model_cfg = model_cfg or ModelConfig()
     tp = parallel.tp_size
     config = hf_to_transformer_config(
-        hf_config, ParallelConfig(tp, parallel.pp_size, parallel.ep_size, parallel.etp_size), model_cfg)
+        hf_config, ParallelConfig(tp, parallel.pp_size, parallel.ep_size, parallel.etp_size), model_cfg,
+        routing_replay=routing_replay)
     if vp_stage is not None and (pre_process is None or post_process is None):
         raise ValueError("build_gpt_model(vp_stage=...) needs pre_process and post_process: whether a virtual "
                          "stage is first or last depends on the VP size, which the parallel layout does not hold")

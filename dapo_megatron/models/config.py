@@ -595,13 +595,14 @@ def head_dim(hf_config) -> int:
     return int(hd) if hd else hf_config.hidden_size // hf_config.num_attention_heads
 
 
-def hf_to_transformer_config(hf_config, parallel, model_cfg: ModelConfig = None):
+def hf_to_transformer_config(hf_config, parallel, model_cfg: ModelConfig = None, *, routing_replay: bool = False):
     """Build the megatron-core ``TransformerConfig`` equivalent to an HF decoder config.
 
     Args:
         hf_config: a ``transformers`` LlamaConfig / Qwen2Config / Qwen3Config.
         parallel: :class:`dapo_megatron.platform.ParallelConfig` (TP, PP sizes).
         model_cfg: :class:`ModelConfig` (dtype, FP8); defaults to ``ModelConfig()``.
+        routing_replay: set ``moe_enable_routing_replay`` (MoE only; ``actor.routing_replay``).
 
     Returns:
         ``megatron.core.transformer.TransformerConfig`` with RMSNorm (eps =
@@ -624,6 +625,9 @@ def hf_to_transformer_config(hf_config, parallel, model_cfg: ModelConfig = None)
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     heads, groups = megatron_attention_heads(hf_config, tp, model_cfg)
     moe = check_moe_parallel(hf_config, parallel, model_cfg)
+    if routing_replay and moe is None:
+        raise ValueError(f"actor.routing_replay=rollout needs a mixture-of-experts model; hf_config.model_type="
+                         f"{model_type!r} is dense (no router to replay): set actor.routing_replay=off")
     if moe is None and hf_config.intermediate_size % tp != 0:
         raise ValueError(
             f"hf_config.intermediate_size={hf_config.intermediate_size} is not divisible by "
@@ -673,6 +677,8 @@ def hf_to_transformer_config(hf_config, parallel, model_cfg: ModelConfig = None)
     )
     if moe is not None:
         kwargs.update(moe_transformer_config_kwargs(moe, parallel, model_cfg, impl))
+        # megatron-core 0.16.1 router.py: every TopKRouter gets a RouterReplay (moe/router_replay.py)
+        kwargs["moe_enable_routing_replay"] = bool(routing_replay)
     if model_cfg.fp8 is not None:
         kwargs.update(
             fp8=model_cfg.fp8,

@@ -23,6 +23,7 @@ from dapo_megatron.rewards import RewardPool
 from dapo_megatron.rollout.async_rollout import AsyncRollout
 from dapo_megatron.rollout.engines.factory import build_training_rollout
 from dapo_megatron.rollout.engines.layout import check_rollout_tp_fits_model
+from dapo_megatron.rollout.engines.routes import replay_routes_layout
 from dapo_megatron.rollout.plan.step_data import DistributedGrader
 from dapo_megatron.rollout.rollout import Rollout
 from dapo_megatron.rollout.sampling.buffer import RolloutBuffer
@@ -98,4 +99,5 @@ def build_rollout(cfg: DAPOConfig, parallel: ParallelDims, *, tokenizer: Any, hf
     cls = AsyncRollout if cfg.async_training.enable else Rollout  # async: server mode, generation beside training
     return cls(cfg, parallel, engine=engine, num_engines=num_engines, engine_index=engine_index,
                    train_data=train_data, val_data=val_data, stream=stream, reward_pool=reward_pool, decode=decode,
-                   buffer=buffer, collector=collector, prompt_queue=prompt_queue)
+                   buffer=buffer, collector=collector, prompt_queue=prompt_queue,
+                   routes_layout=replay_routes_layout(cfg.actor.routing_replay, hf_config))

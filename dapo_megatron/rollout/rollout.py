@@ -90,8 +90,10 @@ class Rollout:
     def __init__(self, cfg: DAPOConfig, parallel: ParallelDims, *, engine: RolloutEngine, num_engines: int,
                  engine_index: Optional[int], train_data: Any, val_data: Any, stream: PromptStream,
                  reward_pool: RewardPool, decode: Callable[[list[int]], str], buffer: RolloutBuffer,
-                 collector: Optional[StreamingCollector], prompt_queue: Optional[PromptQueue]):
+                 collector: Optional[StreamingCollector], prompt_queue: Optional[PromptQueue],
+                 routes_layout: Optional[tuple] = None):
         self.cfg, self.parallel = cfg, parallel
+        self.routes_layout = routes_layout  # routing replay: (L, K, dtype) of Sample.routes, which travel too
         self.engine, self.num_engines, self.engine_index = engine, num_engines, engine_index
         self.server_mode = cfg.rollout.mode == "server"
         self.train_data, self.val_data, self.stream = train_data, val_data, stream
@@ -311,7 +313,7 @@ class Rollout:
         surplus = [s for g in self.buffer.surplus for s in g.samples]
         partial = [s for g in self.collector.partial for s in g.samples] if self.collector is not None else []
         send_tokens(surplus + partial, [(0,)] * (len(surplus) + len(partial)),  # streamed partial groups too
-                    parallel=self.parallel)
+                    parallel=self.parallel, routes=self.routes_layout)
         gather_preds(surplus, parallel=self.parallel, dst=0)
         # ranks of one DP rank read the same prompts: keep one reader position per DP rank
         by_dp = dict(self.parallel.all_gather_objects((self.parallel.dp_rank, self.stream.state_dict()), "world"))

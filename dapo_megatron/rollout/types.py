@@ -55,6 +55,11 @@ class Sample:
             (:data:`HELD_BY_ALL` when every rank does).
         num_response_tokens: R, kept where ``response_ids`` is None (the replicated
             decisions need the length, not the tokens).
+        routes: routing replay (``actor.routing_replay: rollout``): the experts the engine routed
+            every token but the last of ``prompt_ids + response_ids`` to, a CPU tensor
+            ``[P + R - 1, L, K]`` (layers × top-k global expert indices) of uint8 (<= 256
+            experts) or int16 (:mod:`dapo_megatron.rollout.engines.routes`); held where
+            ``response_ids`` is and sent with it. None: not recorded.
     """
 
     prompt_ids: list[int]
@@ -77,6 +82,7 @@ class Sample:
     versions: list[tuple[int, int]] = field(default_factory=list)
     holder: int = HELD_BY_ALL
     num_response_tokens: Optional[int] = None
+    routes: Optional[Any] = None
 
     @property
     def response_length(self) -> int:

@@ -99,11 +99,15 @@ class Completion(NamedTuple):
         logprobs: logprob (nats) of each token of ``response_ids`` under the engine's
             sampling distribution, length R.
         finish_reason: ``"stop"`` (EOS / stop token) or ``"length"`` (hit max_new_tokens).
+        routes: the experts every token but the last of ``prompt + response`` was routed to
+            (``[P + R - 1, L, K]``, :mod:`~dapo_megatron.rollout.engines.routes`), from an
+            engine asked to record them (routing replay); None otherwise.
     """
 
     response_ids: list[int]
     logprobs: list[float]
     finish_reason: str
+    routes: Optional[torch.Tensor] = None
 
 
 #: ``generate``'s result: for each prompt, in input order, its ``n`` completions.
@@ -164,6 +168,8 @@ class RowResult(NamedTuple):
             ``max_new_tokens``) or ``"abort"`` (stopped by :meth:`RolloutEngine.abort`: a
             partial response, to be continued or discarded).
         version: the engine's :attr:`RolloutEngine.weight_version` that sampled them.
+        routes: as :attr:`Completion.routes`, over ``prompt + prefix + response_ids``; None when
+            not recorded.
     """
 
     key: Any
@@ -171,6 +177,7 @@ class RowResult(NamedTuple):
     logprobs: list[float]
     finish_reason: str
     version: int
+    routes: Optional[torch.Tensor] = None
 
 
 def sample_seed(seed: Optional[int], prompt_seed: int, sample: int) -> Optional[int]:
@@ -239,7 +246,7 @@ def completions_to_group(
                finish_reason=c.finish_reason, group_id=group_id, prompt_index=prompt_index,
                data_source=data_source, ground_truth=ground_truth,
                extra_info=dict(extra_info) if extra_info is not None else None,
-               versions=[] if version is None else [(0, int(version))])
+               versions=[] if version is None else [(0, int(version))], routes=c.routes)
         for c in completions
     ]
     return Group(group_id=group_id, samples=samples)

@@ -24,10 +24,12 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+from dapo_megatron.models.config import moe_layout
 from dapo_megatron.platform import device, local_device_index
 from dapo_megatron.rollout.engines.engine import RolloutEngine, hf_param_specs
 from dapo_megatron.rollout.engines.engine_group import EngineGroupMember, RolloutGroup
 from dapo_megatron.rollout.engines.hf_engine import HFEngine
+from dapo_megatron.rollout.engines.routes import replay_routes_layout
 from dapo_megatron.rollout.engines.server_sync import ServerRollout
 from dapo_megatron.rollout.engines.sglang_engine import SGLangEngine
 from dapo_megatron.rollout.engines.sglang_env import release_allocator_cache
@@ -92,6 +94,8 @@ class EngineSpec:
         tp_size, mem_fraction_static, enable_memory_saver, base_gpu_id, deterministic,
             engine_kwargs: ``sglang`` only, see :class:`~dapo_megatron.rollout.engines.sglang_engine.SGLangEngine`.
         update_bucket_mb: ``sglang``: weight-update bucket (MiB); None keeps the engine's default.
+        record_routes: routing replay (``actor.routing_replay: rollout``): the engine returns every
+            token's experts (``Completion.routes``); ``(L, K, E)`` of the model, None: off.
     """
 
     name: str
@@ -108,6 +112,7 @@ class EngineSpec:
     deterministic: bool = False
     update_bucket_mb: Optional[int] = None
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    record_routes: Optional[tuple[int, int, int]] = None
 
     def __post_init__(self):
         if self.name not in ENGINES:
@@ -128,7 +133,14 @@ def training_engine_spec(cfg: DAPOConfig, tokenizer, hf_config) -> EngineSpec:
         mem_fraction_static=rollout.gpu_memory_utilization,
         base_gpu_id=base_gpu_id, deterministic=rollout.deterministic,
         update_bucket_mb=rollout.update_weights_bucket_megabytes, engine_kwargs=dict(rollout.engine_kwargs or {}),
+        record_routes=_routes_shape(cfg, hf_config),
     )
+
+
+def _routes_shape(cfg: DAPOConfig, hf_config) -> Optional[tuple[int, int, int]]:
+    """``(L, K, E)`` of the routes the engine records (routing replay), None when off."""
+    layout = replay_routes_layout(cfg.actor.routing_replay, hf_config)
+    return None if layout is None else (layout[0], layout[1], moe_layout(hf_config).num_experts)
 
 
 def build_engine(spec: EngineSpec, hf_config=None, group=None) -> RolloutEngine:
@@ -149,7 +161,7 @@ def build_engine(spec: EngineSpec, hf_config=None, group=None) -> RolloutEngine:
                             mem_fraction_static=spec.mem_fraction_static,
                             enable_memory_saver=spec.enable_memory_saver, base_gpu_id=spec.base_gpu_id,
                             deterministic=spec.deterministic, engine_kwargs=spec.engine_kwargs or None, group=group,
-                            **bucket)
+                            record_routes=spec.record_routes, **bucket)
     if spec.pretrained:
         model: Any = spec.model_path
         extra = {"gguf_file": spec.gguf_file}
@@ -158,7 +170,7 @@ def build_engine(spec: EngineSpec, hf_config=None, group=None) -> RolloutEngine:
             raise ValueError("build_engine: an engine with random weights (pretrained=False) needs hf_config")
         model, extra = AutoModelForCausalLM.from_config(hf_config, dtype=spec.dtype), {}
     return HFEngine(model, dtype=spec.dtype, device=spec.device or device(),  # it loads tensor by tensor
-                    eos_token_ids=list(spec.eos_token_ids), **extra)
+                    eos_token_ids=list(spec.eos_token_ids), record_routes=spec.record_routes is not None, **extra)
 
 
 def build_training_rollout(cfg: DAPOConfig, tokenizer, hf_config, parallel) -> tuple[Any, int, Optional[int]]:
@@ -181,7 +193,7 @@ def build_training_rollout(cfg: DAPOConfig, tokenizer, hf_config, parallel) -> t
             timeout_s=rollout.server_timeout_s, generate_timeout_s=rollout.server_generate_timeout_s,
             bucket_bytes=rollout.update_weights_bucket_megabytes * 2**20,
             eos_token_ids=stop_token_ids(tokenizer, hf_config, cfg.model.hf_path), parallel=parallel,
-            one_driver=cfg.async_training.enable)
+            one_driver=cfg.async_training.enable, record_routes=_routes_shape(cfg, hf_config))
         return servers, servers.num_engines, servers.engine_index
     index = parallel.rollout_index if parallel.is_rollout_leader else None
     if rollout.name == "sglang":

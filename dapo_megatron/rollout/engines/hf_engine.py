@@ -66,6 +66,7 @@ from dapo_megatron.rollout.engines.engine import (
     specs_from_module,
     validate_prompt_ids,
 )
+from dapo_megatron.rollout.engines.routes import HFRouteRecorder, compact_routes, concat_routes, num_route_tokens
 
 
 def process_logits(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = -1) -> torch.Tensor:
@@ -139,12 +140,13 @@ def _eos_ids(model) -> set[int]:
 class _Row:
     """One row of the running batch: its request, generator, stop ids and what it sampled."""
 
-    __slots__ = ("req", "generator", "stops", "tokens", "logprobs", "alive", "sampling")
+    __slots__ = ("req", "generator", "stops", "tokens", "logprobs", "alive", "sampling", "routes")
 
     def __init__(self, req: RowRequest, generator: Optional[torch.Generator], stops: frozenset):
         self.req, self.generator, self.stops = req, generator, stops
         self.tokens: list[int] = []
         self.logprobs: list[float] = []
+        self.routes: list[torch.Tensor] = []  # routing replay: [n, L, K] chunks of the tokens forwarded
         self.alive = True
         self.sampling = (req.params.temperature, req.params.top_p, req.params.top_k)
 
@@ -209,9 +211,13 @@ class HFEngine(RolloutEngine):
         pad_token_id: id written into the padding of the batch (never sampled, never
             returned); default: the first EOS id, else 0.
         num_threads: ``torch.set_num_threads`` for CPU generation; None leaves it.
+        record_routes: routing replay: record the experts every forwarded token was routed to
+            (forward hooks on the routers, :class:`~dapo_megatron.rollout.engines.routes.HFRouteRecorder`:
+            the prefill's routes of the prompt and prefix, then one row per decode step) and
+            return them as ``RowResult.routes`` / ``Completion.routes``, ``[P + R - 1, L, K]``.
 
     Raises:
-        ValueError: no EOS id is known and none is given.
+        ValueError: no EOS id is known and none is given; ``record_routes`` on a dense model.
     """
 
     def __init__(
@@ -224,6 +230,7 @@ class HFEngine(RolloutEngine):
         eos_token_ids: Optional[list[int]] = None,
         pad_token_id: Optional[int] = None,
         num_threads: Optional[int] = None,
+        record_routes: bool = False,
     ):
         super().__init__()
         self.device = torch.device(device)
@@ -250,6 +257,7 @@ class HFEngine(RolloutEngine):
         # transformers 5.x renamed forward's ``past_key_values`` to ``cache``; support both
         forward_params = inspect.signature(type(self.model).forward).parameters
         self._cache_kw = "cache" if "cache" in forward_params else "past_key_values"
+        self._routes: Optional[HFRouteRecorder] = HFRouteRecorder(self.model) if record_routes else None
 
     # ---- generation ---------------------------------------------------------------
     supports_async = True
@@ -276,8 +284,8 @@ class HFEngine(RolloutEngine):
         self.submit([RowRequest((i, j), p, params, ps, j) for i, (p, ps) in enumerate(zip(prompt_ids, seeds))
                      for j in range(params.n)])
         done = {r.key: r for r in self.poll()}
-        return [[Completion(done[(i, j)].response_ids, done[(i, j)].logprobs, done[(i, j)].finish_reason)
-                 for j in range(params.n)] for i in range(len(prompt_ids))]
+        return [[Completion(done[(i, j)].response_ids, done[(i, j)].logprobs, done[(i, j)].finish_reason,
+                            done[(i, j)].routes) for j in range(params.n)] for i in range(len(prompt_ids))]
 
     def submit(self, rows: Sequence[RowRequest]) -> None:
         """Queue rows; they are admitted into the running batch at the next :meth:`poll`.
@@ -338,8 +346,8 @@ class HFEngine(RolloutEngine):
         if keys is None:
             out = [RowResult(r.key, [], [], "abort", self.weight_version) for r in self._queue]
             if self._batch is not None:
-                out.extend(RowResult(row.req.key, list(row.tokens), list(row.logprobs), "abort", self.weight_version)
-                           for row in self._batch.rows if row.alive)
+                out.extend(RowResult(row.req.key, list(row.tokens), list(row.logprobs), "abort", self.weight_version,
+                                     self._row_routes(row)) for row in self._batch.rows if row.alive)
             self._queue, self._batch = [], None
             return out
         keys = set(keys)
@@ -350,12 +358,28 @@ class HFEngine(RolloutEngine):
                 if row.alive and row.req.key in keys:
                     row.alive = False
                     out.append(RowResult(row.req.key, list(row.tokens), list(row.logprobs), "abort",
-                                         self.weight_version))
+                                         self.weight_version, self._row_routes(row)))
             if not any(row.alive for row in self._batch.rows):
                 self._batch = None
         return out
 
+    @property
+    def records_routes(self) -> bool:
+        """Whether the engine records routes (``record_routes``)."""
+        return self._routes is not None
+
     # ---- the running batch ---------------------------------------------------------
+    def _row_routes(self, row: _Row) -> Optional[torch.Tensor]:
+        """The row's routes over ``prompt + prefix + tokens`` minus the last token (compact), or
+        None when routes are not recorded."""
+        if self._routes is None:
+            return None
+        n = num_route_tokens(len(row.req.prompt_ids), len(row.req.prefix_ids) + len(row.tokens))
+        with torch.inference_mode(False):  # a plain tensor: the actor indexes with it under autograd
+            return compact_routes(concat_routes(row.routes).clone(), num_tokens=n,
+                                  num_layers=self._routes.num_layers, topk=self._routes.topk,
+                                  num_experts=self._routes.num_experts, what=f"HFEngine routes of row {row.req.key!r}")
+
     def _generator(self, req: RowRequest) -> Optional[torch.Generator]:
         """The row's generator, advanced past the draws of its prefix tokens (one per token)."""
         if req.seed is None:
@@ -398,6 +422,11 @@ class HFEngine(RolloutEngine):
         out = self.model(input_ids=input_ids, attention_mask=attn, position_ids=pos, use_cache=True,
                          logits_to_keep=1, **{self._cache_kw: cache})  # the cache is filled in place
         logits = out.logits[:, -1, :]
+        if self._routes is not None:  # every input token's experts: [n_distinct, max_len, L, K], left-padded
+            routes = self._routes.take(len(distinct), max_len)
+            for row in rows:
+                x = row.req.prompt_ids + row.req.prefix_ids
+                row.routes = [routes[inputs[x], max_len - len(x):]]
         expand = torch.tensor([inputs[row.req.prompt_ids + row.req.prefix_ids] for row in rows], device=dev)
         if expand.numel() != len(distinct) or not bool((expand == torch.arange(len(distinct), device=dev)).all()):
             cache.batch_select_indices(expand)
@@ -435,7 +464,8 @@ class HFEngine(RolloutEngine):
             else:
                 continue
             row.alive = False
-            finished.append(RowResult(row.req.key, row.tokens, row.logprobs, reason, self.weight_version))
+            finished.append(RowResult(row.req.key, row.tokens, row.logprobs, reason, self.weight_version,
+                                      self._row_routes(row)))
         alive = [row.alive for row in b.rows]
         if not any(alive):
             self._batch = None
@@ -448,6 +478,11 @@ class HFEngine(RolloutEngine):
         out = self.model(input_ids=tok[:, None], attention_mask=b.attn, position_ids=b.next_pos[:, None],
                          use_cache=True, **{self._cache_kw: b.cache})
         b.logits = out.logits[:, -1, :]
+        if self._routes is not None:  # the experts of the token each row just sampled
+            routes = self._routes.take(len(b.rows), 1)
+            for i, row in enumerate(b.rows):
+                if row.alive:
+                    row.routes.append(routes[i])
         b.next_pos = b.next_pos + 1
         return finished
 

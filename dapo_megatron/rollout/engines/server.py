@@ -26,6 +26,10 @@ Endpoints, with the request and response fields of sglang 0.5.11
   ``skip_special_tokens``, ``spaces_between_special_tokens``; the others only at their
   defaults (penalties, ``min_p``, ``min_new_tokens``, grammars, ``n`` = 1: the trainer expands
   rows itself). A client that disconnects has its rows aborted, as SGLang does.
+  ``return_routed_experts`` (routing replay; the server launched with
+  ``--enable-return-routed-experts``): ``meta_info.routed_experts`` as SGLang sends it, base64 of
+  the int32 ``[seqlen - 1, num_layers, topk]`` experts of every token but the last
+  (``srt/layers/moe/routed_experts_capturer.py``; :mod:`~dapo_megatron.rollout.engines.routes`).
 * ``POST /abort_request`` (``AbortReq``: ``rid``, ``abort_all``): as SGLang's tokenizer manager,
   nothing happens unless ``abort_all`` or ``rid`` is the id of a request in flight; then every
   row whose id STARTS with ``rid`` stops (``managers/scheduler.py`` ``abort_request``) and its
@@ -110,6 +114,7 @@ from dapo_megatron.platform import collectives
 from dapo_megatron.rollout.engines.buckets import dtype_from_name
 from dapo_megatron.rollout.engines.engine import RowRequest, RowResult, SamplingParams
 from dapo_megatron.rollout.engines.hf_engine import HFEngine
+from dapo_megatron.rollout.engines.routes import encode_sglang_routes
 from dapo_megatron.rollout.engines.sglang_engine import init_custom_process_group
 
 logger = logging.getLogger("dapo_rollout_server")
@@ -132,7 +137,8 @@ _FIXED_REQUEST = {"text": None, "input_embeds": None, "image_data": None, "video
 _FREE_REQUEST = {"input_ids", "sampling_params", "return_logprob", "rid", "logprob_start_len",
                  "return_text_in_logprobs", "log_metrics", "priority", "routing_key", "extra_key", "no_logs",
                  "custom_labels", "conversation_id", "background", "require_reasoning", "modalities",
-                 "routed_dp_rank", "data_parallel_rank", "bootstrap_host", "bootstrap_port", "bootstrap_room"}
+                 "routed_dp_rank", "data_parallel_rank", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+                 "return_routed_experts"}
 
 
 class BadRequest(ValueError):
@@ -191,6 +197,7 @@ class RowSpec:
     no_stop_trim: bool
     skip_special_tokens: bool
     spaces_between_special_tokens: bool
+    return_routed_experts: bool = False
 
 
 def parse_sampling_params(sp: Any, key: str, vocab_size: int, rng: random.Random) -> tuple[SamplingParams, dict]:
@@ -249,8 +256,8 @@ def parse_sampling_params(sp: Any, key: str, vocab_size: int, rng: random.Random
     return params, extras
 
 
-def parse_generate(body: Any, vocab_size: int, context_length: int, rng: random.Random
-                   ) -> tuple[bool, list[ServerRow], list[RowSpec]]:
+def parse_generate(body: Any, vocab_size: int, context_length: int, rng: random.Random, *,
+                   records_routes: bool = False) -> tuple[bool, list[ServerRow], list[RowSpec]]:
     """A ``/generate`` body → ``(single, rows, specs)`` (``single``: answer one dict, not a list).
 
     Raises:
@@ -296,6 +303,11 @@ def parse_generate(body: Any, vocab_size: int, context_length: int, rng: random.
     ret_lp = ret_lp if isinstance(ret_lp, list) else [ret_lp] * n
     if len(ret_lp) != n:
         raise BadRequest(f"return_logprob has {len(ret_lp)} entries for {n} rows of input_ids")
+    routed = body.get("return_routed_experts", False)
+    if not isinstance(routed, bool):
+        raise BadRequest(f"return_routed_experts must be true or false, got {routed!r}")
+    if routed and not records_routes:
+        raise BadRequest("return_routed_experts=true needs the server launched with --enable-return-routed-experts")
     rid = body.get("rid")
     if rid is None:
         rids = [uuid.uuid4().hex for _ in range(n)]
@@ -325,7 +337,7 @@ def parse_generate(body: Any, vocab_size: int, context_length: int, rng: random.
         rows.append(ServerRow(key=rids[i], prompt_ids=tuple(row), params=params, prompt_seed=0,
                               sampling_seed=ex["sampling_seed"], ignore_eos=ex["ignore_eos"]))
         specs.append(RowSpec(rids[i], ex["max_new_tokens"], bool(ret_lp[i]), ex["no_stop_trim"],
-                             ex["skip_special_tokens"], ex["spaces_between_special_tokens"]))
+                             ex["skip_special_tokens"], ex["spaces_between_special_tokens"], routed))
     return single, rows, specs
 
 
@@ -510,6 +522,8 @@ class Scheduler:
             meta["input_token_logprobs"] = []  # logprob_start_len = -1: output tokens only
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(res.logprobs, tokens)]
             meta["output_token_logprobs_length"] = len(tokens)
+        if spec.return_routed_experts and res.routes is not None:
+            meta["routed_experts"] = encode_sglang_routes(res.routes)
         meta.update({"reasoning_tokens": 0, "completion_tokens": len(tokens), "cached_tokens": 0,
                      "e2e_latency": time.monotonic() - t0})
         out: dict[str, Any] = {}
@@ -754,7 +768,8 @@ def build_app(scheduler: Scheduler, server_args: dict, context_length: int, rand
     async def generate(request: Request):
         try:
             body = await body_of(request)
-            single, rows, specs = parse_generate(body, engine.vocab_size, context_length, rng)
+            single, rows, specs = parse_generate(body, engine.vocab_size, context_length, rng,
+                                                 records_routes=engine.records_routes)
         except BadRequest as err:
             return error(str(err))
         if scheduler.failed:
@@ -849,6 +864,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="torch CPU threads of the engine (default: torch's; 1 when pinned to one core)")
     p.add_argument("--skip-tokenizer-init", action="store_true",
                    help="load no tokenizer: outputs carry output_ids only, no text (SGLang's flag)")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="record every token's experts (MoE models) for requests with return_routed_experts (R3)")
     p.add_argument("--random-seed", type=int, default=0, help="seeds the draws of rows sent without sampling_seed")
     p.add_argument("--context-length", type=int, default=None,
                    help="longest input + max_new_tokens (default: the config's max_position_embeddings)")
@@ -887,7 +904,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     dtype = getattr(torch, args.dtype)
     t0 = time.monotonic()
-    engine = ServerEngine(args.model_path, dtype=dtype, device=args.device, num_threads=args.num_threads)
+    engine = ServerEngine(args.model_path, dtype=dtype, device=args.device, num_threads=args.num_threads,
+                          record_routes=args.enable_return_routed_experts)
     tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.model_path)
     context = args.context_length or int(getattr(engine.model.config, "max_position_embeddings", 0) or 2**31 - 1)
     scheduler = Scheduler(engine, tokenizer, weight_sync_timeout_s=args.weight_sync_timeout_s)

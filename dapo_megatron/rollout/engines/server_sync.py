@@ -630,14 +630,18 @@ class ServerRollout:
             (:func:`~dapo_megatron.rollout.engines.layout.rollout_engines`).
         parallel: the run's layout (the world group of the rank-0 broadcasts and the sync's
             gathers); None: a world of one.
+        record_routes: routing replay, ``(L, K, E)`` of the model: :meth:`generate` asks for
+            ``return_routed_experts`` and every completion carries its routes (servers launched
+            with ``--enable-return-routed-experts``, SGLang or dapo-rollout-server); None: off.
     """
 
     def __init__(self, urls: Sequence[str], param_specs, *, stage: int, num_stages: int, is_sender: bool,
                  device: torch.device | str, timeout_s: float, generate_timeout_s: float, bucket_bytes: int,
                  backend: Optional[str] = None, eos_token_ids: Sequence[int] = (), one_driver: bool = False,
-                 parallel: Optional[ParallelDims] = None):
+                 parallel: Optional[ParallelDims] = None, record_routes: Optional[tuple[int, int, int]] = None):
         self.parallel = dims_or_single(parallel, "ServerRollout")
         self.urls = list(urls)
+        self.record_routes = record_routes
         self.param_specs = param_specs
         self.stage, self.num_stages = int(stage), int(num_stages)
         self.timeout_s, self.generate_timeout_s = float(timeout_s), float(generate_timeout_s)
@@ -686,9 +690,12 @@ class ServerRollout:
             raise RuntimeError("the servers' weights are partly updated by a failed sync; a full sync must succeed "
                                "before generating")
         url = self.urls[self.engine_index]
-        out = http_post(url, "/generate", build_generate_request(prompt_ids, params, prompt_seeds),
-                        self.generate_timeout_s)
-        return parse_generate_output(out, len(prompt_ids), params.n)
+        req = build_generate_request(prompt_ids, params, prompt_seeds)
+        if self.record_routes is not None:
+            req["return_routed_experts"] = True  # meta_info.routed_experts, SGLang's format
+        out = http_post(url, "/generate", req, self.generate_timeout_s)
+        return parse_generate_output(out, len(prompt_ids), params.n, prompt_lens=[len(p) for p in prompt_ids],
+                                     routes_shape=self.record_routes)
 
     # ---- asynchronous rows (the streamed rollout): this rank's server's ServerRows --------
     supports_async = True

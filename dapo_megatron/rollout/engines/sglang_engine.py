@@ -111,6 +111,7 @@ from dapo_megatron.rollout.engines.engine import (
 )
 from dapo_megatron.rollout.engines.engine_group import RolloutGroup, sync_flat_buckets
 from dapo_megatron.rollout.engines.flat_bucket import FlatBucketPacker
+from dapo_megatron.rollout.engines.routes import decode_sglang_routes, num_route_tokens
 from dapo_megatron.rollout.engines.sglang_server_args import (  # noqa: F401  (checked here, defined beside the list)
     MANAGED_ENGINE_ARGS,
     check_engine_kwargs,
@@ -186,8 +187,13 @@ def build_generate_request(prompt_ids: Sequence[Sequence[int]], params: Sampling
 
 
 # ---------------------------------------------------------------------------- responses
-def parse_completion(item: dict, row: int) -> Completion:
+def parse_completion(item: dict, row: int, *, prompt_len: int = 0,
+                     routes_shape: Optional[tuple[int, int, int]] = None) -> Completion:
     """One SGLang output dict → :class:`Completion`.
+
+    With ``routes_shape = (L, K, E)`` (routing replay; the request had ``return_routed_experts``)
+    ``meta_info.routed_experts`` becomes ``Completion.routes``, ``[prompt_len + R - 1, L, K]``
+    (:func:`~dapo_megatron.rollout.engines.routes.decode_sglang_routes`).
 
     Raises:
         RuntimeError: the request was aborted or failed (message included), or the output
@@ -214,12 +220,19 @@ def parse_completion(item: dict, row: int) -> Completion:
                            f"token ids of output_token_logprobs ({len(ids)} tokens)")
     if any(lp != lp for lp in logprobs):
         raise RuntimeError(f"SGLang output row {row} has NaN logprobs")
-    return Completion(ids, logprobs, kind)
+    routes = None
+    if routes_shape is not None:
+        L, K, E = routes_shape
+        routes = decode_sglang_routes(meta, num_tokens=num_route_tokens(prompt_len, len(ids)), num_layers=L,
+                                      topk=K, num_experts=E, row=row)
+    return Completion(ids, logprobs, kind, routes)
 
 
-def parse_generate_output(outputs: Any, num_prompts: int, n: int) -> GenerationOutput:
+def parse_generate_output(outputs: Any, num_prompts: int, n: int, *, prompt_lens: Optional[Sequence[int]] = None,
+                          routes_shape: Optional[tuple[int, int, int]] = None) -> GenerationOutput:
     """SGLang's batched ``generate`` result (list of ``num_prompts * n`` dicts, row order
-    of :func:`build_generate_request`) → ``outputs[i][j]``.
+    of :func:`build_generate_request`) → ``outputs[i][j]``; with ``routes_shape`` (and the
+    prompts' lengths) every completion carries its routes (:func:`parse_completion`).
 
     Raises:
         RuntimeError: wrong number of rows, or any row failed (see :func:`parse_completion`).
@@ -229,7 +242,9 @@ def parse_generate_output(outputs: Any, num_prompts: int, n: int) -> GenerationO
     if not isinstance(outputs, list) or len(outputs) != num_prompts * n:
         got = len(outputs) if isinstance(outputs, list) else type(outputs).__name__
         raise RuntimeError(f"SGLang generate returned {got} outputs, expected {num_prompts} prompts x n={n}")
-    rows = [parse_completion(item, r) for r, item in enumerate(outputs)]
+    lens = list(prompt_lens) if prompt_lens is not None else [0] * num_prompts
+    rows = [parse_completion(item, r, prompt_len=lens[r // n], routes_shape=routes_shape)
+            for r, item in enumerate(outputs)]
     return [rows[i * n:(i + 1) * n] for i in range(num_prompts)]
 
 
@@ -552,10 +567,14 @@ class SGLangEngine(_SGLangMemory, RolloutEngine):
     def __init__(self, model_path: str, *, dtype: Any = "bfloat16", tp_size: int = 1,
                  mem_fraction_static: float = 0.5, enable_memory_saver: bool = True,
                  base_gpu_id: Optional[int] = None, deterministic: bool = False, update_bucket_mb: int = 512,
-                 engine_kwargs: Optional[dict] = None, group: Optional["RolloutGroup"] = None):
+                 engine_kwargs: Optional[dict] = None, group: Optional["RolloutGroup"] = None,
+                 record_routes: Optional[tuple[int, int, int]] = None):
         super().__init__()
         dtype = sglang_dtype(dtype)
         extra = check_engine_kwargs(engine_kwargs, key="engine_kwargs")
+        self.record_routes = record_routes
+        if record_routes is not None:  # routing replay: the server captures every token's experts
+            extra["enable_return_routed_experts"] = True
         group = group or RolloutGroup.single(torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
         if not group.is_leader or group.size not in (1, tp_size):
             raise ValueError(f"SGLangEngine(tp_size={tp_size}) is created by the leader of a rollout group of "
@@ -678,8 +697,11 @@ class SGLangEngine(_SGLangMemory, RolloutEngine):
         """
         self._check_can_generate()
         req = build_generate_request(prompt_ids, params, prompt_seeds)
+        if self.record_routes is not None:
+            req["return_routed_experts"] = True  # meta_info.routed_experts (sglang 0.5.11 GenerateReqInput)
         out = self.engine.generate(**req)
-        return parse_generate_output(out, len(prompt_ids), params.n)
+        return parse_generate_output(out, len(prompt_ids), params.n, prompt_lens=[len(p) for p in prompt_ids],
+                                     routes_shape=self.record_routes)
 
     def _param_specs(self) -> tuple[dict[str, ParamSpec], dict[str, str]]:
         return hf_param_specs(AutoConfig.from_pretrained(self.model_path))

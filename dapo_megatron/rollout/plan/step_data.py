@@ -37,6 +37,7 @@ import torch.distributed as dist
 from dapo_megatron.platform import collectives
 from dapo_megatron.platform.distributed import collective_device
 from dapo_megatron.platform.parallel_dims import ParallelDims, dims_or_single
+from dapo_megatron.rollout.engines.routes import num_route_tokens, route_words, routes_from_words, routes_to_words
 from dapo_megatron.rollout.plan.dp_split import split_for_dp
 from dapo_megatron.rollout.types import HELD_BY_ALL, Group, Sample
 
@@ -269,7 +270,7 @@ def old_logprob_micro_batches(plan: StepPlan, mine: Sequence[int], dp_rank: int,
 
 # --------------------------------------------------------------------------- 4. the tokens
 def send_tokens(samples: Sequence[Sample], destinations: Sequence[Sequence[int]], *,
-                parallel: Optional[ParallelDims] = None) -> int:
+                parallel: Optional[ParallelDims] = None, routes: Optional[tuple[int, int, torch.dtype]] = None) -> int:
     """Deliver each sample's token lists from its holder to the ranks of ``destinations[i]``.
 
     A collective over the world of ``parallel`` (None: a world of one; global ranks): every
@@ -280,18 +281,26 @@ def send_tokens(samples: Sequence[Sample], destinations: Sequence[Sequence[int]]
     (:data:`~dapo_megatron.rollout.types.HELD_BY_ALL`) does not travel. On arrival the
     receiver's record gets both lists.
 
+    ``routes = (L, K, dtype)`` (routing replay): ``Sample.routes`` (``[P + R - 1, L, K]`` of
+    ``dtype``) travels too, its bytes after the logprobs in the same words
+    (:func:`~dapo_megatron.rollout.engines.routes.routes_to_words`).
+
     Returns:
         The bytes this rank received.
 
     Raises:
-        ValueError: a holder without the token lists it should send; ``parallel`` None in a
-            world of more than one rank.
+        ValueError: a holder without the token lists it should send (or, with ``routes``, without
+            routes of that shape); ``parallel`` None in a world of more than one rank.
     """
     parallel = dims_or_single(parallel, "send_tokens")
     rank, world, group = parallel.rank, parallel.world_size, parallel.world_group
     if world == 1:
         return 0
-    words = [2 * s.response_length for s in samples]
+
+    def n_routes(s: Sample) -> int:
+        return num_route_tokens(len(s.prompt_ids), s.response_length)
+
+    words = [2 * s.response_length + (route_words(n_routes(s), *routes) if routes else 0) for s in samples]
     send_parts: list[list[torch.Tensor]] = [[] for _ in range(world)]
     recv_plan: list[list[int]] = [[] for _ in range(world)]  # per source: the sample indices, in order
     for i, (s, dests) in enumerate(zip(samples, destinations)):
@@ -305,6 +314,13 @@ def send_tokens(samples: Sequence[Sample], destinations: Sequence[Sequence[int]]
                     raise ValueError(f"sample {i} is held by rank {rank}, which has no token lists for it")
                 send_parts[dst].append(torch.tensor(s.response_ids, dtype=torch.int32))
                 send_parts[dst].append(torch.tensor(s.rollout_logprobs, dtype=torch.float32).view(torch.int32))
+                if routes:
+                    want = (n_routes(s), routes[0], routes[1])
+                    if s.routes is None or tuple(s.routes.shape) != want or s.routes.dtype != routes[2]:
+                        raise ValueError(f"sample {i} is held by rank {rank} with routes "
+                                         f"{None if s.routes is None else tuple(s.routes.shape)}, need {want} "
+                                         f"of {routes[2]} (routing replay)")
+                    send_parts[dst].append(routes_to_words(s.routes))
             elif dst == rank:
                 recv_plan[s.holder].append(i)
     send_sizes = [sum(p.numel() for p in parts) for parts in send_parts]
@@ -318,17 +334,22 @@ def send_tokens(samples: Sequence[Sample], destinations: Sequence[Sequence[int]]
     offset = 0
     for idx in recv_plan:
         for i in idx:
-            length = words[i] // 2
+            length = samples[i].response_length
             samples[i].response_ids = recv[offset:offset + length].tolist()
             samples[i].rollout_logprobs = recv[offset + length:offset + 2 * length].view(torch.float32).tolist()
-            offset += 2 * length
+            if routes:
+                samples[i].routes = routes_from_words(recv[offset + 2 * length:offset + words[i]],
+                                                      n_routes(samples[i]), *routes)
+            offset += words[i]
     return 4 * recv.numel()
 
 
 def route_step(groups: Sequence[Group], samples: Sequence[Sample], parallel: ParallelDims, groups_per_mini_batch: int,
-               max_tokens_per_micro_batch: int, *, share_prompts: bool = False) -> tuple[StepPlan, list[int]]:
+               max_tokens_per_micro_batch: int, *, share_prompts: bool = False,
+               routes: Optional[tuple[int, int, torch.dtype]] = None) -> tuple[StepPlan, list[int]]:
     """The step's plan (:func:`plan_step`) and every sample's tokens sent to the ranks of the DP
-    rank that trains it (:func:`send_tokens`); collective. ``samples``: every sample of
+    rank that trains it (:func:`send_tokens`, with ``Sample.routes`` when ``routes`` is given:
+    routing replay); collective. ``samples``: every sample of
     ``groups``, group by group. Returns ``(plan, mine)``: the plan and the indices into
     ``samples`` of this DP rank's samples (:meth:`StepPlan.owned`).
 
@@ -338,7 +359,7 @@ def route_step(groups: Sequence[Group], samples: Sequence[Sample], parallel: Par
     plan = plan_step(groups, groups_per_mini_batch, parallel.dp_size, max_tokens_per_micro_batch,
                      share_prompts=share_prompts)
     ranks_of = [parallel.ranks_of_dp_rank(d) for d in range(parallel.dp_size)]
-    send_tokens(samples, [ranks_of[d] for d in plan.owner], parallel=parallel)
+    send_tokens(samples, [ranks_of[d] for d in plan.owner], parallel=parallel, routes=routes)
     return plan, plan.owned(parallel.dp_rank)
 
 

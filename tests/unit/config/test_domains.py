@@ -133,6 +133,7 @@ DOMAINS: dict[str, Case] = {
     "actor.rollout_rs_threshold_lower": Case([0, -1, 3], 0.5, ctx=["actor.rollout_rs_threshold=2"]),
     "actor.micro_batch_layout": Case(["sbhd"], "bshd"),
     "actor.shared_prompt": Case(["maybe"], "on", want="on"),
+    "actor.routing_replay": Case(["r3", "on"], "rollout"),
     "actor.optim.lr": Case([0, -1], 1e-5),
     "actor.optim.lr_warmup_steps": Case([-1, 1600], 10),  # 1600 = the run's optimizer updates (100 × 16)
     "actor.optim.lr_warmup_init": Case([-1, 1.0], 1e-7),

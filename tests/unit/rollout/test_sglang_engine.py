@@ -111,8 +111,8 @@ def test_parse_generate_output():
     items = [sglang_item([5, 2], [-0.5, -0.25], "stop"), sglang_item([7, 7, 7], [-1.0, -2.0, -3.0], "length"),
              sglang_item([9], [-0.125], "stop", with_output_ids=False), sglang_item([4, 4], [0.0, -1.5], "length")]
     out = parse_generate_output(items, num_prompts=2, n=2)
-    assert out[0][0] == ([5, 2], [-0.5, -0.25], "stop")
-    assert out[0][1] == ([7, 7, 7], [-1.0, -2.0, -3.0], "length")
+    assert out[0][0] == ([5, 2], [-0.5, -0.25], "stop", None)  # routes: not asked for
+    assert out[0][1] == ([7, 7, 7], [-1.0, -2.0, -3.0], "length", None)
     assert out[1][0].response_ids == [9] and out[1][1].finish_reason == "length"
     with pytest.raises(RuntimeError, match="3 outputs, expected 2 prompts x n=2"):
         parse_generate_output(items[:3], 2, 2)
@@ -513,8 +513,8 @@ def test_aborted_output_that_already_finished():
     assert parse_row_output(item([5, 9]), row, 2).finish_reason == "stop"
     assert parse_row_output(item([5, 2]), row, 2, eos_token_ids=frozenset({2})).finish_reason == "stop"
     assert parse_row_output(item([5, 6, 7]), row, 2).finish_reason == "length"  # 2 + 3 = the 5-token budget
-    assert parse_row_output(item([5]), row, 2) == ("k", [5], [-0.5], "abort", 2)
-    assert parse_row_output(item([]), row, 2) == ("k", [], [], "abort", 2)
+    assert parse_row_output(item([5]), row, 2) == ("k", [5], [-0.5], "abort", 2, None)
+    assert parse_row_output(item([]), row, 2) == ("k", [], [], "abort", 2, None)
 
 
 def test_cpu_weight_backup_keeps_weights_valid_across_sleep(fake_sglang, tiny_model_dir):

@@ -1,0 +1,297 @@
+"""Routing replay, the actor side: megatron-core's routers follow the engine's routes (R3).
+
+With ``actor.routing_replay: rollout`` every micro-batch the actor forwards (the old-logprob
+pass and the training forward) routes each token through exactly the experts the rollout engine
+routed it to (``Sample.routes``, :mod:`dapo_megatron.rollout.engines.routes`), so the actor
+differentiates the network that sampled the tokens. Without it a token whose router scores
+are nearly tied between two experts can be routed differently by the actor (other kernels,
+other batch, bf16): its logprob is then that of another network, and the importance ratio
+of the whole sequence moves with it (Megatron-LM #4168: GRPO on Qwen3-30B-A3B collapses).
+
+Mechanism: megatron-core 0.16.1's own router replay
+(``megatron/core/transformer/moe/router_replay.py``): a model built with
+``TransformerConfig.moe_enable_routing_replay`` gives each ``TopKRouter`` a ``RouterReplay``
+(``router.py``, ``TopKRouter.__init__``), whose ``get_replay_topk`` replaces the top-k of
+``moe_utils.topk_routing_with_score_function`` in ``REPLAY_FORWARD`` mode: the experts are the
+target indices, their probabilities the router's own scores gathered there (softmax over the
+replayed k logits, or the full softmax's values with ``moe_router_pre_softmax``), so the
+gradient still reaches the router weights. :class:`RoutingReplay` sets each router's target
+indices (``RouterReplay.set_target_indices``) right before a micro-batch's forward and clears
+them (``clear_indices``) right after; the routers are taken from the model itself (not from
+``RouterReplay.global_router_replay_instances``, which holds every model ever built in the
+process), each matched to its layer by ``router.layer_number`` (1-based, global: a PP stage
+sets its own layers). verl (``verl/utils/megatron/router_replay_utils.py``) and slime replay
+through the same class.
+
+The routes of a micro-batch (:func:`micro_batch_routes`): int64 ``[S · B, L, K]`` in
+megatron-core's ``[S, B]`` token order (the router flattens its ``[S, B, H]`` input), every
+token of every sample where :func:`~dapo_megatron.actor.packing.pack_samples` placed it, a
+shared prompt once; positions without an engine route (padding, each sample's last token,
+which feeds no label) get experts ``0 .. K-1``: valid indices, so the dispatcher (all-to-all
+over EP) moves them like any token. With sequence parallelism the router sees this TP rank's
+``S / TP`` rows, so the rank's contiguous slice is set. Every rank sets routes for the
+micro-batches it forwards and makes no collective of its own: EP = 2 works as without replay
+(the plan gives every DP rank the same number of forwards).
+
+Metrics (:class:`RouteStats`, forward hooks on the routers, pooled over every forward since
+the last :meth:`RoutingReplay.pop_metrics`, over the engine-routed tokens, i.e. the real
+tokens but each sample's last):
+
+- ``moe/route_agreement``: share of the engine's ``(token, layer, expert)`` choices that the
+  actor's own router, ``topk(router logits)``, also makes (1: the actor would route every token
+  as the engine did; the gap R3 closes); ``moe/route_exact_frac``: share of ``(token, layer)``
+  with the same expert set.
+- ``moe/expert_load_max/l{l}``: layer ``l``'s busiest expert's share of the routed
+  ``(token, expert)`` pairs, times E (1: balanced, E: every token to one expert), from the
+  routes the forward used.
+- ``moe/aux_loss`` (mean over layers) and ``moe/aux_loss/l{l}``: the Switch load-balancing loss
+  ``E · Σ_e f_e P_e`` without its coefficient (``moe_utils.switch_load_balancing_loss_func``: f
+  the share of the router's own top-k choices per expert, P the mean router probability), here
+  over the pooled engine-routed tokens rather than per micro-batch.
+
+Design: docs/design.md §2.1 (routing replay).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from dapo_megatron.platform.distributed import collective_device
+from dapo_megatron.rollout.engines.routes import num_route_tokens
+
+from .config import ROUTING_REPLAY_MODES
+
+
+def moe_routers(model) -> list:
+    """megatron-core ``TopKRouter`` s of ``model`` (a chunk, possibly wrapped in DDP /
+    ``Float16Module``), in layer order; empty for a dense model. Recognised by their
+    ``gating`` method and ``router_replay`` attribute (``moe/router.py``)."""
+    found = [m for m in model.modules() if hasattr(m, "gating") and hasattr(m, "router_replay")
+             and hasattr(m, "layer_number")]
+    return sorted(found, key=lambda m: m.layer_number)
+
+
+def micro_batch_routes(mb, *, num_layers: int, topk: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine routes of one micro-batch in megatron-core's token order.
+
+    Args:
+        mb: a :class:`~dapo_megatron.actor.micro_batch.MicroBatch` (its ``samples`` and ``batch``);
+            every sample's ``routes`` is ``[P + R - 1, L, K]``.
+        num_layers, topk: the model's ``L`` and ``K``.
+        device: where the result goes (default: the batch's).
+
+    Returns:
+        ``(routes, routed)``: int64 ``[S · B, L, K]`` (row ``s · B + b`` is token ``s`` of packed
+        row ``b``; ``S`` = the batch's ``T``) and bool ``[S · B]``, True where the route is the
+        engine's (False: padding and each sample's last token, filled with experts ``0 .. K-1``).
+
+    Raises:
+        ValueError: a sample without routes, or with routes of another shape.
+    """
+    b = mb.batch
+    B, T = b.input_ids.shape
+    out = torch.arange(topk, dtype=torch.long).expand(B, T, num_layers, topk).clone()
+    routed = torch.zeros(B, T, dtype=torch.bool)
+    for i, s in enumerate(mb.samples):
+        P, R = b.prompt_lens[i], b.response_lens[i]
+        n = num_route_tokens(P, R)
+        r = getattr(s, "routes", None)
+        if r is None or tuple(r.shape) != (n, num_layers, topk):
+            raise ValueError(f"sample {i} of the micro-batch: routes {None if r is None else tuple(r.shape)}, need "
+                             f"[{n}, {num_layers}, {topk}] (prompt {P} + response {R} - 1 tokens × layers × top-k); "
+                             "actor.routing_replay=rollout needs an engine that records routes (rollout.name=hf or "
+                             "sglang, colocated)")
+        r = r.long()
+        row, start = b.response_start(i)
+        o = b.offsets[i]
+        out[row, o:o + min(P, n)] = r[:P]
+        routed[row, o:o + min(P, n)] = True
+        if R > 1:
+            out[row, start:start + R - 1] = r[P:]
+            routed[row, start:start + R - 1] = True
+    dev = b.input_ids.device if device is None else device
+    return (out.transpose(0, 1).reshape(T * B, num_layers, topk).to(dev),
+            routed.t().reshape(T * B).to(dev))
+
+
+def _sp_slice(x: torch.Tensor, config, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """This TP rank's rows of ``[S · B, ...]`` under sequence parallelism (contiguous ``S / TP``
+    sequence rows, ``tensor_parallel.scatter_to_sequence_parallel_region``); all rows otherwise."""
+    if not getattr(config, "sequence_parallel", False) or tp_size == 1:
+        return x
+    n = x.shape[0] // tp_size
+    return x[tp_rank * n:(tp_rank + 1) * n]
+
+
+class RouteStats:
+    """Per-layer sums behind the routing metrics (module docstring), float64 on CPU.
+
+    Attributes (``L`` layers, ``E`` experts): ``tokens [L]`` engine-routed tokens seen,
+    ``agree [L]`` sum over them of ``|own ∩ engine| / K``, ``exact [L]`` tokens with the same
+    set, ``used [L, E]`` / ``own [L, E]`` expert counts of the routes used / of the router's own
+    top-k, ``prob [L, E]`` summed router probabilities.
+    """
+
+    def __init__(self, num_layers: int, num_experts: int):
+        self.L, self.E = num_layers, num_experts
+        self.table = torch.zeros(3 + 3 * num_experts, num_layers, dtype=torch.float64)
+
+    def add(self, layer: int, used: torch.Tensor, own: torch.Tensor, probs: torch.Tensor,
+            engine: Optional[torch.Tensor]) -> None:
+        """One router call on the engine-routed tokens: ``used``, ``own``, ``engine`` int64
+        ``[N, K]`` expert indices, ``probs`` float ``[N, E]`` the router's softmax."""
+        E, t = self.E, self.table
+        n = used.shape[0]
+        if n == 0:
+            return
+        t[0, layer] += n
+        if engine is not None:
+            own_hot = torch.zeros(n, E, dtype=torch.bool).scatter_(1, own.cpu(), True)
+            eng_hot = torch.zeros(n, E, dtype=torch.bool).scatter_(1, engine.cpu(), True)
+            t[1, layer] += float((own_hot & eng_hot).sum()) / own.shape[1]
+            t[2, layer] += float((own_hot == eng_hot).all(dim=1).sum())
+        t[3:3 + E, layer] += torch.bincount(used.reshape(-1).cpu(), minlength=E).double()
+        t[3 + E:3 + 2 * E, layer] += torch.bincount(own.reshape(-1).cpu(), minlength=E).double()
+        t[3 + 2 * E:, layer] += probs.detach().double().sum(0).cpu()
+
+    def metrics(self) -> dict[str, float]:
+        """The metrics of the module docstring (layers without tokens left out)."""
+        t, E = self.table, self.E
+        out: dict[str, float] = {}
+        n = t[0]
+        seen = (n > 0).nonzero().squeeze(1).tolist()
+        if not seen:
+            return out
+        total = float(n[seen].sum())
+        out["moe/route_agreement"] = float(t[1, seen].sum()) / total
+        out["moe/route_exact_frac"] = float(t[2, seen].sum()) / total
+        aux = []
+        for layer in seen:
+            used, own, prob = t[3:3 + E, layer], t[3 + E:3 + 2 * E, layer], t[3 + 2 * E:, layer]
+            out[f"moe/expert_load_max/l{layer}"] = float(used.max() / used.sum() * E)
+            k = float(own.sum()) / float(n[layer])
+            a = float(E * ((own / (n[layer] * k)) * (prob / n[layer])).sum())
+            out[f"moe/aux_loss/l{layer}"] = a
+            aux.append(a)
+        out["moe/aux_loss"] = sum(aux) / len(aux)
+        return out
+
+
+class RoutingReplay:
+    """Replays engine routes into a megatron-core model's routers and measures its routing.
+
+    Args:
+        model: this rank's model chunk (built with ``routing_replay=True`` when ``replay``).
+        replay: set the routers' target indices before each forward (``REPLAY_FORWARD``).
+        observe: forward hooks on the routers collect :class:`RouteStats` (and, with
+            ``keep``, each call's used / own routes in :attr:`records`).
+        tp_rank, tp_size: this rank's TP position (sequence parallelism slices the routes).
+        keep: keep per-call records ``{"layer", "used", "own", "routed"}`` (tests).
+
+    Raises:
+        ValueError: a dense model (no MoE router), or ``replay`` on a model built without
+            ``moe_enable_routing_replay``.
+    """
+
+    def __init__(self, model, *, replay: bool, observe: bool = True, tp_rank: int = 0, tp_size: int = 1,
+                 keep: bool = False):
+        self.routers = moe_routers(model)
+        if not self.routers:
+            raise ValueError("actor.routing_replay=rollout needs a mixture-of-experts model (megatron-core "
+                             "TopKRouter layers); this model is dense: set actor.routing_replay=off")
+        cfg = self.routers[0].config
+        if replay and any(r.router_replay is None for r in self.routers):
+            raise ValueError("actor.routing_replay=rollout: the model was built without "
+                             "moe_enable_routing_replay; build it with build_gpt_model(..., routing_replay=True)")
+        if replay and getattr(cfg, "recompute_granularity", None) is not None:
+            raise ValueError("actor.routing_replay=rollout with model.extra_transformer_config.recompute_granularity="
+                             f"{cfg.recompute_granularity!r} is not supported (the recomputed forward would need "
+                             "megatron-core's REPLAY_BACKWARD bookkeeping): remove the recompute setting")
+        self.config, self.replay, self.keep = cfg, replay, keep
+        self.num_layers, self.topk, self.num_experts = cfg.num_layers, cfg.moe_router_topk, cfg.num_moe_experts
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.stats = RouteStats(self.num_layers, self.num_experts)
+        self.records: list[dict] = []
+        self._current: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        if replay:
+            # megatron-core here, not at the top: the config loads actor/ (its ActorConfig) without it
+            from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+            for r in self.routers:
+                r.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        self._handles = [r.register_forward_hook(self._observe) for r in self.routers] if observe else []
+
+    def begin(self, mb) -> None:
+        """Before ``mb``'s forward: its routes (:func:`micro_batch_routes`) become every local
+        router's target indices (replay), and the observer's reference. Samples without routes:
+        an error with ``replay``, no reference (own routing only) without."""
+        have = all(getattr(s, "routes", None) is not None for s in mb.samples)
+        if not have and not self.replay:
+            self._current = None
+            return
+        routes, routed = micro_batch_routes(mb, num_layers=self.num_layers, topk=self.topk)
+        routes = _sp_slice(routes, self.config, self.tp_rank, self.tp_size)
+        routed = _sp_slice(routed, self.config, self.tp_rank, self.tp_size)
+        dev = next(self.routers[0].parameters()).device
+        self._current = (routes.to(dev), routed.to(dev))
+        if self.replay:
+            for r in self.routers:
+                r.router_replay.set_target_indices(self._current[0][:, r.layer_number - 1])
+
+    def end(self) -> None:
+        """After the forward: the routers' target indices cleared (``RouterReplay.clear_indices``)."""
+        if self.replay:
+            for r in self.routers:
+                r.router_replay.clear_indices()
+        self._current = None
+
+    def _observe(self, router, args, output) -> None:
+        """Router forward hook: the routes it used (``routing_map``), its own top-k of the
+        logits (``gating`` again, no grad) and its softmax, on the engine-routed tokens."""
+        hidden = args[0]
+        _, routing_map = output
+        with torch.no_grad():
+            logits = router.gating(hidden).reshape(-1, self.num_experts).float()
+            probs = torch.softmax(logits, dim=-1)
+            own = torch.topk(logits, self.topk, dim=-1).indices
+            used = routing_map.nonzero()[:, 1].view(-1, self.topk)  # each row's experts, ascending
+        layer = router.layer_number - 1
+        if self._current is None:
+            mask, engine = torch.ones(used.shape[0], dtype=torch.bool, device=used.device), None
+        else:
+            routes, mask = self._current
+            engine = routes[:, layer][mask]
+        if self.keep:
+            self.records.append({"layer": layer, "used": used.cpu(), "own": own.cpu(),
+                                 "routed": None if self._current is None else mask.cpu()})
+        self.stats.add(layer, used[mask], own[mask], probs[mask], engine)
+
+    def pop_metrics(self, parallel=None, groups: Sequence[str] = ()) -> dict[str, float]:
+        """The metrics since the last call (module docstring), their sums all-reduced over the
+        ``groups`` of ``parallel`` (``ParallelDims`` group names: ``"dp"``, ``"pp"`` with PP > 1,
+        ``"tp"`` with sequence parallelism): a collective over them, every rank calls it at the
+        same point. ``parallel`` None: this rank's sums only."""
+        table = self.stats.table
+        for name in groups if parallel is not None else ():
+            t = table.to(collective_device(parallel.group(name)))
+            parallel.all_reduce(t, name)
+            table = t.cpu()
+        self.stats.table = table
+        out = self.stats.metrics()
+        self.stats = RouteStats(self.num_layers, self.num_experts)
+        return out
+
+    def remove(self) -> None:
+        """Remove the observer hooks and stop replaying (the routers route on their own)."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        if self.replay:
+            for r in self.routers:
+                r.router_replay.clear_indices()
+                r.router_replay.clear_router_replay_action()
+
+
+__all__ = ["ROUTING_REPLAY_MODES", "RouteStats", "RoutingReplay", "micro_batch_routes", "moe_routers"]

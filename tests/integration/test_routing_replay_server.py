@@ -1,0 +1,66 @@
+"""Routing replay in server mode: a real ``dapo-rollout-server`` (tiny random Qwen3-MoE) launched
+with ``--enable-return-routed-experts`` answers ``return_routed_experts`` with SGLang's
+``meta_info.routed_experts`` (base64 int32 ``[seqlen - 1, L, K]``), which the client parser
+(``parse_generate_output(routes_shape=...)``, what ``ServerRollout.generate`` runs) turns into
+each completion's routes: equal to the top-k of a full-sequence transformers forward of the served
+weights. A server launched without the flag refuses the field in one 400 naming it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import random_hf_model, tiny_moe_config
+from rollout_server import RolloutServer
+
+PROMPTS = [[5, 17, 33, 8, 91], [120, 7, 64]]
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    from dapo_megatron.rollout.engines.routes import hf_router_modules
+
+    d = tmp_path_factory.mktemp("moe_server_model")
+    model = random_hf_model(tiny_moe_config("qwen3_moe", eos_token_id=2), seed=4)
+    with torch.no_grad():
+        for g in hf_router_modules(model):
+            g.weight.normal_(0.0, 0.5)
+    model.save_pretrained(d)
+    return str(d)
+
+
+def test_server_returns_sglang_routed_experts_that_the_client_parses(moe_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from dapo_megatron.rollout.engines.engine import SamplingParams
+    from dapo_megatron.rollout.engines.sglang_engine import build_generate_request, http_post, parse_generate_output
+
+    model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
+    cfg = model.config
+    L, K, E = cfg.num_hidden_layers, cfg.num_experts_per_tok, cfg.num_experts
+    params = SamplingParams(n=2, max_new_tokens=6, seed=3)
+    server = RolloutServer(moe_dir, tmp_path / "server.log", "--skip-tokenizer-init", "--enable-return-routed-experts")
+    plain = RolloutServer(moe_dir, tmp_path / "plain.log", "--skip-tokenizer-init")
+    try:
+        req = {**build_generate_request(PROMPTS, params), "return_routed_experts": True}
+        out = http_post(server.url, "/generate", req, 120.0)
+        assert all(isinstance(o["meta_info"]["routed_experts"], str) for o in out)  # SGLang's base64 payload
+        comps = parse_generate_output(out, len(PROMPTS), params.n, prompt_lens=[len(p) for p in PROMPTS],
+                                      routes_shape=(L, K, E))
+        for p, cs in zip(PROMPTS, comps):
+            for c in cs:
+                ids = p + c.response_ids
+                with torch.no_grad():
+                    logits = model(torch.tensor([ids]), output_router_logits=True).router_logits
+                want = torch.stack([torch.topk(torch.softmax(lg.float(), -1), K, -1).indices for lg in logits], 1)
+                assert c.routes.dtype == torch.uint8 and tuple(c.routes.shape) == (len(ids) - 1, L, K)
+                assert torch.equal(c.routes.long(), want[:len(ids) - 1])
+        # without the field the answer carries no routes; a server without the flag refuses it
+        assert "routed_experts" not in http_post(server.url, "/generate", build_generate_request(PROMPTS, params),
+                                                 120.0)[0]["meta_info"]
+        with pytest.raises(RuntimeError, match="return_routed_experts=true needs the server launched with "
+                                               "--enable-return-routed-experts"):
+            http_post(plain.url, "/generate", req, 120.0)
+    finally:
+        server.stop()
+        plain.stop()
