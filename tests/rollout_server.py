@@ -30,6 +30,23 @@ def save_tiny_model(out_dir, family: str = "qwen2_bias", seed: int = 1, **overri
     return str(out_dir)
 
 
+def tiny_async_model(smollm2_gguf, out_dir, num_stop_ids: int = 0) -> str:
+    """The async tests' model in ``out_dir``: a random Llama (hidden 32, 1 layer, 2 heads, 1 KV head)
+    with SmolLM2's tokenizer (``conftest.tiny_llama_with_smollm2_tokenizer_dir``). ``num_stop_ids``
+    > 0: it also stops at ids 1000 .. 1000 + num_stop_ids - 2, so responses end at varied lengths."""
+    from transformers import AutoConfig
+
+    from conftest import tiny_llama_with_smollm2_tokenizer_dir
+
+    hf_dir = tiny_llama_with_smollm2_tokenizer_dir(smollm2_gguf, out_dir, hidden_size=32, intermediate_size=64,
+                                                   num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    if num_stop_ids:
+        config = AutoConfig.from_pretrained(hf_dir)
+        config.eos_token_id = [config.eos_token_id] + list(range(1000, 1000 + num_stop_ids - 1))
+        config.save_pretrained(hf_dir)
+    return hf_dir
+
+
 class RolloutServer:
     """Start a server on ``model_path`` and wait until ``/health`` answers 200.
 

@@ -23,7 +23,7 @@ import torch
 
 from dapo_megatron.platform import spawn
 from integration.test_async_rollout import CONFIG
-from rollout_server import RolloutServer
+from rollout_server import RolloutServer, tiny_async_model
 
 STEPS, LENGTH = 3, 384
 PARTIAL_CONFIG = [
@@ -98,12 +98,8 @@ def _worker(hf_dir, url, run_dir, out_path):
 
 @pytest.fixture(scope="module")
 def steps(smollm2_gguf, tmp_path_factory):
-    from conftest import tiny_llama_with_smollm2_tokenizer_dir
-
     root = tmp_path_factory.mktemp("async_partial")
-    hf_dir = tiny_llama_with_smollm2_tokenizer_dir(smollm2_gguf, root / "tiny_hf", hidden_size=32,
-                                                   intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                                   num_key_value_heads=1)
+    hf_dir = tiny_async_model(smollm2_gguf, root / "tiny_hf")
     server = RolloutServer(hf_dir, root / "server.log")
     try:
         spawn(_worker, 1, hf_dir, server.url, str(root / "run"), str(root / "steps.pt"))

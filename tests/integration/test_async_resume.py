@@ -24,7 +24,7 @@ import torch
 from dapo_megatron.platform import spawn
 from integration.test_async_faults import _record
 from integration.test_async_rollout import CONFIG, NUM_STOP_IDS
-from rollout_server import RolloutServer
+from rollout_server import RolloutServer, tiny_async_model
 
 STEPS, KILL_IN_STEP = 6, 5
 RESUME_CONFIG = [f"trainer.total_training_steps={STEPS}", "trainer.save_freq=1", "async_training.enable=true"]
@@ -78,17 +78,8 @@ def _worker(hf_dir, url, run_dir, extra, out_path, kill=False):
 
 @pytest.fixture(scope="module")
 def runs(smollm2_gguf, tmp_path_factory):
-    from transformers import AutoConfig
-
-    from conftest import tiny_llama_with_smollm2_tokenizer_dir
-
     root = tmp_path_factory.mktemp("async_resume")
-    hf_dir = tiny_llama_with_smollm2_tokenizer_dir(smollm2_gguf, root / "tiny_hf", hidden_size=32,
-                                                   intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                                   num_key_value_heads=1)
-    config = AutoConfig.from_pretrained(hf_dir)
-    config.eos_token_id = [config.eos_token_id] + list(range(1000, 1000 + NUM_STOP_IDS - 1))
-    config.save_pretrained(hf_dir)
+    hf_dir = tiny_async_model(smollm2_gguf, root / "tiny_hf", NUM_STOP_IDS)
     server = RolloutServer(hf_dir, root / "server.log")
     out = {}
     try:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from dapo_megatron.platform import spawn
-from rollout_server import RolloutServer
+from rollout_server import RolloutServer, tiny_async_model
 
 STEPS = 3
 CONFIG = [
@@ -83,17 +83,8 @@ def _run_worker(hf_dir, url, run_dir, extra, out_path, interrupt=False):
 
 @pytest.fixture(scope="module")
 def runs(smollm2_gguf, tmp_path_factory):
-    from transformers import AutoConfig
-
-    from conftest import tiny_llama_with_smollm2_tokenizer_dir
-
     root = tmp_path_factory.mktemp("async")
-    hf_dir = tiny_llama_with_smollm2_tokenizer_dir(smollm2_gguf, root / "tiny_hf", hidden_size=32,
-                                                   intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                                   num_key_value_heads=1)
-    config = AutoConfig.from_pretrained(hf_dir)
-    config.eos_token_id = [config.eos_token_id] + list(range(1000, 1000 + NUM_STOP_IDS - 1))
-    config.save_pretrained(hf_dir)
+    hf_dir = tiny_async_model(smollm2_gguf, root / "tiny_hf", NUM_STOP_IDS)
     server = RolloutServer(hf_dir, root / "server.log")
     out = {}
     try:
