@@ -40,13 +40,14 @@ import importlib.util
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
+
+from dapo_megatron.platform.distributed import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = os.path.join(REPO, "examples", "configs", "dapo_smollm2_cpu.yaml")
@@ -76,15 +77,9 @@ def _env() -> dict[str, str]:
                 TRANSFORMERS_OFFLINE="1", PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(gguf: str, log_path: str, startup_s: float = 600.0) -> tuple[subprocess.Popen, str]:
     """One ``dapo-rollout-server`` on core 1; returns (process, URL) once ``/health`` answers."""
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "dapo_megatron.rollout.engines.server", "--model-path", gguf, "--port", str(port),
            "--num-threads", "1", "--skip-tokenizer-init", "--log-level", "warning"]
