@@ -120,12 +120,12 @@ class DAPOConfig:
             raise ValueError(f"async_training.enable=true needs rollout.mode=server (got rollout.mode="
                              f"{self.rollout.mode!r}): the servers generate while the torchrun world trains; set "
                              "rollout.name=sglang, rollout.mode=server and rollout.server_urls")
-        if self.rollout.streaming:
-            # the controller fills each step from whole generation batches (docs/design.md §3.8): a
-            # streamed collector, and the prompt skipping that needs it, would be built and never used
-            raise ValueError("async_training.enable=true with rollout.streaming=true is not supported yet: the async "
-                             "controller fills steps from whole generation batches, so streamed rounds and "
-                             "buffer.prompt_skip would not run; set rollout.streaming=false")
+        if self.rollout.partial_rollout:
+            # streamed async admission (docs/design.md §3.8) generates each request to the end; the
+            # rows a weight sync interrupts are continued by async_training.partial_rollout
+            raise ValueError("rollout.partial_rollout=true with async_training.enable=true: the async controller "
+                             "never stops a step with responses in flight; set rollout.partial_rollout=false "
+                             "(async_training.partial_rollout continues the rows a weight sync interrupts)")
         eta = self.buffer.max_staleness
         if a.trigger_parameter_sync_step > eta + 1:
             # between syncs the servers' weights fall behind by up to k - 1 steps: a group sampled

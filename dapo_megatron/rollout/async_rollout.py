@@ -12,7 +12,10 @@ Two pieces:
   same stream, seeds and group numbering as synchronous mode, dealt round-robin over the
   servers), graded and kept by the same :class:`RolloutBuffer`, until ``train_batch_size``
   groups are kept or ``max_num_gen_batches`` batches were generated for the step; the
-  finished step goes to a ready queue, oldest first.
+  finished step goes to a ready queue, oldest first. With ``rollout.streaming`` it admits
+  keep-rate-sized requests of the prompts that GRESO skipping (``buffer.prompt_skip``) lets
+  through instead of whole batches (synchronous streamed mode's sizing and skipper; the
+  class docstring).
 * :class:`AsyncRollout`, on every rank: the trainer's seam (``collect(step)``,
   ``sync_weights``, ``pause``, ``state_dict``). Rank 0 takes the oldest ready step
   (``time/wait_rollout_s``) and broadcasts its records (lengths, grades, versions; no token
@@ -48,8 +51,10 @@ from dapo_megatron.data import PromptStream
 from dapo_megatron.rollout.engines.engine import Completion, SamplingParams, completions_to_group, sample_seed
 from dapo_megatron.rollout.engines.server_sync import probe_health
 from dapo_megatron.rollout.engines.sglang_engine import build_sampling_params, http_post, parse_completion
-from dapo_megatron.rollout.sampling.buffer import (DROP_REASONS, GroupSelector, group_from_dict, group_staleness,
-                                                  group_to_dict)
+from dapo_megatron.rollout.sampling.buffer import (DROP_REASONS, KEPT, GroupSelector, group_from_dict,
+                                                  group_staleness, group_to_dict)
+from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipConfig, PromptSkipper
+from dapo_megatron.rollout.sampling.streaming import KeepRate, PromptQueue, draw_unskipped
 from dapo_megatron.rollout.rollout import Rollout, StepBatch
 from dapo_megatron.rollout.types import Group, Sample
 
@@ -149,12 +154,13 @@ class _Fill:
         self.resubmitted = self.reprefilled = 0  # partial rows continued after a sync, their prefix tokens
         self.retried = self.server_failures = 0  # rows sent again after their server failed; servers that did
         self.evicted = 0  # carried groups a resume found more than η versions behind (load_state_dict)
+        self.submitted = self.skipped = 0  # streamed admission: prompts generated for the step, prompts skipped
 
     def state_dict(self, selector: GroupSelector) -> dict:
         st = selector._step  # the selector's tally of the open step (begin() .. take())
         return {"version": self.version, "num_batches": self.num_batches, "resubmitted": self.resubmitted,
                 "reprefilled": self.reprefilled, "retried": self.retried, "server_failures": self.server_failures,
-                "evicted": self.evicted,
+                "evicted": self.evicted, "submitted": self.submitted, "skipped": self.skipped,
                 "surplus": selector.state_dict(),
                 "kept": [group_to_dict(g) for g in st.kept], "surplus_in": st.surplus_in,
                 "dropped_stale": st.dropped_stale, "graded": [group_to_dict(Group(-1, [x])) for x in st.graded],
@@ -166,6 +172,7 @@ class _Fill:
         f.num_batches, f.resubmitted, f.reprefilled = int(d["num_batches"]), int(d["resubmitted"]), int(d["reprefilled"])
         f.retried, f.server_failures = int(d.get("retried", 0)), int(d.get("server_failures", 0))
         f.evicted = int(d.get("evicted", 0))
+        f.submitted, f.skipped = int(d.get("submitted", 0)), int(d.get("skipped", 0))
         selector.load_state_dict({"surplus": []})
         selector.begin(f.version)
         st = selector._step
@@ -195,6 +202,24 @@ class RolloutController:
         gen_batches_done: generation batches drawn so far (numbers groups, seeds responses).
         generate: ``(rows, version) -> results`` of :func:`generate_rows_on_servers`; default:
             that function over ``urls``.
+        prompts: streamed admission (``rollout.streaming``): the prompt queue of synchronous
+            streamed mode (whole stream, positions ``fetched * gen_batch_size + i``); None: batch
+            admission from ``next_batch``.
+        skipper: with ``prompts``, GRESO prompt skipping (``buffer.prompt_skip``; a disabled one
+            never skips); default a disabled one.
+
+    Admission of new prompts, for the step being filled (``_admit``):
+
+    * batch (``prompts`` None): whole generation batches from ``next_batch``, group ``g`` of
+      batch ``b`` at position ``b * gen_batch_size + g`` (its seed and group number), until
+      ``train_batch_size`` groups are kept or ``max_num_gen_batches`` batches were generated;
+    * streamed: each request is the next ``KeepRate.admission(missing, gen_batch_size, cap -
+      submitted)`` prompts that the skipper does not skip (cap = ``max_num_gen_batches *
+      gen_batch_size`` prompts per step; synchronous streamed mode's sizing, with nothing in
+      flight since a request is generated and graded before the next), until ``train_batch_size``
+      groups are kept or the cap; every graded group updates the skipper's history (zero
+      variance on ``buffer.filter_metric``) and the keep rate, which halves at every step. The
+      same selector keeps the groups in both.
 
     Server health (every state change under the lock; :attr:`health` per server):
     ``"healthy"`` servers get the rows, dealt round-robin over them; a server whose
@@ -210,9 +235,17 @@ class RolloutController:
 
     def __init__(self, selector: GroupSelector, next_batch: Callable[[], Sequence[Any]], urls: Sequence[str],
                  params: SamplingParams, *, generate_timeout_s: float, version: int, policy_version: int,
-                 gen_batches_done: int = 0, generate: Optional[Callable] = None, health_timeout_s: float = 60.0):
+                 gen_batches_done: int = 0, generate: Optional[Callable] = None, health_timeout_s: float = 60.0,
+                 prompts: Optional[PromptQueue] = None, skipper: Optional[PromptSkipper] = None):
         self.selector, self.cfg = selector, selector.config
         self.next_batch = next_batch
+        self.prompts = prompts
+        if prompts is not None and prompts.batch_size != self.cfg.gen_batch_size:
+            raise ValueError(f"the prompt queue's batch_size={prompts.batch_size} must be buffer.gen_batch_size="
+                             f"{self.cfg.gen_batch_size} (it numbers the prompts)")
+        if skipper is None:
+            skipper = PromptSkipper(PromptSkipConfig(enable=False))
+        self.skipper, self.keep_rate = skipper, KeepRate()
         self.urls = list(urls)
         self.params = params
         self.timeout_s = float(generate_timeout_s)
@@ -351,13 +384,19 @@ class RolloutController:
 
     # ---- state (paused) --------------------------------------------------------------
     def state_dict(self) -> dict:
-        """The ready steps, the step being filled and the batch counter; call it paused."""
+        """The ready steps, the step being filled and the batch counter, and with streamed
+        admission ``admission``: the prompt queue, the keep rate and the skipper's history; call
+        it paused."""
         with self._cv:
             if not self._paused or self._busy:  # a waiting pause(): nothing in flight
                 raise RuntimeError("RolloutController.state_dict needs the controller paused (pause())")
-            return {"gen_batches_done": self.gen_batches_done, "fill": self._fill.state_dict(self.selector),
-                    "ready": [{"version": v, "groups": [group_to_dict(g) for g in gs], "metrics": m}
-                              for v, gs, m in self._ready if not isinstance(gs, BaseException)]}
+            out = {"gen_batches_done": self.gen_batches_done, "fill": self._fill.state_dict(self.selector),
+                   "ready": [{"version": v, "groups": [group_to_dict(g) for g in gs], "metrics": m}
+                             for v, gs, m in self._ready if not isinstance(gs, BaseException)]}
+            if self.prompts is not None:
+                out["admission"] = {"prompts": self.prompts.state_dict(), "keep_rate": self.keep_rate.state_dict(),
+                                    "skipper": self.skipper.state_dict()}
+            return out
 
     def load_state_dict(self, state: dict) -> None:
         """Restore :meth:`state_dict` (before :meth:`start`), evicting what is now too stale.
@@ -372,7 +411,17 @@ class RolloutController:
         it as synchronous mode carries surplus (each is within η of it: it is not newer than
         the step they were kept for); the step is filled again from there. No group is lost
         or used twice: every one is trained once or counted as evicted.
+
+        Raises:
+            ValueError: the checkpoint's admission (batch or streamed, ``rollout.streaming``) is
+                not this controller's.
         """
+        check_admission(state, streamed=self.prompts is not None)
+        if self.prompts is not None:
+            a = state["admission"]
+            self.prompts.load_state_dict(a["prompts"])
+            self.keep_rate.load_state_dict(a["keep_rate"])
+            self.skipper.load_state_dict(a["skipper"])
         self.gen_batches_done = int(state["gen_batches_done"])
         self._fill = _Fill.load(state["fill"], self.selector)
         self._ready = deque((int(r["version"]), [group_from_dict(g) for g in r["groups"]], dict(r["metrics"]))
@@ -402,7 +451,31 @@ class RolloutController:
         return self.version >= self._fill.version - self.cfg.max_staleness
 
     def _step_done(self) -> bool:
-        return not self.selector.missing or self._fill.num_batches >= self.cfg.max_num_gen_batches
+        """N groups are kept, or the step's cap is reached (batches, or streamed prompts)."""
+        if not self.selector.missing:
+            return True
+        if self.prompts is not None:
+            return self._fill.submitted >= self.cfg.max_num_gen_batches * self.cfg.gen_batch_size
+        return self._fill.num_batches >= self.cfg.max_num_gen_batches
+
+    def _admit(self) -> tuple[list[Any], list[int]]:
+        """The records of the next request and their positions (seed and group number), by the
+        admission rule of the class docstring (call under the lock, the step not done)."""
+        cfg, f = self.cfg, self._fill
+        if self.prompts is None:
+            first = self.gen_batches_done * cfg.gen_batch_size
+            self.gen_batches_done += 1
+            records = list(self.next_batch())
+            return records, [first + g for g in range(len(records))]
+        fetched = self.prompts.fetched
+        want = self.keep_rate.admission(self.selector.missing, cfg.gen_batch_size,
+                                        cfg.max_num_gen_batches * cfg.gen_batch_size - f.submitted)
+        drawn, skipped = draw_unskipped(self.prompts, self.skipper, want)
+        f.submitted += len(drawn)
+        f.skipped += skipped
+        f.num_batches += self.prompts.fetched - fetched  # generation batches drawn from the stream
+        self.gen_batches_done = self.prompts.fetched
+        return [rec for rec, _ in drawn], [pos for _, pos in drawn]
 
     def _run(self) -> None:
         try:
@@ -419,24 +492,25 @@ class RolloutController:
                         self._cv.notify_all()
                         continue
                     self._busy = True
-                    version, first = self.version, self.gen_batches_done * self.cfg.gen_batch_size
-                    self.gen_batches_done += 1
-                    records = list(self.next_batch())
+                    version = self.version
+                    records, positions = self._admit()
                 t0 = time.perf_counter()
+                graded = None
                 try:
-                    groups, resubmitted, reprefilled, retried = self._generate_batch(records, first, version)
+                    groups, resubmitted, reprefilled, retried = self._generate_batch(records, positions, version)
                     self.selector.grade(groups)
+                    graded = groups
                 finally:
-                    self.busy_s += time.perf_counter() - t0
                     with self._cv:
+                        self.busy_s += time.perf_counter() - t0
+                        if graded is not None:  # in the same critical section as _busy = False: a
+                            # pause() returning in between would see the prompts drawn but not their groups
+                            self._add_batch(graded)
+                            self._fill.resubmitted += resubmitted
+                            self._fill.reprefilled += reprefilled
+                            self._fill.retried += retried
                         self._busy = False
                         self._cv.notify_all()
-                with self._cv:
-                    self._add_batch(groups)
-                    self._fill.resubmitted += resubmitted
-                    self._fill.reprefilled += reprefilled
-                    self._fill.retried += retried
-                    self._cv.notify_all()
         except _Stopped:
             return
         except BaseException as err:  # surfaced by take() on the main thread
@@ -498,11 +572,11 @@ class RolloutController:
                     version = self.version
         return retried
 
-    def _generate_batch(self, records, first: int, version: int) -> tuple[list[Group], int, int, int]:
+    def _generate_batch(self, records, positions: Sequence[int], version: int) -> tuple[list[Group], int, int, int]:
         """Synchronous server mode's ``_generate_groups`` over HTTP, interruptible.
 
-        Group ``g`` of the batch is seeded and numbered ``first + g`` and dealt to server
-        ``g % len(urls)`` (:func:`~dapo_megatron.rollout.engines.layout.engine_share`); the first
+        Group ``g`` of the request is seeded and numbered ``positions[g]`` (batch admission:
+        ``first + g``) and dealt to server ``g % len(urls)`` (:func:`~dapo_megatron.rollout.engines.layout.engine_share`); the first
         round is exactly synchronous server mode's request per server. A row that a weight sync
         aborts (the sync pauses the servers with ``mode=abort``) comes back with the tokens it
         sampled; once the sync is over it is resubmitted as prompt + those tokens with the
@@ -525,10 +599,10 @@ class RolloutController:
         groups = []
         for g, rec in enumerate(records):
             comps = [_EMPTY] * n
-            grp = completions_to_group(first + g, rec.prompt_ids, comps, prompt_index=rec.index,
+            grp = completions_to_group(positions[g], rec.prompt_ids, comps, prompt_index=rec.index,
                                        data_source=rec.data_source, ground_truth=rec.ground_truth,
                                        extra_info=rec.extra_info)
-            grp.prompt_seed = first + g
+            grp.prompt_seed = positions[g]
             for s in grp.samples:
                 s.holder, s.finish_reason = 0, ""
             groups.append(grp)
@@ -540,7 +614,7 @@ class RolloutController:
             s = groups[g].samples[j]
             budget = p.max_new_tokens - len(s.response_ids)
             sp = build_sampling_params(dataclasses.replace(p, n=1, max_new_tokens=budget),
-                                       sample_seed(p.seed, first + g, j))
+                                       sample_seed(p.seed, positions[g], j))
             if s.response_ids:
                 resubmitted += 1
                 reprefilled += len(s.response_ids)
@@ -613,9 +687,16 @@ class RolloutController:
         return out
 
     def _add_batch(self, groups: list[Group]) -> None:
-        self._fill.num_batches += 1
+        """Offer a graded request's groups to the selector, in submission order; streamed, each
+        one also updates the skipper's history and the keep rate (call under the lock)."""
+        if self.prompts is None:
+            self._fill.num_batches += 1
         for g in groups:
-            self.selector.offer(g)
+            if self.prompts is not None:
+                self.skipper.record(g.samples[0].prompt_index, self.selector.zero_variance(g))
+                self.keep_rate.count(self.selector.offer(g) == KEPT)
+            else:
+                self.selector.offer(g)
 
     def _close_step(self) -> None:
         """Hand the filled step to the ready queue (exactly N groups, or fewer at the cap), as
@@ -623,9 +704,12 @@ class RolloutController:
         keeps the surplus that is within η of it, the rest is dropped and counted."""
         cfg, f, sel = self.cfg, self._fill, self.selector
         if sel.missing and cfg.on_cap == "error":
+            what = (f"dynamic sampling after max_num_gen_batches={cfg.max_num_gen_batches} generation batches"
+                    if self.prompts is None else
+                    f"streaming dynamic sampling after {f.submitted} prompts (max_num_gen_batches="
+                    f"{cfg.max_num_gen_batches} x gen_batch_size={cfg.gen_batch_size}; {f.skipped} skipped)")
             try:
-                sel.fail_at_cap(f"dynamic sampling after max_num_gen_batches={cfg.max_num_gen_batches} "
-                                "generation batches")
+                sel.fail_at_cap(what)
             except RuntimeError as err:
                 self._ready.append((f.version, err, None))
             self._stop = True
@@ -638,9 +722,24 @@ class RolloutController:
         metrics.update({"rollout/retried_rows": float(f.retried), "rollout/server_failures": float(f.server_failures),
                         "rollout/healthy_servers": float(sum(h == "healthy" for h in self.health)),
                         "rollout/evicted_on_resume": float(f.evicted)})
+        if self.prompts is not None:  # synchronous streamed mode's names
+            metrics.update({"rollout/keep_rate": self.keep_rate.value, "rollout/prompts_submitted": float(f.submitted),
+                            "rollout/skipped_prompts": float(f.skipped)})
+            self.keep_rate.new_step()
         self._ready.append((f.version, out, metrics))
         self._fill = _Fill(f.version + 1)
         sel.begin(self._fill.version)
+
+
+def check_admission(state: dict, *, streamed: bool) -> None:
+    """Raise ``ValueError`` (naming ``rollout.streaming`` and its value to resume with) when the
+    controller state ``state`` (:meth:`RolloutController.state_dict`) was written by the other
+    admission: batch and streamed steps are filled from different prompt positions."""
+    if streamed != ("admission" in state):
+        was = "true" if "admission" in state else "false"
+        raise ValueError(f"the checkpoint was written with rollout.streaming={was} (the async controller's "
+                         f"{'streamed' if was == 'true' else 'batch'} admission of prompts); resume it with "
+                         f"rollout.streaming={was}")
 
 
 def partial_metrics(trained: Sequence[Sample], *, resubmitted: int, reprefilled: int,
@@ -689,6 +788,10 @@ class AsyncRollout(Rollout):
     The controller reads every DP rank's share of each generation batch, in DP order, from
     streams of its own (the batch synchronous server mode assembles with an all-gather), so
     the prompts, seeds and group numbers are those of synchronous server mode at any layout.
+    With ``rollout.streaming`` it reads synchronous streamed mode's one stream through a
+    :class:`~dapo_megatron.rollout.sampling.streaming.PromptQueue` instead (streamed admission,
+    GRESO skipping with ``buffer.prompt_skip``: :class:`RolloutController`); the skipper's
+    history, the keep rate and the queue are in :meth:`state_dict`.
     """
 
     def __init__(self, cfg: "DAPOConfig", parallel: "ParallelDims", **kwargs):
@@ -704,9 +807,15 @@ class AsyncRollout(Rollout):
         if parallel.rank != 0:
             return
 
-        dp = parallel.dp_size
-        self.streams = [PromptStream(self.train_data, b.gen_batch_size // dp, r, dp, seed=d.seed, shuffle=d.shuffle)
-                        for r in range(dp)]
+        prompts = skipper = None
+        if cfg.rollout.streaming:  # synchronous streamed mode's one stream, numbering and skipper
+            self.streams = [PromptStream(self.train_data, b.gen_batch_size, 0, 1, seed=d.seed, shuffle=d.shuffle)]
+            prompts = PromptQueue(self.streams[0].next_batch, b.gen_batch_size, self.train_data.__getitem__)
+            skipper = PromptSkipper(b.prompt_skip, seed=cfg.trainer.seed)
+        else:
+            dp = parallel.dp_size
+            self.streams = [PromptStream(self.train_data, b.gen_batch_size // dp, r, dp, seed=d.seed,
+                                         shuffle=d.shuffle) for r in range(dp)]
 
         def next_batch():
             return [rec for st in self.streams for rec in st.next_batch()]
@@ -717,7 +826,7 @@ class AsyncRollout(Rollout):
         self.controller = RolloutController(selector, next_batch, cfg.rollout.server_urls, self._train_params(),
                                             generate_timeout_s=cfg.rollout.server_generate_timeout_s,
                                             health_timeout_s=cfg.rollout.server_timeout_s, version=0,
-                                            policy_version=0)
+                                            policy_version=0, prompts=prompts, skipper=skipper)
 
     def _broadcast(self, obj: Any) -> Any:
         return self.parallel.broadcast_object(obj, "world", src=0)
@@ -867,13 +976,15 @@ class AsyncRollout(Rollout):
         """Restore :meth:`state_dict` on rank 0 (before the first :meth:`collect`).
 
         Raises:
-            ValueError: the checkpoint was written by a synchronous run.
+            ValueError: on every rank, the checkpoint was written by a synchronous run, or by the
+                other admission (:func:`check_admission`).
         """
         if "async_rollout" not in state:
             raise ValueError("async_training.enable=true but the checkpoint was written by a synchronous run; "
                              "resume it with async_training.enable=false")
+        check_admission(state["async_rollout"], streamed=self.cfg.rollout.streaming)
         if self.controller is None:
             return
+        self.controller.load_state_dict(state["async_rollout"])  # first: it refuses the other admission's state
         for st, s in zip(self.streams, state["streams"]):
             st.load_state_dict(s)
-        self.controller.load_state_dict(state["async_rollout"])

@@ -91,7 +91,7 @@ def build_rollout(cfg: DAPOConfig, parallel: ParallelDims, *, tokenizer: Any, hf
     b = cfg.buffer
     buffer = RolloutBuffer(b, DistributedGrader(reward_pool, parallel), decode)
     collector = prompt_queue = None
-    if cfg.rollout.streaming:
+    if cfg.rollout.streaming and not cfg.async_training.enable:  # async: the controller admits prompts itself
         collector = StreamingCollector(buffer, PromptSkipper(b.prompt_skip, seed=cfg.trainer.seed),
                                        partial_rollout=cfg.rollout.partial_rollout,
                                        poll_tokens=cfg.rollout.stream_poll_tokens)

@@ -72,14 +72,19 @@ class RolloutConfig:
     """streaming dynamic sampling (``rollout/sampling/streaming.py``): groups graded as their responses
     finish, new prompts submitted as the keep rate says they are needed, the step's rollout
     stopped as soon as ``buffer.train_batch_size`` groups are kept. False: whole generation
-    batches of ``buffer.gen_batch_size`` prompts (verl's dynamic sampling)."""
+    batches of ``buffer.gen_batch_size`` prompts (verl's dynamic sampling). Under
+    ``async_training``: the controller's streamed admission (keep-rate-sized requests, prompt
+    skipping; docs/design.md §3.8)."""
     partial_rollout: bool = False
     """with ``streaming``: keep the responses still being generated when the step has its N
     groups, with their tokens, logprobs and weight versions, and continue them in the next
-    step (slime ``--partial-rollout``); False aborts and discards them."""
+    step (slime ``--partial-rollout``); False aborts and discards them. Refused under
+    ``async_training`` (its steps never end with rows in flight; see
+    ``async_training.partial_rollout``)."""
     stream_poll_tokens: int = 16
     """with ``streaming``: tokens each engine samples per round between two keep/stop decisions
-    (HF engine; SGLang polls in time slices instead)."""
+    (HF engine; SGLang polls in time slices instead). Not used under ``async_training`` (a
+    request there is one ``/generate`` per server, generated to its end)."""
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     """SGLang only: further ``sglang.Engine`` arguments (``ServerArgs`` fields), e.g.
     ``load_format: dummy`` (weights are synced from the actor right after start) or

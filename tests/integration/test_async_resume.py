@@ -30,6 +30,9 @@ STEPS, KILL_IN_STEP = 6, 5
 RESUME_CONFIG = [f"trainer.total_training_steps={STEPS}", "trainer.save_freq=1", "async_training.enable=true"]
 ETA1 = ["buffer.max_staleness=1", "async_training.trigger_parameter_sync_step=2"]
 ETA0 = ["buffer.max_staleness=0", "async_training.trigger_parameter_sync_step=1"]
+# streamed admission with GRESO skipping: 16 prompts in batches of 4 come back every 4 batches
+STREAMED = ["rollout.streaming=true", "buffer.prompt_skip.enable=true", "buffer.prompt_skip.zero_variance_visits=1",
+            "buffer.prompt_skip.skip_probability=0.5"]
 
 
 def _worker(hf_dir, url, run_dir, extra, out_path, kill=False):
@@ -76,27 +79,44 @@ def _worker(hf_dir, url, run_dir, extra, out_path, kill=False):
         trainer.rollout.close()
 
 
+def _kill_and_resume(hf_dir, url, root, extra, evict: bool) -> dict:
+    """FULL, KILLED and RESUMED (and, ``evict``, EVICT) with ``extra`` on top of η = 1."""
+    out = {}
+    spawn(_worker, 1, hf_dir, url, str(root / "FULL"), ETA1 + extra, str(root / "FULL.pt"))
+    with pytest.raises(Exception, match="exit code 9|exitcode 9|exited with exit code"):
+        spawn(_worker, 1, hf_dir, url, str(root / "KILLED"), ETA1 + extra, str(root / "KILLED.pt"), True)
+    ckpt = os.path.join(root, "KILLED", "checkpoints", f"step_{KILL_IN_STEP - 1}")
+    out["ckpt_state"] = torch.load(os.path.join(ckpt, "trainer_state.pt"),
+                                   weights_only=False)["components"]["rollout"]  # Checkpointer's layout 2
+    if evict:
+        shutil.copytree(root / "KILLED", root / "EVICT")
+    spawn(_worker, 1, hf_dir, url, str(root / "KILLED"), ETA1 + extra, str(root / "RESUMED.pt"))
+    if evict:
+        spawn(_worker, 1, hf_dir, url, str(root / "EVICT"), ETA0 + extra, str(root / "EVICT.pt"))
+    for name in ("FULL", "KILLED", "RESUMED") + (("EVICT",) if evict else ()):
+        out[name] = torch.load(root / f"{name}.pt", weights_only=False)
+    return out
+
+
 @pytest.fixture(scope="module")
-def runs(smollm2_gguf, tmp_path_factory):
+def server(smollm2_gguf, tmp_path_factory):
     root = tmp_path_factory.mktemp("async_resume")
     hf_dir = tiny_async_model(smollm2_gguf, root / "tiny_hf", NUM_STOP_IDS)
-    server = RolloutServer(hf_dir, root / "server.log")
-    out = {}
-    try:
-        spawn(_worker, 1, hf_dir, server.url, str(root / "FULL"), ETA1, str(root / "FULL.pt"))
-        with pytest.raises(Exception, match="exit code 9|exitcode 9|exited with exit code"):
-            spawn(_worker, 1, hf_dir, server.url, str(root / "KILLED"), ETA1, str(root / "KILLED.pt"), True)
-        ckpt = os.path.join(root, "KILLED", "checkpoints", f"step_{KILL_IN_STEP - 1}")
-        out["ckpt_state"] = torch.load(os.path.join(ckpt, "trainer_state.pt"),
-                                       weights_only=False)["components"]["rollout"]  # Checkpointer's layout 2
-        shutil.copytree(root / "KILLED", root / "EVICT")
-        spawn(_worker, 1, hf_dir, server.url, str(root / "KILLED"), ETA1, str(root / "RESUMED.pt"))
-        spawn(_worker, 1, hf_dir, server.url, str(root / "EVICT"), ETA0, str(root / "EVICT.pt"))
-        for name in ("FULL", "KILLED", "RESUMED", "EVICT"):
-            out[name] = torch.load(root / f"{name}.pt", weights_only=False)
-    finally:
-        server.stop()
-    return out
+    srv = RolloutServer(hf_dir, root / "server.log")
+    yield hf_dir, srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def runs(server, tmp_path_factory):
+    hf_dir, srv = server
+    return _kill_and_resume(hf_dir, srv.url, tmp_path_factory.mktemp("batch"), [], evict=True)
+
+
+@pytest.fixture(scope="module")
+def streamed_runs(server, tmp_path_factory):
+    hf_dir, srv = server
+    return _kill_and_resume(hf_dir, srv.url, tmp_path_factory.mktemp("streamed"), STREAMED, evict=False)
 
 
 def _seeds(steps: dict) -> list[int]:
@@ -111,7 +131,9 @@ def test_the_checkpoint_holds_a_fresh_and_a_stale_ready_step(runs):
     assert versions == {4}
 
 
-def test_the_resumed_run_trains_the_uninterrupted_runs_prompts_each_once(runs):
+@pytest.mark.parametrize("arms", ["runs", "streamed_runs"])
+def test_the_resumed_run_trains_the_uninterrupted_runs_prompts_each_once(arms, request):
+    runs = request.getfixturevalue(arms)
     full, killed, resumed = runs["FULL"]["steps"], runs["KILLED"]["steps"], runs["RESUMED"]["steps"]
     assert runs["RESUMED"]["start"] == KILL_IN_STEP - 1 and sorted(resumed) == [5, 6]
     done = {**{k: killed[k] for k in (1, 2, 3, 4)}, **resumed}
@@ -122,7 +144,8 @@ def test_the_resumed_run_trains_the_uninterrupted_runs_prompts_each_once(runs):
         assert done[k]["tokens"] == full[k]["tokens"], k
         assert done[k]["logprobs"] == full[k]["logprobs"], k
         for key in ("rollout/num_gen_batches", "rollout/dropped_stale", "rollout/surplus_in", "actor/pg_loss",
-                    "train/staleness_max"):
+                    "train/staleness_max") + (("rollout/skipped_prompts", "rollout/prompts_submitted",
+                                               "rollout/keep_rate") if arms == "streamed_runs" else ()):
             assert done[k]["metrics"][key] == full[k]["metrics"][key], (k, key)
     # the scenario: steps 5 and 6 train on the weights of version 4 (one version stale at step 6)
     assert [full[k]["metrics"]["train/staleness_max"] for k in sorted(full)] == [0, 1, 0, 1, 0, 1]
@@ -150,3 +173,19 @@ def test_a_resume_with_a_lower_eta_evicts_and_counts_the_too_stale_groups(runs):
     before = _seeds({k: runs["KILLED"]["steps"][k] for k in (1, 2, 3, 4)})
     after = _seeds(evict)
     assert len(set(after)) == len(after) and not set(after) & (set(before) | set(stale))
+
+
+def test_the_streamed_checkpoint_holds_the_skippers_history_and_the_keep_rate(streamed_runs):
+    """Streamed admission under async: the checkpoint carries the prompt queue, the keep rate and
+    GRESO's per-prompt history (the resumed run above skips exactly as the uninterrupted one),
+    and skipping happened in the run (the test would test nothing otherwise)."""
+    adm = streamed_runs["ckpt_state"]["async_rollout"]["admission"]
+    assert adm["prompts"]["fetched"] >= 1 and adm["keep_rate"]["graded"] > 0
+    assert adm["skipper"]["encounters"] and adm["skipper"]["streak"]
+    full = streamed_runs["FULL"]["steps"]
+    assert sum(full[k]["metrics"]["rollout/skipped_prompts"] for k in full) >= 1
+    # every encounter of the skipper is a prompt drawn from the queue, trained, dropped or skipped
+    drawn = sum(n for _, n in adm["skipper"]["encounters"])
+    fill = streamed_runs["ckpt_state"]["async_rollout"]["fill"]
+    assert drawn == adm["prompts"]["fetched"] * 4 - len(adm["prompts"]["leftover"])
+    assert fill["submitted"] + fill["skipped"] <= drawn

@@ -217,6 +217,60 @@ class PromptQueue:
         self.leftover = [(int(i), int(p)) for i, p in state["leftover"]]
 
 
+@dataclass
+class KeepRate:
+    """The observed keep rate of dynamic sampling, as a feeder sizes its next admission of new
+    prompts: kept / graded groups, both counts halved at every step (:meth:`new_step`), with
+    one kept of one graded as the prior (so the first admission asks for ``missing`` prompts).
+    Plain floats: the same arithmetic on every rank and after a resume (the counts are the
+    whole state)."""
+
+    kept: float = 0.0
+    graded: float = 0.0
+
+    @property
+    def value(self) -> float:
+        """``(kept + 1) / (graded + 1)``, in (0, 1]."""
+        return (self.kept + 1.0) / (self.graded + 1.0)
+
+    def new_step(self) -> None:
+        """Halve both counts: the rate follows the policy as it changes."""
+        self.kept, self.graded = self.kept / 2, self.graded / 2
+
+    def count(self, kept: bool) -> None:
+        """One graded group, kept or dropped."""
+        self.graded += 1
+        if kept:
+            self.kept += 1
+
+    def admission(self, missing: float, batch_size: int, left: int) -> int:
+        """New prompts to submit for ``missing`` (> 0) expected kept groups: ``ceil(missing /
+        rate)``, at most ``batch_size`` (``buffer.gen_batch_size``: one round's share) and ``left``
+        (the step's cap minus what it submitted; GRESO's adaptive batch size, arXiv 2506.02177
+        Sec. 4.2, without its 1.25 margin: the next round tops up)."""
+        return min(math.ceil(missing / self.value), batch_size, left)
+
+    def state_dict(self) -> dict:
+        return {"kept": self.kept, "graded": self.graded}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.kept, self.graded = float(state["kept"]), float(state["graded"])
+
+
+def draw_unskipped(prompts: "PromptQueue", skipper: PromptSkipper, want: int) -> tuple[list[tuple[Any, int]], int]:
+    """The next ``want`` prompts of the queue that ``skipper`` does not skip, in stream order:
+    ``([(record, position), ...], skipped)``; each skipped prompt is consumed (it counts as an
+    encounter of the skipper and is not offered again until the stream comes back to it)."""
+    drawn, skipped = [], 0
+    while len(drawn) < want:
+        record, position = prompts.pop()
+        if skipper.skip(record.index):
+            skipped += 1
+            continue
+        drawn.append((record, position))
+    return drawn, skipped
+
+
 def new_group(record: Any, position: int, n: int) -> Group:
     """An empty group in flight for a dataset record (``prompt_ids``, ``index``, grading fields)."""
     samples = [Sample(prompt_ids=list(record.prompt_ids), response_ids=[], rollout_logprobs=[], finish_reason=PENDING,
@@ -263,7 +317,7 @@ class StreamingCollector:
         self.selector, self.skipper = selector, skipper
         self.partial_rollout, self.poll_tokens = partial_rollout, poll_tokens
         self._partial: list[Group] = []
-        self._kept, self._graded = 0.0, 0.0  # decayed counts of kept / graded groups: the keep rate
+        self.keep = KeepRate()
 
     # ---- state --------------------------------------------------------------------
     @property
@@ -274,12 +328,12 @@ class StreamingCollector:
     @property
     def keep_rate(self) -> float:
         """Kept / graded groups, decayed by half every step, with one kept of one graded as the prior."""
-        return (self._kept + 1.0) / (self._graded + 1.0)
+        return self.keep.value
 
     def state_dict(self) -> dict:
         """The partial groups (whole: the caller gives this rank their tokens first), the keep
         rate's counts and the skipper's history."""
-        return {"partial": [group_to_dict(g) for g in self._partial], "kept": self._kept, "graded": self._graded,
+        return {"partial": [group_to_dict(g) for g in self._partial], **self.keep.state_dict(),
                 "skipper": self.skipper.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -289,7 +343,7 @@ class StreamingCollector:
         for g in self._partial:
             for s in g.samples:
                 s.holder = HELD_BY_ALL
-        self._kept, self._graded = float(state["kept"]), float(state["graded"])
+        self.keep.load_state_dict(state)
         self.skipper.load_state_dict(state["skipper"])
 
     # ---- the step -------------------------------------------------------------------
@@ -312,7 +366,7 @@ class StreamingCollector:
                 (the kept groups stay in the surplus).
         """
         sel, cfg = self.selector, self.selector.config
-        self._kept, self._graded = self._kept / 2, self._graded / 2
+        self.keep.new_step()
         sel.begin(policy_version)
         carried, stale_partial = [], 0
         for g in self._partial:
@@ -335,17 +389,13 @@ class StreamingCollector:
         while sel.missing:
             missing = sel.missing - self.keep_rate * len(inflight)
             if missing > 0 and submitted < cap:
-                want = min(math.ceil(missing / self.keep_rate), cfg.gen_batch_size, cap - submitted)
-                new = []
-                while len(new) < want:
-                    record, position = prompts.pop()
-                    if self.skipper.skip(record.index):
-                        skipped += 1
-                        continue
-                    g = new_group(record, position, cfg.n)
-                    inflight[position] = g
-                    new.append(g)
+                drawn, n_skipped = draw_unskipped(prompts, self.skipper,
+                                                  self.keep.admission(missing, cfg.gen_batch_size, cap - submitted))
+                new = [new_group(record, position, cfg.n) for record, position in drawn]
+                for g in new:
+                    inflight[g.prompt_seed] = g
                 submitted += len(new)
+                skipped += n_skipped
                 client.submit([(g, j) for g in new for j in range(cfg.n)])
             if not inflight:
                 break  # at the cap, nothing running
@@ -361,9 +411,7 @@ class StreamingCollector:
             sel.grade(done)
             for g in done:  # in submission order
                 self.skipper.record(g.samples[0].prompt_index, sel.zero_variance(g))
-                self._graded += 1
-                if sel.offer(g) == KEPT:
-                    self._kept += 1
+                self.keep.count(sel.offer(g) == KEPT)
         aborted = client.abort() if inflight else []
         aborted_tokens = 0
         for u in aborted:

@@ -317,9 +317,15 @@ def test_async_training_keys_point_to_ours_and_check_their_context():
     assert "\n" not in msg
     with pytest.raises(ConfigError, match=r"^async_training.enable=true needs rollout.mode=server"):
         _load("async_training.enable=true")
-    # streamed rounds (and the prompt skipping that needs them) are not run by the async controller
-    with pytest.raises(ConfigError, match=r"^async_training.enable=true with rollout.streaming=true is not supported"):
-        _load(*SERVER, "async_training.enable=true", "rollout.streaming=true")
+    # streamed admission and prompt skipping run in the async controller; a step never ends with
+    # rows in flight there, so the streamed carry of rows is refused with a pointer to the async one
+    skip = ["rollout.streaming=true", "buffer.prompt_skip.enable=true"]
+    assert _load(*SERVER, "async_training.enable=true", *skip).buffer.prompt_skip.enable
+    with pytest.raises(ConfigError, match=r"^rollout.partial_rollout=true with async_training.enable=true: .*"
+                                          r"async_training.partial_rollout"):
+        _load(*SERVER, "async_training.enable=true", *skip, "rollout.partial_rollout=true")
+    with pytest.raises(ConfigError, match=r"^buffer.prompt_skip.enable=true needs rollout.streaming=true"):
+        _load(*SERVER, "async_training.enable=true", "buffer.prompt_skip.enable=true")
     with pytest.raises(ConfigError, match=r"^async_training.trigger_parameter_sync_step=2 applies to "):
         _load("async_training.trigger_parameter_sync_step=2")
     # evaluation at sync points only: the servers hold the actor's weights at a sync step

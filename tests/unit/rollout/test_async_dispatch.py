@@ -110,16 +110,17 @@ def test_validation_needs_the_controller_paused():
 def test_a_generation_batch_retries_a_failed_servers_rows_and_continues_aborted_ones():
     records = [SimpleNamespace(prompt_ids=[10 + g], index=g, data_source="d", ground_truth="1", extra_info={})
                for g in range(4)]
+    positions = [8, 9, 10, 11]  # the batch's groups' seeds and numbers
     ref_ctrl = _controller(_Servers(), URLS[:2])
-    ref, *_ = ref_ctrl._generate_batch(records, 8, 4)
+    ref, *_ = ref_ctrl._generate_batch(records, positions, 4)
     servers = _Servers(dead={1})
-    groups, resubmitted, reprefilled, retried = _controller(servers, URLS[:2])._generate_batch(records, 8, 4)
+    groups, resubmitted, reprefilled, retried = _controller(servers, URLS[:2])._generate_batch(records, positions, 4)
     assert retried == 2 * 2 and resubmitted == reprefilled == 0  # groups 1 and 3 (server 1), 2 rows each
     assert [[s.response_ids for s in g.samples] for g in groups] == [[s.response_ids for s in g.samples] for g in ref]
     assert [[e for e, *_ in c] for c in servers.calls] == [[0, 0, 1, 1, 0, 0, 1, 1], [0, 0, 0, 0]]
     # aborted after one token: continued as prompt + that token, its own seed, the remaining budget
     servers = _Servers(abort_once=True)
-    groups, resubmitted, reprefilled, retried = _controller(servers, URLS[:2])._generate_batch(records, 8, 4)
+    groups, resubmitted, reprefilled, retried = _controller(servers, URLS[:2])._generate_batch(records, positions, 4)
     assert (resubmitted, reprefilled, retried) == (8, 8, 0)
     first, second = servers.calls
     assert [(seed, n - 1, length + 1) for _, seed, n, length in first] == [(seed, n, length)
