@@ -7,8 +7,9 @@ validation (its rows retried on the other, the server marked down).
 Three runs of one step, validating at step 0 (after the first sync) and at step 1, world of one
 on CPU, test_async_rollout's tiny model and config with η = 0 (so the async run trains the
 synchronous run's samples and the weights at step 1 are the same): S (synchronous server
-mode on server A), AV (async on A and B) and AK (async on A and B, A SIGKILLed before the
-validation of step 1, with the controller paused so no rollout request finds it dead first).
+mode on server A), AV (async on A and B), AH (async on A and B, B SIGSTOPped for the validation
+of step 0: its request times out; no training) and AK (async on A and B, A SIGKILLed before the
+validation of step 1), each fault with the controller paused so no rollout request meets it first.
 Server 0 is the one killed: before, async validation went through synchronous validation,
 whose world of one drives server 0 only, so that is the fault that failed it.
 
@@ -33,16 +34,19 @@ VAL_CONFIG = ["trainer.total_training_steps=1", "buffer.max_staleness=0", "data.
               "rollout.val_max_prompts=3", "rollout.val_n=4", "rollout.val_temperature=1.0",
               "rollout.server_generate_timeout_s=20", "rollout.server_timeout_s=20"]
 ASYNC = ["async_training.enable=true"]
+HANG_TIMEOUT_S = 4  # rollout.server_generate_timeout_s of the run whose server hangs
 
 
 def _acc(text: str) -> bool:
     return hashlib.blake2b(text.encode(), digest_size=1).digest()[0] % 2 == 0
 
 
-def _worker(hf_dir, urls, run_dir, extra, out_path, kill_pid=None):
-    """Validate at step 0, train one step, validate at step 1 (``kill_pid``: SIGKILL that server
-    first, with the controller paused). Writes per validation its metrics, graded texts and the
-    servers its requests went to, and the controller's view of its servers."""
+def _worker(hf_dir, urls, run_dir, extra, out_path, fault=None, pid=None):
+    """Validate at step 0, train one step, validate at step 1. ``fault`` (with the controller
+    paused, so no rollout request meets it first): "kill" SIGKILLs server ``pid`` before the
+    validation of step 1; "hang" SIGSTOPs it for the validation of step 0 (then SIGCONT, and no
+    training). Writes per validation its metrics, graded texts and the servers its requests went
+    to (per call, per row: server, failed), and the controller's view of its servers."""
     from dapo_megatron.config import DAPOConfig, load_config
     from dapo_megatron.platform import init_distributed
     from dapo_megatron.trainer import DAPOTrainer
@@ -73,12 +77,12 @@ def _worker(hf_dir, urls, run_dir, extra, out_path, kill_pid=None):
 
         ctrl._generate = generate
 
-    def validate(kill=False):  # the controller paused: no rollout grade is taken for validation's
+    def validate(sig=None):  # the controller paused: no rollout grade is taken for validation's
         if ctrl is not None:
             ctrl.pause()
         try:
-            if kill:
-                os.kill(kill_pid, signal.SIGKILL)
+            if sig is not None:
+                os.kill(pid, sig)
             current.update(texts=[], calls=[])
             metrics = trainer.validate()
             out["val"][trainer.step] = {"metrics": metrics, "texts": current.pop("texts"),
@@ -89,9 +93,12 @@ def _worker(hf_dir, urls, run_dir, extra, out_path, kill_pid=None):
 
     out["error"] = None
     try:
-        validate()
-        trainer.train_step()
-        validate(kill=kill_pid is not None)
+        validate(signal.SIGSTOP if fault == "hang" else None)
+        if fault == "hang":
+            os.kill(pid, signal.SIGCONT)
+        else:
+            trainer.train_step()
+            validate(signal.SIGKILL if fault == "kill" else None)
     except RuntimeError as err:  # a failed validation: the tests show it
         out["error"] = str(err)
     finally:
@@ -112,10 +119,13 @@ def runs(smollm2_gguf, tmp_path_factory):
         for s in servers.values():
             s.wait_ready()
         a, b = servers["A"], servers["B"]
-        arms = {"S": ([a], [], None), "AV": ([a, b], ASYNC, None), "AK": ([a, b], ASYNC, a.process.pid)}
-        for name, (pair, extra, kill_pid) in arms.items():
+        arms = {"S": ([a], [], None, None), "AV": ([a, b], ASYNC, None, None),
+                "AH": ([a, b], ASYNC + [f"rollout.server_generate_timeout_s={HANG_TIMEOUT_S}"], "hang", b),
+                "AK": ([a, b], ASYNC, "kill", a)}
+        for name, (pair, extra, fault, victim) in arms.items():
             path = str(root / f"{name}.pt")
-            spawn(_worker, 1, hf_dir, [s.url for s in pair], str(root / name), extra, path, kill_pid)
+            spawn(_worker, 1, hf_dir, [s.url for s in pair], str(root / name), extra, path, fault,
+                  victim.process.pid if victim is not None else None)
             out[name] = torch.load(path, weights_only=False)
         out["A_returncode"] = a.process.poll()
     finally:
@@ -125,7 +135,7 @@ def runs(smollm2_gguf, tmp_path_factory):
 
 
 def test_the_reference_validation_is_not_trivial(runs):
-    assert [runs[arm]["error"] for arm in ("S", "AV", "AK")] == [None] * 3
+    assert [runs[arm]["error"] for arm in ("S", "AV", "AH", "AK")] == [None] * 4
     for step, v in runs["S"]["val"].items():
         m = v["metrics"]
         assert m["val/num_prompts"] == 3 and len(v["texts"]) == 3 * 4, (step, m)
@@ -155,3 +165,14 @@ def test_server_0_killed_before_validation_is_marked_down_and_its_rows_retried_o
     assert v["metrics"] == s["metrics"] and v["texts"] == s["texts"]
     assert ak["health"] == ["down", "healthy"] and url_a in ak["server_errors"][0]
     assert ak["server_failures"] == 1
+
+
+def test_a_server_that_hangs_past_the_timeout_is_marked_down_and_its_rows_retried(runs):
+    ah, url_b = runs["AH"], runs["servers"]["B"].url
+    v = ah["val"][0]
+    first, second = v["calls"]
+    assert first == [(0, False)] * 4 + [(1, True)] * 4 + [(0, False)] * 4  # problem 1 timed out on B...
+    assert second == [(0, False)] * 4  # ...and went to A
+    assert v["metrics"] == runs["S"]["val"][0]["metrics"] and v["texts"] == runs["S"]["val"][0]["texts"]
+    assert ah["health"] == ["healthy", "down"] and ah["server_failures"] == 1
+    assert f"did not answer within {HANG_TIMEOUT_S:g} s" in ah["server_errors"][1] and url_b in ah["server_errors"][1]
