@@ -9,7 +9,9 @@ on CPU, test_async_rollout's tiny model and config with η = 0 (so the async run
 synchronous run's samples and the weights at step 1 are the same): S (synchronous server
 mode on server A), AV (async on A and B), AH (async on A and B, B SIGSTOPped for the validation
 of step 0: its request times out; no training) and AK (async on A and B, A SIGKILLed before the
-validation of step 1), each fault with the controller paused so no rollout request meets it first.
+validation of step 1), each fault with the controller paused so no rollout request meets it first;
+and AV2, async on A and B with two trainer ranks (DP 2), validating at step 0: rank 0 generates
+and grades, rank 1 gets the same metrics by broadcast.
 Server 0 is the one killed: before, async validation went through synchronous validation,
 whose world of one drives server 0 only, so that is the fault that failed it.
 
@@ -45,7 +47,7 @@ def _worker(hf_dir, urls, run_dir, extra, out_path, fault=None, pid=None):
     """Validate at step 0, train one step, validate at step 1. ``fault`` (with the controller
     paused, so no rollout request meets it first): "kill" SIGKILLs server ``pid`` before the
     validation of step 1; "hang" SIGSTOPs it for the validation of step 0 (then SIGCONT, and no
-    training). Writes per validation its metrics, graded texts and the servers its requests went
+    training); "once": the validation of step 0 only. Every rank writes ``out_path.<rank>``: per validation its metrics, graded texts and the servers its requests went
     to (per call, per row: server, failed), and the controller's view of its servers."""
     from dapo_megatron.config import DAPOConfig, load_config
     from dapo_megatron.platform import init_distributed
@@ -96,7 +98,7 @@ def _worker(hf_dir, urls, run_dir, extra, out_path, fault=None, pid=None):
         validate(signal.SIGSTOP if fault == "hang" else None)
         if fault == "hang":
             os.kill(pid, signal.SIGCONT)
-        else:
+        elif fault != "once":
             trainer.train_step()
             validate(signal.SIGKILL if fault == "kill" else None)
     except RuntimeError as err:  # a failed validation: the tests show it
@@ -106,7 +108,7 @@ def _worker(hf_dir, urls, run_dir, extra, out_path, fault=None, pid=None):
             out["health"], out["server_errors"] = list(ctrl.health), list(ctrl.server_errors)
             out["server_failures"] = ctrl._fill.server_failures
         trainer.rollout.close()
-    torch.save(out, out_path)
+    torch.save(out, f"{out_path}.{trainer.rank}")
 
 
 @pytest.fixture(scope="module")
@@ -121,12 +123,14 @@ def runs(smollm2_gguf, tmp_path_factory):
         a, b = servers["A"], servers["B"]
         arms = {"S": ([a], [], None, None), "AV": ([a, b], ASYNC, None, None),
                 "AH": ([a, b], ASYNC + [f"rollout.server_generate_timeout_s={HANG_TIMEOUT_S}"], "hang", b),
-                "AK": ([a, b], ASYNC, "kill", a)}
+                "AV2": ([a, b], ASYNC, "once", None), "AK": ([a, b], ASYNC, "kill", a)}
         for name, (pair, extra, fault, victim) in arms.items():
-            path = str(root / f"{name}.pt")
-            spawn(_worker, 1, hf_dir, [s.url for s in pair], str(root / name), extra, path, fault,
+            path, world = str(root / f"{name}.pt"), 2 if name == "AV2" else 1
+            spawn(_worker, world, hf_dir, [s.url for s in pair], str(root / name), extra, path, fault,
                   victim.process.pid if victim is not None else None)
-            out[name] = torch.load(path, weights_only=False)
+            out[name] = torch.load(f"{path}.0", weights_only=False)
+            if world > 1:
+                out[f"{name}_rank1"] = torch.load(f"{path}.1", weights_only=False)
         out["A_returncode"] = a.process.poll()
     finally:
         for s in servers.values():
@@ -135,7 +139,7 @@ def runs(smollm2_gguf, tmp_path_factory):
 
 
 def test_the_reference_validation_is_not_trivial(runs):
-    assert [runs[arm]["error"] for arm in ("S", "AV", "AH", "AK")] == [None] * 4
+    assert [runs[arm]["error"] for arm in ("S", "AV", "AH", "AV2", "AV2_rank1", "AK")] == [None] * 6
     for step, v in runs["S"]["val"].items():
         m = v["metrics"]
         assert m["val/num_prompts"] == 3 and len(v["texts"]) == 3 * 4, (step, m)
@@ -176,3 +180,9 @@ def test_a_server_that_hangs_past_the_timeout_is_marked_down_and_its_rows_retrie
     assert v["metrics"] == runs["S"]["val"][0]["metrics"] and v["texts"] == runs["S"]["val"][0]["texts"]
     assert ah["health"] == ["healthy", "down"] and ah["server_failures"] == 1
     assert f"did not answer within {HANG_TIMEOUT_S:g} s" in ah["server_errors"][1] and url_b in ah["server_errors"][1]
+
+
+def test_every_rank_returns_rank_0s_validation_metrics(runs):
+    r0, r1, ref = runs["AV2"]["val"][0], runs["AV2_rank1"]["val"][0], runs["S"]["val"][0]
+    assert r0["metrics"] == ref["metrics"] and r0["texts"] == ref["texts"]
+    assert r1["metrics"] == r0["metrics"] and r1["texts"] == [] and "health" not in runs["AV2_rank1"]
