@@ -47,8 +47,9 @@ def _worker(hf_dir, urls, run_dir, extra, out_path, fault=None, pid=None):
     """Validate at step 0, train one step, validate at step 1. ``fault`` (with the controller
     paused, so no rollout request meets it first): "kill" SIGKILLs server ``pid`` before the
     validation of step 1; "hang" SIGSTOPs it for the validation of step 0 (then SIGCONT, and no
-    training); "once": the validation of step 0 only. Every rank writes ``out_path.<rank>``: per validation its metrics, graded texts and the servers its requests went
-    to (per call, per row: server, failed), and the controller's view of its servers."""
+    training); "once": the validation of step 0 only. Every rank writes ``out_path.<rank>``: per
+    validation its metrics, graded texts and the servers its requests went to (per call, per
+    row: server, failed), and rank 0 the controller's view of its servers."""
     from dapo_megatron.config import DAPOConfig, load_config
     from dapo_megatron.platform import init_distributed
     from dapo_megatron.trainer import DAPOTrainer
