@@ -129,3 +129,41 @@ def test_a_generation_batch_retries_a_failed_servers_rows_and_continues_aborted_
         for j, s in enumerate(g.samples):
             seed = sample_seed(5, g.group_id, j)
             assert s.response_ids == _tokens(seed, 1) + _tokens(seed, 2) and s.finish_reason == "stop"
+
+
+def _async_rollout(ctrl, broadcast):
+    """An AsyncRollout on rank 0 around ``ctrl`` (no trainer): PROMPTS as the validation problems,
+    each graded right when its text's first token id is even."""
+    from dapo_megatron.rollout.async_rollout import AsyncRollout
+
+    ar = AsyncRollout.__new__(AsyncRollout)
+    ar.controller, ar.parallel = ctrl, SimpleNamespace(broadcast_object=broadcast)
+    ar.cfg = SimpleNamespace(rollout=SimpleNamespace(val_n=PARAMS.n))
+    ar._val_problems = lambda: [SimpleNamespace(prompt_ids=p, data_source="d", ground_truth="", extra_info={})
+                                for p in PROMPTS]
+    ar._val_params = lambda step: PARAMS
+    ar.decode = lambda ids: " ".join(map(str, ids))
+    ar.reward_pool = SimpleNamespace(grade=lambda reqs: [{"acc": int(r[1].split()[0]) % 2 == 0} for r in reqs])
+    return ar
+
+
+def test_async_validate_broadcasts_rank_0s_metrics_or_its_error_and_resumes_the_controller():
+    from dapo_megatron.metrics import compute_val_metrics
+
+    sent = []
+
+    def broadcast(obj, group, src):
+        assert (group, src) == ("world", 0)
+        sent.append(obj)
+        return obj
+
+    ctrl = _controller(_Servers(dead={1}))
+    metrics = _async_rollout(ctrl, broadcast).validate(2)
+    accs = [[1.0 if t[0] % 2 == 0 else 0.0 for t in problem] for problem in _expected()]
+    assert metrics == compute_val_metrics(["d"] * len(PROMPTS), accs, k=PARAMS.n) and sent == [metrics]
+    assert ctrl._paused == 0 and ctrl.health[1] == "down"
+    sent.clear()
+    ctrl = _controller(_Servers(dead={0, 1, 2}))
+    with pytest.raises(RuntimeError, match="every rollout server failed"):
+        _async_rollout(ctrl, broadcast).validate(2)
+    assert isinstance(sent[0], RuntimeError) and ctrl._paused == 0
