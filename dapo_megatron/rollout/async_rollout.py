@@ -520,6 +520,58 @@ class RolloutController:
                 self._busy = False
                 self._cv.notify_all()
 
+    def _dispatch(self, pending: list, request: Callable[[Any], tuple[int, list[int], dict]],
+                  accept: Callable[[Any, tuple], bool], version: int) -> int:
+        """Generate rows on the healthy servers until every one is done; the one dispatch and
+        retry loop of the rollout (:meth:`_generate_batch`) and of validation
+        (:meth:`generate_validation`).
+
+        Each round sends every pending row (``request(key)`` → ``(deal, input ids,
+        sampling_params)``) to healthy server ``live[deal % len(live)]`` (``live``:
+        :meth:`_healthy` at the start of the round, ascending), one batched ``/generate`` per
+        server bounded by ``generate_timeout_s`` (``self._generate``). A row whose server failed
+        marks that server down (:meth:`_mark_down`: out of dispatch at once) and is sent again,
+        as ``request(key)`` builds it then, in the next round, on a server still healthy; a
+        row that came back is handed to ``accept(key, (ids, logprobs, kind, version))``, which
+        returns False for a row to send again (an aborted row continued after a weight sync).
+        Between rounds it waits while a sync holds the servers (:meth:`pause` without wait)
+        and then generates with the version the sync left. Keys are sent in the order given.
+
+        Returns:
+            the rows sent again after their server failed.
+
+        Raises:
+            RuntimeError: no healthy server is left (:meth:`_healthy`, every server named).
+            _Stopped: :meth:`stop` while rows waited for a sync to end.
+        """
+        retried = 0
+        while pending:
+            with self._cv:
+                live = self._healthy()
+            rows = []
+            for key in pending:
+                deal, ids, sp = request(key)
+                rows.append((live[deal % len(live)], ids, sp))
+            results = self._generate(rows, version)
+            still = []
+            for key, res in zip(pending, results):
+                if isinstance(res, ServerFailure):  # its server leaves dispatch; the row goes to another
+                    with self._cv:
+                        self._mark_down(res.server, res.message)
+                    still.append(key)
+                    retried += 1
+                elif not accept(key, res):
+                    still.append(key)
+            pending = still
+            if pending:  # a sync's abort: continue once it is over, on the new weights
+                with self._cv:
+                    while any(self._holds) and not self._stop:
+                        self._cv.wait()
+                    if self._stop:
+                        raise _Stopped()
+                    version = self.version
+        return retried
+
     def _generate_batch(self, records, positions: Sequence[int], version: int) -> tuple[list[Group], int, int, int]:
         """Synchronous server mode's ``_generate_groups`` over HTTP, interruptible.
 
@@ -531,7 +583,8 @@ class RolloutController:
         remaining budget and the same seed (the server's draws are keyed on the absolute
         position, so the row continues as it would have), and its new tokens get a new version
         span. Every token's version is the one its output reports (``meta_info.weight_version``).
-        ``holder = 0``: trainer rank 0 holds the token lists.
+        ``holder = 0``: trainer rank 0 holds the token lists. Rows go out through
+        :meth:`_dispatch` (group ``g``'s rows dealt by ``g`` over the healthy servers).
 
         Returns:
             ``(groups, rows resubmitted, prefix tokens re-prefilled, rows retried)``: rows
@@ -542,8 +595,6 @@ class RolloutController:
         Raises:
             RuntimeError: no healthy server is left (:meth:`_healthy`).
         """
-
-
         n, p = self.params.n, self.params
         groups = []
         for g, rec in enumerate(records):
@@ -555,52 +606,85 @@ class RolloutController:
             for s in grp.samples:
                 s.holder, s.finish_reason = 0, ""
             groups.append(grp)
-        pending = [(g, j) for g in range(len(records)) for j in range(n)]
-        resubmitted = reprefilled = retried = 0
-        while pending:
-            with self._cv:
-                live = self._healthy()
-            rows = []
-            for g, j in pending:
-                s = groups[g].samples[j]
-                budget = p.max_new_tokens - len(s.response_ids)
-                sp = build_sampling_params(dataclasses.replace(p, n=1, max_new_tokens=budget), sample_seed(p.seed, positions[g], j))
-                # all servers healthy: server g % len(urls), synchronous server mode's deal
-                rows.append((live[g % len(live)], list(s.prompt_ids) + list(s.response_ids), sp))
-                if s.response_ids:
-                    resubmitted += 1
-                    reprefilled += len(s.response_ids)
-            results = self._generate(rows, version)
-            still = []
-            for (g, j), res in zip(pending, results):
-                if isinstance(res, ServerFailure):  # its server leaves dispatch; the row goes to another
-                    with self._cv:
-                        self._mark_down(res.server, res.message)
-                    still.append((g, j))
-                    retried += 1
-                    continue
-                ids, lps, kind, row_version = res
-                s = groups[g].samples[j]
-                if ids:
-                    if not s.versions or s.versions[-1][1] != row_version:
-                        s.versions = list(s.versions) + [(len(s.response_ids), row_version)]
-                    s.response_ids = list(s.response_ids) + ids
-                    s.rollout_logprobs = list(s.rollout_logprobs) + lps
-                if kind == "abort" and len(s.response_ids) < p.max_new_tokens:
-                    still.append((g, j))
-                else:
-                    s.finish_reason = "length" if kind == "abort" else kind
-                    if not s.versions:
-                        s.versions = [(0, row_version)]
-            pending = still
-            if pending:  # aborted by a weight sync: continue once it is over, on the new weights
-                with self._cv:
-                    while any(self._holds) and not self._stop:
-                        self._cv.wait()
-                    if self._stop:
-                        raise _Stopped()
-                    version = self.version
+        resubmitted = reprefilled = 0
+
+        def request(key):
+            nonlocal resubmitted, reprefilled
+            g, j = key
+            s = groups[g].samples[j]
+            budget = p.max_new_tokens - len(s.response_ids)
+            sp = build_sampling_params(dataclasses.replace(p, n=1, max_new_tokens=budget),
+                                       sample_seed(p.seed, positions[g], j))
+            if s.response_ids:
+                resubmitted += 1
+                reprefilled += len(s.response_ids)
+            # all servers healthy: server g % len(urls), synchronous server mode's deal
+            return g, list(s.prompt_ids) + list(s.response_ids), sp
+
+        def accept(key, res) -> bool:
+            g, j = key
+            ids, lps, kind, row_version = res
+            s = groups[g].samples[j]
+            if ids:
+                if not s.versions or s.versions[-1][1] != row_version:
+                    s.versions = list(s.versions) + [(len(s.response_ids), row_version)]
+                s.response_ids = list(s.response_ids) + ids
+                s.rollout_logprobs = list(s.rollout_logprobs) + lps
+            if kind == "abort" and len(s.response_ids) < p.max_new_tokens:
+                return False  # aborted by a weight sync: continued once it is over, on the new weights
+            s.finish_reason = "length" if kind == "abort" else kind
+            if not s.versions:
+                s.versions = [(0, row_version)]
+            return True
+
+        retried = self._dispatch([(g, j) for g in range(len(records)) for j in range(n)], request, accept, version)
         return groups, resubmitted, reprefilled, retried
+
+    def generate_validation(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
+        """Validation's responses on the healthy servers, from the main thread with the controller
+        paused (:meth:`pause` with wait: nothing in flight, every request on the weights of the
+        last sync); HTTP only, no collective.
+
+        The requests of synchronous server-mode validation (``ServerRollout.generate(prompts,
+        params, range(len(prompts)))``): response ``j`` of prompt ``i`` is one row seeded
+        :func:`~dapo_megatron.rollout.engines.engine.sample_seed` ``(params.seed, i, j)``, with
+        ``params``' sampling parameters, so it draws the same tokens on whichever server it
+        runs. Prompt ``i``'s rows go to healthy server ``live[i % len(live)]`` and a server that
+        fails or does not answer within ``generate_timeout_s`` is marked down as in the rollout
+        (:meth:`_dispatch`): its rows go to the servers still healthy.
+
+        Returns:
+            per prompt its ``params.n`` completions, in seed order.
+
+        Raises:
+            RuntimeError: the controller is not paused, no healthy server is left (every server
+                named), or a row came back aborted (something paused the servers).
+        """
+        with self._cv:
+            if not self._paused or self._busy:
+                raise RuntimeError("RolloutController.generate_validation needs the controller paused (pause())")
+            version = self.version
+        n = params.n
+        out: list[list[Completion]] = [[_EMPTY] * n for _ in prompts]
+
+        def request(key):
+            i, j = key
+            return i, list(prompts[i]), build_sampling_params(dataclasses.replace(params, n=1),
+                                                              sample_seed(params.seed, i, j))
+
+        def accept(key, res) -> bool:
+            i, j = key
+            ids, lps, kind, _ = res
+            if kind == "abort":
+                raise RuntimeError(f"validation row {j} of problem {i} was aborted on its server: nothing may pause "
+                                   "the rollout servers during validation")
+            out[i][j] = Completion(ids, lps, kind)
+            return True
+
+        retried = self._dispatch([(i, j) for i in range(len(prompts)) for j in range(n)], request, accept, version)
+        if retried:
+            logger.warning("validation: %d rows sent again after their server failed", retried)
+        return out
 
     def _add_batch(self, groups: list[Group]) -> None:
         """Offer a graded request's groups to the selector, in submission order; streamed, each
@@ -695,8 +779,9 @@ class AsyncRollout(Rollout):
       at start), with the controller paused on rank 0 (after the batch in flight: its tokens
       carry one version), which then generates with the new version; between those steps
       nothing is sent and the servers keep their weights;
-    * :meth:`validate`: with the controller paused, so every validation request runs on the
-      weights of the last sync;
+    * :meth:`validate`: rank 0's controller, paused, generates the validation problems on its
+      healthy servers with synchronous validation's seeds (a failed server's rows retried on
+      another) and broadcasts the metrics, so every request runs on the weights of the last sync;
     * :meth:`state_dict`: the controller's ready steps, the step being filled, the batch
       counter and the prompt streams, taken paused (nothing in flight), written by rank 0.
 
@@ -838,15 +923,35 @@ class AsyncRollout(Rollout):
         :meth:`sync_weights` only."""
 
     def validate(self, step: int) -> dict[str, float]:
-        """:meth:`Rollout.validate` with the controller paused: every request on one weight version."""
+        """:meth:`Rollout.validate`'s metrics, generated by rank 0's controller (collective).
+
+        With the controller paused (after the batch in flight: every request on the weights of
+        the last sync, and nothing else grades), rank 0 generates the validation problems on
+        the controller's healthy servers (:meth:`RolloutController.generate_validation`: the
+        requests and seeds of synchronous server-mode validation, each bounded by
+        ``rollout.server_generate_timeout_s``; a server that fails is marked down and its rows
+        go to the healthy ones), grades them with its reward pool and broadcasts the metrics:
+        every rank returns the same dict, equal to synchronous server mode's at the same weights
+        and step, whichever servers are down.
+
+        Raises:
+            RuntimeError: on every rank, no healthy server is left (every server named).
+        """
+        payload: Any = None
         if self.controller is not None:
+            problems, params = self._val_problems(), self._val_params(step)
             self.controller.pause()
-        try:
-            self._broadcast(None)  # no rank sends a validation request before rank 0 has paused
-            return super().validate(step)
-        finally:
-            if self.controller is not None:
+            try:
+                outputs = self.controller.generate_validation([rec.prompt_ids for rec in problems], params)
+                payload = self._val_metrics(problems, self._grade_val(problems, enumerate(outputs)))
+            except RuntimeError as err:
+                payload = err
+            finally:
                 self.controller.resume()
+        payload = self._broadcast(payload)
+        if isinstance(payload, BaseException):
+            raise RuntimeError(str(payload))
+        return payload
 
     def close(self) -> None:
         if self.controller is not None:

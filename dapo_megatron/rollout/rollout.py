@@ -273,18 +273,41 @@ class Rollout:
             samples), ``val/pass@k`` (unbiased estimator), ``val/num_prompts`` (distinct
             problems evaluated) and the same per ``data_source``; identical on all ranks.
         """
-        r = self.cfg.rollout
-        problems = [rec for rec, _ in unique_prompts(self.val_data.records)]
-        if r.val_max_prompts > 0:
-            problems = problems[:r.val_max_prompts]
+        problems, params = self._val_problems(), self._val_params(step)
         mine = self._engine_share(len(problems))
-        params = self._sampling_params(n=r.val_n, temperature=r.val_temperature, top_p=r.val_top_p,
-                                       seed=self.cfg.trainer.seed + 7919 * step)
         self.wake()
         outputs = self.engine.generate([problems[i].prompt_ids for i in mine], params, mine) if mine else []
         self.sleep(keep_weights=True)  # no update before the next rollout: the weights stay valid
+        accs: dict[int, list[float]] = {}
+        for part in self.parallel.all_gather_objects(self._grade_val(problems, zip(mine, outputs)), "world"):
+            accs.update(part)
+        return self._val_metrics(problems, accs)
+
+    # validation's parts, shared with the asynchronous rollout's (AsyncRollout.validate): the same
+    # problems, seeds, sampling parameters, grading and metrics whoever generates the responses
+    def _val_problems(self) -> list:
+        """The validation problems, in order: the distinct ones (:func:`unique_prompts`), the
+        first ``rollout.val_max_prompts`` when > 0. Problem ``i`` is prompt seed ``i``."""
+        problems = [rec for rec, _ in unique_prompts(self.val_data.records)]
+        if self.cfg.rollout.val_max_prompts > 0:
+            problems = problems[:self.cfg.rollout.val_max_prompts]
+        return problems
+
+    def _val_params(self, step: int) -> SamplingParams:
+        """Validation's sampling parameters at ``step``: ``n = rollout.val_n``, ``val_temperature`` /
+        ``val_top_p`` / ``top_k``, ``response_length`` new tokens, seed ``trainer.seed + 7919 * step``
+        (response ``j`` of problem ``i``: :func:`~dapo_megatron.rollout.engines.engine.sample_seed`
+        ``(seed, i, j)``)."""
+        r = self.cfg.rollout
+        return self._sampling_params(n=r.val_n, temperature=r.val_temperature, top_p=r.val_top_p,
+                                     seed=self.cfg.trainer.seed + 7919 * step)
+
+    def _grade_val(self, problems: Sequence[Any], outputs: Any) -> dict[int, list[float]]:
+        """``(problem index, its completions)`` pairs → per problem index the 0/1 ``acc`` of each
+        completion, in order: decoded (``skip_special_tokens=True``) and graded by this rank's
+        reward pool in one call. Not a collective."""
         requests, owners = [], []
-        for i, comps in zip(mine, outputs):
+        for i, comps in outputs:
             rec = problems[i]
             for c in comps:
                 requests.append((rec.data_source, self.decode(c.response_ids), rec.ground_truth, rec.extra_info))
@@ -293,11 +316,14 @@ class Rollout:
         local: dict[int, list[float]] = {}
         for i, res in zip(owners, results):
             local.setdefault(i, []).append(1.0 if res["acc"] else 0.0)
-        accs: dict[int, list[float]] = {}
-        for part in self.parallel.all_gather_objects(local, "world"):
-            accs.update(part)
+        return local
+
+    def _val_metrics(self, problems: Sequence[Any], accs: dict[int, list[float]]) -> dict[str, float]:
+        """:func:`~dapo_megatron.metrics.compute_val_metrics` (``k = rollout.val_n``) of every
+        problem's accuracies (``accs``: problem index → its ``val_n`` 0/1 grades), by problem index."""
         order = sorted(accs)
-        return compute_val_metrics([problems[i].data_source for i in order], [accs[i] for i in order], k=r.val_n)
+        return compute_val_metrics([problems[i].data_source for i in order], [accs[i] for i in order],
+                                   k=self.cfg.rollout.val_n)
 
     def close(self) -> None:
         """Stop the reward pool's grader processes."""
