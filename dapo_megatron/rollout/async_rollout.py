@@ -31,7 +31,8 @@ behind the actor that trains on it; only surplus carried past its step can excee
 is dropped and counted (``rollout/dropped_stale``), as in synchronous mode. With η = 0 the
 controller starts the batches of step ``p + 1`` only after the sync of version ``p``: the
 same requests as synchronous server mode in the same order, hence the same samples, bit for
-bit. The weights are pushed every ``async_training.trigger_parameter_sync_step`` steps; a
+bit (batch admission; streamed admission sends one keep-rate-sized request at a time, which
+synchronous streamed mode's rounds do not). The weights are pushed every ``async_training.trigger_parameter_sync_step`` steps; a
 sync waits for the batch in flight to finish (its tokens then carry one version), pauses
 the controller, syncs, and hands it the new version.
 """
@@ -390,6 +391,12 @@ class RolloutController:
         with self._cv:
             if not self._paused or self._busy:  # a waiting pause(): nothing in flight
                 raise RuntimeError("RolloutController.state_dict needs the controller paused (pause())")
+            failed = self._error or next((gs for _, gs, _ in self._ready if isinstance(gs, BaseException)), None)
+            if failed is not None:  # its last request's prompts were drawn and never offered: a state
+                # saved now would skip them on resume
+                raise RuntimeError(f"the rollout controller failed ({failed}); its state is not saved (the prompts "
+                                   "of its last request would be lost): fix the cause and resume from the last "
+                                   "checkpoint") from failed
             out = {"gen_batches_done": self.gen_batches_done, "fill": self._fill.state_dict(self.selector),
                    "ready": [{"version": v, "groups": [group_to_dict(g) for g in gs], "metrics": m}
                              for v, gs, m in self._ready if not isinstance(gs, BaseException)]}
@@ -410,7 +417,9 @@ class RolloutController:
         ``rollout/evicted_on_resume``, and the others, in generation order, are carried into
         it as synchronous mode carries surplus (each is within η of it: it is not newer than
         the step they were kept for); the step is filled again from there. No group is lost
-        or used twice: every one is trained once or counted as evicted.
+        or used twice: every one is trained once or counted as evicted. (Streamed admission
+        keeps the keep rate it had at the save, already halved for the ready steps that are
+        filled again: it sizes the next requests only.)
 
         Raises:
             ValueError: the checkpoint's admission (batch or streamed, ``rollout.streaming``) is
@@ -521,7 +530,7 @@ class RolloutController:
                 self._cv.notify_all()
 
     def _dispatch(self, pending: list, request: Callable[[Any], tuple[int, list[int], dict]],
-                  accept: Callable[[Any, tuple], bool], version: int) -> int:
+                  accept: Callable[[Any, tuple], bool], version: int, stoppable: bool = True) -> int:
         """Generate rows on the healthy servers until every one is done; the one dispatch and
         retry loop of the rollout (:meth:`_generate_batch`) and of validation
         (:meth:`generate_validation`).
@@ -536,6 +545,8 @@ class RolloutController:
         returns False for a row to send again (an aborted row continued after a weight sync).
         Between rounds it waits while a sync holds the servers (:meth:`pause` without wait)
         and then generates with the version the sync left. Keys are sent in the order given.
+        ``stoppable``: end at :meth:`stop` between rounds (the thread's rows; validation, from
+        the main thread, finishes its rows on a controller that stopped itself).
 
         Returns:
             the rows sent again after their server failed.
@@ -567,7 +578,7 @@ class RolloutController:
                 with self._cv:
                     while any(self._holds) and not self._stop:
                         self._cv.wait()
-                    if self._stop:
+                    if self._stop and stoppable:
                         raise _Stopped()
                     version = self.version
         return retried
@@ -681,7 +692,8 @@ class RolloutController:
             out[i][j] = Completion(ids, lps, kind)
             return True
 
-        retried = self._dispatch([(i, j) for i in range(len(prompts)) for j in range(n)], request, accept, version)
+        retried = self._dispatch([(i, j) for i in range(len(prompts)) for j in range(n)], request, accept, version,
+                                 stoppable=False)
         if retried:
             logger.warning("validation: %d rows sent again after their server failed", retried)
         return out
@@ -807,10 +819,9 @@ class AsyncRollout(Rollout):
         if parallel.rank != 0:
             return
 
-        prompts = skipper = None
-        if cfg.rollout.streaming:  # synchronous streamed mode's one stream, numbering and skipper
-            self.streams = [PromptStream(self.train_data, b.gen_batch_size, 0, 1, seed=d.seed, shuffle=d.shuffle)]
-            prompts = PromptQueue(self.streams[0].next_batch, b.gen_batch_size, self.train_data.__getitem__)
+        skipper = None
+        if self.prompt_queue is not None:  # streamed: synchronous streamed mode's one stream and queue
+            self.streams = [self.stream]
             skipper = PromptSkipper(b.prompt_skip, seed=cfg.trainer.seed)
         else:
             dp = parallel.dp_size
@@ -826,7 +837,7 @@ class AsyncRollout(Rollout):
         self.controller = RolloutController(selector, next_batch, cfg.rollout.server_urls, self._train_params(),
                                             generate_timeout_s=cfg.rollout.server_generate_timeout_s,
                                             health_timeout_s=cfg.rollout.server_timeout_s, version=0,
-                                            policy_version=0, prompts=prompts, skipper=skipper)
+                                            policy_version=0, prompts=self.prompt_queue, skipper=skipper)
 
     def _broadcast(self, obj: Any) -> Any:
         return self.parallel.broadcast_object(obj, "world", src=0)
@@ -944,8 +955,8 @@ class AsyncRollout(Rollout):
             try:
                 outputs = self.controller.generate_validation([rec.prompt_ids for rec in problems], params)
                 payload = self._val_metrics(problems, self._grade_val(problems, enumerate(outputs)))
-            except RuntimeError as err:
-                payload = err
+            except Exception as err:  # any error (a grader's too) reaches every rank: none waits in the broadcast
+                payload = RuntimeError(f"{type(err).__name__}: {err}" if not isinstance(err, RuntimeError) else str(err))
             finally:
                 self.controller.resume()
         payload = self._broadcast(payload)
@@ -961,16 +972,29 @@ class AsyncRollout(Rollout):
     def state_dict(self) -> dict[str, Any]:
         """Rank 0's controller state (``async_rollout``) and its prompt streams (``streams``),
         taken paused; the batch counter as ``gen_batches_done``. Other ranks return ``{}``
-        (rank 0 writes the trainer state)."""
-        if self.controller is None:
-            return {}
-        self.controller.pause()
-        try:
-            return {"gen_batches_done": self.controller.gen_batches_done,
-                    "streams": [st.state_dict() for st in self.streams],
-                    "async_rollout": self.controller.state_dict()}
-        finally:
-            self.controller.resume()
+        (rank 0 writes the trainer state). A collective (the checkpointer calls it on every rank
+        before it writes anything).
+
+        Raises:
+            RuntimeError: on every rank, rank 0 could not take the state (the controller failed:
+                :meth:`RolloutController.state_dict`), so no checkpoint is written.
+        """
+        state: dict[str, Any] = {}
+        error = None
+        if self.controller is not None:
+            self.controller.pause()
+            try:
+                state = {"gen_batches_done": self.controller.gen_batches_done,
+                         "streams": [st.state_dict() for st in self.streams],
+                         "async_rollout": self.controller.state_dict()}
+            except Exception as err:  # every rank raises it, none waits in the checkpoint's collectives
+                error = f"{type(err).__name__}: {err}"
+            finally:
+                self.controller.resume()
+        error = self._broadcast(error)
+        if error is not None:
+            raise RuntimeError(error)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` on rank 0 (before the first :meth:`collect`).

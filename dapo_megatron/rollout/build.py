@@ -91,11 +91,12 @@ def build_rollout(cfg: DAPOConfig, parallel: ParallelDims, *, tokenizer: Any, hf
     b = cfg.buffer
     buffer = RolloutBuffer(b, DistributedGrader(reward_pool, parallel), decode)
     collector = prompt_queue = None
-    if cfg.rollout.streaming and not cfg.async_training.enable:  # async: the controller admits prompts itself
-        collector = StreamingCollector(buffer, PromptSkipper(b.prompt_skip, seed=cfg.trainer.seed),
-                                       partial_rollout=cfg.rollout.partial_rollout,
-                                       poll_tokens=cfg.rollout.stream_poll_tokens)
+    if cfg.rollout.streaming:
         prompt_queue = PromptQueue(stream.next_batch, b.gen_batch_size, train_data.__getitem__)
+        if not cfg.async_training.enable:  # async: rank 0's controller admits from the queue itself
+            collector = StreamingCollector(buffer, PromptSkipper(b.prompt_skip, seed=cfg.trainer.seed),
+                                           partial_rollout=cfg.rollout.partial_rollout,
+                                           poll_tokens=cfg.rollout.stream_poll_tokens)
     cls = AsyncRollout if cfg.async_training.enable else Rollout  # async: server mode, generation beside training
     return cls(cfg, parallel, engine=engine, num_engines=num_engines, engine_index=engine_index,
                    train_data=train_data, val_data=val_data, stream=stream, reward_pool=reward_pool, decode=decode,

@@ -12,7 +12,8 @@ resumed servers hold what the uninterrupted ones did) holds two ready steps: pol
 FULL runs 6 steps; KILLED the same, saving every step, until ``os._exit`` inside step 5's
 update (no cleanup, as under SIGKILL: the step taken from the ready queue is gone with the
 process); RESUMED continues KILLED from its step-4 checkpoint; EVICT resumes a copy of that
-checkpoint with η = 0 (and a sync every step).
+checkpoint with η = 0 (and a sync every step). The same four runs again with streamed admission
+and GRESO skipping (``STREAMED``): its queue, keep rate and skipper history come back too.
 """
 
 import os
@@ -27,6 +28,7 @@ from integration.test_async_rollout import CONFIG, NUM_STOP_IDS
 from rollout_server import RolloutServer, tiny_async_model
 
 STEPS, KILL_IN_STEP = 6, 5
+GEN_BATCH_SIZE = int(next(o for o in CONFIG if o.startswith("buffer.gen_batch_size=")).split("=")[1])
 RESUME_CONFIG = [f"trainer.total_training_steps={STEPS}", "trainer.save_freq=1", "async_training.enable=true"]
 ETA1 = ["buffer.max_staleness=1", "async_training.trigger_parameter_sync_step=2"]
 ETA0 = ["buffer.max_staleness=0", "async_training.trigger_parameter_sync_step=1"]
@@ -116,7 +118,7 @@ def runs(server, tmp_path_factory):
 @pytest.fixture(scope="module")
 def streamed_runs(server, tmp_path_factory):
     hf_dir, srv = server
-    return _kill_and_resume(hf_dir, srv.url, tmp_path_factory.mktemp("streamed"), STREAMED, evict=False)
+    return _kill_and_resume(hf_dir, srv.url, tmp_path_factory.mktemp("streamed"), STREAMED, evict=True)
 
 
 def _seeds(steps: dict) -> list[int]:
@@ -151,7 +153,9 @@ def test_the_resumed_run_trains_the_uninterrupted_runs_prompts_each_once(arms, r
     assert [full[k]["metrics"]["train/staleness_max"] for k in sorted(full)] == [0, 1, 0, 1, 0, 1]
 
 
-def test_a_resume_with_a_lower_eta_evicts_and_counts_the_too_stale_groups(runs):
+@pytest.mark.parametrize("arms", ["runs", "streamed_runs"])
+def test_a_resume_with_a_lower_eta_evicts_and_counts_the_too_stale_groups(arms, request):
+    runs = request.getfixturevalue(arms)
     state, evict, full = runs["ckpt_state"]["async_rollout"], runs["EVICT"]["steps"], runs["FULL"]["steps"]
     assert runs["EVICT"]["start"] == KILL_IN_STEP - 1 and sorted(evict) == [5, 6]
     # independently: every carried group (ready steps, the open step's kept and surplus) with a
@@ -186,6 +190,4 @@ def test_the_streamed_checkpoint_holds_the_skippers_history_and_the_keep_rate(st
     assert sum(full[k]["metrics"]["rollout/skipped_prompts"] for k in full) >= 1
     # every encounter of the skipper is a prompt drawn from the queue, trained, dropped or skipped
     drawn = sum(n for _, n in adm["skipper"]["encounters"])
-    fill = streamed_runs["ckpt_state"]["async_rollout"]["fill"]
-    assert drawn == adm["prompts"]["fetched"] * 4 - len(adm["prompts"]["leftover"])
-    assert fill["submitted"] + fill["skipped"] <= drawn
+    assert drawn == adm["prompts"]["fetched"] * GEN_BATCH_SIZE - len(adm["prompts"]["leftover"])

@@ -167,3 +167,58 @@ def test_async_validate_broadcasts_rank_0s_metrics_or_its_error_and_resumes_the_
     with pytest.raises(RuntimeError, match="every rollout server failed"):
         _async_rollout(ctrl, broadcast).validate(2)
     assert isinstance(sent[0], RuntimeError) and ctrl._paused == 0
+
+
+def test_async_validate_hands_any_error_of_rank_0_to_every_rank():
+    """A grader's ValueError (a data_source with no grader, say) is broadcast as the error too:
+    no rank waits in the broadcast for metrics that never come."""
+    sent = []
+
+    def broadcast(obj, group, src):
+        sent.append(obj)
+        return obj
+
+    ctrl = _controller(_Servers())
+    ar = _async_rollout(ctrl, broadcast)
+    ar.reward_pool = SimpleNamespace(grade=lambda reqs: (_ for _ in ()).throw(ValueError("no grader for 'd'")))
+    with pytest.raises(RuntimeError, match=r"^ValueError: no grader for 'd'$"):
+        ar.validate(2)
+    assert len(sent) == 1 and isinstance(sent[0], RuntimeError) and ctrl._paused == 0
+    # another rank (no controller) raises the same from the broadcast
+    other = _async_rollout(None, lambda obj, group, src: sent[0])
+    with pytest.raises(RuntimeError, match=r"^ValueError: no grader for 'd'$"):
+        other.validate(2)
+
+
+def test_validation_finishes_its_rows_on_a_controller_that_stopped_itself():
+    """The thread stops itself at the cap (on_cap=error) while the trainer is still one step behind;
+    a validation then still retries a failed server's rows instead of ending half done."""
+    ctrl = _controller(_Servers(dead={1}))
+    ctrl._stop = True
+    assert _validate(ctrl) == _expected()
+
+
+def test_a_failed_controller_is_not_checkpointed_and_every_rank_raises():
+    """Its last request's prompts were drawn and never offered: a state saved then would skip them
+    on resume. The save fails on every rank (a broadcast), before anything is written."""
+    from dapo_megatron.rollout.async_rollout import AsyncRollout
+
+    ctrl = _controller(_Servers())
+    ctrl._error = RuntimeError("every rollout server failed (rollout.server_urls): ...")
+    ctrl.pause()
+    with pytest.raises(RuntimeError, match=r"^the rollout controller failed \(every rollout server failed .*"
+                                           r"its state is not saved"):
+        ctrl.state_dict()
+    ctrl.resume()
+    sent = []
+    ar = AsyncRollout.__new__(AsyncRollout)
+    ar.controller, ar.streams = ctrl, []
+    ar.parallel = SimpleNamespace(broadcast_object=lambda obj, group, src: sent.append(obj) or obj)
+    with pytest.raises(RuntimeError, match=r"^RuntimeError: the rollout controller failed"):
+        ar.state_dict()
+    assert len(sent) == 1 and sent[0].startswith("RuntimeError: the rollout controller failed") and ctrl._paused == 0
+    other = AsyncRollout.__new__(AsyncRollout)
+    other.controller, other.streams = None, []
+    other.parallel = SimpleNamespace(broadcast_object=lambda obj, group, src: sent[0])
+    with pytest.raises(RuntimeError, match=r"^RuntimeError: the rollout controller failed"):
+        other.state_dict()
