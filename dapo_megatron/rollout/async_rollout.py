@@ -55,7 +55,7 @@ from dapo_megatron.rollout.engines.sglang_engine import build_sampling_params, h
 from dapo_megatron.rollout.sampling.buffer import (DROP_REASONS, KEPT, GroupSelector, group_from_dict,
                                                   group_staleness, group_to_dict)
 from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipConfig, PromptSkipper
-from dapo_megatron.rollout.sampling.streaming import KeepRate, PromptQueue, draw_unskipped
+from dapo_megatron.rollout.sampling.streaming import KeepRate, PromptQueue, draw_unskipped, streamed_cap_spent
 from dapo_megatron.rollout.rollout import Rollout, StepBatch
 from dapo_megatron.rollout.types import Group, Sample
 
@@ -718,8 +718,7 @@ class RolloutController:
         if sel.missing and cfg.on_cap == "error":
             what = (f"dynamic sampling after max_num_gen_batches={cfg.max_num_gen_batches} generation batches"
                     if self.prompts is None else
-                    f"streaming dynamic sampling after {f.submitted} prompts (max_num_gen_batches="
-                    f"{cfg.max_num_gen_batches} x gen_batch_size={cfg.gen_batch_size}; {f.skipped} skipped)")
+                    streamed_cap_spent(cfg, f.submitted, f.skipped))
             try:
                 sel.fail_at_cap(what)
             except RuntimeError as err:

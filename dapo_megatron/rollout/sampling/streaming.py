@@ -257,6 +257,12 @@ class KeepRate:
         self.kept, self.graded = float(state["kept"]), float(state["graded"])
 
 
+def streamed_cap_spent(cfg: Any, submitted: int, skipped: int) -> str:
+    """What a streamed step spent when it hit its cap (``GroupSelector.fail_at_cap``'s ``what``)."""
+    return (f"streaming dynamic sampling after {submitted} prompts (max_num_gen_batches={cfg.max_num_gen_batches} "
+            f"x gen_batch_size={cfg.gen_batch_size}; {skipped} skipped)")
+
+
 def draw_unskipped(prompts: "PromptQueue", skipper: PromptSkipper, want: int) -> tuple[list[tuple[Any, int]], int]:
     """The next ``want`` prompts of the queue that ``skipper`` does not skip, in stream order:
     ``([(record, position), ...], skipped)``; each skipped prompt is consumed (it counts as an
@@ -421,8 +427,7 @@ class StreamingCollector:
         if self.partial_rollout:
             self._partial = list(inflight.values())
         if sel.missing and cfg.on_cap == "error":
-            sel.fail_at_cap(f"streaming dynamic sampling after {submitted} prompts (max_num_gen_batches="
-                            f"{cfg.max_num_gen_batches} x gen_batch_size={cfg.gen_batch_size}; {skipped} skipped)")
+            sel.fail_at_cap(streamed_cap_spent(cfg, submitted, skipped))
         out = sel.take()
         metrics = sel.step_metrics(num_batches=prompts.fetched - fetched_before, gen_tokens=gen_tokens)
         metrics.update({
