@@ -947,21 +947,33 @@ class AsyncRollout(Rollout):
         Raises:
             RuntimeError: on every rank, no healthy server is left (every server named).
         """
-        payload: Any = None
-        if self.controller is not None:
+        def metrics():
             problems, params = self._val_problems(), self._val_params(step)
+            outputs = self.controller.generate_validation([rec.prompt_ids for rec in problems], params)
+            return self._val_metrics(problems, self._grade_val(problems, enumerate(outputs)))
+
+        return self._paused_on_rank_0(metrics, share=True)
+
+    def _paused_on_rank_0(self, compute: Callable[[], Any], *, share: bool) -> Any:
+        """``compute()`` on rank 0 with its controller paused (nothing in flight; resumed after,
+        whatever happens), on every rank a collective: ``share``: every rank returns rank 0's
+        result (a broadcast); else rank 0 returns it and the others None, and only the outcome
+        is broadcast. Any exception of ``compute`` (a grader's ValueError too) is raised on every
+        rank as ``RuntimeError`` (its type named unless it was one), so no rank waits in a later
+        collective for a rank 0 that failed."""
+        result, error = None, None
+        if self.controller is not None:
             self.controller.pause()
             try:
-                outputs = self.controller.generate_validation([rec.prompt_ids for rec in problems], params)
-                payload = self._val_metrics(problems, self._grade_val(problems, enumerate(outputs)))
-            except Exception as err:  # any error (a grader's too) reaches every rank: none waits in the broadcast
-                payload = RuntimeError(f"{type(err).__name__}: {err}" if not isinstance(err, RuntimeError) else str(err))
+                result = compute()
+            except Exception as err:
+                error = str(err) if isinstance(err, RuntimeError) else f"{type(err).__name__}: {err}"
             finally:
                 self.controller.resume()
-        payload = self._broadcast(payload)
-        if isinstance(payload, BaseException):
-            raise RuntimeError(str(payload))
-        return payload
+        shared, error = self._broadcast((result if share else None, error))
+        if error is not None:
+            raise RuntimeError(error)
+        return shared if share else result
 
     def close(self) -> None:
         if self.controller is not None:
@@ -978,22 +990,10 @@ class AsyncRollout(Rollout):
             RuntimeError: on every rank, rank 0 could not take the state (the controller failed:
                 :meth:`RolloutController.state_dict`), so no checkpoint is written.
         """
-        state: dict[str, Any] = {}
-        error = None
-        if self.controller is not None:
-            self.controller.pause()
-            try:
-                state = {"gen_batches_done": self.controller.gen_batches_done,
-                         "streams": [st.state_dict() for st in self.streams],
-                         "async_rollout": self.controller.state_dict()}
-            except Exception as err:  # every rank raises it, none waits in the checkpoint's collectives
-                error = f"{type(err).__name__}: {err}"
-            finally:
-                self.controller.resume()
-        error = self._broadcast(error)
-        if error is not None:
-            raise RuntimeError(error)
-        return state
+        state = self._paused_on_rank_0(lambda: {"gen_batches_done": self.controller.gen_batches_done,
+                                                "streams": [st.state_dict() for st in self.streams],
+                                                "async_rollout": self.controller.state_dict()}, share=False)
+        return state if state is not None else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` on rank 0 (before the first :meth:`collect`).

@@ -160,13 +160,13 @@ def test_async_validate_broadcasts_rank_0s_metrics_or_its_error_and_resumes_the_
     ctrl = _controller(_Servers(dead={1}))
     metrics = _async_rollout(ctrl, broadcast).validate(2)
     accs = [[1.0 if t[0] % 2 == 0 else 0.0 for t in problem] for problem in _expected()]
-    assert metrics == compute_val_metrics(["d"] * len(PROMPTS), accs, k=PARAMS.n) and sent == [metrics]
+    assert metrics == compute_val_metrics(["d"] * len(PROMPTS), accs, k=PARAMS.n) and sent == [(metrics, None)]  # the metrics, no error
     assert ctrl._paused == 0 and ctrl.health[1] == "down"
     sent.clear()
     ctrl = _controller(_Servers(dead={0, 1, 2}))
     with pytest.raises(RuntimeError, match="every rollout server failed"):
         _async_rollout(ctrl, broadcast).validate(2)
-    assert isinstance(sent[0], RuntimeError) and ctrl._paused == 0
+    assert sent[0][0] is None and "every rollout server failed" in sent[0][1] and ctrl._paused == 0
 
 
 def test_async_validate_hands_any_error_of_rank_0_to_every_rank():
@@ -183,7 +183,7 @@ def test_async_validate_hands_any_error_of_rank_0_to_every_rank():
     ar.reward_pool = SimpleNamespace(grade=lambda reqs: (_ for _ in ()).throw(ValueError("no grader for 'd'")))
     with pytest.raises(RuntimeError, match=r"^ValueError: no grader for 'd'$"):
         ar.validate(2)
-    assert len(sent) == 1 and isinstance(sent[0], RuntimeError) and ctrl._paused == 0
+    assert sent == [(None, "ValueError: no grader for 'd'")] and ctrl._paused == 0
     # another rank (no controller) raises the same from the broadcast
     other = _async_rollout(None, lambda obj, group, src: sent[0])
     with pytest.raises(RuntimeError, match=r"^ValueError: no grader for 'd'$"):
@@ -214,11 +214,13 @@ def test_a_failed_controller_is_not_checkpointed_and_every_rank_raises():
     ar = AsyncRollout.__new__(AsyncRollout)
     ar.controller, ar.streams = ctrl, []
     ar.parallel = SimpleNamespace(broadcast_object=lambda obj, group, src: sent.append(obj) or obj)
-    with pytest.raises(RuntimeError, match=r"^RuntimeError: the rollout controller failed"):
+    with pytest.raises(RuntimeError, match=r"^the rollout controller failed \(every rollout server failed"):
         ar.state_dict()
-    assert len(sent) == 1 and sent[0].startswith("RuntimeError: the rollout controller failed") and ctrl._paused == 0
+    # only the outcome is broadcast (rank 0 alone writes the state), never the state itself
+    assert len(sent) == 1 and sent[0][0] is None and sent[0][1].startswith("the rollout controller failed") \
+        and ctrl._paused == 0
     other = AsyncRollout.__new__(AsyncRollout)
     other.controller, other.streams = None, []
     other.parallel = SimpleNamespace(broadcast_object=lambda obj, group, src: sent[0])
-    with pytest.raises(RuntimeError, match=r"^RuntimeError: the rollout controller failed"):
+    with pytest.raises(RuntimeError, match=r"^the rollout controller failed \(every rollout server failed"):
         other.state_dict()
