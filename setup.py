@@ -1,12 +1,13 @@
 """Install dapo-megatron.
 
-CPU development (Python 3.11): install the CPU torch wheel first,
-``pip install torch==2.13.0``, then ``pip install -e .[dev]``. An unpinned
-torch would pull a multi-GB CUDA build.
+CPU development (Python 3.12): ``bash tools/setup_cpu.sh`` creates a Python 3.12
+virtual environment outside the clone (``~/.cache/dapo-megatron/venv-py3.12``, or
+``$DAPO_VENV``), installs torch 2.14.1 first (pinned: an unpinned torch pulls whatever
+is newest), then ``pip install -e .[dev]``. megatron-core 0.17+ requires Python 3.12.
 
 GPU (H100/H200): use docker/Dockerfile, which installs one resolved set
-(docker/constraints.txt: torch 2.11.0, SGLang 0.5.11, Transformer Engine 2.11.0,
-megatron-core 0.16.1) and then ``pip install --no-deps -e .[gpu]``. NVIDIA Apex is
+(docker/constraints.txt: torch 2.14.1, SGLang 0.5.23, Transformer Engine 2.20.2,
+megatron-core 0.19.2) and then ``pip install --no-deps -e .[gpu]``. NVIDIA Apex is
 not needed (megatron-core takes its fused kernels from Transformer Engine) and is
 never installed from PyPI: the PyPI package named ``apex`` is unrelated.
 """
@@ -19,12 +20,14 @@ setup(
     description="DAPO reinforcement learning for reasoning LLMs on a Megatron-core actor",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
-    python_requires=">=3.10",
+    python_requires=">=3.12",
     packages=find_packages(include=["dapo_megatron", "dapo_megatron.*"]),
     install_requires=[
-        "torch>=2.6,<=2.14.1",
-        # 0.16.x is the last line that supports Python 3.11; the Docker image pins 0.16.1 too.
-        "megatron-core>=0.16.1,<0.17",
+        # SGLang 0.5.23 pins torch==2.14.1 (the image's); the CPU suite runs the same release
+        "torch==2.14.1",
+        # 0.19 folds common.pt into the checkpoint index (checkpointing.py reads both layouts);
+        # 0.17+ requires Python 3.12. The Docker image pins 0.19.2.
+        "megatron-core>=0.19.2,<0.20",
         "transformers>=4.56",
         "safetensors>=0.5",
         "gguf>=0.17",
@@ -39,7 +42,7 @@ setup(
         "pyyaml>=6",
         "tqdm>=4.66",
         "numpy>=1.26",
-        "nvidia-dali-cuda120>=1.40",
+        "nvidia-dali-cuda130>=2.4",
     ],
     extras_require={
         "gpu": [
