@@ -8,7 +8,8 @@ Directory layout (``run_dir`` is ``trainer.default_local_dir``)::
                                    checkpoint, e.g. "40\\n" (written temp + os.replace)
         step_40/                   one complete checkpoint (only ever created by rename)
             metadata.json          \\
-            common.pt               |  megatron.core.dist_checkpointing (torch_dist backend):
+            (common.pt)             |  megatron.core.dist_checkpointing (torch_dist backend;
+                                    |  common.pt up to megatron-core 0.16, in the index from 0.19):
             .metadata               |  {"model" | "model0", "model1", ...: model sharded state,
             __0_0.distcp, ...      /    "optimizer": optimizer sharded state,
                                          "opt_param_scheduler": scheduler.state_dict()}
@@ -85,7 +86,11 @@ TRAINER_STATE_LAYOUT = 2  # of trainer_state.pt as Checkpointer writes it (modul
 
 DCP_METADATA_FILENAME = ".metadata"  # torch.distributed.checkpoint.filesystem._metadata_fn
 MCORE_CONFIG_FILENAME = "metadata.json"  # megatron.core.dist_checkpointing.core.CONFIG_FNAME
-MCORE_COMMON_FILENAME = "common.pt"  # megatron.core.dist_checkpointing.strategies.common.COMMON_STATE_FNAME
+# The common (non-tensor) state: a file of its own up to megatron-core 0.16
+# (dist_checkpointing.strategies.common.COMMON_STATE_FNAME), an item of the torch_dist index from 0.19
+# (dist_checkpointing.serialization.load_common_state_dict: ShardedObject("common_state", ...)).
+MCORE_COMMON_FILENAME = "common.pt"
+MCORE_COMMON_STATE_KEY = "common_state"
 
 OptimShardingType = Literal["dp_reshardable", "fully_reshardable"]
 _SHARDING_TYPES = ("dp_reshardable", "fully_reshardable")
@@ -161,15 +166,16 @@ def check_torch_dist_files(ckpt_dir: str) -> None:
     ``torch.distributed.checkpoint.metadata.Metadata`` whose ``storage_data`` maps every
     stored item to a ``filesystem._StorageInfo(relative_path, offset, length)``, read with
     ``FileSystemReader.read_metadata``) and compares each data file's size with the end of
-    the last item it must hold; also requires megatron-core's ``metadata.json`` and
-    ``common.pt``. A shard cut short by a full disk or an interrupted copy is caught here,
+    the last item it must hold; also requires megatron-core's ``metadata.json`` and the
+    common state (``common.pt`` as megatron-core 0.16 wrote it, or the ``common_state`` item of
+    the index as 0.19 writes it: checkpoints of either load). A shard cut short by a full disk or an interrupted copy is caught here,
     not 50 frames deep in ``torch.load`` (torch 2.13 ``filesystem.FileSystemReader.read_data``).
 
     Raises:
         CheckpointError: naming the missing / unreadable / truncated file.
     """
 
-    for name in (MCORE_CONFIG_FILENAME, MCORE_COMMON_FILENAME, DCP_METADATA_FILENAME):
+    for name in (MCORE_CONFIG_FILENAME, DCP_METADATA_FILENAME):
         path = os.path.join(ckpt_dir, name)
         if not os.path.isfile(path):
             raise CheckpointError(f"{path} is missing: {ckpt_dir} is not a complete torch_dist checkpoint")
@@ -178,6 +184,16 @@ def check_torch_dist_files(ckpt_dir: str) -> None:
     except Exception as exc:  # a cut pickle: EOFError, UnpicklingError, ...
         raise CheckpointError(f"{os.path.join(ckpt_dir, DCP_METADATA_FILENAME)} is unreadable "
                               f"({type(exc).__name__}: {exc}): the checkpoint index is damaged") from None
+    # The common (non-tensor) state: megatron-core <= 0.16 wrote it to common.pt, 0.19 writes it
+    # as one ShardedObject "common_state" inside the torch_dist index and still reads a legacy
+    # common.pt first (megatron/core/dist_checkpointing/serialization.py:206-237,
+    # load_common_state_dict; 0.16.1: strategies/common.py save_common). Either must be there.
+    common_pt = os.path.join(ckpt_dir, MCORE_COMMON_FILENAME)
+    if not os.path.isfile(common_pt) and not any(
+            key.split("/", 1)[0] == MCORE_COMMON_STATE_KEY for key in (metadata.state_dict_metadata or {})):
+        raise CheckpointError(f"{ckpt_dir} holds no common state (neither {MCORE_COMMON_FILENAME} nor the "
+                              f"'{MCORE_COMMON_STATE_KEY}' item in its {DCP_METADATA_FILENAME}): it is not "
+                              "a complete torch_dist checkpoint")
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
         end = int(info.offset) + int(info.length)

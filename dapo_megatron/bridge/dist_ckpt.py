@@ -3,7 +3,7 @@
 Layout of a checkpoint directory::
 
     ckpt_dir/
-      metadata.json, common.pt, __*.distcp   megatron.core.dist_checkpointing (torch_dist)
+      metadata.json, __*.distcp (+ common.pt before 0.19)   megatron.core.dist_checkpointing (torch_dist)
       config.json                            the HF config (the model's architecture)
       tokenizer files                        when a tokenizer was given (export needs only the dir)
       dapo_megatron.json                     padded vocab, TP/PP, params dtype and layer spec

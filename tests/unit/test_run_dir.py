@@ -164,3 +164,29 @@ def test_summary_reports_final_and_best_validation(tmp_path):
         "val/pass@4: final 1 (step 3), best 1 (step 3)",
         f"curves: {path}; mlflow ui --backend-store-uri sqlite:////r/mlflow.db",
     ]
+
+
+def test_common_state_in_the_index_or_in_a_legacy_common_pt(run):
+    """megatron-core 0.19 keeps the common (non-tensor) state as the ``common_state`` item of the
+    torch_dist index; 0.16 wrote ``common.pt``. A checkpoint with either validates; one with
+    neither (the index rewritten without the item) is named."""
+    import pickle
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    step2 = ckpt.step_dir(run, 2)
+    assert not os.path.exists(os.path.join(step2, "common.pt"))  # written by megatron-core >= 0.19
+    ckpt.validate_checkpoint(step2)
+    metadata = FileSystemReader(step2).read_metadata()
+    common = [k for k in metadata.state_dict_metadata if k.split("/", 1)[0] == "common_state"]
+    assert len(common) == 1
+    for key in common:
+        del metadata.state_dict_metadata[key]
+    with open(os.path.join(step2, ".metadata"), "wb") as f:
+        pickle.dump(metadata, f)
+    with pytest.raises(CheckpointError, match=r"holds no common state \(neither common.pt nor the 'common_state'"):
+        ckpt.validate_checkpoint(step2)
+    # the 0.16 layout: the common state in its own file (megatron-core 0.19 reads it first)
+    with open(os.path.join(step2, "common.pt"), "wb") as f:
+        f.write(b"\x80")
+    ckpt.validate_checkpoint(step2)
