@@ -4,7 +4,9 @@
 hides exactly
 
 * the warnings of :data:`KNOWN_BENIGN_WARNINGS`, each matched by category, emitting module
-  and the start of its text, with the reason it is benign, and
+  and the start of its text, with the reason it is benign,
+* the log records of :data:`KNOWN_BENIGN_LOG_RECORDS` (matched by logger and start of text,
+  with the reason), and
 * the INFO records of :data:`QUIET_LOGGERS` (megatron-core's dumps of the DDP and optimizer
   configs and its list of every parameter of each gradient bucket, 180 lines for
   SmolLM2; MLflow's "Creating initial MLflow database tables"); their warnings stay.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Mapping, Optional
@@ -50,7 +53,7 @@ class BenignWarning:
 KNOWN_BENIGN_WARNINGS: tuple[BenignWarning, ...] = (
     BenignWarning(
         UserWarning, r"megatron\.core\.", r"Transformer Engine and Apex are not installed",
-        "megatron-core 0.16.1 (optimizer/, clip_grads, fsdp mixed_precision) falls back to its torch "
+        "megatron-core 0.19.2 (optimizer/, clip_grads, fsdp mixed_precision) falls back to its torch "
         "implementations, which is what a CPU run uses; a GPU without TE should still see it", cpu_only=True),
     BenignWarning(
         UserWarning, r"megatron\.core\.models\.", r"Apex is not installed\. Falling back to Torch Norm",
@@ -58,8 +61,12 @@ KNOWN_BENIGN_WARNINGS: tuple[BenignWarning, ...] = (
         "torch norms on CPU)"),
     BenignWarning(
         UserWarning, r"megatron\.core\.transformer\.transformer_config", r"full scope is deprecated",
-        "megatron-core 0.16.1's TransformerConfig warns about its own default cuda_graph_scope='full' "
-        "(CUDA graphs are off here)"),
+        "megatron-core 0.19.2's TransformerConfig warns about its own default cuda_graph_scope='full' "
+        "(transformer_config.py:2413-2418; CUDA graphs are off here)"),
+    BenignWarning(
+        UserWarning, r"megatron\.core\.hyper_comm_grid", r"absl\.logging is not installed",
+        "megatron-core 0.19 (hyper_comm_grid.py:11-21) logs through absl when it is installed and "
+        "through the standard logging module otherwise; its records are the same either way"),
     BenignWarning(
         UserWarning, r"megatron\.core\.tensor_parallel\.layers",
         r"When using async grad allreduce it is recommended to set the environment variable "
@@ -69,12 +76,49 @@ KNOWN_BENIGN_WARNINGS: tuple[BenignWarning, ...] = (
     BenignWarning(
         FutureWarning, r"torch\.distributed\.c10d_logger",
         r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
-        "torch 2.13 renamed the collectives megatron-core 0.16.1 calls (distributed/param_and_grad_buffer.py, "
+        "torch 2.13+ renamed the collectives megatron-core 0.19.2 calls (distributed/param_and_grad_buffer.py, "
         "tensor_parallel/mappings.py); the operation is the same"),
 )
 
 # INFO records that are configuration dumps, not progress; WARNING and above still print.
 QUIET_LOGGERS: tuple[str, ...] = ("megatron.core", "mlflow.store.db.utils")
+
+
+@dataclass(frozen=True)
+class BenignLogRecord:
+    """One known log record (not a warning) that says nothing the user can act on.
+
+    Attributes:
+        logger: the logger's name (exact).
+        message: regular expression matched at the start of the record's formatted message.
+        why: the reason it is safe to hide.
+        cpu_only: hide it only on a machine without CUDA.
+    """
+
+    logger: str
+    message: str
+    why: str
+    cpu_only: bool = False
+
+
+KNOWN_BENIGN_LOG_RECORDS: tuple[BenignLogRecord, ...] = (
+    BenignLogRecord(
+        "torch.utils.cpp_extension", r"No CUDA runtime is found",
+        "PyPI's torch 2.14.1 is a CUDA build; on a CPU machine that has a CUDA toolkit "
+        "(nvcc on PATH) its cpp_extension module says so at import (torch/utils/cpp_extension.py:182-183, "
+        "_find_cuda_home); nothing here compiles a CUDA extension", cpu_only=True),
+)
+
+
+class _DropRecords(logging.Filter):
+    """A logging filter dropping the records whose message starts with one of ``patterns``."""
+
+    def __init__(self, patterns: list[str]):
+        super().__init__()
+        self.pattern = re.compile("|".join(f"(?:{p})" for p in patterns))
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.pattern.match(record.getMessage()) is None
 
 
 def show_warnings(environ: Optional[Mapping[str, str]] = None) -> bool:
@@ -101,6 +145,14 @@ def quiet_third_party(on_cpu: Optional[bool] = None, environ: Optional[Mapping[s
     for w in KNOWN_BENIGN_WARNINGS:
         if on_cpu or not w.cpu_only:
             warnings.filterwarnings("ignore", message=w.message, category=w.category, module=w.module)
+    by_logger: dict[str, list[str]] = {}
+    for r in KNOWN_BENIGN_LOG_RECORDS:
+        if on_cpu or not r.cpu_only:
+            by_logger.setdefault(r.logger, []).append(r.message)
+    for name, patterns in by_logger.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropRecords) for f in logger.filters):  # idempotent
+            logger.addFilter(_DropRecords(patterns))
     for name in QUIET_LOGGERS:
         logger = logging.getLogger(name)
         if logger.level < logging.WARNING:  # NOTSET (inherit the root's INFO) included

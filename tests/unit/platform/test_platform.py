@@ -252,8 +252,10 @@ def test_console_hides_exactly_the_known_benign_warnings():
                  "torch.distributed.c10d_logger") == 0
     on_cpu = False  # a GPU run keeps the advice that can matter there
     assert shown(hint, module="megatron.core.tensor_parallel.layers") == 1 and shown(te) == 1
-    assert shown("full scope is deprecated. Use empty cuda_graph_scope",
+    assert shown("full scope is deprecated. Use empty cuda_graph_modules to capture the whole layer.",
                  module="megatron.core.transformer.transformer_config") == 0
+    assert shown("absl.logging is not installed. Using logging.getLogger(__name__) instead.",
+                 module="megatron.core.hyper_comm_grid") == 0
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -273,15 +275,19 @@ def test_console_hides_exactly_the_known_benign_warnings():
 
 
 def test_console_filters_match_megatron_core_at_import():
-    """The real import-time warnings of megatron-core 0.16.1 on CPU are the ones filtered."""
+    """The real import-time warnings and log records of megatron-core 0.19.2 and PyPI's (CUDA) torch
+    on a CPU machine are the ones filtered."""
     code = """
         import sys  # Python's default warning filters, as in the main job
         if sys.argv[1] == "quiet":
             from dapo_megatron.platform.console import quiet_third_party
             quiet_third_party()
-        import megatron.core.optimizer, megatron.core.models.gpt.gpt_layer_specs
+        import megatron.core.optimizer, megatron.core.models.gpt.gpt_layer_specs, megatron.core.hyper_comm_grid
         from megatron.core.transformer import TransformerConfig
         TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
+        import logging, torch.utils.cpp_extension as ext
+        logging.getLogger(ext.__name__).warning("No CUDA runtime is found, using CUDA_HOME='/x'")  # its text
+        logging.getLogger(ext.__name__).warning("another record")  # not filtered
         """
     runs = {}
     for mode in ("quiet", "show"):
@@ -292,9 +298,11 @@ def test_console_filters_match_megatron_core_at_import():
     if torch.cuda.is_available():
         pytest.skip("the CPU-only entries are kept on a GPU machine")
     for text in ("Transformer Engine and Apex are not installed", "Apex is not installed. Falling back to Torch Norm",
-                 "full scope is deprecated"):
+                 "full scope is deprecated", "absl.logging is not installed", "No CUDA runtime is found"):
         assert text in runs["show"] and text not in runs["quiet"], text
     assert "Warning" not in runs["quiet"], runs["quiet"][-2000:]
+    assert runs["quiet"].strip().endswith("] another record"), runs["quiet"][-2000:]
+    assert len(runs["quiet"].strip().splitlines()) == 1, runs["quiet"][-2000:]
 
 
 def test_local_device_index_wraps_local_rank_over_visible_gpus(monkeypatch):
