@@ -172,6 +172,31 @@ def tiny_llama_with_smollm2_tokenizer_dir(smollm2_gguf: tuple[str, str], out_dir
     return str(out_dir)
 
 
+def pytest_configure(config):
+    """Adopt every orphan of the suite's processes (a killed rank's children), so that
+    :func:`pytest_sessionfinish` finds what is left among this process's children."""
+    from dapo_megatron.platform import reaper
+
+    reaper.set_subreaper(True)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    """No process of the suite outlives it: what is still alive after the last test (a server, a
+    grader, a rank's child that a test did not reap) is listed, killed, and fails the run."""
+    from dapo_megatron.platform import reaper
+
+    if os.environ.get("PYTEST_XDIST_WORKER") is not None:
+        return
+    left = reaper.reap_children()
+    if left:
+        import sys
+
+        sys.stderr.write("\ntests left these processes running (killed now; the run fails):\n"
+                         + "".join(f"  {line[:300]}\n" for line in left))
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 @pytest.fixture(scope="session")
 def smollm2_gguf() -> tuple[str, str]:
     loc = smollm2_location()

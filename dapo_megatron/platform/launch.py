@@ -4,7 +4,8 @@
 processes (the ``spawn`` start method: no forked torch threads) with the same
 environment torchrun would set, so code under test calls
 :func:`dapo_megatron.platform.init_distributed` exactly as in production.
-An exception in any rank is re-raised in the caller with that rank's traceback.
+An exception in any rank is re-raised in the caller with that rank's traceback. Whatever
+a rank leaves running when it ends (a child of a rank killed mid-step) is killed on return.
 
 Design: docs/design.md §2 (parallel layouts).
 """
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from . import reaper
 from .distributed import destroy_distributed, free_port
 
 
@@ -53,6 +55,16 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
         torch.multiprocessing.ProcessRaisedException: a rank raised; the message
             holds its traceback.
     """
-    mp.start_processes(
-        _entry, args=(world_size, free_port(), fn, args), nprocs=world_size, start_method="spawn"
-    )
+    # A rank that dies without cleanup (os._exit, SIGKILL: the kill/resume tests) leaves its own
+    # multiprocessing children running; as a subreaper for the world's lifetime this process adopts
+    # them, and kills them once every rank has ended (reaper.py).
+    before = set(reaper.child_pids())
+    was_subreaper = reaper.set_subreaper(True)
+    try:
+        mp.start_processes(
+            _entry, args=(world_size, free_port(), fn, args), nprocs=world_size, start_method="spawn"
+        )
+    finally:
+        reaper.reap_children(keep=before)
+        if not was_subreaper:
+            reaper.set_subreaper(False)
