@@ -55,7 +55,10 @@ FRESH_GAP_MAX = 1e-4
 
 def _env() -> dict:
     env = dict(os.environ)
-    env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    # The README command, minus tools/setup_cpu.sh (the environment running this test is the installed
+    # one: its venv is the launcher's python3 and torchrun, tools/cpu_env.sh).
+    env.update(PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", SKIP_SETUP="1",
+               DAPO_VENV=os.path.dirname(os.path.dirname(sys.executable)))
     return env
 
 
