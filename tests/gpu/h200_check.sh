@@ -1,11 +1,17 @@
 #!/usr/bin/env bash
 # GPU checks for one bare H200 machine, under 8 minutes: see tests/gpu/h200_check.py for the
-# list. The machine has torch + CUDA, transformers, safetensors and pytest; megatron-core
-# (the only other package the checks import) is brought as a wheel in .whl/ at the repository
-# root (ignored by git; carry it to the machine), fetched beforehand on any machine with PyPI:
+# list. The machine has torch + CUDA, transformers, safetensors and pytest (its own versions:
+# the checks need none of the image's pins but megatron-core's); megatron-core (the only other
+# package the checks import; it requires torch>=2.6.0, numpy, packaging>=24.2, all there) is
+# brought as a wheel in .whl/ at the repository root (ignored by git; carry it to the machine),
+# fetched beforehand on any machine with PyPI (the wheel is cp312, the machine's Python 3.12):
 #
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#       --platform manylinux_2_28_x86_64 megatron-core==0.16.1 -d .whl      # 2.6 MB
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 megatron-core==0.19.2 -d .whl      # 2.4 MB
+#
+# The first check, cuda_ipc, shares a CUDA tensor with a spawned child within
+# H200_IPC_TIMEOUT_S (60 s): a sandboxed runtime may not allow CUDA IPC. Where it does not, the
+# line says so and the checks that need it print SKIP; the others run.
 #
 # Usage:  bash tests/gpu/h200_check.sh [--only NAME ...]      (--cpu: the same checks on CPU)
 # Prints one line per check and "N passed, N failed"; exit status 1 when a check failed.
