@@ -144,6 +144,7 @@ def ipc_probe(cpu: bool) -> int:
 def check_cuda_ipc(cpu: bool, timeout_s: float):
     """Run ``--ipc-probe`` in its own process group, killed after ``timeout_s``. Returns (ok, detail)."""
     cmd = [sys.executable, os.path.abspath(__file__), "--ipc-probe"] + (["--cpu"] if cpu else [])
+    t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout_s)
@@ -156,7 +157,7 @@ def check_cuda_ipc(cpu: bool, timeout_s: float):
     last = lines[-1] if lines else "(no output)"
     if proc.returncode != 0:
         return False, f"exit {proc.returncode}: {last[:300]}; the checks that need CUDA IPC are skipped"
-    return True, last
+    return True, f"{last} (probe {time.perf_counter() - t0:.1f} s)"
 
 
 def _samples(vocab, n, seed):
