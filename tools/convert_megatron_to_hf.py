@@ -133,6 +133,7 @@ def convert(argv=None) -> None:
         read_checkpoint_meta,
     )
     from dapo_megatron.models import ModelConfig, build_gpt_model
+    from dapo_megatron.models.config import with_architectures
     from dapo_megatron.platform import ParallelConfig, destroy_distributed, init_distributed
 
     meta = read_checkpoint_meta(args.ckpt)
@@ -163,7 +164,8 @@ def convert(argv=None) -> None:
         os.makedirs(tmp)
         hf_config.dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16",
                            torch.float16: "float16"}[next(iter(state.values())).dtype]
-        hf_config.save_pretrained(tmp)
+        # a checkpoint written before config.json named the class (a GGUF source): name it now
+        with_architectures(hf_config).save_pretrained(tmp)
         files = write_safetensors(state, tmp)
         for fname in files:  # safetensors' writer creates 0600 files: give them a plain file's mode
             os.chmod(os.path.join(tmp, fname), file_mode())

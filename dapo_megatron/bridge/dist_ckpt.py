@@ -29,7 +29,7 @@ from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.validation import StrictHandling
 from transformers import AutoConfig
 
-from dapo_megatron.models.config import rope_parameters
+from dapo_megatron.models.config import rope_parameters, with_architectures
 from dapo_megatron.platform.parallel_dims import ParallelDims, dims_or_single
 from .weights import _as_list, unwrap_model
 
@@ -71,7 +71,7 @@ def write_model_meta(ckpt_dir: str, model_chunks, hf_config, tokenizer=None) -> 
     :func:`save_model_checkpoint` calls it, and so does the trainer for its own checkpoints
     (``dapo_megatron.checkpointing``), which then convert with the same tools.
     """
-    hf_config.save_pretrained(ckpt_dir)
+    with_architectures(hf_config).save_pretrained(ckpt_dir)  # a GGUF-built config names no class
     if tokenizer is not None:
         tokenizer.save_pretrained(ckpt_dir)
     model = unwrap_model(_as_list(model_chunks)[0])

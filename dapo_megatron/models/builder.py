@@ -16,6 +16,7 @@ from .config import (
     hf_to_transformer_config,
     padded_vocab_size,
     resolve_transformer_impl,
+    with_architectures,
 )
 from dapo_megatron.platform import ParallelConfig
 
@@ -43,7 +44,8 @@ def load_hf_config(path: str, gguf_file: Optional[str] = None):
         raise FileNotFoundError(f"gguf_file {gguf_file!r} not found in {path!r}")
     cfg = AutoConfig.from_pretrained(path, gguf_file=gguf_file) if gguf_file else AutoConfig.from_pretrained(path)
     check_hf_config(cfg)
-    return cfg
+    # a GGUF file's config names no class: every config.json written from it must (with_architectures)
+    return with_architectures(cfg)
 
 
 def layer_spec(hf_config, model_cfg: ModelConfig):

@@ -45,6 +45,16 @@ MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
 ATTENTION_FAMILY = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3",
                     "qwen2_moe": "qwen2", "mixtral": "llama"}
 MOE_DISPATCHERS = ("alltoall", "allgather")
+# The model class of each supported model_type, written to config.json's "architectures": serving
+# engines pick the class from it and refuse a checkpoint without it (SGLang 0.5.23
+# srt/model_loader/utils.py:201 get_model_architecture reads hf_config.architectures, and
+# srt/models/registry.py:134-145 keys its registry by each models/*.py EntryClass.__name__; vLLM's
+# ModelRegistry by the same names in vllm/model_executor/models/registry.py _TEXT_GENERATION_MODELS).
+# A config read from a GGUF file or built here (the upcycled MixtralConfig) has none.
+# tests/unit/models/test_architectures.py checks each name against transformers, SGLang and vLLM.
+CAUSAL_LM_ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                          "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                          "mixtral": "MixtralForCausalLM"}
 MOE_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 FP8_FORMATS = ("e4m3", "hybrid")
 # Minimum Transformer Engine version for each FP8 recipe, as megatron-core 0.16.1 itself
@@ -733,3 +743,17 @@ def moe_transformer_config_kwargs(moe: MoELayout, parallel, model_cfg: ModelConf
         # asserts not sequence_parallel), so CPU MoE runs at TP > 1 are forward-only
         out["sequence_parallel"] = True
     return out
+
+
+def with_architectures(hf_config):
+    """``hf_config`` with ``architectures`` naming its causal-LM class (:data:`CAUSAL_LM_ARCHITECTURE`)
+    when it names none, as a config read from a GGUF file or built in this package does; a config
+    that names its class keeps it. Returns the same object. Raises ValueError for a model_type
+    this package does not build."""
+    if getattr(hf_config, "architectures", None):
+        return hf_config
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in CAUSAL_LM_ARCHITECTURE:
+        raise ValueError(f"hf_config.model_type={model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}")
+    hf_config.architectures = [CAUSAL_LM_ARCHITECTURE[model_type]]
+    return hf_config

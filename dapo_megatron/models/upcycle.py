@@ -73,9 +73,10 @@ def upcycle_config(dense_config, num_experts: int, top_k: int,
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k={top_k} must be between 1 and num_experts={num_experts}")
     fields = {k: getattr(dense_config, k) for k in CARRIED_FIELDS if getattr(dense_config, k, None) is not None}
+    # architectures: SGLang and vLLM pick the model class from config.json (models.config.with_architectures)
     return MixtralConfig(**fields, num_local_experts=int(num_experts), num_experts_per_tok=int(top_k),
                          router_aux_loss_coef=float(router_aux_loss_coef), router_jitter_noise=0.0,
-                         sliding_window=None, output_router_logits=False)
+                         sliding_window=None, output_router_logits=False, architectures=["MixtralForCausalLM"])
 
 
 def upcycle_state_dict(dense_state: Mapping[str, torch.Tensor], moe_config, router_init_std: float,

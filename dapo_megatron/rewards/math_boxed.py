@@ -43,7 +43,15 @@ wrong reason are refused (the gold is trusted):
   trailing text group as a unit (``latex2sympy2_extended/math_normalization.py``,
   ``unit_superscript_regex``); ``5 \\text{ apples}`` is still 5;
 - a list that repeats an element when the gold lists fewer (``5, 5`` for ``5``,
-  ``1, 2, 2`` for ``1, 2``): math-verify compares them as sets.
+  ``1, 2, 2`` for ``1, 2``): math-verify compares them as sets. A set written as a set
+  (``\\{(1,2),(1,2),(3,4)\\}``) against a gold written as a set is not refused: a set
+  that names a member twice is the same set (Math-Verify compares sets as sets too).
+
+Before parsing, the upright Euler number ``\\mathrm{e}`` (ISO 80000-2 typesetting) is
+read as ``e`` in both answers: math-verify's normaliser turns ``\\mathrm`` into
+``\\text`` and its unit rule then deletes ``\\text{e}}`` and everything after it
+(``1 - \\frac{1}{\\mathrm{e}}`` parses as ``1 - \\frac{1}{``), so an answer
+identical to its gold was graded wrong.
 
 Runs in the calling process without a timeout; grade model text through
 :func:`dapo_megatron.rewards.compute_score` or :class:`~dapo_megatron.rewards.RewardPool`.
@@ -103,9 +111,23 @@ def grade(solution_str: str, ground_truth: str) -> dict:
     return {"score": 1.0 if acc else -1.0, "acc": acc, "pred": pred}
 
 
+# \mathrm{e}: the upright Euler number. latex2sympy2_extended 1.11 (math_normalization.py::
+# normalize_latex) rewrites \mathrm{...} to \text{...}, then unit_superscript_regex
+# r"(\\(?:text|mbox){.*?})(\^\d|\{\^\d\})?$" deletes from "\text{e}}" to the end of the answer.
+# Only the letter e: \mathrm{m} is a unit (dropped on purpose, "5 \mathrm{m}" is 5), and
+# latex2sympy2 reads a plain "e" as sympy's E.
+_UPRIGHT_E_RE = re.compile(r"\\mathrm\s*\{\s*e\s*\}")
+
+
+def upright_e_as_e(answer: str) -> str:
+    """``answer`` with every ``\\mathrm{e}`` written ``e`` (module docstring)."""
+    return _UPRIGHT_E_RE.sub("e", answer)
+
+
 def answers_equivalent(pred: str, gold: str) -> bool:
     """Whether the boxed contents ``pred`` and ``gold`` are the same answer (the
     rules of the module docstring)."""
+    pred, gold = upright_e_as_e(pred), upright_e_as_e(gold)
     if splits_a_number(pred) or drops_meaningful_text(pred):
         return False
     pred_number, gold_number = exact.parse_exact(pred), exact.parse_exact(gold)
@@ -195,16 +217,40 @@ def _written_items(normalized: str) -> int:
     return items
 
 
+_SET_BRACES_RE = re.compile(r"^\s*(?:\\left\s*)?\\\{.*(?:\\right\s*)?\\\}\s*$", re.S)
+
+
+def _written_as_set(normalized: str) -> bool:
+    """Whether math-verify's normalised answer string is one ``\\{ ... \\}`` (a set literal)."""
+    s = normalized.strip()
+    if not _SET_BRACES_RE.match(s):
+        return False
+    # the outer \{ must close at the very end: "\{1\} \cup \{2\}" is no single literal
+    depth = 0
+    for i in range(len(s)):
+        if s.startswith("\\{", i):
+            depth += 1
+        elif s.startswith("\\}", i):
+            depth -= 1
+            if depth == 0 and s[i + 2:].strip():
+                return False
+    return True
+
+
 def _repeats_elements(pred_parsed: list, gold_parsed: list) -> bool:
     """The response lists more items than its set holds (a repeated element, ``5, 5``)
-    and more than the gold lists."""
+    and more than the gold lists, unless both are written as sets (``\\{...\\}``): a set
+    literal that names a member twice is that set (``\\{(1,2),(1,2)\\} = \\{(1,2)\\}``)."""
     from sympy import FiniteSet  # only once math-verify parsed (see _math_verify)
 
     pred_expr = pred_parsed[0]
     if not isinstance(pred_expr, FiniteSet) or len(pred_parsed) < 2 or not isinstance(pred_parsed[1], str):
         return False
+    gold_text = gold_parsed[1] if len(gold_parsed) > 1 and isinstance(gold_parsed[1], str) else None
+    if gold_text is not None and _written_as_set(gold_text) and _written_as_set(pred_parsed[1]):
+        return False
     written = _written_items(pred_parsed[1])
-    gold_written = _written_items(gold_parsed[1]) if len(gold_parsed) > 1 and isinstance(gold_parsed[1], str) else 1
+    gold_written = _written_items(gold_text) if gold_text is not None else 1
     return written > len(pred_expr) and written > gold_written
 
 

@@ -4,6 +4,12 @@ network). Run it with ``bash tests/gpu/h200_check.sh``; ``--cpu`` runs the same 
 CPU / gloo (a dry run of everything but the CUDA specifics, part of the CPU suite through
 ``tests/integration/test_gpu_scripts.py``).
 
+First, ``cuda_ipc``: a spawned child opens a CUDA tensor of this process (CUDA IPC, what SGLang's
+weight updates and the torchrun check below rely on) and adds 1 to it in place, under a time limit
+(``H200_IPC_TIMEOUT_S``, 60 s): a sandboxed runtime may refuse CUDA IPC or hang in it. Where it
+fails or times out, the line says so (``SKIP cuda_ipc: ...``), the checks that need CUDA IPC are
+reported as ``SKIP`` and the rest run. ``--cpu`` shares a CPU tensor the same way.
+
 World of one process on CUDA with NCCL, tiny random Llama (tied embeddings) and Qwen2
 (q/k/v biases, untied) models, megatron-core's local layer spec. Per family:
 
@@ -30,11 +36,11 @@ and once for all of them:
   the end, and the engine's shutdown leaves the reward graders alive;
 * ``fp8_sp_shapes`` (issue 18 item 2): the actor's micro-batches at TP 1/2/4/8, sequence
   parallel on / off, THD / BSHD, every FP8 recipe and odd lengths pass Transformer Engine
-  2.11's shape checks on the local shard (TE is not on this machine: the step itself is
-  ``tests/gpu/full_image_check.sh``'s ``fp8_sp_tp2_step``).
+  shape checks on the local shard, as ``tests/unit/actor/test_packing.py`` encodes them (TE is
+  not on this machine: the step itself is ``tests/gpu/full_image_check.sh``'s ``fp8_sp_tp2_step``).
 
-Prints one line per check (``PASS`` / ``FAIL name: detail``) and ``N passed, N failed``;
-the exit status is 1 when a check failed. ``--only NAME`` (repeatable) runs a subset.
+Prints one line per check (``PASS`` / ``FAIL`` / ``SKIP name: detail``) and ``N passed, N failed``
+(``, N skipped`` when a check was skipped); the exit status is 1 when a check failed. ``--only NAME`` (repeatable) runs a subset.
 """
 
 from __future__ import annotations
@@ -42,6 +48,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import signal
+import subprocess
 import sys
 import time
 import traceback
@@ -60,10 +68,21 @@ class Checks:
     """Runs named checks, one line each; a failure never stops the next check."""
 
     def __init__(self, only=()):
-        self.only, self.passed, self.failed = set(only), 0, 0
+        self.only, self.passed, self.failed, self.skipped = set(only), 0, 0, 0
+
+    def selected(self, name):
+        return not self.only or any(name.startswith(o) for o in self.only)
+
+    def skip(self, name, reason):
+        if self.selected(name):
+            self.skipped += 1
+            print(f"SKIP {name}: {reason}", flush=True)
+
+    def summary(self):
+        return f"{self.passed} passed, {self.failed} failed" + (f", {self.skipped} skipped" if self.skipped else "")
 
     def run(self, name, fn, *args):
-        if self.only and not any(name.startswith(o) for o in self.only):
+        if not self.selected(name):
             return None
         t0 = time.perf_counter()
         try:
@@ -77,6 +96,68 @@ class Checks:
         shown = detail if isinstance(detail, str) else f"{type(detail).__name__} built"
         print(f"PASS {name}: {shown} ({time.perf_counter() - t0:.1f} s)", flush=True)
         return detail
+
+
+IPC_CHECKS = ("sglang_torchrun",)  # the checks whose processes open CUDA tensors of another process
+
+
+def _ipc_child(shared, answer):
+    """In the spawned child: add 1 in place to the parent's tensor, answer its new sum (or the error)."""
+    try:
+        shared.add_(1)
+        if shared.is_cuda:
+            torch.cuda.synchronize()
+        answer.put(("ok", float(shared.sum())))
+    except Exception as err:  # the parent reports it; it must not wait for an answer that never comes
+        answer.put(("error", f"{type(err).__name__}: {err}"))
+
+
+def ipc_probe(cpu: bool) -> int:
+    """``--ipc-probe``: share a tensor with a spawned child (CUDA IPC on a GPU, shared memory with
+    ``--cpu``); the child's in-place add must show in this process (shared, not copied). Runs in a
+    process of its own so that the caller can bound it in time (``check_cuda_ipc``)."""
+    import torch.multiprocessing as mp
+
+    n = 4096
+    shared = torch.arange(n, dtype=torch.float32, device="cpu" if cpu else "cuda")
+    if cpu:
+        shared.share_memory_()
+    ctx = mp.get_context("spawn")
+    answer = ctx.SimpleQueue()
+    child = ctx.Process(target=_ipc_child, args=(shared, answer))
+    child.start()
+    status, value = answer.get()
+    child.join()
+    if status != "ok":
+        print(f"the child could not use the shared tensor: {value}")
+        return 1
+    want = float(n * (n - 1) / 2 + n)
+    seen = float(shared.sum())  # CUDA IPC memory is the parent's: the child's add is visible here
+    if value != want or seen != want or child.exitcode != 0:
+        print(f"child saw sum {value}, this process {seen}, want {want} (exit {child.exitcode})")
+        return 1
+    print(f"a spawned child added 1 in place to a {shared.device.type} tensor of this process "
+          f"({n} floats) and the change is visible here")
+    return 0
+
+
+def check_cuda_ipc(cpu: bool, timeout_s: float):
+    """Run ``--ipc-probe`` in its own process group, killed after ``timeout_s``. Returns (ok, detail)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--ipc-probe"] + (["--cpu"] if cpu else [])
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the probe and its spawned child
+        proc.communicate()
+        return False, (f"timed out after {timeout_s:g} s (this machine's runtime may not allow CUDA IPC); "
+                       f"the checks that need it are skipped")
+    lines = [ln for ln in out.splitlines() if ln.strip()]
+    last = lines[-1] if lines else "(no output)"
+    if proc.returncode != 0:
+        return False, f"exit {proc.returncode}: {last[:300]}; the checks that need CUDA IPC are skipped"
+    return True, f"{last} (probe {time.perf_counter() - t0:.1f} s)"
 
 
 def _samples(vocab, n, seed):
@@ -226,7 +307,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cpu", action="store_true", help="dry run on CPU / gloo (no CUDA specifics)")
     p.add_argument("--only", action="append", default=[], help="run the checks whose name starts with this")
+    p.add_argument("--ipc-probe", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.ipc_probe:
+        if args.cpu:
+            os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        return ipc_probe(args.cpu)
     if not args.cpu and not torch.cuda.is_available():
         print("FAIL setup: no CUDA device visible (use --cpu for a dry run)")
         print("0 passed, 1 failed")
@@ -242,6 +328,14 @@ def main(argv=None) -> int:
     from dapo_megatron.platform import init_distributed
 
     checks = Checks(args.only)
+    ipc_ok = True
+    if any(checks.selected(n) for n in ("cuda_ipc",) + IPC_CHECKS):  # first: the later checks depend on it
+        timeout_s = float(os.environ.get("H200_IPC_TIMEOUT_S", "60"))
+        ipc_ok, detail = check_cuda_ipc(args.cpu, timeout_s)
+        if ipc_ok:
+            checks.run("cuda_ipc", lambda: detail)
+        else:
+            checks.skip("cuda_ipc", detail)
     parallel = init_distributed(seed=0)
     dev = pdist.device()
     print(f"# torch {torch.__version__}, device {dev}"
@@ -264,10 +358,13 @@ def main(argv=None) -> int:
                 checks.run(f"logprobs_bf16_{name}", check_logprobs, fam, actor16, "bf16", 0.1, 0.02)
     checks.run("collectives", check_collectives, spy)
     checks.run("device_index", check_device_index)
-    checks.run("sglang_torchrun", check_sglang_torchrun)
+    if ipc_ok:
+        checks.run("sglang_torchrun", check_sglang_torchrun)
+    else:
+        checks.skip("sglang_torchrun", "needs CUDA IPC, which cuda_ipc found unavailable on this machine")
     checks.run("fp8_sp_shapes", check_fp8_sp_shapes)
     print(f"# {time.perf_counter() - t0:.0f} s", flush=True)
-    print(f"{checks.passed} passed, {checks.failed} failed", flush=True)
+    print(checks.summary(), flush=True)
     return 1 if checks.failed else 0
 
 

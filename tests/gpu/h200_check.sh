@@ -1,14 +1,24 @@
 #!/usr/bin/env bash
 # GPU checks for one bare H200 machine, under 8 minutes: see tests/gpu/h200_check.py for the
-# list. The machine has torch + CUDA, transformers, safetensors and pytest; megatron-core
-# (the only other package the checks import) is brought as a wheel in .whl/ at the repository
-# root (ignored by git; carry it to the machine), fetched beforehand on any machine with PyPI:
+# list. The machine has torch + CUDA, transformers, safetensors, sympy, pyyaml and pytest (its
+# own versions: the checks need none of the image's pins but megatron-core's). What else the
+# checks import is brought as wheels in .whl/ at the repository root (ignored by git; carry it
+# to the machine), fetched beforehand on any machine with PyPI: megatron-core (requires
+# torch>=2.6.0, numpy, packaging>=24.2, all there; cp312, the machine's Python 3.12), and
+# math-verify with its two pure-Python requirements (the reward graders that sglang_torchrun's
+# engine keeps alive import it when they start):
 #
-#   pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#       --platform manylinux_2_28_x86_64 megatron-core==0.16.1 -d .whl      # 2.6 MB
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 -d .whl megatron-core==0.19.2 math-verify==0.9.0 \
+#       latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2      # 2.8 MB
+#
+# The first check, cuda_ipc, shares a CUDA tensor with a spawned child within
+# H200_IPC_TIMEOUT_S (60 s): a sandboxed runtime may not allow CUDA IPC. Where it does not, the
+# line says so and the checks that need it print SKIP; the others run.
 #
 # Usage:  bash tests/gpu/h200_check.sh [--only NAME ...]      (--cpu: the same checks on CPU)
-# Prints one line per check and "N passed, N failed"; exit status 1 when a check failed.
+# Prints one line per check (PASS / FAIL / SKIP) and "N passed, N failed" (", N skipped" when a
+# check was skipped); exit status 1 when a check failed.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD"
@@ -16,8 +26,8 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 2
     export PYTHONPATH="/tmp/site:$PWD"
 fi
-if ! python3 -c "import megatron.core" 2> /dev/null; then
-    echo "FAIL setup: megatron-core is not importable; put its wheel in .whl/ (see this script's header)"
+if ! python3 -c "import megatron.core, math_verify" 2> /dev/null; then
+    echo "FAIL setup: megatron-core or math-verify is not importable; put their wheels in .whl/ (see this script's header)"
     echo "0 passed, 1 failed"
     exit 1
 fi

@@ -3,6 +3,7 @@ under torchrun (TP=2) and as one plain process, on a tiny model and on SmolLM2 (
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -118,6 +119,11 @@ def test_bad_inputs_stop_the_tools_with_the_name(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def _architectures(model_dir) -> list:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return json.load(f).get("architectures")
+
+
 @pytest.mark.slow
 def test_smollm2_gguf_converts_both_ways(smollm2_gguf, smollm2_hf_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -125,8 +131,11 @@ def test_smollm2_gguf_converts_both_ways(smollm2_gguf, smollm2_hf_dir, tmp_path)
     path, fname = smollm2_gguf
     out = _run([TO_MEGATRON, "--hf", path, "--gguf-file", fname, "--out", str(tmp_path / "ckpt")], timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
+    # a GGUF file's config names no model class; SGLang and vLLM pick it from config.json (issue 36 item 9)
+    assert _architectures(tmp_path / "ckpt") == ["LlamaForCausalLM"]
     out = _run([TO_HF, "--ckpt", str(tmp_path / "ckpt"), "--out", str(tmp_path / "hf")], timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert _architectures(tmp_path / "hf") == ["LlamaForCausalLM"]
     ref, back = _load_safetensors_dir(smollm2_hf_dir), _load_safetensors_dir(str(tmp_path / "hf"))
     assert sorted(back) == sorted(ref) and "lm_head.weight" not in back  # tied: embedding once
     for k in ref:

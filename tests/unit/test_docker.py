@@ -99,17 +99,80 @@ def _setup_requirements() -> tuple[list[str], dict[str, list[str]]]:
     return kw["install_requires"], kw["extras_require"]
 
 
+# The set the image, setup.py and the CPU suite share (issue 34). Each exact pin below was read
+# from the wheel's METADATA on PyPI: sglang 0.5.23 "Requires-Dist: torch==2.14.1" and
+# "transformers==5.19.0"; sglang-kernel 0.4.10 "Requires-Dist: torch==2.14.1" (its description:
+# "Requires torch == 2.14.1"); torch 2.14.1 (the 2.14.1+cu130 Linux wheel)
+# "Requires-Dist: cuda-toolkit[...]==13.0.3".
+THE_SET = {
+    "torch": "2.14.1",
+    "sglang": "0.5.23",
+    "sglang-kernel": "0.4.10",
+    "transformer-engine": "2.20.2",
+    "megatron-core": "0.19.2",
+    "transformers": "5.19.0",
+    "nvidia-dali-cuda130": "2.4.0",
+    "mlflow": "3.17.2",
+}
+# The one CUDA 12 package of the resolved set: nvidia-cutlass-dsl 4.8.0 (required by sglang
+# 0.5.23 as nvidia-cutlass-dsl[cu13]) lists "Requires-Dist: nvidia-cutlass-dsl-libs-cu12==4.8.0"
+# without a marker; its cu13 extra adds nvidia-cutlass-dsl-libs-cu13 beside it.
+CU12_ALLOWED = {"nvidia-cutlass-dsl-libs-cu12"}
+
+
 def test_base_image_carries_the_cuda_of_the_resolved_torch():
+    from packaging.version import Version
+
     instructions, args = _load_dockerfile()
     pins = _pins(os.path.join(DOCKER_DIR, "constraints.txt"))
     froms = [rest.replace("${BASE_IMAGE}", args.get("BASE_IMAGE", "")) for w, rest in instructions if w == "FROM"]
     assert len(froms) == 1
     m = re.fullmatch(r"nvidia/cuda:(\d+\.\d+\.\d+)-cudnn-devel-ubuntu24\.04", froms[0])
     assert m, froms  # devel: nvcc compiles Transformer Engine's torch extension; Ubuntu 24.04: Python 3.12
-    assert m.group(1) == pins["cuda-toolkit"], "the base's CUDA is the one torch's wheels were built with"
+    # cuda-toolkit is pinned as 13.0.3.0 (torch asks ==13.0.3); PEP 440 equality ignores the trailing .0
+    assert Version(m.group(1)) == Version(pins["cuda-toolkit"]), "the base's CUDA is the one torch's wheels were built with"
+    # torch's CUDA 13 libraries and the Transformer Engine core are of the base's CUDA major
+    major = Version(m.group(1)).major
+    assert canonicalize_name(f"transformer-engine-cu{major}") in pins
+    assert canonicalize_name(f"nvidia-nccl-cu{major}") in pins and canonicalize_name(f"nvidia-cudnn-cu{major}") in pins
+
+
+def test_the_image_installs_the_set():
+    pins = _pins(os.path.join(DOCKER_DIR, "constraints.txt"))
+    assert {n: pins.get(n) for n in THE_SET} == THE_SET
     # SGLang's pin of torch (and of the kernels built for it) is the torch of the set
-    assert pins["torch"] == "2.11.0" and pins["sglang"] == "0.5.11" and pins["sglang-kernel"] == "0.4.2"
     assert pins["transformer-engine"] == pins["transformer-engine-torch"] == pins["transformer-engine-cu13"]
+
+
+def _versions_named(text: str) -> dict[str, set[str]]:
+    """Every full version (X.Y.Z) a text gives to a package of the set, by the set's name."""
+    names = {
+        "torch": r"torch", "sglang": r"sglang|SGLang", "sglang-kernel": r"sglang-kernel",
+        "transformer-engine": r"transformer-engine(?:\[[^\]]*\])?|Transformer Engine",
+        "megatron-core": r"megatron-core|megatron_core", "transformers": r"transformers",
+    }
+    out: dict[str, set[str]] = {}
+    for name, alts in names.items():
+        for m in re.finditer(rf"(?<![\w-])(?:{alts})(?:==| |, )v?(\d+\.\d+\.\d+)(?![\d])", text):
+            out.setdefault(name, set()).add(m.group(1))
+    return out
+
+
+def test_docs_and_comments_name_the_pinned_versions():
+    """The Dockerfile's comments, requirements.in's reasons, setup.py's docstring, docker/README.md
+    and the GPU check scripts name the versions the image installs (they named the previous set)."""
+    files = ["docker/Dockerfile", "docker/requirements.in", "docker/README.md", "docker/uv.toml", "setup.py",
+             "tests/gpu/h200_check.sh", "tests/gpu/h200_check.py", "tests/gpu/full_image_check.sh",
+             "tests/gpu/full_image_check.py"]
+    wrong = {}
+    for rel in files:
+        named = _versions_named(open(os.path.join(REPO, rel), encoding="utf-8").read())
+        for name, versions in named.items():
+            if versions != {THE_SET[name]}:
+                wrong[rel, name] = sorted(versions)
+    assert not wrong, wrong
+    readme = open(os.path.join(DOCKER_DIR, "README.md"), encoding="utf-8").read()
+    assert all(v in readme for v in THE_SET.values()), [n for n, v in THE_SET.items() if v not in readme]
 
 
 def test_every_install_uses_the_constraints_and_nothing_from_pypi_apex():
@@ -126,7 +189,7 @@ def test_every_install_uses_the_constraints_and_nothing_from_pypi_apex():
     names = {canonicalize_name(re.split(r"[=<>!~\[;@ ]", s, maxsplit=1)[0]) for s in specs if not s.startswith(".")}
     pins = _pins(os.path.join(DOCKER_DIR, "constraints.txt"))
     assert "apex" not in names and "apex" not in pins  # the PyPI "apex" is an unrelated web toolkit
-    assert not [n for n in pins if n.endswith("-cu12")], "one CUDA major (13) in the image"
+    assert {n for n in pins if n.endswith("-cu12")} == CU12_ALLOWED, "one CUDA major (13) in the image"
     assert names <= set(pins) | {"pip"}, names - set(pins)
 
 
@@ -136,17 +199,38 @@ def test_setup_py_and_the_image_agree():
     for spec in install + extras["gpu"] + extras["dev"]:
         req = Requirement(spec)
         name = canonicalize_name(req.name)
-        if name == "nvidia-dali-cuda120":  # the DALI build for CUDA 12; the CUDA 13 image has its twin
-            name = "nvidia-dali-cuda130"
         assert name in pins, f"setup.py requires {spec} but the image does not install it"
         assert req.specifier.contains(pins[name], prereleases=True), f"setup.py {spec} vs the image's {pins[name]}"
-    assert pins["megatron-core"] == "0.16.1"  # the version the CPU suite runs
+    assert pins["megatron-core"] == THE_SET["megatron-core"]  # the version the CPU suite runs
+    assert Requirement(next(s for s in install if s.startswith("torch"))).specifier == \
+        Requirement(f"torch=={THE_SET['torch']}").specifier  # SGLang's exact pin, on CPU too
+    assert "python_requires=\">=3.12\"" in open(os.path.join(REPO, "setup.py"), encoding="utf-8").read()
 
 
 def test_constraints_honour_the_pins_of_requirements_in():
     want = _pins(os.path.join(DOCKER_DIR, "requirements.in"))
     pins = _pins(os.path.join(DOCKER_DIR, "constraints.txt"))
     assert want and all(pins[n] == v for n, v in want.items()), {n: (v, pins.get(n)) for n, v in want.items()}
-    text = open(os.path.join(DOCKER_DIR, "uv.toml"), encoding="utf-8").read()
-    assert f'version = "{pins["transformer-engine-torch"]}"' in text
-    assert f'transformer_engine_cu13=={pins["transformer-engine"]}' in text
+
+
+
+def test_uv_override_of_the_te_torch_sdist_is_pinned_and_cuda13():
+    """docker/uv.toml declares transformer-engine-torch's requirements (its sdist's are Dynamic): the
+    override is for the pinned version, names the CUDA 13 core of the same version, and every
+    requirement it declares is in the resolved set at a version that satisfies it."""
+    import tomllib
+
+    pins = _pins(os.path.join(DOCKER_DIR, "constraints.txt"))
+    with open(os.path.join(DOCKER_DIR, "uv.toml"), "rb") as f:
+        (meta,) = tomllib.load(f)["dependency-metadata"]
+    assert canonicalize_name(meta["name"]) == "transformer-engine-torch"
+    assert meta["version"] == pins["transformer-engine-torch"] == THE_SET["transformer-engine"]
+    reqs = [Requirement(r) for r in meta["requires-dist"]]
+    cores = [r for r in reqs if canonicalize_name(r.name).startswith("transformer-engine-cu")]
+    assert [canonicalize_name(r.name) for r in cores] == ["transformer-engine-cu13"]
+    assert str(cores[0].specifier) == f"=={THE_SET['transformer-engine']}"
+    for r in reqs:
+        name = canonicalize_name(r.name)
+        assert name in pins and r.specifier.contains(pins[name], prereleases=True), (str(r), pins.get(name))
+    # TE 2.20.2's build_tools/pytorch.py:24-35 install_requirements() (read in the PyPI sdist)
+    assert {canonicalize_name(r.name) for r in reqs} >= {"nvdlfw-inspect", "nvidia-cudnn-frontend", "torch"}
