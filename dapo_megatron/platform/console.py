@@ -107,6 +107,11 @@ KNOWN_BENIGN_LOG_RECORDS: tuple[BenignLogRecord, ...] = (
         "PyPI's torch 2.14.1 is a CUDA build; on a CPU machine that has a CUDA toolkit "
         "(nvcc on PATH) its cpp_extension module says so at import (torch/utils/cpp_extension.py:182-183, "
         "_find_cuda_home); nothing here compiles a CUDA extension", cpu_only=True),
+    BenignLogRecord(
+        "megatron.core.models.gpt.gpt_model", r"GPTModel IS DEPRECATED",
+        "megatron-core 0.19.2 logs it at every GPTModel construction (models/gpt/gpt_model.py:118-124): "
+        "GPTModel still takes critical fixes and is what this stack builds; moving to HybridModel is a "
+        "change of this project's model builder, not something a user can do"),
 )
 
 

@@ -288,6 +288,8 @@ def test_console_filters_match_megatron_core_at_import():
         import logging, torch.utils.cpp_extension as ext
         logging.getLogger(ext.__name__).warning("No CUDA runtime is found, using CUDA_HOME='/x'")  # its text
         logging.getLogger(ext.__name__).warning("another record")  # not filtered
+        from megatron.core.models.gpt import gpt_model
+        gpt_model.logger.warning("GPTModel IS DEPRECATED. GPTModel is only accepting critical bug fixes")  # its text
         """
     runs = {}
     for mode in ("quiet", "show"):
@@ -298,7 +300,8 @@ def test_console_filters_match_megatron_core_at_import():
     if torch.cuda.is_available():
         pytest.skip("the CPU-only entries are kept on a GPU machine")
     for text in ("Transformer Engine and Apex are not installed", "Apex is not installed. Falling back to Torch Norm",
-                 "full scope is deprecated", "absl.logging is not installed", "No CUDA runtime is found"):
+                 "full scope is deprecated", "absl.logging is not installed", "No CUDA runtime is found",
+                 "GPTModel IS DEPRECATED"):
         assert text in runs["show"] and text not in runs["quiet"], text
     assert "Warning" not in runs["quiet"], runs["quiet"][-2000:]
     assert runs["quiet"].strip().endswith("] another record"), runs["quiet"][-2000:]
