@@ -219,12 +219,12 @@ def init_distributed(
             pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
             expert_model_parallel_size=parallel.expert_model_parallel_size,
             expert_tensor_parallel_size=parallel.etp_size,
-            # every group megatron-core builds, its gloo twins included (parallel_state.py:
-            # core_v0.16.1 initialize_model_parallel's distributed_timeout_minutes=30, the same in 0.19.2)
+            # every group megatron-core builds (parallel_state.py initialize_model_parallel's
+            # distributed_timeout_minutes=30 by default: 0.19.2 :616, used at :909; core_v0.16.1 :561, :819)
             distributed_timeout_minutes=parallel.distributed_timeout_minutes,
         )
         # ... but not EXPERT_DATA_PARALLEL_GROUP_GLOO, built without it (torch's gloo default, 30
-        # minutes): parallel_state.py:1465-1467 in 0.19.2 (installed), core_v0.16.1 :1277-1279. Every
+        # minutes): parallel_state.py:1464-1467 in 0.19.2 (installed), core_v0.16.1 :1277-1280. Every
         # group megatron-core made (its _global_process_group_list, the list its own
         # update_pg_timeout walks) gets the run's timeout here.
         for group in parallel_state._global_process_group_list or ():
