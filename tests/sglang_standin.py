@@ -24,7 +24,8 @@ Test controls: ``POST /control`` with ``{"healthy": false}`` (health answers 503
 ``{"hang_health": true}`` (health never answers), ``{"fail_next_update": "message"}`` (the next
 weight update answers 400 ``{"success": false}`` without joining the broadcast) or
 ``{"server_info": {...}}`` (fields merged into ``/server_info``'s answer),
-``{"digest_only": true}`` (keep each received tensor's sha256, not its bytes); ``{"reset": true}``
+``{"digest_only": true}`` (keep each received tensor's sha256, not its bytes),
+``{"generate_delay_s": 4.5}`` (``/generate`` answers that much later); ``{"reset": true}``
 forgets everything received and every control set. ``/received`` also lists every route
 called, in order, as ``calls``.
 """
@@ -68,7 +69,7 @@ def serve(http_port: int, ready, tp_size: int = 1) -> None:
     scheduler = threading.Lock()
     state = {"groups": {}, "received": [], "flushes": 0, "memory": [], "control": [], "healthy": True,
              "hang_health": False, "fail_next_update": None, "flat_broadcasts": 0, "server_info": {}, "calls": [],
-             "digest_only": False}
+             "digest_only": False, "generate_delay_s": 0.0}
 
     def flattened_receive(names, dtypes, shapes, group):
         named = [(n, torch.empty(s, dtype=dtype_from_name(d))) for n, d, s in zip(names, dtypes, shapes)]
@@ -137,6 +138,7 @@ def serve(http_port: int, ready, tp_size: int = 1) -> None:
             if self.path not in ("/received", "/control"):
                 state["calls"].append(self.path)
             if self.path == "/generate":
+                time.sleep(state["generate_delay_s"])  # a long generation (test control)
                 out = []
                 for row, (ids, sp) in enumerate(zip(req["input_ids"], req["sampling_params"])):
                     resp = [ids[-1] + 1 + k for k in range(sp["max_new_tokens"])]
@@ -181,7 +183,7 @@ def serve(http_port: int, ready, tp_size: int = 1) -> None:
                     state["groups"].clear()
                     state.update(received=[], flushes=0, memory=[], control=[], healthy=True, hang_health=False,
                                  fail_next_update=None, flat_broadcasts=0, server_info={}, calls=[],
-                                 digest_only=False)
+                                 digest_only=False, generate_delay_s=0.0)
                 state.update(req)
                 self.reply(200, None)
             elif self.path in ("/release_memory_occupation", "/resume_memory_occupation"):

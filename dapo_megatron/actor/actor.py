@@ -7,18 +7,21 @@ same code serves PP = 1 and the 1F1B pipeline schedule.
 
 Loss scaling (docs/design.md §3.4). DAPO's token-level loss of a mini-batch is
 ``sum over all valid tokens / N`` with ``N`` the valid-token count of the whole
-mini-batch (all micro-batches, all DP ranks). megatron-core 0.16.1 would rescale
-that in two places, and both are switched off here:
+mini-batch (all micro-batches, all DP ranks). megatron-core would rescale
+that in two places (0.16.1 and 0.19.2 alike), and both are switched off here:
 
-1. ``schedules.forward_step_calc_loss``: when the loss function returns
+1. ``schedules.forward_step_calc_loss`` (0.19.2 ``pipeline_parallel/schedules.py:290``, the
+   branch at :329-335; core_v0.16.1 :218, :257-263): when the loss function returns
    ``(loss, num_tokens, reduced)`` and ``config.calculate_per_token_loss`` is False,
    the loss is divided by ``num_tokens`` and by ``num_microbatches``. We set
    ``calculate_per_token_loss = True``: the loss is back-propagated as returned.
-2. ``DistributedDataParallel``: without ``calculate_per_token_loss`` the grad buffers
+2. ``DistributedDataParallel`` (0.19.2 ``distributed/distributed_data_parallel.py:179-184``;
+   core_v0.16.1 :254-259): without ``calculate_per_token_loss`` the grad buffers
    are pre-scaled by ``1 / DP`` (or averaged in the collective), i.e. gradients are
    *averaged* over DP. With it, ``gradient_scaling_factor = 1``: gradients are
    *summed* over DP (``average_in_collective`` must stay False).
-3. ``finalize_model_grads(model, num_tokens)`` would then divide the gradients by
+3. ``finalize_model_grads(model, num_tokens)`` (0.19.2 ``distributed/finalize_model_grads.py:563``,
+   the division at :680; core_v0.16.1 :396, :484) would then divide the gradients by
    the all-reduced token count returned by the loss function; we install a
    ``finalize_model_grads_func`` that passes ``num_tokens=None``, because our loss
    is already divided by the global ``N``.
@@ -28,7 +31,7 @@ gradients are summed over micro-batches (accumulation) and DP ranks (reduce-scat
 the total is exactly ``sum over all tokens / N`` however the mini-batch is cut.
 
 Sources: verl ``MegatronPPOActor`` (config names, token-mean with a global token
-count), megatron-core 0.16.1 ``pipeline_parallel/schedules.py`` and
+count), megatron-core 0.19.2 (and 0.16.1) ``pipeline_parallel/schedules.py`` and
 ``distributed/`` (scaling rules above), ``training/training.py`` (DDP / optimizer /
 scheduler wiring).
 """
@@ -126,8 +129,9 @@ def _build_optimizer(o: OptimConfig, config, model_chunks):
         fp16=config.fp16,
         params_dtype=config.params_dtype,
         use_distributed_optimizer=True,
-        # fp32 main params, main grads and Adam moments (megatron-core 0.16.1 optimizer_config.py
-        # asserts these stay fp32 unless the precision-aware optimizer, TE's FusedAdam, is on)
+        # fp32 main params, main grads and Adam moments (megatron-core optimizer_config.py asserts
+        # these stay fp32 unless the precision-aware optimizer, TE's FusedAdam, is on: 0.19.2
+        # :471-477, core_v0.16.1 :416-422)
         use_precision_aware_optimizer=False,
         main_params_dtype=torch.float32,
         main_grads_dtype=torch.float32,
@@ -168,7 +172,8 @@ def _keep_label_rows(module, args, kwargs, *, index: torch.Tensor):
 def _rotary_at_positions(module, args, output, *, position_ids: torch.Tensor):
     """RotaryEmbedding forward hook: the embedding at ``position_ids`` instead of at ``0 .. S-1``.
 
-    megatron-core 0.16.1 ``GPTModel._preprocess`` asks ``rotary_pos_emb`` for the first ``S``
+    megatron-core's ``GPTModel._preprocess`` (0.19.2 ``models/gpt/gpt_model.py:316``, core_v0.16.1
+    :284) asks ``rotary_pos_emb`` for the first ``S``
     positions (``[S, 1, 1, D]``, ``models/common/embeddings/rotary_pos_embedding.py``), which
     is right when RoPE only has to see relative offsets inside each sequence. A shared-prompt
     segment needs each response at the positions that continue its prompt, so the hook

@@ -1,7 +1,7 @@
 """The loss functions the actor hands to megatron-core's forward-backward schedule.
 
-Contract (megatron-core 0.16.1 ``pipeline_parallel/schedules.py``,
-``forward_step_calc_loss``): on the last pipeline stage the schedule calls
+Contract (megatron-core ``pipeline_parallel/schedules.py``, ``forward_step_calc_loss``: 0.19.2
+:290 with the 3-tuple at :329-335, core_v0.16.1 :218, unchanged): on the last pipeline stage the schedule calls
 ``loss_func(output_tensor)`` and, for a 3-tuple ``(loss, num_tokens, reduced)``,
 
 - back-propagates ``loss`` (a 0-d float tensor; with ``config.calculate_per_token_loss=True``,

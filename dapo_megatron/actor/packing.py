@@ -10,8 +10,9 @@ Two layouts, one :class:`PackedBatch`:
 
   * on GPU with the Transformer Engine spec, pass :attr:`PackedBatch.packed_seq_params`
     (``megatron.core.packed_seq_params.PackedSeqParams(qkv_format="thd", ...)``);
-  * on CPU with the local spec, megatron-core 0.16.1's ``DotProductAttention``
-    asserts ``packed_seq_params is None``; its softmax (``FusedScaleMaskSoftmax``
+  * on CPU with the local spec, megatron-core's ``DotProductAttention``
+    asserts ``packed_seq_params is None`` (``transformer/dot_product_attention.py:153`` in
+    0.19.2 and core_v0.16.1); its softmax (``FusedScaleMaskSoftmax``
     torch path) uses a given ``attention_mask`` *instead of* the causal one, applying
     ``masked_fill(mask, -10000)`` with **True = masked**. So we pass a block-diagonal
     causal ``attention_mask [1, 1, T, T]`` bool. ``exp(-10000 - max)`` is exactly 0 in

@@ -11,20 +11,25 @@ the plain form (``tests/unit/actor/test_actor.py``, ``tests/unit/actor/test_shar
 
 FP8 alignment. Transformer Engine 2.x runs an FP8 GEMM only when the product of all
 input dimensions but the last is a multiple of 8 and the last one a multiple of 16
-(``transformer_engine/pytorch/utils.py``, ``assert_dim_for_fp8_exec``). In training
+(``transformer_engine/pytorch/utils.py``, ``assert_dim_for_fp8_exec``: v2.11 :439, 2.20
+(main at 2.20.0.dev0, d0067d0) :614). In training
 the token dimension is also the inner (last) dimension of the weight-gradient GEMM
-``dW = dY^T X``, so tokens must be a multiple of 16; megatron-core 0.16.1 and 0.17.1
-agree (``megatron/core/fp8_utils.py``, ``get_fp8_align_size``: 32 for the ``mxfp8``
-recipe, whose scales cover blocks of 32 along both dimensions, 16 for every other
-recipe). With ``model.fp8`` set, every micro-batch is padded so that ``B * T`` is a
+``dW = dY^T X``, so tokens must be a multiple of 16; megatron-core 0.16.1 and 0.19.2
+agree (``megatron/core/fp8_utils.py``, ``get_fp8_align_size``, core_v0.16.1 :168, 0.19.2 :318:
+32 for the ``mxfp8`` recipe, whose scales cover blocks of 32 along both dimensions, 16 for
+every other recipe). With ``model.fp8`` set, every micro-batch is padded so that ``B * T`` is a
 multiple of that size. With sequence parallelism the column-parallel GEMMs
 (``LayerNormLinear``, ``LayerNormMLP``'s fc1: qkv, fc1) get each TP rank's LOCAL shard
-``[T / TP, B, H]``, checked BEFORE the all-gather (TE 2.11 ``module/layernorm_linear.py``
-and ``module/layernorm_mlp.py``: ``assert_dim_for_fp8_exec(inputmat, ...)`` and
-``assert_dim_for_all_gather``, which asks the quantizer's ``is_quantizable``): ``(T / TP) * B``
-must be a multiple of 8, and of the quantizer's block for the FP8 all-gather, 32 for
-``mxfp8`` (``tensor/mxfp8_tensor.py``) and 128 for ``blockwise``
-(``tensor/float8_blockwise_tensor.py``, ``block_len = 128``); :func:`fp8_local_align_size`.
+``[T / TP, B, H]``, checked BEFORE the all-gather (``module/layernorm_linear.py`` and
+``module/layernorm_mlp.py``: ``assert_dim_for_fp8_exec(inputmat, ...)``, TE 2.20 :184 and
+:356): ``(T / TP) * B`` must be a multiple of 8. The FP8 all-gather also needs it a multiple of
+the quantizer's block (its ``is_quantizable``), 32 for ``mxfp8`` (``tensor/mxfp8_tensor.py``,
+2.20 :125) and 128 for ``blockwise`` (``tensor/float8_blockwise_tensor.py``, ``block_len =
+128``, 2.20 :235). TE 2.11 asserted that too (``assert_dim_for_all_gather``, layernorm_linear.py
+:162, layernorm_mlp.py :334); since TE 2.14 (commit 5fd5c35, PR 2637) a shard that is not a
+multiple all-gathers in high precision instead, with a warning on every call
+(``distributed.py`` :1134 blockwise, :1573 mxfp8, in 2.20), so the padding now keeps the
+all-gather in FP8 and the log quiet rather than avoiding an error; :func:`fp8_local_align_size`.
 The row-parallel GEMMs (proj, fc2) get the full sequence ``[T, B, h / TP]``. Padding ``T``
 to ``lcm(TP, 16)`` alone leaves 4 local tokens at TP = 4 and 2 at TP = 8 (slime pads to
 ``tp_size × data_pad_size_multiplier`` for the same reason); the multiples are combined in
@@ -86,8 +91,9 @@ def fp8_align_size(fp8_recipe) -> int:
 
 
 #: Token multiple of a sequence-parallel shard that each recipe's column-parallel GEMM input
-#: needs before its all-gather (module docstring; TE 2.11 ``utils.py`` ``assert_dim_for_fp8_exec``: 8;
-#: the all-gather quantizer's ``is_quantizable``: MXFP8 blocks of 32, FP8 blocks of 128).
+#: needs before its all-gather (module docstring; TE 2.20 ``utils.py:614`` ``assert_dim_for_fp8_exec``: 8;
+#: the all-gather quantizer's ``is_quantizable``, for an all-gather in FP8: MXFP8 blocks of 32, FP8
+#: blocks of 128).
 FP8_LOCAL_ALIGN = {"delayed": 8, "tensorwise": 8, "mxfp8": 32, "blockwise": 128}
 
 

@@ -56,7 +56,11 @@ def layer_spec(hf_config, model_cfg: ModelConfig):
     ``linear_qkv.layer_norm_weight`` / ``linear_fc1.layer_norm_weight``. The bridge
     handles both parameter name sets.
 
-    MoE models (megatron-core 0.16.1 models/gpt/gpt_layer_specs.py with ``num_experts``, and
+    Both spec functions take these keywords in megatron-core 0.16.1 and 0.19.2
+    (models/gpt/gpt_layer_specs.py: 0.19.2 wraps ``get_gpt_layer_with_transformer_engine_submodules``
+    :179 and ``get_gpt_layer_local_submodules`` :359 at :351 and :467, where core_v0.16.1 defined
+    them at :171 and :306; 0.19 dropped ``moe_use_legacy_grouped_gemm``, which is not passed here).
+    MoE models (megatron-core models/gpt/gpt_layer_specs.py with ``num_experts``, and
     models/gpt/moe_module_specs.py): the MLP is an ``MoELayer`` (``TopKRouter``, the experts,
     ``SharedExpertMLP`` when the model has one) behind a separate ``pre_mlp_layernorm`` in both
     specs. The local spec runs the experts as ``SequentialMLP`` (one ``MLP`` per local expert,

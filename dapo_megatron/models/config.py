@@ -21,7 +21,7 @@ Mixtures of experts (every decoder layer an MoE layer, megatron-core ``MoELayer`
   router, top-k always renormalised.
 
 Anything this module cannot map exactly (another activation, a RoPE scaling type
-megatron-core 0.16 does not implement, sliding-window attention, ...) raises a
+megatron-core 0.19 does not implement, sliding-window attention, ...) raises a
 ``ValueError`` naming the HF config field, so that a model never builds with silently
 different numerics.
 """
@@ -57,8 +57,11 @@ CAUSAL_LM_ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalL
                           "mixtral": "MixtralForCausalLM"}
 MOE_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 FP8_FORMATS = ("e4m3", "hybrid")
-# Minimum Transformer Engine version for each FP8 recipe, as megatron-core 0.16.1 itself
-# requires them in ``megatron.core.fp8_utils.get_fp8_recipe`` (delayed works on any TE).
+# Minimum Transformer Engine version for each FP8 recipe, as megatron-core itself requires them
+# in ``megatron.core.fp8_utils.get_fp8_recipe`` (delayed works on any TE): 0.19.2 :714, the gates
+# at :732-748, unchanged from core_v0.16.1 :536, :554-570. The recipes are TE's
+# ``common/recipe/__init__.py`` classes DelayedScaling, Float8CurrentScaling, Float8BlockScaling,
+# MXFP8BlockScaling, the same names in TE 2.11 (:121, :224, :306, :265) and 2.20 (:173, :286, :392, :337).
 FP8_RECIPE_MIN_TE = {"delayed": "1.0", "tensorwise": "2.2.0.dev0", "blockwise": "2.3.0.dev0", "mxfp8": "2.1.0"}
 # Minimum CUDA compute capability: FP8 GEMMs need Ada/Hopper (8.9, TE's
 # ``check_fp8_support``); MXFP8 needs Blackwell (SM 10.0, TE MXFP8 docs); FP8 block scaling
@@ -687,7 +690,8 @@ def hf_to_transformer_config(hf_config, parallel, model_cfg: ModelConfig = None,
     )
     if moe is not None:
         kwargs.update(moe_transformer_config_kwargs(moe, parallel, model_cfg, impl))
-        # megatron-core 0.16.1 router.py: every TopKRouter gets a RouterReplay (moe/router_replay.py)
+        # megatron-core router.py (0.19.2 :256, core_v0.16.1 :206): every TopKRouter gets a
+        # RouterReplay (moe/router_replay.py)
         kwargs["moe_enable_routing_replay"] = bool(routing_replay)
     if model_cfg.fp8 is not None:
         kwargs.update(
@@ -702,7 +706,7 @@ def hf_to_transformer_config(hf_config, parallel, model_cfg: ModelConfig = None,
 
 
 def moe_transformer_config_kwargs(moe: MoELayout, parallel, model_cfg: ModelConfig, impl: str) -> dict[str, Any]:
-    """The ``TransformerConfig`` MoE fields (megatron-core 0.16.1 names,
+    """The ``TransformerConfig`` MoE fields (megatron-core names, the same in 0.16.1 and 0.19.2:
     megatron/core/transformer/transformer_config.py "MoE related") of an MoE model.
 
     Routing equivalence with transformers (megatron/core/transformer/moe/moe_utils.py,

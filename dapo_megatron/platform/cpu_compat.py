@@ -1,6 +1,6 @@
 """Run megatron-core on CPU processes (gloo) when CUDA is absent (docs/design.md §5.1).
 
-megatron-core 0.16.1 assumes a CUDA device in a handful of places. This module patches
+megatron-core (0.16.1, and 0.19.2 at the same places) assumes a CUDA device in a handful of places. This module patches
 exactly those, and nothing else, so that the same actor code runs on a 2-core
 laptop (tests, the CPU quick start) and on H100s (where :func:`activate` is a
 no-op):
@@ -28,9 +28,9 @@ no-op):
    TP=2. :func:`_l2_norm_fp64` accumulates in float64 instead
    (``megatron.core.optimizer.clip_grads.l2_norm_impl``); GPUs keep Apex/TE's kernel.
 
-6. CUDA streams and events for the MoE all-to-all token dispatcher: megatron-core 0.16.1's
+6. CUDA streams and events for the MoE all-to-all token dispatcher: megatron-core's
    ``MoEAlltoAllTokenDispatcher`` (transformer/moe/token_dispatcher.py, ``__init__`` and
-   ``_maybe_dtoh_and_synchronize``) creates a ``torch.cuda.Stream`` for its device-to-host
+   ``_maybe_dtoh_and_synchronize``; 0.19.2 :469 and :913) creates a ``torch.cuda.Stream`` for its device-to-host
    copies of the split sizes and synchronises on an event recorded on it.
    ``torch.cuda.Stream`` / ``current_stream`` / ``stream`` / ``Event`` become a no-op stream
    and event (:class:`_CpuStream`): on CPU every op is synchronous, so there is nothing to
@@ -45,7 +45,7 @@ no-op):
 
 8. The router's gating GEMM without Transformer Engine: ``moe_utils.RouterGatingLinearFunction``
    tests ``te_general_gemm is not None``, a name bound only when TE imports (``NameError``
-   otherwise, megatron-core 0.16.1 moe/moe_utils.py); it is bound to None, which selects the
+   otherwise, megatron-core moe/moe_utils.py, 0.19.2 :1326 and :1359); it is bound to None, which selects the
    function's own ``torch.mm`` path in the router dtype.
 
 Items 1-4 and 6-8 do not change numerics: they only choose the device, RNG or host
@@ -97,9 +97,9 @@ def _non_leaf_grad(getter, args: tuple, kwargs: dict):
     """``.grad`` of a non-leaf tensor (the getter's own value), without torch's "not a leaf
     Tensor" UserWarning.
 
-    megatron-core 0.16.1's DistributedOptimizer keeps the shards of fp32 parameters as views
+    megatron-core's DistributedOptimizer keeps the shards of fp32 parameters as views
     (``model_param.view(-1)[start:end]``, non-leaf; distrib_optimizer.py notes the group
-    "throws grad-access warning"), assigns their ``.grad`` by hand and reads it in
+    "throws grad-access warning", 0.19.2 :467 and :2580), assigns their ``.grad`` by hand and reads it in
     ``zero_grad`` before the first assignment. Under this mode the warning is attributed to
     this module's frame, once per rank, for a read that is by design. The value is the
     getter's: None until megatron assigns a gradient, then that tensor.

@@ -40,9 +40,21 @@ class ParallelConfig:
     expert_tensor_parallel_size: Optional[int] = None
     """ETP degree (MoE only): each expert's FFN split like TP; None: the TP size (megatron-core's
     default). verl and slime's large-MoE recipes use 1."""
+    distributed_timeout_minutes: float = 120.0
+    """timeout of every collective, in minutes (Megatron's ``--distributed-timeout-minutes``, verl's
+    ``nccl_timeout`` in seconds): the world group, every group megatron-core builds
+    (``initialize_model_parallel(distributed_timeout_minutes=...)``) and the package's own; > 0.
+    NCCL's watchdog ends the job when one collective waits longer. Waiting for generation is not
+    bounded by it: ranks that generate nothing wait on a gloo group of their own
+    (:data:`GENERATION_WAIT`), so a generation batch may take hours. Megatron's default is 10,
+    megatron-core's 30; this one is hours because a rank's checkpoint writes and grading are
+    waited for inside collectives."""
 
     def validate(self) -> None:
-        """Raise ``ValueError`` naming a size below 1."""
+        """Raise ``ValueError`` naming a size below 1 or a timeout that is not > 0."""
+        timeout = self.distributed_timeout_minutes
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+            raise ValueError(f"distributed_timeout_minutes={timeout!r} must be > 0 (minutes)")
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
@@ -72,6 +84,13 @@ class ParallelConfig:
                 f"pipeline_model_parallel_size={pp} = {etp * ep * pp} does not divide the world size {world_size}: "
                 f"the EP ranks of a pipeline stage are its DP × TP ranks ({world_size // pp} here); lower EP or ETP"
             )
+
+
+GENERATION_WAIT = timedelta(days=7)
+"""Timeout of the generation-wait group (:attr:`~.parallel_dims.ParallelDims.wait_group`): ranks that
+generate nothing wait there for those that do, as long as generation takes (bounded by the engines'
+own timeouts, e.g. ``rollout.server_generate_timeout_s``). Gloo fails the wait at once when a peer
+process dies (its socket closes), so the bound only matters for a peer that hangs forever."""
 
 
 def free_port() -> int:
@@ -133,7 +152,6 @@ def collective_device(group=None) -> torch.device:
 def init_distributed(
     parallel: Optional[ParallelConfig] = None,
     seed: int = 1234,
-    timeout_s: int = 1800,
     rollout_tp: int = 1,
 ) -> ParallelDims:
     """Initialise torch.distributed, Megatron's parallel state and its RNG streams.
@@ -141,10 +159,11 @@ def init_distributed(
     Idempotent for the same layout. Every rank must call it (it is collective).
 
     Args:
-        parallel: TP/PP (and EP/ETP) sizes; DP is derived from the world size.
+        parallel: TP/PP (and EP/ETP) sizes, DP derived from the world size; its
+            ``distributed_timeout_minutes`` is the timeout of every group built here (the world,
+            megatron-core's, the rollout groups), the generation-wait group excepted.
         seed: base seed; Megatron derives the TP-rank-specific streams from it
             (``model_parallel_cuda_manual_seed``).
-        timeout_s: collective timeout.
         rollout_tp: ranks per rollout engine (``rollout.tensor_model_parallel_size``):
             the world is cut into groups of that many consecutive ranks on one node.
 
@@ -166,6 +185,8 @@ def init_distributed(
     use_cuda = torch.cuda.is_available()
     if not use_cuda:
         cpu_compat.activate()
+    parallel.validate()
+    timeout = timedelta(minutes=parallel.distributed_timeout_minutes)
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # plain `python script.py`: a world of one
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -173,10 +194,9 @@ def init_distributed(
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         if use_cuda:
             torch.cuda.set_device(device())
-        dist.init_process_group(
-            backend="nccl" if use_cuda else "gloo", timeout=timedelta(seconds=timeout_s)
-        )
-    parallel.validate()
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", timeout=timeout)
+    else:  # started by the caller: its world group gets the run's timeout too (torch's own setter)
+        dist.set_timeout(timeout, dist.group.WORLD)
     parallel.check_world_size(dist.get_world_size())
     # before any group is built: a bad rollout layout stops every rank with the same error
     world = dist.get_world_size()
@@ -190,6 +210,7 @@ def init_distributed(
             != parallel.pipeline_model_parallel_size
             or parallel_state.get_expert_model_parallel_world_size() != parallel.expert_model_parallel_size
             or parallel_state.get_expert_tensor_parallel_world_size() != parallel.etp_size
+            or _MODEL_PARALLEL_TIMEOUT.get("timeout") != timeout
         ):
             parallel_state.destroy_model_parallel()
     if not parallel_state.model_parallel_is_initialized():
@@ -198,7 +219,18 @@ def init_distributed(
             pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
             expert_model_parallel_size=parallel.expert_model_parallel_size,
             expert_tensor_parallel_size=parallel.etp_size,
+            # every group megatron-core builds (parallel_state.py initialize_model_parallel's
+            # distributed_timeout_minutes=30 by default: 0.19.2 :616, used at :909; core_v0.16.1 :561, :819)
+            distributed_timeout_minutes=parallel.distributed_timeout_minutes,
         )
+        # ... but not EXPERT_DATA_PARALLEL_GROUP_GLOO, built without it (torch's gloo default, 30
+        # minutes): parallel_state.py:1464-1467 in 0.19.2 (installed), core_v0.16.1 :1277-1280. Every
+        # group megatron-core made (its _global_process_group_list, the list its own
+        # update_pg_timeout walks) gets the run's timeout here.
+        for group in parallel_state._global_process_group_list or ():
+            if isinstance(group, dist.ProcessGroup) and group_backend(group) != "undefined":
+                dist.set_timeout(timeout, group)
+        _MODEL_PARALLEL_TIMEOUT["timeout"] = timeout
     model_parallel_cuda_manual_seed(seed)
 
     rank = dist.get_rank()
@@ -232,7 +264,8 @@ def init_distributed(
         rollout_group_ranks=engines[index],
         rollout_index=index,
         num_engines=len(engines),
-        rollout_group=_rollout_gloo_group(engines, index) if rollout_tp > 1 else None,
+        rollout_group=_rollout_gloo_group(engines, index, timeout) if rollout_tp > 1 else None,
+        wait_group=_wait_group(world) if world > 1 else None,
         ep_size=parallel_state.get_expert_model_parallel_world_size(),
         ep_rank=parallel_state.get_expert_model_parallel_rank(),
         ep_group=ep_group,
@@ -244,16 +277,27 @@ def init_distributed(
 
 
 _ROLLOUT_GROUPS: dict[tuple, Any] = {}
+_WAIT_GROUPS: dict[int, Any] = {}
+_MODEL_PARALLEL_TIMEOUT: dict[str, timedelta] = {}  # the timeout megatron-core's groups were built with
 
 
-def _rollout_gloo_group(engines: list[tuple[int, ...]], index: int):
-    """This rank's gloo group over its rollout group. ``new_group`` is collective over the world
-    (every rank creates every group, in the same order); built once per layout and reused by a
-    repeated ``init_distributed``."""
-    key = tuple(engines)
+def _rollout_gloo_group(engines: list[tuple[int, ...]], index: int, timeout: timedelta):
+    """This rank's gloo group over its rollout group, with the run's collective ``timeout``
+    (``new_group`` without one takes torch's default, 30 minutes for gloo, not the world's).
+    ``new_group`` is collective over the world (every rank creates every group, in the same
+    order); built once per layout and timeout and reused by a repeated ``init_distributed``."""
+    key = (tuple(engines), timeout)
     if key not in _ROLLOUT_GROUPS:
-        _ROLLOUT_GROUPS[key] = [dist.new_group(list(ranks), backend="gloo") for ranks in engines]
+        _ROLLOUT_GROUPS[key] = [dist.new_group(list(ranks), backend="gloo", timeout=timeout) for ranks in engines]
     return _ROLLOUT_GROUPS[key][index]
+
+
+def _wait_group(world: int):
+    """The generation-wait group: gloo over the whole world with :data:`GENERATION_WAIT` as its
+    timeout (:attr:`~.parallel_dims.ParallelDims.wait_group`); built once per world (collective)."""
+    if world not in _WAIT_GROUPS:
+        _WAIT_GROUPS[world] = dist.new_group(list(range(world)), backend="gloo", timeout=GENERATION_WAIT)
+    return _WAIT_GROUPS[world]
 
 
 def destroy_distributed() -> None:
@@ -264,5 +308,7 @@ def destroy_distributed() -> None:
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     _ROLLOUT_GROUPS.clear()
+    _WAIT_GROUPS.clear()
+    _MODEL_PARALLEL_TIMEOUT.clear()
     if dist.is_initialized():
         dist.destroy_process_group()

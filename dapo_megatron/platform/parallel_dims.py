@@ -95,6 +95,12 @@ class ParallelDims:
         etp_size, etp_rank, etp_group: expert tensor parallelism (each expert's FFN split like
             TP); ``etp_size`` is the TP size unless ``parallel.expert_tensor_parallel_size`` says
             otherwise.
+        wait_group: a gloo group over the world whose timeout is days (``distributed.GENERATION_WAIT``),
+            not ``parallel.distributed_timeout_minutes``: ranks that generate nothing (a rollout
+            group's other ranks, ranks driving no server, ranks 1..N of the async mode) wait there
+            (:meth:`wait_for_generation`) until every rank's generation is done, so no NCCL
+            collective is enqueued before its data exists and none waits out NCCL's watchdog.
+            None in a world of one, and in layouts built by hand (the world group is used then).
     """
 
     world_size: int
@@ -127,6 +133,7 @@ class ParallelDims:
     etp_size: Optional[int] = None
     etp_rank: Optional[int] = None
     etp_group: Optional[Any] = None
+    wait_group: Optional[Any] = None
 
     def __post_init__(self) -> None:
         # a layout built without expert parallelism (tests, tools): EP of one, experts split as TP
@@ -215,12 +222,24 @@ class ParallelDims:
     GROUPS = {"world": ("world_group", "world_size"), "tp": ("tp_group", "tp_size"), "pp": ("pp_group", "pp_size"),
               "dp": ("dp_group", "dp_size"), "mp": ("mp_group", "mp_size"),
               "rollout": ("rollout_group", "rollout_tp_size"), "ep": ("ep_group", "ep_size"),
-              "etp": ("etp_group", "etp_size")}
+              "etp": ("etp_group", "etp_size"), "wait": ("generation_wait_group", "world_size")}
 
     @property
     def world_group(self) -> Any:
         """The world as an explicit group handle (``torch.distributed.group.WORLD``)."""
         return dist.group.WORLD
+
+    @property
+    def generation_wait_group(self) -> Any:
+        """:attr:`wait_group`, or the world group in a layout built without one."""
+        return self.wait_group if self.wait_group is not None else self.world_group
+
+    def wait_for_generation(self) -> None:
+        """Wait, on the gloo :attr:`wait_group`, until every rank has got here: call it after this
+        rank's generation (or grading) and before the collective that gathers the results, so ranks
+        with nothing to generate wait on the host, not inside an NCCL collective whose timeout
+        (``parallel.distributed_timeout_minutes``) bounds one operation, not a generation batch."""
+        self.barrier("wait")
 
     def group(self, name: str) -> Any:
         """The process group called ``name`` (a key of :attr:`GROUPS`).

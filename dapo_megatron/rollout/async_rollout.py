@@ -839,7 +839,10 @@ class AsyncRollout(Rollout):
                                             policy_version=0, prompts=self.prompt_queue, skipper=skipper)
 
     def _broadcast(self, obj: Any) -> Any:
-        return self.parallel.broadcast_object(obj, "world", src=0)
+        """Rank 0's ``obj`` on every rank, over the gloo generation-wait group: ranks 1..N wait here
+        while rank 0's controller generates (a step, validation, the pause before a checkpoint),
+        which may take longer than ``parallel.distributed_timeout_minutes``."""
+        return self.parallel.broadcast_object(obj, "wait", src=0)
 
     def _start(self, version: int) -> None:
         if self._started:
@@ -914,6 +917,7 @@ class AsyncRollout(Rollout):
         # after it; else wait for the batch in flight to finish first
         wait = not self.cfg.async_training.partial_rollout
         self._sync_pause_s = self.controller.pause(wait=wait) if self.controller is not None else 0.0
+        self.parallel.wait_for_generation()  # rank 0 waited for the batch in flight: the others on gloo
         ok = False
         try:
             nbytes = super().sync_weights(actor, version)

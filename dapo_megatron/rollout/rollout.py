@@ -216,6 +216,7 @@ class Rollout:
         mine = self._engine_share(len(batch))
         prompts = [self.train_data[batch[g]].prompt_ids for g in mine]
         outputs = self.engine.generate(prompts, params, [first_group_id + g for g in mine]) if mine else []
+        self.parallel.wait_for_generation()  # ranks that generate nothing wait on gloo, not in gather_groups
         local = []
         for g, completions in zip(mine, outputs):
             rec = self.train_data[batch[g]]
@@ -278,8 +279,10 @@ class Rollout:
         self.wake()
         outputs = self.engine.generate([problems[i].prompt_ids for i in mine], params, mine) if mine else []
         self.sleep(keep_weights=True)  # no update before the next rollout: the weights stay valid
+        graded = self._grade_val(problems, zip(mine, outputs))
+        self.parallel.wait_for_generation()  # ranks that generate nothing wait on gloo, not in the gather
         accs: dict[int, list[float]] = {}
-        for part in self.parallel.all_gather_objects(self._grade_val(problems, zip(mine, outputs)), "world"):
+        for part in self.parallel.all_gather_objects(graded, "world"):
             accs.update(part)
         return self._val_metrics(problems, accs)
 

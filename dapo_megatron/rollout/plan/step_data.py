@@ -168,6 +168,7 @@ class DistributedGrader:
         for i, res in zip(mine, results):
             table[i] = torch.tensor([float(res["score"]), 1.0 if res["acc"] else 0.0, 1.0], dtype=torch.float64)
         if self.parallel.world_size > 1:  # each row is non-zero on one rank only: the sum is that rank's row, exactly
+            self.parallel.wait_for_generation()  # a rank with little to grade waits on gloo, not in the all-reduce
             dev = collective_device(self.parallel.world_group)
             table = self.parallel.all_reduce(table.to(dev), "world").cpu()
         graded = table[:, 2]

@@ -162,6 +162,7 @@ class EngineClient:
         if self.world == 1:
             return [RowUpdate(r.key, len(r.response_ids), r.finish_reason, r.version, HELD_BY_ALL, list(r.response_ids),
                               list(r.logprobs)) for r in local]
+        self.parallel.wait_for_generation()  # a rank with nothing in flight waits on gloo for the round
         table = torch.tensor([[r.key[0], r.key[1], len(r.response_ids), ROW_FINISH.index(r.finish_reason), r.version]
                               for r in local], dtype=torch.int64).view(len(local), 5)
         own = iter(local)

@@ -65,6 +65,7 @@ DOMAINS: dict[str, Case] = {
     "parallel.pipeline_model_parallel_size": Case([0], 2),
     "parallel.expert_model_parallel_size": Case([0, -2], 2),
     "parallel.expert_tensor_parallel_size": Case([0], 1),
+    "parallel.distributed_timeout_minutes": Case([0, -1], 0.05),
     # data
     "data.max_prompt_length": Case([0, -5], 256),
     "data.prompt_key": Case(["''"], "messages"),

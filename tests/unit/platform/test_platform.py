@@ -49,9 +49,13 @@ def test_megatron_rng_tracker_forks_streams_on_cpu():
     out = _run_isolated(
         """
         import torch
-        from dapo_megatron.platform import init_distributed
+        import torch.distributed as dist
+        from dapo_megatron.platform import ParallelConfig, init_distributed
         from megatron.core.tensor_parallel import get_cuda_rng_tracker
-        init_distributed(seed=3)
+        init_distributed(ParallelConfig(distributed_timeout_minutes=7.5), seed=3)
+        # the key is every group's timeout, the world's (init_process_group) and megatron-core's
+        print(sorted({pg._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+                      for pg in dist.distributed_c10d._world.pg_map}))
         torch.manual_seed(0)
         before = torch.get_rng_state()
         with get_cuda_rng_tracker().fork():
@@ -63,7 +67,7 @@ def test_megatron_rng_tracker_forks_streams_on_cpu():
         print(bool(torch.equal(a, b)))
         """
     )
-    assert out.strip() == "False"
+    assert out.strip().splitlines() == ["[450.0]", "False"]
 
 
 def test_parallel_config_rejects_bad_layouts():
@@ -76,6 +80,8 @@ def test_parallel_config_rejects_bad_layouts():
         ParallelConfig(0, 1).validate()
     with pytest.raises(ValueError, match="^pipeline_model_parallel_size=0 must be >= 1$"):
         ParallelConfig(1, 0).validate()
+    with pytest.raises(ValueError, match=r"^distributed_timeout_minutes=0 must be > 0 \(minutes\)$"):
+        ParallelConfig(distributed_timeout_minutes=0).validate()
 
 
 def _train_three_steps(tp: int, init_sd=None):
