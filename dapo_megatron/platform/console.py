@@ -74,6 +74,21 @@ KNOWN_BENIGN_WARNINGS: tuple[BenignWarning, ...] = (
         "a CUDA stream-scheduling hint, meaningless on CPU (the GPU launchers and the Docker image set "
         "CUDA_DEVICE_MAX_CONNECTIONS=1)", cpu_only=True),
     BenignWarning(
+        UserWarning, r"(megatron\.core\.|torch\.distributed\.)", r"The argument order of load has been changed",
+        "megatron-core 0.19.2 calls torch DCP's load(state_dict, reader) positionally "
+        "(dist_checkpointing/strategies/torch.py:979); torch 2.14 maps them as before "
+        "(distributed/checkpoint/utils.py:463-470, _api_bc_check)"),
+    BenignWarning(
+        UserWarning, r"(megatron\.core\.|torch\.distributed\.)",
+        r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to load",
+        "megatron-core 0.19.2 reads a checkpoint's common state on each rank alone, on purpose "
+        "(dist_checkpointing/serialization.py:229, no_dist=True); torch says so at every load"),
+    BenignWarning(
+        FutureWarning, r"dapo_megatron\.platform\.cpu_compat", r"Please use DTensor instead and we are deprecating ShardedTensor",
+        "torch 2.14 deprecates its ShardedTensor (distributed/_shard/_utils.py:7), which megatron-core 0.19.2's "
+        "torch_dist strategy still builds; the warning is attributed to cpu_compat's CPU torch-function "
+        "mode, which only forwards the call", cpu_only=True),
+    BenignWarning(
         FutureWarning, r"torch\.distributed\.c10d_logger",
         r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
         "torch 2.13+ renamed the collectives megatron-core 0.19.2 calls (distributed/param_and_grad_buffer.py, "
@@ -112,6 +127,19 @@ KNOWN_BENIGN_LOG_RECORDS: tuple[BenignLogRecord, ...] = (
         "megatron-core 0.19.2 logs it at every GPTModel construction (models/gpt/gpt_model.py:118-124): "
         "GPTModel still takes critical fixes and is what this stack builds; moving to HybridModel is a "
         "change of this project's model builder, not something a user can do"),
+    BenignLogRecord(
+        "megatron.core.distributed.distributed_data_parallel", r"DistributedDataParallel: full_param_layout not provided",
+        "megatron-core 0.19.2 computes the distributed optimizer's parameter layout itself when the caller "
+        "does not (distributed/distributed_data_parallel.py:132-149, DistributedOptimizer."
+        "compute_full_param_layout with the DDP's own bucket size and groups): the same layout"),
+    BenignLogRecord(
+        "megatron.core.dist_checkpointing.strategies.torch", r"MCore's async save is deprecated",
+        "logged once per process by megatron-core 0.19.2's torch_dist save whatever the save mode "
+        "(strategies/torch.py:746-752); this stack saves synchronously (checkpointing.py)"),
+    BenignLogRecord(
+        "megatron.core.dist_checkpointing.strategies.common", r"load_common is deprecated",
+        "megatron-core 0.19.2 reads the common.pt of a checkpoint written by 0.16 through its deprecated "
+        "reader (strategies/common.py:32-46); such checkpoints still resume (checkpointing.py)"),
 )
 
 

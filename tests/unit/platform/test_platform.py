@@ -262,6 +262,14 @@ def test_console_hides_exactly_the_known_benign_warnings():
                  module="megatron.core.transformer.transformer_config") == 0
     assert shown("absl.logging is not installed. Using logging.getLogger(__name__) instead.",
                  module="megatron.core.hyper_comm_grid") == 0
+    assert shown("The argument order of load has been changed. Please check the document",
+                 module="megatron.core.dist_checkpointing.strategies.torch") == 0
+    assert shown("torch.distributed is disabled, unavailable or uninitialized, assuming the intent is to load in "
+                 "a single process.", module="torch.distributed.checkpoint.utils") == 0
+    assert shown("Please use DTensor instead and we are deprecating ShardedTensor.", FutureWarning,
+                 module="dapo_megatron.platform.cpu_compat") == 1  # on a GPU: cpu_compat is not active there
+    assert shown("Please use DTensor instead and we are deprecating ShardedTensor.", FutureWarning,
+                 module="dapo_megatron.actor.actor") == 1
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -269,6 +277,25 @@ def test_console_hides_exactly_the_known_benign_warnings():
         warnings.warn_explicit(te, UserWarning, "f.py", 1, module="megatron.core.optimizer")
     assert len(caught) == 1
     assert console.show_warnings({"DAPO_SHOW_WARNINGS": "0"}) is False
+
+    on_cpu = True
+    assert shown("Please use DTensor instead and we are deprecating ShardedTensor.", FutureWarning,
+                 module="dapo_megatron.platform.cpu_compat") == 0
+
+    # the known-benign log records: dropped by their logger's filter, any other record of it kept
+    console.quiet_third_party(on_cpu=True, environ={})
+    for r in console.KNOWN_BENIGN_LOG_RECORDS:
+        records = []
+        handler = logging.Handler()
+        handler.emit = records.append
+        log = logging.getLogger(r.logger)
+        log.addHandler(handler)
+        try:
+            log.warning(r.message.replace("\\", "") + " and the rest of its text")
+            log.warning("another warning")
+        finally:
+            log.removeHandler(handler)
+        assert [rec.getMessage() for rec in records] == ["another warning"], r.logger
 
     saved = {n: logging.getLogger(n).level for n in console.QUIET_LOGGERS}
     try:
