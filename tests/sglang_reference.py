@@ -90,6 +90,36 @@ def install_tensor_bucket(setitem=None):
     return module
 
 
+FAKE_SERVER_ARGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_sglang", "sglang", "srt",
+                                "server_args.py")
+
+
+def install_server_args(setitem=None):
+    """``sglang.srt.server_args`` for a test whose ``sglang`` is a stub module: the installed
+    SGLang's own where it imports, else tests/fake_sglang's ``ServerArgs`` (sglang 0.5.23's form:
+    ``__struct_fields__``, msgspec's ``TypeError`` on an unknown field) registered under that name
+    (and ``sglang.srt`` when missing). ``setitem``: as :func:`install_tensor_bucket`'s."""
+    name = "sglang.srt.server_args"
+    if name in sys.modules:
+        return sys.modules[name]
+    try:
+        import sglang.srt.server_args as real  # a full SGLang (the GPU image)
+
+        return real
+    except ImportError:
+        pass
+    setitem = setitem or (lambda m, k, v: m.__setitem__(k, v))
+    if "sglang.srt" not in sys.modules:
+        srt = types.ModuleType("sglang.srt")
+        srt.__path__ = [os.path.dirname(FAKE_SERVER_ARGS)]
+        setitem(sys.modules, "sglang.srt", srt)
+    spec = importlib.util.spec_from_file_location(name, FAKE_SERVER_ARGS)
+    module = importlib.util.module_from_spec(spec)
+    setitem(sys.modules, name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
 def reconstruct(bucket_dict: dict, tensor_bucket=None) -> list[tuple[str, torch.Tensor]]:
     """What an SGLang TP worker loads from one deserialized ``flattened_bucket`` payload.
 
