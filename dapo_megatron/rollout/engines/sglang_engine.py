@@ -115,6 +115,7 @@ from dapo_megatron.rollout.engines.routes import decode_sglang_routes, num_route
 from dapo_megatron.rollout.engines.sglang_server_args import (  # noqa: F401  (checked here, defined beside the list)
     MANAGED_ENGINE_ARGS,
     check_engine_kwargs,
+    colocated_graph_kwargs,
     engine_argument_names,
 )
 
@@ -531,7 +532,9 @@ class SGLangEngine(_SGLangMemory, RolloutEngine):
         tp_size: SGLang tensor parallel size (GPUs ``base_gpu_id .. base_gpu_id + tp_size - 1``).
         mem_fraction_static: share of the GPU's memory for weights + KV cache
             (``rollout.gpu_memory_utilization``).
-        enable_memory_saver: needed for ``sleep`` / ``wake_up`` (release / resume memory).
+        enable_memory_saver: needed for ``sleep`` / ``wake_up`` (release / resume memory); with
+            it the engine runs without a prefill CUDA graph unless ``engine_kwargs`` choose one
+            (:func:`~dapo_megatron.rollout.engines.sglang_server_args.colocated_graph_kwargs`).
         base_gpu_id: first GPU of the engine; None: this rank's GPU,
             :func:`dapo_megatron.platform.local_device_index` (torchrun sets no
             ``CUDA_VISIBLE_DEVICES``: without it every rank's engine would start on GPU 0).
@@ -539,9 +542,10 @@ class SGLangEngine(_SGLangMemory, RolloutEngine):
             per-response ``sampling_seed`` only then, so rollouts repeat exactly (same
             prompts, seeds, weights, batch composition no longer matters). Cost: it forces
             the PyTorch sampling backend, batch-invariant attention (FlashAttention 3 on
-            H100, FlashInfer/Triton elsewhere) and kernels, and disables piecewise CUDA
-            graphs (``server_args.py`` ``_handle_deterministic_inference``), so generation is
-            slower. False (default): GPU rollouts are not seed-reproducible.
+            H100, FlashInfer/Triton elsewhere) and kernels (sglang 0.5.23
+            ``arg_groups/attention_hook.py:580`` ``handle_deterministic_inference``,
+            ``arg_groups/overrides.py:1030``), so generation is slower. False (default): GPU
+            rollouts are not seed-reproducible.
         update_bucket_mb: bucket size of ``update_weights`` in MiB.
         engine_kwargs: further ``sglang.Engine`` (``ServerArgs``) arguments, checked by
             :func:`check_engine_kwargs` (e.g. ``load_format: dummy``: random weights at start,
@@ -572,6 +576,7 @@ class SGLangEngine(_SGLangMemory, RolloutEngine):
         super().__init__()
         dtype = sglang_dtype(dtype)
         extra = check_engine_kwargs(engine_kwargs, key="engine_kwargs")
+        extra.update(colocated_graph_kwargs(extra, enable_memory_saver))  # no prefill graph under sleep
         self.record_routes = record_routes
         if record_routes is not None:  # routing replay: the server captures every token's experts
             extra["enable_return_routed_experts"] = True

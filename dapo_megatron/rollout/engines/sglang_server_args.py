@@ -272,3 +272,47 @@ def check_engine_kwargs(engine_kwargs: Optional[dict], key: str = "rollout.engin
                              + (f"; did you mean {', '.join(close)}?" if close else "")
                              + "; see `python -m sglang.launch_server --help` for the list")
     return kwargs
+
+
+#: ``rollout.engine_kwargs`` that choose the prefill-phase CUDA graph (sglang 0.5.23
+#: ``arg_groups/fields/exec_.py`` ``ExecGraph``; ``arg_groups/cuda_graph_hook.py:60-71`` folds them
+#: into ``cuda_graph_config.prefill.backend``)
+PREFILL_GRAPH_ARGS = ("cuda_graph_backend_prefill", "disable_prefill_cuda_graph", "cuda_graph_config")
+
+
+def colocated_graph_kwargs(engine_kwargs: dict, enable_memory_saver: bool,
+                           env: Optional[dict] = None) -> dict:
+    """Engine arguments a colocated engine (one that sleeps) adds for its CUDA graphs:
+    ``{"disable_prefill_cuda_graph": True}`` unless the user chose the prefill graph.
+
+    Why (issue 36 item 4): sglang 0.5.23 captures a prefill ("breakable", the successor of
+    0.5.11's piecewise) CUDA graph by default on CUDA (``model_executor/cuda_graph_config.py:
+    119-123,152-154``: ``default_prefill_backend``). That backend refuses the memory saver: with
+    ``enable_memory_saver`` and ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1`` (which the colocated engine
+    sets, :func:`~dapo_megatron.rollout.engines.sglang_env.engine_launch_env`) its ``__init__``
+    raises ``NotImplementedError("Breakable CUDA graph is not compatible with memory saver mode")``
+    (``model_executor/runner_backend/breakable_cuda_graph_backend.py:84-94``; the auto-disable of
+    ``arg_groups/cuda_graph_hook.py:136-256`` has no memory-saver rule), so the engine would not
+    start; without the variable its graph pool lives outside the memory saver and stays resident
+    through every ``sleep()``. The decode graphs (``full`` backend) are captured under the saver's
+    ``cuda_graph`` tag (``runner_backend/full_cuda_graph_backend.py:121-124,187-192``, with a CPU
+    backup of the pool) and released by sleep, as before. Cost: prefill runs eagerly (rollout prefill is a small share of decode-bound
+    generation). An engine without the memory saver (evaluation) keeps SGLang's default.
+
+    Raises:
+        ValueError: ``cuda_graph_backend_prefill: breakable`` on a colocated engine whose graphs
+            are captured under the memory saver (SGLang's NotImplementedError at start, said here).
+    """
+    if not enable_memory_saver:
+        return {}
+    chosen = [k for k in PREFILL_GRAPH_ARGS if k in engine_kwargs]
+    if not chosen:
+        return {"disable_prefill_cuda_graph": True}
+    from dapo_megatron.rollout.engines.sglang_env import cuda_graphs_released
+
+    if engine_kwargs.get("cuda_graph_backend_prefill") == "breakable" and cuda_graphs_released(env):
+        raise ValueError("rollout.engine_kwargs.cuda_graph_backend_prefill=breakable: SGLang's breakable CUDA graph "
+                         "does not start under the memory saver that sleep() needs (sglang 0.5.23 "
+                         "breakable_cuda_graph_backend.py); use 'full' or 'disabled' (or set "
+                         "SGLANG_MEMORY_SAVER_CUDA_GRAPH=0 and accept graphs resident through sleep)")
+    return {}

@@ -375,7 +375,8 @@ def test_trainer_places_each_ranks_engine_on_its_own_gpu(fake_sglang, tiny_model
         assert eng.engine.kwargs == {
             "model_path": tiny_model_dir, "dtype": "bfloat16", "tp_size": 1, "mem_fraction_static": 0.45,
             "enable_memory_saver": True, "base_gpu_id": int(local_rank) % visible,
-            "enable_deterministic_inference": True, "load_format": "dummy", "random_seed": 7}
+            "enable_deterministic_inference": True, "load_format": "dummy", "random_seed": 7,
+            "disable_prefill_cuda_graph": True}
         assert not eng.weights_valid, "load_format=dummy: random weights until the first sync"
     assert seen == {("0", 8): 0, ("3", 8): 3, ("7", 8): 7, ("3", 1): 0}
 

@@ -99,3 +99,21 @@ def test_the_fake_sglang_refuses_an_unknown_field_as_sglang_0_5_23_does(monkeypa
     assert args.disable_prefill_cuda_graph is True and args.tp_size == 1 and args.log_level == "info"
     # and the package reads the fake as it reads the real one
     assert sa.engine_argument_names() == (sa.SERVER_ARGS_FIELDS, "sglang ? ServerArgs")
+
+
+def test_a_colocated_engine_runs_without_the_prefill_graph_that_the_memory_saver_cannot_hold():
+    """Issue 36 item 4, sglang 0.5.23: the default prefill CUDA graph ("breakable") raises
+    NotImplementedError under the memory saver with SGLANG_MEMORY_SAVER_CUDA_GRAPH=1 and, without
+    that variable, stays resident through sleep; the colocated engine turns it off unless the user
+    chose a prefill graph, and refuses the one choice that cannot start."""
+    released, resident = {"SGLANG_MEMORY_SAVER_CUDA_GRAPH": "1"}, {"SGLANG_MEMORY_SAVER_CUDA_GRAPH": "0"}
+    assert sa.colocated_graph_kwargs({}, True, released) == {"disable_prefill_cuda_graph": True}
+    assert sa.colocated_graph_kwargs({"load_format": "dummy"}, True, {}) == {"disable_prefill_cuda_graph": True}
+    assert sa.colocated_graph_kwargs({}, False, released) == {}  # no sleep (evaluation): SGLang's default
+    assert sa.colocated_graph_kwargs({"cuda_graph_backend_prefill": "full"}, True, released) == {}
+    assert sa.colocated_graph_kwargs({"disable_prefill_cuda_graph": False}, True, resident) == {}
+    assert sa.colocated_graph_kwargs({"cuda_graph_backend_prefill": "breakable"}, True, resident) == {}
+    with pytest.raises(ValueError, match=r"cuda_graph_backend_prefill=breakable: SGLang's breakable CUDA graph does "
+                                         r"not start under the memory saver"):
+        sa.colocated_graph_kwargs({"cuda_graph_backend_prefill": "breakable"}, True, released)
+    assert all(k in sa.SERVER_ARGS_FIELDS for k in sa.PREFILL_GRAPH_ARGS)
