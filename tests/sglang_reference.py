@@ -149,3 +149,35 @@ def worker_load(payload: bytes, tensor_bucket=None) -> list[tuple[str, torch.Ten
     plain unpickler loads."""
     obj = deserialize(payload) if tensor_bucket is not None else pickle.loads(payload)
     return [(name, t.clone()) for name, t in reconstruct(obj, tensor_bucket)]
+
+
+#: The request fields of the endpoints the package calls, sglang 0.5.23 ``managers/io_struct.py``
+#: (msgspec Structs; ``BaseReq`` adds ``rid``, ``http_worker_ipc``). The HTTP schema IGNORES an
+#: unknown field (``utils/msgspec_utils.py:95-100``, ``extra_behavior="ignore"``), so a misspelt
+#: or retired field would be dropped silently: the tests check every body against these.
+_BASE = ("rid", "http_worker_ipc")
+REQUEST_FIELDS = {
+    "/init_weights_update_group": frozenset(_BASE + ("master_address", "master_port", "rank_offset", "world_size",
+                                                    "group_name", "backend")),  # io_struct.py:2126
+    "/destroy_weights_update_group": frozenset(_BASE + ("group_name",)),  # io_struct.py:2146
+    "/update_weights_from_distributed": frozenset(_BASE + (  # io_struct.py:2002
+        "names", "dtypes", "shapes", "group_name", "flush_cache", "abort_all_requests", "weight_version",
+        "load_format", "selector", "torch_empty_cache")),
+    "/release_memory_occupation": frozenset(_BASE + ("tags",)),  # io_struct.py:2177
+    "/resume_memory_occupation": frozenset(_BASE + ("tags",)),  # io_struct.py:2187
+    "/pause_generation": frozenset(_BASE + ("mode",)),  # io_struct.py:1927, mode in abort / retract / in_place
+    "/continue_generation": frozenset(_BASE + ("torch_empty_cache",)),  # io_struct.py:1949
+    "/abort_request": frozenset(_BASE + ("abort_all", "finished_reason", "abort_message", "weight_versions")),
+    "/flush_cache": frozenset(_BASE + ("timeout_s",)),  # io_struct.py:1855 (the route reads ?timeout=)
+}
+#: GenerateReqInput fields the package may send (io_struct.py:177; the whole class has ~70)
+GENERATE_FIELDS = frozenset(("input_ids", "text", "sampling_params", "return_logprob", "logprob_start_len", "rid",
+                             "stream", "return_routed_experts", "routed_experts_start_len", "top_logprobs_num"))
+#: SamplingParams fields (sampling/sampling_params.py:140; SamplingParams(**d) refuses others)
+SAMPLING_FIELDS = frozenset((
+    "beam_width", "custom_params", "ebnf", "ebnf_full_assistant", "frequency_penalty", "ignore_eos", "is_normalized",
+    "json_schema", "logit_bias", "max_new_tokens", "min_new_tokens", "min_p", "n", "no_stop_trim",
+    "presence_penalty", "regex", "repetition_penalty", "sampling_seed", "skip_special_tokens",
+    "spaces_between_special_tokens", "stop", "stop_regex", "stop_regex_max_len", "stop_regex_strs",
+    "stop_str_max_len", "stop_strs", "stop_token_ids", "stream_interval", "structural_tag", "temperature", "top_k",
+    "top_p", "watermark"))

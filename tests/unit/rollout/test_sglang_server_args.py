@@ -117,3 +117,31 @@ def test_a_colocated_engine_runs_without_the_prefill_graph_that_the_memory_saver
                                          r"not start under the memory saver"):
         sa.colocated_graph_kwargs({"cuda_graph_backend_prefill": "breakable"}, True, released)
     assert all(k in sa.SERVER_ARGS_FIELDS for k in sa.PREFILL_GRAPH_ARGS)
+
+
+def test_every_request_body_names_only_sglang_0_5_23_fields(monkeypatch):
+    """The bodies the package sends (spied at ``http_post``) against 0.5.23's io_struct
+    (tests/sglang_reference.py): SGLang's HTTP schema drops an unknown field without a word."""
+    from dapo_megatron.rollout.engines import server_sync
+    from dapo_megatron.rollout.engines.engine import RowRequest, SamplingParams
+    from dapo_megatron.rollout.engines.sglang_engine import build_generate_request, build_row_request
+
+    sent = []
+    monkeypatch.setattr(server_sync, "http_post", lambda url, path, body, *a, **k: sent.append((path, body)))
+    server_sync.pause_servers(["http://a"], 1)
+    server_sync.flush_and_continue(["http://a"], 1)
+    sender = server_sync.ServerWeightSender([server_sync.ServerInfo("http://a", 2)], 0, device="cpu", timeout_s=1,
+                                            bucket_bytes=1 << 20)
+    assert sender.destroy() == []
+    assert [p for p, _ in sent] == ["/pause_generation", "/flush_cache", "/continue_generation",
+                                    "/destroy_weights_update_group"]
+    assert sent[0][1] == {"mode": "abort"} and sent[3][1] == {"group_name": "dapo_weights_pp0"}
+    for path, body in sent:
+        assert set(body or {}) <= sglang_reference.REQUEST_FIELDS[path], (path, body)
+    params = SamplingParams(n=2, temperature=0.7, top_p=0.9, top_k=5, max_new_tokens=8, stop_token_ids=(7,), seed=1)
+    for req in (build_generate_request([[1, 2, 3]], params, [4]),
+                build_row_request(RowRequest(key=0, prompt_ids=[1, 2], params=params, prompt_seed=3, index=1,
+                                             prefix_ids=[5]), "dapo-0-000001")):
+        assert set(req) <= sglang_reference.GENERATE_FIELDS, req
+        for sp in (req["sampling_params"] if isinstance(req["sampling_params"], list) else [req["sampling_params"]]):
+            assert set(sp) <= sglang_reference.SAMPLING_FIELDS and sp["sampling_seed"] is not None, sp
