@@ -3,7 +3,7 @@ and the weight sync into them over one NCCL group per pipeline stage.
 
 The user starts the servers (``python -m sglang.launch_server --model-path ... --tp-size k``,
 possibly on other nodes); ``rollout.server_urls`` lists them. At start-up every server's
-``GET /server_info`` (its ``ServerArgs`` as a dict; sglang 0.5.11 ``entrypoints/http_server.py``)
+``GET /server_info`` (its resolved ``ServerArgs`` as a dict; sglang 0.5.23 ``entrypoints/http_server.py:863``, ``utils/common.py:3584``)
 gives its TP size and flags (:func:`query_server`); every step starts with ``GET /health``
 of each (:func:`check_health`), and every HTTP call has a timeout, so a dead, hung or
 unreachable server stops the step with an error naming its URL instead of hanging it.
@@ -31,7 +31,9 @@ servers are the bottleneck either way (each of their workers receives every byte
 Around a sync (:func:`sync_servers`): generation is paused (``POST /pause_generation``, mode
 ``abort``: nothing finishes on half-updated weights; the trainer's own rollout is over by
 then), and after the last stage the prefix cache is flushed and generation continues
-(``/flush_cache``, ``/continue_generation``). SGLang >= 0.5.6 has every endpoint used here.
+(``/flush_cache``, ``/continue_generation``). A change of members (asynchronous training's
+fault handling) destroys the old group on every server (``/destroy_weights_update_group``) before
+forming the new one. SGLang >= 0.5.6 has every endpoint used here (re-read in 0.5.23).
 
 Design: docs/design.md §2 (server mode) and §2.2.
 """

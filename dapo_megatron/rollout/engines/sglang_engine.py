@@ -7,11 +7,15 @@ process group — is plain python and tested on CPU (``tests/unit/rollout/test_s
 ``tests/gpu/test_sglang_contract.py`` and ``tests/gpu/full_image_check.sh`` check the real
 engine on a CUDA machine.
 
-Versions: written against sglang 0.5.11 (the Docker image's pin); every API below exists
-from 0.5.5 on (setup.py's lower bound; ``cuda_graph`` became a memory tag in 0.5.5,
-``enable_weights_cpu_backup`` / ``enable_deterministic_inference`` / ``sampling_seed``
-in 0.5.3), read in the sources of each release's wheel. Files are those of
-``python/sglang/srt/`` in sglang 0.5.11:
+Versions: written against sglang 0.5.11 and re-read in 0.5.23 (the Docker image's pin): the
+endpoints and request fields used below are unchanged in 0.5.23 (``managers/io_struct.py``, now
+msgspec Structs whose HTTP schema ignores unknown fields, ``utils/msgspec_utils.py:95-100``;
+``tests/sglang_reference.py`` ``REQUEST_FIELDS`` and the test of every body); ``ServerArgs``
+became a msgspec Struct (``rollout/engines/sglang_server_args.py``) and the default prefill CUDA
+graph cannot sleep (``colocated_graph_kwargs``). Every API below exists from 0.5.5 on (setup.py's
+lower bound; ``cuda_graph`` became a memory tag in 0.5.5, ``enable_weights_cpu_backup`` /
+``enable_deterministic_inference`` / ``sampling_seed`` in 0.5.3), read in the sources of each
+release's wheel. Files are those of ``python/sglang/srt/`` in sglang 0.5.11 unless 0.5.23 is named:
 
 * Processes (``rollout/engines/sglang_env.py``, docs/design.md §6): ``Engine(...)`` spawns its scheduler
   and detokenizer processes, which inherit our environment (built without torchrun's
@@ -60,7 +64,8 @@ in 0.5.3), read in the sources of each release's wheel. Files are those of
   ``{"error": {"message"}}``; ``POST /init_weights_update_group`` (``master_address,
   master_port, rank_offset, world_size, group_name, backend``) and ``POST
   /update_weights_from_distributed`` (``names, dtypes, shapes, group_name, flush_cache``;
-  the server then receives one ``broadcast(src=0)`` per tensor in the order of ``names``)
+  the server then receives one ``broadcast(src=0)`` per tensor in the order of ``names``) and
+  ``POST /destroy_weights_update_group`` (``group_name``; 0.5.23 ``http_server.py:1420``)
   → JSON ``{"success", "message"}`` (400 on failure); ``POST /flush_cache`` → PLAIN TEXT
   ("Cache flushed..." with 200, the failure message with 400); ``POST
   /release_memory_occupation`` / ``/resume_memory_occupation`` (``{"tags": [...]}``) →
