@@ -34,7 +34,8 @@ whose optimizer shards go over ``EDP = world / (ETP × EP × PP)`` instead of DP
 * engine (SGLang, one per rollout group of ``rollout_tp`` GPUs, ``rollout.tensor_model_parallel_size``): its weights ``2 · N /
   rollout_tp`` (bf16, ``N`` = all parameters) and the KV cache. SGLang sizes the KV pool
   from the memory free when it starts (sglang 0.5.11
-  ``model_executor/model_runner_kv_cache_mixin.py`` ``_profile_available_bytes``; 0.5.23 keeps the rule, ``model_runner.py:943-948``:
+  ``model_executor/model_runner_kv_cache_mixin.py`` ``_profile_available_bytes``; 0.5.23 keeps the
+  rule, ``model_runner.py:943-948``:
   ``rest = free_after_load − free_before_load × (1 − mem_fraction_static)``), i.e.
   ``KV = gpu_memory_utilization × F0 − weights`` with ``F0`` the memory free at its start
   (the GPU minus the actor's resident state, before Adam's moments, minus the overhead).

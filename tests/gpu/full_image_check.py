@@ -322,7 +322,8 @@ def check_sleep_memory(workdir: str) -> None:
     print(f"GPU {gpu}: engine awake {awake / gb:.2f} GB, after sleep {kept / gb:.2f} GB kept without a prefill "
           f"graph; with SGLang's default prefill graph outside the memory saver: awake {awake_g / gb:.2f} GB, "
           f"kept {kept_g / gb:.2f} GB (+{(kept_g - kept) / gb:.2f} GB)")
-    assert kept < DEFAULT_OVERHEAD, f"a sleeping engine keeps {kept / gb:.2f} GB > overhead_bytes {DEFAULT_OVERHEAD / gb:.0f} GB"
+    assert kept < DEFAULT_OVERHEAD, (f"a sleeping engine keeps {kept / gb:.2f} GB > overhead_bytes "
+                                     f"{DEFAULT_OVERHEAD / gb:.0f} GB")
     assert kept_g - kept <= DEFAULT_CUDA_GRAPH, (f"graphs resident through sleep take {(kept_g - kept) / gb:.2f} GB > "
                                                  f"the estimate's cuda_graph_bytes {DEFAULT_CUDA_GRAPH / gb:.0f} GB")
 

@@ -3,7 +3,8 @@ and the weight sync into them over one NCCL group per pipeline stage.
 
 The user starts the servers (``python -m sglang.launch_server --model-path ... --tp-size k``,
 possibly on other nodes); ``rollout.server_urls`` lists them. At start-up every server's
-``GET /server_info`` (its resolved ``ServerArgs`` as a dict; sglang 0.5.23 ``entrypoints/http_server.py:863``, ``utils/common.py:3584``)
+``GET /server_info`` (its resolved ``ServerArgs`` as a dict; sglang 0.5.23
+``entrypoints/http_server.py:863``, ``utils/common.py:3584``)
 gives its TP size and flags (:func:`query_server`); every step starts with ``GET /health``
 of each (:func:`check_health`), and every HTTP call has a timeout, so a dead, hung or
 unreachable server stops the step with an error naming its URL instead of hanging it.

@@ -296,8 +296,8 @@ def colocated_graph_kwargs(engine_kwargs: dict, enable_memory_saver: bool,
     start; without the variable its graph pool lives outside the memory saver and stays resident
     through every ``sleep()``. The decode graphs (``full`` backend) are captured under the saver's
     ``cuda_graph`` tag (``runner_backend/full_cuda_graph_backend.py:121-124,187-192``, with a CPU
-    backup of the pool) and released by sleep, as before. Cost: prefill runs eagerly (rollout prefill is a small share of decode-bound
-    generation). An engine without the memory saver (evaluation) keeps SGLang's default.
+    backup of the pool) and released by sleep, as before. Cost: prefill runs eagerly (rollout
+    prefill is a small share of decode-bound generation). An engine without the memory saver (evaluation) keeps SGLang's default.
 
     Raises:
         ValueError: ``cuda_graph_backend_prefill: breakable`` on a colocated engine whose graphs

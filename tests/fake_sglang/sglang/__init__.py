@@ -5,7 +5,8 @@ SGLang). Written from the pinned source (the sglang 0.5.23 wheel's ``sglang/srt/
 
 * ``Engine(**kwargs)`` (``entrypoints/engine.py``): builds ``srt/server_args.py``'s ``ServerArgs``
   (the pinned fields of ``dapo_megatron.rollout.engines.sglang_server_args``; like 0.5.23's
-  ``msgspec.Struct`` it refuses an unknown one with ``TypeError: Unexpected keyword argument``), registers ``atexit(self.shutdown)``, runs
+  ``msgspec.Struct`` it refuses an unknown one with ``TypeError: Unexpected keyword argument``),
+  registers ``atexit(self.shutdown)``, runs
   ``_set_envs_and_config`` (the same variables, SIGQUIT handler and ``spawn`` start method), and
   starts ``tp_size`` scheduler processes with ``multiprocessing`` (spawn: each inherits
   ``os.environ`` as it is at ``start()``) that do what ``model_runner.py``
