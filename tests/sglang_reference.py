@@ -10,8 +10,8 @@ enough; its ``__init__`` is never run) under its real module name, so the packag
 test picks up SGLang's class exactly as it would in the image. Without SGLang it returns None
 and the tests check the documented format instead (:func:`reconstruct`).
 
-:class:`SafeUnpickler` is SGLang 0.5.11's allow-list (``srt/utils/common.py`` ``SafeUnpickler``,
-module prefixes copied verbatim) so a payload whose classes SGLang would refuse fails here too.
+:class:`SafeUnpickler` is SGLang 0.5.23's allow-list (``srt/utils/common.py`` ``SafeUnpickler``,
+its exact (module, name) pairs) so a payload whose classes SGLang would refuse fails here too.
 """
 
 from __future__ import annotations
@@ -27,31 +27,84 @@ import torch
 
 TENSOR_BUCKET = "sglang.srt.weight_sync.tensor_bucket"
 
-# sglang 0.5.11 python/sglang/srt/utils/common.py, SafeUnpickler.ALLOWED_MODULE_PREFIXES
-ALLOWED_MODULE_PREFIXES = {
-    "builtins.", "collections.", "copyreg.", "functools.", "itertools.", "operator.", "types.", "weakref.",
-    "torch.", "torch._tensor.", "torch.storage.", "torch.nn.parameter.", "torch.autograd.function.",
-    "torch.distributed.", "torch.distributed._shard.", "torch.distributed._composable.",
-    "torch._C._distributed_c10d.", "torch._C._distributed_fsdp.", "torch.distributed.optim.",
-    "multiprocessing.resource_sharer.", "multiprocessing.reduction.", "pickletools.",
-    "peft.", "transformers.", "huggingface_hub.",
-    "sglang.srt.weight_sync.tensor_bucket.", "sglang.srt.model_executor.model_runner.", "sglang.srt.layers.",
-    "sglang.srt.utils.", "torch_npu.",
-}
+# sglang 0.5.23 python/sglang/srt/utils/common.py:3144-3359, SafeUnpickler.ALLOWED_GLOBALS: exact
+# (module, name) pairs, 202 of them (0.5.11 allowed whole module prefixes such as "torch.")
+ALLOWED_GLOBALS = frozenset((module, name) for module, names in {
+    "_codecs": ("encode",),
+    "builtins": (
+        "bool", "bytearray", "bytes", "complex", "dict", "float", "frozenset", "int", "list", "range",
+        "set", "slice", "str", "tuple",),
+    "collections": ("Counter", "OrderedDict", "defaultdict", "deque",),
+    "copyreg": ("__newobj__", "__newobj_ex__",),
+    "functools": ("partial",),
+    "itertools": ("chain", "repeat",),
+    "multiprocessing.reduction": ("_rebuild_partial", "_rebuild_socket",),
+    "multiprocessing.resource_sharer": ("DupFd",),
+    "sglang.srt.disaggregation.encoder.receiver": ("EmbeddingData",),
+    "sglang.srt.managers.io_struct": ("EmbeddingReqInput", "GenerateReqInput",),
+    "sglang.srt.managers.schedule_batch": ("Modality",),
+    "sglang.srt.model_executor.model_runner": ("LocalSerializedTensor",),
+    "sglang.srt.model_executor.model_runner_components.weight_updater": ("LocalSerializedTensor",),
+    "sglang.srt.multimodal.modality": ("Modality",),
+    "sglang.srt.utils.patch_torch": ("_rebuild_cuda_tensor_modified", "_rebuild_npu_tensor_modified",),
+    "sglang.srt.weight_sync.tensor_bucket": ("FlattenedTensorBucket", "FlattenedTensorMetadata",),
+    "torch": (
+        "BFloat16Storage", "BFloat16Tensor", "BoolStorage", "BoolTensor", "ByteStorage", "ByteTensor",
+        "CharStorage", "CharTensor", "ComplexDoubleStorage", "ComplexFloatStorage", "DoubleStorage",
+        "DoubleTensor", "FloatStorage", "FloatTensor", "HalfStorage", "HalfTensor", "IntStorage",
+        "IntTensor", "LongStorage", "LongTensor", "QInt32Storage", "QInt8Storage", "QUInt2x4Storage",
+        "QUInt4x2Storage", "QUInt8Storage", "ShortStorage", "ShortTensor", "Size", "Tensor",
+        "UntypedStorage", "bcomplex32", "bfloat16", "bit", "bits16", "bits1x8", "bits2x4", "bits4x2",
+        "bits8", "bool", "cdouble", "cfloat", "chalf", "complex128", "complex32", "complex64", "device",
+        "double", "dtype", "float", "float16", "float32", "float4_e2m1fn_x2", "float64", "float8_e4m3fn",
+        "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu", "half", "int", "int1",
+        "int16", "int2", "int3", "int32", "int4", "int5", "int6", "int64", "int7", "int8", "long",
+        "per_channel_affine", "per_channel_affine_float_qparams", "per_channel_symmetric",
+        "per_tensor_affine", "per_tensor_symmetric", "qint32", "qint8", "quint2x4", "quint4x2", "quint8",
+        "short", "uint1", "uint16", "uint2", "uint3", "uint32", "uint4", "uint5", "uint6", "uint64",
+        "uint7", "uint8",),
+    "torch._tensor": ("_rebuild_from_type_v2",),
+    "torch._utils": (
+        "_rebuild_device_tensor_from_cpu_tensor", "_rebuild_device_tensor_from_numpy",
+        "_rebuild_meta_tensor_no_storage", "_rebuild_parameter", "_rebuild_parameter_with_state",
+        "_rebuild_qtensor", "_rebuild_sparse_tensor", "_rebuild_tensor", "_rebuild_tensor_v2",
+        "_rebuild_tensor_v3", "_rebuild_wrapper_subclass",),
+    "torch.cuda": (
+        "BFloat16Storage", "BFloat16Tensor", "BoolStorage", "BoolTensor", "ByteStorage", "ByteTensor",
+        "CharStorage", "CharTensor", "ComplexDoubleStorage", "ComplexFloatStorage", "DoubleStorage",
+        "DoubleTensor", "FloatStorage", "FloatTensor", "HalfStorage", "HalfTensor", "IntStorage",
+        "IntTensor", "LongStorage", "LongTensor", "ShortStorage", "ShortTensor",),
+    "torch.cuda.sparse": (
+        "BFloat16Tensor", "ByteTensor", "CharTensor", "DoubleTensor", "FloatTensor", "HalfTensor",
+        "IntTensor", "LongTensor", "ShortTensor",),
+    "torch.multiprocessing.reductions": (
+        "rebuild_cuda_tensor", "rebuild_meta_tensor", "rebuild_nested_tensor",
+        "rebuild_sparse_compressed_tensor", "rebuild_sparse_coo_tensor", "rebuild_storage_empty",
+        "rebuild_storage_fd", "rebuild_storage_filename", "rebuild_tensor", "rebuild_typed_storage",
+        "rebuild_typed_storage_child",),
+    "torch.nn.parameter": ("Parameter",),
+    "torch.serialization": ("_get_layout",),
+    "torch.sparse": (
+        "BFloat16Tensor", "ByteTensor", "CharTensor", "DoubleTensor", "FloatTensor", "HalfTensor",
+        "IntTensor", "LongTensor", "ShortTensor",),
+    "torch.storage": ("TypedStorage", "UntypedStorage", "_UntypedStorage",),
+    "torch_npu.multiprocessing.reductions": ("rebuild_npu_tensor",),
+    "types": ("SimpleNamespace",),
+}.items() for name in names)
 
 
 class SafeUnpickler(pickle.Unpickler):
-    """SGLang's ``SafeUnpickler``: only classes of the allowed module prefixes load."""
+    """SGLang 0.5.23's ``SafeUnpickler``: only the allowed globals load (``torch.storage.
+    _load_from_bytes``, which SGLang maps to a restricted loader, is refused here)."""
 
     def find_class(self, module, name):
-        if any((module + ".").startswith(prefix) for prefix in ALLOWED_MODULE_PREFIXES):
+        if (module, name) in ALLOWED_GLOBALS:
             return super().find_class(module, name)
-        raise RuntimeError(f"Blocked unsafe class loading ({module}.{name}), "
-                           "to prevent exploitation of CVE-2025-10164")
+        raise RuntimeError(f"Blocked unsafe global ({module}.{name}) during pickle deserialization")
 
 
 def deserialize(data: bytes):
-    """``MultiprocessingSerializer.deserialize`` of sglang 0.5.11 (bytes form)."""
+    """``MultiprocessingSerializer.deserialize`` of sglang 0.5.23 (bytes form)."""
     return SafeUnpickler(io.BytesIO(data)).load()
 
 
