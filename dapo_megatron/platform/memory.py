@@ -34,7 +34,8 @@ whose optimizer shards go over ``EDP = world / (ETP × EP × PP)`` instead of DP
 * engine (SGLang, one per rollout group of ``rollout_tp`` GPUs, ``rollout.tensor_model_parallel_size``): its weights ``2 · N /
   rollout_tp`` (bf16, ``N`` = all parameters) and the KV cache. SGLang sizes the KV pool
   from the memory free when it starts (sglang 0.5.11
-  ``model_executor/model_runner_kv_cache_mixin.py`` ``_profile_available_bytes``:
+  ``model_executor/model_runner_kv_cache_mixin.py`` ``_profile_available_bytes``; 0.5.23 keeps the
+  rule, ``model_runner.py:943-948``:
   ``rest = free_after_load − free_before_load × (1 − mem_fraction_static)``), i.e.
   ``KV = gpu_memory_utilization × F0 − weights`` with ``F0`` the memory free at its start
   (the GPU minus the actor's resident state, before Adam's moments, minus the overhead).
@@ -51,10 +52,17 @@ whose optimizer shards go over ``EDP = world / (ETP × EP × PP)`` instead of DP
   buffers: ``engine_runtime_bytes``, 3 GB by default), of which ``cuda_graph_bytes`` (1 GB)
   are its CUDA graphs. All are assumptions. ``sleep()`` releases the graphs only when the
   scheduler captured them under the memory saver, i.e. with
-  ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1`` in its environment (sglang 0.5.11
-  ``model_executor/cuda_graph_runner.py``; the colocated engine sets it unless the user set
-  it, ``rollout/engines/sglang_env.py``); otherwise they stay resident through training and the
-  sync (``cuda_graphs_released=False``: the ``cuda_graphs_resident`` term).
+  ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1`` in its environment (sglang 0.5.23
+  ``model_executor/runner_backend/full_cuda_graph_backend.py:121-124``; the colocated engine sets
+  it unless the user set it, ``rollout/engines/sglang_env.py``); otherwise they stay resident
+  through training and the sync (``cuda_graphs_released=False``: the ``cuda_graphs_resident``
+  term). SGLang 0.5.23's default prefill ("breakable") graph cannot be captured under the saver
+  (``runner_backend/breakable_cuda_graph_backend.py:84-94``), so colocated engines run without it
+  (``rollout/engines/sglang_server_args.py`` ``colocated_graph_kwargs``) and the graphs counted
+  are the decode graphs. Releasing the KV cache flushes it with ``empty_cache`` (0.5.23
+  ``managers/scheduler_components/weight_updater.py:351-366``, ``managers/scheduler.py:5518-5534``),
+  so the scheduler's cached activations do not outlive ``sleep()`` either;
+  ``tests/gpu/full_image_check.py sleep-memory`` measures what a sleeping engine keeps.
 
 Phases (the engine sleeps while the actor trains):
 

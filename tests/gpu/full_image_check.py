@@ -17,6 +17,11 @@ under torchrun) and prints one line per check.
   --real-sglang --sync`` on 2 ranks: each rank's colocated engine starts within a minute
   under torchrun (issue 18 item 1) and a weight sync in 64 KiB buckets reads every bucket
   back from the engine right after it loads and once more at the end (item 3).
+* ``sleep-memory DIR`` (1 GPU; issue 36 item 4): the free memory before an engine starts and after
+  it sleeps, without the prefill CUDA graph (the colocated default) and with SGLang 0.5.23's
+  default one (outside the memory saver); prints both, and what a sleeping engine keeps must fit
+  the memory estimate's overhead. Shell line (tests/gpu/full_image_check.sh):
+  ``run_check sleep_memory python tests/gpu/full_image_check.py sleep-memory "$WORK"``.
 * ``make-model DIR``: a tiny Llama with a tokenizer built here (byte-level BPE with a
   ChatML template, no download) for the DAPO step.
 * ``dapo-metrics RUN_DIR``: checks the metrics of the DAPO step the shell script ran with
@@ -255,8 +260,76 @@ def check_sglang_torchrun(workdir: str) -> None:
     print(run_engine_under_torchrun(workdir, real_sglang=True))
 
 
+def _kept_by_sleep(path: str, gpu: int, prefill_graph: bool) -> tuple[int, int]:
+    """``(kept, awake)``: the bytes of GPU ``gpu`` that a colocated engine holds after ``sleep()``
+    and while awake, both measured against the free memory before it started (this process's
+    CUDA context exists before). ``prefill_graph``: SGLang 0.5.23's default breakable prefill
+    graph, which refuses the memory saver, so with graphs captured outside it
+    (``SGLANG_MEMORY_SAVER_CUDA_GRAPH=0``); else the colocated default (no prefill graph,
+    ``sglang_server_args.colocated_graph_kwargs``; decode graphs under the saver)."""
+    from dapo_megatron.rollout.engines.engine import SamplingParams
+    from dapo_megatron.rollout.engines.sglang_engine import SGLangEngine
+    from test_sglang_contract import PROMPTS
+
+    env_before = os.environ.get("SGLANG_MEMORY_SAVER_CUDA_GRAPH")
+    if prefill_graph:
+        os.environ["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] = "0"
+    torch.cuda.empty_cache()
+    free0 = torch.cuda.mem_get_info(gpu)[0]
+    extra = {"skip_tokenizer_init": True, "random_seed": 0}
+    if prefill_graph:
+        extra["cuda_graph_backend_prefill"] = "breakable"
+    engine = SGLangEngine(path, dtype="bfloat16", mem_fraction_static=0.3, base_gpu_id=gpu, engine_kwargs=extra)
+    try:
+        engine.generate(PROMPTS, SamplingParams(n=2, temperature=T, max_new_tokens=12, seed=0))
+        awake = free0 - torch.cuda.mem_get_info(gpu)[0]
+        engine.sleep()
+        kept = free0 - torch.cuda.mem_get_info(gpu)[0]
+    finally:
+        engine.shutdown()
+        if env_before is None:
+            os.environ.pop("SGLANG_MEMORY_SAVER_CUDA_GRAPH", None)
+        else:
+            os.environ["SGLANG_MEMORY_SAVER_CUDA_GRAPH"] = env_before
+    import time
+
+    deadline = time.monotonic() + 60  # the scheduler's memory comes back when its process is gone
+    while torch.cuda.mem_get_info(gpu)[0] < free0 - 2**28 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return kept, awake
+
+
+def check_sleep_memory(workdir: str) -> None:
+    """Issue 36 item 4: the free memory of one GPU before an engine starts and after it sleeps,
+    with SGLang's default prefill CUDA graph (outside the memory saver) and without (the colocated
+    default). What a sleeping engine keeps in the colocated default (its scheduler's CUDA context,
+    NCCL and allocator state; sglang 0.5.23 empties its allocator cache when it releases the KV
+    cache, ``managers/scheduler.py:5518-5534``) must fit the memory estimate's ``overhead_bytes``
+    (``platform/memory.py``: the engine's graphs count 0 in the train and sync phases), and what the
+    graphs outside the saver add, its ``cuda_graph_bytes`` (counted when they stay resident)."""
+    from dapo_megatron.platform import local_device_index
+    from dapo_megatron.platform.memory import DEFAULT_CUDA_GRAPH, DEFAULT_OVERHEAD
+    from test_sglang_contract import tiny_checkpoint
+
+    gpu = local_device_index()
+    torch.cuda.set_device(gpu)
+    torch.zeros(1, device=f"cuda:{gpu}")  # this process's context first: not counted as the engine's
+    path = os.path.join(workdir, "sleep_memory")
+    tiny_checkpoint(path, seed=0)
+    kept, awake = _kept_by_sleep(path, gpu, prefill_graph=False)
+    kept_g, awake_g = _kept_by_sleep(path, gpu, prefill_graph=True)
+    gb = 1e9
+    print(f"GPU {gpu}: engine awake {awake / gb:.2f} GB, after sleep {kept / gb:.2f} GB kept without a prefill "
+          f"graph; with SGLang's default prefill graph outside the memory saver: awake {awake_g / gb:.2f} GB, "
+          f"kept {kept_g / gb:.2f} GB (+{(kept_g - kept) / gb:.2f} GB)")
+    assert kept < DEFAULT_OVERHEAD, (f"a sleeping engine keeps {kept / gb:.2f} GB > overhead_bytes "
+                                     f"{DEFAULT_OVERHEAD / gb:.0f} GB")
+    assert kept_g - kept <= DEFAULT_CUDA_GRAPH, (f"graphs resident through sleep take {(kept_g - kept) / gb:.2f} GB > "
+                                                 f"the estimate's cuda_graph_bytes {DEFAULT_CUDA_GRAPH / gb:.0f} GB")
+
+
 SUBCOMMANDS = {"engines": check_engines, "fp8": check_fp8, "make-model": make_model, "dapo-metrics": dapo_metrics,
-               "sglang-torchrun": check_sglang_torchrun}
+               "sglang-torchrun": check_sglang_torchrun, "sleep-memory": check_sleep_memory}
 
 
 if __name__ == "__main__":

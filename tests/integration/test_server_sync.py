@@ -174,6 +174,39 @@ def test_a_server_that_refuses_an_update_stops_every_rank_naming_it(servers, tmp
     assert "POST /flush_cache" not in good.calls()[before:], "no flush after a failed sync"
 
 
+@pytest.mark.timeout(300)
+def test_set_members_destroys_the_old_group_on_every_server_before_forming_the_new(servers):
+    """Issue 36 item 7: re-forming the weight-update group over new members first destroys the old
+    one on each server (``/destroy_weights_update_group``, SGLang's endpoint), so no server keeps a
+    communicator per membership change; the dropped server too, while it answers."""
+    from dapo_megatron.rollout.engines.server_sync import ServerRollout
+    from dapo_megatron.rollout.engines.sglang_engine import http_get
+
+    a, b = servers[0], servers[1]
+    eng = ServerRollout([a.url, b.url], None, stage=0, num_stages=1, is_sender=True, device="cpu", timeout_s=20,
+                        generate_timeout_s=20, bucket_bytes=BUCKET, backend="gloo", one_driver=True)
+
+    def groups(server):
+        return {g for g in http_get(server.url, "/server_info", 10)["internal_states"][0]["weight_update_groups"]
+                if g.startswith("dapo_weights_pp0")}
+
+    def weight_calls(server, since):
+        return [c for c in server.calls()[since:] if c.endswith("weights_update_group")]
+
+    assert groups(a) == groups(b) == {"dapo_weights_pp0"}
+    before = [len(a.calls()), len(b.calls())]
+    eng.set_members([0])  # b dropped
+    assert groups(a) == {"dapo_weights_pp0_m1"} and groups(b) == set()
+    assert weight_calls(a, before[0]) == ["POST /destroy_weights_update_group", "POST /init_weights_update_group"]
+    assert weight_calls(b, before[1]) == ["POST /destroy_weights_update_group"]
+    before = [len(a.calls()), len(b.calls())]
+    eng.set_members([0, 1])  # b back
+    assert groups(a) == groups(b) == {"dapo_weights_pp0_m2"}
+    assert weight_calls(a, before[0]) == ["POST /destroy_weights_update_group", "POST /init_weights_update_group"]
+    assert weight_calls(b, before[1]) == ["POST /init_weights_update_group"]
+    eng.sender.destroy()
+
+
 def test_health_check_names_a_dead_a_hung_and_an_unhealthy_server():
     from dapo_megatron.rollout.engines.server_sync import check_health, query_server
 

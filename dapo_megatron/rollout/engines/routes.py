@@ -12,19 +12,25 @@ The routes of one sample (``Sample.routes``), the one format every engine produc
   layer ``l`` (0-based decoder layer), its ``K`` experts (global expert indices, in the router's
   top-k order). The last response token is sampled, never forwarded, so it has no route (it
   feeds no label either: every logprob the actor computes depends on tokens ``0 .. P + R - 2``
-  only). SGLang's ``return_routed_experts`` has the same rows (``seqlen - 1`` tokens,
-  ``routed_experts_capturer.get_routed_experts``).
+  only). SGLang's ``return_routed_experts`` has the same rows (``seqlen - 1`` tokens; sglang
+  0.5.23 ``managers/scheduler_components/batch_result_processor.py:140-180``: rows
+  ``[routed_experts_start_len, seqlen - 1)``, ``seqlen`` = prompt + output through the stop token;
+  the package sends no ``routed_experts_start_len``, i.e. 0: the whole sequence, as
+  ``managers/io_struct.py:264-268`` documents).
 - dtype :func:`route_dtype`: ``torch.uint8`` for up to 256 experts, else ``torch.int16``
   (``K`` bytes per token and layer: Qwen3-30B-A3B, 48 layers × top-8 over 128 experts, is
   384 bytes per token).
 
 Sources: transformers 5 ``Qwen3MoeTopKRouter`` / ``Qwen2MoeTopKRouter`` / ``MixtralTopKRouter``
 (``forward`` returns ``(router_logits, router_scores, router_indices)``; the indices are
-``torch.topk`` of the fp32 softmax of the logits); SGLang 0.5.11
-``srt/layers/moe/routed_experts_capturer.py`` (``extract_routed_experts_from_meta_info``: the
+``torch.topk`` of the fp32 softmax of the logits); SGLang 0.5.23
+``srt/state_capturer/routed_experts.py:166`` (``extract_routed_experts_from_meta_info``: the
 int32 expert ids base64-encoded in ``meta_info["routed_experts"]``, row-major
-``[seqlen - 1, num_layers, topk]``; ``meta_info["routed_experts_dtype"]`` names another dtype
-where the server sends one).
+``[seqlen - 1, num_layers, topk]``; int32 capture buffers, ``routed_experts.py:100-106``, sliced
+to ``topk`` columns, ``:145-147``; encoded by ``managers/detokenizer_manager.py:432-448`` or
+``managers/tokenizer_manager.py:2602-2609``; 0.5.11 had the same format in
+``layers/moe/routed_experts_capturer.py``). ``meta_info["routed_experts_dtype"]`` (no SGLang
+release sends it) names another dtype where a server does.
 
 Design: docs/design.md §2.1 (routing replay).
 """
@@ -140,8 +146,9 @@ def decode_sglang_routes(meta_info: dict, *, num_tokens: int, num_layers: int, t
     """``meta_info["routed_experts"]`` of one SGLang output → compact ``[num_tokens, L, K]``.
 
     The payload is base64 of the row-major ``[seqlen - 1, L, K]`` expert ids, int32 unless
-    ``meta_info["routed_experts_dtype"]`` names another (SGLang 0.5.11
-    ``extract_routed_experts_from_meta_info``); a plain nested list is accepted too.
+    ``meta_info["routed_experts_dtype"]`` names another (SGLang 0.5.23
+    ``state_capturer/routed_experts.py:166`` ``extract_routed_experts_from_meta_info``); a plain
+    nested list is accepted too.
 
     Raises:
         RuntimeError: the output carries no routes (the server was not launched with

@@ -3,7 +3,8 @@ and the weight sync into them over one NCCL group per pipeline stage.
 
 The user starts the servers (``python -m sglang.launch_server --model-path ... --tp-size k``,
 possibly on other nodes); ``rollout.server_urls`` lists them. At start-up every server's
-``GET /server_info`` (its ``ServerArgs`` as a dict; sglang 0.5.11 ``entrypoints/http_server.py``)
+``GET /server_info`` (its resolved ``ServerArgs`` as a dict; sglang 0.5.23
+``entrypoints/http_server.py:863``, ``utils/common.py:3584``)
 gives its TP size and flags (:func:`query_server`); every step starts with ``GET /health``
 of each (:func:`check_health`), and every HTTP call has a timeout, so a dead, hung or
 unreachable server stops the step with an error naming its URL instead of hanging it.
@@ -31,7 +32,9 @@ servers are the bottleneck either way (each of their workers receives every byte
 Around a sync (:func:`sync_servers`): generation is paused (``POST /pause_generation``, mode
 ``abort``: nothing finishes on half-updated weights; the trainer's own rollout is over by
 then), and after the last stage the prefix cache is flushed and generation continues
-(``/flush_cache``, ``/continue_generation``). SGLang >= 0.5.6 has every endpoint used here.
+(``/flush_cache``, ``/continue_generation``). A change of members (asynchronous training's
+fault handling) destroys the old group on every server (``/destroy_weights_update_group``) before
+forming the new one. SGLang >= 0.5.6 has every endpoint used here (re-read in 0.5.23).
 
 Design: docs/design.md §2 (server mode) and §2.2.
 """
@@ -39,6 +42,7 @@ Design: docs/design.md §2 (server mode) and §2.2.
 from __future__ import annotations
 
 import itertools
+import logging
 import socket
 import threading
 import time
@@ -67,6 +71,7 @@ from dapo_megatron.rollout.engines.sglang_engine import (
 )
 
 NamedTensor = tuple[str, torch.Tensor]
+logger = logging.getLogger("dapo_megatron.rollout")
 
 
 @dataclass(frozen=True)
@@ -298,6 +303,35 @@ class ServerWeightSender:
             if self.backend == "nccl":
                 dist.distributed_c10d._abort_process_group(self.group)
             self.group = None
+
+    def destroy(self) -> list[str]:
+        """Give the group up on both ends: :meth:`abort` this rank's, then ask every server to
+        destroy its own (``POST /destroy_weights_update_group`` with ``{"group_name"}``, all at
+        once, each within ``timeout_s``; sglang 0.5.23 ``entrypoints/http_server.py:1420``,
+        ``managers/io_struct.py:2146`` ``DestroyWeightsUpdateGroupReqInput``; the worker pops the
+        group and ``torch.distributed.destroy_process_group`` s it,
+        ``model_executor/model_runner_components/weight_updater.py:146``). Without it every
+        server keeps one communicator (NCCL buffers on its GPUs) per group ever formed.
+
+        Best effort: returns the failures, one ``"url: error"`` each (a dead server cannot
+        answer, and holds no group once restarted; one that never joined answers 400 "does not
+        exist")."""
+        self.abort()
+        errors = [None] * len(self.servers)
+
+        def one(i):
+            try:
+                http_post(self.servers[i].url, "/destroy_weights_update_group", {"group_name": self.group_name},
+                          self.timeout_s)
+            except Exception as err:  # reported, not raised: see above
+                errors[i] = f"{self.servers[i].url}: {err}"
+
+        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(self.servers))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return [e for e in errors if e is not None]
 
     def _send(self, named_tensors: Iterable[NamedTensor]) -> list[tuple[str, tuple[int, ...]]]:
         sent: list[tuple[str, tuple[int, ...]]] = []
@@ -736,8 +770,9 @@ class ServerRollout:
         """Send the next weight syncs to the servers ``members`` only (indices into
         ``rollout.server_urls``; asynchronous training drops a failed server and takes one back
         that answers ``/health`` again); collective. Nothing happens when they are the members
-        already; else every stage's weight-update group is created anew over them, under a
-        new name (``_m<k>``), and the old one given up (:meth:`ServerWeightSender.abort`).
+        already; else the old group of every stage is destroyed on this side and on each of its
+        servers that answers (:meth:`ServerWeightSender.destroy`), then created anew over the
+        members, under a new name (``_m<k>``).
 
         Raises:
             ValueError: no member, or an index outside ``rollout.server_urls``.
@@ -749,8 +784,11 @@ class ServerRollout:
                              "(rollout.server_urls)")
         if members == self.members:
             return
-        if self.sender is not None:
-            self.sender.abort()
+        if self.sender is not None:  # the old group, on this rank and on every server (issue 36 item 7)
+            failed = self.sender.destroy()
+            if failed:
+                logger.warning("weight-update group %s not destroyed on: %s", self.sender.group_name,
+                               "; ".join(failed))
         self._group_generation += 1
         self.members = members
         self.sender = connect_servers([self.servers[e] for e in members], group_suffix=f"_m{self._group_generation}",

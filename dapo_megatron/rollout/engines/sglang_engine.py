@@ -7,11 +7,15 @@ process group — is plain python and tested on CPU (``tests/unit/rollout/test_s
 ``tests/gpu/test_sglang_contract.py`` and ``tests/gpu/full_image_check.sh`` check the real
 engine on a CUDA machine.
 
-Versions: written against sglang 0.5.11 (the Docker image's pin); every API below exists
-from 0.5.5 on (setup.py's lower bound; ``cuda_graph`` became a memory tag in 0.5.5,
-``enable_weights_cpu_backup`` / ``enable_deterministic_inference`` / ``sampling_seed``
-in 0.5.3), read in the sources of each release's wheel. Files are those of
-``python/sglang/srt/`` in sglang 0.5.11:
+Versions: written against sglang 0.5.11 and re-read in 0.5.23 (the Docker image's pin): the
+endpoints and request fields used below are unchanged in 0.5.23 (``managers/io_struct.py``, now
+msgspec Structs whose HTTP schema ignores unknown fields, ``utils/msgspec_utils.py:95-100``;
+``tests/sglang_reference.py`` ``REQUEST_FIELDS`` and the test of every body); ``ServerArgs``
+became a msgspec Struct (``rollout/engines/sglang_server_args.py``) and the default prefill CUDA
+graph cannot sleep (``colocated_graph_kwargs``). Every API below exists from 0.5.5 on (setup.py's
+lower bound; ``cuda_graph`` became a memory tag in 0.5.5, ``enable_weights_cpu_backup`` /
+``enable_deterministic_inference`` / ``sampling_seed`` in 0.5.3), read in the sources of each
+release's wheel. Files are those of ``python/sglang/srt/`` in sglang 0.5.11 unless 0.5.23 is named:
 
 * Processes (``rollout/engines/sglang_env.py``, docs/design.md §6): ``Engine(...)`` spawns its scheduler
   and detokenizer processes, which inherit our environment (built without torchrun's
@@ -60,7 +64,8 @@ in 0.5.3), read in the sources of each release's wheel. Files are those of
   ``{"error": {"message"}}``; ``POST /init_weights_update_group`` (``master_address,
   master_port, rank_offset, world_size, group_name, backend``) and ``POST
   /update_weights_from_distributed`` (``names, dtypes, shapes, group_name, flush_cache``;
-  the server then receives one ``broadcast(src=0)`` per tensor in the order of ``names``)
+  the server then receives one ``broadcast(src=0)`` per tensor in the order of ``names``) and
+  ``POST /destroy_weights_update_group`` (``group_name``; 0.5.23 ``http_server.py:1420``)
   → JSON ``{"success", "message"}`` (400 on failure); ``POST /flush_cache`` → PLAIN TEXT
   ("Cache flushed..." with 200, the failure message with 400); ``POST
   /release_memory_occupation`` / ``/resume_memory_occupation`` (``{"tags": [...]}``) →
@@ -115,6 +120,7 @@ from dapo_megatron.rollout.engines.routes import decode_sglang_routes, num_route
 from dapo_megatron.rollout.engines.sglang_server_args import (  # noqa: F401  (checked here, defined beside the list)
     MANAGED_ENGINE_ARGS,
     check_engine_kwargs,
+    colocated_graph_kwargs,
     engine_argument_names,
 )
 
@@ -531,7 +537,9 @@ class SGLangEngine(_SGLangMemory, RolloutEngine):
         tp_size: SGLang tensor parallel size (GPUs ``base_gpu_id .. base_gpu_id + tp_size - 1``).
         mem_fraction_static: share of the GPU's memory for weights + KV cache
             (``rollout.gpu_memory_utilization``).
-        enable_memory_saver: needed for ``sleep`` / ``wake_up`` (release / resume memory).
+        enable_memory_saver: needed for ``sleep`` / ``wake_up`` (release / resume memory); with
+            it the engine runs without a prefill CUDA graph unless ``engine_kwargs`` choose one
+            (:func:`~dapo_megatron.rollout.engines.sglang_server_args.colocated_graph_kwargs`).
         base_gpu_id: first GPU of the engine; None: this rank's GPU,
             :func:`dapo_megatron.platform.local_device_index` (torchrun sets no
             ``CUDA_VISIBLE_DEVICES``: without it every rank's engine would start on GPU 0).
@@ -539,9 +547,10 @@ class SGLangEngine(_SGLangMemory, RolloutEngine):
             per-response ``sampling_seed`` only then, so rollouts repeat exactly (same
             prompts, seeds, weights, batch composition no longer matters). Cost: it forces
             the PyTorch sampling backend, batch-invariant attention (FlashAttention 3 on
-            H100, FlashInfer/Triton elsewhere) and kernels, and disables piecewise CUDA
-            graphs (``server_args.py`` ``_handle_deterministic_inference``), so generation is
-            slower. False (default): GPU rollouts are not seed-reproducible.
+            H100, FlashInfer/Triton elsewhere) and kernels (sglang 0.5.23
+            ``arg_groups/attention_hook.py:580`` ``handle_deterministic_inference``,
+            ``arg_groups/overrides.py:1030``), so generation is slower. False (default): GPU
+            rollouts are not seed-reproducible.
         update_bucket_mb: bucket size of ``update_weights`` in MiB.
         engine_kwargs: further ``sglang.Engine`` (``ServerArgs``) arguments, checked by
             :func:`check_engine_kwargs` (e.g. ``load_format: dummy``: random weights at start,
@@ -572,6 +581,7 @@ class SGLangEngine(_SGLangMemory, RolloutEngine):
         super().__init__()
         dtype = sglang_dtype(dtype)
         extra = check_engine_kwargs(engine_kwargs, key="engine_kwargs")
+        extra.update(colocated_graph_kwargs(extra, enable_memory_saver))  # no prefill graph under sleep
         self.record_routes = record_routes
         if record_routes is not None:  # routing replay: the server captures every token's experts
             extra["enable_return_routed_experts"] = True

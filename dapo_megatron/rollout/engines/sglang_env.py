@@ -33,8 +33,9 @@ estimate (:mod:`dapo_megatron.platform.memory`).
 
 What ``sglang.Engine(...)`` changes in the process that builds it (kept, since its tokenizer
 manager runs here): ``_set_envs_and_config`` sets ``NCCL_CUMEM_ENABLE`` (to 0, unless already
-set or ``enable_symm_mem``), ``NCCL_NVLS_ENABLE``, ``CUDA_DEVICE_MAX_CONNECTIONS=8``,
-``CUDA_MODULE_LOADING=AUTO``, ``TRTLLM_ENABLE_PDL``, ``CUTE_DSL_LOG_*``, ``SGLANG_RUN_ID``,
+set or ``enable_symm_mem``), ``NCCL_NVLS_ENABLE``, ``CUDA_DEVICE_MAX_CONNECTIONS=8``
+(0.5.23 ``entrypoints/engine.py:1878-1995``; 0.5.11 also set ``CUDA_MODULE_LOADING=AUTO``),
+``TRTLLM_ENABLE_PDL``, ``CUTE_DSL_LOG_*``, ``SGLANG_RUN_ID``,
 raises the open-files limit, installs a SIGQUIT handler that kills this whole process tree,
 this process included (a failing child sends SIGQUIT; its subprocess watchdog too,
 ``utils/watchdog.py``), and forces the ``spawn`` start method for every later

@@ -1,11 +1,12 @@
-"""A fake ``sglang`` for CPU tests that behaves like sglang 0.5.11 at the PROCESS level.
+"""A fake ``sglang`` for CPU tests that behaves like sglang 0.5.23 at the PROCESS level.
 
 Put ``tests/fake_sglang`` first on ``sys.path`` (only in a subprocess: it shadows any real
-SGLang). Written from the pinned source (``/work/ref/sglang-0.5.11/sglang/srt/``):
+SGLang). Written from the pinned source (the sglang 0.5.23 wheel's ``sglang/srt/``; first from 0.5.11's):
 
-* ``Engine(**kwargs)`` (``entrypoints/engine.py``): checks the kwargs against the pinned
-  ``ServerArgs`` fields (``dapo_megatron.rollout.engines.sglang_server_args``; a dataclass refuses an
-  unknown one with ``TypeError``), registers ``atexit(self.shutdown)``, runs
+* ``Engine(**kwargs)`` (``entrypoints/engine.py``): builds ``srt/server_args.py``'s ``ServerArgs``
+  (the pinned fields of ``dapo_megatron.rollout.engines.sglang_server_args``; like 0.5.23's
+  ``msgspec.Struct`` it refuses an unknown one with ``TypeError: Unexpected keyword argument``),
+  registers ``atexit(self.shutdown)``, runs
   ``_set_envs_and_config`` (the same variables, SIGQUIT handler and ``spawn`` start method), and
   starts ``tp_size`` scheduler processes with ``multiprocessing`` (spawn: each inherits
   ``os.environ`` as it is at ``start()``) that do what ``model_runner.py``
@@ -28,6 +29,6 @@ Test hooks (not SGLang's): ``Engine.scheduler_env`` holds, per scheduler, the va
 ``Engine.init_seconds`` how long each scheduler's ``init_process_group`` took.
 """
 
-__version__ = "0.5.11"
+__version__ = "0.5.23"
 
 from sglang.srt.entrypoints.engine import Engine  # noqa: E402,F401

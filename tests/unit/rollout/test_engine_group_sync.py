@@ -59,8 +59,9 @@ def _setup(tp, pp, rollout_tp, family, ep=1):
     _SpyEngine.tensor_bucket = sglang_reference.install_tensor_bucket()
     fake = sys.modules.get("sglang") if _SpyEngine.tensor_bucket is not None else None
     fake = fake or types.ModuleType("sglang")
-    fake.Engine, fake.__version__ = _SpyEngine, "0.5.11"
+    fake.Engine, fake.__version__ = _SpyEngine, "0.5.23"
     sys.modules["sglang"] = fake
+    sglang_reference.install_server_args()
     return model, hf_config, export, group, parallel
 
 

@@ -104,6 +104,10 @@ def test_trainer_and_eval_sglang_engines_get_the_same_kwargs_but_the_memory_sett
     got_trainer = build_engine(trainer).engine.kwargs
     got_eval = build_engine(evaluated).engine.kwargs
     assert got_trainer == {"model_path": model_dir, "dtype": "bfloat16", "tp_size": 1, "mem_fraction_static": 0.5,
-                           "enable_memory_saver": True, "base_gpu_id": 3, "enable_deterministic_inference": False}
-    # eval owns its GPU: no memory saver, its own memory fraction; everything else as the trainer's
-    assert got_eval == {**got_trainer, "mem_fraction_static": 0.8, "enable_memory_saver": False}
+                           "enable_memory_saver": True, "base_gpu_id": 3, "enable_deterministic_inference": False,
+                           "disable_prefill_cuda_graph": True}
+    # eval owns its GPU: no memory saver (so SGLang's default prefill graph), its own memory fraction;
+    # everything else as the trainer's
+    expected = {**got_trainer, "mem_fraction_static": 0.8, "enable_memory_saver": False}
+    del expected["disable_prefill_cuda_graph"]
+    assert got_eval == expected

@@ -313,8 +313,9 @@ class _SpyEngine:
 
 @pytest.fixture()
 def fake_sglang(monkeypatch):
-    """A ``sglang`` module whose ``Engine`` is :class:`_SpyEngine` (no ServerArgs: the pinned
-    argument list is used)."""
+    """A ``sglang`` module whose ``Engine`` is :class:`_SpyEngine`, with the fake SGLang's
+    ``sglang.srt.server_args`` (the pinned field list in 0.5.23's msgspec form) where no real
+    SGLang imports."""
     import sys
     import types
 
@@ -326,7 +327,8 @@ def fake_sglang(monkeypatch):
     mod = mod or types.ModuleType("sglang")  # SGLang's real tensor_bucket, if any, hangs below this stub
     monkeypatch.setitem(sys.modules, "sglang", mod)
     monkeypatch.setattr(mod, "Engine", _SpyEngine, raising=False)
-    monkeypatch.setattr(mod, "__version__", "0.5.11", raising=False)
+    monkeypatch.setattr(mod, "__version__", "0.5.23", raising=False)
+    sglang_reference.install_server_args(monkeypatch.setitem)  # the pinned ServerArgs (0.5.23's form)
     _SpyEngine.instances.clear()
     yield mod
     flat_bucket._sglang_metadata_class.cache_clear()
@@ -373,7 +375,8 @@ def test_trainer_places_each_ranks_engine_on_its_own_gpu(fake_sglang, tiny_model
         assert eng.engine.kwargs == {
             "model_path": tiny_model_dir, "dtype": "bfloat16", "tp_size": 1, "mem_fraction_static": 0.45,
             "enable_memory_saver": True, "base_gpu_id": int(local_rank) % visible,
-            "enable_deterministic_inference": True, "load_format": "dummy", "random_seed": 7}
+            "enable_deterministic_inference": True, "load_format": "dummy", "random_seed": 7,
+            "disable_prefill_cuda_graph": True}
         assert not eng.weights_valid, "load_format=dummy: random weights until the first sync"
     assert seen == {("0", 8): 0, ("3", 8): 3, ("7", 8): 7, ("3", 1): 0}
 
@@ -389,7 +392,7 @@ def test_engine_kwargs_are_checked_against_sglang_arguments(fake_sglang, tiny_mo
 
     base = [f"model.hf_path={tiny_model_dir}", "rollout.name=sglang"]
     with pytest.raises(ValueError, match=r"rollout\.engine_kwargs\.load_fromat is not an sglang\.Engine argument"
-                                         r".*0\.5\.11.*did you mean load_format"):
+                                         r".*0\.5\.23.*did you mean load_format"):
         load_config(DAPOConfig, None, base + ["rollout.engine_kwargs.load_fromat=dummy"])
     with pytest.raises(ValueError, match=r"rollout\.engine_kwargs\.mem_fraction_static is set by dapo-megatron "
                                          r"from rollout\.gpu_memory_utilization"):
@@ -406,7 +409,7 @@ def test_engine_kwargs_are_checked_against_sglang_arguments(fake_sglang, tiny_mo
     monkeypatch.setitem(sys.modules, "sglang.srt", srt)
     monkeypatch.setitem(sys.modules, "sglang.srt.server_args", sa)
     names, source = engine_argument_names()
-    assert names == {"model_path", "brand_new_flag"} and source == "sglang 0.5.11 ServerArgs"
+    assert names == {"model_path", "brand_new_flag"} and source == "sglang 0.5.23 ServerArgs"
     assert check_engine_kwargs({"brand_new_flag": True}) == {"brand_new_flag": True}
     with pytest.raises(ValueError, match="load_format is not an sglang.Engine argument"):
         check_engine_kwargs({"load_format": "dummy"})

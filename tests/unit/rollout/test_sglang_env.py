@@ -1,5 +1,5 @@
 """The process environment around SGLang (rollout/engines/sglang_env.py), checked against the fake
-``sglang`` of tests/fake_sglang, whose ``_set_envs_and_config`` is sglang 0.5.11's."""
+``sglang`` of tests/fake_sglang, whose ``_set_envs_and_config`` is sglang 0.5.23's."""
 
 import os
 import subprocess
@@ -39,7 +39,7 @@ def test_server_mode_trainer_uses_the_servers_nccl_cumem_value(tmp_path):
     NCCL_CUMEM_ENABLE=0 when it is unset; dapo-train in server mode must have the same value in
     its environment when it builds its first NCCL communicator (init_distributed)."""
     server = _python("import os\nfrom sglang.srt.entrypoints.engine import _set_envs_and_config, _server_args\n"
-                     "_set_envs_and_config(_server_args({}))\nprint(os.environ['NCCL_CUMEM_ENABLE'])",
+                     "_set_envs_and_config(_server_args({'model_path': 'm'}))\nprint(os.environ['NCCL_CUMEM_ENABLE'])",
                      drop=("NCCL_CUMEM_ENABLE",))
     trainer_code = (
         "import os, sys\nimport dapo_megatron.platform as p\nclass Stop(Exception): pass\n"

@@ -61,26 +61,23 @@ def kill_process_tree(parent_pid, include_parent: bool = True, skip_pid: Optiona
 
 
 def _server_args(kwargs: dict) -> dict:
-    """``ServerArgs(**kwargs)``: the pinned field list, its defaults for what the fake reads."""
-    from dapo_megatron.rollout.engines.sglang_server_args import SERVER_ARGS_FIELDS
+    """``ServerArgs(**kwargs)`` (sglang 0.5.23 ``entrypoints/engine.py:297``): the fake's
+    ``ServerArgs`` (``srt/server_args.py``), which refuses an unknown field with msgspec's
+    ``TypeError`` as the real one does; returned as a dict (it goes to the child processes)."""
+    from sglang.srt.server_args import ServerArgs
 
-    unknown = sorted(set(kwargs) - SERVER_ARGS_FIELDS)
-    if unknown:
-        raise TypeError(f"ServerArgs.__init__() got an unexpected keyword argument {unknown[0]!r}")
-    args = {"tp_size": 1, "base_gpu_id": 0, "gpu_id_step": 1, "dist_timeout": None, "enable_symm_mem": False,
-            "enable_nccl_nvls": False, "custom_sigquit_handler": None, "log_level": "error"}
-    args.update(kwargs)
-    return args
+    args = ServerArgs(**kwargs)
+    return {name: getattr(args, name) for name in ServerArgs.__struct_fields__}
 
 
 def _set_envs_and_config(server_args: dict) -> None:
-    """sglang 0.5.11 ``_set_envs_and_config``: the variables, the SIGQUIT handler, spawn."""
+    """sglang 0.5.23 ``_set_envs_and_config`` (``entrypoints/engine.py:1878``): the variables (those
+    of a single-node launch without symmetric memory / KV sharding / DCP), the SIGQUIT handler, spawn."""
     if "NCCL_CUMEM_ENABLE" not in os.environ or server_args["enable_symm_mem"]:
         os.environ["NCCL_CUMEM_ENABLE"] = str(int(server_args["enable_symm_mem"]))
     if "NCCL_NVLS_ENABLE" not in os.environ or server_args["enable_nccl_nvls"] or server_args["enable_symm_mem"]:
         os.environ["NCCL_NVLS_ENABLE"] = str(int(server_args["enable_nccl_nvls"] or server_args["enable_symm_mem"]))
-    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "8"
-    os.environ["CUDA_MODULE_LOADING"] = "AUTO"
+    os.environ["CUDA_DEVICE_MAX_CONNECTIONS"] = "8"  # 0.5.23 sets no CUDA_MODULE_LOADING (0.5.11 did)
     if os.environ.get("TRTLLM_ENABLE_PDL", "1") != "0":
         os.environ["TRTLLM_ENABLE_PDL"] = "1"
     os.environ.setdefault("CUTE_DSL_LOG_LEVEL", "30")
