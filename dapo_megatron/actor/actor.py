@@ -328,7 +328,9 @@ class MegatronActor:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self.num_model_calls += len(mbs)  # micro-batch forwards through this rank's model (stage)
-        return get_forward_backward_func()(
+        if self.routing is not None:
+            self.routing.begin_schedule()
+        out = get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iter(mbs),
             model=self.model_chunks,
@@ -337,6 +339,9 @@ class MegatronActor:
             micro_batch_size=max(mb.batch.input_ids.shape[0] for mb in mbs),
             forward_only=forward_only,
         )
+        if self.routing is not None:
+            self.routing.end_schedule()  # every route queued for a recomputed forward was replayed
+        return out
 
     def _is_last_stage(self) -> bool:
         return self.parallel.is_pp_last

@@ -101,10 +101,10 @@ class MoELossScale:
             self._scale = (scale / max(int(num_route_tokens), 1)).reshape(1)
 
     def _moe_grad_scale(self):
-        # megatron-core asks at every micro-batch (schedules.py:353); outside a step (no begin_step),
-        # 1 / nothing would be wrong: refuse rather than scale silently
+        # megatron-core asks at every micro-batch (schedules.py:353), forward-only schedules too
+        # (compute_logprobs: the routers are in eval mode and attach no loss, router.py:789): 1 there
         if self._scale is None:
-            raise RuntimeError("MoE auxiliary-loss scale asked outside MegatronActor.forward_backward")
+            return torch.ones(1, device=self.sums.device)
         return self._scale
 
     def _tracker(self):

@@ -23,6 +23,15 @@ process), each matched to its layer by ``router.layer_number`` (1-based, global:
 sets its own layers). verl (``verl/utils/megatron/router_replay_utils.py``) and slime replay
 through the same class.
 
+Activation recompute (``recompute_granularity: full`` or ``selective`` of the MoE layer):
+a checkpointed layer runs its router once without grad in the forward and again in the
+backward, after the forwards of later micro-batches (1F1B). A forward pre-hook
+(:meth:`RoutingReplay._choose_action`) queues the micro-batch's routes in the first pass and
+switches the recomputed call to megatron-core's ``REPLAY_BACKWARD``, which takes them in
+order (verl's router-replay utils do the same with that queue); the observer counts the first
+pass only. The actor empties the queues before each schedule and checks after it that all were
+taken (:meth:`RoutingReplay.end_schedule`).
+
 The routes of a micro-batch (:func:`micro_batch_routes`): int64 ``[S · B, L, K]`` in
 megatron-core's ``[S, B]`` token order (the router flattens its ``[S, B, H]`` input), every
 token of every sample where :func:`~dapo_megatron.actor.packing.pack_samples` placed it, a
@@ -224,10 +233,6 @@ class RoutingReplay:
         if replay and any(r.router_replay is None for r in self.routers):
             raise ValueError("actor.routing_replay=rollout: the model was built without "
                              "moe_enable_routing_replay; build it with build_gpt_model(..., routing_replay=True)")
-        if replay and getattr(cfg, "recompute_granularity", None) is not None:
-            raise ValueError("actor.routing_replay=rollout with model.extra_transformer_config.recompute_granularity="
-                             f"{cfg.recompute_granularity!r} is not supported (the recomputed forward would need "
-                             "megatron-core's REPLAY_BACKWARD bookkeeping): remove the recompute setting")
         self.config, self.replay, self.keep = cfg, replay, keep
         self.num_layers, self.topk, self.num_experts = cfg.num_layers, cfg.moe_router_topk, cfg.num_moe_experts
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -242,6 +247,8 @@ class RoutingReplay:
             for r in self.routers:
                 r.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         self._handles = [r.register_forward_hook(self._observe) for r in self.routers] if observe else []
+        if replay:
+            self._handles += [r.register_forward_pre_hook(self._choose_action) for r in self.routers]
 
     def begin(self, mb) -> None:
         """Before ``mb``'s forward: its routes (:func:`micro_batch_routes`) become every local
@@ -258,19 +265,81 @@ class RoutingReplay:
         self._current = (routes.to(self.device), routed.to(self.device))
         if self.replay:
             for r in self.routers:
-                r.router_replay.set_target_indices(self._current[0][:, r.layer_number - 1])
+                # set directly, not with set_target_indices (which also queues it for a recompute):
+                # _choose_action queues it only for a call that will be recomputed
+                r.router_replay.target_topk_idx = self._current[0][:, r.layer_number - 1]
 
     def end(self) -> None:
-        """After the forward: the routers' target indices cleared (``RouterReplay.clear_indices``)."""
+        """After the forward: the routers' forward targets cleared; the routes queued for a
+        recomputed forward stay until the micro-batch's backward takes them."""
         if self.replay:
             for r in self.routers:
-                r.router_replay.clear_indices()
+                r.router_replay.target_topk_idx = None
         self._current = None
+
+    def begin_schedule(self) -> None:
+        """Before a forward-backward schedule: no routes queued from an earlier one."""
+        if self.replay:
+            for r in self.routers:
+                r.router_replay.replay_backward_list = []
+
+    def end_schedule(self) -> None:
+        """After the schedule: every queued route was replayed by a recomputed forward.
+
+        Raises:
+            RuntimeError: routes left (a recompute path that did not run the router again:
+                its backward would have routed on its own); the queues are emptied.
+        """
+        left = {r.layer_number: len(r.router_replay.replay_backward_list) for r in self.routers} if self.replay else {}
+        self.begin_schedule()
+        if any(left.values()):
+            raise RuntimeError(f"routing replay: routes queued for a recomputed forward were never replayed "
+                               f"(layer: count {left}); this activation-recompute setting is not supported with "
+                               "actor.routing_replay=rollout")
+
+    @staticmethod
+    def _recomputing() -> bool:
+        """True inside the backward (the autograd engine runs a graph task): a router called
+        there runs the recomputed forward of an activation checkpoint."""
+        return torch._C._current_graph_task_id() != -1
+
+    def _choose_action(self, router, args) -> None:
+        """Router forward pre-hook: which routes this call replays (megatron-core 0.19.2
+        ``moe/router_replay.py``, ``RouterReplay.get_replay_topk``):
+
+        - the recomputed forward of an activation checkpoint (megatron-core's reentrant
+          ``tensor_parallel.checkpoint``, ``tensor_parallel/random.py``, runs the first forward
+          without grad and the same function again, with grad, in the backward):
+          ``REPLAY_BACKWARD`` takes the oldest queued routes of this router. The schedule runs
+          the backwards of the micro-batches in the order of their forwards (1F1B too), and
+          each layer's recomputations in that order, so the queue gives each its own routes;
+        - a training forward without grad (the first pass of a checkpointed layer, whose router
+          runs again in the backward): ``REPLAY_FORWARD`` of the micro-batch's routes, queued
+          for that recompute (``replay_backward_list``, as ``set_target_indices`` does);
+        - otherwise (evaluation, a layer that is not recomputed): ``REPLAY_FORWARD``, nothing queued.
+        """
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        rr = router.router_replay
+        if router.training and torch.is_grad_enabled() and self._recomputing():
+            if not rr.replay_backward_list:
+                raise RuntimeError(f"routing replay: layer {router.layer_number} is recomputed in the backward but "
+                                   "no routes were queued for it (its first forward ran with grad enabled: a "
+                                   "non-reentrant checkpoint is not supported)")
+            rr.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+            return
+        rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        if rr.target_topk_idx is None:
+            raise RuntimeError(f"routing replay: layer {router.layer_number} forwarded outside begin()/end()")
+        if router.training and not torch.is_grad_enabled():
+            rr.replay_backward_list.append(rr.target_topk_idx)
 
     def _observe(self, router, args, output) -> None:
         """Router forward hook: the routes it used (``routing_map``), its own top-k of the
         logits (``gating`` again, no grad) and its softmax, summed on the device over the
         engine-routed tokens (:meth:`RouteStats.add`: no host synchronisation)."""
+        if self._recomputing():  # the recomputed forward of a checkpoint: counted in its first pass
+            return
         hidden = args[0]
         _, routing_map = output
         with torch.no_grad():
