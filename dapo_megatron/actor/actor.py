@@ -26,6 +26,11 @@ that in two places (0.16.1 and 0.19.2 alike), and both are switched off here:
    ``finalize_model_grads_func`` that passes ``num_tokens=None``, because our loss
    is already divided by the global ``N``.
 
+4. MoE routers attach their balancing / z loss with a process-wide backward scale
+   (``MoEAuxLossAutoScaler``): :class:`~dapo_megatron.actor.moe_loss.MoELossScale` installs
+   ``moe_grad_scale_func`` = 1 / (router rows of the step, all DP ranks), so that loss is the
+   token-weighted mean over micro-batches and DP ranks (docs/design.md §3.4), not their sum.
+
 So each micro-batch back-propagates ``sum(loss_t over its tokens) / N`` and
 gradients are summed over micro-batches (accumulation) and DP ranks (reduce-scatter):
 the total is exactly ``sum over all tokens / N`` however the mini-batch is cut.
@@ -53,6 +58,7 @@ from dapo_megatron.rollout.types import Sample
 from .config import OLD_LOGPROB_SOURCES, SUPPORTED_LOSS_AGG_MODES, ActorConfig, OptimConfig  # noqa: F401
 from .loss import SUM_KEYS, dapo_loss_func, logprob_loss_func
 from .micro_batch import MicroBatch, Targets, make_micro_batches
+from .moe_loss import MoELossScale
 from .plan import OldLogprobPlan, gpt_model_of, resolve_actor_plan, resolve_old_logprob_plan
 from .routing_replay import RoutingReplay
 
@@ -210,7 +216,7 @@ class MegatronActor:
     Side effects on the shared ``TransformerConfig`` (``model.config``):
     ``calculate_per_token_loss=True`` (see module docstring), ``variable_seq_lengths=True``
     and ``pipeline_dtype`` (PP), ``finalize_model_grads_func``, ``no_sync_func``,
-    ``grad_scale_func``.
+    ``grad_scale_func``, ``moe_grad_scale_func`` (MoE).
 
     Precision: ``config.params_dtype`` decides. fp32 trains in fp32. bf16 (or fp16) is
     megatron-core's mixed precision, as megatron/training/training.py sets it up on GPUs:
@@ -280,6 +286,8 @@ class MegatronActor:
         config.finalize_model_grads_func = _finalize
         config.no_sync_func = self.model_chunks[0].no_sync
         config.grad_scale_func = self.optimizer.scale_loss
+        # the routers' balancing / z loss: token-weighted mean over the step (actor/moe_loss.py)
+        self.moe_loss = MoELossScale(chunks[0], config, grad_scale_func=self.optimizer.scale_loss)
         self.num_model_calls = 0  # micro-batch forward passes run so far (old-logprob and training)
 
     # ------------------------------------------------------------------ helpers
@@ -325,7 +333,9 @@ class MegatronActor:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         self.num_model_calls += len(mbs)  # micro-batch forwards through this rank's model (stage)
-        return get_forward_backward_func()(
+        if self.routing is not None:
+            self.routing.begin_schedule()
+        out = get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iter(mbs),
             model=self.model_chunks,
@@ -334,6 +344,9 @@ class MegatronActor:
             micro_batch_size=max(mb.batch.input_ids.shape[0] for mb in mbs),
             forward_only=forward_only,
         )
+        if self.routing is not None:
+            self.routing.end_schedule()  # every route queued for a recomputed forward was replayed
+        return out
 
     def _is_last_stage(self) -> bool:
         return self.parallel.is_pp_last
@@ -465,10 +478,11 @@ class MegatronActor:
         mbs, order = self._make_micro_batches(micro_batches, targets)
         # counted in python, all-reduced over DP on the group's device (a CPU tensor fails under NCCL)
         counts = torch.tensor([sum(mb.num_valid_tokens for mb in mbs), sum(mb.num_loss_tokens for mb in mbs),
-                               sum(mb.num_loss_seqs for mb in mbs)], dtype=torch.float64,
-                              device=pdist.collective_device(self.dp_group))
+                               sum(mb.num_loss_seqs for mb in mbs), sum(mb.batch.num_tokens for mb in mbs)],
+                              dtype=torch.float64, device=pdist.collective_device(self.dp_group))
         self.parallel.all_reduce(counts, "dp")
-        n_valid, n_tok, n_seq = (int(x) for x in counts.tolist())
+        n_valid, n_tok, n_seq, n_route = (int(x) for x in counts.tolist())
+        self.moe_loss.begin_step(n_route)  # the rows every router sees this step, all DP ranks
         if global_num_tokens is not None and int(global_num_tokens) != n_valid:
             raise ValueError(
                 f"global_num_tokens={global_num_tokens} but the mini-batch holds {n_valid} loss tokens over all "
@@ -491,12 +505,19 @@ class MegatronActor:
 
         # all-reduced over PP and DP below: on the groups' device (NCCL: this rank's GPU)
         dev = pdist.collective_device(self.dp_group)
-        sums = torch.zeros(len(SUM_KEYS) + len(COUNT_KEYS), dtype=torch.float64, device=dev)
+        moe_sums = self.moe_loss.pop_sums().reshape(-1).to(dev) if self.moe_loss.active else None
+        if moe_sums is not None and getattr(self.config, "sequence_parallel", False) and self.tp_size > 1:
+            self.parallel.all_reduce(moe_sums, "tp")  # each TP rank's routers saw its S / TP rows
+        n_moe = 0 if moe_sums is None else moe_sums.numel()
+        sums = torch.zeros(len(SUM_KEYS) + len(COUNT_KEYS) + n_moe, dtype=torch.float64, device=dev)
+        if moe_sums is not None:  # every stage its own layers (the others 0), every DP rank its rows
+            sums[len(SUM_KEYS) + len(COUNT_KEYS):] = moe_sums
         mins = torch.full((1,), float("inf"), dtype=torch.float64, device=dev)
         maxs = torch.full((1,), float("-inf"), dtype=torch.float64, device=dev)
         if self._is_last_stage():
             counts = [(mb.batch.num_tokens, mb.batch.num_padding, mb.batch.num_copied_tokens) for mb in mbs]
-            sums[len(SUM_KEYS):] += torch.tensor(counts, dtype=torch.float64).sum(0).to(sums.device)
+            sums[len(SUM_KEYS):len(SUM_KEYS) + len(COUNT_KEYS)] += torch.tensor(
+                counts, dtype=torch.float64).sum(0).to(sums.device)
             for out in outs:
                 sums[:len(SUM_KEYS)] += torch.stack([out[k].double().reshape(()) for k in SUM_KEYS]).to(sums.device)
                 mins = torch.minimum(mins, out["ratio_min"].double().reshape(1).to(mins.device))
@@ -506,7 +527,10 @@ class MegatronActor:
             self.parallel.all_reduce(sums, group)
             self.parallel.all_reduce(mins, group, op=dist.ReduceOp.MIN)
             self.parallel.all_reduce(maxs, group, op=dist.ReduceOp.MAX)
+        sums = sums.cpu()
         metrics = {k: float(v) for k, v in zip(SUM_KEYS + COUNT_KEYS, sums.tolist())}
+        if moe_sums is not None:
+            metrics.update(self.moe_loss.metrics(sums[len(SUM_KEYS) + len(COUNT_KEYS):].view(2, -1), n_route))
         metrics["ratio_min"] = float(mins) if math.isfinite(float(mins)) else 1.0
         metrics["ratio_max"] = float(maxs) if math.isfinite(float(maxs)) else 1.0
         metrics["num_micro_batches"] = float(len(micro_batches))

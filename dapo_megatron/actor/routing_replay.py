@@ -23,19 +23,31 @@ process), each matched to its layer by ``router.layer_number`` (1-based, global:
 sets its own layers). verl (``verl/utils/megatron/router_replay_utils.py``) and slime replay
 through the same class.
 
+Activation recompute (``recompute_granularity: full`` or ``selective`` of the MoE layer):
+a checkpointed layer runs its router once without grad in the forward and again in the
+backward, after the forwards of later micro-batches (1F1B). A forward pre-hook
+(:meth:`RoutingReplay._choose_action`) queues the micro-batch's routes in the first pass and
+switches the recomputed call to megatron-core's ``REPLAY_BACKWARD``, which takes them in
+order (verl's router-replay utils do the same with that queue); the observer counts the first
+pass only. The actor empties the queues before each schedule and checks after it that all were
+taken (:meth:`RoutingReplay.end_schedule`).
+
 The routes of a micro-batch (:func:`micro_batch_routes`): int64 ``[S · B, L, K]`` in
 megatron-core's ``[S, B]`` token order (the router flattens its ``[S, B, H]`` input), every
 token of every sample where :func:`~dapo_megatron.actor.packing.pack_samples` placed it, a
 shared prompt once; positions without an engine route (padding, each sample's last token,
-which feeds no label) get experts ``0 .. K-1``: valid indices, so the dispatcher (all-to-all
-over EP) moves them like any token. With sequence parallelism the router sees this TP rank's
+which feeds no label) get valid experts spread over all ``E`` (row ``j`` of ``[S · B]``:
+``(j · K + i) mod E``, :func:`fill_routes`), so the dispatcher (all-to-all over EP) moves them
+like any token and no expert (no EP rank) receives every padded position. With sequence parallelism the router sees this TP rank's
 ``S / TP`` rows, so the rank's contiguous slice is set. Every rank sets routes for the
 micro-batches it forwards and makes no collective of its own: EP = 2 works as without replay
 (the plan gives every DP rank the same number of forwards).
 
 Metrics (:class:`RouteStats`, forward hooks on the routers, pooled over every forward since
 the last :meth:`RoutingReplay.pop_metrics`, over the engine-routed tokens, i.e. the real
-tokens but each sample's last):
+tokens but each sample's last). The hooks only add device tensors (masked sums, no boolean
+indexing, ``nonzero``, ``bincount`` or ``.cpu()``, which wait for the GPU): the host reads
+the counters once per step, in ``pop_metrics``.
 
 - ``moe/route_agreement``: share of the engine's ``(token, layer, expert)`` choices that the
   actor's own router, ``topk(router logits)``, also makes (1: the actor would route every token
@@ -73,26 +85,37 @@ def moe_routers(model) -> list:
     return sorted(found, key=lambda m: m.layer_number)
 
 
-def micro_batch_routes(mb, *, num_layers: int, topk: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+def fill_routes(num_rows: int, num_layers: int, topk: int, num_experts: int) -> torch.Tensor:
+    """int64 ``[num_rows, L, K]``: row ``j`` routed to experts ``(j · K + i) mod E``, ``i < K``
+    (``K`` distinct experts when ``K <= E``), the same in every layer. The route of positions the
+    engine did not route: round-robin over all experts, so each expert (and each EP rank, which
+    holds ``E / EP`` consecutive experts) gets an even share of the padding."""
+    j = torch.arange(num_rows, dtype=torch.long)[:, None] * topk + torch.arange(topk, dtype=torch.long)
+    return (j % num_experts)[:, None, :].expand(num_rows, num_layers, topk)
+
+
+def micro_batch_routes(mb, *, num_layers: int, topk: int, num_experts: int,
+                       device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The engine routes of one micro-batch in megatron-core's token order.
 
     Args:
         mb: a :class:`~dapo_megatron.actor.micro_batch.MicroBatch` (its ``samples`` and ``batch``);
             every sample's ``routes`` is ``[P + R - 1, L, K]``.
-        num_layers, topk: the model's ``L`` and ``K``.
+        num_layers, topk, num_experts: the model's ``L``, ``K`` and ``E``.
         device: where the result goes (default: the batch's).
 
     Returns:
         ``(routes, routed)``: int64 ``[S · B, L, K]`` (row ``s · B + b`` is token ``s`` of packed
         row ``b``; ``S`` = the batch's ``T``) and bool ``[S · B]``, True where the route is the
-        engine's (False: padding and each sample's last token, filled with experts ``0 .. K-1``).
+        engine's (False: padding and each sample's last token, filled by :func:`fill_routes`).
 
     Raises:
         ValueError: a sample without routes, or with routes of another shape.
     """
     b = mb.batch
     B, T = b.input_ids.shape
-    out = torch.arange(topk, dtype=torch.long).expand(B, T, num_layers, topk).clone()
+    # [S · B] order: row s · B + b is (b, s) of the [B, T] view
+    out = fill_routes(T * B, num_layers, topk, num_experts).reshape(T, B, num_layers, topk).transpose(0, 1).clone()
     routed = torch.zeros(B, T, dtype=torch.bool)
     for i, s in enumerate(mb.samples):
         P, R = b.prompt_lens[i], b.response_lens[i]
@@ -126,39 +149,44 @@ def _sp_slice(x: torch.Tensor, config, tp_rank: int, tp_size: int) -> torch.Tens
 
 
 class RouteStats:
-    """Per-layer sums behind the routing metrics (module docstring), float64 on CPU.
+    """Per-layer sums behind the routing metrics (module docstring), float64 on the routers'
+    device; :meth:`add` enqueues device work only (no host synchronisation).
 
-    Attributes (``L`` layers, ``E`` experts): ``tokens [L]`` engine-routed tokens seen,
-    ``agree [L]`` sum over them of ``|own ∩ engine| / K``, ``exact [L]`` tokens with the same
-    set, ``used [L, E]`` / ``own [L, E]`` expert counts of the routes used / of the router's own
-    top-k, ``prob [L, E]`` summed router probabilities.
+    Attributes (``L`` layers, ``E`` experts): ``table`` ``[3 + 3E, L]``: ``tokens`` engine-routed
+    tokens seen, ``agree`` sum over them of ``|own ∩ engine| / K``, ``exact`` tokens with the same
+    set, ``used [E]`` / ``own [E]`` expert counts of the routes used / of the router's own top-k,
+    ``prob [E]`` summed router probabilities.
     """
 
-    def __init__(self, num_layers: int, num_experts: int):
+    def __init__(self, num_layers: int, num_experts: int, device=None):
         self.L, self.E = num_layers, num_experts
-        self.table = torch.zeros(3 + 3 * num_experts, num_layers, dtype=torch.float64)
+        self.table = torch.zeros(3 + 3 * num_experts, num_layers, dtype=torch.float64, device=device)
 
-    def add(self, layer: int, used: torch.Tensor, own: torch.Tensor, probs: torch.Tensor,
-            engine: Optional[torch.Tensor]) -> None:
-        """One router call on the engine-routed tokens: ``used``, ``own``, ``engine`` int64
-        ``[N, K]`` expert indices, ``probs`` float ``[N, E]`` the router's softmax."""
+    def add(self, layer: int, used_map: torch.Tensor, own: torch.Tensor, probs: torch.Tensor,
+            engine: Optional[torch.Tensor], mask: Optional[torch.Tensor]) -> None:
+        """One router call: ``used_map`` bool ``[N, E]`` the routes it used (its ``routing_map``),
+        ``own`` / ``engine`` int64 ``[N, K]`` the router's own top-k / the engine's experts,
+        ``probs`` float ``[N, E]`` its softmax, ``mask`` bool ``[N]`` the engine-routed tokens
+        (None: all). Masked sums, not boolean indexing: no ``nonzero``."""
         E, t = self.E, self.table
-        n = used.shape[0]
-        if n == 0:
-            return
-        t[0, layer] += n
+        w = (torch.ones(used_map.shape[0], dtype=torch.float64, device=used_map.device) if mask is None
+             else mask.to(torch.float64))
+        wc = w[:, None]
+        own_hot = torch.zeros(own.shape[0], E, dtype=torch.bool, device=own.device).scatter_(1, own, True)
+        col = t[:, layer]  # a view: the in-place adds below land in the table
+        col[0] += w.sum()
         if engine is not None:
-            own_hot = torch.zeros(n, E, dtype=torch.bool).scatter_(1, own.cpu(), True)
-            eng_hot = torch.zeros(n, E, dtype=torch.bool).scatter_(1, engine.cpu(), True)
-            t[1, layer] += float((own_hot & eng_hot).sum()) / own.shape[1]
-            t[2, layer] += float((own_hot == eng_hot).all(dim=1).sum())
-        t[3:3 + E, layer] += torch.bincount(used.reshape(-1).cpu(), minlength=E).double()
-        t[3 + E:3 + 2 * E, layer] += torch.bincount(own.reshape(-1).cpu(), minlength=E).double()
-        t[3 + 2 * E:, layer] += probs.detach().double().sum(0).cpu()
+            eng_hot = torch.zeros_like(own_hot).scatter_(1, engine, True)
+            col[1] += ((own_hot & eng_hot).sum(1).double() * w).sum() / own.shape[1]
+            col[2] += ((own_hot == eng_hot).all(dim=1).double() * w).sum()
+        col[3:3 + E] += (used_map.double() * wc).sum(0)
+        col[3 + E:3 + 2 * E] += (own_hot.double() * wc).sum(0)
+        col[3 + 2 * E:] += (probs.detach().double() * wc).sum(0)
 
     def metrics(self) -> dict[str, float]:
-        """The metrics of the module docstring (layers without tokens left out)."""
-        t, E = self.table, self.E
+        """The metrics of the module docstring (layers without tokens left out); reads the table
+        on the host (once per step)."""
+        t, E = self.table.cpu(), self.E
         out: dict[str, float] = {}
         n = t[0]
         seen = (n > 0).nonzero().squeeze(1).tolist()
@@ -205,14 +233,11 @@ class RoutingReplay:
         if replay and any(r.router_replay is None for r in self.routers):
             raise ValueError("actor.routing_replay=rollout: the model was built without "
                              "moe_enable_routing_replay; build it with build_gpt_model(..., routing_replay=True)")
-        if replay and getattr(cfg, "recompute_granularity", None) is not None:
-            raise ValueError("actor.routing_replay=rollout with model.extra_transformer_config.recompute_granularity="
-                             f"{cfg.recompute_granularity!r} is not supported (the recomputed forward would need "
-                             "megatron-core's REPLAY_BACKWARD bookkeeping): remove the recompute setting")
         self.config, self.replay, self.keep = cfg, replay, keep
         self.num_layers, self.topk, self.num_experts = cfg.num_layers, cfg.moe_router_topk, cfg.num_moe_experts
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.stats = RouteStats(self.num_layers, self.num_experts)
+        self.device = next(self.routers[0].parameters()).device
+        self.stats = RouteStats(self.num_layers, self.num_experts, device=self.device)
         self.records: list[dict] = []
         self._current: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         if replay:
@@ -222,6 +247,8 @@ class RoutingReplay:
             for r in self.routers:
                 r.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         self._handles = [r.register_forward_hook(self._observe) for r in self.routers] if observe else []
+        if replay:
+            self._handles += [r.register_forward_pre_hook(self._choose_action) for r in self.routers]
 
     def begin(self, mb) -> None:
         """Before ``mb``'s forward: its routes (:func:`micro_batch_routes`) become every local
@@ -231,42 +258,104 @@ class RoutingReplay:
         if not have and not self.replay:
             self._current = None
             return
-        routes, routed = micro_batch_routes(mb, num_layers=self.num_layers, topk=self.topk)
+        routes, routed = micro_batch_routes(mb, num_layers=self.num_layers, topk=self.topk,
+                                            num_experts=self.num_experts)
         routes = _sp_slice(routes, self.config, self.tp_rank, self.tp_size)
         routed = _sp_slice(routed, self.config, self.tp_rank, self.tp_size)
-        dev = next(self.routers[0].parameters()).device
-        self._current = (routes.to(dev), routed.to(dev))
+        self._current = (routes.to(self.device), routed.to(self.device))
         if self.replay:
             for r in self.routers:
-                r.router_replay.set_target_indices(self._current[0][:, r.layer_number - 1])
+                # set directly, not with set_target_indices (which also queues it for a recompute):
+                # _choose_action queues it only for a call that will be recomputed
+                r.router_replay.target_topk_idx = self._current[0][:, r.layer_number - 1]
 
     def end(self) -> None:
-        """After the forward: the routers' target indices cleared (``RouterReplay.clear_indices``)."""
+        """After the forward: the routers' forward targets cleared; the routes queued for a
+        recomputed forward stay until the micro-batch's backward takes them."""
         if self.replay:
             for r in self.routers:
-                r.router_replay.clear_indices()
+                r.router_replay.target_topk_idx = None
         self._current = None
+
+    def begin_schedule(self) -> None:
+        """Before a forward-backward schedule: no routes queued from an earlier one."""
+        if self.replay:
+            for r in self.routers:
+                r.router_replay.replay_backward_list = []
+
+    def end_schedule(self) -> None:
+        """After the schedule: every queued route was replayed by a recomputed forward.
+
+        Raises:
+            RuntimeError: routes left (a recompute path that did not run the router again:
+                its backward would have routed on its own); the queues are emptied.
+        """
+        left = {r.layer_number: len(r.router_replay.replay_backward_list) for r in self.routers} if self.replay else {}
+        self.begin_schedule()
+        if any(left.values()):
+            raise RuntimeError(f"routing replay: routes queued for a recomputed forward were never replayed "
+                               f"(layer: count {left}); this activation-recompute setting is not supported with "
+                               "actor.routing_replay=rollout")
+
+    @staticmethod
+    def _recomputing() -> bool:
+        """True inside the backward (the autograd engine runs a graph task): a router called
+        there runs the recomputed forward of an activation checkpoint."""
+        return torch._C._current_graph_task_id() != -1
+
+    def _choose_action(self, router, args) -> None:
+        """Router forward pre-hook: which routes this call replays (megatron-core 0.19.2
+        ``moe/router_replay.py``, ``RouterReplay.get_replay_topk``):
+
+        - the recomputed forward of an activation checkpoint (megatron-core's reentrant
+          ``tensor_parallel.checkpoint``, ``tensor_parallel/random.py``, runs the first forward
+          without grad and the same function again, with grad, in the backward):
+          ``REPLAY_BACKWARD`` takes the oldest queued routes of this router. The schedule runs
+          the backwards of the micro-batches in the order of their forwards (1F1B too), and
+          each layer's recomputations in that order, so the queue gives each its own routes;
+        - a training forward without grad (the first pass of a checkpointed layer, whose router
+          runs again in the backward): ``REPLAY_FORWARD`` of the micro-batch's routes, queued
+          for that recompute (``replay_backward_list``, as ``set_target_indices`` does);
+        - otherwise (evaluation, a layer that is not recomputed): ``REPLAY_FORWARD``, nothing queued.
+        """
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        rr = router.router_replay
+        if router.training and torch.is_grad_enabled() and self._recomputing():
+            if not rr.replay_backward_list:
+                raise RuntimeError(f"routing replay: layer {router.layer_number} is recomputed in the backward but "
+                                   "no routes were queued for it (its first forward ran with grad enabled: a "
+                                   "non-reentrant checkpoint is not supported)")
+            rr.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+            return
+        rr.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+        if rr.target_topk_idx is None:
+            raise RuntimeError(f"routing replay: layer {router.layer_number} forwarded outside begin()/end()")
+        if router.training and not torch.is_grad_enabled():
+            rr.replay_backward_list.append(rr.target_topk_idx)
 
     def _observe(self, router, args, output) -> None:
         """Router forward hook: the routes it used (``routing_map``), its own top-k of the
-        logits (``gating`` again, no grad) and its softmax, on the engine-routed tokens."""
+        logits (``gating`` again, no grad) and its softmax, summed on the device over the
+        engine-routed tokens (:meth:`RouteStats.add`: no host synchronisation)."""
+        if self._recomputing():  # the recomputed forward of a checkpoint: counted in its first pass
+            return
         hidden = args[0]
         _, routing_map = output
         with torch.no_grad():
             logits = router.gating(hidden).reshape(-1, self.num_experts).float()
             probs = torch.softmax(logits, dim=-1)
             own = torch.topk(logits, self.topk, dim=-1).indices
-            used = routing_map.nonzero()[:, 1].view(-1, self.topk)  # each row's experts, ascending
         layer = router.layer_number - 1
         if self._current is None:
-            mask, engine = torch.ones(used.shape[0], dtype=torch.bool, device=used.device), None
+            mask, engine = None, None
         else:
             routes, mask = self._current
-            engine = routes[:, layer][mask]
-        if self.keep:
-            self.records.append({"layer": layer, "used": used.cpu(), "own": own.cpu(),
-                                 "routed": None if self._current is None else mask.cpu()})
-        self.stats.add(layer, used[mask], own[mask], probs[mask], engine)
+            engine = routes[:, layer]
+        if self.keep:  # tests only: each row's experts (ascending) on the host
+            self.records.append({"layer": layer, "used": routing_map.nonzero()[:, 1].view(-1, self.topk).cpu(),
+                                 "own": own.cpu(), "routed": None if mask is None else mask.cpu()})
+        self.stats.add(layer, routing_map, own, probs, engine, mask)
 
     def pop_metrics(self, parallel=None, groups: Sequence[str] = ()) -> dict[str, float]:
         """The metrics since the last call (module docstring), their sums all-reduced over the
@@ -275,12 +364,11 @@ class RoutingReplay:
         same point. ``parallel`` None: this rank's sums only."""
         table = self.stats.table
         for name in groups if parallel is not None else ():
-            t = table.to(collective_device(parallel.group(name)))
-            parallel.all_reduce(t, name)
-            table = t.cpu()
+            table = table.to(collective_device(parallel.group(name)))
+            parallel.all_reduce(table, name)
         self.stats.table = table
-        out = self.stats.metrics()
-        self.stats = RouteStats(self.num_layers, self.num_experts)
+        out = self.stats.metrics()  # the one host read of the step
+        self.stats = RouteStats(self.num_layers, self.num_experts, device=self.device)
         return out
 
     def remove(self) -> None:
@@ -294,4 +382,4 @@ class RoutingReplay:
                 r.router_replay.clear_router_replay_action()
 
 
-__all__ = ["ROUTING_REPLAY_MODES", "RouteStats", "RoutingReplay", "micro_batch_routes", "moe_routers"]
+__all__ = ["ROUTING_REPLAY_MODES", "RouteStats", "RoutingReplay", "fill_routes", "micro_batch_routes", "moe_routers"]

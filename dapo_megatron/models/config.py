@@ -693,6 +693,12 @@ def hf_to_transformer_config(hf_config, parallel, model_cfg: ModelConfig = None,
         # megatron-core router.py (0.19.2 :256, core_v0.16.1 :206): every TopKRouter gets a
         # RouterReplay (moe/router_replay.py)
         kwargs["moe_enable_routing_replay"] = bool(routing_replay)
+    # Set before the model is built: megatron-core 0.19.2 TopKRouter copies it at construction
+    # (transformer/moe/router.py:72) and only then attaches the balancing / z loss as
+    # aux · num_local_tokens · |TP·CP| (router.py:604-618, 656-665), the per-token form that the
+    # actor's moe_grad_scale_func (actor/actor.py, docs/design.md §3.4) divides by the global
+    # router token count. The actor needs the flag anyway (its loss is summed, not averaged).
+    kwargs["calculate_per_token_loss"] = True
     if model_cfg.fp8 is not None:
         kwargs.update(
             fp8=model_cfg.fp8,

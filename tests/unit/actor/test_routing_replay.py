@@ -136,7 +136,8 @@ def _worker(out_dir: str, cases: dict, world: int) -> None:
                     actor.routing = RoutingReplay(actor.model_chunks[0], replay=False)
                 actor.routing.keep = True
                 mbs, _ = actor._make_micro_batches(mbs_in)
-                engine_mb = [micro_batch_routes(mb, num_layers=cfg.num_hidden_layers, topk=cfg.num_experts_per_tok)
+                engine_mb = [micro_batch_routes(mb, num_layers=cfg.num_hidden_layers, topk=cfg.num_experts_per_tok,
+                                                num_experts=cfg.num_experts)
                              for mb in mbs]
                 lp = actor.compute_logprobs(mbs_in)
                 old_records = actor.routing.records
@@ -376,7 +377,7 @@ def test_actor_without_routes_names_the_fix():
         batch = _p(samples)
 
     with pytest.raises(ValueError, match=r"routes None, need \[2, 2, 2\].*needs an engine that records routes"):
-        micro_batch_routes(_MB(), num_layers=2, topk=2)
+        micro_batch_routes(_MB(), num_layers=2, topk=2, num_experts=4)
 
 
 # --------------------------------------------------------------------------- compact routes, SGLang format
@@ -477,3 +478,71 @@ def test_sglang_generate_output_gives_each_completion_its_routes():
     del items[1]["meta_info"]["routed_experts"]
     with pytest.raises(RuntimeError, match="row 1 has no meta_info.routed_experts"):
         parse_generate_output(items, len(prompts), n, prompt_lens=[3, 2], routes_shape=(L, K, E))
+
+
+# --------------------------------------------------------------------------- 6. fill and device counters
+def test_positions_without_a_route_are_spread_over_all_experts():
+    """Padding and each sample's last token: K distinct experts per row, every expert used, both
+    halves of E (the two EP ranks at EP = 2) an even share (issue 36 item 6: all went to 0..K-1)."""
+    from dapo_megatron.actor.packing import pack_samples
+    from dapo_megatron.actor.routing_replay import micro_batch_routes
+    from dapo_megatron.rollout.engines.routes import num_route_tokens
+    from dapo_megatron.rollout.types import Sample
+
+    L, K, E = 2, 2, 8
+    g = torch.Generator().manual_seed(3)
+    samples = []
+    for p, r in ((3, 9), (2, 1), (5, 4), (1, 2), (4, 0)):
+        samples.append(Sample(prompt_ids=list(range(1, p + 1)), response_ids=list(range(1, r + 1)),
+                              rollout_logprobs=[0.0] * r, finish_reason="stop",
+                              routes=torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(
+                                  num_route_tokens(p, r) * L)]).view(-1, L, K).to(torch.uint8)))
+
+    class _MB:
+        pass
+
+    mb = _MB()
+    mb.samples, mb.batch = samples, pack_samples(samples, layout="bshd")  # rows padded to the longest
+    routes, routed = micro_batch_routes(mb, num_layers=L, topk=K, num_experts=E)
+    fill = routes[~routed]  # [F, L, K]
+    assert fill.shape[0] >= 30  # plenty of padding in this batch
+    assert bool((fill.sort(-1).values.diff(dim=-1) > 0).all())  # K distinct experts per row
+    counts = torch.bincount(fill.reshape(-1), minlength=E).float()
+    assert bool((counts > 0).all()), counts
+    assert counts.max() / counts.mean() < 1.5, counts
+    ep0 = float(counts[:E // 2].sum() / counts.sum())
+    assert 0.4 < ep0 < 0.6, ep0
+    # the engine's routes stay where they were
+    want = torch.cat([s.routes.long() for s in samples])
+    assert routed.sum() == want.shape[0]
+
+
+def test_route_counters_stay_on_the_device():
+    """RouteStats.add on meta tensors (no data: any read of values on the host, nonzero,
+    bincount, boolean indexing, .cpu(), float(), fails) and the same sums on CPU against a
+    direct count (issue 36 item 6: the observer synchronised the host on every router call)."""
+    from dapo_megatron.actor.routing_replay import RouteStats
+
+    g = torch.Generator().manual_seed(0)
+    N, L, E, K = 12, 3, 6, 2
+    logits = torch.randn(N, E, generator=g)
+    probs = torch.softmax(logits, -1)
+    own = torch.topk(logits, K, -1).indices
+    engine = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)])
+    used = torch.zeros(N, E, dtype=torch.bool).scatter_(1, engine, True)
+    mask = torch.rand(N, generator=g) > 0.3
+    meta = RouteStats(L, E, device="meta")
+    meta.add(1, used.to("meta"), own.to("meta"), probs.to("meta"), engine.to("meta"), mask.to("meta"))
+    meta.add(2, used.to("meta"), own.to("meta"), probs.to("meta"), None, None)
+    stats = RouteStats(L, E)
+    stats.add(1, used, own, probs, engine, mask)
+    t = stats.table[:, 1]
+    m = mask.nonzero().squeeze(1)
+    assert t[0] == len(m)
+    agree = sum(len(set(own[i].tolist()) & set(engine[i].tolist())) / K for i in m.tolist())
+    exact = sum(set(own[i].tolist()) == set(engine[i].tolist()) for i in m.tolist())
+    assert float(t[1]) == pytest.approx(agree) and float(t[2]) == exact
+    assert torch.equal(t[3:3 + E], torch.bincount(engine[m].reshape(-1), minlength=E).double())
+    assert torch.equal(t[3 + E:3 + 2 * E], torch.bincount(own[m].reshape(-1), minlength=E).double())
+    torch.testing.assert_close(t[3 + 2 * E:], probs[m].double().sum(0))
+    assert float(stats.table[:, 0].abs().sum()) == 0.0 and float(stats.table[:, 2].abs().sum()) == 0.0

@@ -184,6 +184,7 @@ def test_qwen3_30b_a3b_example_fits_16_h100_with_ep8_and_not_without_ep():
             p.expert_tensor_parallel_size) == (2, 2, 8, 1)
     world, tp, dp, edp = 16, 2, 16 // 4, 16 // (1 * 8 * 2)
     cfg.check_world_size(world, 8)
+    assert cfg.actor.routing_replay == "rollout"  # R3 on, under the full recompute (issue 36 item 5)
     model = _meta(hf)
     total = sum(x.numel() for x in model.parameters())
     assert 30.4e9 < total < 30.6e9
