@@ -28,9 +28,9 @@ from integration.test_async_rollout import CONFIG, NUM_STOP_IDS
 from rollout_server import RolloutServer, tiny_async_model
 
 STEPS = 3
-TIMEOUT_S = 10  # rollout.server_generate_timeout_s and rollout.server_timeout_s of the faulty runs
+TIMEOUT_S = 10  # rollout.server_silence_timeout_s and rollout.server_timeout_s of the faulty runs
 FAULT_CONFIG = ["buffer.max_staleness=0", "async_training.enable=true", "trainer.save_freq=1",
-                f"rollout.server_generate_timeout_s={TIMEOUT_S}", f"rollout.server_timeout_s={TIMEOUT_S}"]
+                f"rollout.server_silence_timeout_s={TIMEOUT_S}", f"rollout.server_timeout_s={TIMEOUT_S}"]
 
 
 def _record(trainer, groups) -> dict:

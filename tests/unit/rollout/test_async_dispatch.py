@@ -48,7 +48,7 @@ def _controller(servers, urls=URLS) -> RolloutController:
     cfg = BufferConfig(train_batch_size=1, n=2, gen_batch_size=2, max_num_gen_batches=1)
     selector = SimpleNamespace(config=cfg, begin=lambda version: None)
     return RolloutController(selector, lambda: [], urls, SamplingParams(n=2, max_new_tokens=3, seed=5),
-                             generate_timeout_s=1.0, version=4, policy_version=4, generate=servers)
+                             silence_timeout_s=1.0, version=4, policy_version=4, generate=servers)
 
 
 PARAMS = SamplingParams(n=3, temperature=0.7, top_p=0.9, max_new_tokens=3, seed=1 + 7919 * 2)
