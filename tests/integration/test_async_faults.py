@@ -183,7 +183,8 @@ def test_a_hung_server_times_out_and_is_synced_before_it_gets_work_again(runs):
     hang, url_c = runs["HANG"], runs["servers"]["C"].url
     assert hang["error"] is None, hang["error"]
     server, message, waited = hang["failures"][0]
-    assert server == 1 and f"did not answer within {TIMEOUT_S:g} s" in message and url_c in message
+    assert server == 1 and f"rollout.server_silence_timeout_s={TIMEOUT_S:g})" in message and url_c in message
+    assert f"{url_c}/generate: no bytes for" in message and "/health" in message
     assert waited >= TIMEOUT_S - 0.5
     m = {k: st["metrics"] for k, st in hang["steps"].items()}
     assert m[1]["rollout/retried_rows"] > 0 and m[1]["rollout/server_failures"] == 1

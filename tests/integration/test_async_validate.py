@@ -180,7 +180,9 @@ def test_a_server_that_hangs_past_the_timeout_is_marked_down_and_its_rows_retrie
     assert second == [(0, False)] * 4  # ...and went to A
     assert v["metrics"] == runs["S"]["val"][0]["metrics"] and v["texts"] == runs["S"]["val"][0]["texts"]
     assert ah["health"] == ["healthy", "down"] and ah["server_failures"] == 1
-    assert f"did not answer within {HANG_TIMEOUT_S:g} s" in ah["server_errors"][1] and url_b in ah["server_errors"][1]
+    error = ah["server_errors"][1]  # silent (SIGSTOP) past the bound; its /health does not answer either
+    assert f"{url_b}/generate: no bytes for" in error and f"rollout.server_silence_timeout_s={HANG_TIMEOUT_S:g})" in error
+    assert f"{url_b}/health did not answer" in error
 
 
 def test_every_rank_returns_rank_0s_validation_metrics(runs):
