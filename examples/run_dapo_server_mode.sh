@@ -45,10 +45,13 @@ servers)
     # one NCCL_CUMEM_ENABLE on both ends of the weight-update group (sglang.launch_server's own
     # default is 0; dapo-train uses the same unless set), CUDA graphs released by sleep (docs/design.md §6)
     export NCCL_CUMEM_ENABLE=${NCCL_CUMEM_ENABLE:-0} SGLANG_MEMORY_SAVER_CUDA_GRAPH=${SGLANG_MEMORY_SAVER_CUDA_GRAPH:-1}
+    # --incremental-streaming-output: each event of the trainer's streamed /generate carries a row's new
+    # tokens only, not all so far (docs/design.md §3.8, streamed generation)
     for ((i = 0; i < NUM_SERVERS; i++)); do
         python -m sglang.launch_server --model-path "$MODEL_PATH" --dtype bfloat16 \
             --tp-size "$SERVER_TP" --base-gpu-id $((i * SERVER_TP)) \
-            --host 0.0.0.0 --port $((BASE_PORT + i)) --mem-fraction-static "$SERVER_MEM_FRACTION" "$@" &
+            --host 0.0.0.0 --port $((BASE_PORT + i)) --mem-fraction-static "$SERVER_MEM_FRACTION" \
+            --incremental-streaming-output "$@" &
         pids+=($!)
     done
     wait -n "${pids[@]}"  # one server exiting ends the node's role (the trap stops the others)

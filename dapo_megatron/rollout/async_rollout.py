@@ -51,7 +51,8 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 from dapo_megatron.data import PromptStream
 from dapo_megatron.rollout.engines.engine import Completion, SamplingParams, completions_to_group, sample_seed
 from dapo_megatron.rollout.engines.server_sync import probe_health
-from dapo_megatron.rollout.engines.sglang_engine import build_sampling_params, http_post, parse_completion
+from dapo_megatron.rollout.engines.generate_stream import stream_generate, with_progress
+from dapo_megatron.rollout.engines.sglang_engine import build_sampling_params, row_outcome
 from dapo_megatron.rollout.sampling.buffer import (DROP_REASONS, KEPT, GroupSelector, group_from_dict,
                                                   group_staleness, group_to_dict)
 from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipConfig, PromptSkipper
@@ -66,28 +67,26 @@ if TYPE_CHECKING:
 logger = logging.getLogger("dapo_megatron.rollout.async")
 
 
-def _parse_row(item: Any, row: int, fallback_version: int) -> tuple[list[int], list[float], str, int]:
-    """One SGLang output row → ``(token ids, logprobs, finish kind, weight version)``: kind
-    ``"stop"`` / ``"length"`` / ``"abort"`` (the tokens sampled before the abort); the version is
-    the output's ``meta_info.weight_version`` (the weights that sampled it: SGLang reports the
-    version of its last update), ``fallback_version`` when the server reports none.
+def _parse_row(item: Any, row: int, fallback_version: int, *, budget: int,
+               stop_ids: frozenset = frozenset()) -> tuple[list[int], list[float], str, int]:
+    """One SGLang output row → ``(token ids, logprobs, finish kind, weight version)``: the ids,
+    logprobs and kind of :func:`~dapo_megatron.rollout.engines.sglang_engine.row_outcome` (the one
+    parser of every path: an aborted row that ends on a stop token in ``stop_ids`` is ``"stop"``,
+    one that fills ``budget`` is ``"length"``, the others ``"abort"``: the tokens sampled before the
+    abort); the version is the output's ``meta_info.weight_version`` (the weights that sampled it:
+    SGLang reports the version of its last update), ``fallback_version`` when the server reports
+    none.
 
     Raises:
         RuntimeError: a failed row (any other finish kind), or a malformed one.
     """
-
     meta = item.get("meta_info") if isinstance(item, dict) else None
-    fr = meta.get("finish_reason") if isinstance(meta, dict) else None
-    kind = fr.get("type") if isinstance(fr, dict) else fr
     try:
         version = int(meta.get("weight_version"))
     except (TypeError, ValueError, AttributeError):
         version = fallback_version
-    if kind == "abort":
-        entries = meta.get("output_token_logprobs") or []
-        return [int(e[1]) for e in entries], [float(e[0]) for e in entries], "abort", version
-    c = parse_completion(item, row)
-    return list(c.response_ids), list(c.logprobs), c.finish_reason, version
+    ids, logprobs, kind = row_outcome(item, budget=budget, stop_ids=stop_ids, row=row)
+    return ids, logprobs, kind, version
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,31 +99,32 @@ class ServerFailure:
     message: str
 
 
-def generate_rows_on_servers(urls: Sequence[str], rows: Sequence[tuple[int, list[int], dict]], timeout_s: float,
-                             version: int, pool: Optional[ThreadPoolExecutor] = None) -> list:
-    """Rows ``(server index, input ids, sampling_params)``, one batched ``/generate`` per server
-    (rows in the order given), all servers at once, each bounded by ``timeout_s``; per row, in
-    the order given, its :func:`_parse_row`, or a :class:`ServerFailure` for every row of a
-    server that failed (the other servers' rows are unaffected). HTTP only; never raises for
-    a server's failure.
+def generate_rows_on_servers(urls: Sequence[str], rows: Sequence[tuple[int, list[int], dict]], silence_s: float,
+                             version: int, pool: Optional[ThreadPoolExecutor] = None, *,
+                             connect_timeout_s: float = 60.0, eos_token_ids: Sequence[int] = ()) -> list:
+    """Rows ``(server index, input ids, sampling_params)``, one streamed batched ``/generate`` per
+    server (rows in the order given; :mod:`~dapo_megatron.rollout.engines.generate_stream`), all
+    servers at once, each failed only when its server sends no byte for ``silence_s`` seconds
+    (``rollout.server_silence_timeout_s``), never on total time; per row, in the order given, its
+    :func:`_parse_row` (budget its ``max_new_tokens``, stop tokens ``eos_token_ids`` and its
+    ``stop_token_ids``), or a :class:`ServerFailure` for every row of a server that failed (the
+    other servers' rows are unaffected). HTTP only; never raises for a server's failure.
     """
 
     by_server: dict[int, list[int]] = {}
     for k, (e, _, _) in enumerate(rows):
         by_server.setdefault(e, []).append(k)
+    eos = frozenset(int(t) for t in eos_token_ids)
 
     def one(e):
         ks = by_server[e]
-        req = {"input_ids": [list(rows[k][1]) for k in ks], "sampling_params": [rows[k][2] for k in ks],
-               "return_logprob": True}
+        req = {"input_ids": [list(rows[k][1]) for k in ks],
+               "sampling_params": [with_progress(rows[k][2]) for k in ks], "return_logprob": True}
         try:
-            out = http_post(urls[e], "/generate", req, timeout_s)
-            if isinstance(out, dict):
-                out = [out]
-            if not isinstance(out, list) or len(out) != len(ks):
-                raise RuntimeError(f"/generate returned {len(out) if isinstance(out, list) else out!r} outputs "
-                                   f"for {len(ks)} rows")
-            return [_parse_row(item, r, version) for r, item in enumerate(out)]
+            out = stream_generate(urls[e], req, silence_s=silence_s, connect_timeout_s=connect_timeout_s)
+            return [_parse_row(item, r, version, budget=int(rows[k][2]["max_new_tokens"]),
+                               stop_ids=eos | frozenset(rows[k][2].get("stop_token_ids") or ()))
+                    for r, (k, item) in enumerate(zip(ks, out))]
         except Exception as err:  # this server's rows only: the controller retries them on another
             failure = ServerFailure(e, f"rollout server {urls[e]}: /generate of {len(ks)} rows failed: {err}")
             return [failure] * len(ks)
@@ -195,9 +195,13 @@ class RolloutController:
             deals them (every DP rank's share, DP rank order).
         urls: the servers.
         params: sampling parameters (``n = buffer.n``, seed ``trainer.seed``).
-        generate_timeout_s: bound on one ``/generate`` call (``rollout.server_generate_timeout_s``):
-            a server that does not answer in time fails, as one that is unreachable does.
-        health_timeout_s: bound on one ``/health`` probe (``rollout.server_timeout_s``).
+        silence_timeout_s: bound on a server's silence during a streamed ``/generate``
+            (``rollout.server_silence_timeout_s``): a server that sends no byte for that long fails,
+            as one that is unreachable does; no bound on a request's total time.
+        health_timeout_s: bound on one ``/health`` probe and on opening a connection
+            (``rollout.server_timeout_s``).
+        eos_token_ids: the model's stop tokens (an aborted row that ends on one has finished:
+            :func:`_parse_row`).
         version: the weights the servers hold now (the trainer's step).
         policy_version: the policy version of the first step to fill (the trainer's step).
         gen_batches_done: generation batches drawn so far (numbers groups, seeds responses).
@@ -224,8 +228,8 @@ class RolloutController:
 
     Server health (every state change under the lock; :attr:`health` per server):
     ``"healthy"`` servers get the rows, dealt round-robin over them; a server whose
-    ``/generate`` fails (unreachable, reset, an HTTP error, or no answer within
-    ``generate_timeout_s``) or whose ``/health`` probe fails before a sync becomes ``"down"``:
+    ``/generate`` fails (unreachable, reset, an HTTP error, or no byte for
+    ``silence_timeout_s``) or whose ``/health`` probe fails before a sync becomes ``"down"``:
     it leaves dispatch at once and its rows (the prefix they had before that request, their
     own seed) go to the healthy servers in the next round; the trainer's weight syncs leave it
     out (:meth:`members_for_sync`). A down server that answers ``/health`` again is
@@ -235,9 +239,10 @@ class RolloutController:
     """
 
     def __init__(self, selector: GroupSelector, next_batch: Callable[[], Sequence[Any]], urls: Sequence[str],
-                 params: SamplingParams, *, generate_timeout_s: float, version: int, policy_version: int,
+                 params: SamplingParams, *, silence_timeout_s: float, version: int, policy_version: int,
                  gen_batches_done: int = 0, generate: Optional[Callable] = None, health_timeout_s: float = 60.0,
-                 prompts: Optional[PromptQueue] = None, skipper: Optional[PromptSkipper] = None):
+                 prompts: Optional[PromptQueue] = None, skipper: Optional[PromptSkipper] = None,
+                 eos_token_ids: Sequence[int] = ()):
         self.selector, self.cfg = selector, selector.config
         self.next_batch = next_batch
         self.prompts = prompts
@@ -249,13 +254,15 @@ class RolloutController:
         self.skipper, self.keep_rate = skipper, KeepRate()
         self.urls = list(urls)
         self.params = params
-        self.timeout_s = float(generate_timeout_s)
+        self.silence_timeout_s = float(silence_timeout_s)
         self.health_timeout_s = float(health_timeout_s)
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.health = ["healthy"] * len(self.urls)
         self.server_errors: list[Optional[str]] = [None] * len(self.urls)  # the last failure of each
         self._pool = ThreadPoolExecutor(max(1, len(self.urls)), thread_name_prefix="rollout-http")
         self._generate = generate or (lambda rows, version: generate_rows_on_servers(
-            self.urls, rows, self.timeout_s, version, self._pool))
+            self.urls, rows, self.silence_timeout_s, version, self._pool, connect_timeout_s=self.health_timeout_s,
+            eos_token_ids=self.eos_token_ids))
         self.gen_batches_done = int(gen_batches_done)
         self.version = int(version)
         self._fill = _Fill(int(policy_version))
@@ -538,7 +545,7 @@ class RolloutController:
         Each round sends every pending row (``request(key)`` → ``(deal, input ids,
         sampling_params)``) to healthy server ``live[deal % len(live)]`` (``live``:
         :meth:`_healthy` at the start of the round, ascending), one batched ``/generate`` per
-        server bounded by ``generate_timeout_s`` (``self._generate``). A row whose server failed
+        server, streamed, bounded by its silence (``silence_timeout_s``; ``self._generate``). A row whose server failed
         marks that server down (:meth:`_mark_down`: out of dispatch at once) and is sent again,
         as ``request(key)`` builds it then, in the next round, on a server still healthy; a
         row that came back is handed to ``accept(key, (ids, logprobs, kind, version))``, which
@@ -641,9 +648,9 @@ class RolloutController:
                     s.versions = list(s.versions) + [(len(s.response_ids), row_version)]
                 s.response_ids = list(s.response_ids) + ids
                 s.rollout_logprobs = list(s.rollout_logprobs) + lps
-            if kind == "abort" and len(s.response_ids) < p.max_new_tokens:
-                return False  # aborted by a weight sync: continued once it is over, on the new weights
-            s.finish_reason = "length" if kind == "abort" else kind
+            if kind == "abort":  # aborted by a weight sync: continued once it is over, on the new weights (a
+                return False  # row it aborted right after its stop token or at its budget is "stop" / "length": _parse_row)
+            s.finish_reason = kind
             if not s.versions:
                 s.versions = [(0, row_version)]
             return True
@@ -661,7 +668,7 @@ class RolloutController:
         :func:`~dapo_megatron.rollout.engines.engine.sample_seed` ``(params.seed, i, j)``, with
         ``params``' sampling parameters, so it draws the same tokens on whichever server it
         runs. Prompt ``i``'s rows go to healthy server ``live[i % len(live)]`` and a server that
-        fails or does not answer within ``generate_timeout_s`` is marked down as in the rollout
+        fails or sends no byte for ``silence_timeout_s`` is marked down as in the rollout
         (:meth:`_dispatch`): its rows go to the servers still healthy.
 
         Returns:
@@ -834,7 +841,8 @@ class AsyncRollout(Rollout):
         # else grades while it runs (validation pauses it)
         selector = type(self.buffer)(b, self.reward_pool, self.decode)
         self.controller = RolloutController(selector, next_batch, cfg.rollout.server_urls, self._train_params(),
-                                            generate_timeout_s=cfg.rollout.server_generate_timeout_s,
+                                            silence_timeout_s=cfg.rollout.server_silence_timeout_s,
+                                            eos_token_ids=getattr(self.engine, "eos_token_ids", ()),
                                             health_timeout_s=cfg.rollout.server_timeout_s, version=0,
                                             policy_version=0, prompts=self.prompt_queue, skipper=skipper)
 
@@ -943,7 +951,7 @@ class AsyncRollout(Rollout):
         the last sync, and nothing else grades), rank 0 generates the validation problems on
         the controller's healthy servers (:meth:`RolloutController.generate_validation`: the
         requests and seeds of synchronous server-mode validation, each bounded by
-        ``rollout.server_generate_timeout_s``; a server that fails is marked down and its rows
+        ``rollout.server_silence_timeout_s`` of silence; a server that fails is marked down and its rows
         go to the healthy ones), grades them with its reward pool and broadcasts the metrics:
         every rank returns the same dict, equal to synchronous server mode's at the same weights
         and step, whichever servers are down.

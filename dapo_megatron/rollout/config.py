@@ -34,8 +34,12 @@ class RolloutConfig:
     server_timeout_s: float = 60.0
     """server mode: bound (seconds) on every control call (health, pause, flush, group init) and
     on each bucket of the weight sync; a server silent that long stops the step naming it."""
-    server_generate_timeout_s: float = 3600.0
-    """server mode: bound (seconds) on one ``/generate`` call (a whole generation batch)."""
+    server_silence_timeout_s: float = 600.0
+    """server mode: bound (seconds) on a server's silence while it generates: every ``/generate`` is
+    streamed (SGLang's ``"stream": true``), and a server that sends no byte on its requests in flight
+    for this long fails (a stalled or hung server), however long the batch takes in all. A row
+    reports progress every ``response_length / 8`` tokens (``rollout/engines/generate_stream.py``),
+    so this must exceed the time one row takes to decode that many."""
     temperature: float = 1.0
     """sampling temperature of training rollouts, > 0 (the actor's logprobs use the same temperature)."""
     top_p: float = 1.0
@@ -119,7 +123,7 @@ class RolloutConfig:
         elif self.server_urls:
             raise ValueError(f"server_urls={list(self.server_urls)} is set but mode={self.mode!r}: set "
                              "mode: server to use them")
-        for key in ("server_timeout_s", "server_generate_timeout_s"):  # checked in every mode: a typo waits
+        for key in ("server_timeout_s", "server_silence_timeout_s"):  # checked in every mode: a typo waits
             if not getattr(self, key) > 0:
                 raise ValueError(f"{key}={getattr(self, key)!r} must be > 0 seconds")
         # the engines' SamplingParams domains (rollout/engines/engine.py), checked before any engine exists

@@ -28,9 +28,9 @@ from integration.test_async_rollout import CONFIG, NUM_STOP_IDS
 from rollout_server import RolloutServer, tiny_async_model
 
 STEPS = 3
-TIMEOUT_S = 10  # rollout.server_generate_timeout_s and rollout.server_timeout_s of the faulty runs
+TIMEOUT_S = 10  # rollout.server_silence_timeout_s and rollout.server_timeout_s of the faulty runs
 FAULT_CONFIG = ["buffer.max_staleness=0", "async_training.enable=true", "trainer.save_freq=1",
-                f"rollout.server_generate_timeout_s={TIMEOUT_S}", f"rollout.server_timeout_s={TIMEOUT_S}"]
+                f"rollout.server_silence_timeout_s={TIMEOUT_S}", f"rollout.server_timeout_s={TIMEOUT_S}"]
 
 
 def _record(trainer, groups) -> dict:
@@ -183,7 +183,8 @@ def test_a_hung_server_times_out_and_is_synced_before_it_gets_work_again(runs):
     hang, url_c = runs["HANG"], runs["servers"]["C"].url
     assert hang["error"] is None, hang["error"]
     server, message, waited = hang["failures"][0]
-    assert server == 1 and f"did not answer within {TIMEOUT_S:g} s" in message and url_c in message
+    assert server == 1 and f"rollout.server_silence_timeout_s={TIMEOUT_S:g})" in message and url_c in message
+    assert f"{url_c}/generate: no bytes for" in message and "/health" in message
     assert waited >= TIMEOUT_S - 0.5
     m = {k: st["metrics"] for k, st in hang["steps"].items()}
     assert m[1]["rollout/retried_rows"] > 0 and m[1]["rollout/server_failures"] == 1

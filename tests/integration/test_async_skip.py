@@ -64,7 +64,7 @@ def _controller(url, log):
     skip = PromptSkipConfig(enable=True, zero_variance_visits=K, skip_probability=P)
     skip.validate()
     ctrl = RolloutController(RolloutBuffer(cfg, Mod3Grader(), decode), stream.next_batch, [url], PARAMS,
-                             generate_timeout_s=60, version=0, policy_version=0,
+                             silence_timeout_s=60, version=0, policy_version=0,
                              prompts=PromptQueue(stream.next_batch, BATCH, RECORDS.__getitem__),
                              skipper=PromptSkipper(skip, seed=SEED))
     real = ctrl._generate_batch

@@ -34,9 +34,9 @@ from rollout_server import RolloutServer, tiny_async_model
 
 VAL_CONFIG = ["trainer.total_training_steps=1", "buffer.max_staleness=0", "data.arithmetic.num_val_problems=4",
               "rollout.val_max_prompts=3", "rollout.val_n=4", "rollout.val_temperature=1.0",
-              "rollout.server_generate_timeout_s=20", "rollout.server_timeout_s=20"]
+              "rollout.server_silence_timeout_s=20", "rollout.server_timeout_s=20"]
 ASYNC = ["async_training.enable=true"]
-HANG_TIMEOUT_S = 4  # rollout.server_generate_timeout_s of the run whose server hangs
+HANG_TIMEOUT_S = 4  # rollout.server_silence_timeout_s of the run whose server hangs
 
 
 def _acc(text: str) -> bool:
@@ -123,7 +123,7 @@ def runs(smollm2_gguf, tmp_path_factory):
             s.wait_ready()
         a, b = servers["A"], servers["B"]
         arms = {"S": ([a], [], None, None), "AV": ([a, b], ASYNC, None, None),
-                "AH": ([a, b], ASYNC + [f"rollout.server_generate_timeout_s={HANG_TIMEOUT_S}"], "hang", b),
+                "AH": ([a, b], ASYNC + [f"rollout.server_silence_timeout_s={HANG_TIMEOUT_S}"], "hang", b),
                 "AV2": ([a, b], ASYNC, "once", None), "AK": ([a, b], ASYNC, "kill", a)}
         for name, (pair, extra, fault, victim) in arms.items():
             path, world = str(root / f"{name}.pt"), 2 if name == "AV2" else 1
@@ -180,7 +180,9 @@ def test_a_server_that_hangs_past_the_timeout_is_marked_down_and_its_rows_retrie
     assert second == [(0, False)] * 4  # ...and went to A
     assert v["metrics"] == runs["S"]["val"][0]["metrics"] and v["texts"] == runs["S"]["val"][0]["texts"]
     assert ah["health"] == ["healthy", "down"] and ah["server_failures"] == 1
-    assert f"did not answer within {HANG_TIMEOUT_S:g} s" in ah["server_errors"][1] and url_b in ah["server_errors"][1]
+    error = ah["server_errors"][1]  # silent (SIGSTOP) past the bound; its /health does not answer either
+    assert f"{url_b}/generate: no bytes for" in error and f"rollout.server_silence_timeout_s={HANG_TIMEOUT_S:g})" in error
+    assert f"{url_b}/health did not answer" in error
 
 
 def test_every_rank_returns_rank_0s_validation_metrics(runs):

@@ -189,7 +189,7 @@ def test_streamed_rows_poll_abort_and_continue_exactly_as_uninterrupted(server, 
                                                                                                long_params))), None)
     assert seed is not None, "no seed gives long responses: the abort would find nothing running"
     long_rows, short_rows = rows(PROMPTS[0], seed, long_params), rows(PROMPTS[1], 1000, short_params)
-    client = ServerRows(server.url, generate_timeout_s=120, timeout_s=10, eos_token_ids=[EOS], rid_prefix="t")
+    client = ServerRows(server.url, silence_timeout_s=120, timeout_s=10, eos_token_ids=[EOS], rid_prefix="t")
     client.submit(short_rows + long_rows)
     assert client.num_in_flight == 4
     got = []
@@ -243,7 +243,7 @@ def test_pause_aborts_every_row_and_holds_new_requests_until_continue(server):
     ("/generate", {"input_ids": [1], "sampling_params": {"max_new_token": 3}}, "unknown field(s) ['max_new_token']"),
     ("/generate", {"input_ids": [1], "sampling_params": {"n": 4}}, "sampling_params.n=4 is not supported"),
     ("/generate", {"input_ids": [1], "sampling_params": {"top_p": 0}}, "sampling_params.top_p must be in (0, 1]"),
-    ("/generate", {"input_ids": [1], "stream": True}, "stream=True is not supported"),
+    ("/generate", {"input_ids": [1], "stream": "yes"}, "stream must be true or false"),
     ("/generate", {"text": "hi"}, "text='hi' is not supported by dapo-rollout-server: send input_ids (tokenize client side)"),
     ("/generate", {"input_ids": [1], "sampling_params": {"max_new_tokens": 5000}},
      "exceeds the model's maximum context length of 4096"),

@@ -190,7 +190,7 @@ def build_training_rollout(cfg: DAPOConfig, tokenizer, hf_config, parallel) -> t
         servers = ServerRollout(
             rollout.server_urls, hf_param_specs(hf_config), stage=parallel.pp_rank, num_stages=parallel.pp_size,
             is_sender=parallel.tp_rank == 0 and parallel.dp_rank == 0, device=device(),
-            timeout_s=rollout.server_timeout_s, generate_timeout_s=rollout.server_generate_timeout_s,
+            timeout_s=rollout.server_timeout_s, silence_timeout_s=rollout.server_silence_timeout_s,
             bucket_bytes=rollout.update_weights_bucket_megabytes * 2**20,
             eos_token_ids=stop_token_ids(tokenizer, hf_config, cfg.model.hf_path), parallel=parallel,
             one_driver=cfg.async_training.enable, record_routes=_routes_shape(cfg, hf_config))

@@ -363,6 +363,13 @@ class HFEngine(RolloutEngine):
                 self._batch = None
         return out
 
+    def running_rows(self) -> dict:
+        """``{key: (tokens, logprobs)}`` of every row being decoded (admitted, not stopped): what
+        each sampled so far (the engine's own lists: read them, do not keep them)."""
+        if self._batch is None:
+            return {}
+        return {row.req.key: (row.tokens, row.logprobs) for row in self._batch.rows if row.alive}
+
     @property
     def records_routes(self) -> bool:
         """Whether the engine records routes (``record_routes``)."""

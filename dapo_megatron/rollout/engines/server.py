@@ -26,6 +26,15 @@ Endpoints, with the request and response fields of sglang 0.5.11
   ``skip_special_tokens``, ``spaces_between_special_tokens``; the others only at their
   defaults (penalties, ``min_p``, ``min_new_tokens``, grammars, ``n`` = 1: the trainer expands
   rows itself). A client that disconnects has its rows aborted, as SGLang does.
+  ``"stream": true`` (sglang 0.5.23 ``entrypoints/http_server.py:949-981``): ``text/event-stream``,
+  one event ``data: {json}\n\n`` per output, then ``data: [DONE]\n\n``; a batch's events are its
+  rows' outputs interleaved as they come, each with ``"index"`` (its row;
+  ``tokenizer_manager.py:2214-2231``); a row sends its first token at once, then every
+  ``stream_interval`` tokens (``sampling_params.stream_interval``, else ``--stream-interval``),
+  each event with the row's tokens and logprobs so far and ``finish_reason`` null (with
+  ``--incremental-streaming-output``: the new ones only), and its last event as soon as it ends;
+  a failure is an event ``{"error": {"message", "type", "code", "retryable"}}`` before ``[DONE]``
+  (the project's client: :mod:`~dapo_megatron.rollout.engines.generate_stream`).
   ``return_routed_experts`` (routing replay; the server launched with
   ``--enable-return-routed-experts``): ``meta_info.routed_experts`` as SGLang sends it, base64 of
   the int32 ``[seqlen - 1, num_layers, topk]`` experts of every token but the last
@@ -35,6 +44,10 @@ Endpoints, with the request and response fields of sglang 0.5.11
   row whose id STARTS with ``rid`` stops (``managers/scheduler.py`` ``abort_request``) and its
   request answers with the tokens and logprobs sampled so far and ``{"type": "abort",
   "message": "Aborted"}`` (``"Abort in waiting queue"`` and no tokens for a row not started).
+  As in SGLang (0.5.23 ``managers/scheduler.py:5797-5812``, ``schedule_batch.py:2011``), a
+  decoding row runs ONE more decode step and then ends as an abort, even when the token of that
+  step is its stop token or its last of ``max_new_tokens`` (the client reads such a row as
+  finished: :func:`~dapo_megatron.rollout.engines.sglang_engine.row_outcome`).
   Answer: 200, empty body. Unlike SGLang, a request waiting for ``/continue_generation`` is
   aborted too (SGLang leaves it to run after the continue).
 * ``POST /pause_generation`` (``mode``: ``"abort"``: every row in flight is aborted and
@@ -60,6 +73,8 @@ Endpoints, with the request and response fields of sglang 0.5.11
   dtype, same bits). ``{"success", "message"}``, 400 on failure. Without a pause, an update
   waits until the rows in flight finish and holds back new ones (SGLang's
   ``model_update_lock``).
+* ``--step-delay-s``: the scheduler waits that long after every decode step (answering requests
+  meanwhile): a slow server that keeps decoding, for the tests of the client's silence bound.
 * ``GET /health`` (200; 503 after the engine failed), ``GET /server_info`` (the server's
   arguments, ``tp_size`` / ``dp_size`` / ``pp_size`` 1, ``weight_version``, ``version``,
   ``internal_states``), ``GET|POST /get_weights_by_name`` (``name``, ``truncate_size``:
@@ -107,7 +122,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from transformers import AutoTokenizer
 
 from dapo_megatron.platform import collectives
@@ -132,9 +147,9 @@ _FREE_SAMPLING = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token
                   "no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens", "stream_interval"}
 #: GenerateReqInput fields accepted at these values only (any other value is refused).
 _FIXED_REQUEST = {"text": None, "input_embeds": None, "image_data": None, "video_data": None, "audio_data": None,
-                  "stream": False, "top_logprobs_num": None, "token_ids_logprob": None, "return_hidden_states": False,
+                  "top_logprobs_num": None, "token_ids_logprob": None, "return_hidden_states": False,
                   "lora_path": None, "session_params": None, "custom_logit_processor": None}
-_FREE_REQUEST = {"input_ids", "sampling_params", "return_logprob", "rid", "logprob_start_len",
+_FREE_REQUEST = {"input_ids", "sampling_params", "return_logprob", "rid", "logprob_start_len", "stream",
                  "return_text_in_logprobs", "log_metrics", "priority", "routing_key", "extra_key", "no_logs",
                  "custom_labels", "conversation_id", "background", "require_reasoning", "modalities",
                  "routed_dp_rank", "data_parallel_rank", "bootstrap_host", "bootstrap_port", "bootstrap_room",
@@ -198,6 +213,7 @@ class RowSpec:
     skip_special_tokens: bool
     spaces_between_special_tokens: bool
     return_routed_experts: bool = False
+    stream_interval: Optional[int] = None  # sampling_params.stream_interval (None: the server's --stream-interval)
 
 
 def parse_sampling_params(sp: Any, key: str, vocab_size: int, rng: random.Random) -> tuple[SamplingParams, dict]:
@@ -253,6 +269,10 @@ def parse_sampling_params(sp: Any, key: str, vocab_size: int, rng: random.Random
               "no_stop_trim": bool(sp.get("no_stop_trim", False)),
               "skip_special_tokens": bool(sp.get("skip_special_tokens", True)),
               "spaces_between_special_tokens": bool(sp.get("spaces_between_special_tokens", True))}
+    interval = sp.get("stream_interval")
+    if interval is not None and _as_int(interval, f"{key}.stream_interval") < 1:
+        raise BadRequest(f"{key}.stream_interval must be at least 1, got {interval}")
+    extras["stream_interval"] = interval
     return params, extras
 
 
@@ -271,10 +291,12 @@ def parse_generate(body: Any, vocab_size: int, context_length: int, rng: random.
     if unknown:
         raise BadRequest(f"/generate got unknown field(s) {unknown} (sglang {SGLANG_API_VERSION} GenerateReqInput)")
     for name, default in _FIXED_REQUEST.items():
-        if body.get(name, default) not in (default, None) and not (name == "stream" and body.get(name) is False):
+        if body.get(name, default) not in (default, None):
             raise BadRequest(f"/generate {name}={repr(body[name])[:80]} is not supported by dapo-rollout-server: "
                              + ("send input_ids (tokenize client side)" if name == "text" else
-                                "only non-streamed token-id requests are served"))
+                                "only token-id requests are served"))
+    if not isinstance(body.get("stream", False), bool):
+        raise BadRequest(f"stream must be true or false, got {body['stream']!r}")
     ids = body.get("input_ids")
     if ids is None:
         raise BadRequest("/generate needs input_ids (a list of token ids, or a list of such lists for a batch)")
@@ -337,18 +359,33 @@ def parse_generate(body: Any, vocab_size: int, context_length: int, rng: random.
         rows.append(ServerRow(key=rids[i], prompt_ids=tuple(row), params=params, prompt_seed=0,
                               sampling_seed=ex["sampling_seed"], ignore_eos=ex["ignore_eos"]))
         specs.append(RowSpec(rids[i], ex["max_new_tokens"], bool(ret_lp[i]), ex["no_stop_trim"],
-                             ex["skip_special_tokens"], ex["spaces_between_special_tokens"], routed))
+                             ex["skip_special_tokens"], ex["spaces_between_special_tokens"], routed,
+                             ex["stream_interval"]))
     return single, rows, specs
 
 
 # ---------------------------------------------------------------------------- the scheduler
 class _Generate:
-    """One ``/generate`` call in the scheduler: its rows, their results, the HTTP handler's future."""
+    """One ``/generate`` call in the scheduler: its rows, their results, the HTTP handler's future
+    (non-streamed) or the queue of its events (streamed: ``("row", dict)``, ``("error", dict)``,
+    then None)."""
 
-    def __init__(self, single: bool, rows: list[ServerRow], specs: list[RowSpec], loop, future):
+    def __init__(self, single: bool, rows: list[ServerRow], specs: list[RowSpec], loop, future, events=None):
         self.single, self.rows, self.specs, self.loop, self.future = single, rows, specs, loop, future
+        self.events = events  # an asyncio.Queue of the HTTP loop: the request is streamed
         self.results: dict[str, tuple[RowResult, str]] = {}  # rid -> (result, weight version)
+        self.index = {row.key: i for i, row in enumerate(rows)}
+        self.sent = {row.key: 0 for row in rows}  # tokens of each row sent in events so far
+        self.failed = False  # streamed: an error event ended it
         self.t0 = time.monotonic()
+
+    @property
+    def stream(self) -> bool:
+        return self.events is not None
+
+    def emit(self, item) -> None:
+        """Queue a stream event for the HTTP loop (from the scheduler thread)."""
+        self.loop.call_soon_threadsafe(self.events.put_nowait, item)
 
     @property
     def rids(self) -> list[str]:
@@ -374,12 +411,24 @@ class Scheduler:
         engine: the :class:`ServerEngine`.
         tokenizer: decodes ``text`` (None: ``--skip-tokenizer-init``, no ``text`` field).
         weight_sync_timeout_s: timeout of the weight-update groups this server joins.
+        stream_interval: ``--stream-interval``: a streamed row's tokens per event (a row's
+            ``sampling_params.stream_interval`` overrides it).
+        incremental_streaming_output: ``--incremental-streaming-output``: a streamed event carries
+            the row's new tokens only, not all so far.
+        step_delay_s: ``--step-delay-s``: the thread waits this long after every decode step
+            (still answering commands): a slow server that keeps decoding, for tests.
     """
 
-    def __init__(self, engine: ServerEngine, tokenizer=None, weight_sync_timeout_s: float = 600.0):
+    def __init__(self, engine: ServerEngine, tokenizer=None, weight_sync_timeout_s: float = 600.0, *,
+                 stream_interval: int = 1, incremental_streaming_output: bool = False, step_delay_s: float = 0.0):
         self.engine = engine
         self.tokenizer = tokenizer
         self.weight_sync_timeout_s = float(weight_sync_timeout_s)
+        self.stream_interval = int(stream_interval)
+        self.incremental = bool(incremental_streaming_output)
+        self.step_delay_s = float(step_delay_s)
+        self._next_step = 0.0  # monotonic time before which no decode step runs (step_delay_s)
+        self._to_finish: set[str] = set()  # running rows aborted: finished after one more decode step
         self.params = dict(engine.model.named_parameters(remove_duplicate=False))
         self.weight_version = "default"
         self.groups: dict[str, Any] = {}
@@ -413,7 +462,8 @@ class Scheduler:
         while True:
             with self._cv:
                 while not self._inbox and not self._can_work():
-                    self._cv.wait()
+                    left = self._next_step - time.monotonic()
+                    self._cv.wait(left if left > 0 and self.engine.num_in_flight and not self.paused else None)
                 inbox, self._inbox = list(self._inbox), collections.deque()
             for kind, item in inbox:
                 if kind == "generate":
@@ -423,14 +473,17 @@ class Scheduler:
                 else:
                     self._run_call(*item)
             self._dispatch()
-            if self.engine.num_in_flight and not self.paused:
+            if self.engine.num_in_flight and not self.paused and time.monotonic() >= self._next_step:
                 self._step()
+                self._next_step = time.monotonic() + self.step_delay_s
 
     def _can_work(self) -> bool:
-        """Something to do without a new command: rows to decode, or queued work that can start
-        (a generate is always started or held; a weight operation once idle or paused)."""
+        """Something to do without a new command: rows to decode (once ``step_delay_s`` after the
+        last step passed), or queued work that can start (a generate is always started or held; a
+        weight operation once idle or paused)."""
         if self.engine.num_in_flight and not self.paused:
-            return True
+            if time.monotonic() >= self._next_step:
+                return True
         return bool(self._ordered) and (self._ordered[0][0] == "generate" or self.paused
                                         or not self.engine.num_in_flight)
 
@@ -463,13 +516,13 @@ class Scheduler:
             if row.key in request.results:  # aborted while it waited
                 continue
             if spec.max_new_tokens == 0:  # SGLang allows a prefill-only request: nothing to sample
-                request.results[row.key] = (RowResult(row.key, [], [], "length", 0), self.weight_version)
+                self._record(request, RowResult(row.key, [], [], "length", 0))
             else:
                 rows.append(row)
         try:
             self.engine.submit(rows)
         except ValueError as err:  # a rid already in flight
-            _resolve(request.loop, request.future, error=BadRequest(str(err)))
+            self._fail(request, BadRequest(str(err)))
             return
         for row in rows:
             self._running[row.key] = request
@@ -478,33 +531,119 @@ class Scheduler:
     def _step(self) -> None:
         try:
             results = self.engine.poll(max_tokens=1)
+            if self._to_finish:  # aborted running rows end after this step, whatever they sampled in it
+                # (sglang 0.5.23 managers/scheduler.py:5797-5812 sets req.to_finish and "the request will
+                # still run one decode forward pass"; schedule_batch.py:2011 update_finish_state applies it
+                # BEFORE the EOS and length checks, so the row is an abort even if that token is its EOS)
+                results = [r._replace(finish_reason="abort") if r.key in self._to_finish else r for r in results]
+                results += self.engine.abort([k for k in self._to_finish if k in self.engine.running_rows()])
+                self._to_finish.clear()
         except Exception as err:  # the engine is broken: fail what runs, stay up for control calls
             self.failed = f"{type(err).__name__}: {err}"
             logger.error("engine step failed:\n%s", traceback.format_exc())
+            self._to_finish.clear()
             for res in self.engine.abort():
                 request = self._running.pop(res.key, None)
                 if request is not None:
-                    _resolve(request.loop, request.future, error=RuntimeError(f"generation failed: {self.failed}"))
+                    self._fail(request, RuntimeError(f"generation failed: {self.failed}"))
             return
         self._deliver(results)
+        self._stream_progress()
+
+    def _stream_progress(self) -> None:
+        """Send the progress events of the streamed rows still decoding: a row's first token at once,
+        then every ``stream_interval`` tokens (sglang 0.5.23
+        ``managers/scheduler_components/output_streamer.py:453-468``)."""
+        running = None
+        for key, request in self._running.items():
+            if not request.stream:
+                continue
+            if running is None:
+                running = self.engine.running_rows()
+            if key not in running:
+                continue
+            tokens, logprobs = running[key]
+            sent, i = request.sent[key], request.index[key]
+            interval = request.specs[i].stream_interval or self.stream_interval
+            if len(tokens) > sent and (interval == 1 or len(tokens) - sent >= interval or sent == 0):
+                self._emit_row(request, i, list(tokens), list(logprobs), None)
+
+    def _emit_row(self, request: _Generate, i: int, tokens: list, logprobs: list, out: Optional[dict]) -> None:
+        """One stream event of row ``i``: its last output dict ``out``, or a progress event of its
+        ``tokens`` so far (``finish_reason`` None). SGLang's default sends the row's tokens so far
+        (``tokenizer_manager.py:2676-2700``), ``--incremental-streaming-output`` the new ones only
+        (sliced as ``_slice_streaming_output_meta_info``, line 364); a batch's events carry ``index``
+        (``_stream_batch_responses``, line 2224)."""
+        row, spec = request.rows[i], request.specs[i]
+        if out is None:
+            meta: dict[str, Any] = {"id": spec.rid, "finish_reason": None, "prompt_tokens": len(row.prompt_ids),
+                                    "weight_version": self.weight_version, "total_retractions": 0}
+            if spec.return_logprob:
+                meta["input_token_logprobs"] = []
+                meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(logprobs, tokens)]
+                meta["output_token_logprobs_length"] = len(tokens)
+            meta.update({"reasoning_tokens": 0, "completion_tokens": len(tokens), "cached_tokens": 0})
+            out = {}
+            if self.tokenizer is not None:
+                out["text"] = self.tokenizer.decode(tokens, skip_special_tokens=spec.skip_special_tokens)
+            out["output_ids"], out["meta_info"] = tokens, meta
+        sent = request.sent[row.key]
+        if self.incremental and sent:
+            out = {**out, "output_ids": out["output_ids"][sent:]}
+            if "output_token_logprobs" in out["meta_info"]:
+                out["meta_info"] = {**out["meta_info"],
+                                    "output_token_logprobs": out["meta_info"]["output_token_logprobs"][sent:]}
+        request.sent[row.key] = len(tokens)
+        if not request.single:
+            out = {**out, "index": i}
+        request.emit(("row", out))
+
+    def _record(self, request: _Generate, res: RowResult) -> None:
+        """Row ``res.key`` of ``request`` ended: its result (streamed: its last event at once)."""
+        request.results[res.key] = (res, self.weight_version)
+        if request.stream:
+            i = request.index[res.key]
+            try:
+                out = self._output(request.rows[i], request.specs[i], res, self.weight_version, request.t0)
+            except Exception as err:  # decoding text failed
+                self._fail(request, err)
+                return
+            self._emit_row(request, i, list(res.response_ids), list(res.logprobs), out)
+
+    def _fail(self, request: _Generate, err: BaseException) -> None:
+        """The request failed: its future's error, or (streamed) an error event and the end of the
+        stream (sglang 0.5.23 ``entrypoints/http_server.py:957-975``)."""
+        if not request.stream:
+            _resolve(request.loop, request.future, error=err)
+            return
+        code = 400 if isinstance(err, BadRequest) else 500
+        request.emit(("error", {"error": {"message": str(err), "type": "invalid_request_error", "code": code,
+                                          "retryable": False}}))
+        request.emit(None)
+        request.events = None  # nothing more is sent; later results of its rows are dropped
+        request.failed = True
 
     def _deliver(self, results: Sequence[RowResult]) -> None:
         for res in results:
             request = self._running.pop(res.key, None)
             if request is None:
                 continue
-            request.results[res.key] = (res, self.weight_version)
+            self._record(request, res)
             self._finish_if_done(request)
 
     def _finish_if_done(self, request: _Generate) -> None:
-        if request.done():
-            try:
-                out = [self._output(row, spec, *request.results[row.key], request.t0)
-                       for row, spec in zip(request.rows, request.specs)]
-            except Exception as err:  # decoding text failed
-                _resolve(request.loop, request.future, error=err)
-                return
-            _resolve(request.loop, request.future, out[0] if request.single else out)
+        if not request.done() or request.failed:
+            return
+        if request.stream:
+            request.emit(None)
+            return
+        try:
+            out = [self._output(row, spec, *request.results[row.key], request.t0)
+                   for row, spec in zip(request.rows, request.specs)]
+        except Exception as err:  # decoding text failed
+            _resolve(request.loop, request.future, error=err)
+            return
+        _resolve(request.loop, request.future, out[0] if request.single else out)
 
     def _output(self, row: ServerRow, spec: RowSpec, res: RowResult, version: str, t0: float) -> dict:
         """One row's SGLang output dict (module docstring)."""
@@ -541,25 +680,34 @@ class Scheduler:
         if not abort_all and rid not in known:
             return  # tokenizer_manager.py abort_request: an unknown rid is ignored
         match = (lambda r: True) if abort_all else (lambda r: r.startswith(rid))
-        self._deliver(self.engine.abort([r for r in self._running if match(r)]))
+        self._abort_running([r for r in self._running if match(r)])
         if abort_all:
             return  # as SGLang: abort_all reaches the scheduler's rows only
         for request in self._waiting():  # not started yet: answered with no tokens
             for row in request.rows:
                 if match(row.key) and row.key not in request.results:
-                    request.results[row.key] = (RowResult(row.key, [], [], "abort", 0), self.weight_version)
+                    self._record(request, RowResult(row.key, [], [], "abort", 0))
             if request.done():
                 self._drop_waiting(request)
                 self._finish_if_done(request)
 
+    def _abort_running(self, rids: Sequence[str]) -> None:
+        """Abort rows the engine holds as SGLang's scheduler does: a queued row at once, with no
+        tokens; a decoding row after one more decode step (:meth:`_step`), at once when paused
+        (no step would come)."""
+        decoding = self.engine.running_rows() if not self.paused else {}
+        self._deliver(self.engine.abort([r for r in rids if r not in decoding]))
+        self._to_finish.update(r for r in rids if r in decoding)
+
     def abort_rows(self, rids: Sequence[str]) -> None:
         """Stop exactly these rows (a client that disconnected), wherever they are."""
         rids = set(rids)
+        self._to_finish -= rids
         self._deliver(self.engine.abort([r for r in self._running if r in rids]))
         for request in self._waiting():
             for row in request.rows:
                 if row.key in rids and row.key not in request.results:
-                    request.results[row.key] = (RowResult(row.key, [], [], "abort", 0), self.weight_version)
+                    self._record(request, RowResult(row.key, [], [], "abort", 0))
             if request.done():
                 self._drop_waiting(request)
                 self._finish_if_done(request)
@@ -580,7 +728,9 @@ class Scheduler:
             raise BadRequest("pause_generation mode 'retract' is not supported by dapo-rollout-server (the HF engine "
                              "keeps no KV cache to recompute): use 'abort' or 'in_place'")
         if mode == "abort":  # tokenizer_manager.py pause_generation: abort_request(abort_all=True) until idle
-            self._deliver(self.engine.abort(list(self._running)))
+            self._abort_running(list(self._running))
+            if self._to_finish:
+                self._step()  # the aborted rows' one more decode step: every row answers before this returns
         self.paused = True
 
     def resume(self) -> None:
@@ -665,6 +815,7 @@ class Scheduler:
                                      f"{dtype} element size")
                 offset += torch.Size(s).numel() * torch.empty((), dtype=dtype).element_size()
         if req.get("abort_all_requests"):
+            self._to_finish.clear()
             self._deliver(self.engine.abort(list(self._running)))
         group, device = self.groups[name], self.engine.device
         try:
@@ -701,6 +852,8 @@ class Scheduler:
     def state(self) -> dict:
         return {"weight_version": self.weight_version, "weight_update_groups": sorted(self.groups),
                 "paused": self.paused, "num_running_reqs": self.engine.num_in_flight,
+                # dapo-rollout-server's own: the tokens each decoding row sampled so far, by rid
+                "running_tokens": {k: len(t) for k, (t, _) in self.engine.running_rows().items()},
                 "num_waiting_reqs": sum(len(r.rows) for r in self._waiting())}
 
 
@@ -775,6 +928,8 @@ def build_app(scheduler: Scheduler, server_args: dict, context_length: int, rand
         if scheduler.failed:
             return error(f"the engine failed earlier ({scheduler.failed}); restart the server", 503)
         loop = asyncio.get_running_loop()
+        if body.get("stream"):
+            return stream(_Generate(single, rows, specs, loop, None, asyncio.Queue()))
         future = loop.create_future()
         scheduler.generate(_Generate(single, rows, specs, loop, future))
         while True:  # tokenizer_manager.py _wait_one_response: a client gone has its request aborted
@@ -790,6 +945,29 @@ def build_app(scheduler: Scheduler, server_args: dict, context_length: int, rand
             return error(str(err))
         except Exception as err:
             return error(str(err), 500)
+
+    def stream(request: _Generate) -> StreamingResponse:
+        """A streamed ``/generate``: ``data: {json}\n\n`` per event, then ``data: [DONE]\n\n`` (sglang
+        0.5.23 ``entrypoints/http_server.py:949-981``); a client gone has its rows aborted."""
+        events = request.events
+        scheduler.generate(request)
+
+        async def body():
+            ended = False
+            try:
+                while True:
+                    item = await events.get()
+                    if item is None:
+                        ended = True
+                        break
+                    yield b"data: " + json.dumps(item[1]).encode() + b"\n\n"
+                yield b"data: [DONE]\n\n"
+            finally:
+                if not ended:
+                    rids = [row.key for row in request.rows]
+                    scheduler.call(lambda: scheduler.abort_rows(rids), request.loop, request.loop.create_future())
+
+        return StreamingResponse(body(), media_type="text/event-stream")
 
     @app.post("/abort_request")
     async def abort_request(request: Request):
@@ -871,11 +1049,22 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="longest input + max_new_tokens (default: the config's max_position_embeddings)")
     p.add_argument("--weight-sync-timeout-s", type=float, default=600.0,
                    help="timeout of the weight-update process groups this server joins, seconds")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="a streamed row's tokens per event (SGLang's flag; a request's sampling_params.stream_interval "
+                        "overrides it)")
+    p.add_argument("--incremental-streaming-output", action="store_true",
+                   help="a streamed event carries the row's new tokens only, not all so far (SGLang's flag)")
+    p.add_argument("--step-delay-s", type=float, default=0.0,
+                   help="wait this long after every decode step, still answering requests (a slow server, for tests)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="uvicorn's log level; 'info' logs one access line per request")
     args = p.parse_args(argv)
     if args.num_threads is not None and args.num_threads < 1:
         p.error(f"--num-threads must be >= 1, got {args.num_threads}")
+    if args.stream_interval < 1:
+        p.error(f"--stream-interval must be >= 1, got {args.stream_interval}")
+    if args.step_delay_s < 0:
+        p.error(f"--step-delay-s must be >= 0, got {args.step_delay_s}")
     if not os.path.exists(args.model_path):
         p.error(f"--model-path {args.model_path}: no such file or directory")
     return args
@@ -908,7 +1097,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                           record_routes=args.enable_return_routed_experts)
     tokenizer = None if args.skip_tokenizer_init else load_tokenizer(args.model_path)
     context = args.context_length or int(getattr(engine.model.config, "max_position_embeddings", 0) or 2**31 - 1)
-    scheduler = Scheduler(engine, tokenizer, weight_sync_timeout_s=args.weight_sync_timeout_s)
+    scheduler = Scheduler(engine, tokenizer, weight_sync_timeout_s=args.weight_sync_timeout_s,
+                          stream_interval=args.stream_interval,
+                          incremental_streaming_output=args.incremental_streaming_output, step_delay_s=args.step_delay_s)
     server_args = {**{k.replace("-", "_"): v for k, v in vars(args).items()}, "tp_size": 1, "dp_size": 1,
                    "pp_size": 1, "enable_memory_saver": False, "enable_weights_cpu_backup": False,
                    "enable_deterministic_inference": True, "context_length": context,

@@ -59,6 +59,8 @@ from dapo_megatron.platform.parallel_dims import ParallelDims, dims_or_single
 from dapo_megatron.rollout.engines.buckets import dtype_name
 from dapo_megatron.rollout.engines.engine import RowRequest, RowResult, WeightSyncTracker
 from dapo_megatron.rollout.engines.flat_bucket import FlatBucketPacker
+from dapo_megatron.rollout.engines.generate_stream import (Liveness, StreamedGenerate, stream_generate, wait_streams,
+                                                           with_progress)
 from dapo_megatron.rollout.engines.layout import rollout_engines, server_rank_offsets
 from dapo_megatron.rollout.engines.sglang_engine import (
     build_generate_request,
@@ -188,28 +190,6 @@ class _Call:
 
 class _NamedFailure(RuntimeError):
     """A failed weight-sync bucket whose message already names the servers."""
-
-
-class _RowsRequest:
-    """One streamed ``/generate`` request (a batch of rows) running in a thread."""
-
-    def __init__(self, rows: list, rids: list[str], url: str, payload: dict, timeout_s: float,
-                 answered: threading.Event):
-        self.rows, self.rids, self.url = rows, rids, url
-        self.result, self.error, self.done = None, None, threading.Event()
-        self._timeout_s = timeout_s
-        self._answered = answered
-        threading.Thread(target=self._run, args=(payload,), daemon=True).start()
-
-    def _run(self, payload: dict) -> None:
-        try:
-            self.result = http_post(self.url, "/generate", payload, self._timeout_s)
-        except BaseException as err:  # raised by the polling thread, naming the server
-            self.error = err
-        finally:
-            self.done.set()
-            self._answered.set()
-
 
 
 class ServerWeightSender:
@@ -531,18 +511,24 @@ class ServerRows:
     """The asynchronous rows of one server (the streamed rollout's ``submit`` / ``poll`` / ``abort``).
 
     Each submitted run of rows of one prompt (a group's rows share their prefill) is one
-    batched ``/generate`` request with one ``rid`` per row, running in a thread. A poll returns
+    streamed batched ``/generate`` request with one ``rid`` per row, read in a thread
+    (:class:`~dapo_megatron.rollout.engines.generate_stream.StreamedGenerate`). A poll returns
     the rows of the requests that answered (it waits for one, at most :attr:`poll_timeout_s`:
     like SGLang's offline engine, a server cannot stop after a token count, so a streamed
-    round is a time slice). An abort posts ``/abort_request`` with each row's ``rid``
-    (sglang 0.5.11 ``tokenizer_manager.py`` ``abort_request`` ignores a rid that is not a
-    request's own, so a batch's prefix would not do) and waits for the answers: the tokens
-    sampled so far, finish reason ``"abort"`` (``"stop"`` / ``"length"`` where the row had
-    already finished, :func:`~dapo_megatron.rollout.engines.sglang_engine.parse_row_output`).
+    round is a time slice). The requests share the server's
+    :class:`~dapo_megatron.rollout.engines.generate_stream.Liveness`: a request waiting in the
+    server's queue is not silent while the others decode; the server fails when none of them
+    sent a byte for ``silence_timeout_s`` (checked whenever this waits on it). An abort posts
+    ``/abort_request`` with each row's ``rid`` (sglang 0.5.23 ``tokenizer_manager.py``
+    ``abort_request`` ignores a rid that is not a request's own, so a batch's prefix would not
+    do) and waits for the answers: the tokens sampled so far, finish reason ``"abort"``
+    (``"stop"`` / ``"length"`` where the row had already finished,
+    :func:`~dapo_megatron.rollout.engines.sglang_engine.parse_row_output`).
 
     Args:
         url: the server.
-        generate_timeout_s: bound on one ``/generate`` request; timeout_s: on an abort call.
+        silence_timeout_s: bound on the server's silence (``rollout.server_silence_timeout_s``);
+            timeout_s: on an abort call, a connection, a ``/health`` probe.
         eos_token_ids: the model's stop tokens (an aborted row that ends on one has finished).
         rid_prefix: the rids' prefix, unique among the server's clients (``dapo-<rank>``).
     """
@@ -550,20 +536,21 @@ class ServerRows:
     poll_timeout_s = 0.5
     """The longest a :meth:`poll` with ``max_tokens`` waits for a request to answer (seconds)."""
 
-    def __init__(self, url: str, *, generate_timeout_s: float, timeout_s: float, eos_token_ids: Sequence[int] = (),
+    def __init__(self, url: str, *, silence_timeout_s: float, timeout_s: float, eos_token_ids: Sequence[int] = (),
                  rid_prefix: str = "dapo"):
         self.url = url
-        self.generate_timeout_s, self.timeout_s = float(generate_timeout_s), float(timeout_s)
+        self.silence_timeout_s, self.timeout_s = float(silence_timeout_s), float(timeout_s)
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.rid_prefix = rid_prefix
-        self._requests: list[_RowsRequest] = []  # in flight, in submission order
+        self._requests: list[tuple[StreamedGenerate, list[RowRequest], list[str]]] = []  # in flight, in order
         self._answered = threading.Event()  # set by every request that answers: wakes poll()
+        self._liveness = Liveness()
         self._rids = itertools.count()
 
     @property
     def num_in_flight(self) -> int:
         """Rows submitted and not yet returned by :meth:`poll` or :meth:`abort`."""
-        return sum(len(r.rows) for r in self._requests)
+        return sum(len(rows) for _, rows, _ in self._requests)
 
     def submit(self, rows: Sequence[RowRequest]) -> None:
         """Start the rows (each with its own ``rid``, seed and remaining budget, continued after
@@ -572,7 +559,7 @@ class ServerRows:
         Raises:
             ValueError: a row key already in flight.
         """
-        keys = {row.key for r in self._requests for row in r.rows}
+        keys = {row.key for _, rs, _ in self._requests for row in rs}
         batches: list[list[RowRequest]] = []
         for row in rows:
             if row.key in keys:
@@ -587,9 +574,27 @@ class ServerRows:
             rids = [f"{self.rid_prefix}-{next(self._rids):012d}" for _ in batch]
             reqs = [build_row_request(row, rid) for row, rid in zip(batch, rids)]
             payload = {"input_ids": [r["input_ids"] for r in reqs], "rid": rids, "return_logprob": True,
-                       "sampling_params": [r["sampling_params"] for r in reqs]}
-            self._requests.append(_RowsRequest(batch, rids, self.url, payload, self.generate_timeout_s,
-                                               self._answered))
+                       "sampling_params": [with_progress(r["sampling_params"]) for r in reqs]}
+            stream = StreamedGenerate(self.url, payload, connect_timeout_s=self.timeout_s, liveness=self._liveness,
+                                      answered=self._answered)
+            self._requests.append((stream, batch, rids))
+
+    def _wait(self, until_all: bool, timeout_s: Optional[float]) -> None:
+        """Wait for every request (``until_all``) or for one to answer (at most ``timeout_s``),
+        under the silence bound (:func:`~dapo_megatron.rollout.engines.generate_stream.wait_streams`)."""
+        streams = [s for s, _, _ in self._requests]
+        if until_all:
+            wait_streams(streams, self.silence_timeout_s, self.timeout_s)
+            return
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not any(s.done.is_set() for s in streams):
+            if self._liveness.silent_s() >= self.silence_timeout_s:
+                wait_streams(streams, self.silence_timeout_s, self.timeout_s)  # cancels them, naming the server
+                return
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                return
+            self._answered.wait(min(left if left is not None else 1.0, max(0.01, self.silence_timeout_s / 4)))
 
     def poll(self, max_tokens: Optional[int] = None, version: int = 0) -> list[RowResult]:
         """The rows of the requests that answered, labelled weights ``version``: waits until
@@ -601,35 +606,27 @@ class ServerRows:
         """
         if not self._requests:
             return []
-        if max_tokens is None:
-            for r in self._requests:
-                r.done.wait()
-        elif not any(r.done.is_set() for r in self._requests):
-            self._answered.wait(self.poll_timeout_s)
+        self._wait(max_tokens is None, self.poll_timeout_s)
         return self._collect(version, only_done=True)
 
     def abort(self, version: int = 0) -> list[RowResult]:
         """Stop every row in flight; every request's answer (see the class docstring)."""
-        for r in self._requests:
-            if not r.done.is_set():
-                for rid in r.rids:
+        for stream, _, rids in self._requests:
+            if not stream.done.is_set():
+                for rid in rids:
                     http_post(self.url, "/abort_request", {"rid": rid}, self.timeout_s)
-        for r in self._requests:
-            r.done.wait()
+        self._wait(True, None)
         return self._collect(version, only_done=False)
 
     def _collect(self, version: int, only_done: bool) -> list[RowResult]:
         self._answered.clear()  # before reading: an answer arriving now is seen by the next poll's check
-        done = [r for r in self._requests if r.done.is_set() or not only_done]
+        done = [r for r in self._requests if r[0].done.is_set() or not only_done]
         self._requests = [r for r in self._requests if r not in done]
         out = []
-        for r in done:
-            if r.error is not None:
-                raise RuntimeError(f"streamed rows on {r.url}: {r.error}")
-            items = r.result if isinstance(r.result, list) else [r.result]
-            if len(items) != len(r.rows):
-                raise RuntimeError(f"SGLang server {r.url} answered {len(items)} outputs for {len(r.rows)} rows")
-            out += [parse_row_output(item, row, version, self.eos_token_ids) for item, row in zip(items, r.rows)]
+        for stream, rows, _ in done:
+            if stream.error is not None:
+                raise RuntimeError(f"streamed rows on {stream.url}: {stream.error}")
+            out += [parse_row_output(item, row, version, self.eos_token_ids) for item, row in zip(stream.result, rows)]
         return out
 
 
@@ -653,8 +650,9 @@ class ServerRollout:
         stage, num_stages: this rank's pipeline stage and the PP size.
         is_sender: this rank sends its stage's weights (DP rank 0 and TP rank 0).
         device: the senders' flat buffers (this rank's GPU: NCCL; CPU: gloo).
-        timeout_s: ``rollout.server_timeout_s``; generate_timeout_s:
-            ``rollout.server_generate_timeout_s``.
+        timeout_s: ``rollout.server_timeout_s``; silence_timeout_s:
+            ``rollout.server_silence_timeout_s`` (the bound on a server's silence in a streamed
+            ``/generate``; no bound on its total time).
         bucket_bytes: ``rollout.update_weights_bucket_megabytes`` in bytes.
         backend: of the weight-update groups; None: NCCL on a CUDA device, else gloo.
         eos_token_ids: the model's stop tokens (an aborted row that already ends on one has
@@ -670,7 +668,7 @@ class ServerRollout:
     """
 
     def __init__(self, urls: Sequence[str], param_specs, *, stage: int, num_stages: int, is_sender: bool,
-                 device: torch.device | str, timeout_s: float, generate_timeout_s: float, bucket_bytes: int,
+                 device: torch.device | str, timeout_s: float, silence_timeout_s: float, bucket_bytes: int,
                  backend: Optional[str] = None, eos_token_ids: Sequence[int] = (), one_driver: bool = False,
                  parallel: Optional[ParallelDims] = None, record_routes: Optional[tuple[int, int, int]] = None):
         self.parallel = dims_or_single(parallel, "ServerRollout")
@@ -678,7 +676,8 @@ class ServerRollout:
         self.record_routes = record_routes
         self.param_specs = param_specs
         self.stage, self.num_stages = int(stage), int(num_stages)
-        self.timeout_s, self.generate_timeout_s = float(timeout_s), float(generate_timeout_s)
+        self.timeout_s, self.silence_timeout_s = float(timeout_s), float(silence_timeout_s)
+        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         self.rank = self.parallel.rank
         self.num_engines, self.engine_index = rollout_engines(self.rank, self.parallel.world_size, mode="server",
                                                               num_servers=len(self.urls), one_driver=one_driver)
@@ -699,7 +698,7 @@ class ServerRollout:
         self._group_generation = 0
         self.weight_version = 0
         self.weights_valid = True  # the servers loaded their checkpoint; the first sync follows
-        self.rows = (ServerRows(self.urls[self.engine_index], generate_timeout_s=generate_timeout_s,
+        self.rows = (ServerRows(self.urls[self.engine_index], silence_timeout_s=silence_timeout_s,
                                 timeout_s=timeout_s, eos_token_ids=eos_token_ids, rid_prefix=f"dapo-{self.rank}")
                      if self.engine_index is not None else None)
 
@@ -716,7 +715,9 @@ class ServerRollout:
             raise RuntimeError(error)
 
     def generate(self, prompt_ids, params, prompt_seeds=None):
-        """One ``/generate`` request to this rank's server (a driving rank only); see
+        """One streamed ``/generate`` request to this rank's server (a driving rank only), failed
+        only when the server sends no byte for ``silence_timeout_s``
+        (:func:`~dapo_megatron.rollout.engines.generate_stream.stream_generate`); see
         :meth:`~dapo_megatron.rollout.engines.engine.RolloutEngine.generate`."""
         if self.engine_index is None:
             raise RuntimeError(f"rank {self.rank} drives no server (rollout.server_urls has {self.num_engines})")
@@ -727,7 +728,8 @@ class ServerRollout:
         req = build_generate_request(prompt_ids, params, prompt_seeds)
         if self.record_routes is not None:
             req["return_routed_experts"] = True  # meta_info.routed_experts, SGLang's format
-        out = http_post(url, "/generate", req, self.generate_timeout_s)
+        req["sampling_params"] = [with_progress(sp) for sp in req["sampling_params"]]
+        out = stream_generate(url, req, silence_s=self.silence_timeout_s, connect_timeout_s=self.timeout_s)
         return parse_generate_output(out, len(prompt_ids), params.n, prompt_lens=[len(p) for p in prompt_ids],
                                      routes_shape=self.record_routes)
 

@@ -262,13 +262,20 @@ def build_row_request(row: RowRequest, rid: str) -> dict[str, Any]:
             "return_logprob": True, "rid": rid}
 
 
-def parse_row_output(item: Any, row: RowRequest, version: int, eos_token_ids: frozenset = frozenset()) -> RowResult:
-    """One SGLang output of a row (``build_row_request``) → :class:`RowResult`.
+def row_outcome(item: Any, *, budget: int, stop_ids=frozenset(), row: int = 0) -> tuple[list[int], list[float], str]:
+    """One SGLang output of a row → ``(token ids, logprobs, finish kind)``: the one reading of a
+    row's end, for every path (the streamed rollout's rows :func:`parse_row_output`, the async
+    controller's ``rollout/async_rollout.py`` ``_parse_row``).
 
-    An aborted output holds the tokens sampled so far (finish reason ``"abort"``), unless it
-    already ends on a stop token (``eos_token_ids`` or the row's ``stop_token_ids``) or fills
-    the row's budget (then ``"stop"`` / ``"length"``: SGLang marks the abort before checking
-    those).
+    ``"stop"`` / ``"length"`` as SGLang reports them; an aborted output (``"abort"``: a weight
+    sync's ``/pause_generation``, an ``/abort_request``) holds the tokens sampled so far and stays
+    ``"abort"`` (to be continued) UNLESS it already ends on a stop token (``stop_ids``: the model's
+    EOS ids and the row's ``stop_token_ids``) — then ``"stop"`` — or fills ``budget`` (the
+    request's ``max_new_tokens``) — then ``"length"``. SGLang lets an aborted running row decode
+    one more token (sglang 0.5.23 ``managers/scheduler.py:5797-5812``) and applies the abort
+    before checking EOS and length (``managers/schedule_batch.py:2011``,
+    ``update_finish_state``), so such an output is a finished row reported as an abort;
+    continued, it would run on past its EOS (or its budget).
 
     Raises:
         RuntimeError: a failed request, or a malformed output (see :func:`parse_completion`).
@@ -279,14 +286,26 @@ def parse_row_output(item: Any, row: RowRequest, version: int, eos_token_ids: fr
     if kind == "abort":
         entries = meta.get("output_token_logprobs") or []
         ids, logprobs = [int(e[1]) for e in entries], [float(e[0]) for e in entries]
-        stops = set(row.params.stop_token_ids) | set(eos_token_ids)
-        if ids and ids[-1] in stops:
+        if ids and ids[-1] in stop_ids:
             kind = "stop"
-        elif len(ids) >= row.budget:
+        elif len(ids) >= budget:
             kind = "length"
-        return RowResult(row.key, ids, logprobs, kind, version)
-    c = parse_completion(item, 0)
-    return RowResult(row.key, c.response_ids, c.logprobs, c.finish_reason, version)
+        return ids, logprobs, kind
+    c = parse_completion(item, row)
+    return list(c.response_ids), list(c.logprobs), c.finish_reason
+
+
+def parse_row_output(item: Any, row: RowRequest, version: int, eos_token_ids: frozenset = frozenset()) -> RowResult:
+    """One SGLang output of a row (``build_row_request``) → :class:`RowResult` (:func:`row_outcome`
+    with the row's remaining budget and stop tokens: ``eos_token_ids`` and the row's
+    ``stop_token_ids``).
+
+    Raises:
+        RuntimeError: a failed request, or a malformed output (see :func:`parse_completion`).
+    """
+    ids, logprobs, kind = row_outcome(item, budget=row.budget,
+                                      stop_ids=frozenset(row.params.stop_token_ids) | frozenset(eos_token_ids))
+    return RowResult(row.key, ids, logprobs, kind, version)
 
 
 def check_result(result: Any, what: str) -> None:

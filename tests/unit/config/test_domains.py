@@ -84,7 +84,7 @@ DOMAINS: dict[str, Case] = {
     "rollout.tensor_model_parallel_size": Case([0], 2),
     "rollout.server_urls": Case(["[h:30000]", "[http://h:1,http://h:1]"], "[http://h:1,http://h:2]", ctx=SERVER[:2]),
     "rollout.server_timeout_s": Case([0, -1], 30),
-    "rollout.server_generate_timeout_s": Case([0, -1], 600),
+    "rollout.server_silence_timeout_s": Case([0, -1], 120),
     "rollout.temperature": Case([0, -1], 0.7),
     "rollout.top_p": Case([0, 2, -0.5], 0.9),
     "rollout.top_k": Case([0, -2], 50),

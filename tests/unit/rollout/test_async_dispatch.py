@@ -48,7 +48,7 @@ def _controller(servers, urls=URLS) -> RolloutController:
     cfg = BufferConfig(train_batch_size=1, n=2, gen_batch_size=2, max_num_gen_batches=1)
     selector = SimpleNamespace(config=cfg, begin=lambda version: None)
     return RolloutController(selector, lambda: [], urls, SamplingParams(n=2, max_new_tokens=3, seed=5),
-                             generate_timeout_s=1.0, version=4, policy_version=4, generate=servers)
+                             silence_timeout_s=1.0, version=4, policy_version=4, generate=servers)
 
 
 PARAMS = SamplingParams(n=3, temperature=0.7, top_p=0.9, max_new_tokens=3, seed=1 + 7919 * 2)
@@ -224,3 +224,33 @@ def test_a_failed_controller_is_not_checkpointed_and_every_rank_raises():
     other.parallel = SimpleNamespace(broadcast_object=lambda obj, group, src: sent[0])
     with pytest.raises(RuntimeError, match=r"^the rollout controller failed \(every rollout server failed"):
         other.state_dict()
+
+
+def test_the_async_parser_reads_a_row_aborted_after_its_stop_token_or_at_its_budget_as_finished():
+    """``_parse_row`` (the controller's) and ``parse_row_output`` (the streamed rows') are one rule
+    (``sglang_engine.row_outcome``): SGLang decodes an aborted row once more and sets the abort before
+    its EOS / length checks, so an ``"abort"`` ending on a stop token is ``"stop"``, one at its budget
+    ``"length"``; only the others are partial rows to continue (issue 36 item 8)."""
+    from dapo_megatron.rollout.async_rollout import _parse_row
+    from dapo_megatron.rollout.engines.engine import RowRequest
+    from dapo_megatron.rollout.engines.sglang_engine import parse_row_output
+
+    def out(ids, kind="abort"):
+        return {"output_ids": ids, "meta_info": {"finish_reason": {"type": kind}, "weight_version": "3",
+                                                 "output_token_logprobs": [[-0.5 - t, t, None] for t in ids]}}
+
+    cases = [([5, 7, 2], 10, "stop"),  # the EOS (2) sampled in the abort's last step
+             ([5, 7, 9], 10, "abort"),  # a partial row
+             ([5, 7, 9], 3, "length"),  # the budget's last token sampled in that step
+             ([], 10, "abort")]  # aborted in the waiting queue
+    for ids, budget, kind in cases:
+        assert _parse_row(out(ids), 0, 7, budget=budget, stop_ids=frozenset({2})) == (
+            ids, [-0.5 - t for t in ids], kind, 3), (ids, budget)
+        row = RowRequest("k", (1,), SamplingParams(max_new_tokens=budget + 2), 0, prefix_ids=(4, 4))
+        assert parse_row_output(out(ids), row, 1, eos_token_ids=frozenset({2})).finish_reason == kind
+    stop_row = {"max_new_tokens": 10, "stop_token_ids": [9]}  # the row's own stop tokens count too
+    assert _parse_row(out([5, 9]), 0, 7, budget=stop_row["max_new_tokens"],
+                      stop_ids=frozenset(stop_row["stop_token_ids"]))[2] == "stop"
+    assert _parse_row(out([5, 7, 2], "stop"), 0, 7, budget=10)[2:] == ("stop", 3)
+    assert _parse_row({**out([5]), "meta_info": {**out([5])["meta_info"], "weight_version": "default"}}, 0, 7,
+                      budget=10)[3] == 7, "a server that reports no integer version: the fallback"
