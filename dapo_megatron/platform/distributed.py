@@ -89,7 +89,7 @@ class ParallelConfig:
 GENERATION_WAIT = timedelta(days=7)
 """Timeout of the generation-wait group (:attr:`~.parallel_dims.ParallelDims.wait_group`): ranks that
 generate nothing wait there for those that do, as long as generation takes (bounded by the engines'
-own timeouts, e.g. ``rollout.server_generate_timeout_s``). Gloo fails the wait at once when a peer
+own timeouts, e.g. ``rollout.server_silence_timeout_s``). Gloo fails the wait at once when a peer
 process dies (its socket closes), so the bound only matters for a peer that hangs forever."""
 
 
