@@ -56,7 +56,8 @@ def test_config_error_under_torchrun_is_one_line_printed_once_by_rank_0():
     exits with status 2; only rank 0 prints, one line, and no rank prints a traceback. (The
     only traceback left is torchrun's own ChildFailedError report of the failed launch.)"""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO)
-    out = subprocess.run(["torchrun", "--standalone", "--nproc_per_node=2", "-m", "dapo_megatron.train",
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")  # this environment's, not PATH's
+    out = subprocess.run([torchrun, "--standalone", "--nproc_per_node=2", "-m", "dapo_megatron.train",
                           "--config", CPU_YAML, "model.hf_path=/x", "buffer.n=1"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
