@@ -184,7 +184,7 @@ def test_set_members_destroys_the_old_group_on_every_server_before_forming_the_n
 
     a, b = servers[0], servers[1]
     eng = ServerRollout([a.url, b.url], None, stage=0, num_stages=1, is_sender=True, device="cpu", timeout_s=20,
-                        generate_timeout_s=20, bucket_bytes=BUCKET, backend="gloo", one_driver=True)
+                        silence_timeout_s=20, bucket_bytes=BUCKET, backend="gloo", one_driver=True)
 
     def groups(server):
         return {g for g in http_get(server.url, "/server_info", 10)["internal_states"][0]["weight_update_groups"]
