@@ -7,7 +7,7 @@ It follows SGLang 0.5.11's HTTP contract (``python/sglang/srt/entrypoints/http_s
 * ``GET /health`` → 200 with an empty body (503 when made unhealthy); ``GET /server_info`` →
   the server's arguments (``tp_size``, ``dp_size``, ``pp_size``, flags, ``version``);
 * ``POST /generate`` → one output dict per row (``meta_info.output_token_logprobs``,
-  ``finish_reason``), response token ``k`` of a row = last prompt token + 1 + k;
+  ``finish_reason``; with ``"stream": true`` one SSE event per row, as SGLang 0.5.23), response token ``k`` of a row = last prompt token + 1 + k;
 * ``POST /init_weights_update_group`` → joins the named group as ``rank_offset`` (TP 1);
 * ``POST /update_weights_from_distributed`` → without ``load_format``: one tensor allocated
   from (name, dtype, shape) and one ``broadcast(src=0)`` per tensor, in order; with
@@ -143,9 +143,20 @@ def serve(http_port: int, ready, tp_size: int = 1) -> None:
                 for row, (ids, sp) in enumerate(zip(req["input_ids"], req["sampling_params"])):
                     resp = [ids[-1] + 1 + k for k in range(sp["max_new_tokens"])]
                     out.append({"output_ids": resp, "meta_info": {
-                        "finish_reason": {"type": "length", "length": len(resp)},
+                        "finish_reason": {"type": "length", "length": len(resp)}, "completion_tokens": len(resp),
                         "output_token_logprobs": [[-0.5 * (row + 1), t, None] for t in resp]}})
-                self.reply(200, out)
+                if not req.get("stream"):
+                    self.reply(200, out)
+                    return
+                # SGLang 0.5.23's streamed /generate (entrypoints/http_server.py:949-981): one SSE event per
+                # row (its "index" in the batch; here each row's whole output in one event), then [DONE]
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                for row, o in enumerate(out):
+                    self.wfile.write(b"data: " + json.dumps({**o, "index": row}).encode() + b"\n\n")
+                self.wfile.write(b"data: [DONE]\n\n")
+                self.wfile.flush()
             elif self.path == "/init_weights_update_group":
                 with scheduler:
                     state["groups"][req["group_name"]] = init_custom_process_group(

@@ -146,7 +146,7 @@ def _worker(mode, urls, out_dir):
         num_engines = 1
     else:
         engine = ServerRollout(urls, ({}, {}), stage=0, num_stages=1, is_sender=False, device="cpu", timeout_s=30,
-                               generate_timeout_s=60, bucket_bytes=2**20, backend="gloo", parallel=parallel,
+                               silence_timeout_s=60, bucket_bytes=2**20, backend="gloo", parallel=parallel,
                                one_driver=mode == "async")
         num_engines, index = engine.num_engines, engine.engine_index
     rollout = _rollout(cfg, parallel, engine, num_engines, index)
