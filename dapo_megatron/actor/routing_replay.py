@@ -242,7 +242,7 @@ class RoutingReplay:
         self._current: Optional[tuple[torch.Tensor, torch.Tensor]] = None
         if replay:
             # megatron-core here, not at the top: the config loads actor/ (its ActorConfig) without it
-            from megatron.core.transformer.moe.router_replay import RouterReplayAction
+            from megatron.core.transformer.moe.router_replay import RouterReplayAction  # megatron-core: after quiet_third_party
 
             for r in self.routers:
                 r.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
@@ -318,7 +318,7 @@ class RoutingReplay:
           for that recompute (``replay_backward_list``, as ``set_target_indices`` does);
         - otherwise (evaluation, a layer that is not recomputed): ``REPLAY_FORWARD``, nothing queued.
         """
-        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction  # megatron-core: after quiet_third_party
 
         rr = router.router_replay
         if router.training and torch.is_grad_enabled() and self._recomputing():

@@ -33,6 +33,8 @@ The protocol, from sglang 0.5.23 (paths under ``python/sglang/srt/``):
 
 ``dapo-rollout-server`` (``rollout/engines/server.py``) serves the same protocol, so the tests run
 this client against a real server on CPU.
+
+Design: docs/design.md §3.8 (faults: every ``/generate`` bounded by the server's silence).
 """
 
 from __future__ import annotations

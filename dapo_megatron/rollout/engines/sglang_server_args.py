@@ -242,12 +242,12 @@ def engine_argument_names() -> tuple[frozenset, str]:
             cannot be read: never the pinned list in place of the installed one.
     """
     try:
-        import sglang
+        import sglang  # lazy: a GPU-image package, absent on CPU machines
     except ImportError:  # not installed (CPU machines): the pinned list
         return SERVER_ARGS_FIELDS, f"sglang {SGLANG_VERSION} ServerArgs (pinned list)"
     version = getattr(sglang, "__version__", "?")
     try:
-        from sglang.srt.server_args import ServerArgs
+        from sglang.srt.server_args import ServerArgs  # lazy: only where sglang is installed
     except Exception as err:  # installed but broken: say so, do not check against another version's list
         raise RuntimeError(f"sglang {version} is installed but sglang.srt.server_args does not import "
                            f"({type(err).__name__}: {err}); cannot check rollout.engine_kwargs") from err
@@ -308,7 +308,7 @@ def colocated_graph_kwargs(engine_kwargs: dict, enable_memory_saver: bool,
     chosen = [k for k in PREFILL_GRAPH_ARGS if k in engine_kwargs]
     if not chosen:
         return {"disable_prefill_cuda_graph": True}
-    from dapo_megatron.rollout.engines.sglang_env import cuda_graphs_released
+    from dapo_megatron.rollout.engines.sglang_env import cuda_graphs_released  # sglang_env imports torch; config loading imports this module without it
 
     if engine_kwargs.get("cuda_graph_backend_prefill") == "breakable" and cuda_graphs_released(env):
         raise ValueError("rollout.engine_kwargs.cuda_graph_backend_prefill=breakable: SGLang's breakable CUDA graph "
