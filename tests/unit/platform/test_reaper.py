@@ -75,7 +75,8 @@ def test_a_process_left_after_the_last_test_fails_the_session(tmp_path):
         def test_passes():
             pass
         """))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
+               DAPO_FAIL_ON_LEFT_PROCESSES="1")
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path),
                           f"--basetemp={tmp_path / 'base'}"], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 1, out.stdout + out.stderr
