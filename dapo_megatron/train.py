@@ -29,6 +29,7 @@ from dapo_megatron.config import ConfigError, DAPOConfig, documented_keys, load_
 from dapo_megatron.data import DatasetError
 from dapo_megatron.platform import destroy_distributed, init_distributed
 from dapo_megatron.platform.console import quiet_third_party
+from dapo_megatron.platform.reaper import die_with_parent
 from dapo_megatron.rollout.engines.sglang_env import align_nccl_with_sglang_server
 from dapo_megatron.run_dir import banner, prepare_run_dir, summary
 
@@ -103,6 +104,8 @@ def main(argv=None) -> int:
     starts), a damaged / missing checkpoint (one line from rank 0) or a broken dataset
     (:func:`_input_error`). Rank 0 prints a start-up banner and an end-of-run summary
     (:mod:`dapo_megatron.run_dir`). Other errors propagate with their traceback."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: die with the agent (platform/reaper.py)
+        die_with_parent(os.getppid())
     quiet_third_party()  # before anything imports megatron-core (its import-time warnings)
     args = parse_args(argv)
     if args.list_keys:

@@ -183,22 +183,24 @@ def pytest_configure(config):
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session, exitstatus):
     """No process of the suite outlives it: what is still alive after the last test (a server, a
-    grader, a rank's child that a test did not reap) is listed and killed. It does not fail the run
-    yet: one grader worker of an in-process RewardPool that a test leaves open is still found
-    (issue 35; set DAPO_FAIL_ON_LEFT_PROCESSES=1 to make it fail)."""
+    grader, a rank's child that a test did not reap) is listed, killed, and fails the run.
+
+    ``compute_score``'s shared grader pool is the library's own, closed at interpreter exit
+    (``rewards/pool.py``: ``atexit``), which comes after this hook: it is closed here first."""
+    import sys
+
     from dapo_megatron.platform import reaper
 
     if os.environ.get("PYTEST_XDIST_WORKER") is not None:
         return
+    pool_module = sys.modules.get("dapo_megatron.rewards.pool")
+    if pool_module is not None and pool_module._DEFAULT_POOL is not None:
+        pool_module._DEFAULT_POOL.close()
     left = reaper.reap_children()
     if left:
-        import sys
-
-        strict = os.environ.get("DAPO_FAIL_ON_LEFT_PROCESSES", "") not in ("", "0")
-        sys.stderr.write(f"\ntests left these processes running (killed now{'; the run fails' if strict else ''}):\n"
+        sys.stderr.write("\ntests left these processes running (killed now; the run fails):\n"
                          + "".join(f"  {line[:300]}\n" for line in left))
-        if strict:
-            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,8 @@ import signal
 import sys
 import time
 
-PR_SET_CHILD_SUBREAPER = 36  # <linux/prctl.h>
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+PR_SET_CHILD_SUBREAPER = 36
 PR_GET_CHILD_SUBREAPER = 37
 
 # Long-lived helpers a test process legitimately owns until it exits (they exit with it): never reaped.
@@ -45,6 +46,34 @@ def set_subreaper(on: bool) -> bool:
         return bool(previous.value)
     except (OSError, AttributeError):
         return False
+
+
+def die_with_parent(parent_pid: int | None) -> bool:
+    """SIGKILL this process when its parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``, which fires
+    when the parent *thread* that started this process exits), and exit now (status 0) if the
+    parent is already gone: ``parent_pid`` is the parent this process was started by (read
+    before the call, or passed on the command line), and a different ``os.getppid()`` after the
+    call means it died first (the race the call cannot close by itself).
+
+    Who calls it: the grader workers (``rewards/worker.py``), and each torchrun worker of
+    ``dapo-train`` (``train.py``). torchrun starts its workers in sessions of their own
+    (``start_new_session=True``, torch 2.14 ``elastic/multiprocessing/subprocess_handler/
+    subprocess_handler.py:_popen``), so a ``SIGKILL`` of the launcher's process group, or of
+    torchrun alone (the OOM killer, a scheduler that kills the launcher), would leave the ranks
+    training on without an agent: still writing checkpoints into the run directory a restarted
+    job is resuming from.
+
+    Returns True when the signal is armed; False (nothing done) elsewhere than Linux.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        armed = _prctl(PR_SET_PDEATHSIG, signal.SIGKILL) == 0
+    except (OSError, AttributeError):
+        return False
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os._exit(0)
+    return armed
 
 
 def _stat(pid: int) -> tuple[str, int] | None:

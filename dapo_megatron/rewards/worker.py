@@ -31,7 +31,6 @@ Design: docs/design.md §4 (rewards in killable processes).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import resource
@@ -39,6 +38,7 @@ import signal
 import sys
 
 # the pool never imports this module, so "python -m" runs its only copy
+from dapo_megatron.platform.reaper import die_with_parent
 from dapo_megatron.rewards import registry
 from dapo_megatron.rewards.pool import error_result, package_dir
 
@@ -64,20 +64,6 @@ def _limit_memory(memory_limit_mb: int) -> None:
         pass
 
 
-def _die_with_parent(parent_pid: int | None) -> None:
-    """SIGKILL this process when its parent dies (Linux ``prctl(PR_SET_PDEATHSIG)``,
-    which fires when the parent *thread* that started it exits), and exit now if the
-    parent is already gone (the race before the call)."""
-    if sys.platform.startswith("linux"):
-        try:
-            pr_set_pdeathsig = 1  # <linux/prctl.h>
-            ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-        except (OSError, AttributeError):
-            pass
-    if parent_pid is not None and os.getppid() != parent_pid:
-        os._exit(0)
-
-
 def _writer(fd: int):
     def send(message: dict) -> None:
         data = (json.dumps(message) + "\n").encode("ascii")
@@ -95,7 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent(args.parent_pid)
+    die_with_parent(args.parent_pid)
     protocol_fd = os.dup(1)
     os.dup2(2, 1)  # stray prints go to stderr, never into the protocol stream
     send = _writer(protocol_fd)

@@ -20,6 +20,7 @@ import time
 import pytest
 
 from conftest import REPO
+from dapo_megatron.platform import reaper
 
 SCRIPT = os.path.join(REPO, "examples", "run_dapo_smollm2_cpu.sh")
 
@@ -73,6 +74,18 @@ def _start(run_dir: str, log_path: str) -> subprocess.Popen:
 def _tail(path: str, n: int = 4000) -> str:
     with open(path, errors="replace") as f:
         return f.read()[-n:]
+
+
+def _ranks_of(run_dir: str) -> list[str]:
+    """``"<pid> <command line>"`` of each live process training into ``run_dir`` (its override is on
+    every rank's command line)."""
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit() and name != str(os.getpid()):
+            line = reaper.cmdline(int(name))
+            if "dapo_megatron.train" in line and f"trainer.default_local_dir={run_dir} " in line + " ":
+                out.append(f"{name} {line}")
+    return out
 
 
 def _metrics(run_dir: str) -> dict[int, dict]:
@@ -172,6 +185,7 @@ def test_trainer_checkpoint_converts_to_hf(reference_run, smollm2_gguf, tmp_path
 def test_kill_during_step_and_resume_matches_uninterrupted(reference_run, tmp_path):
     run_dir = str(tmp_path / "run")
     log = run_dir + ".log"
+    before = set(reaper.child_pids())
     proc = _start(run_dir, log)
     latest = os.path.join(run_dir, "checkpoints", "latest")
     deadline = time.time() + 900
@@ -181,8 +195,15 @@ def test_kill_during_step_and_resume_matches_uninterrupted(reference_run, tmp_pa
         time.sleep(0.5)
     assert proc.poll() is None, "run ended before its first checkpoint:\n" + _tail(log)
     time.sleep(4.0)  # inside step 2 (a step takes ~10-20 s here)
-    os.killpg(proc.pid, signal.SIGKILL)
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher's group: bash and torchrun, not the ranks (below)
     proc.wait()
+    # torchrun runs each rank in a session of its own; the ranks must die with their agent
+    # (train.py: die_with_parent), not train on into the run directory the resume reads.
+    deadline = time.time() + 30
+    while _ranks_of(run_dir) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not _ranks_of(run_dir), f"ranks outlived their killed torchrun: {_ranks_of(run_dir)}"
+    reaper.reap_children(keep=before)  # the dead ranks were adopted by this (subreaper) session
     assert open(latest).read().strip() == "1", "the kill landed after step 2 was saved; make it earlier"
     assert 2 not in _metrics(run_dir)
 

@@ -75,8 +75,7 @@ def test_a_process_left_after_the_last_test_fails_the_session(tmp_path):
         def test_passes():
             pass
         """))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
-               DAPO_FAIL_ON_LEFT_PROCESSES="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path),
                           f"--basetemp={tmp_path / 'base'}"], capture_output=True, text=True, env=env, timeout=120)
     assert out.returncode == 1, out.stdout + out.stderr
@@ -85,3 +84,33 @@ def test_a_process_left_after_the_last_test_fails_the_session(tmp_path):
     assert "tests left these processes running (killed now; the run fails):" in out.stderr
     assert f"  {leaked} sleep 300" in out.stderr
     assert not _alive(leaked)
+
+
+def test_a_worker_in_its_own_session_dies_with_its_killed_launcher(tmp_path):
+    """torchrun starts each worker with ``start_new_session=True``, so a SIGKILL of the launcher's
+    process group misses the workers; ``die_with_parent`` (what ``train.py`` calls under torchrun)
+    makes the kernel kill them with their agent, as it does the grader workers."""
+    pid_file = tmp_path / "worker.pid"
+    worker = (f"import os, time; from dapo_megatron.platform.reaper import die_with_parent; "
+              f"assert die_with_parent(os.getppid()); open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(300)")
+    agent = (f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {worker!r}], start_new_session=True); "
+             f"time.sleep(300)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    before = set(reaper.child_pids())  # other tests' children (session fixtures): not ours to reap
+    launcher = subprocess.Popen([sys.executable, "-c", agent], env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pid = int(pid_file.read_text())
+        assert _alive(pid) and os.getsid(pid) == pid != os.getsid(launcher.pid)  # a session of its own
+        os.killpg(launcher.pid, 9)  # what the kill/resume tests do to a launcher
+        launcher.wait()
+        deadline = time.monotonic() + 10
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(pid), f"the worker {pid} outlived its launcher"
+    finally:
+        launcher.kill()
+        launcher.wait()
+        reaper.reap_children(keep=before)  # the worker was adopted by this (subreaper) session: wait for it
