@@ -24,7 +24,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import sys
-from multiprocessing import reduction
+from multiprocessing import forkserver, reduction
 from typing import Any, Callable
 
 import torch
@@ -106,8 +106,6 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float 
     if START_METHOD == "forkserver":
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(_PRELOAD)  # read when the server starts (the first call)
-        from multiprocessing import forkserver
-
         forkserver.ensure_running()  # before `before`: the server is this process's, not the world's
         sys.stdout.flush()
         sys.stderr.flush()

@@ -63,10 +63,10 @@ def _env() -> dict:
     return env
 
 
-def _start(run_dir: str, log_path: str) -> subprocess.Popen:
+def _start(run_dir: str, log_path: str, *extra: str) -> subprocess.Popen:
     log = open(log_path, "w")
     return subprocess.Popen(
-        ["bash", SCRIPT, f"trainer.default_local_dir={run_dir}", *SMALL],
+        ["bash", SCRIPT, f"trainer.default_local_dir={run_dir}", *SMALL, *extra],
         cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=_env(), start_new_session=True,
     )
 
@@ -182,11 +182,14 @@ def test_trainer_checkpoint_converts_to_hf(reference_run, smollm2_gguf, tmp_path
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_kill_during_step_and_resume_matches_uninterrupted(reference_run, tmp_path):
+def test_kill_during_step_and_resume_matches_uninterrupted(reference_run, smollm2_hf_dir, tmp_path):
     run_dir = str(tmp_path / "run")
     log = run_dir + ".log"
     before = set(reaper.child_pids())
-    proc = _start(run_dir, log)
+    # SmolLM2 de-quantised once (conftest) instead of from the GGUF in each of the two launches
+    # (~40 s each): the same weights and tokenizer, so the steps still equal the reference's exactly
+    model = (f"model.hf_path={smollm2_hf_dir}", "model.gguf_file=null")
+    proc = _start(run_dir, log, *model)
     latest = os.path.join(run_dir, "checkpoints", "latest")
     deadline = time.time() + 900
     while time.time() < deadline and proc.poll() is None:
@@ -207,7 +210,7 @@ def test_kill_during_step_and_resume_matches_uninterrupted(reference_run, tmp_pa
     assert open(latest).read().strip() == "1", "the kill landed after step 2 was saved; make it earlier"
     assert 2 not in _metrics(run_dir)
 
-    resumed = _start(run_dir, log + ".resume")
+    resumed = _start(run_dir, log + ".resume", *model)
     assert resumed.wait(timeout=1500) == 0, _tail(log + ".resume")
     got, want = _metrics(run_dir), _metrics(reference_run)
     for step in (1, 2, 3):
