@@ -11,8 +11,7 @@ rollout-vs-actor logprob gap, which must stay at round-off.
 Each run is a torchrun of ``dapo_megatron.train`` (~1 minute): the ``first_step`` fixture
 (tests/conftest.py) runs each distinct layout once a session, so the TP=1 reference is shared by
 both tests here and by tests/unit/actor/test_shared_prompt.py (which also reuses the TP=2 run).
-THD (packed micro-batches) runs at DP=2 rather than in a TP=1 run of its own: either a THD or a
-DP routing error moves that run off the reference.
+Each layout is checked as soon as it has run, so a planted layout bug fails within a few runs.
 """
 
 from __future__ import annotations
@@ -47,8 +46,11 @@ def test_first_step_loss_and_grad_norm_match_across_layouts(first_step):
     # padded rows, mathematically identical, only the matmul shapes and so the fp32 rounding
     # differ. The grad norms agree to fp32 round-off because the CPU compat layer accumulates it
     # in fp64 (Megatron's fp32 torch.norm fallback alone moved it by 1.3e-5 between TP=1 and TP=2).
-    # Each layout is checked as soon as it has run (a planted layout bug fails after 2 runs).
-    layouts = {"dp2_thd": ((1, 1, "actor.micro_batch_layout=thd"), 2), "tp2": ((2, 1), 1), "pp2": ((1, 2), 1)}
+    # THD runs at TP=1 (DP=1): both kept groups in one micro-batch, so the packing of several
+    # sequences into one row is exercised (at DP=2 each rank's micro-batch is one group: a planted
+    # cross-sequence attention in the THD mask went unseen there).
+    layouts = {"thd": ((1, 1, "actor.micro_batch_layout=thd"), 1), "dp2": ((1, 1), 2), "tp2": ((2, 1), 1),
+               "pp2": ((1, 2), 1)}
     for name, (args, dp) in layouts.items():
         got = first_step(*args, dp=dp)
         # identical rollouts (discrete): the same responses, rewards and kept groups
@@ -57,10 +59,11 @@ def test_first_step_loss_and_grad_norm_match_across_layouts(first_step):
         for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
             assert _rel(got[key], ref[key]) <= REL_BOUND, (name, key, got[key], ref[key])
         assert got["rollout/logprob_diff_max"] <= LOGPROB_GAP_MAX, (name, got["rollout/logprob_diff_max"])
-        # the run really had its micro-batch layout: THD packs without padding, the BSHD rows pad
-        if name == "dp2_thd":
+        # the run really had its micro-batch layout: THD packs both groups into one row without
+        # padding, BSHD pads the shorter group's row (at DP=2 each rank holds one group: no padding)
+        if name == "thd":
             assert got["actor/tokens_padding"] == 0 < ref["actor/tokens_padding"], (name, got["actor/tokens_padding"])
-        else:
+        elif dp == 1:
             assert got["actor/tokens_padding"] == ref["actor/tokens_padding"], (name, got["actor/tokens_padding"])
 
 
