@@ -397,3 +397,58 @@ def write_tiny_trainer_run(run_dir: str, steps: tuple[int, ...] = (1, 2)) -> str
 
     spawn(_tiny_trainer_run_worker, 1, run_dir, tuple(steps))
     return run_dir
+
+
+# ---------------------------------------------------------------- first DAPO steps of the main job, once a session
+# The step of the README main job, shrunk (2 groups of 4 responses, 16 tokens): what
+# tests/integration/test_trainer_parallel_parity.py and tests/unit/actor/test_shared_prompt.py
+# compare across layouts. A run is ~1 minute of torchrun, so each distinct one runs once a session.
+FIRST_STEP = (
+    "trainer.total_training_steps=1", "trainer.save_freq=-1", "trainer.test_freq=-1",
+    "buffer.train_batch_size=2", "buffer.n=4", "buffer.gen_batch_size=4", "buffer.max_num_gen_batches=3",
+    "actor.ppo_mini_batch_size=2", "actor.ppo_max_token_len_per_gpu=512", "actor.optim.lr_warmup_steps=0",
+    "rollout.response_length=16", "buffer.overlong.max_response_length=16", "buffer.overlong.overlong_buffer_len=4",
+    "data.arithmetic.num_train_problems=64", "data.arithmetic.num_val_problems=8",
+)
+
+
+def run_first_step(run_dir, model_dir: str, tp: int, pp: int, dp: int, extra: tuple[str, ...]) -> dict:
+    """``python -m torch.distributed.run -m dapo_megatron.train`` of the main job's config on
+    ``model_dir`` (an HF directory) for one step at TP ``tp`` × PP ``pp`` × DP ``dp``, with the
+    overrides ``extra``; returns the step's metrics row."""
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={tp * pp * dp}",
+           "-m", "dapo_megatron.train", "--config", os.path.join(REPO, "examples/configs/dapo_smollm2_cpu.yaml"),
+           f"model.hf_path={model_dir}", "model.gguf_file=null", f"trainer.default_local_dir={run_dir}",
+           f"parallel.tensor_model_parallel_size={tp}", f"parallel.pipeline_model_parallel_size={pp}",
+           *FIRST_STEP, *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    with open(os.path.join(str(run_dir), "metrics.jsonl")) as f:
+        (row,) = [json.loads(line) for line in f]
+    return row
+
+
+@pytest.fixture(scope="session")
+def first_step(smollm2_hf_dir, tmp_path_factory):
+    """``first_step(tp, pp, *overrides, dp=1)``: the metrics row of the main job's first step
+    (:data:`FIRST_STEP`) on SmolLM2-135M at that layout, run once a session per distinct
+    ``(tp, pp, dp, overrides)`` (the key: the whole command line's variable part) and shared by
+    every test that asks for the same run (the TP=1 reference serves the layout parity, the
+    rollout-TP and the shared-prompt tests). The model is the de-quantised HF directory
+    (``smollm2_hf_dir``: the GGUF's weights bit for bit, tests/integration/test_convert.py), so a
+    run does not convert the GGUF tokenizer and weights on every rank again."""
+    cache: dict[tuple, dict] = {}
+    root = tmp_path_factory.mktemp("first_step")
+
+    def run(tp: int, pp: int, *extra: str, dp: int = 1) -> dict:
+        key = (tp, pp, dp, *extra)
+        if key not in cache:
+            cache[key] = run_first_step(root / f"run{len(cache)}", smollm2_hf_dir, tp, pp, dp, tuple(extra))
+        return dict(cache[key])
+
+    return run

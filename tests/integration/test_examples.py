@@ -218,12 +218,24 @@ def test_h100_layout_fits_the_model(size, monkeypatch):
 # ---------------------------------------------------------------- launchers (dry run)
 _TORCHRUN_SHIM = textwrap.dedent("""\
     #!/usr/bin/env bash
-    # test shim: record torchrun's arguments, then print the config the job would train with
+    # test shim: record torchrun's arguments (the test loads the config they name, _job_config)
     printf '%s\\n' "$@" > "$SHIM_ARGS"
-    while [[ $# -gt 0 && "$1" != "-m" ]]; do shift; done
-    shift 2  # -m dapo_megatron.train
-    exec {python} -m dapo_megatron.train --print-config "$@"
     """)
+
+
+def _job_config(tmp_path) -> dict:
+    """The config the job would train with: torchrun's recorded arguments after
+    ``-m dapo_megatron.train``, parsed and loaded as ``dapo-train`` does (its ``parse_args`` and
+    ``load_config``; the config path is relative to the repository, where the launchers cd), as
+    ``--print-config`` prints it. Loaded here rather than by a ``--print-config`` process per dry
+    run: every launcher already ran ``dapo-train --check-config`` on the same arguments in a
+    process of its own before torchrun (test_h100_launcher_checks_the_config_before_torchrun)."""
+    from dapo_megatron.config import to_yaml
+    from dapo_megatron.train import parse_args
+
+    argv = (tmp_path / "args.txt").read_text().split("\n")[:-1]
+    args = parse_args(argv[argv.index("dapo_megatron.train") + 1:])
+    return yaml.safe_load(to_yaml(load_config(DAPOConfig, os.path.join(REPO, args.config), args.overrides)))
 
 
 def _dry_run(script: str, tmp_path, env_extra: dict, *args: str) -> subprocess.CompletedProcess:
@@ -280,7 +292,7 @@ def test_cpu_launcher_takes_its_config_from_CONFIG(tmp_path, config, dtype):
     assert out.returncode == 0, out.stderr
     argv = (tmp_path / "args.txt").read_text().split("\n")
     assert argv[argv.index("--config") + 1] == os.path.relpath(config or CPU, REPO)
-    printed = yaml.safe_load(out.stdout)
+    printed = _job_config(tmp_path)
     assert printed["model"]["params_dtype"] == dtype and printed["trainer"]["total_training_steps"] == 3
 
 
@@ -298,7 +310,7 @@ def test_h100_launcher_passes_env_and_overrides(size, tmp_path, fake_inputs):
     assert pairs["--nnodes"] == "2" and pairs["--node_rank"] == "1" and pairs["--nproc_per_node"] == "8"
     assert pairs["--master_addr"] == "10.1.2.3" and pairs["--master_port"] == "12345"
     assert pairs["--config"].endswith(os.path.basename(H100[size]))
-    printed = yaml.safe_load(out.stdout)
+    printed = _job_config(tmp_path)
     assert printed["model"]["hf_path"] == fake_inputs["MODEL_PATH"]
     assert printed["data"]["train_files"] == [fake_inputs["TRAIN_FILE"]]
     assert printed["data"]["val_files"] == [fake_inputs["VAL_FILE"]]
@@ -322,7 +334,7 @@ def test_h100_launcher_defaults_and_missing_input(size, tmp_path, fake_inputs):
     nnodes = str(GPUS[size] // 8)  # the example's own default: 1 node (7B), 4 nodes (32B)
     assert (pairs["--nnodes"], pairs["--node_rank"], pairs["--nproc_per_node"], pairs["--master_addr"],
             pairs["--master_port"]) == (nnodes, "0", "8", "127.0.0.1", "29500")
-    printed = yaml.safe_load(out.stdout)
+    printed = _job_config(tmp_path)
     assert printed["trainer"]["default_local_dir"] == f"runs/dapo_qwen2_5_{size}_h100"
     missing = dict(fake_inputs, TRAIN_FILE=str(tmp_path / "nope.parquet"))
     out = _dry_run(script, tmp_path, missing)
@@ -369,7 +381,7 @@ def test_server_mode_launcher_points_the_trainer_at_the_servers(tmp_path, fake_i
     env = dict(fake_inputs, ROLE="trainer", SERVER_ADDR="10.0.0.9", NUM_SERVERS="2", NNODES="4")
     out = _dry_run(script, tmp_path, env, "trainer.total_training_steps=70", *ON_CPU)
     assert out.returncode == 0, out.stderr
-    printed = yaml.safe_load(out.stdout)
+    printed = _job_config(tmp_path)
     r = printed["rollout"]
     assert (r["mode"], r["server_urls"], r["tensor_model_parallel_size"]) == (
         "server", ["http://10.0.0.9:30000", "http://10.0.0.9:30001"], 1)

@@ -2,47 +2,23 @@
 
 Same SmolLM2 weights, same data, same seeds: the rollout is layout-independent because
 every response is sampled from its own seed (``rollout.engines.engine.sample_seed``), so the
-three runs train on the same responses; the loss normalisation (token-mean over the
-mini-batch) and Megatron's TP/PP reductions must then agree to fp32 round-off. At DP=2 the
-step's data path routes each response's tokens to the DP rank that trains it
-(``rollout.plan.step_data``): a response that reached the wrong rank, or its logprobs another
-response's, would show in the rollout-vs-actor logprob gap, which must stay at round-off.
+runs train on the same responses; the loss normalisation (token-mean over the mini-batch)
+and Megatron's TP/PP reductions must then agree to fp32 round-off. At DP=2 the step's data
+path routes each response's tokens to the DP rank that trains it (``rollout.plan.step_data``):
+a response that reached the wrong rank, or its logprobs another response's, would show in the
+rollout-vs-actor logprob gap, which must stay at round-off.
+
+Each run is a torchrun of ``dapo_megatron.train`` (~1 minute): the ``first_step`` fixture
+(tests/conftest.py) runs each distinct layout once a session, so the TP=1 reference is shared by
+both tests here and by tests/unit/actor/test_shared_prompt.py (which also reuses the TP=2 run).
+Each layout is checked as soon as it has run, so a planted layout bug fails within a few runs.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-from conftest import REPO
-
-
-STEP = [
-    "trainer.total_training_steps=1", "trainer.save_freq=-1", "trainer.test_freq=-1",
-    "buffer.train_batch_size=2", "buffer.n=4", "buffer.gen_batch_size=4", "buffer.max_num_gen_batches=3",
-    "actor.ppo_mini_batch_size=2", "actor.ppo_max_token_len_per_gpu=512", "actor.optim.lr_warmup_steps=0",
-    "rollout.response_length=16", "buffer.overlong.max_response_length=16", "buffer.overlong.overlong_buffer_len=4",
-    "data.arithmetic.num_train_problems=64", "data.arithmetic.num_val_problems=8",
-]
-
-
-def _first_step(tmp_path, smollm2_gguf, tp: int, pp: int, *extra: str, dp: int = 1) -> dict:
-    run_dir = tmp_path / f"tp{tp}_pp{pp}_dp{dp}{'_'.join(extra)}"
-    nproc = tp * pp * dp
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "dapo_megatron.train", "--config", os.path.join(REPO, "examples/configs/dapo_smollm2_cpu.yaml"),
-           f"model.hf_path={smollm2_gguf[0]}", f"trainer.default_local_dir={run_dir}",
-           f"parallel.tensor_model_parallel_size={tp}", f"parallel.pipeline_model_parallel_size={pp}", *STEP, *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    with open(run_dir / "metrics.jsonl") as f:
-        (row,) = [json.loads(line) for line in f]
-    return row
+ROLLOUT_KEYS = ("rollout/gen_tokens", "rollout/gen_reward_mean", "rollout/kept_groups", "rollout/num_gen_batches")
 
 
 def _rel(a: float, b: float) -> float:
@@ -62,51 +38,58 @@ LOGPROB_GAP_MAX = 1e-4
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_first_step_loss_and_grad_norm_match_across_layouts(tmp_path, smollm2_gguf):
-    ref = _first_step(tmp_path, smollm2_gguf, tp=1, pp=1)
+def test_first_step_loss_and_grad_norm_match_across_layouts(first_step):
+    ref = first_step(1, 1)
     assert ref["rollout/kept_groups"] >= 1 and ref["actor/grad_norm"] > 0
-    # THD at TP=1 is a layout too: every micro-batch packed into one row (block-diagonal mask)
-    # instead of padded rows, mathematically identical, only the matmul shapes and so the fp32
-    # rounding differ. The grad norms agree to fp32 round-off because the CPU compat layer
-    # accumulates it in fp64 (Megatron's fp32 torch.norm fallback alone moved it by 1.3e-5
-    # between TP=1 and TP=2).
     assert ref["rollout/logprob_diff_max"] <= LOGPROB_GAP_MAX
-    runs = {"thd": _first_step(tmp_path, smollm2_gguf, 1, 1, "actor.micro_batch_layout=thd"),
-            "tp2": _first_step(tmp_path, smollm2_gguf, 2, 1), "pp2": _first_step(tmp_path, smollm2_gguf, 1, 2),
-            "dp2": _first_step(tmp_path, smollm2_gguf, 1, 1, dp=2)}
-    for name, got in runs.items():
+    # THD is a layout too: every micro-batch packed into one row (block-diagonal mask) instead of
+    # padded rows, mathematically identical, only the matmul shapes and so the fp32 rounding
+    # differ. The grad norms agree to fp32 round-off because the CPU compat layer accumulates it
+    # in fp64 (Megatron's fp32 torch.norm fallback alone moved it by 1.3e-5 between TP=1 and TP=2).
+    # THD runs at TP=1 (DP=1): both kept groups in one micro-batch, so the packing of several
+    # sequences into one row is exercised (at DP=2 each rank's micro-batch is one group: a planted
+    # cross-sequence attention in the THD mask went unseen there).
+    layouts = {"thd": ((1, 1, "actor.micro_batch_layout=thd"), 1), "dp2": ((1, 1), 2), "tp2": ((2, 1), 1),
+               "pp2": ((1, 2), 1)}
+    for name, (args, dp) in layouts.items():
+        got = first_step(*args, dp=dp)
         # identical rollouts (discrete): the same responses, rewards and kept groups
-        for key in ("rollout/gen_tokens", "rollout/gen_reward_mean", "rollout/kept_groups", "rollout/num_gen_batches"):
+        for key in ROLLOUT_KEYS:
             assert got[key] == ref[key], (name, key, got[key], ref[key])
         for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
             assert _rel(got[key], ref[key]) <= REL_BOUND, (name, key, got[key], ref[key])
         assert got["rollout/logprob_diff_max"] <= LOGPROB_GAP_MAX, (name, got["rollout/logprob_diff_max"])
+        # the run really had its micro-batch layout: THD packs both groups into one row without
+        # padding, BSHD pads the shorter group's row (at DP=2 each rank holds one group: no padding)
+        if name == "thd":
+            assert got["actor/tokens_padding"] == 0 < ref["actor/tokens_padding"], (name, got["actor/tokens_padding"])
+        elif dp == 1:
+            assert got["actor/tokens_padding"] == ref["actor/tokens_padding"], (name, got["actor/tokens_padding"])
 
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_rollout_tensor_parallel_groups_sample_the_same_rollout(tmp_path, smollm2_gguf):
+def test_rollout_tensor_parallel_groups_sample_the_same_rollout(first_step):
     """rollout.tensor_model_parallel_size=2: one engine per 2 ranks (the leader's; its peer only
     feeds the sync), the batch dealt over engines, not over model-parallel ranks. Against one
     engine per rank: the same responses and rewards, both with a TP=2 actor (the group is the
     actor's TP group) and with DP=2 (the group spans both DP ranks, so the engine samples both
     ranks' prompts). Streamed too: the same streamed rollout as one engine alone."""
-    ref = _first_step(tmp_path, smollm2_gguf, tp=1, pp=1)
+    ref = first_step(1, 1)
     for tp, pp in ((2, 1), (1, 1)):
-        got = _first_step(tmp_path, smollm2_gguf, tp, pp, "rollout.tensor_model_parallel_size=2", dp=2 // (tp * pp))
-        for key in ("rollout/gen_tokens", "rollout/gen_reward_mean", "rollout/kept_groups", "rollout/num_gen_batches"):
+        got = first_step(tp, pp, "rollout.tensor_model_parallel_size=2", dp=2 // (tp * pp))
+        for key in ROLLOUT_KEYS:
             assert got[key] == ref[key], (tp, pp, key, got[key], ref[key])
         assert _rel(got["actor/pg_loss"], ref["actor/pg_loss"]) <= REL_BOUND
     # streamed (issue 20): the leader's engine runs every group; records are replicated each round,
     # the tokens stay with the leader until the plan sends DP rank 1 its half. The HF engine's
     # rounds are token counts, so the streamed rollout equals one engine in a world of one
     streamed = ["rollout.streaming=true", "rollout.stream_poll_tokens=4", "buffer.on_cap=train_on_kept"]
-    ref = _first_step(tmp_path, smollm2_gguf, 1, 1, *streamed)
-    got = _first_step(tmp_path, smollm2_gguf, 1, 1, "rollout.tensor_model_parallel_size=2", *streamed, dp=2)
+    ref = first_step(1, 1, *streamed)
     assert ref["rollout/rounds"] > 1 and ref["rollout/kept_groups"] >= 1
-    for key in ("rollout/gen_tokens", "rollout/gen_reward_mean", "rollout/kept_groups", "rollout/num_gen_batches",
-                "rollout/rounds", "rollout/prompts_submitted", "rollout/aborted_rows", "rollout/aborted_tokens",
-                "rollout/keep_rate", "rollout/partial_out", "train/response_length_mean"):
+    got = first_step(1, 1, "rollout.tensor_model_parallel_size=2", *streamed, dp=2)
+    for key in (*ROLLOUT_KEYS, "rollout/rounds", "rollout/prompts_submitted", "rollout/aborted_rows",
+                "rollout/aborted_tokens", "rollout/keep_rate", "rollout/partial_out", "train/response_length_mean"):
         assert got[key] == ref[key], (key, got[key], ref[key])
     assert _rel(got["actor/pg_loss"], ref["actor/pg_loss"]) <= REL_BOUND
     assert got["rollout/logprob_diff_max"] <= LOGPROB_GAP_MAX, got["rollout/logprob_diff_max"]
