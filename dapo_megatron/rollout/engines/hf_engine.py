@@ -67,6 +67,7 @@ from dapo_megatron.rollout.engines.engine import (
     validate_prompt_ids,
 )
 from dapo_megatron.rollout.engines.routes import HFRouteRecorder, compact_routes, concat_routes, num_route_tokens
+from dapo_megatron.rollout.engines.verify import as_sent, checksum
 
 
 def process_logits(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = -1) -> torch.Tensor:
@@ -524,6 +525,36 @@ class HFEngine(RolloutEngine):
     def _param_specs(self) -> tuple[dict[str, ParamSpec], dict[str, str]]:
         """Unique parameters by first name; the tied ``lm_head.weight`` is an alias."""
         return specs_from_module(self.model)
+
+    supports_score = True
+
+    @torch.no_grad()
+    def score(self, ids: Sequence[int], temperature: float = 1.0) -> torch.Tensor:
+        """float32 CPU logprobs of ``ids[1:]``, each given the ids before it (one teacher-forced
+        forward at ``temperature``): the weight probe's engine side. Generation state is untouched
+        (no row, no cache, no draw; the route recorder's last calls are cleared)."""
+        self._require_valid_weights()
+        x = torch.tensor([list(ids)], device=self.device)
+        logits = self.model(input_ids=x).logits[0, :-1].float() / temperature
+        if self._routes is not None:
+            self._routes._calls = [None] * len(self._routes.routers)
+        return torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None])[:, 0].cpu()
+
+    @torch.no_grad()
+    def _loaded_checksums(self, names: list[str], dtype) -> dict[str, Optional[int]]:
+        """Each named tensor as the model holds it (its checkpoint name: an expert's view into the
+        fused parameter), looked up afresh, not through the map the load used."""
+        held = dict(checkpoint_parameters(self.model))
+        out: dict[str, Optional[int]] = {}
+        for name in names:
+            param = held.get(name)
+            if param is None:
+                out[name] = None
+                continue
+            t = as_sent(param, dtype)
+            if t is not None:  # else a narrower engine dtype: not comparable bit for bit (left out)
+                out[name] = checksum(t)
+        return out
 
     @torch.no_grad()
     def _load_stream(self, named_tensors) -> None:
