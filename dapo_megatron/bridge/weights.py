@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from dapo_megatron.platform import collectives
-from dapo_megatron.rollout.engines.verify import (SyncDigest, Timer, checksum, read_trailer, trailer_words,
+from dapo_megatron.rollout.engines.verify import (SyncDigest, Timer, checksum_tensor, read_trailer, trailer_words,
                                                   write_trailer)
 
 from .mapping import (
@@ -484,7 +484,8 @@ def iter_hf_weights(
             before any broadcast (the version, the bucket's index, the checksum of each HF tensor
             ``digest.wants``) and read by every rank after the broadcasts into ``digest``
             (``sums``, ``sent``; a trailer of another version or index is a stale bucket, listed
-            in ``digest.errors``). None: no trailer, no checksum (the buffers are as before).
+            in ``digest.errors``). None: no checksum; the trailer's room (a few words per bucket)
+            is there unwritten, so that verified and unverified syncs reuse the same buffer.
 
     Yields:
         ``(hf_name, tensor)``: full HF shape, contiguous, the parameter dtype, the parameter
@@ -555,11 +556,10 @@ def iter_hf_weights(
         n_hf = sum(len(slot.entry.hf) for slot in slots)
         count += n_hf
         end = slots[-1].offset + slots[-1].numel
-        if digest is None:
-            trailers.append((end, 0))
-        else:
-            start = -(-end // per_word) * per_word
-            trailers.append((start, trailer_words(n_hf) * 8 // elem))
+        # room for the trailer whether or not this sync verifies: the buffer's size, and so its reuse
+        # (ExportBuffers), does not depend on verification; unverified, it is neither written nor read
+        start = -(-end // per_word) * per_word
+        trailers.append((start, trailer_words(n_hf) * 8 // elem))
     mine = [(k, slots) for k, slots in enumerate(slotted) if pp_broadcast or slots[0].entry.owner == pp_rank]
     capacity = max((sum(trailers[k]) for k, _ in mine), default=0)
     buffers = ExportBuffers() if buffers is None else buffers
@@ -569,9 +569,10 @@ def iter_hf_weights(
         flat = buffers.bucket(any_param, sum(trailers[k]), capacity)
         if pp_rank == owner:
             if ep_owner is None or ep_owner == parallel.ep_rank:
-                _fill_bucket(flat, slots, params, layout, parallel, buffers, scratch_numel)
-                if digest is not None:
-                    _sign_bucket(flat, slots, trailers[k], hf_index[k], k, digest)
+                signer = None if digest is None else _Signer(flat, slots, hf_index[k], digest)
+                _fill_bucket(flat, slots, params, layout, parallel, buffers, scratch_numel, signer)
+                if signer is not None:
+                    signer.write(_trailer_view(flat, trailers[k]), k)
             if ep_owner is not None and parallel.ep_size > 1:  # the other EP ranks of the stage
                 parallel.broadcast(flat, "ep", src=parallel.ep_ranks[ep_owner])
         if pp_size > 1 and pp_broadcast:
@@ -591,14 +592,32 @@ def _trailer_view(flat: torch.Tensor, trailer: tuple[int, int]) -> torch.Tensor:
     return flat[start:start + numel].view(torch.int64)
 
 
-def _sign_bucket(flat: torch.Tensor, slots: list[_Slot], trailer: tuple[int, int], first: int, bucket: int,
-                 digest: SyncDigest) -> None:
-    """On the rank that filled the bucket, before any broadcast: the trailer (version, bucket
-    index, the checksum of each HF tensor this sync checks, 0 for the others)."""
-    with Timer(digest):
-        views = [t for slot in slots for _, t in slot.hf_views(flat)]
-        sums = [checksum(t) if digest.wants(first + i) else 0 for i, t in enumerate(views)]
-        write_trailer(_trailer_view(flat, trailer), digest.version, bucket, sums)
+class _Signer:
+    """The sender's checksums of one bucket, each taken as soon as its tensor is final in the bucket
+    (right after its re-layout or copy, while it is still in cache), then the trailer."""
+
+    def __init__(self, flat: torch.Tensor, slots: list[_Slot], first: int, digest: SyncDigest):
+        self.flat, self.digest, self.sums, self.base = flat, digest, {}, first
+        self.first: dict[int, int] = {}  # id(slot) -> export index of its first HF tensor
+        index = first
+        for slot in slots:
+            self.first[id(slot)] = index
+            index += len(slot.entry.hf)
+        self.count = index - first
+
+    def written(self, slot: _Slot) -> None:
+        with Timer(self.digest):
+            for j, (_, t) in enumerate(slot.hf_views(self.flat)):
+                index = self.first[id(slot)] + j
+                if self.digest.wants(index):
+                    self.sums[index] = checksum_tensor(t)  # on the device: no host read per tensor
+
+    def write(self, words: torch.Tensor, bucket: int) -> None:
+        """The trailer (version, bucket index, the checksum of each HF tensor, 0 where unchecked),
+        before any broadcast."""
+        with Timer(self.digest):
+            write_trailer(words, self.digest.version, bucket,
+                          [self.sums.get(self.base + i) for i in range(self.count)])
 
 
 def _read_signature(flat: torch.Tensor, named: list, trailer: tuple[int, int], first: int, bucket: int,
@@ -620,7 +639,8 @@ def _read_signature(flat: torch.Tensor, named: list, trailer: tuple[int, int], f
 
 
 def _fill_bucket(flat: torch.Tensor, slots: list[_Slot], params: dict, layout: ModelLayout,
-                 parallel: ParallelDims, buffers: ExportBuffers, scratch_numel: int) -> None:
+                 parallel: ParallelDims, buffers: ExportBuffers, scratch_numel: int,
+                 signer: Optional[_Signer] = None) -> None:
     """The owner stage's HF tensors of one bucket, written into ``flat`` (collective over the
     TP group: one all-gather per TP-split tensor, issued in slot order on every TP rank).
 
@@ -628,7 +648,7 @@ def _fill_bucket(flat: torch.Tensor, slots: list[_Slot], params: dict, layout: M
     while the previous one is re-laid out from the other, so the copies hide behind the
     transport; every gather has finished when this returns."""
     try:
-        _fill_bucket_pipelined(flat, slots, params, layout, parallel, buffers, scratch_numel)
+        _fill_bucket_pipelined(flat, slots, params, layout, parallel, buffers, scratch_numel, signer)
     except BaseException:
         # collectives of this bucket may still be running into its buffers: give them up (each
         # work keeps what it writes into alive) so that no later call hands that memory out
@@ -637,7 +657,8 @@ def _fill_bucket(flat: torch.Tensor, slots: list[_Slot], params: dict, layout: M
 
 
 def _fill_bucket_pipelined(flat: torch.Tensor, slots: list[_Slot], params: dict, layout: ModelLayout,
-                           parallel: ParallelDims, buffers: ExportBuffers, scratch_numel: int) -> None:
+                           parallel: ParallelDims, buffers: ExportBuffers, scratch_numel: int,
+                           signer: Optional[_Signer] = None) -> None:
     in_place_works = []
     pending = None  # (work, slot, shards): gathered into scratch, re-laid out after the next gather starts
     turns = 0
@@ -645,6 +666,8 @@ def _fill_bucket_pipelined(flat: torch.Tensor, slots: list[_Slot], params: dict,
     def relayout(work, slot: _Slot, shards: list[torch.Tensor]) -> None:
         work.wait()
         megatron_to_hf_into(layout, slot.entry.megatron, shards, [t for _, t in slot.hf_views(flat)])
+        if signer is not None:
+            signer.written(slot)
 
     for slot in slots:
         param = params[slot.entry.megatron].detach()
@@ -661,10 +684,16 @@ def _fill_bucket_pipelined(flat: torch.Tensor, slots: list[_Slot], params: dict,
             pending = (work, slot, list(gathered.view(tp_size, *slot.shard_shape).unbind(0)))
         else:
             megatron_to_hf_into(layout, slot.entry.megatron, [param], [t for _, t in slot.hf_views(flat)])
+            if signer is not None:
+                signer.written(slot)
     if pending is not None:
         relayout(*pending)
     for work in in_place_works:
         work.wait()
+    if signer is not None:
+        for slot in slots:
+            if slot.in_place:
+                signer.written(slot)
 
 
 def export_hf_state_dict(model_chunks, *, parallel: ParallelDims,

@@ -63,13 +63,15 @@ class RolloutConfig:
     ``get_weights_by_name`` returns (colocated SGLang, servers). A difference stops the step with one
     error naming the tensor, the engine or server and the version; that engine does not generate
     with it. Observes only: no weight changes."""
-    check_weight_update_period: int = 8
+    check_weight_update_period: int = 32
     """checksum tensor ``i`` (of the bridge's export order) in the syncs where ``i % period ==
     version % period``: 1 checks every tensor of every sync, k a rotating 1/k of them, so that every
-    tensor is checked once in any k consecutive syncs. A checksum is one read of the tensor on each
-    side: on a CPU box, where a sync moves ~0.7 GB/s and a read runs at ~7 GB/s, period 1 costs
-    ~25 % of the sync and the default 8 under 2 % (benchmarks/bench_sync.py's last line); on GPUs a
-    read runs at HBM speed and period 1 costs little."""
+    tensor is checked once in any k consecutive syncs (the structural checks and the probe run every
+    sync whatever the period). A checksum is one read of the tensor on each side: on the 2-core CPU
+    box, where a sync moves 0.5-1 GB/s, period 1 costs 15 % (dense) to 32 % (MoE, EP = 2) of the sync
+    time and the default 32 under 2 % (benchmarks/bench_sync.py, bench_sync_moe.py, last lines); on
+    GPUs the read runs at HBM speed, and period 1 is the setting to choose where the sync is slow
+    next to it.
     check_weight_update_readback: bool = True
     """SGLang engines and servers, which cannot checksum what they loaded: read the sample back with
     ``get_weights_by_name`` (a model class of SGLang without it answers nothing, which fails the

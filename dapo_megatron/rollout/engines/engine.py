@@ -334,6 +334,10 @@ class WeightSyncTracker:
         """Discard the sync in progress (after an error); the next ``begin`` starts afresh."""
         self._updated = None
 
+    def updated(self, name: str) -> bool:
+        """Whether ``name`` (or the parameter it aliases) was updated in the sync in progress."""
+        return self._updated is not None and self.resolve(name) in self._updated
+
     def missing(self) -> list[str]:
         """Canonical names not updated so far in this sync (sorted)."""
         if self._updated is None:
@@ -630,7 +634,11 @@ class RolloutEngine(abc.ABC):
                 yield name, tensor
                 del tensor  # before the next is produced: the bridge reuses memory nobody holds
 
-        self._load_stream(checked())
+        self._sync_digest = digest  # engines that checksum as they load read it (HFEngine)
+        try:
+            self._load_stream(checked())
+        finally:
+            self._sync_digest = None
         if digest is not None:
             error = self.verify_loaded(digest, tracker)
             if error is not None:
@@ -638,6 +646,8 @@ class RolloutEngine(abc.ABC):
                 raise WeightSyncVerifyError(error)
         if finish:
             self.finish_weight_update()
+
+    _sync_digest: Optional[SyncDigest] = None  # during update_weights: the sync's digest
 
     #: whether :meth:`score` is implemented (the weight probe's engine side)
     supports_score: bool = False
@@ -666,7 +676,7 @@ class RolloutEngine(abc.ABC):
         if digest.errors:
             return f"{digest.errors[0]} (engine {where})"
         if tracker is not None and tracker.in_progress:
-            unseen = [n for n in digest.sent if tracker.resolve(n) not in tracker._updated]
+            unseen = [n for n in digest.sent if not tracker.updated(n)]
             if unseen:
                 return (f"weight sync to version {digest.version}: {where} never received {unseen[0]!r} "
                         f"({len(unseen)} sent tensor(s) in all), which the trainer sent")

@@ -38,28 +38,44 @@ class WeightSyncVerifyError(RuntimeError):
     tensor, the engine or server and the version."""
 
 
-def checksum(t: torch.Tensor) -> int:
-    """Wrapping int64 sum of ``t``'s bytes as 64-bit little-endian words (see the module docstring).
-
-    Independent of the dtype's element size and of the tensor's shape: equal bytes, equal sums.
-    A non-contiguous tensor is summed over a contiguous copy."""
+def checksum_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The checksum of ``t`` as a 0-d int64 tensor on ``t``'s device, without a host sync (int64 sums
+    wrap around in torch on every device); :func:`checksum` reads it."""
     t = t.detach()
     if not t.is_contiguous():
         t = t.contiguous()
     raw = t.reshape(-1).view(torch.uint8)
     n = raw.numel()
     whole = n // 8 * 8
-    total = 0
+    total = torch.zeros((), dtype=torch.int64, device=t.device)
     if whole:
         head = raw[:whole]
         try:
             words = head.view(torch.int64)
         except RuntimeError:  # the storage offset is not 8-byte aligned: align through a copy
             words = head.clone().view(torch.int64)
-        total = int(words.sum())
+        total = words.sum()
     if whole < n:
-        total += int(raw[whole:].to(torch.int64).sum())
-    return _wrap(total)
+        total = total + raw[whole:].to(torch.int64).sum()
+    return total
+
+
+def checksum(t: torch.Tensor) -> int:
+    """Wrapping int64 sum of ``t``'s bytes as 64-bit little-endian words (see the module docstring).
+
+    Independent of the dtype's element size and of the tensor's shape: equal bytes, equal sums.
+    A non-contiguous tensor is summed over a contiguous copy."""
+    return _wrap(int(checksum_tensor(t)))
+
+
+def read_checksums(values: dict) -> dict:
+    """``{name: checksum_tensor or None}`` → ``{name: int or None}`` with one host read."""
+    names = [n for n, v in values.items() if v is not None]
+    out = {n: None for n, v in values.items() if v is None}
+    if names:
+        stacked = torch.stack([values[n].to("cpu") if values[n].device.type != "cpu" else values[n] for n in names])
+        out.update(zip(names, (_wrap(v) for v in stacked.tolist())))
+    return out
 
 
 def _wrap(x: int) -> int:
@@ -150,16 +166,21 @@ def trailer_words(num_tensors: int) -> int:
     return TRAILER_HEAD + num_tensors
 
 
-def write_trailer(words: torch.Tensor, version: int, bucket: int, sums: Sequence[int]) -> None:
-    """Fill a bucket's trailer (an int64 view into the bucket buffer) on the rank that filled it."""
-    words.copy_(torch.tensor([version, bucket, len(sums), *sums], dtype=torch.int64))
+def write_trailer(words: torch.Tensor, version: int, bucket: int, sums: Sequence[Optional[torch.Tensor]]) -> None:
+    """Fill a bucket's trailer (an int64 view into the bucket buffer) on the rank that filled it:
+    ``sums`` are :func:`checksum_tensor` values on the bucket's device (None: unchecked, 0), copied
+    without a host read."""
+    words[:TRAILER_HEAD].copy_(torch.tensor([version, bucket, len(sums)], dtype=torch.int64))
+    if sums:
+        zero = torch.zeros((), dtype=torch.int64, device=words.device)
+        words[TRAILER_HEAD:TRAILER_HEAD + len(sums)].copy_(torch.stack([zero if v is None else v for v in sums]))
 
 
 def read_trailer(words: torch.Tensor) -> tuple[int, int, list[int]]:
     """``(version, bucket index, checksums)`` of a bucket's trailer."""
     values = words.cpu().tolist()
     n = values[2]
-    return values[0], values[1], values[TRAILER_HEAD:TRAILER_HEAD + n]
+    return values[0], values[1], [_wrap(v) for v in values[TRAILER_HEAD:TRAILER_HEAD + n]]
 
 
 # ------------------------------------------------------------------ receivers in another process
