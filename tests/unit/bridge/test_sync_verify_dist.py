@@ -8,6 +8,9 @@ serve the version; the same fault without verification (the sync as it was befor
   receiving stage (a stale PP-stage cache);
 - TP = 1: an HF engine whose load map sends one tensor into another of the same shape (a wrong name
   map);
+- TP = 1: the functional probe (``Rollout.probe``: a fixed sequence's logprobs, engine against actor)
+  passes a clean sync and catches a sender-side layout bug (gate and up halves swapped before the
+  sender checksums them), which every checksum passes;
 - the clean sync passes at period 1 and 8; the sender's checksums equal an independent NumPy sum of
   the exported bytes; period k checks every tensor once in k consecutive versions.
 
@@ -180,6 +183,35 @@ def _worker(out_dir: str, cases: dict) -> None:
         res[("name_map", verify)] = {"error": error, "differing": differing, "valid": engine.weights_valid,
                                      "refused": _generate_refused(engine)}
 
+    # ---- the functional probe: a sender-side layout bug (layer 0's gate and up halves swapped while
+    # re-laid out, before the sender checksums) passes every checksum; the probe catches it
+    from types import SimpleNamespace
+
+    import dapo_megatron.bridge.weights as bridge_weights
+    from dapo_megatron.actor import ActorConfig, MegatronActor
+    from dapo_megatron.rollout.config import RolloutConfig
+    from dapo_megatron.rollout.rollout import Rollout
+
+    actor = MegatronActor(model, ActorConfig(ppo_mini_batch_size=1, ppo_max_token_len_per_gpu=64), total_steps=4,
+                          vocab_size=cfg.vocab_size, parallel=par)
+    real_relayout = bridge_weights.megatron_to_hf_into
+
+    def swapped_gate_up(layout, name, shards, outs):
+        if name == "decoder.layers.0.mlp.linear_fc1.weight":
+            outs = outs[::-1]
+        return real_relayout(layout, name, shards, outs)
+
+    for planted in (False, True):
+        engine = engine_for(cfg, 100)
+        if planted:
+            bridge_weights.megatron_to_hf_into = swapped_gate_up
+        digest = SyncDigest(6, 1)
+        error = _sync(engine, model, par, 6, digest)
+        bridge_weights.megatron_to_hf_into = real_relayout
+        rollout = SimpleNamespace(cfg=SimpleNamespace(rollout=RolloutConfig()), engine=engine)
+        res[("probe", planted)] = {"checksum_error": error, "probe": Rollout.probe(rollout, actor, 6, digest),
+                                   "probe_seconds": digest.seconds}
+
     # ---- clean syncs: period 1 and 8 pass; the sender's sums are the exported bytes' sums
     engine = engine_for(cfg, 90)
     coverage: dict = {}
@@ -245,6 +277,18 @@ def test_a_wrong_name_map_for_one_tensor_is_caught_in_the_same_sync(verify_resul
         assert before["error"] is None and before["valid"] and before["differing"] == swapped
         _one_error(after["error"], tensor=swapped[0], version=5, rank=rank)
         assert not after["valid"] and after["refused"]
+
+
+@pytest.mark.dist
+def test_the_probe_catches_a_sender_side_layout_bug_that_every_checksum_passes(verify_results):
+    for rank, res in enumerate(verify_results):
+        clean, planted = res[("probe", False)], res[("probe", True)]
+        assert clean["checksum_error"] is None and clean["probe"] is None
+        assert planted["checksum_error"] is None  # the sender checksums what it wrongly laid out
+        msg = planted["probe"]
+        assert msg is not None and msg.startswith("weight sync to version 6: the probe sequence's logprobs under "
+                                                  f"HFEngine on rank {rank} differ from the actor's by"), msg
+        assert "rollout.weight_probe_tolerance=0.001" in msg
 
 
 @pytest.mark.dist
