@@ -71,7 +71,7 @@ class RolloutConfig:
     box, where a sync moves 0.5-1 GB/s, period 1 costs 15 % (dense) to 32 % (MoE, EP = 2) of the sync
     time and the default 32 under 2 % (benchmarks/bench_sync.py, bench_sync_moe.py, last lines); on
     GPUs the read runs at HBM speed, and period 1 is the setting to choose where the sync is slow
-    next to it.
+    next to it."""
     check_weight_update_readback: bool = True
     """SGLang engines and servers, which cannot checksum what they loaded: read the sample back with
     ``get_weights_by_name`` (a model class of SGLang without it answers nothing, which fails the
