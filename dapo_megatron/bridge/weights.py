@@ -573,6 +573,7 @@ def iter_hf_weights(
                 _fill_bucket(flat, slots, params, layout, parallel, buffers, scratch_numel, signer)
                 if signer is not None:
                     signer.write(_trailer_view(flat, trailers[k]), k)
+                    del signer  # it views the buffer: held across the yields it would make ExportBuffers reallocate
             if ep_owner is not None and parallel.ep_size > 1:  # the other EP ranks of the stage
                 parallel.broadcast(flat, "ep", src=parallel.ep_ranks[ep_owner])
         if pp_size > 1 and pp_broadcast:
