@@ -9,7 +9,12 @@ the transport floor: a bare ``all_gather_into_tensor`` of the same bytes over th
 TP group (each rank contributing its half, one collective per bucket; ``all_gather`` into
 a list where the backend has no ``all_gather_into_tensor``, as the bridge does on gloo)
 plus one copy into preallocated parameters; no layout conversion, no checks. The last
-line is sync ÷ floor (GB/s over GB/s), higher is better; the goal is >= 0.9.
+line but one is sync ÷ floor (GB/s over GB/s), higher is better; the goal is >= 0.9. The sync is
+verified as the trainer verifies it by default (``rollout.check_weight_update``, period
+``rollout.check_weight_update_period``; ``rollout/engines/verify.py``); the same sync without
+verification, and with every tensor checked (period 1), alternate with it in the same run, and the
+last line is the verification overhead at the default period: verified ÷ unverified sync time
+(goal <= 1.02), next to the checksum seconds timed inside the sync.
 
     python benchmarks/bench_sync.py [--hidden 512 --layers 8 --bucket-mb 64 --repeats 5]
 """
@@ -73,6 +78,7 @@ def _worker(args: argparse.Namespace, out_path: str) -> None:
     from dapo_megatron.models import ModelConfig, build_gpt_model
     from dapo_megatron.platform import ParallelConfig, init_distributed
     from dapo_megatron.rollout.engines.hf_engine import HFEngine
+    from dapo_megatron.rollout.engines.verify import SyncDigest
 
     parallel = init_distributed(ParallelConfig(2, 1), seed=0)
     hf_config = LlamaConfig(
@@ -84,18 +90,25 @@ def _worker(args: argparse.Namespace, out_path: str) -> None:
     engine = HFEngine(AutoModelForCausalLM.from_config(hf_config), eos_token_ids=[2])
     bucket = args.bucket_mb * 2**20
     buffers = ExportBuffers()  # kept from sync to sync, as the trainer does for a CPU actor
+    versions = iter(range(1, 10**6))
+    inside: dict = {}  # period -> checksum seconds of every verified sync
 
-    def sync() -> int:
+    def sync(period=args.verify_period) -> int:
         nbytes = 0
+        version = next(versions)
+        digest = SyncDigest(version, period) if period else None
 
         def counted():
             nonlocal nbytes
-            for name, t in iter_hf_weights(actor, parallel=parallel, bucket_bytes=bucket, buffers=buffers):
+            for name, t in iter_hf_weights(actor, parallel=parallel, bucket_bytes=bucket, buffers=buffers,
+                                           digest=digest):
                 nbytes += t.numel() * t.element_size()
                 yield name, t
                 del t  # as the trainer does: the bridge reuses bucket memory nobody holds
 
-        engine.update_weights(counted(), version=1)
+        engine.update_weights(counted(), version=version, digest=digest)
+        if digest is not None:
+            inside.setdefault(period, []).append(digest.seconds)
         return nbytes
 
     nbytes = sync()  # warm-up, and the byte count
@@ -127,14 +140,32 @@ def _worker(args: argparse.Namespace, out_path: str) -> None:
     floor()  # warm-up
     # sync and floor alternate, so that load from outside the benchmark hits both alike; the
     # medians are compared
-    rounds = [(timed(sync), timed(floor)) for _ in range(args.repeats)]
-    sync_s = statistics.median(r[0] for r in rounds)
-    floor_s = statistics.median(r[1] for r in rounds)
+    rounds = [(timed(sync), timed(floor), timed(lambda: sync(0)), timed(lambda: sync(1)))
+              for _ in range(args.repeats)]
+    sync_s, floor_s, plain_s, full_s = (statistics.median(r[i] for r in rounds) for i in range(4))
     floor_bytes = params.numel() * elem
     if dist.get_rank() == 0:
         torch.save({"sync_GBps": nbytes / sync_s / 1e9, "memcpy_GBps": copy_bytes / copy_s / 1e9,
                     "floor_GBps": floor_bytes / floor_s / 1e9, "floor_primitive":
-                    primitive, "bytes": nbytes}, out_path)
+                    primitive, "bytes": nbytes, **verify_figures(sync_s, plain_s, full_s, inside, args)}, out_path)
+
+
+def verify_figures(sync_s: float, plain_s: float, full_s: float, inside: dict, args) -> dict:
+    """The verification overhead figures (medians): verified ÷ unverified sync time at the default
+    period and at period 1, and the checksum seconds timed inside the syncs (rank 0's) ÷ the
+    unverified sync time."""
+    return {"verify_ratio": sync_s / plain_s, "verify_full_ratio": full_s / plain_s,
+            "verify_inside": statistics.median(inside.get(args.verify_period, [0.0])) / plain_s,
+            "verify_full_inside": statistics.median(inside.get(1, [0.0])) / plain_s, "plain_s": plain_s}
+
+
+def print_verify(r: dict, args) -> None:
+    """The verification lines; the overhead at the default period last."""
+    print(f"verification, every tensor (period 1): verified / unverified sync time {r['verify_full_ratio']:.3f} "
+          f"(checksums timed inside: {100 * r['verify_full_inside']:.1f} % of the unverified sync)")
+    print(f"verification overhead at the default period {args.verify_period} (checksums timed inside: "
+          f"{100 * r['verify_inside']:.2f} % of the unverified sync): verified / unverified sync time "
+          f"{r['verify_ratio']:.3f}")
 
 
 def main(argv=None) -> None:
@@ -143,6 +174,8 @@ def main(argv=None) -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--bucket-mb", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--verify-period", type=int, default=_default_period(),
+                   help="rollout.check_weight_update_period of the verified sync (default: the config's)")
     args = p.parse_args(argv)
     import torch
 
@@ -157,7 +190,14 @@ def main(argv=None) -> None:
     print(f"memcpy GB/s: {r['memcpy_GBps']:.3f}")
     print(f"ratio sync/memcpy: {r['sync_GBps'] / r['memcpy_GBps']:.3f}")
     print(f"floor GB/s ({r['floor_primitive']} over TP=2 + one copy): {r['floor_GBps']:.3f}")
-    print(f"ratio sync/floor: {r['sync_GBps'] / r['floor_GBps']:.3f}")
+    print(f"ratio sync/floor (verified): {r['sync_GBps'] / r['floor_GBps']:.3f}")
+    print_verify(r, args)
+
+
+def _default_period() -> int:
+    from dapo_megatron.rollout.config import RolloutConfig
+
+    return RolloutConfig().check_weight_update_period
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ every rank at TP=1) not moved at all, and one copy of every synced byte into pre
 parameters; no layout conversion, no checks. A second floor with the bridge's own primitive
 (each expert bucket broadcast from its owner) is measured beside it; the floor is the faster of
 the two (on gloo here the broadcast is). The last line is sync ÷ floor (GB/s over GB/s),
-higher is better.
+higher is better (the sync verified at the default period, as in bench_sync.py); the last line is the
+verification overhead, verified ÷ unverified sync time (bench_sync.py's ``print_verify``).
 
     python benchmarks/bench_sync_moe.py [--hidden 512 --layers 8 --experts 4 --bucket-mb 64 --repeats 5]
 """
@@ -28,7 +29,8 @@ import statistics
 import sys
 import tempfile
 
-from bench_sync import all_gather_floor, timed  # benchmarks/ is sys.path[0]: one floor for both syncs
+from bench_sync import (_default_period, all_gather_floor, print_verify, timed,  # benchmarks/ is sys.path[0]
+                        verify_figures)
 
 
 def _worker(args: argparse.Namespace, out_path: str) -> None:
@@ -40,6 +42,7 @@ def _worker(args: argparse.Namespace, out_path: str) -> None:
     from dapo_megatron.models import ModelConfig, build_gpt_model
     from dapo_megatron.platform import ParallelConfig, init_distributed
     from dapo_megatron.rollout.engines.hf_engine import HFEngine
+    from dapo_megatron.rollout.engines.verify import SyncDigest
 
     parallel = init_distributed(ParallelConfig(1, 1, 2), seed=0)  # TP=1, PP=1, EP=2 (= DP=2)
     hf_config = MixtralConfig(
@@ -53,19 +56,27 @@ def _worker(args: argparse.Namespace, out_path: str) -> None:
     bucket = args.bucket_mb * 2**20
     buffers = ExportBuffers()  # kept from sync to sync, as the trainer does for a CPU actor
 
-    def sync() -> tuple[int, int]:
+    versions = iter(range(1, 10**6))
+    inside: dict = {}  # period -> checksum seconds of every verified sync
+
+    def sync(period=args.verify_period) -> tuple[int, int]:
         nbytes, expert_bytes = 0, 0
+        version = next(versions)
+        digest = SyncDigest(version, period) if period else None
 
         def counted():
             nonlocal nbytes, expert_bytes
-            for name, t in iter_hf_weights(actor, parallel=parallel, bucket_bytes=bucket, buffers=buffers):
+            for name, t in iter_hf_weights(actor, parallel=parallel, bucket_bytes=bucket, buffers=buffers,
+                                           digest=digest):
                 n = t.numel() * t.element_size()
                 nbytes += n
                 expert_bytes += n if ".experts." in name else 0
                 yield name, t
                 del t  # as the trainer does: the bridge reuses bucket memory nobody holds
 
-        engine.update_weights(counted(), version=1)
+        engine.update_weights(counted(), version=version, digest=digest)
+        if digest is not None:
+            inside.setdefault(period, []).append(digest.seconds)
         return nbytes, expert_bytes
 
     nbytes, expert_bytes = sync()  # warm-up, and the byte counts
@@ -99,15 +110,17 @@ def _worker(args: argparse.Namespace, out_path: str) -> None:
     floor_broadcast()
     # sync and floors alternate, so that load from outside the benchmark hits all alike; the
     # medians are compared
-    rounds = [(timed(sync), timed(floor), timed(floor_broadcast)) for _ in range(args.repeats)]
-    sync_s, floor_s, bcast_s = (statistics.median(r[i] for r in rounds) for i in range(3))
+    rounds = [(timed(sync), timed(floor), timed(floor_broadcast), timed(lambda: sync(0)), timed(lambda: sync(1)))
+              for _ in range(args.repeats)]
+    sync_s, floor_s, bcast_s, plain_s, full_s = (statistics.median(r[i] for r in rounds) for i in range(5))
     floor_bytes = params.numel() * elem
     if dist.get_rank() == 0:
         torch.save({"sync_GBps": nbytes / sync_s / 1e9, "floor_GBps": floor_bytes / floor_s / 1e9,
                     "floor_bcast_GBps": floor_bytes / bcast_s / 1e9,
                     "floor_primitive": primitive,
                     "bytes": nbytes, "expert_bytes": expert_bytes,
-                    "experts_here": [list(layer.mlp.local_expert_indices) for layer in actor.decoder.layers][0]},
+                    "experts_here": [list(layer.mlp.local_expert_indices) for layer in actor.decoder.layers][0],
+                    **verify_figures(sync_s, plain_s, full_s, inside, args)},
                    out_path)
 
 
@@ -118,6 +131,8 @@ def main(argv=None) -> None:
     p.add_argument("--experts", type=int, default=4, help="experts per layer (even: EP=2)")
     p.add_argument("--bucket-mb", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--verify-period", type=int, default=_default_period(),
+                   help="rollout.check_weight_update_period of the verified sync (default: the config's)")
     args = p.parse_args(argv)
     import torch
 
@@ -132,7 +147,9 @@ def main(argv=None) -> None:
     print(f"sync GB/s:   {r['sync_GBps']:.3f}")
     print(f"floor GB/s, broadcast from the owner + one copy: {r['floor_bcast_GBps']:.3f}")
     print(f"floor GB/s ({r['floor_primitive']} of the experts over EP=2 + one copy): {r['floor_GBps']:.3f}")
-    print(f"ratio sync/floor (the faster floor): {r['sync_GBps'] / max(r['floor_GBps'], r['floor_bcast_GBps']):.3f}")
+    print(f"ratio sync/floor (the faster floor, verified): "
+          f"{r['sync_GBps'] / max(r['floor_GBps'], r['floor_bcast_GBps']):.3f}")
+    print_verify(r, args)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ import torch.distributed as dist
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from dapo_megatron.platform import collectives
+from dapo_megatron.rollout.engines.verify import (SyncDigest, Timer, checksum_tensor, read_trailer, trailer_words,
+                                                  write_trailer)
 
 from .mapping import (
     ModelLayout,
@@ -432,7 +434,7 @@ class _Slot:
 
 def iter_hf_weights(
     model_chunks, *, parallel: ParallelDims, bucket_bytes: Optional[int] = None, pp_broadcast: bool = True,
-    buffers: Optional[ExportBuffers] = None,
+    buffers: Optional[ExportBuffers] = None, digest: Optional[SyncDigest] = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream the model as full HF-named tensors; a COLLECTIVE generator.
 
@@ -477,6 +479,13 @@ def iter_hf_weights(
             stage's TP group, and the plan over the PP group.
         buffers: memory kept between calls (:class:`ExportBuffers`); None: this call's own,
             freed when it ends.
+        digest: verify the sync (:mod:`dapo_megatron.rollout.engines.verify`): each bucket
+            gets a trailer of int64 words after its tensors, written by the rank that fills it
+            before any broadcast (the version, the bucket's index, the checksum of each HF tensor
+            ``digest.wants``) and read by every rank after the broadcasts into ``digest``
+            (``sums``, ``sent``; a trailer of another version or index is a stale bucket, listed
+            in ``digest.errors``). None: no checksum; the trailer's room (a few words per bucket)
+            is there unwritten, so that verified and unverified syncs reuse the same buffer.
 
     Yields:
         ``(hf_name, tensor)``: full HF shape, contiguous, the parameter dtype, the parameter
@@ -502,6 +511,8 @@ def iter_hf_weights(
     any_param = params[next(e.megatron for e in plan if e.megatron in params)]  # the exported dtype
     dtype = any_param.dtype
     elem = torch.empty((), dtype=dtype).element_size()
+    if digest is not None:
+        digest.dtype = str(dtype).removeprefix("torch.")
 
     buckets: list[list[_Entry]] = []
     for entry in plan:
@@ -535,30 +546,102 @@ def iter_hf_weights(
             slots.append(_Slot(entry, offset, numel, gathered, in_place, shard_shape, tp_size))
             offset += numel
         slotted.append(slots)
-    mine = [slots for slots in slotted if pp_broadcast or slots[0].entry.owner == pp_rank]
-    capacity = max((s[-1].offset + s[-1].numel for s in mine), default=0)
+    # verification: one trailer of int64 words after each bucket's tensors, 8-byte aligned
+    per_word = max(1, 8 // elem)
+    trailers: list[tuple[int, int]] = []  # (offset, numel) in the bucket's elements
+    hf_index: list[int] = []  # the export-order index of each bucket's first HF tensor
+    count = 0
+    for slots in slotted:
+        hf_index.append(count)
+        n_hf = sum(len(slot.entry.hf) for slot in slots)
+        count += n_hf
+        end = slots[-1].offset + slots[-1].numel
+        # room for the trailer whether or not this sync verifies: the buffer's size, and so its reuse
+        # (ExportBuffers), does not depend on verification; unverified, it is neither written nor read
+        start = -(-end // per_word) * per_word
+        trailers.append((start, trailer_words(n_hf) * 8 // elem))
+    mine = [(k, slots) for k, slots in enumerate(slotted) if pp_broadcast or slots[0].entry.owner == pp_rank]
+    capacity = max((sum(trailers[k]) for k, _ in mine), default=0)
     buffers = ExportBuffers() if buffers is None else buffers
 
-    for slots in mine:
+    for k, slots in mine:
         owner, ep_owner = slots[0].entry.owner, slots[0].entry.ep_owner
-        flat = buffers.bucket(any_param, slots[-1].offset + slots[-1].numel, capacity)
+        flat = buffers.bucket(any_param, sum(trailers[k]), capacity)
         if pp_rank == owner:
             if ep_owner is None or ep_owner == parallel.ep_rank:
-                _fill_bucket(flat, slots, params, layout, parallel, buffers, scratch_numel)
+                signer = None if digest is None else _Signer(flat, slots, hf_index[k], digest)
+                _fill_bucket(flat, slots, params, layout, parallel, buffers, scratch_numel, signer)
+                if signer is not None:
+                    signer.write(_trailer_view(flat, trailers[k]), k)
+                    del signer  # it views the buffer: held across the yields it would make ExportBuffers reallocate
             if ep_owner is not None and parallel.ep_size > 1:  # the other EP ranks of the stage
                 parallel.broadcast(flat, "ep", src=parallel.ep_ranks[ep_owner])
         if pp_size > 1 and pp_broadcast:
             parallel.broadcast(flat, "pp", src=pp_ranks[owner])
         buffers.settle()
         named = [item for slot in slots for item in slot.hf_views(flat)]
+        if digest is not None:
+            _read_signature(flat, named, trailers[k], hf_index[k], k, digest)
         del flat  # from here the consumer's views alone decide whether the buffer is reused
         for item in named:
             yield item
         del named, item
 
 
+def _trailer_view(flat: torch.Tensor, trailer: tuple[int, int]) -> torch.Tensor:
+    start, numel = trailer
+    return flat[start:start + numel].view(torch.int64)
+
+
+class _Signer:
+    """The sender's checksums of one bucket, each taken as soon as its tensor is final in the bucket
+    (right after its re-layout or copy, while it is still in cache), then the trailer."""
+
+    def __init__(self, flat: torch.Tensor, slots: list[_Slot], first: int, digest: SyncDigest):
+        self.flat, self.digest, self.sums, self.base = flat, digest, {}, first
+        self.first: dict[int, int] = {}  # id(slot) -> export index of its first HF tensor
+        index = first
+        for slot in slots:
+            self.first[id(slot)] = index
+            index += len(slot.entry.hf)
+        self.count = index - first
+
+    def written(self, slot: _Slot) -> None:
+        with Timer(self.digest):
+            for j, (_, t) in enumerate(slot.hf_views(self.flat)):
+                index = self.first[id(slot)] + j
+                if self.digest.wants(index):
+                    self.sums[index] = checksum_tensor(t)  # on the device: no host read per tensor
+
+    def write(self, words: torch.Tensor, bucket: int) -> None:
+        """The trailer (version, bucket index, the checksum of each HF tensor, 0 where unchecked),
+        before any broadcast."""
+        with Timer(self.digest):
+            write_trailer(words, self.digest.version, bucket,
+                          [self.sums.get(self.base + i) for i in range(self.count)])
+
+
+def _read_signature(flat: torch.Tensor, named: list, trailer: tuple[int, int], first: int, bucket: int,
+                    digest: SyncDigest) -> None:
+    """On every rank, after the broadcasts: the sender's checksums into ``digest``; a trailer of
+    another sync or another bucket is a stale bucket (recorded, raised by the receiver)."""
+    version, index, sums = read_trailer(_trailer_view(flat, trailer))
+    names = [name for name, _ in named]
+    if (version, index, len(sums)) != (digest.version, bucket, len(names)):
+        digest.errors.append(
+            f"weight sync to version {digest.version}: the bucket starting at {names[0]!r} (bucket {bucket}) "
+            f"arrived with the trailer of version {version}, bucket {index} ({len(sums)} tensors): a stale or "
+            "misordered bucket (a pipeline stage or expert rank reused a buffer it did not receive into)")
+        return
+    for i, (name, value) in enumerate(zip(names, sums)):
+        digest.sent.append(name)
+        if digest.wants(first + i):
+            digest.sums[name] = value
+
+
 def _fill_bucket(flat: torch.Tensor, slots: list[_Slot], params: dict, layout: ModelLayout,
-                 parallel: ParallelDims, buffers: ExportBuffers, scratch_numel: int) -> None:
+                 parallel: ParallelDims, buffers: ExportBuffers, scratch_numel: int,
+                 signer: Optional[_Signer] = None) -> None:
     """The owner stage's HF tensors of one bucket, written into ``flat`` (collective over the
     TP group: one all-gather per TP-split tensor, issued in slot order on every TP rank).
 
@@ -566,7 +649,7 @@ def _fill_bucket(flat: torch.Tensor, slots: list[_Slot], params: dict, layout: M
     while the previous one is re-laid out from the other, so the copies hide behind the
     transport; every gather has finished when this returns."""
     try:
-        _fill_bucket_pipelined(flat, slots, params, layout, parallel, buffers, scratch_numel)
+        _fill_bucket_pipelined(flat, slots, params, layout, parallel, buffers, scratch_numel, signer)
     except BaseException:
         # collectives of this bucket may still be running into its buffers: give them up (each
         # work keeps what it writes into alive) so that no later call hands that memory out
@@ -575,7 +658,8 @@ def _fill_bucket(flat: torch.Tensor, slots: list[_Slot], params: dict, layout: M
 
 
 def _fill_bucket_pipelined(flat: torch.Tensor, slots: list[_Slot], params: dict, layout: ModelLayout,
-                           parallel: ParallelDims, buffers: ExportBuffers, scratch_numel: int) -> None:
+                           parallel: ParallelDims, buffers: ExportBuffers, scratch_numel: int,
+                           signer: Optional[_Signer] = None) -> None:
     in_place_works = []
     pending = None  # (work, slot, shards): gathered into scratch, re-laid out after the next gather starts
     turns = 0
@@ -583,6 +667,8 @@ def _fill_bucket_pipelined(flat: torch.Tensor, slots: list[_Slot], params: dict,
     def relayout(work, slot: _Slot, shards: list[torch.Tensor]) -> None:
         work.wait()
         megatron_to_hf_into(layout, slot.entry.megatron, shards, [t for _, t in slot.hf_views(flat)])
+        if signer is not None:
+            signer.written(slot)
 
     for slot in slots:
         param = params[slot.entry.megatron].detach()
@@ -599,10 +685,16 @@ def _fill_bucket_pipelined(flat: torch.Tensor, slots: list[_Slot], params: dict,
             pending = (work, slot, list(gathered.view(tp_size, *slot.shard_shape).unbind(0)))
         else:
             megatron_to_hf_into(layout, slot.entry.megatron, [param], [t for _, t in slot.hf_views(flat)])
+            if signer is not None:
+                signer.written(slot)
     if pending is not None:
         relayout(*pending)
     for work in in_place_works:
         work.wait()
+    if signer is not None:
+        for slot in slots:
+            if slot.in_place:
+                signer.written(slot)
 
 
 def export_hf_state_dict(model_chunks, *, parallel: ParallelDims,

@@ -54,6 +54,37 @@ class RolloutConfig:
     """bucket size of the weight sync (MiB): the bridge gathers (and with PP > 1 broadcasts) one
     bucket at a time, and SGLang receives one flattened bucket per call. A CPU actor keeps one
     bucket of host memory between syncs (``bridge.ExportBuffers``)."""
+    check_weight_update: bool = True
+    """verify every weight sync before the engines generate with it (docs/design.md §1 step 7,
+    ``rollout/engines/verify.py``): every bucket carries the sender's version and index (a stale or
+    misordered bucket fails), every sent tensor must have reached the engine, and the tensors of
+    this sync's sample (``check_weight_update_period``) are compared by checksum: the sender's over
+    what it sent, the receiver's over what it loaded (an in-process engine) or what SGLang's
+    ``get_weights_by_name`` returns (colocated SGLang, servers). A difference stops the step with one
+    error naming the tensor, the engine or server and the version; that engine does not generate
+    with it. Observes only: no weight changes."""
+    check_weight_update_period: int = 32
+    """checksum tensor ``i`` (of the bridge's export order) in the syncs where ``i % period ==
+    version % period``: 1 checks every tensor of every sync, k a rotating 1/k of them, so that every
+    tensor is checked once in any k consecutive syncs (the structural checks and the probe run every
+    sync whatever the period). A checksum is one read of the tensor on each side: on the 2-core CPU
+    box, where a sync moves 0.5-1 GB/s, period 1 costs 15 % (dense) to 32 % (MoE, EP = 2) of the sync
+    time and the default 32 under 2 % (benchmarks/bench_sync.py, bench_sync_moe.py, last lines); on
+    GPUs the read runs at HBM speed, and period 1 is the setting to choose where the sync is slow
+    next to it."""
+    check_weight_update_readback: bool = True
+    """SGLang engines and servers, which cannot checksum what they loaded: read the sample back with
+    ``get_weights_by_name`` (a model class of SGLang without it answers nothing, which fails the
+    check naming this key: set it false there, leaving the structural checks)."""
+    weight_probe: bool = True
+    """after every sync, a functional check: the logprobs of a fixed probe sequence under the engine
+    must equal the actor's within ``weight_probe_tolerance`` (a wrong layout or name map that the
+    checksums cannot see, since the sender checksums what it re-laid out). Engines that can score a
+    sequence (the HF engine); the others take part in the actor's forward only."""
+    weight_probe_tolerance: float = 0.0
+    """the probe's bound on the mean per-token |logprob difference| (nats) over its 16 scored tokens;
+    0: by the sent dtype (1e-3 for float32, 0.1 for bfloat16 / float16: two implementations rounding
+    activations their own way; a wrong layout moves whole nats)."""
     gpu_memory_utilization: float = 0.5
     """SGLang ``mem_fraction_static`` (GPU only), in (0, 1)."""
     val_n: int = 32
@@ -142,6 +173,11 @@ class RolloutConfig:
         for key in ("response_length", "update_weights_bucket_megabytes", "val_n"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key}={getattr(self, key)!r} must be >= 1")
+        if self.check_weight_update_period < 1:
+            raise ValueError(f"check_weight_update_period={self.check_weight_update_period} must be >= 1 "
+                             "(1 = every tensor of every sync)")
+        if self.weight_probe_tolerance < 0:
+            raise ValueError(f"weight_probe_tolerance={self.weight_probe_tolerance} must be >= 0 (0 = by dtype)")
         if self.stream_poll_tokens < 1:
             raise ValueError(f"stream_poll_tokens={self.stream_poll_tokens} must be >= 1")
         if self.partial_rollout and not self.streaming:

@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from dapo_megatron.bridge import ExportBuffers, iter_hf_weights
+from dapo_megatron.bridge import ExportBuffers, iter_hf_weights, unwrap_model
 from dapo_megatron.config.run import DAPOConfig
 from dapo_megatron.data import PromptStream
 from dapo_megatron.data.dataset import unique_prompts
@@ -48,6 +48,8 @@ from dapo_megatron.platform import ParallelDims, collective_device
 from dapo_megatron.rewards.pool import RewardPool
 from dapo_megatron.rollout.engines.engine import RolloutEngine, SamplingParams, completions_to_group
 from dapo_megatron.rollout.engines.layout import engine_share
+from dapo_megatron.rollout.engines.verify import (SyncDigest, Timer, WeightSyncVerifyError, probe_error, probe_ids,
+                                                  probe_tolerance)
 from dapo_megatron.rollout.plan.step_data import gather_groups, gather_preds, send_tokens
 from dapo_megatron.rollout.sampling.buffer import RolloutBuffer
 from dapo_megatron.rollout.sampling.streaming import EngineClient, PromptQueue, StreamingCollector
@@ -160,11 +162,14 @@ class Rollout:
         self._free_allocator_cache()
         bucket = self.cfg.rollout.update_weights_bucket_megabytes * 2**20
         if self.server_mode:  # the stage's own tensors (no PP broadcast); DP > 0 ranks hold copies
+            digest = self.new_digest(version)
             stream = (iter_hf_weights(actor.model_chunks, parallel=self.parallel, bucket_bytes=bucket,
-                                      pp_broadcast=False, buffers=self.export_buffers)
+                                      pp_broadcast=False, buffers=self.export_buffers, digest=digest)
                       if self.parallel.dp_rank == 0 else None)
-            return float(sum(self.parallel.all_gather_objects(self.engine.sync(stream, version=version), "world")))
+            sent = self.engine.sync(stream, version=version, digest=digest)
+            return float(sum(self.parallel.all_gather_objects(sent, "world")))
         nbytes = 0
+        digest = self.new_digest(version)
 
         def counted(it):
             nonlocal nbytes
@@ -173,11 +178,48 @@ class Rollout:
                 yield name, tensor
                 del tensor  # held by nothing when the bridge produces the next: it reuses the memory
 
-        self.engine.update_weights(
-            counted(iter_hf_weights(actor.model_chunks, parallel=self.parallel, bucket_bytes=bucket,
-                                    buffers=self.export_buffers)),
-            version=version)
+        error = None
+        try:
+            self.engine.update_weights(
+                counted(iter_hf_weights(actor.model_chunks, parallel=self.parallel, bucket_bytes=bucket,
+                                        buffers=self.export_buffers, digest=digest)),
+                version=version, digest=digest)
+        except WeightSyncVerifyError as err:  # the engine is invalid; every rank stops with this one error
+            error = str(err)
+        probe = self.probe(actor, version, digest)  # collective over the actor: every rank, even after an error
+        if error is None and probe is not None:
+            self.engine.abort_weight_update()  # not served
+            error = probe
+        if digest is not None or self.cfg.rollout.weight_probe:
+            errors = [e for e in self.parallel.all_gather_objects(error, "world") if e]
+            if errors:
+                raise WeightSyncVerifyError(errors[0])
         return float(nbytes)
+
+    def probe(self, actor: Any, version: int, digest: Optional[SyncDigest]) -> Optional[str]:
+        """The functional check after a colocated sync (``rollout.weight_probe``): the fixed probe
+        sequence's logprobs under this rank's engine against the actor's (``compute_logprobs``, collective
+        over the model-parallel group, so every rank runs it); the error, or None. Engines that cannot
+        score a sequence (SGLang, a rollout group's other ranks) only take part in the actor's side."""
+        r = self.cfg.rollout
+        if not r.weight_probe or not hasattr(actor, "compute_logprobs"):
+            return None
+        ids = probe_ids(actor.vocab_size or unwrap_model(actor.model_chunks[0]).vocab_size)
+        sample = Sample(prompt_ids=ids[:8], response_ids=ids[8:], rollout_logprobs=[0.0] * (len(ids) - 8),
+                        finish_reason="length", group_id=0)
+        with Timer(digest):
+            actor_lp = actor.compute_logprobs([[sample]], r.temperature)[0]
+            if not self.engine.supports_score or not self.engine.weights_valid:
+                return None
+            engine_lp = self.engine.score(ids, r.temperature)[7:]
+        return probe_error(engine_lp, actor_lp, probe_tolerance(r.weight_probe_tolerance,
+                                                                digest.dtype if digest else None),
+                           version=version, where=getattr(self.engine, "engine_label", "") or type(self.engine).__name__)
+
+    def new_digest(self, version: int) -> Optional[SyncDigest]:
+        """The verification record of one sync (None with ``rollout.check_weight_update: false``)."""
+        r = self.cfg.rollout
+        return SyncDigest(version, r.check_weight_update_period) if r.check_weight_update else None
 
     # ------------------------------------------------------------------ generation
     def _sampling_params(self, *, n: int, temperature: float, top_p: float, seed: int) -> SamplingParams:

@@ -25,6 +25,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dapo_megatron.rollout.engines.buckets import iter_buckets
+from dapo_megatron.rollout.engines.verify import SyncDigest, Timer, WeightSyncVerifyError, digest_dtype
 from dapo_megatron.rollout.types import Group, Sample
 
 FINISH_REASONS = ("stop", "length")
@@ -333,6 +334,10 @@ class WeightSyncTracker:
         """Discard the sync in progress (after an error); the next ``begin`` starts afresh."""
         self._updated = None
 
+    def updated(self, name: str) -> bool:
+        """Whether ``name`` (or the parameter it aliases) was updated in the sync in progress."""
+        return self._updated is not None and self.resolve(name) in self._updated
+
     def missing(self) -> list[str]:
         """Canonical names not updated so far in this sync (sorted)."""
         if self._updated is None:
@@ -589,7 +594,7 @@ class RolloutEngine(abc.ABC):
         return self._tracker
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *,
-                       finish: bool = True) -> None:
+                       finish: bool = True, digest: Optional[SyncDigest] = None) -> None:
         """Load new weights by HF parameter name.
 
         Args:
@@ -599,11 +604,16 @@ class RolloutEngine(abc.ABC):
             finish: end the sync after this call (checks that every parameter was updated).
                 With False, more calls for the same version follow, then
                 :meth:`finish_weight_update`.
+            digest: the sender's checksums of this sync (the bridge fills it while the stream is
+                read, :mod:`.verify`): after loading, and before the version is set, the engine
+                compares what it loaded (:meth:`_loaded_checksums`) and fails the sync on any
+                difference, a stale bucket, or a sent tensor it never received.
 
         Raises:
             KeyError: a name matches no engine parameter. ValueError: a shape differs.
             RuntimeError: (at finish) engine parameters never updated; or a partial sync
-                of a different version is in progress.
+                of a different version is in progress. WeightSyncVerifyError: what the engine
+                loaded differs from what was sent (the engine's weights are then invalid).
             On any error the buckets before the offending tensor are already loaded (as in
             SGLang): call :meth:`abort_weight_update` and re-send the full set.
         """
@@ -624,9 +634,64 @@ class RolloutEngine(abc.ABC):
                 yield name, tensor
                 del tensor  # before the next is produced: the bridge reuses memory nobody holds
 
-        self._load_stream(checked())
+        self._sync_digest = digest  # engines that checksum as they load read it (HFEngine)
+        try:
+            self._load_stream(checked())
+        finally:
+            self._sync_digest = None
+        if digest is not None:
+            error = self.verify_loaded(digest, tracker)
+            if error is not None:
+                self.abort_weight_update()
+                raise WeightSyncVerifyError(error)
         if finish:
             self.finish_weight_update()
+
+    _sync_digest: Optional[SyncDigest] = None  # during update_weights: the sync's digest
+
+    #: whether :meth:`score` is implemented (the weight probe's engine side)
+    supports_score: bool = False
+
+    def score(self, ids: Sequence[int], temperature: float = 1.0) -> torch.Tensor:
+        """float32 logprobs of ``ids[1:]`` under the engine's weights, each given the ids before it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot score a sequence")
+
+    #: names this engine's errors use for itself (e.g. "HFEngine on rank 3")
+    engine_label: str = ""
+
+    def _where(self) -> str:
+        return self.engine_label or type(self).__name__
+
+    def _loaded_checksums(self, names: list[str], dtype: torch.dtype) -> dict[str, Optional[int]]:
+        """The receiver's checksum (:func:`.verify.checksum`) of each named tensor as the engine holds
+        it now, read as ``dtype`` (the sent dtype); None where the engine does not hold it. Engines
+        that can read their weights override it; the default cannot verify (None for all)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot read back its weights for verification")
+
+    def verify_loaded(self, digest: SyncDigest, tracker: Optional[WeightSyncTracker] = None) -> Optional[str]:
+        """Compare what the engine loaded with the sender's digest; the first failure's message, or
+        None. Checks, in order: a stale or misordered bucket the bridge saw, a sent tensor the
+        engine's sync never received (``tracker``), then each checksummed tensor."""
+        where = self._where()
+        if digest.errors:
+            return f"{digest.errors[0]} (engine {where})"
+        if tracker is not None and tracker.in_progress:
+            unseen = [n for n in digest.sent if not tracker.updated(n)]
+            if unseen:
+                return (f"weight sync to version {digest.version}: {where} never received {unseen[0]!r} "
+                        f"({len(unseen)} sent tensor(s) in all), which the trainer sent")
+        names = [n for n in digest.sent if n in digest.sums]
+        if not names:
+            return None
+        with Timer(digest):
+            loaded = self._loaded_checksums(names, digest_dtype(digest))
+            for name in names:
+                if name not in loaded:  # the engine cannot compare it (a narrower dtype)
+                    continue
+                error = digest.mismatch(name, loaded[name], where)
+                if error is not None:
+                    return error
+        return None
 
     def abort_weight_update(self) -> None:
         """Discard an unfinished sync after an error. The engine's weights are then partly

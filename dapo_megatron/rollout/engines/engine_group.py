@@ -221,6 +221,10 @@ class EngineGroupMember(RolloutEngine):
     def _param_specs(self):
         return self._specs
 
+    def _loaded_checksums(self, names, dtype) -> dict:
+        """Nothing to compare: this rank holds no weights; the leader's engine verifies the group's."""
+        return {}
+
     def _load_stream(self, named_tensors: Iterable[NamedTensor]) -> None:
         if self.transport is None:
             for item in named_tensors:  # checked by update_weights, held by the leader's engine

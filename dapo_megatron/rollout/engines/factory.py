@@ -203,7 +203,8 @@ def build_training_rollout(cfg: DAPOConfig, tokenizer, hf_config, parallel) -> t
         release_allocator_cache()
         parallel.barrier("rollout")
     if parallel.rollout_tp_size == 1:
-        return build_engine(training_engine_spec(cfg, tokenizer, hf_config), hf_config), parallel.num_engines, index
+        engine = build_engine(training_engine_spec(cfg, tokenizer, hf_config), hf_config)
+        return _labelled(engine, cfg, parallel), parallel.num_engines, index
     group = RolloutGroup(parallel.rollout_group_ranks, parallel.rank, parallel.rollout_group)
     if not group.is_leader:
         return (EngineGroupMember(group, hf_param_specs(hf_config),
@@ -211,4 +212,13 @@ def build_training_rollout(cfg: DAPOConfig, tokenizer, hf_config, parallel) -> t
                                   update_bucket_mb=rollout.update_weights_bucket_megabytes),
                 parallel.num_engines, None)
     spec = training_engine_spec(cfg, tokenizer, hf_config)  # the HF engine ignores tp_size: one full copy
-    return build_engine(spec, hf_config, group=group if spec.name == "sglang" else None), parallel.num_engines, index
+    engine = build_engine(spec, hf_config, group=group if spec.name == "sglang" else None)
+    return _labelled(engine, cfg, parallel), parallel.num_engines, index
+
+
+def _labelled(engine, cfg: DAPOConfig, parallel):
+    """The engine's name in verification errors (``<class> of rank r``) and its readback switch."""
+    engine.engine_label = f"{type(engine).__name__} of rank {parallel.rank}"
+    if hasattr(engine, "verify_readback"):
+        engine.verify_readback = cfg.rollout.check_weight_update_readback
+    return engine

@@ -67,6 +67,7 @@ from dapo_megatron.rollout.engines.engine import (
     validate_prompt_ids,
 )
 from dapo_megatron.rollout.engines.routes import HFRouteRecorder, compact_routes, concat_routes, num_route_tokens
+from dapo_megatron.rollout.engines.verify import Timer, as_sent, checksum_tensor, digest_dtype, read_checksums
 
 
 def process_logits(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = -1) -> torch.Tensor:
@@ -258,6 +259,7 @@ class HFEngine(RolloutEngine):
         forward_params = inspect.signature(type(self.model).forward).parameters
         self._cache_kw = "cache" if "cache" in forward_params else "past_key_values"
         self._routes: Optional[HFRouteRecorder] = HFRouteRecorder(self.model) if record_routes else None
+        self._loaded_sums: dict[str, Optional[torch.Tensor]] = {}  # the last sync's receiver checksums
 
     # ---- generation ---------------------------------------------------------------
     supports_async = True
@@ -525,6 +527,35 @@ class HFEngine(RolloutEngine):
         """Unique parameters by first name; the tied ``lm_head.weight`` is an alias."""
         return specs_from_module(self.model)
 
+    supports_score = True
+
+    @torch.no_grad()
+    def score(self, ids: Sequence[int], temperature: float = 1.0) -> torch.Tensor:
+        """float32 CPU logprobs of ``ids[1:]``, each given the ids before it (one teacher-forced
+        forward at ``temperature``): the weight probe's engine side. Generation state is untouched
+        (no row, no cache, no draw; the route recorder's last calls are cleared)."""
+        self._require_valid_weights()
+        x = torch.tensor([list(ids)], device=self.device)
+        logits = self.model(input_ids=x).logits[0, :-1].float() / temperature
+        if self._routes is not None:
+            self._routes._calls = [None] * len(self._routes.routers)
+        return torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None])[:, 0].cpu()
+
+    def _loaded_checksums(self, names: list[str], dtype) -> dict[str, Optional[int]]:
+        """The checksums :meth:`_load_stream` took of each checked tensor right after loading it,
+        while in cache, from the parameter looked up by checkpoint name in a map of its own, not
+        the one the load wrote through (a wrong load map leaves that parameter without the sent
+        bytes); None for one never loaded. A tensor left out could not be compared (a narrower
+        engine dtype)."""
+        held = read_checksums({n: v for n, v in self._loaded_sums.items() if v is not None})  # one host read
+        out: dict[str, Optional[int]] = {}
+        for n in names:
+            if n not in self._loaded_sums:
+                out[n] = None  # checked, sent, never loaded
+            elif self._loaded_sums[n] is not None:
+                out[n] = held[n]
+        return out
+
     @torch.no_grad()
     def _load_stream(self, named_tensors) -> None:
         """Each tensor is copied into its parameter as it arrives: an in-process engine needs no
@@ -532,6 +563,14 @@ class HFEngine(RolloutEngine):
         (:func:`dapo_megatron.bridge.iter_hf_weights`)."""
         # checkpoint names (an MoE model's experts are views into its fused expert parameters)
         params = dict(checkpoint_parameters(self.model))
+        digest = self._sync_digest
+        held = dict(checkpoint_parameters(self.model)) if digest is not None else {}  # the verifier's own map
+        dtype = digest_dtype(digest) if digest is not None else None
+        self._loaded_sums = {}
         for name, tensor in named_tensors:
             params[name].copy_(tensor)  # casts dtype and moves device (also while asleep on CPU)
             del tensor  # before the next one is produced
+            if digest is not None and name in digest.sums:  # this sync checks it (the trailer came first)
+                with Timer(digest):
+                    loaded = as_sent(held[name], dtype) if name in held else None
+                    self._loaded_sums[name] = None if loaded is None else checksum_tensor(loaded)

@@ -62,6 +62,7 @@ from dapo_megatron.rollout.engines.flat_bucket import FlatBucketPacker
 from dapo_megatron.rollout.engines.generate_stream import (Liveness, StreamedGenerate, stream_generate, wait_streams,
                                                            with_progress)
 from dapo_megatron.rollout.engines.layout import rollout_engines, server_rank_offsets
+from dapo_megatron.rollout.engines.verify import SyncDigest, Timer, digest_dtype, readback_checksum, readback_names
 from dapo_megatron.rollout.engines.sglang_engine import (
     build_generate_request,
     build_row_request,
@@ -405,6 +406,37 @@ def pause_servers(urls: Sequence[str], timeout_s: float) -> None:
     _each(list(urls), lambda url: http_post(url, "/pause_generation", {"mode": "abort"}, timeout_s))
 
 
+def verify_servers(urls: Sequence[str], digest: SyncDigest, param_specs, timeout_s: float) -> Optional[str]:
+    """Read the sync's checked tensors back from every server (``POST /get_weights_by_name`` with
+    ``truncate_size`` = the rows: sglang 0.5.23 ``entrypoints/http_server.py`` -> the model class's
+    ``get_weights_by_name``, ``.float().tolist()``; ``dapo-rollout-server`` answers the same) and
+    compare their checksums with the senders'; all servers at once. Returns the first difference
+    (in the servers' order, then the sender's), naming the tensor, the server and the version."""
+    specs, aliases = param_specs
+    names = readback_names(digest)
+    dtype = digest_dtype(digest)
+    if not names:
+        return None
+
+    def one(url):
+        with Timer(digest):
+            for name in names:
+                shape = specs[aliases.get(name, name)].shape
+                try:
+                    values = http_post(url, "/get_weights_by_name", {"name": name, "truncate_size": max(1, shape[0])},
+                                       timeout_s)
+                except Exception as err:  # a server that cannot answer is reported as holding nothing
+                    logger.warning("SGLang server %s: /get_weights_by_name %r failed: %s", url, name, err)
+                    values = None
+                error = digest.mismatch(name, readback_checksum(values, dtype, shape), f"SGLang server {url}")
+                if error is not None:
+                    return error
+        return None
+
+    errors = _each(urls, one)
+    return next((e for e in errors if e), None)
+
+
 def flush_and_continue(urls: Sequence[str], timeout_s: float) -> None:
     """``POST /flush_cache`` (plain-text answer) then ``/continue_generation`` on every server."""
     def one(url):
@@ -424,7 +456,8 @@ def _prepend(first, rest: Iterator):
 
 def sync_servers(stage_tensors: Optional[Iterable[NamedTensor]], *, sender: Optional[ServerWeightSender],
                  urls: Sequence[str], timeout_s: float, param_specs, version: int, coordinator: bool,
-                 stage: int = 0, num_stages: int = 1, parallel: Optional[ParallelDims] = None) -> int:
+                 stage: int = 0, num_stages: int = 1, parallel: Optional[ParallelDims] = None,
+                 digest: Optional[SyncDigest] = None) -> int:
     """One weight sync into the servers; collective over the world of ``parallel`` (None: a world
     of one).
 
@@ -442,6 +475,12 @@ def sync_servers(stage_tensors: Optional[Iterable[NamedTensor]], *, sender: Opti
         coordinator: the one rank that pauses, flushes and resumes the servers (rank 0).
         stage, num_stages: this rank's pipeline stage and the PP size: stage ``s`` sends in
             turn ``s`` (see the module docstring); a failed turn ends the sync for all.
+        digest: verification (:mod:`.verify`): the :class:`~.verify.SyncDigest` the bridge filled
+            on this rank's stream (its stage's checksums on the senders); the senders' checksums are
+            all-gathered, and before generation continues the coordinator reads every checked
+            tensor back from every server (``/get_weights_by_name``) and compares; a difference
+            fails the sync naming the tensor, the server and the version, with the servers left
+            paused (they do not serve that version).
 
     Returns:
         bytes this rank sent (0 off the senders).
@@ -496,6 +535,17 @@ def sync_servers(stage_tensors: Optional[Iterable[NamedTensor]], *, sender: Opti
             tracker.finish()
         except (KeyError, ValueError, RuntimeError) as err:
             failed = [f"weight sync to version {version} (rollout.mode=server): {err}"]
+    if digest is not None and not failed:
+        mine = (dict(digest.sums), list(digest.errors)) if sender is not None else ({}, [])
+        every = parallel.all_gather_objects(mine, "world")
+        digest.sums = {n: v for sums, _ in every for n, v in sums.items()}
+        digest.sent = [name for name, _ in every_sent]
+        stale = [e for _, errs in every for e in errs]
+        if stale:
+            failed = [stale[0]]
+        elif coordinator:
+            error = verify_servers(urls, digest, param_specs, timeout_s)
+            failed = [error] if error else []
     if coordinator and not failed:
         try:
             flush_and_continue(urls, timeout_s)
@@ -796,7 +846,8 @@ class ServerRollout:
         self.sender = connect_servers([self.servers[e] for e in members], group_suffix=f"_m{self._group_generation}",
                                       **self._connect)
 
-    def sync(self, stage_tensors: Optional[Iterable[NamedTensor]], version: int) -> int:
+    def sync(self, stage_tensors: Optional[Iterable[NamedTensor]], version: int,
+             digest: Optional[SyncDigest] = None) -> int:
         """:func:`sync_servers` of this rank's part of the bridge stream; collective. Returns the
         bytes this rank sent. On failure the weights count as invalid and the error (naming the
         server) is raised on every rank. Only the :attr:`members` are paused, sent to, flushed
@@ -805,6 +856,6 @@ class ServerRollout:
         urls = [self.urls[e] for e in self.members]
         nbytes = sync_servers(stage_tensors, sender=self.sender, urls=urls, timeout_s=self.timeout_s,
                               param_specs=self.param_specs, version=version, coordinator=self.rank == 0,
-                              stage=self.stage, num_stages=self.num_stages, parallel=self.parallel)
+                              stage=self.stage, num_stages=self.num_stages, parallel=self.parallel, digest=digest)
         self.weight_version, self.weights_valid = version, True
         return nbytes

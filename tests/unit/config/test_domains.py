@@ -99,6 +99,8 @@ DOMAINS: dict[str, Case] = {
     "rollout.deterministic": Case(["true"], "true", good_ctx=["rollout.name=sglang"]),
     "rollout.partial_rollout": Case(["true"], "true", good_ctx=STREAM),
     "rollout.stream_poll_tokens": Case([0], 8),
+    "rollout.check_weight_update_period": Case([0, -1], 1),
+    "rollout.weight_probe_tolerance": Case([-0.1], 0.05),
     "rollout.engine_kwargs": Case(["1"], "true", ctx=["rollout.name=sglang"], key="rollout.engine_kwargs.no_such_arg"),
     # buffer
     "buffer.train_batch_size": Case([0, 16], 64),  # 16: fewer than actor.ppo_mini_batch_size=32
@@ -180,6 +182,9 @@ FREE: dict[str, str] = {
     "data.arithmetic.allow_negative": "bool",
     "data.arithmetic.system_prompt": "any text, or null",
     "rollout.streaming": "bool: every layout (colocated TP = 1, rollout-TP groups, servers) streams",
+    "rollout.check_weight_update": "bool: every transport verifies (docs/design.md §1.1); off observes nothing",
+    "rollout.check_weight_update_readback": "bool: off leaves SGLang receivers the structural checks only",
+    "rollout.weight_probe": "bool: engines that cannot score take part in the actor's side only",
     "buffer.filter_groups": "bool (its need for buffer.n >= 2 is buffer.n's check)",
     "buffer.overlong.enable": "bool",
     "buffer.overlong_filter": "bool",
