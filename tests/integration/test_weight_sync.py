@@ -5,7 +5,10 @@
    sync buckets smaller than one tensor and larger than the whole model. The engine starts
    from different random weights, so a tensor the sync missed would show.
 2. SmolLM2-135M-Instruct generates with HFEngine from chat-templated prompts, and the
-   logprobs it returns equal the TP=2 Megatron actor's on the generated tokens.
+   logprobs it returns equal the TP=2 Megatron actor's on the generated tokens (rank 0's
+   engine generates; both TP ranks score its samples).
+
+Every case runs in ONE 2-rank world (a world costs more than a case).
 """
 
 from __future__ import annotations
@@ -136,14 +139,20 @@ def _smollm2_case(gguf_dir: str, gguf_file: str) -> dict | None:
     load_hf_weights(model, open_hf_source(gguf_dir, gguf_file), parallel=par)
     actor = MegatronActor(model, ActorConfig(ppo_max_token_len_per_gpu=1024), total_steps=1,
                           vocab_size=hf_config.vocab_size, parallel=par)
-    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
-    engine = HFEngine(gguf_dir, gguf_file=gguf_file)  # its own GGUF import, independent of the bridge
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
-               for q in ("Compute 7 + 5. Reply with just the number.", "What is the capital of France?")]
-    prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
     temperature = 0.9
-    out = engine.generate(prompts, SamplingParams(n=2, temperature=temperature, max_new_tokens=12, seed=3))
-    samples = [s for i, c in enumerate(out) for s in completions_to_group(i, prompts[i], c).samples]
+    samples = None
+    if dist.get_rank() == 0:  # one engine generates (its own GGUF import, independent of the bridge)...
+        tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+        engine = HFEngine(gguf_dir, gguf_file=gguf_file)
+        prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                           tokenize=True)
+                   for q in ("Compute 7 + 5. Reply with just the number.", "What is the capital of France?")]
+        prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
+        out = engine.generate(prompts, SamplingParams(n=2, temperature=temperature, max_new_tokens=12, seed=3))
+        samples = [s for i, c in enumerate(out) for s in completions_to_group(i, prompts[i], c).samples]
+    box = [samples]
+    dist.broadcast_object_list(box, src=0)  # ...and both TP ranks score its samples
+    samples = box[0]
     actor_lp = actor.compute_logprobs([samples], temperature)
     diff = max(max(abs(a - b) for a, b in zip(s.rollout_logprobs, lp.tolist())) for s, lp in zip(samples, actor_lp))
     if dist.get_rank() == 0:
