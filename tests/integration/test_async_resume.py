@@ -86,6 +86,11 @@ def _run(hf_dir, url, run_dir, extra, out_path, kill=False):
             metrics = trainer.train_step()
             out["steps"][trainer.step] = {"policy_version": policy_version, "metrics": metrics,
                                           **_record(trainer, collected["groups"])}
+            if trainer.step == KILL_IN_STEP and ctrl.prompts is not None:
+                # the controller now waits for the sync after step 4 (η = 1): its admission state is
+                # settled, and a resumed run's must be the uninterrupted one's (restored, then the same)
+                with ctrl._cv:
+                    out["admission"] = {"skipper": ctrl.skipper.state_dict(), "keep_rate": ctrl.keep_rate.state_dict()}
             if kill and trainer.step == KILL_IN_STEP - 1:
                 deadline = time.monotonic() + 120
                 while not any(v == KILL_IN_STEP for v, _, _ in list(ctrl._ready)):
@@ -173,6 +178,9 @@ def test_the_resumed_run_trains_the_uninterrupted_runs_prompts_each_once(arms, r
                     "train/staleness_max") + (("rollout/skipped_prompts", "rollout/prompts_submitted",
                                                "rollout/keep_rate") if arms == "streamed_runs" else ()):
             assert done[k]["metrics"][key] == full[k]["metrics"][key], (k, key)
+    if arms == "streamed_runs":  # the skipper's history and the keep rate came back: after step 3 they are FULL's
+        assert runs["RESUMED"]["admission"] == runs["FULL"]["admission"]
+        assert runs["FULL"]["admission"]["skipper"]["encounters"]
     # the scenario: steps 3 and 4 train on the weights of version 2 (one version stale at step 4)
     assert [full[k]["metrics"]["train/staleness_max"] for k in sorted(full)] == [0, 1, 0, 1]
 
