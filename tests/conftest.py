@@ -14,6 +14,10 @@
   :func:`smollm2_tokenizer_dir`: its tokenizer alone; both made once and kept in a cache whose key
   changes with the code that makes them (:func:`cached_dir`, ``$DAPO_TEST_CACHE``).
 - ``shared_data_dir``: ``<repo>/../shared/data`` or a skip.
+- ``tiny_async_hf_dir``: the async tests' tiny model (``rollout_server.tiny_async_model``), built once
+  and kept on disk under a key of the code and inputs that make it; ``tiny_async_server``: one
+  ``dapo-rollout-server`` on it shared by the modules that ask for it (started again when a module
+  left it dead or unresponsive).
 - :class:`ReleaseRecorder`: a weight stream that records whether its consumer still holds
   the previous tensor when it asks for the next (what lets the bridge reuse its memory).
 """
@@ -332,6 +336,97 @@ def shared_data_dir() -> str:
     if not os.path.isdir(path):
         pytest.skip(f"shared test data not found at {path}")
     return path
+
+
+FIXTURE_CACHE = os.environ.get("DAPO_TEST_FIXTURE_CACHE",
+                               os.path.join(os.path.expanduser("~"), ".cache", "dapo-megatron", "test-fixtures"))
+
+
+def cached_dir(name: str, key_parts: list, build) -> str:
+    """``build(out_dir)`` once per key: the directory ``FIXTURE_CACHE/<name>-<sha of key_parts>``,
+    built under a temporary name and renamed into place (a concurrent builder's copy wins, the
+    other is dropped). ``key_parts`` must change whenever what ``build`` writes would: the source
+    of the functions that write it, the versions of the libraries they call, their inputs."""
+    import hashlib
+    import shutil
+    import tempfile
+
+    key = hashlib.sha256(repr(key_parts).encode()).hexdigest()[:16]
+    final = os.path.join(FIXTURE_CACHE, f"{name}-{key}")
+    if os.path.isfile(os.path.join(final, ".complete")):
+        return final
+    os.makedirs(FIXTURE_CACHE, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{name}-", dir=FIXTURE_CACHE)
+    try:
+        build(tmp)
+        open(os.path.join(tmp, ".complete"), "w").close()
+        os.rename(tmp, final)
+    except OSError:
+        if not os.path.isfile(os.path.join(final, ".complete")):
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+@pytest.fixture(scope="session")
+def tiny_async_hf_dir(smollm2_gguf) -> str:
+    """``rollout_server.tiny_async_model`` with ``ASYNC_NUM_STOP_IDS`` stop ids (the async tests'
+    model), from the disk cache: its key is the source of the functions that write it, the torch
+    and transformers versions and the GGUF file's size and mtime."""
+    import inspect
+
+    import torch
+    import transformers
+
+    import rollout_server
+
+    gguf = os.path.join(*smollm2_gguf)
+    key = [inspect.getsource(rollout_server.tiny_async_model), inspect.getsource(tiny_llama_with_smollm2_tokenizer_dir),
+           rollout_server.ASYNC_NUM_STOP_IDS, torch.__version__, transformers.__version__, os.path.getsize(gguf),
+           os.path.getmtime(gguf)]
+    return cached_dir("tiny_async", key, lambda out: rollout_server.tiny_async_model(
+        smollm2_gguf, out, rollout_server.ASYNC_NUM_STOP_IDS))
+
+
+@pytest.fixture(scope="session")
+def _tiny_async_server_slot():
+    slot: dict = {}
+    yield slot
+    if slot.get("server") is not None:
+        slot["server"].stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_async_server(_tiny_async_server_slot, tiny_async_hf_dir, tmp_path_factory):
+    """One ``dapo-rollout-server`` on ``tiny_async_hf_dir`` shared by every module that asks for it
+    (a start costs more than most tests). Each module gets it answering ``/health``: one that a
+    module left dead, stopped (SIGSTOP) or unresponsive is killed and a new one started. Its state
+    between modules: each run's first sync rewrites every weight and its weight-update group.
+    A module that kills or stops a server on purpose starts its own for that."""
+    import signal
+    import urllib.request
+
+    from rollout_server import RolloutServer
+
+    slot = _tiny_async_server_slot
+    server = slot.get("server")
+    if server is not None:
+        healthy = server.process.poll() is None
+        if healthy:
+            try:
+                with urllib.request.urlopen(server.url + "/health", timeout=10) as r:
+                    healthy = r.status == 200
+            except OSError:
+                healthy = False
+        if not healthy:
+            server.kill(signal.SIGKILL)
+            server.stop()
+            server = None
+    if server is None:
+        server = RolloutServer(tiny_async_hf_dir, tmp_path_factory.mktemp("tiny_async_server") / "server.log")
+        slot["server"] = server
+    return server
 
 
 @pytest.fixture(scope="session")

@@ -13,6 +13,8 @@ import time
 import urllib.request
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# the async tests' model stops at about one token in three (tiny_async_model's num_stop_ids)
+ASYNC_NUM_STOP_IDS = 16384
 
 
 def free_port() -> int:
@@ -45,6 +47,26 @@ def tiny_async_model(smollm2_gguf, out_dir, num_stop_ids: int = 0) -> str:
         config.eos_token_id = [config.eos_token_id] + list(range(1000, 1000 + num_stop_ids - 1))
         config.save_pretrained(hf_dir)
     return hf_dir
+
+
+def forget_weight_update_groups() -> int:
+    """Destroy this process's ends of the weight-update groups (``dapo_weights*``) that closed runs
+    left registered; returns how many. A gloo sender's abort (server_sync.ServerWeightSender.abort)
+    only drops its reference, so torch keeps the name and refuses a group of the same name
+    (``_new_process_group_helper``: "The specified group name has already been created"): the
+    state a fresh process starts from, for tests that run several trainers in one process."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    stale = [pg for pg, name in list(c10d._world.pg_names.items()) if name.startswith("dapo_weights")]
+    for pg in stale:
+        dist.destroy_process_group(pg)
+    return len(stale)
+
+
+def log_calls(log: str) -> list[str]:
+    """Every route an access log (a server's output) names, in order (``"POST /generate"``)."""
+    return [f"{m} {p}" for m, p in re.findall(r'"(GET|POST|PUT) (/[a-z_]*)[^"]* HTTP/1\.1"', log)]
 
 
 class RolloutServer:
@@ -95,7 +117,7 @@ class RolloutServer:
 
     def calls(self) -> list[str]:
         """Every route called so far, in order (``"POST /generate"``), from the access log."""
-        return [f"{m} {p}" for m, p in re.findall(r'"(GET|POST|PUT) (/[a-z_]*)[^"]* HTTP/1\.1"', self.log())]
+        return log_calls(self.log())
 
     def kill(self, sig=signal.SIGKILL) -> None:
         if self.process.poll() is None:

@@ -216,15 +216,22 @@ def serve(http_port: int, ready, tp_size: int = 1) -> None:
 class StandIn:
     """A running stand-in server: ``url`` and its process (``stop()`` kills it)."""
 
-    def __init__(self, tp_size: int = 1):
+    def __init__(self, tp_size: int = 1, wait: bool = True):
         ctx = mp.get_context("spawn")
         port = free_port()
-        ready = ctx.Event()
-        self.process = ctx.Process(target=serve, args=(port, ready, tp_size), daemon=True)
+        self._ready = ctx.Event()
+        self.process = ctx.Process(target=serve, args=(port, self._ready, tp_size), daemon=True)
         self.process.start()
-        if not ready.wait(60):
-            raise RuntimeError("stand-in server did not start")
         self.url = f"http://127.0.0.1:{port}"
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> "StandIn":
+        """Block until it serves (stand-ins made with ``wait=False`` start in parallel)."""
+        if not self._ready.wait(60):
+            self.stop()
+            raise RuntimeError("stand-in server did not start")
+        return self
 
     def stop(self) -> None:
         if self.process.is_alive():

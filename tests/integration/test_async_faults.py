@@ -24,13 +24,20 @@ import pytest
 import torch
 
 from dapo_megatron.platform import spawn
-from integration.test_async_rollout import CONFIG, NUM_STOP_IDS
-from rollout_server import RolloutServer, tiny_async_model
+from integration.test_async_rollout import CONFIG
+from rollout_server import RolloutServer, forget_weight_update_groups, log_calls
 
 STEPS = 3
-TIMEOUT_S = 10  # rollout.server_silence_timeout_s and rollout.server_timeout_s of the faulty runs
-FAULT_CONFIG = ["buffer.max_staleness=0", "async_training.enable=true", "trainer.save_freq=1",
-                f"rollout.server_silence_timeout_s={TIMEOUT_S}", f"rollout.server_timeout_s={TIMEOUT_S}"]
+TIMEOUT_S = 10  # rollout.server_silence_timeout_s and rollout.server_timeout_s of the runs but HANG...
+# ...whose run waits out both bounds three times (the silent /generate, the /health after it, the
+# /health before the next sync): shorter there (a healthy server answers /health in milliseconds)
+HANG_TIMEOUT_S, HANG_HEALTH_TIMEOUT_S = 4, 5
+FAULT_CONFIG = ["buffer.max_staleness=0", "async_training.enable=true", "trainer.save_freq=1"]
+
+
+def _timeouts(fault) -> list[str]:
+    silence, health = (HANG_TIMEOUT_S, HANG_HEALTH_TIMEOUT_S) if fault == "hang" else (TIMEOUT_S, TIMEOUT_S)
+    return [f"rollout.server_silence_timeout_s={silence}", f"rollout.server_timeout_s={health}"]
 
 
 def _record(trainer, groups) -> dict:
@@ -42,18 +49,19 @@ def _record(trainer, groups) -> dict:
             "logprobs": [[s.rollout_logprobs for s in g.samples] for g in groups]}
 
 
-def _worker(hf_dir, urls, run_dir, out_path, fault, pids):
+def _arm(hf_dir, urls, run_dir, out_path, fault, pids, logs=()):
     """Train to step STEPS (resuming from run_dir's checkpoint if there is one), saving after
     every step; ``fault``: None, "kill" (SIGKILL server 1 with its /generate of step 2 in flight),
     "hang" (SIGSTOP server 1 for step 1's /generate, SIGCONT after step 1) or "die_in_sync"
     (SIGKILL server 1 inside the weight sync of version 2). Writes the steps, the controller's
-    view of its servers, and the error that stopped the run."""
+    view of its servers, the error that stopped the run, and the calls each server of ``logs``
+    (log paths) answered so far."""
     from dapo_megatron.config import DAPOConfig, load_config
     from dapo_megatron.platform import init_distributed
     from dapo_megatron.rollout.engines import server_sync
     from dapo_megatron.trainer import DAPOTrainer
 
-    cfg = load_config(DAPOConfig, None, CONFIG + FAULT_CONFIG + [
+    cfg = load_config(DAPOConfig, None, CONFIG + FAULT_CONFIG + _timeouts(fault) + [
         f"model.hf_path={hf_dir}", f"trainer.default_local_dir={run_dir}",
         f"rollout.server_urls=[{','.join(urls)}]"])
     trainer = DAPOTrainer(cfg, init_distributed(cfg.parallel, seed=cfg.trainer.seed))
@@ -104,37 +112,51 @@ def _worker(hf_dir, urls, run_dir, out_path, fault, pids):
     except RuntimeError as err:
         out["error"] = str(err)
     finally:
+        server_sync.pause_servers = real_pause  # the next arm of this process gets the real one
         out["health"], out["server_errors"] = list(ctrl.health), list(ctrl.server_errors)
         trainer.rollout.close()
+        out["calls"] = [log_calls(open(path).read()) for path in logs]
         torch.save(out, out_path)
 
 
+def _worker(arms):
+    """:func:`_arm` for each ``args`` of ``arms``, one after the other in this world of one (a
+    process costs more than an arm; each arm's trainer is closed before the next starts)."""
+    seed = torch.initial_seed()
+    for args in arms:
+        torch.manual_seed(seed)  # each arm from torch's initial default generator, as in a fresh process
+        _arm(*args)
+        forget_weight_update_groups()  # the next arm forms groups of the same names
+
+
 @pytest.fixture(scope="module")
-def runs(smollm2_gguf, tmp_path_factory):
+def runs(tiny_async_hf_dir, tmp_path_factory, request):
+    """A: the session's shared server on the tiny model (conftest; it is never faulted here);
+    B and C: this module's own, the ones killed and stopped."""
     root = tmp_path_factory.mktemp("async_faults")
-    hf_dir = tiny_async_model(smollm2_gguf, root / "tiny_hf", NUM_STOP_IDS)
-    servers = {name: RolloutServer(hf_dir, root / f"{name}.log", wait=False) for name in ("A", "B", "C")}
+    hf_dir = tiny_async_hf_dir
+    victims = {name: RolloutServer(hf_dir, root / f"{name}.log", wait=False) for name in ("B", "C")}
+    servers = {"A": None, **victims}
     out = {"servers": servers}
     try:
-        for s in servers.values():
+        servers["A"] = request.getfixturevalue("tiny_async_server")  # starts while B and C load
+        for s in victims.values():
             s.wait_ready()
         a, b, c = servers["A"], servers["B"], servers["C"]
         arms = {"REF": ([a, b], None), "KILL": ([a, b], "kill"), "HANG": ([a, c], "hang"),
                 "DIE": ([a, c], "die_in_sync")}
-        for name, (pair, fault) in arms.items():
-            path = str(root / f"{name}.pt")
-            spawn(_worker, 1, hf_dir, [s.url for s in pair], str(root / name), path, fault,
-                  [s.process.pid for s in pair])
-            out[name] = torch.load(path, weights_only=False)
-            if name == "HANG":
-                out["C_calls"] = c.calls()
+        todo = [(hf_dir, [s.url for s in pair], str(root / name), str(root / f"{name}.pt"), fault,
+                 [s.process.pid for s in pair], [c.log_path] if name == "HANG" else ())
+                for name, (pair, fault) in arms.items()]
         # the run DIE stopped at the sync of version 2: resume it from its step-1 checkpoint on A alone
-        path = str(root / "DIE_resumed.pt")
-        spawn(_worker, 1, hf_dir, [a.url], str(root / "DIE"), path, None, [a.process.pid])
-        out["DIE_resumed"] = torch.load(path, weights_only=False)
+        todo.append((hf_dir, [a.url], str(root / "DIE"), str(root / "DIE_resumed.pt"), None, [a.process.pid]))
+        spawn(_worker, 1, todo)
+        for name in [*arms, "DIE_resumed"]:
+            out[name] = torch.load(root / f"{name}.pt", weights_only=False)
+        out["C_calls"] = out["HANG"]["calls"][0]  # C's calls up to the end of HANG (DIE uses C next)
         out["C_returncode"], out["B_returncode"] = c.process.poll(), b.process.poll()
     finally:
-        for s in servers.values():
+        for s in victims.values():
             s.stop()
     return out
 
@@ -183,9 +205,9 @@ def test_a_hung_server_times_out_and_is_synced_before_it_gets_work_again(runs):
     hang, url_c = runs["HANG"], runs["servers"]["C"].url
     assert hang["error"] is None, hang["error"]
     server, message, waited = hang["failures"][0]
-    assert server == 1 and f"rollout.server_silence_timeout_s={TIMEOUT_S:g})" in message and url_c in message
+    assert server == 1 and f"rollout.server_silence_timeout_s={HANG_TIMEOUT_S:g})" in message and url_c in message
     assert f"{url_c}/generate: no bytes for" in message and "/health" in message
-    assert waited >= TIMEOUT_S - 0.5
+    assert waited >= HANG_TIMEOUT_S - 0.5
     m = {k: st["metrics"] for k, st in hang["steps"].items()}
     assert m[1]["rollout/retried_rows"] > 0 and m[1]["rollout/server_failures"] == 1
     assert m[2]["rollout/healthy_servers"] == 1  # excluded from the sync of version 1 (/health timed out)

@@ -3,17 +3,23 @@ twice, and what a resume with a lower η finds too stale is evicted and counted.
 
 One real dapo-rollout-server, the tiny model of test_async_rollout. η = 1 with the weights
 synced every 2 steps (``async_training.trigger_parameter_sync_step=2``, syncs of versions 0,
-2, 4): the controller fills the steps of policy versions 4 and 5 with the weights of version 4
-and then waits (policy version 6 is not admitted before the sync of version 6), so what each
-step trains does not depend on timing, and the checkpoint after step 4 (a sync was due: the
+2): the controller fills the steps of policy versions 2 and 3 with the weights of version 2
+and then waits (policy version 4 is not admitted before the sync of version 4), so what each
+step trains does not depend on timing, and the checkpoint after step 2 (a sync was due: the
 resumed servers hold what the uninterrupted ones did) holds two ready steps: policy version
-4's, fresh, and 5's, its tokens one version behind.
+2's, fresh, and 3's, its tokens one version behind.
 
-FULL runs 6 steps; KILLED the same, saving every step, until ``os._exit`` inside step 5's
+FULL runs 4 steps; KILLED the same, saving every step, until ``os._exit`` inside step 3's
 update (no cleanup, as under SIGKILL: the step taken from the ready queue is gone with the
-process); RESUMED continues KILLED from its step-4 checkpoint; EVICT resumes a copy of that
+process); RESUMED continues KILLED from its step-2 checkpoint; EVICT resumes a copy of that
 checkpoint with η = 0 (and a sync every step). The same four runs again with streamed admission
 and GRESO skipping (``STREAMED``): its queue, keep rate and skipper history come back too.
+(Step 2's checkpoint already carries all of it: a sync was due, two steps are ready, the open
+step is filling, and the skipper has seen prompts; killing later, in step 5 of 6 as before,
+checked nothing more and cost 4 more steps per arm.) Each KILLED dies in its own process; FULL,
+RESUMED and EVICT of both admissions run one after the other in one process (a process costs
+more than a run), each from the state of a fresh process: torch's default generator reset to
+its initial seed.
 """
 
 import os
@@ -24,10 +30,10 @@ import torch
 
 from dapo_megatron.platform import spawn
 from integration.test_async_faults import _record
-from integration.test_async_rollout import CONFIG, NUM_STOP_IDS
-from rollout_server import RolloutServer, tiny_async_model
+from integration.test_async_rollout import CONFIG
+from rollout_server import forget_weight_update_groups
 
-STEPS, KILL_IN_STEP = 6, 5
+STEPS, KILL_IN_STEP = 4, 3
 GEN_BATCH_SIZE = int(next(o for o in CONFIG if o.startswith("buffer.gen_batch_size=")).split("=")[1])
 RESUME_CONFIG = [f"trainer.total_training_steps={STEPS}", "trainer.save_freq=1", "async_training.enable=true"]
 ETA1 = ["buffer.max_staleness=1", "async_training.trigger_parameter_sync_step=2"]
@@ -37,10 +43,20 @@ STREAMED = ["rollout.streaming=true", "buffer.prompt_skip.enable=true", "buffer.
             "buffer.prompt_skip.skip_probability=0.5"]
 
 
-def _worker(hf_dir, url, run_dir, extra, out_path, kill=False):
+def _worker(runs):
+    """:func:`_run` for each ``args`` of ``runs``, one after the other in this process, each from
+    torch's initial default generator (the state of a fresh process)."""
+    seed = torch.initial_seed()
+    for args in runs:
+        torch.manual_seed(seed)
+        _run(*args)
+        forget_weight_update_groups()  # the next run forms groups of the same names
+
+
+def _run(hf_dir, url, run_dir, extra, out_path, kill=False):
     """Train to step STEPS from run_dir's checkpoint (if any), saving after every step; ``kill``:
-    before the step-4 save wait until the ready queue holds policy version 5's step, then
-    ``os._exit(9)`` inside step 5's update."""
+    before the step-2 save wait until the ready queue holds policy version 3's step, then
+    ``os._exit(9)`` inside step 3's update."""
     import time
 
     from dapo_megatron.config import DAPOConfig, load_config
@@ -70,10 +86,15 @@ def _worker(hf_dir, url, run_dir, extra, out_path, kill=False):
             metrics = trainer.train_step()
             out["steps"][trainer.step] = {"policy_version": policy_version, "metrics": metrics,
                                           **_record(trainer, collected["groups"])}
+            if trainer.step == KILL_IN_STEP and ctrl.prompts is not None:
+                # the controller now waits for the sync after step 4 (η = 1): its admission state is
+                # settled, and a resumed run's must be the uninterrupted one's (restored, then the same)
+                with ctrl._cv:
+                    out["admission"] = {"skipper": ctrl.skipper.state_dict(), "keep_rate": ctrl.keep_rate.state_dict()}
             if kill and trainer.step == KILL_IN_STEP - 1:
                 deadline = time.monotonic() + 120
                 while not any(v == KILL_IN_STEP for v, _, _ in list(ctrl._ready)):
-                    assert time.monotonic() < deadline, "the step of policy version 5 never got ready"
+                    assert time.monotonic() < deadline, f"the step of policy version {KILL_IN_STEP} never got ready"
                     time.sleep(0.05)
             trainer.save()
             torch.save(out, out_path)  # the steps so far: a killed run leaves them
@@ -81,44 +102,52 @@ def _worker(hf_dir, url, run_dir, extra, out_path, kill=False):
         trainer.rollout.close()
 
 
-def _kill_and_resume(hf_dir, url, root, extra, evict: bool) -> dict:
-    """FULL, KILLED and RESUMED (and, ``evict``, EVICT) with ``extra`` on top of η = 1."""
-    out = {}
-    spawn(_worker, 1, hf_dir, url, str(root / "FULL"), ETA1 + extra, str(root / "FULL.pt"))
-    with pytest.raises(Exception, match="exit code 9|exitcode 9|exited with exit code"):
-        spawn(_worker, 1, hf_dir, url, str(root / "KILLED"), ETA1 + extra, str(root / "KILLED.pt"), True)
-    ckpt = os.path.join(root, "KILLED", "checkpoints", f"step_{KILL_IN_STEP - 1}")
-    out["ckpt_state"] = torch.load(os.path.join(ckpt, "trainer_state.pt"),
-                                   weights_only=False)["components"]["rollout"]  # Checkpointer's layout 2
-    if evict:
+def _all_runs(hf_dir, url, roots: dict) -> dict:
+    """Per admission (``roots``: name -> (run root, extra options on top of η = 1)): FULL, KILLED,
+    RESUMED and EVICT, and the rollout state of KILLED's checkpoint. The KILLED runs first, each in
+    its own process; then every other run in one process."""
+    for root, extra in roots.values():
+        with pytest.raises(Exception, match="exit code 9|exitcode 9|exited with exit code"):
+            spawn(_worker, 1, [(hf_dir, url, str(root / "KILLED"), ETA1 + extra, str(root / "KILLED.pt"), True)])
         shutil.copytree(root / "KILLED", root / "EVICT")
-    spawn(_worker, 1, hf_dir, url, str(root / "KILLED"), ETA1 + extra, str(root / "RESUMED.pt"))
-    if evict:
-        spawn(_worker, 1, hf_dir, url, str(root / "EVICT"), ETA0 + extra, str(root / "EVICT.pt"))
-    for name in ("FULL", "KILLED", "RESUMED") + (("EVICT",) if evict else ()):
-        out[name] = torch.load(root / f"{name}.pt", weights_only=False)
+    rest = []
+    for root, extra in roots.values():
+        rest += [(hf_dir, url, str(root / "FULL"), ETA1 + extra, str(root / "FULL.pt")),
+                 (hf_dir, url, str(root / "KILLED"), ETA1 + extra, str(root / "RESUMED.pt")),
+                 (hf_dir, url, str(root / "EVICT"), ETA0 + extra, str(root / "EVICT.pt"))]
+    spawn(_worker, 1, rest)
+    out = {}
+    for arms, (root, _) in roots.items():
+        ckpt = os.path.join(root, "KILLED", "checkpoints", f"step_{KILL_IN_STEP - 1}")
+        out[arms] = {"ckpt_state": torch.load(os.path.join(ckpt, "trainer_state.pt"),
+                                              weights_only=False)["components"]["rollout"]}  # Checkpointer's layout 2
+        for name in ("FULL", "KILLED", "RESUMED", "EVICT"):
+            out[arms][name] = torch.load(root / f"{name}.pt", weights_only=False)
     return out
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_gguf, tmp_path_factory):
-    root = tmp_path_factory.mktemp("async_resume")
-    hf_dir = tiny_async_model(smollm2_gguf, root / "tiny_hf", NUM_STOP_IDS)
-    srv = RolloutServer(hf_dir, root / "server.log")
-    yield hf_dir, srv
-    srv.stop()
+def server(tiny_async_hf_dir, tiny_async_server):
+    """The session's tiny model and its shared server (conftest): every run's first sync rewrites
+    the weights an earlier module left there."""
+    return tiny_async_hf_dir, tiny_async_server
 
 
 @pytest.fixture(scope="module")
-def runs(server, tmp_path_factory):
+def all_runs(server, tmp_path_factory):
     hf_dir, srv = server
-    return _kill_and_resume(hf_dir, srv.url, tmp_path_factory.mktemp("batch"), [], evict=True)
+    return _all_runs(hf_dir, srv.url, {"runs": (tmp_path_factory.mktemp("batch"), []),
+                                       "streamed_runs": (tmp_path_factory.mktemp("streamed"), STREAMED)})
 
 
 @pytest.fixture(scope="module")
-def streamed_runs(server, tmp_path_factory):
-    hf_dir, srv = server
-    return _kill_and_resume(hf_dir, srv.url, tmp_path_factory.mktemp("streamed"), STREAMED, evict=True)
+def runs(all_runs):
+    return all_runs["runs"]
+
+
+@pytest.fixture(scope="module")
+def streamed_runs(all_runs):
+    return all_runs["streamed_runs"]
 
 
 def _seeds(steps: dict) -> list[int]:
@@ -127,19 +156,19 @@ def _seeds(steps: dict) -> list[int]:
 
 def test_the_checkpoint_holds_a_fresh_and_a_stale_ready_step(runs):
     state = runs["ckpt_state"]["async_rollout"]
-    assert sorted(runs["KILLED"]["steps"]) == [1, 2, 3, 4]  # step 5 never finished
-    assert [r["version"] for r in state["ready"]] == [4, 5] and state["fill"]["version"] == 6
+    assert sorted(runs["KILLED"]["steps"]) == [1, 2]  # step 3 never finished
+    assert [r["version"] for r in state["ready"]] == [2, 3] and state["fill"]["version"] == 4
     versions = {v for r in state["ready"] for g in r["groups"] for s in g["samples"] for _, v in s["versions"]}
-    assert versions == {4}
+    assert versions == {2}
 
 
 @pytest.mark.parametrize("arms", ["runs", "streamed_runs"])
 def test_the_resumed_run_trains_the_uninterrupted_runs_prompts_each_once(arms, request):
     runs = request.getfixturevalue(arms)
     full, killed, resumed = runs["FULL"]["steps"], runs["KILLED"]["steps"], runs["RESUMED"]["steps"]
-    assert runs["RESUMED"]["start"] == KILL_IN_STEP - 1 and sorted(resumed) == [5, 6]
-    done = {**{k: killed[k] for k in (1, 2, 3, 4)}, **resumed}
-    assert sorted(full) == sorted(done) == [1, 2, 3, 4, 5, 6]
+    assert runs["RESUMED"]["start"] == KILL_IN_STEP - 1 and sorted(resumed) == [3, 4]
+    done = {**{k: killed[k] for k in (1, 2)}, **resumed}
+    assert sorted(full) == sorted(done) == [1, 2, 3, 4]
     # count them: the same prompts step by step, none twice
     assert _seeds(done) == _seeds(full) and len(set(_seeds(full))) == len(_seeds(full)) >= STEPS
     for k in full:
@@ -149,32 +178,35 @@ def test_the_resumed_run_trains_the_uninterrupted_runs_prompts_each_once(arms, r
                     "train/staleness_max") + (("rollout/skipped_prompts", "rollout/prompts_submitted",
                                                "rollout/keep_rate") if arms == "streamed_runs" else ()):
             assert done[k]["metrics"][key] == full[k]["metrics"][key], (k, key)
-    # the scenario: steps 5 and 6 train on the weights of version 4 (one version stale at step 6)
-    assert [full[k]["metrics"]["train/staleness_max"] for k in sorted(full)] == [0, 1, 0, 1, 0, 1]
+    if arms == "streamed_runs":  # the skipper's history and the keep rate came back: after step 3 they are FULL's
+        assert runs["RESUMED"]["admission"] == runs["FULL"]["admission"]
+        assert runs["FULL"]["admission"]["skipper"]["encounters"]
+    # the scenario: steps 3 and 4 train on the weights of version 2 (one version stale at step 4)
+    assert [full[k]["metrics"]["train/staleness_max"] for k in sorted(full)] == [0, 1, 0, 1]
 
 
 @pytest.mark.parametrize("arms", ["runs", "streamed_runs"])
 def test_a_resume_with_a_lower_eta_evicts_and_counts_the_too_stale_groups(arms, request):
     runs = request.getfixturevalue(arms)
     state, evict, full = runs["ckpt_state"]["async_rollout"], runs["EVICT"]["steps"], runs["FULL"]["steps"]
-    assert runs["EVICT"]["start"] == KILL_IN_STEP - 1 and sorted(evict) == [5, 6]
+    assert runs["EVICT"]["start"] == KILL_IN_STEP - 1 and sorted(evict) == [3, 4]
     # independently: every carried group (ready steps, the open step's kept and surplus) with a
     # token sampled before the policy version of the step it was kept for
     carried = ([(r["version"], g) for r in state["ready"] for g in r["groups"]]
                + [(state["fill"]["version"], g) for g in state["fill"]["kept"] + state["fill"]["surplus"]["surplus"]])
     stale = [g["prompt_seed"] for p, g in carried if min(v for s in g["samples"] for _, v in s["versions"]) < p]
     assert stale, "nothing in the checkpoint is stale at eta=0: the test would test nothing"
-    # step 5 trains the fresh ready step as it was; step 6's is filled again without the evicted groups
-    assert evict[5]["seeds"] == full[5]["seeds"] and evict[5]["tokens"] == full[5]["tokens"]
-    m6 = evict[6]["metrics"]
-    assert m6["rollout/evicted_on_resume"] == len(stale) and m6["rollout/dropped_stale"] == 0
-    assert evict[5]["metrics"]["rollout/evicted_on_resume"] == 0
+    # step 3 trains the fresh ready step as it was; step 4's is filled again without the evicted groups
+    assert evict[3]["seeds"] == full[3]["seeds"] and evict[3]["tokens"] == full[3]["tokens"]
+    m4 = evict[4]["metrics"]
+    assert m4["rollout/evicted_on_resume"] == len(stale) and m4["rollout/dropped_stale"] == 0
+    assert evict[3]["metrics"]["rollout/evicted_on_resume"] == 0
     assert all(evict[k]["metrics"]["train/staleness_max"] == 0 for k in evict)
     for k in evict:
         for per_sample in evict[k]["token_versions"]:
             assert all(v == evict[k]["policy_version"] for vs in per_sample for v in vs)
     # no prompt twice: what steps 5, 6 train is neither trained before the checkpoint nor evicted
-    before = _seeds({k: runs["KILLED"]["steps"][k] for k in (1, 2, 3, 4)})
+    before = _seeds({k: runs["KILLED"]["steps"][k] for k in (1, 2)})
     after = _seeds(evict)
     assert len(set(after)) == len(after) and not set(after) & (set(before) | set(stale))
 

@@ -11,7 +11,9 @@ mode on server A), AV (async on A and B), AH (async on A and B, B SIGSTOPped for
 of step 0: its request times out; no training) and AK (async on A and B, A SIGKILLed before the
 validation of step 1), each fault with the controller paused so no rollout request meets it first;
 and AV2, async on A and B with two trainer ranks (DP 2), validating at step 0: rank 0 generates
-and grades, rank 1 gets the same metrics by broadcast.
+and grades, rank 1 gets the same metrics by broadcast. A process costs more than an arm: AV2 runs
+first in its world of two, then S, AV, AH and AK one after the other in ONE world of one (a new
+trainer per arm, each closed before the next; AK last: it kills A).
 Server 0 is the one killed: before, async validation went through synchronous validation,
 whose world of one drives server 0 only, so that is the fault that failed it.
 
@@ -29,21 +31,22 @@ import pytest
 import torch
 
 from dapo_megatron.platform import spawn
-from integration.test_async_rollout import CONFIG, NUM_STOP_IDS
-from rollout_server import RolloutServer, tiny_async_model
+from integration.test_async_rollout import CONFIG
+from rollout_server import RolloutServer, forget_weight_update_groups
 
 VAL_CONFIG = ["trainer.total_training_steps=1", "buffer.max_staleness=0", "data.arithmetic.num_val_problems=4",
               "rollout.val_max_prompts=3", "rollout.val_n=4", "rollout.val_temperature=1.0",
               "rollout.server_silence_timeout_s=20", "rollout.server_timeout_s=20"]
 ASYNC = ["async_training.enable=true"]
-HANG_TIMEOUT_S = 4  # rollout.server_silence_timeout_s of the run whose server hangs
+HANG_TIMEOUT_S = 4  # rollout.server_silence_timeout_s of the run whose server hangs...
+HANG_HEALTH_TIMEOUT_S = 5  # ...and its server_timeout_s (the /health after the silence waits it out too)
 
 
 def _acc(text: str) -> bool:
     return hashlib.blake2b(text.encode(), digest_size=1).digest()[0] % 2 == 0
 
 
-def _worker(hf_dir, urls, run_dir, extra, out_path, fault=None, pid=None):
+def _arm(hf_dir, urls, run_dir, extra, out_path, fault=None, pid=None):
     """Validate at step 0, train one step, validate at step 1. ``fault`` (with the controller
     paused, so no rollout request meets it first): "kill" SIGKILLs server ``pid`` before the
     validation of step 1; "hang" SIGSTOPs it for the validation of step 0 (then SIGCONT, and no
@@ -112,30 +115,45 @@ def _worker(hf_dir, urls, run_dir, extra, out_path, fault=None, pid=None):
     torch.save(out, f"{out_path}.{trainer.rank}")
 
 
+def _worker(arms):
+    """:func:`_arm` for each ``args`` of ``arms``, one after the other in this world."""
+    seed = torch.initial_seed()
+    for args in arms:
+        torch.manual_seed(seed)  # each arm from torch's initial default generator, as in a fresh process
+        _arm(*args)
+        forget_weight_update_groups()  # the next arm forms groups of the same names
+
+
 @pytest.fixture(scope="module")
-def runs(smollm2_gguf, tmp_path_factory):
+def runs(tiny_async_hf_dir, tmp_path_factory, request):
+    """A: this module's own server (server 0, SIGKILLed by AK); B: the session's shared one on the
+    tiny model (conftest), SIGSTOPped for AH's validation and continued."""
     root = tmp_path_factory.mktemp("async_validate")
-    hf_dir = tiny_async_model(smollm2_gguf, root / "tiny_hf", NUM_STOP_IDS)
-    servers = {name: RolloutServer(hf_dir, root / f"{name}.log", wait=False) for name in ("A", "B")}
+    hf_dir = tiny_async_hf_dir
+    own = RolloutServer(hf_dir, root / "A.log", wait=False)
+    servers = {"A": own, "B": None}
     out = {"servers": servers}
     try:
-        for s in servers.values():
-            s.wait_ready()
+        servers["B"] = request.getfixturevalue("tiny_async_server")  # starts while A loads
+        own.wait_ready()
         a, b = servers["A"], servers["B"]
         arms = {"S": ([a], [], None, None), "AV": ([a, b], ASYNC, None, None),
-                "AH": ([a, b], ASYNC + [f"rollout.server_silence_timeout_s={HANG_TIMEOUT_S}"], "hang", b),
+                "AH": ([a, b], ASYNC + [f"rollout.server_silence_timeout_s={HANG_TIMEOUT_S}",
+                                       f"rollout.server_timeout_s={HANG_HEALTH_TIMEOUT_S}"], "hang", b),
                 "AV2": ([a, b], ASYNC, "once", None), "AK": ([a, b], ASYNC, "kill", a)}
-        for name, (pair, extra, fault, victim) in arms.items():
-            path, world = str(root / f"{name}.pt"), 2 if name == "AV2" else 1
-            spawn(_worker, world, hf_dir, [s.url for s in pair], str(root / name), extra, path, fault,
-                  victim.process.pid if victim is not None else None)
-            out[name] = torch.load(f"{path}.0", weights_only=False)
-            if world > 1:
-                out[f"{name}_rank1"] = torch.load(f"{path}.1", weights_only=False)
+        args = {name: (hf_dir, [s.url for s in pair], str(root / name), extra, str(root / f"{name}.pt"), fault,
+                       victim.process.pid if victim is not None else None)
+                for name, (pair, extra, fault, victim) in arms.items()}
+        spawn(_worker, 2, [args["AV2"]])
+        spawn(_worker, 1, [args[name] for name in ("S", "AV", "AH", "AK")])  # AK last: it kills A
+        for name in arms:
+            out[name] = torch.load(root / f"{name}.pt.0", weights_only=False)
+        out["AV2_rank1"] = torch.load(root / "AV2.pt.1", weights_only=False)
         out["A_returncode"] = a.process.poll()
     finally:
-        for s in servers.values():
-            s.stop()
+        if servers["B"] is not None and servers["B"].process.poll() is None:
+            os.kill(servers["B"].process.pid, signal.SIGCONT)  # a failed AH may have left it stopped
+        own.stop()
     return out
 
 

@@ -11,6 +11,10 @@ joins the broadcast) and that stops every rank with its URL (no hang: the TP pee
 bridge's collectives in step); a dead, hung or unhealthy server fails the health check naming
 its URL within the timeout (the stand-in of tests/sglang_standin.py, which can be made to hang
 or answer 503 on demand).
+
+The three syncs run in ONE 2-rank world, one after the other (a world costs more than a sync);
+rank 0 reads back what the servers hold after each, before the next sync (each actor on other
+weights than the last) overwrites it, and each server's calls during each sync.
 """
 
 from __future__ import annotations
@@ -25,13 +29,62 @@ import torch
 
 from dapo_megatron.platform import spawn
 from dapo_megatron.rollout.engines.sglang_engine import http_post
-from rollout_server import RolloutServer, save_tiny_model
+from rollout_server import RolloutServer, forget_weight_update_groups, free_port, save_tiny_model
 from sglang_standin import StandIn
 
 BUCKET = 20_000
 
 
-def _sync_worker(tp, pp, urls, out_dir, timeout_s=60):
+def _calls_settled(log_paths) -> list[list[str]]:
+    """Each log's calls once two reads 0.3 s apart agree (uvicorn writes an access line as it answers)."""
+    from rollout_server import log_calls
+
+    def read():
+        return [log_calls(open(p).read()) for p in log_paths]
+
+    last = read()
+    for _ in range(20):
+        time.sleep(0.3)
+        now = read()
+        if now == last:
+            break
+        last = now
+    return last
+
+
+def _probe(url, export, prompts):
+    """What a server holds after a sync, read back through SGLang's API: every exported tensor's
+    values (``/get_weights_by_name``), its greedy generation of ``prompts`` and its weight-update groups."""
+    from dapo_megatron.rollout.engines.sglang_engine import http_get
+
+    weights = {name: http_post(url, "/get_weights_by_name", {"name": name, "truncate_size": tensor.shape[0]}, 30)
+               for name, tensor in export.items()}
+    out = http_post(url, "/generate", {"input_ids": prompts, "sampling_params": {"max_new_tokens": 8,
+                                                                                "temperature": 0}}, 60)
+    groups = http_get(url, "/server_info", 10)["internal_states"][0]["weight_update_groups"]
+    return {"weights": weights, "generated": [o["output_ids"] for o in out], "groups": list(groups)}
+
+
+PROMPTS = [[5, 17, 33, 8], [100, 3, 41]]
+# the layouts of the sync test, each with its own actor weights (so each sync moves every weight)
+CASES = {"actor_pp2": (1, 2, 1), "actor_tp2": (2, 1, 3)}
+
+
+def _world(urls, logs, refuse_urls, refuse_logs, out_root):
+    """Every sync of this file in ONE 2-rank world (a world costs more than a sync): the TP=1/PP=2
+    and TP=2 actors into ``urls`` (each followed by rank 0's read-back of what the servers hold,
+    before the next sync overwrites it), then the TP=2 actor into ``refuse_urls`` (one server of
+    another model: the sync fails). Per case each rank writes ``<case>/rank<r>.json``, rank 0
+    with the calls each server (``logs``) answered during the sync."""
+    import torch.distributed as dist
+
+    for name, (tp, pp, seed) in CASES.items():
+        _sync_case(tp, pp, urls, os.path.join(out_root, name), logs=logs, seed=seed, probe=True)
+    _sync_case(2, 1, refuse_urls, os.path.join(out_root, "refuse"), timeout_s=10, logs=refuse_logs)
+    dist.barrier()
+
+
+def _sync_case(tp, pp, urls, out_dir, timeout_s=60, logs=(), seed=1, probe=False):
     import torch.distributed as dist
 
     from conftest import random_hf_model, tiny_hf_config
@@ -41,11 +94,14 @@ def _sync_worker(tp, pp, urls, out_dir, timeout_s=60):
     from dapo_megatron.rollout.engines.engine import hf_param_specs
     from dapo_megatron.rollout.engines.server_sync import check_health, connect_servers, query_server, sync_servers
 
+    os.makedirs(out_dir, exist_ok=True)
+    # a new layout in the same world: init_distributed rebuilds megatron-core's groups (distributed.py)
     parallel = init_distributed(ParallelConfig(tp, pp), seed=0)
     rank = dist.get_rank()
+    before = [len(c) for c in _calls_settled(logs)] if rank == 0 else None
     hf_config = tiny_hf_config("qwen2_bias")
     model = build_gpt_model(hf_config, ModelConfig(transformer_impl="local"), parallel=parallel)
-    load_hf_weights(model, random_hf_model(hf_config, seed=1).state_dict(), parallel=parallel)
+    load_hf_weights(model, random_hf_model(hf_config, seed=seed).state_dict(), parallel=parallel)
     export = export_hf_state_dict(model, parallel=parallel)
     servers = [query_server(u, 30) for u in urls]
     stage, stages = parallel.pp_rank, parallel.pp_size
@@ -79,8 +135,16 @@ def _sync_worker(tp, pp, urls, out_dir, timeout_s=60):
         result["export"] = {n: base64.b64encode(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).decode()
                             for n, t in export.items()}
         result["export_shapes"] = {n: list(t.shape) for n, t in export.items()}
+        result["calls"] = [c[skip:] for c, skip in zip(_calls_settled(logs), before)]
+        if probe:
+            result["servers"] = [_probe(u, export, PROMPTS) for u in urls]
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+    dist.barrier()  # rank 0's reads done before any group goes (and before the next sync overwrites)
+    if sender is not None:  # the next case forms its own groups, as a new world would
+        sender.destroy()
+    forget_weight_update_groups()
+    dist.barrier()
 
 
 @pytest.fixture(scope="module")
@@ -109,39 +173,47 @@ def _greedy(model, prompt, steps):
     return ids[len(prompt):]
 
 
+@pytest.fixture(scope="module")
+def world(servers, tmp_path_factory):
+    """Rank 0's and rank 1's results of :func:`_world` per case (``actor_pp2``, ``actor_tp2``, ``refuse``)."""
+    root = tmp_path_factory.mktemp("server_sync_world")
+    two, refuse = servers[:2], [servers[0], servers[2]]
+    spawn(_world, 2, [s.url for s in two], [s.log_path for s in two], [s.url for s in refuse],
+          [servers[0].log_path], str(root))
+    return {case: [json.load(open(root / case / f"rank{r}.json")) for r in range(2)]
+            for case in (*CASES, "refuse")}
+
+
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("tp, pp", [(1, 2), (2, 1)], ids=["actor_pp2", "actor_tp2"])
-def test_each_server_holds_the_hf_export_bitwise_and_generates_with_it(tp, pp, servers, tmp_path):
+def test_each_server_holds_the_hf_export_bitwise_and_generates_with_it(tp, pp, servers, world):
     from transformers import AutoModelForCausalLM
 
     from conftest import tiny_hf_config
-    from dapo_megatron.rollout.engines.sglang_engine import http_get
 
-    two = servers[:2]
-    urls = [s.url for s in two]
-    before = [len(s.calls()) for s in two]
-    spawn(_sync_worker, 2, tp, pp, urls, str(tmp_path))
-    r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in range(2))
+    case = f"actor_{'pp2' if pp == 2 else 'tp2'}"
+    assert CASES[case][:2] == (tp, pp)
+    r0, r1 = world[case]
     assert "error" not in r0 and "error" not in r1, (r0.get("error"), r1.get("error"))
     # what the trainer called, from each server's access log (info and health checks aside)
-    called = [[c for c in s.calls()[skip:] if c not in ("GET /health", "GET /server_info")] for s, skip in zip(two, before)]
+    called = [[c for c in calls if c not in ("GET /health", "GET /server_info")] for calls in r0["calls"]]
     export = {n: torch.frombuffer(bytearray(base64.b64decode(v)), dtype=torch.float32).reshape(r0["export_shapes"][n])
               for n, v in r0["export"].items()}
     reference = AutoModelForCausalLM.from_config(tiny_hf_config("qwen2_bias", eos_token_id=2)).float().eval()
     reference.load_state_dict(export, strict=True)
-    prompts = [[5, 17, 33, 8], [100, 3, 41]]
-    expected = [_greedy(reference, p, 8) for p in prompts]
-    for server, calls in zip(two, called):
+    expected = [_greedy(reference, p, 8) for p in PROMPTS]
+    # each case's actor has other weights than what the servers held before its sync (the start's
+    # seed 2, the previous case's seed): a tensor the sync missed keeps them
+    embed = [world[c][0]["export"]["model.embed_tokens.weight"] for c in CASES]
+    assert len(set(embed)) == len(embed)
+    for held, calls in zip(r0["servers"], called):
         for name, tensor in export.items():  # bit for bit, read back through SGLang's /get_weights_by_name
-            got = torch.tensor(http_post(server.url, "/get_weights_by_name",
-                                         {"name": name, "truncate_size": tensor.shape[0]}, 30), dtype=torch.float32)
-            assert torch.equal(got.view(torch.int32), tensor.view(torch.int32)), (server.url, name)
-        out = http_post(server.url, "/generate", {"input_ids": prompts, "sampling_params": {"max_new_tokens": 8,
-                                                                                          "temperature": 0}}, 60)
-        assert [o["output_ids"] for o in out] == expected, "the server generates with the synced weights"
-        stages = [f"dapo_weights_pp{i}" for i in range(pp)]  # one group per stage (an earlier test's may remain)
-        assert set(stages) <= set(http_get(server.url, "/server_info", 10)["internal_states"][0]["weight_update_groups"])
+            got = torch.tensor(held["weights"][name], dtype=torch.float32)
+            assert torch.equal(got.view(torch.int32), tensor.view(torch.int32)), (case, name)
+        assert held["generated"] == expected, "the server generates with the synced weights"
+        stages = [f"dapo_weights_pp{i}" for i in range(pp)]  # one group per stage
+        assert set(stages) <= set(held["groups"])
         sync = calls[pp:]
         assert calls[:pp] == ["POST /init_weights_update_group"] * pp, calls
         assert sync[0] == "POST /pause_generation" and sync[-2:] == ["POST /flush_cache", "POST /continue_generation"]
@@ -161,17 +233,15 @@ def test_each_server_holds_the_hf_export_bitwise_and_generates_with_it(tp, pp, s
 
 @pytest.mark.dist
 @pytest.mark.timeout(300)
-def test_a_server_that_refuses_an_update_stops_every_rank_naming_it(servers, tmp_path):
-    good, other = servers[0], servers[2]
-    urls = [good.url, other.url]
-    before = len(good.calls())
-    # a 10 s bound: the broadcast the refusing server never joins ends there (gloo), so the ranks exit
-    spawn(_sync_worker, 2, 2, 1, urls, str(tmp_path), 10)
-    r0, r1 = (json.load(open(tmp_path / f"rank{r}.json")) for r in range(2))
+def test_a_server_that_refuses_an_update_stops_every_rank_naming_it(servers, world):
+    other = servers[2]
+    # a 10 s bound: the broadcast the refusing server never joins ends there (gloo), so the ranks go on
+    r0, r1 = world["refuse"]
     assert r0["error"] == r1["error"]
     assert f"SGLang server {other.url}/update_weights_from_distributed returned HTTP 400" in r0["error"]
     assert "has shape [96, 64] but the served model's parameter has [80, 64]" in r0["error"], r0["error"]
-    assert "POST /flush_cache" not in good.calls()[before:], "no flush after a failed sync"
+    (good_calls,) = r0["calls"]  # the good server's calls during this sync
+    assert "POST /flush_cache" not in good_calls, "no flush after a failed sync"
 
 
 @pytest.mark.timeout(300)
@@ -210,20 +280,21 @@ def test_set_members_destroys_the_old_group_on_every_server_before_forming_the_n
 def test_health_check_names_a_dead_a_hung_and_an_unhealthy_server():
     from dapo_megatron.rollout.engines.server_sync import check_health, query_server
 
-    alive, hung, sick, dead = StandIn(), StandIn(), StandIn(), StandIn()
+    # started at once (a start is most of this test's time); a dead server is a port nobody listens on
+    alive, hung, sick = (s.wait_ready() for s in [StandIn(wait=False) for _ in range(3)])
+    dead_url = f"http://127.0.0.1:{free_port()}"
     try:
-        dead.stop()
         http_post(hung.url, "/control", {"hang_health": True}, 10)
         http_post(sick.url, "/control", {"healthy": False}, 10)
         check_health([alive.url], 5)
         t0 = time.monotonic()
         with pytest.raises(RuntimeError) as err:
-            check_health([alive.url, hung.url, sick.url, dead.url], 1.0)
+            check_health([alive.url, hung.url, sick.url, dead_url], 1.0)
         assert time.monotonic() - t0 < 10, "every server checked at once, each within the timeout"
         msg = str(err.value)
         assert f"{hung.url}/health did not answer within 1 s" in msg
         assert f"{sick.url}/health returned HTTP 503" in msg
-        assert f"{dead.url}/health unreachable" in msg
+        assert f"{dead_url}/health unreachable" in msg
         assert alive.url + "/" not in msg
 
         info = query_server(alive.url, 5)
@@ -241,7 +312,8 @@ def test_health_check_names_a_dead_a_hung_and_an_unhealthy_server():
 @pytest.mark.slow
 @pytest.mark.dist
 @pytest.mark.timeout(1500)
-def test_trainer_in_server_mode_checks_health_generates_and_syncs_every_step(tmp_path, smollm2_gguf):
+def test_trainer_in_server_mode_checks_health_generates_and_syncs_every_step(tmp_path, smollm2_gguf,
+                                                                             tiny_async_hf_dir):
     """dapo-train (SmolLM2, PP=2 on 2 gloo ranks) with rollout.mode=server against two real
     dapo-rollout-servers on the same GGUF: each step starts with /health of both, the generation
     batch is dealt over the two servers (rank e drives server e) and really generated there (the
@@ -320,8 +392,11 @@ def test_trainer_in_server_mode_checks_health_generates_and_syncs_every_step(tmp
         for s, skip in zip(servers, before):
             assert "POST /generate" in s.calls()[skip:], "each server streamed one of the two groups"
 
+        # the servers are queried once the actor is built: the dead-server run loads the tiny model
+        # (SmolLM2's tokenizer, 1 layer: PP=1, so DP=2 over the same two servers), not SmolLM2 twice
         servers[1].kill()
-        out = run(tmp_path / "dead")
+        out = run(tmp_path / "dead", f"model.hf_path={tiny_async_hf_dir}", "model.gguf_file=null",
+                  "parallel.pipeline_model_parallel_size=1")
         assert out.returncode != 0
         assert f"SGLang server {urls[1]}/server_info unreachable" in out.stdout + out.stderr
     finally:

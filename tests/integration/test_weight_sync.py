@@ -5,7 +5,10 @@
    sync buckets smaller than one tensor and larger than the whole model. The engine starts
    from different random weights, so a tensor the sync missed would show.
 2. SmolLM2-135M-Instruct generates with HFEngine from chat-templated prompts, and the
-   logprobs it returns equal the TP=2 Megatron actor's on the generated tokens.
+   logprobs it returns equal the TP=2 Megatron actor's on the generated tokens (rank 0's
+   engine generates; both TP ranks score its samples).
+
+Every case runs in ONE 2-rank world (a world costs more than a case).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ def _engine_logprobs(engine, samples: list[Sample], temperature: float) -> list[
     return out
 
 
-def _sync_worker(family: str, out_path: str) -> None:
+def _sync_case(family: str) -> dict | None:
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
@@ -82,22 +85,43 @@ def _sync_worker(family: str, out_path: str) -> None:
     results["moved_by_update"] = max(float((a - b).abs().max()) for a, b in zip(actor_lp, before))
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, results)
-    if dist.get_rank() == 0:
-        torch.save(gathered, out_path)
+    return gathered if dist.get_rank() == 0 else None
+
+
+FAMILIES = ("llama_tied", "qwen2_bias")
+SMOLLM2_TEST = "test_smollm2_hf_engine_generation_logprobs_match_tp2_actor"
+
+
+def _world(families, smollm2, out_path: str) -> None:
+    """Every case of this file in ONE TP=2 world of 2 ranks (a world costs more than a case): the
+    sync of each tiny family, then (``smollm2``: ``(dir, file)`` or None) the SmolLM2 generation."""
+    out = {family: _sync_case(family) for family in families}
+    if smollm2 is not None:
+        out["smollm2"] = _smollm2_case(*smollm2)
+    if out[families[0]] is not None:  # rank 0
+        torch.save(out, out_path)
+
+
+@pytest.fixture(scope="module")
+def world(request, tmp_path_factory):
+    """Rank 0's results of :func:`_world`; the SmolLM2 case only when its (slow) test is selected."""
+    wanted = any(item.originalname == SMOLLM2_TEST for item in request.session.items)
+    smollm2 = request.getfixturevalue("smollm2_gguf") if wanted else None
+    path = str(tmp_path_factory.mktemp("weight_sync") / "out.pt")
+    spawn(_world, 2, FAMILIES, smollm2, path)
+    return torch.load(path)
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("family", ["llama_tied", "qwen2_bias"])
-def test_sync_after_optimizer_step_matches_actor_logprobs(family, tmp_path):
-    path = str(tmp_path / "out.pt")
-    spawn(_sync_worker, 2, family, path)
-    for rank_result in torch.load(path):
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sync_after_optimizer_step_matches_actor_logprobs(family, world):
+    for rank_result in world[family]:
         assert rank_result["bucket_smaller_than_a_tensor"] <= 1e-4, rank_result
         assert rank_result["bucket_larger_than_model"] <= 1e-4, rank_result
         assert rank_result["moved_by_update"] > 1e-3, rank_result  # the step changed the weights
 
 
-def _smollm2_worker(gguf_dir: str, gguf_file: str, out_path: str) -> None:
+def _smollm2_case(gguf_dir: str, gguf_file: str) -> dict | None:
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
@@ -115,26 +139,31 @@ def _smollm2_worker(gguf_dir: str, gguf_file: str, out_path: str) -> None:
     load_hf_weights(model, open_hf_source(gguf_dir, gguf_file), parallel=par)
     actor = MegatronActor(model, ActorConfig(ppo_max_token_len_per_gpu=1024), total_steps=1,
                           vocab_size=hf_config.vocab_size, parallel=par)
-    tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
-    engine = HFEngine(gguf_dir, gguf_file=gguf_file)  # its own GGUF import, independent of the bridge
-    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True)
-               for q in ("Compute 7 + 5. Reply with just the number.", "What is the capital of France?")]
-    prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
     temperature = 0.9
-    out = engine.generate(prompts, SamplingParams(n=2, temperature=temperature, max_new_tokens=12, seed=3))
-    samples = [s for i, c in enumerate(out) for s in completions_to_group(i, prompts[i], c).samples]
+    samples = None
+    if dist.get_rank() == 0:  # one engine generates (its own GGUF import, independent of the bridge)...
+        tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+        engine = HFEngine(gguf_dir, gguf_file=gguf_file)
+        prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
+                                           tokenize=True)
+                   for q in ("Compute 7 + 5. Reply with just the number.", "What is the capital of France?")]
+        prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
+        out = engine.generate(prompts, SamplingParams(n=2, temperature=temperature, max_new_tokens=12, seed=3))
+        samples = [s for i, c in enumerate(out) for s in completions_to_group(i, prompts[i], c).samples]
+    box = [samples]
+    dist.broadcast_object_list(box, src=0)  # ...and both TP ranks score its samples
+    samples = box[0]
     actor_lp = actor.compute_logprobs([samples], temperature)
     diff = max(max(abs(a - b) for a, b in zip(s.rollout_logprobs, lp.tolist())) for s, lp in zip(samples, actor_lp))
     if dist.get_rank() == 0:
         texts = [tok.decode(s.response_ids) for s in samples]
-        torch.save({"diff": diff, "lengths": [len(s.response_ids) for s in samples], "texts": texts}, out_path)
+        return {"diff": diff, "lengths": [len(s.response_ids) for s in samples], "texts": texts}
+    return None
 
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_smollm2_hf_engine_generation_logprobs_match_tp2_actor(smollm2_gguf, tmp_path):
-    path = str(tmp_path / "out.pt")
-    spawn(_smollm2_worker, 2, smollm2_gguf[0], smollm2_gguf[1], path)
-    out = torch.load(path)
+def test_smollm2_hf_engine_generation_logprobs_match_tp2_actor(smollm2_gguf, world):
+    out = world["smollm2"]
     assert all(n >= 1 for n in out["lengths"]), out
     assert out["diff"] <= 1e-4, out

@@ -24,28 +24,36 @@ from dapo_megatron.platform import spawn
 BUCKET = 20_000  # bytes: several buckets, and the 64,000-byte embedding larger than one
 
 
-def _setup(tp, pp, rollout_tp, family, ep=1):
-    import sys
+def _hf_source(family):
+    """``(hf_config, state)`` of ``family``'s random model (seed 1): an MoE model's under its checkpoint
+    names. Built before ``torch.distributed`` starts (``hf_checkpoint_state`` refuses afterwards)."""
     import tempfile
+
+    from conftest import TINY_MOE_FAMILIES, hf_checkpoint_state, random_hf_model, tiny_hf_config, tiny_moe_config
+
+    if family in TINY_MOE_FAMILIES:  # checkpoint names: each expert's tensors on their own
+        hf_config = tiny_moe_config(family)
+        with tempfile.TemporaryDirectory(prefix="moe_ckpt_") as ckpt:  # a worker process: no tmp_path here
+            return hf_config, hf_checkpoint_state(random_hf_model(hf_config, seed=1), ckpt)
+    hf_config = tiny_hf_config(family)
+    return hf_config, random_hf_model(hf_config, seed=1).state_dict()
+
+
+def _setup(tp, pp, rollout_tp, source, ep=1):
+    import sys
     import types
 
     import torch.distributed as dist
 
     import sglang_reference
-    from conftest import TINY_MOE_FAMILIES, hf_checkpoint_state, random_hf_model, tiny_hf_config, tiny_moe_config
     from dapo_megatron.bridge import export_hf_state_dict, load_hf_weights
     from dapo_megatron.models import ModelConfig, build_gpt_model
     from dapo_megatron.platform import ParallelConfig, init_distributed
     from dapo_megatron.rollout.engines.engine_group import RolloutGroup
     from unit.rollout.test_sglang_engine import _SpyEngine
 
-    if family in TINY_MOE_FAMILIES:  # checkpoint names: each expert's tensors on their own
-        hf_config = tiny_moe_config(family)
-        with tempfile.TemporaryDirectory(prefix="moe_ckpt_") as ckpt:  # a worker process: no tmp_path here
-            state = hf_checkpoint_state(random_hf_model(hf_config, seed=1), ckpt)
-    else:
-        hf_config = tiny_hf_config(family)
-        state = random_hf_model(hf_config, seed=1).state_dict()
+    hf_config, state = source
+    # a new layout in the same world: init_distributed rebuilds megatron-core's groups (distributed.py)
     parallel = init_distributed(ParallelConfig(tp, pp, ep), seed=0)
     rank = dist.get_rank()
     model = build_gpt_model(hf_config, ModelConfig(transformer_impl="local"), parallel=parallel)
@@ -78,12 +86,12 @@ def _engine(group, hf_config, model_dir, bucket_bytes):
     return eng
 
 
-def _sync_worker(tp, pp, rollout_tp, family, model_dir, out_dir, ep=1):
+def _sync_case(tp, pp, rollout_tp, source, model_dir, out_dir, ep=1):
     import torch.distributed as dist
 
     from dapo_megatron.bridge import iter_hf_weights
 
-    model, hf_config, export, group, parallel = _setup(tp, pp, rollout_tp, family, ep)
+    model, hf_config, export, group, parallel = _setup(tp, pp, rollout_tp, source, ep)
     eng = _engine(group, hf_config, model_dir, BUCKET)
     eng.update_weights(iter_hf_weights(model, parallel=parallel, bucket_bytes=BUCKET), version=1)
     result = {"rank": dist.get_rank(), "leader": group.is_leader, "version": eng.weight_version,
@@ -107,23 +115,54 @@ def _sync_worker(tp, pp, rollout_tp, family, model_dir, out_dir, ep=1):
         json.dump(result, f)
 
 
-@pytest.fixture()
-def model_dir(tmp_path):
-    from conftest import tiny_hf_config
+SYNC_CASES = {f"actor_{'tp2' if tp == 2 else 'pp2'}-rollout_tp{rollout_tp}": (tp, pp, rollout_tp)
+              for rollout_tp in (1, 2) for tp, pp in ((2, 1), (1, 2))}
+MOE_CASES = {f"moe_ep2-rollout_tp{rollout_tp}": rollout_tp for rollout_tp in (1, 2)}
 
-    tiny_hf_config("qwen2_bias").save_pretrained(tmp_path / "model")
-    return str(tmp_path / "model")
+
+def _world(model_dirs, out_root):
+    """Every case of this file in ONE 2-rank world (a world costs more than its cases): the dense
+    syncs (TP=2 and PP=2 actors into rollout groups of 1 and 2), the EP=2 MoE syncs and the
+    bucket mismatch, one after the other, re-laying out megatron-core's groups between them
+    (init_distributed). Each case writes ``out_root/<case>/rank<r>.json``. A case that raises stops
+    the world (spawn ends the other rank, which may wait in a collective) naming the case: every
+    test of the file then errors with that traceback."""
+    dense, moe = _hf_source("qwen2_bias"), _hf_source("qwen3_moe")  # before the world starts
+    cases = [(name, _sync_case, (*layout, dense, model_dirs["dense"])) for name, layout in SYNC_CASES.items()]
+    cases += [(name, _sync_case, (1, 1, rollout_tp, moe, model_dirs["moe"]), 2) for name, rollout_tp in MOE_CASES.items()]
+    cases.append(("mismatch", _mismatch_case, (dense, model_dirs["dense"])))
+    for name, fn, args, *ep in cases:
+        out = os.path.join(out_root, name)
+        os.makedirs(out, exist_ok=True)
+        try:
+            fn(*args, out, *ep)
+        except Exception as err:
+            raise RuntimeError(f"case {name} failed") from err
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    """The results of :func:`_world`: ``case -> [rank 0's, rank 1's]``."""
+    from conftest import tiny_hf_config, tiny_moe_config
+
+    root = tmp_path_factory.mktemp("engine_group_sync")
+    tiny_hf_config("qwen2_bias").save_pretrained(root / "model")
+    tiny_moe_config("qwen3_moe").save_pretrained(root / "moe")
+    spawn(_world, 2, {"dense": str(root / "model"), "moe": str(root / "moe")}, str(root / "out"))
+    return {case: [json.load(open(root / "out" / case / f"rank{r}.json")) for r in range(2)]
+            for case in os.listdir(root / "out")}
+
+
+def _case(world, name):
+    return world[name]
 
 
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)], ids=["actor_tp2", "actor_pp2"])
 @pytest.mark.parametrize("rollout_tp", [1, 2], ids=["rollout_tp1", "rollout_tp2"])
-def test_every_tp_worker_loads_the_hf_export_bitwise(tp, pp, rollout_tp, model_dir, tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    spawn(_sync_worker, 2, tp, pp, rollout_tp, "qwen2_bias", model_dir, str(out))
-    results = [json.load(open(out / f"rank{r}.json")) for r in range(2)]
+def test_every_tp_worker_loads_the_hf_export_bitwise(tp, pp, rollout_tp, world):
+    results = _case(world, f"actor_{'tp2' if tp == 2 else 'pp2'}-rollout_tp{rollout_tp}")
     assert all(r["version"] == 1 and r["valid"] for r in results)
     leaders = [r for r in results if r["leader"]]
     assert len(leaders) == (2 if rollout_tp == 1 else 1)
@@ -137,25 +176,14 @@ def test_every_tp_worker_loads_the_hf_export_bitwise(tp, pp, rollout_tp, model_d
             assert w["mismatched"] == []
 
 
-@pytest.fixture()
-def moe_model_dir(tmp_path):
-    from conftest import tiny_moe_config
-
-    tiny_moe_config("qwen3_moe").save_pretrained(tmp_path / "moe")
-    return str(tmp_path / "moe")
-
-
 @pytest.mark.dist
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("rollout_tp", [1, 2], ids=["rollout_tp1", "rollout_tp2"])
-def test_moe_actor_ep2_every_tp_worker_loads_every_expert_bitwise(rollout_tp, moe_model_dir, tmp_path):
+def test_moe_actor_ep2_every_tp_worker_loads_every_expert_bitwise(rollout_tp, world):
     """A Qwen3-MoE actor with its experts over 2 EP ranks: each SGLang TP worker receives every
     expert of every layer under its checkpoint name, bit for bit, and the sync's completeness
     check (SGLang's parameter specs, one per expert tensor) passes."""
-    out = tmp_path / "out"
-    out.mkdir()
-    spawn(_sync_worker, 2, 1, 1, rollout_tp, "qwen3_moe", moe_model_dir, str(out), 2)
-    results = [json.load(open(out / f"rank{r}.json")) for r in range(2)]
+    results = _case(world, f"moe_ep2-rollout_tp{rollout_tp}")
     assert all(r["version"] == 1 and r["valid"] for r in results)
     leaders = [r for r in results if r["leader"]]
     assert len(leaders) == (2 if rollout_tp == 1 else 1)
@@ -168,14 +196,14 @@ def test_moe_actor_ep2_every_tp_worker_loads_every_expert_bitwise(rollout_tp, mo
             assert w["mismatched"] == []
 
 
-def _mismatch_worker(model_dir, out_dir):
+def _mismatch_case(source, model_dir, out_dir):
     """Rank 1 cuts its buckets at another size than the leader: both ranks must stop with the
     same error naming rank 1 (instead of SGLang loading tensors under the wrong names)."""
     import torch.distributed as dist
 
     from dapo_megatron.bridge import iter_hf_weights
 
-    model, hf_config, _, group, parallel = _setup(2, 1, 2, "qwen2_bias")
+    model, hf_config, _, group, parallel = _setup(2, 1, 2, source)
     eng = _engine(group, hf_config, model_dir, BUCKET if group.is_leader else BUCKET // 2)
     try:
         eng.update_weights(iter_hf_weights(model, parallel=parallel, bucket_bytes=BUCKET), version=1)
@@ -205,11 +233,8 @@ def test_a_member_without_transport_drops_each_tensor_before_asking_for_the_next
 
 @pytest.mark.dist
 @pytest.mark.timeout(300)
-def test_ranks_that_pack_different_buckets_stop_together_before_the_engine_loads(model_dir, tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    spawn(_mismatch_worker, 2, model_dir, str(out))
-    r0, r1 = (json.load(open(out / f"rank{r}.json")) for r in range(2))
+def test_ranks_that_pack_different_buckets_stop_together_before_the_engine_loads(world):
+    r0, r1 = _case(world, "mismatch")
     assert r0["error"] == r1["error"] and "rank 1 packed a different bucket than the leader" in r0["error"]
     # the first bucket (the 64,000-byte embedding, larger than either bucket size) agrees; the engine is
     # never called with the first one that does not
