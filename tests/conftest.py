@@ -185,14 +185,20 @@ def _manifest(directory: str) -> dict:
     return out
 
 
-def cached_dir(name: str, make, inputs: tuple[str, ...] = (), fallback_parent: str | None = None) -> str:
+_MADE_HERE: dict[str, str] = {}  # cache off: what this process made, by name
+
+
+def cached_dir(name: str, make, inputs: tuple[str, ...] = (), extra_key: tuple = (),
+               fallback_parent: str | None = None) -> str:
     """The directory ``make(path)`` writes, made once per key (see above) and reused.
 
     Args:
         name: the entry's name (a prefix of its directory).
         make: ``make(path) -> None`` writes the content into the empty directory ``path``.
         inputs: files the content is made from (their size and mtime are in the key).
-        fallback_parent: where to make it when the cache is off (a session's tmp directory).
+        extra_key: more of what the content depends on (the source of the functions ``make``
+            calls, their constants), as ``repr``-able values.
+        fallback_parent: where to make it when the cache is off (default: a temporary directory).
     """
     import hashlib
     import inspect
@@ -205,15 +211,15 @@ def cached_dir(name: str, make, inputs: tuple[str, ...] = (), fallback_parent: s
 
     root = _cache_root()
     if root is None:
-        if fallback_parent is None:
-            fallback_parent = tempfile.mkdtemp(prefix="dapo-fixture-")
-        path = os.path.join(fallback_parent, name)
-        if not os.path.isdir(path):
+        if name not in _MADE_HERE:
+            path = os.path.join(fallback_parent or tempfile.mkdtemp(prefix="dapo-fixture-"), name)
             os.makedirs(path)
             make(path)
-        return path
+            _MADE_HERE[name] = path
+        return _MADE_HERE[name]
     key = hashlib.sha256()
     key.update(inspect.getsource(make).encode())
+    key.update(repr(tuple(extra_key)).encode())
     key.update(f"{torch.__version__} {transformers.__version__}".encode())
     for f in inputs:
         st = os.stat(f)
@@ -338,55 +344,23 @@ def shared_data_dir() -> str:
     return path
 
 
-FIXTURE_CACHE = os.environ.get("DAPO_TEST_FIXTURE_CACHE",
-                               os.path.join(os.path.expanduser("~"), ".cache", "dapo-megatron", "test-fixtures"))
-
-
-def cached_dir(name: str, key_parts: list, build) -> str:
-    """``build(out_dir)`` once per key: the directory ``FIXTURE_CACHE/<name>-<sha of key_parts>``,
-    built under a temporary name and renamed into place (a concurrent builder's copy wins, the
-    other is dropped). ``key_parts`` must change whenever what ``build`` writes would: the source
-    of the functions that write it, the versions of the libraries they call, their inputs."""
-    import hashlib
-    import shutil
-    import tempfile
-
-    key = hashlib.sha256(repr(key_parts).encode()).hexdigest()[:16]
-    final = os.path.join(FIXTURE_CACHE, f"{name}-{key}")
-    if os.path.isfile(os.path.join(final, ".complete")):
-        return final
-    os.makedirs(FIXTURE_CACHE, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{name}-", dir=FIXTURE_CACHE)
-    try:
-        build(tmp)
-        open(os.path.join(tmp, ".complete"), "w").close()
-        os.rename(tmp, final)
-    except OSError:
-        if not os.path.isfile(os.path.join(final, ".complete")):
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
-
-
 @pytest.fixture(scope="session")
-def tiny_async_hf_dir(smollm2_gguf) -> str:
+def tiny_async_hf_dir(smollm2_gguf, tmp_path_factory) -> str:
     """``rollout_server.tiny_async_model`` with ``ASYNC_NUM_STOP_IDS`` stop ids (the async tests'
-    model), from the disk cache: its key is the source of the functions that write it, the torch
-    and transformers versions and the GGUF file's size and mtime."""
+    model), cached (:func:`cached_dir`): its key also holds the source of the functions that
+    write it and the stop-id count."""
     import inspect
-
-    import torch
-    import transformers
 
     import rollout_server
 
-    gguf = os.path.join(*smollm2_gguf)
-    key = [inspect.getsource(rollout_server.tiny_async_model), inspect.getsource(tiny_llama_with_smollm2_tokenizer_dir),
-           rollout_server.ASYNC_NUM_STOP_IDS, torch.__version__, transformers.__version__, os.path.getsize(gguf),
-           os.path.getmtime(gguf)]
-    return cached_dir("tiny_async", key, lambda out: rollout_server.tiny_async_model(
-        smollm2_gguf, out, rollout_server.ASYNC_NUM_STOP_IDS))
+    def make(out):
+        rollout_server.tiny_async_model(smollm2_gguf, out, rollout_server.ASYNC_NUM_STOP_IDS)
+
+    return cached_dir("tiny_async", make, (os.path.join(*smollm2_gguf),),
+                      extra_key=(inspect.getsource(rollout_server.tiny_async_model),
+                                 inspect.getsource(tiny_llama_with_smollm2_tokenizer_dir),
+                                 inspect.getsource(_save_smollm2_tokenizer), rollout_server.ASYNC_NUM_STOP_IDS),
+                      fallback_parent=str(tmp_path_factory.getbasetemp()))
 
 
 @pytest.fixture(scope="session")
