@@ -179,7 +179,9 @@ def build_gpt_model(
         share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
         position_embedding_type="rope",
         vp_stage=vp_stage,
-        **gpt_rope_kwargs(hf_config),
+        # MLA builds its own rotary embedding from the MLATransformerConfig (config.mla_rope_kwargs)
+        **(dict(rotary_base=config.rotary_base) if getattr(config, "multi_latent_attention", False)
+           else gpt_rope_kwargs(hf_config)),
     )
     model.hf_config = hf_config
     model.real_vocab_size = hf_config.vocab_size
