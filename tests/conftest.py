@@ -122,6 +122,21 @@ def tiny_moe_config(name: str, **overrides):
     raise ValueError(f"unknown tiny MoE config {name!r}; choose from {TINY_MOE_FAMILIES}")
 
 
+def tiny_mla_config(**overrides):
+    """A tiny DeepSeek-V3 HF config: 2 layers (layer 0 dense, FFN 96; layer 1 MoE), hidden 64, 4 heads of
+    multi-head latent attention (q_lora_rank 32, kv_lora_rank 16, nope 8 + rope 4, v 8), 4 routed
+    experts of FFN 16 in 2 groups, top-2 from 1 group (grouped top-k: top-2 / 1 group = 2 as
+    transformers hard-codes), one shared expert, routed_scaling_factor 2.5, untied, vocab 250."""
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(**{**dict(
+        vocab_size=250, hidden_size=64, intermediate_size=96, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=4, v_head_dim=8, max_position_embeddings=128, rms_norm_eps=1e-6, routed_scaling_factor=2.5,
+        tie_word_embeddings=False), **overrides})
+
+
 def hf_checkpoint_state(model, directory) -> dict:
     """The HF checkpoint tensors of ``model`` as transformers writes them (``save_pretrained``
     into ``directory``, read back from the safetensors): an MoE model's experts under their
@@ -157,6 +172,11 @@ def random_hf_model(hf_config, seed: int = 0):
                 # routers (HF initialises Qwen's to zero: every expert tied) and the shared gate:
                 # spread, so that routing is decisive and a swapped expert changes the output
                 p.normal_(0.0, 0.5)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                # DeepSeek-V3's score-correction bias (a buffer, zero at init): of the size of the
+                # sigmoid scores' spread, so that it changes which experts some tokens get
+                b.normal_(0.0, 0.3)
     return model
 
 

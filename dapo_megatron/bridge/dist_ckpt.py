@@ -43,6 +43,9 @@ ARCH_FIELDS = (
     # mixtures of experts (None on both sides for a dense model)
     "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
     "shared_expert_intermediate_size", "norm_topk_prob",
+    # DeepSeek-V3: MLA sizes, routed / shared experts, routing, dense layers
+    "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_routed_experts",
+    "n_shared_experts", "first_k_dense_replace", "n_group", "topk_group", "routed_scaling_factor",
 )
 
 

@@ -17,7 +17,30 @@ qkv             per query group g: [q heads of g; k_g; v_g] (``heads/groups × h
                 ``head_dim``, ``head_dim`` rows), T splits on whole groups (GQA-safe);
                 zero groups appended when the model pads query groups to a multiple of T
 gate_up         ``[gate_r; up_r]``: each rank holds its slice of gate then its slice of up
+mla_down        MLA down-projections (``q_a_proj``, ``kv_a_proj_with_mqa``): ``column`` on the
+                local spec (megatron-core builds them as ColumnParallelLinear and gathers the
+                output), ``replicated`` on the TE spec (TELinear ``parallel_mode='duplicated'``,
+                multi_latent_attention.py:521-530, :572-580); :attr:`ModelLayout.mla_down_split`
 ==============  ============================================================================
+
+Multi-head latent attention (``deepseek_v3``): HF ``q_a_proj`` / ``q_b_proj`` (or ``q_proj``),
+``kv_a_proj_with_mqa``, ``kv_b_proj``, ``o_proj`` and the latent norms ``q_a_layernorm`` /
+``kv_a_layernorm`` are megatron-core's ``linear_q_down_proj`` / ``linear_q_up_proj`` (or
+``linear_q_proj``), ``linear_kv_down_proj``, ``linear_kv_up_proj``, ``linear_proj``, ``q_layernorm``,
+``kv_layernorm``, row for row: both lay the up-projections out head by head ([nope; rope] per
+query head, [k_nope; v] per KV head: HF ``view(..., -1, qk_head_dim)``, megatron-core
+``view(..., n, q_head_dim)`` then ``split``), and ``kv_a_proj_with_mqa``'s rows are [latent; rope
+key] in both. The up-projections and ``o_proj`` split over TP by heads (column / row). SGLang
+0.5.x's ``DeepseekV2ForCausalLM.load_weights`` takes these per-tensor HF names and fuses
+``q_a_proj`` with ``kv_a_proj_with_mqa`` itself (``fused_qkv_a_proj_with_mqa``, caching whichever
+arrives first within ONE ``load_weights`` call): the two are exported next to each other, and a
+bucket never separates them (:func:`keep_together`).
+
+Rules that exist only on some layers carry ``layers``: ``"dense"`` (the first
+``first_k_dense_replace`` layers' MLP) or ``"moe"`` (router, its bias, experts, shared experts).
+The router's score-correction bias (HF ``mlp.gate.e_score_correction_bias``) is megatron-core's
+``mlp.router.expert_bias`` buffer (fp32), mapped like a parameter so that import, export, the weight
+sync and the checkpoint carry it.
 
 Mixtures of experts (``qwen3_moe``, ``qwen2_moe``, ``mixtral``): the MLP rules become the
 router (replicated), the routed experts' ``linear_fc1`` (gate_up) and ``linear_fc2`` (row),
@@ -52,9 +75,10 @@ from typing import Optional, Sequence
 
 import torch
 
-from dapo_megatron.models.config import ATTENTION_FAMILY, check_hf_config, head_dim, moe_layout
+from dapo_megatron.models.config import ATTENTION_FAMILY, MLALayout, check_hf_config, head_dim, mla_layout, moe_layout
 
-SPLITS = ("replicated", "column", "row", "row_heads", "vocab", "qkv", "gate_up")
+SPLITS = ("replicated", "column", "row", "row_heads", "vocab", "qkv", "gate_up", "mla_down")
+LAYER_KINDS = ("all", "dense", "moe")
 
 
 @dataclass(frozen=True)
@@ -68,12 +92,14 @@ class Rule:
         split: how the Megatron tensor is sharded across TP (see module docstring).
         expert: a routed expert's parameter: one per expert, held by one EP rank, split over the
             expert-TP group instead of TP.
+        layers: "all", or only the "dense" / "moe" layers of a model that has both.
     """
 
     megatron: str
     hf: tuple[str, ...]
     split: str
     expert: bool = False
+    layers: str = "all"
 
 
 _L = "decoder.layers.{layer}."
@@ -124,6 +150,52 @@ _SHARED_EXPERT = (
 )
 _DENSE_MLP = (_L + "mlp.linear_fc1.weight", _L + "mlp.linear_fc2.weight")
 
+_A = _L + "self_attention."
+_HA = _H + "self_attn."
+# DeepSeek-V3 attention (MLA); the q rules depend on q_lora_rank (ModelLayout.rules picks them)
+_MLA_Q_LORA = (
+    Rule(_A + "linear_q_down_proj.weight", (_HA + "q_a_proj.weight",), "mla_down"),
+    Rule(_A + "q_layernorm.weight", (_HA + "q_a_layernorm.weight",), "replicated"),
+    Rule(_A + "linear_q_up_proj.weight", (_HA + "q_b_proj.weight",), "column"),
+)
+_MLA_Q = (Rule(_A + "linear_q_proj.weight", (_HA + "q_proj.weight",), "column"),)
+_MLA_KV = (
+    Rule(_A + "linear_kv_down_proj.weight", (_HA + "kv_a_proj_with_mqa.weight",), "mla_down"),
+    Rule(_A + "kv_layernorm.weight", (_HA + "kv_a_layernorm.weight",), "replicated"),
+    Rule(_A + "linear_kv_up_proj.weight", (_HA + "kv_b_proj.weight",), "column"),
+    Rule(_A + "linear_proj.weight", (_HA + "o_proj.weight",), "row"),
+)
+_DEEPSEEK_MOE = (
+    Rule(_L + "mlp.router.weight", (_H + "mlp.gate.weight",), "replicated", layers="moe"),
+    Rule(_L + "mlp.router.expert_bias", (_H + "mlp.gate.e_score_correction_bias",), "replicated", layers="moe"),
+    Rule(_E + "linear_fc1.weight", (_H + "mlp.experts.{expert}.gate_proj.weight", _H + "mlp.experts.{expert}.up_proj.weight"),
+         "gate_up", expert=True, layers="moe"),
+    Rule(_E + "linear_fc2.weight", (_H + "mlp.experts.{expert}.down_proj.weight",), "row", expert=True, layers="moe"),
+    Rule(_L + "mlp.shared_experts.linear_fc1.weight",
+         (_H + "mlp.shared_experts.gate_proj.weight", _H + "mlp.shared_experts.up_proj.weight"), "gate_up", layers="moe"),
+    Rule(_L + "mlp.shared_experts.linear_fc2.weight", (_H + "mlp.shared_experts.down_proj.weight",), "row", layers="moe"),
+)
+
+
+def _mla_family(q_lora: bool) -> tuple:
+    """The DeepSeek-V3 table: MLA attention, dense MLP rules for the first layers, MoE rules for the others."""
+    out = []
+    for r in _LLAMA:
+        if r.megatron == _L + "self_attention.linear_qkv.weight":
+            if q_lora:  # q_a_proj then kv_a_proj_with_mqa, adjacent: SGLang fuses the pair within one load call
+                out.extend((_MLA_Q_LORA[0], _MLA_KV[0], *_MLA_Q_LORA[1:], *_MLA_KV[1:]))
+            else:
+                out.extend(_MLA_Q + _MLA_KV)
+        elif r.megatron == _L + "self_attention.linear_proj.weight":
+            continue
+        elif r.megatron in _DENSE_MLP:
+            out.append(Rule(r.megatron, r.hf, r.split, layers="dense"))
+            if r.megatron == _DENSE_MLP[1]:
+                out.extend(_DEEPSEEK_MOE)
+        else:
+            out.append(r)
+    return tuple(out)
+
 
 def _with_moe(rules: tuple, moe: Sequence[Rule]) -> tuple:
     """The dense table with its MLP rules replaced by ``moe`` (at the same place)."""
@@ -155,11 +227,17 @@ FAMILY_RULES: dict[str, tuple[Rule, ...]] = {
     "qwen3_moe": _with_moe(_QWEN3, _QWEN_MOE),
     "qwen2_moe": _with_moe(_QWEN2, _QWEN_MOE + _SHARED_EXPERT),
     "mixtral": _with_moe(_LLAMA, _MIXTRAL_MOE),
+    "deepseek_v3": _mla_family(q_lora=True),
 }
+# DeepSeek-V3-architecture configs without a query LoRA (Moonlight, DeepSeek-V2-Lite's attention)
+_MLA_NO_Q_LORA_RULES = {"deepseek_v3": _mla_family(q_lora=False)}
 
 # Transformer Engine spec names → local spec names (fused RMSNorm into the next linear).
 TE_NAME_ALIASES = {
     "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    # MLA on the TE spec: the latent norms fused into the up-projections (TELayerNormColumnParallelLinear)
+    "self_attention.linear_q_up_proj.layer_norm_weight": "self_attention.q_layernorm.weight",
+    "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attention.kv_layernorm.weight",
     "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
 }
 
@@ -180,6 +258,11 @@ class ModelLayout:
         num_experts: routed experts per layer (0: a dense model).
         moe_ffn_hidden_size: one routed expert's FFN size (0 for a dense model).
         shared_ffn_hidden_size: the shared expert's FFN size (0: none).
+        dense_layers: the dense layers of a model whose other layers are MoE (DeepSeek-V3's first
+            ``first_k_dense_replace``); their rules are the ``layers="dense"`` ones.
+        mla: the multi-head latent attention sizes (None: GQA attention).
+        mla_down_split: the MLA down-projections are split over TP (local spec) rather than
+            replicated (TE spec), see the ``mla_down`` split.
     """
 
     model_type: str
@@ -197,14 +280,19 @@ class ModelLayout:
     num_experts: int = 0
     moe_ffn_hidden_size: int = 0
     shared_ffn_hidden_size: int = 0
+    dense_layers: tuple[int, ...] = ()
+    mla: Optional[MLALayout] = None
+    mla_down_split: bool = True
 
     @classmethod
     def from_hf_config(
-        cls, hf_config, padded_vocab_size: Optional[int] = None, padded_num_query_groups: Optional[int] = None
+        cls, hf_config, padded_vocab_size: Optional[int] = None, padded_num_query_groups: Optional[int] = None,
+        mla_down_split: bool = True,
     ) -> "ModelLayout":
         """Layout of an HF config; the padded sizes default to the real ones."""
         model_type = check_hf_config(hf_config)
         moe = moe_layout(hf_config)
+        mla = mla_layout(hf_config)
         groups = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
         vocab = hf_config.vocab_size
         padded = padded_vocab_size or vocab
@@ -229,17 +317,45 @@ class ModelLayout:
             num_experts=moe.num_experts if moe else 0,
             moe_ffn_hidden_size=moe.ffn_hidden_size if moe else 0,
             shared_ffn_hidden_size=moe.shared_ffn_hidden_size if moe else 0,
+            dense_layers=moe.dense_layers if moe else (),
+            mla=mla,
+            mla_down_split=mla_down_split,
         )
 
     def rules(self) -> tuple[Rule, ...]:
         """The family's rules (from :data:`FAMILY_RULES`)."""
+        if self.mla is not None and self.mla.q_lora_rank is None:
+            return _MLA_NO_Q_LORA_RULES[self.model_type]
         return FAMILY_RULES[self.model_type]
+
+    def layer_has(self, rule: Rule, layer: Optional[int]) -> bool:
+        """Whether ``layer`` has the parameter of ``rule`` (a dense layer has no router, ...)."""
+        if rule.layers == "all" or layer is None:
+            return True
+        return (layer in self.dense_layers) == (rule.layers == "dense")
+
+    def split_of(self, rule: Rule) -> str:
+        """The rule's split with ``mla_down`` resolved for this model's spec."""
+        if rule.split == "mla_down":
+            return "column" if self.mla_down_split else "replicated"
+        return rule.split
 
 
 # TEGroupedMLP (moe_grouped_gemm with the TE spec) holds local expert i's weights as
 # ``experts.linear_fc1.weight{i}`` (megatron-core extensions/transformer_engine.py,
 # ``TEGroupedLinear``: one ``weight{i}`` per GEMM); SequentialMLP as ``experts.local_experts.{i}.linear_fc1.weight``
 _TE_GROUPED_RE = re.compile(r"^(.*\.mlp\.experts\.)(linear_fc[12])\.weight(\d+)$")
+
+
+# An HF tensor that must reach the engine in the same load call as the one exported right after it:
+# SGLang 0.5.x DeepseekV2ForCausalLM.load_weights fuses q_a_proj with kv_a_proj_with_mqa into
+# fused_qkv_a_proj_with_mqa from a cache local to one call (models/deepseek_v2.py, ``cached_a_proj``).
+KEEP_WITH_NEXT = re.compile(r"\.self_attn\.q_a_proj\.weight$")
+
+
+def keep_together(hf_name: str) -> bool:
+    """True when a sync bucket must not end with ``hf_name`` (:data:`KEEP_WITH_NEXT`)."""
+    return KEEP_WITH_NEXT.search(hf_name) is not None
 
 
 def canonical_megatron_name(name: str) -> str:
@@ -276,7 +392,7 @@ def match_rule(layout: ModelLayout, megatron_name: str) -> tuple[Rule, Optional[
         if e:
             expert, key = int(e.group(1)), _E + e.group(2)
     for rule in layout.rules():
-        if rule.megatron == key:
+        if rule.megatron == key and layout.layer_has(rule, layer):
             if layer is not None and not 0 <= layer < layout.num_layers:
                 raise KeyError(f"Megatron parameter {megatron_name!r}: layer {layer} is outside "
                                f"0..{layout.num_layers - 1}")
@@ -307,7 +423,7 @@ def exported_entries(layout: ModelLayout) -> list[tuple[Rule, Optional[int], Opt
     layer_rules = [r for r in rules if r.megatron.startswith(_L)]
     for layer in range(layout.num_layers):
         pending: list[Rule] = []  # a run of expert rules, expanded at its end
-        for r in layer_rules + [None]:
+        for r in [r for r in layer_rules if layout.layer_has(r, layer)] + [None]:
             if r is not None and r.expert:
                 pending.append(r)
                 continue
@@ -337,6 +453,21 @@ def hf_shapes(layout: ModelLayout, rule: Rule) -> list[tuple[int, ...]]:
         return [(layout.num_experts, H)]
     if name.endswith("shared_experts.gate_weight"):
         return [(1, H)]
+    if name.endswith("mlp.router.expert_bias"):
+        return [(layout.num_experts,)]
+    mla = layout.mla
+    if mla is not None and ".self_attention." in name:
+        n = layout.num_attention_heads
+        return {
+            "linear_q_down_proj.weight": [(mla.q_lora_rank or 0, H)],
+            "q_layernorm.weight": [(mla.q_lora_rank or 0,)],
+            "linear_q_up_proj.weight": [(n * mla.q_head_dim, mla.q_lora_rank or 0)],
+            "linear_q_proj.weight": [(n * mla.q_head_dim, H)],
+            "linear_kv_down_proj.weight": [(mla.kv_lora_rank + mla.qk_rope_head_dim, H)],
+            "kv_layernorm.weight": [(mla.kv_lora_rank,)],
+            "linear_kv_up_proj.weight": [(n * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank)],
+            "linear_proj.weight": [(H, n * mla.v_head_dim)],
+        }[name.rsplit(".self_attention.", 1)[1]]
     ffn = (layout.moe_ffn_hidden_size if rule.expert else
            layout.shared_ffn_hidden_size if ".shared_experts." in name else layout.ffn_hidden_size)
     if name.endswith("linear_qkv.weight"):
@@ -413,7 +544,7 @@ def hf_to_megatron_shard(
         if tuple(t.shape) != shape:
             raise ValueError(f"HF tensor {name!r} has shape {tuple(t.shape)}, expected {shape} for this config")
     _check_tp(rule, layout, tp_rank, tp_size)
-    split = rule.split
+    split = layout.split_of(rule)
     if split == "replicated":
         return hf_tensors[0].clone()
     if split == "column":
@@ -445,15 +576,16 @@ def megatron_shard_shape(layout: ModelLayout, megatron_name: str, tp_size: int =
     size of the group that splits it (the expert-TP size for expert rules)."""
     rule, _, _ = match_rule(layout, megatron_name)
     shapes = hf_shapes(layout, rule)
-    if rule.split == "replicated":
+    split = layout.split_of(rule)
+    if split == "replicated":
         return shapes[0]
-    if rule.split == "row":
+    if split == "row":
         return (shapes[0][0], shapes[0][1] // tp_size)
-    if rule.split == "row_heads":
+    if split == "row_heads":
         return (shapes[0][0], layout.padded_num_query_groups * _heads_per_group(layout) * layout.head_dim // tp_size)
-    if rule.split == "vocab":
+    if split == "vocab":
         return (layout.padded_vocab_size // tp_size, shapes[0][1])
-    if rule.split == "qkv":
+    if split == "qkv":
         rows = layout.padded_num_query_groups * (_heads_per_group(layout) + 2) * layout.head_dim // tp_size
         return (rows, *shapes[0][1:])
     rows = sum(s[0] for s in shapes) // tp_size
@@ -494,34 +626,35 @@ def megatron_to_hf_into(
         raise ValueError(f"{megatron_name}: outputs of shapes {[tuple(o.shape) for o in out]}, expected {shapes} "
                          f"(HF tensors {names})")
     tp = len(shards)
-    want = megatron_shard_shape(layout, megatron_name, 1 if rule.split == "replicated" else tp)
+    split = layout.split_of(rule)
+    want = megatron_shard_shape(layout, megatron_name, 1 if split == "replicated" else tp)
     for r, s in enumerate(shards):
         if tuple(s.shape) != want:
             raise ValueError(f"{megatron_name}: TP shard {r} of {tp} has shape {tuple(s.shape)}, expected {want}")
-    if rule.split == "replicated":
+    if split == "replicated":
         out[0].copy_(shards[0])
         return
-    if rule.split in ("column", "vocab"):  # rows r·n … of the HF tensor; vocab: its padding rows dropped
+    if split in ("column", "vocab"):  # rows r·n … of the HF tensor; vocab: its padding rows dropped
         n, rows = want[0], shapes[0][0]
         for r, s in enumerate(shards):
             lo, hi = r * n, min((r + 1) * n, rows)
             if hi > lo:
                 out[0][lo:hi].copy_(s[: hi - lo])
         return
-    if rule.split in ("row", "row_heads"):  # columns r·c …; row_heads: the padded query groups' columns dropped
+    if split in ("row", "row_heads"):  # columns r·c …; row_heads: the padded query groups' columns dropped
         c, cols = want[1], shapes[0][1]
         for r, s in enumerate(shards):
             lo, hi = r * c, min((r + 1) * c, cols)
             if hi > lo:
                 out[0][:, lo:hi].copy_(s[:, : hi - lo])
         return
-    if rule.split == "gate_up":  # shard r = [gate rows of r; up rows of r]
+    if split == "gate_up":  # shard r = [gate rows of r; up rows of r]
         f = want[0] // 2
         for r, s in enumerate(shards):
             out[0][r * f:(r + 1) * f].copy_(s[:f])
             out[1][r * f:(r + 1) * f].copy_(s[f:])
         return
-    if rule.split == "qkv":  # shard r = whole query groups r·G/T …, each [q heads; k; v]; zero groups dropped
+    if split == "qkv":  # shard r = whole query groups r·G/T …, each [q heads; k; v]; zero groups dropped
         g, hd = layout.num_query_groups, layout.head_dim
         hpg = _heads_per_group(layout)
         per_rank = layout.padded_num_query_groups // tp
@@ -538,7 +671,7 @@ def megatron_to_hf_into(
             k[lo:hi].copy_(grouped[:, hpg * hd:(hpg + 1) * hd])
             v[lo:hi].copy_(grouped[:, (hpg + 1) * hd:])
         return
-    raise AssertionError(rule.split)
+    raise AssertionError(split)
 
 
 def megatron_to_hf(

@@ -71,9 +71,12 @@ def model_layout(model_chunks) -> ModelLayout:
     if hf_config is None:
         raise ValueError("model has no hf_config attribute: build it with dapo_megatron.models.build_gpt_model")
     return ModelLayout.from_hf_config(hf_config, padded_vocab_size=model.vocab_size,
-                                      padded_num_query_groups=model.config.num_query_groups)
+                                      padded_num_query_groups=model.config.num_query_groups,
+                                      mla_down_split=getattr(model, "transformer_impl", "local") != "transformer_engine")
 
 
+# megatron-core's TopKRouter.expert_bias: a buffer (router.py:189), the state of the aux-loss-free balancing
+_BIAS_BUFFER = "mlp.router.expert_bias"
 _LOCAL_EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 
 
@@ -83,6 +86,7 @@ def local_parameters(model_chunks) -> dict[str, torch.nn.Parameter]:
 
     The global layer index comes from each layer's own ``layer_number`` (1-based, set by
     megatron-core from the PP/VP offset), so uneven or interleaved pipelines map correctly.
+    The routers' ``expert_bias`` buffers (DeepSeek-V3's score-correction bias) are included.
     A routed expert's global index is its MoE layer's ``local_expert_indices[i]`` (megatron-core
     moe/moe_layer.py: ``ep_rank · E/EP + i``), for the per-expert ``SequentialMLP`` and the TE
     grouped-GEMM names alike.
@@ -91,7 +95,10 @@ def local_parameters(model_chunks) -> dict[str, torch.nn.Parameter]:
     for chunk in _as_list(model_chunks):
         model = unwrap_model(chunk)
         layers = model.decoder.layers
-        for name, param in model.named_parameters():
+        # the routers' score-correction biases are buffers (not trained by the optimizer), but state
+        # the engine routes with: the bridge moves them like parameters
+        biases = [(n, b) for n, b in model.named_buffers() if n.endswith(_BIAS_BUFFER) and b is not None]
+        for name, param in list(model.named_parameters()) + biases:
             name = canonical_megatron_name(name)
             m = re.match(r"^decoder\.layers\.(\d+)\.(.+)$", name)
             if m:
@@ -232,7 +239,8 @@ def _export_plan(layout: ModelLayout, params: dict, parallel: ParallelDims) -> l
             continue  # the tied output_layer of the last stage
         size = split_coords(parallel, exported[name].expert)[1]
         param, want = params[name], megatron_shard_shape(layout, name, size)
-        dtypes.add(str(param.dtype))
+        if not name.endswith(_BIAS_BUFFER):  # the router bias stays fp32; the bucket's copy casts it
+            dtypes.add(str(param.dtype))
         if tuple(param.shape) != want:
             problems.append(f"Megatron parameter {name!r} has shape {tuple(param.shape)}, the mapping expects {want} "
                             f"at {'ETP' if exported[name].expert else 'TP'}={size}: the model was built from a "
@@ -269,7 +277,7 @@ def _export_plan(layout: ModelLayout, params: dict, parallel: ParallelDims) -> l
         if name not in owner_of:
             raise KeyError(f"Megatron parameter {name!r} is held by no pipeline stage (model does not fit its config)")
         shapes = hf_shapes(layout, rule)
-        plan.append(_Entry(name, rule.split, tuple(zip(hf_names_of(rule, layer, expert), shapes)), owner_of[name],
+        plan.append(_Entry(name, layout.split_of(rule), tuple(zip(hf_names_of(rule, layer, expert), shapes)), owner_of[name],
                            ep_owner_of.get(name) if rule.expert else None))
     return plan
 

@@ -69,6 +69,9 @@ def layer_spec(hf_config, model_cfg: ModelConfig):
     """
     qk_norm = ATTENTION_FAMILY[check_hf_config(hf_config)] == "qwen3"
     moe = moe_layout(hf_config)
+    if ATTENTION_FAMILY[hf_config.model_type] == "mla" or (moe is not None and moe.dense_layers):
+        raise ValueError(f"hf_config.model_type={hf_config.model_type!r} mixes dense and MoE layers or uses MLA: its "
+                         "spec is per layer, build it with decoder_block_spec")
     moe_kwargs = {} if moe is None else dict(num_experts=moe.num_experts, moe_grouped_gemm=moe_grouped_gemm(model_cfg))
     if resolve_transformer_impl(model_cfg) == "transformer_engine":
         # megatron-core here, not at the top: models/ and actor/ hold config sections, and the config loads without it
@@ -79,6 +82,27 @@ def layer_spec(hf_config, model_cfg: ModelConfig):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     return get_gpt_layer_local_spec(qk_layernorm=qk_norm, normalization="RMSNorm", **moe_kwargs)
+
+
+def decoder_block_spec(config, model_cfg: ModelConfig, *, vp_stage: Optional[int] = None, pp_rank: Optional[int] = None):
+    """The per-layer spec of a model whose layers differ (DeepSeek-V3: ``first_k_dense_replace``
+    dense layers, then MoE ones; multi-head latent attention), sliced to this pipeline stage:
+    megatron-core's ``get_gpt_decoder_block_spec`` (models/gpt/gpt_layer_specs.py:676), which reads
+    ``config.moe_layer_freq`` and ``config.multi_latent_attention``. On the local spec the MLA
+    layer is ``MLASelfAttention`` with ``ColumnParallelLinear`` down/up projections and
+    ``q_layernorm`` / ``kv_layernorm`` torch RMSNorms (gpt_layer_specs.py:413-431)."""
+    # megatron-core here, not at the top: models/ and actor/ hold config sections, and the config loads without it
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    use_te = resolve_transformer_impl(model_cfg) == "transformer_engine"
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm",
+                                       vp_stage=vp_stage, pp_rank=pp_rank)
+    if config.multi_latent_attention and not use_te:
+        from .mla import MLADotProductAttention
+
+        for spec in block.layer_specs:  # the local DotProductAttention cannot take MLA's k/v channel sizes
+            spec.submodules.self_attention.submodules.core_attention = MLADotProductAttention
+    return block
 
 
 def build_gpt_model(
@@ -141,9 +165,13 @@ def build_gpt_model(
         pre_process = parallel.is_pp_first
     if post_process is None:
         post_process = parallel.is_pp_last
+    moe = moe_layout(hf_config)
+    per_layer = getattr(config, "multi_latent_attention", False) or (moe is not None and bool(moe.dense_layers))
+    spec = decoder_block_spec(config, model_cfg, vp_stage=vp_stage, pp_rank=parallel.pp_rank) if per_layer \
+        else layer_spec(hf_config, model_cfg)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(hf_config, model_cfg),
+        transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(hf_config.vocab_size, model_cfg.make_vocab_size_divisible_by, tp),
         max_sequence_length=hf_config.max_position_embeddings,
         pre_process=pre_process,
@@ -151,7 +179,9 @@ def build_gpt_model(
         share_embeddings_and_output_weights=bool(getattr(hf_config, "tie_word_embeddings", False)),
         position_embedding_type="rope",
         vp_stage=vp_stage,
-        **gpt_rope_kwargs(hf_config),
+        # MLA builds its own rotary embedding from the MLATransformerConfig (config.mla_rope_kwargs)
+        **(dict(rotary_base=config.rotary_base) if getattr(config, "multi_latent_attention", False)
+           else gpt_rope_kwargs(hf_config)),
     )
     model.hf_config = hf_config
     model.real_vocab_size = hf_config.vocab_size

@@ -19,6 +19,15 @@ Mixtures of experts (every decoder layer an MoE layer, megatron-core ``MoELayer`
   ``sigmoid(shared_expert_gate(x))`` (megatron-core ``SharedExpertMLP`` with ``gate=True``).
 - ``mixtral``: llama attention, ``num_local_experts`` experts of ``intermediate_size``, softmax
   router, top-k always renormalised.
+- ``deepseek_v3`` (DeepSeek-V3 / R1, Kimi K2, Moonlight-16B-A3B): multi-head latent attention
+  (megatron-core ``MLATransformerConfig``, :func:`mla_layout`), the first
+  ``first_k_dense_replace`` layers dense, the others MoE with ``n_shared_experts`` shared experts
+  and a sigmoid router whose top-k choice adds ``e_score_correction_bias`` (megatron-core's
+  ``expert_bias``) and is limited to ``topk_group`` of ``n_group`` groups, weights renormalised
+  and scaled by ``routed_scaling_factor``. The multi-token-prediction layers
+  (``num_nextn_predict_layers``) are ignored: they feed no logprob of the main head, the bridge
+  neither imports nor exports them (SGLang's loader skips layers >= num_hidden_layers when not
+  loading a draft model), see docs/design.md §2.1.
 
 Anything this module cannot map exactly (another activation, a RoPE scaling type
 megatron-core 0.19 does not implement, sliding-window attention, ...) raises a
@@ -39,11 +48,14 @@ from typing import Any, Optional
 import torch
 from packaging.version import Version
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral")
-MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
+# families whose router is DeepSeek-V3's: sigmoid scores, + e_score_correction_bias for the choice,
+# grouped top-k, routed_scaling_factor; shared experts without a gate; first_k_dense_replace dense layers
+DEEPSEEK_ROUTER_TYPES = ("deepseek_v3",)
 # the dense family whose attention block each MoE family shares (q/k norm, qkv bias)
 ATTENTION_FAMILY = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3",
-                    "qwen2_moe": "qwen2", "mixtral": "llama"}
+                    "qwen2_moe": "qwen2", "mixtral": "llama", "deepseek_v3": "mla"}
 MOE_DISPATCHERS = ("alltoall", "allgather")
 # The model class of each supported model_type, written to config.json's "architectures": serving
 # engines pick the class from it and refuse a checkpoint without it (SGLang 0.5.23
@@ -54,7 +66,7 @@ MOE_DISPATCHERS = ("alltoall", "allgather")
 # tests/unit/models/test_architectures.py checks each name against transformers, SGLang and vLLM.
 CAUSAL_LM_ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                           "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                          "mixtral": "MixtralForCausalLM"}
+                          "mixtral": "MixtralForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 MOE_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 FP8_FORMATS = ("e4m3", "hybrid")
 # Minimum Transformer Engine version for each FP8 recipe, as megatron-core itself requires them
@@ -123,6 +135,13 @@ class ModelConfig:
     moe_router_load_balancing_type: str = "aux_loss"
     """MoE models only: "aux_loss" (GShard / Switch loss per micro-batch, HF's
     ``load_balancing_loss_func``), "seq_aux_loss", "global_aux_loss" or "none"."""
+    moe_router_bias_update_rate: float = 0.0
+    """DeepSeek-V3-style routers only (``e_score_correction_bias``): megatron-core's aux-loss-free
+    balancing step, ``bias += rate · sign(mean load − load)`` per expert after every optimizer step
+    (``TransformerConfig.moe_router_bias_update_rate``, distributed/finalize_model_grads.py
+    ``_update_router_expert_bias``). 0 (default) keeps the pretrained bias: RL fine-tunes a balanced
+    router, and the bias is state the engine routes with (docs/design.md §2.1). > 0 updates it,
+    and the weight sync and the checkpoint carry the new bias."""
     extra_transformer_config: dict[str, Any] = field(default_factory=dict)
     """further ``TransformerConfig`` fields, set last (expert use)."""
 
@@ -157,6 +176,8 @@ class ModelConfig:
         if self.moe_router_load_balancing_type not in MOE_LOAD_BALANCING:
             raise ValueError(f"moe_router_load_balancing_type={self.moe_router_load_balancing_type!r} must be one "
                              f"of {MOE_LOAD_BALANCING}")
+        if not self.moe_router_bias_update_rate >= 0:
+            raise ValueError(f"moe_router_bias_update_rate={self.moe_router_bias_update_rate} must be >= 0")
         if self.moe_aux_loss_coeff is not None and not self.moe_aux_loss_coeff >= 0:
             raise ValueError(f"moe_aux_loss_coeff={self.moe_aux_loss_coeff} must be >= 0 (or null: the HF "
                              "config's router_aux_loss_coef)")
@@ -409,6 +430,53 @@ def gpt_rope_kwargs(hf_config) -> dict:
     )
 
 
+def mla_rope_kwargs(hf_config) -> dict:
+    """The RoPE fields of megatron-core's ``MLATransformerConfig`` for an MLA HF config (the MLA
+    layer builds its own rotary embedding from them, multi_latent_attention.py:180-204).
+
+    ``default`` RoPE is ``rope_type='rope'``; ``yarn`` (DeepSeek-V3, Kimi K2) is megatron-core's
+    ``YarnRotaryEmbedding`` with the HF ``factor``, ``original_max_position_embeddings``,
+    ``beta_fast`` / ``beta_slow`` (HF defaults 32 / 1), ``mscale`` / ``mscale_all_dim``: the cos/sin
+    scale ``m(f, mscale) / m(f, mscale_all_dim)`` (transformers modeling_rope_utils.py
+    ``_compute_yarn_parameters``; megatron-core yarn_rotary_pos_embedding.py
+    ``_yarn_get_concentration_factor``) and the softmax scale ``m(f, mscale_all_dim)² / √d``
+    (HF DeepseekV3Attention ``yarn_apply_mscale``; megatron-core multi_latent_attention.py:177-178).
+
+    Raises:
+        ValueError: naming the ``rope_parameters`` field: another scaling type, an explicit
+            ``attention_factor``, ``truncate=False`` (megatron-core rounds the correction range,
+            ``correction_range_round_to_int``), or ``mscale`` without ``mscale_all_dim`` (HF then
+            ignores ``mscale``).
+    """
+    p = rope_parameters(hf_config)
+    if _get(hf_config, "partial_rotary_factor", 1.0) not in (None, 1.0):
+        raise ValueError("hf_config.partial_rotary_factor != 1 is not supported for MLA")
+    out = dict(rope_type="rope", rotary_base=float(p["rope_theta"]), rotary_percent=1.0)
+    kind = p["rope_type"]
+    if kind == "default":
+        return out
+    if kind != "yarn":
+        raise ValueError(f"hf_config.rope_parameters.rope_type={kind!r} is not supported for MLA (default, yarn)")
+    if p.get("attention_factor") is not None:
+        raise ValueError("hf_config.rope_parameters.attention_factor is not supported: megatron-core derives the "
+                         "YaRN scale from factor, mscale and mscale_all_dim")
+    if not p.get("truncate", True):
+        raise ValueError("hf_config.rope_parameters.truncate=False is not supported (megatron-core rounds the YaRN "
+                         "correction range)")
+    mscale, mscale_all = float(p.get("mscale") or 1.0), float(p.get("mscale_all_dim") or 0.0)
+    if not mscale_all and mscale != 1.0:
+        raise ValueError(f"hf_config.rope_parameters.mscale={mscale} without mscale_all_dim: transformers ignores "
+                         "mscale then, megatron-core does not")
+    factor = p.get("factor")
+    if factor is None:  # transformers' DeepSeek fallback (_compute_yarn_parameters)
+        factor = hf_config.max_position_embeddings / p["original_max_position_embeddings"]
+    out.update(rope_type="yarn", rotary_scaling_factor=float(factor),
+               original_max_position_embeddings=int(p["original_max_position_embeddings"]),
+               beta_fast=float(p.get("beta_fast") or 32), beta_slow=float(p.get("beta_slow") or 1),
+               mscale=mscale, mscale_all_dim=mscale_all)
+    return out
+
+
 def check_hf_config(hf_config) -> str:
     """Validate that an HF config is one this package builds; returns its model_type.
 
@@ -435,6 +503,9 @@ def check_hf_config(hf_config) -> str:
     if model_type == "mixtral" and _get(hf_config, "sliding_window") is not None:
         raise ValueError(f"hf_config.sliding_window={hf_config.sliding_window} is not supported for mixtral "
                          "(megatron-core's local attention has no sliding window); set it to null")
+    if attention == "mla":
+        mla_layout(hf_config)  # raises on what megatron-core's MLA cannot reproduce
+        mla_rope_kwargs(hf_config)
     heads, groups = hf_config.num_attention_heads, _kv_heads(hf_config)
     if heads % groups != 0:
         raise ValueError(
@@ -461,6 +532,14 @@ class MoELayout:
         norm_topk_prob: the top-k probabilities are renormalised to sum to 1 (Mixtral always;
             Qwen ``norm_topk_prob``).
         aux_loss_coef: HF ``router_aux_loss_coef``.
+        score_function: "softmax" or "sigmoid" (DeepSeek-V3: ``sigmoid(logits)``).
+        expert_bias: the router adds a per-expert bias (HF ``e_score_correction_bias``) to the
+            scores it chooses the top k by (not to the weights): megatron-core ``expert_bias``.
+        num_groups, group_topk: grouped top-k (HF ``n_group`` / ``topk_group``), None when every
+            group is kept (``topk_group == n_group``: the group mask selects all experts).
+        scaling_factor: the top-k weights are multiplied by it (HF ``routed_scaling_factor``), None for 1.
+        dense_layers: 0-based indices of the dense (non-MoE) layers (HF ``first_k_dense_replace``).
+        dense_ffn_hidden_size: their FFN size (HF ``intermediate_size``), 0 without dense layers.
     """
 
     num_experts: int
@@ -470,6 +549,124 @@ class MoELayout:
     shared_expert_gate: bool
     norm_topk_prob: bool
     aux_loss_coef: float
+    score_function: str = "softmax"
+    expert_bias: bool = False
+    num_groups: Optional[int] = None
+    group_topk: Optional[int] = None
+    scaling_factor: Optional[float] = None
+    dense_layers: tuple[int, ...] = ()
+    dense_ffn_hidden_size: int = 0
+
+    def moe_layer_pattern(self, num_layers: int) -> list[int]:
+        """megatron-core's ``moe_layer_freq`` list: 1 for an MoE layer, 0 for a dense one."""
+        return [0 if i in self.dense_layers else 1 for i in range(num_layers)]
+
+
+def _deepseek_moe_layout(hf_config) -> MoELayout:
+    """:class:`MoELayout` of a DeepSeek-V3-router config (transformers 5 ``DeepseekV3TopkRouter`` /
+    ``DeepseekV3MoE``): ``sigmoid(x·Wᵀ)`` in fp32; the choice ranks ``scores + e_score_correction_bias``,
+    first by group (the sum of each group's top-2), keeping ``topk_group`` groups, then the top k
+    experts of those; the weights are the chosen *unbiased* scores, divided by their sum
+    (``norm_topk_prob``) and multiplied by ``routed_scaling_factor``; a shared expert of
+    ``n_shared_experts × moe_intermediate_size`` is added ungated. megatron-core 0.19.2 does the same
+    in ``moe_utils.topk_routing_with_score_function`` (sigmoid branch, ``expert_bias``: :853-861)
+    with ``group_limited_topk`` (:617-668) ranking a group by its top ``topk / group_topk`` scores,
+    where HF hard-codes the top 2: the two agree when ``topk / topk_group == 2`` (DeepSeek-V3: 8 / 4),
+    or when every group is kept (Moonlight, Kimi K2, GLM-4.5: ``n_group == topk_group``), which is
+    plain top-k. megatron-core always renormalises a sigmoid top-k (k > 1, :863), so
+    ``norm_topk_prob=False`` is refused."""
+    experts = int(_get(hf_config, "n_routed_experts", None) or _get(hf_config, "num_local_experts"))
+    topk = int(hf_config.num_experts_per_tok)
+    if not 1 <= topk <= experts:
+        raise ValueError(f"hf_config.num_experts_per_tok={topk} must be between 1 and the {experts} experts")
+    if not bool(_get(hf_config, "norm_topk_prob", True)) and topk > 1:
+        raise ValueError("hf_config.norm_topk_prob=False is not supported with the sigmoid router: megatron-core "
+                         "renormalises the top-k sigmoid weights always (moe_utils.py topk_routing_with_score_function)")
+    method = _get(hf_config, "topk_method", "noaux_tc")
+    if method not in (None, "noaux_tc"):
+        raise ValueError(f"hf_config.topk_method={method!r}: only 'noaux_tc' (sigmoid + score-correction bias, "
+                         "grouped top-k) is supported for this family")
+    scoring = _get(hf_config, "scoring_func", "sigmoid")
+    if scoring not in (None, "sigmoid"):
+        raise ValueError(f"hf_config.scoring_func={scoring!r}: this family's router is sigmoid")
+    n_group, topk_group = int(_get(hf_config, "n_group", 1) or 1), int(_get(hf_config, "topk_group", 1) or 1)
+    if experts % n_group or not 1 <= topk_group <= n_group:
+        raise ValueError(f"hf_config.n_group={n_group}, topk_group={topk_group}: n_group must divide the {experts} "
+                         "experts and 1 <= topk_group <= n_group")
+    groups = group_topk = None
+    if topk_group < n_group:
+        if topk % topk_group or topk // topk_group != 2:
+            raise ValueError(f"hf_config.num_experts_per_tok={topk} / topk_group={topk_group} must be 2: transformers "
+                             "ranks a group by its top-2 scores, megatron-core by its top (topk / topk_group)")
+        groups, group_topk = n_group, topk_group
+    shared = int(_get(hf_config, "n_shared_experts", 0) or 0) * int(hf_config.moe_intermediate_size)
+    first_dense = int(_get(hf_config, "first_k_dense_replace", 0) or 0)
+    if not 0 <= first_dense < hf_config.num_hidden_layers:
+        raise ValueError(f"hf_config.first_k_dense_replace={first_dense} must leave at least one MoE layer of "
+                         f"{hf_config.num_hidden_layers}")
+    if int(_get(hf_config, "moe_layer_freq", 1) or 1) != 1:
+        raise ValueError(f"hf_config.moe_layer_freq={hf_config.moe_layer_freq}: only 1 (every layer after "
+                         "first_k_dense_replace an MoE layer) is supported")
+    scale = float(_get(hf_config, "routed_scaling_factor", 1.0) or 1.0)
+    return MoELayout(num_experts=experts, topk=topk, ffn_hidden_size=int(hf_config.moe_intermediate_size),
+                     shared_ffn_hidden_size=shared, shared_expert_gate=False, norm_topk_prob=True,
+                     aux_loss_coef=float(_get(hf_config, "router_aux_loss_coef", 0.0) or 0.0),
+                     score_function="sigmoid", expert_bias=True, num_groups=groups, group_topk=group_topk,
+                     scaling_factor=None if scale == 1.0 else scale, dense_layers=tuple(range(first_dense)),
+                     dense_ffn_hidden_size=int(hf_config.intermediate_size) if first_dense else 0)
+
+
+@dataclass(frozen=True)
+class MLALayout:
+    """The multi-head latent attention sizes of an HF config (DeepSeek-V2/V3; megatron-core
+    ``MLATransformerConfig`` names in brackets).
+
+    Attributes:
+        q_lora_rank: rank of the query down-projection ``q_a_proj`` (``q_lora_rank``), None when the
+            queries are one projection ``q_proj`` (DeepSeek-V2-Lite, Moonlight).
+        kv_lora_rank: rank of the compressed KV latent (``kv_lora_rank``).
+        qk_nope_head_dim: per-head query/key size without RoPE (``qk_head_dim``).
+        qk_rope_head_dim: per-head RoPE part, its key shared by all heads (``qk_pos_emb_head_dim``).
+        v_head_dim: per-head value size (``v_head_dim``).
+    """
+
+    q_lora_rank: Optional[int]
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def q_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def kv_cache_elements_per_token_layer(self) -> int:
+        """What an MLA serving engine caches per token and layer: the latent and the shared RoPE key
+        (``kv_lora_rank + qk_rope_head_dim``, SGLang's MLA token pool), not 2 · heads · head_dim."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+def mla_layout(hf_config) -> Optional[MLALayout]:
+    """:class:`MLALayout` of an MLA config, None for other attention.
+
+    Raises:
+        ValueError: naming the HF field megatron-core's MLA cannot reproduce: biases on the
+            projections (``attention_bias``), non-interleaved RoPE (``rope_interleave=False``:
+            megatron-core's MLA always applies DeepSeek's interleaved RoPE,
+            multi_latent_attention.py:942, :952 ``mla_rotary_interleaved=True``).
+    """
+    if ATTENTION_FAMILY.get(_get(hf_config, "model_type")) != "mla":
+        return None
+    if _get(hf_config, "attention_bias", False):
+        raise ValueError("hf_config.attention_bias=True is not supported for MLA (megatron-core's MLA projections "
+                         "have no bias)")
+    if not _get(hf_config, "rope_interleave", True):
+        raise ValueError("hf_config.rope_interleave=False is not supported: megatron-core's MLA applies "
+                         "DeepSeek's interleaved RoPE only")
+    q_lora = _get(hf_config, "q_lora_rank")
+    return MLALayout(q_lora_rank=int(q_lora) if q_lora else None, kv_lora_rank=int(hf_config.kv_lora_rank),
+                     qk_nope_head_dim=int(hf_config.qk_nope_head_dim), qk_rope_head_dim=int(hf_config.qk_rope_head_dim),
+                     v_head_dim=int(hf_config.v_head_dim))
 
 
 def moe_layout(hf_config) -> Optional[MoELayout]:
@@ -486,6 +683,8 @@ def moe_layout(hf_config) -> Optional[MoELayout]:
     model_type = _get(hf_config, "model_type")
     if model_type not in MOE_MODEL_TYPES:
         return None
+    if model_type in DEEPSEEK_ROUTER_TYPES:
+        return _deepseek_moe_layout(hf_config)
     if model_type == "mixtral":
         experts, ffn, shared, norm = hf_config.num_local_experts, hf_config.intermediate_size, 0, True
         if float(_get(hf_config, "router_jitter_noise", 0.0) or 0.0) != 0.0:
@@ -554,7 +753,11 @@ def check_moe_parallel(hf_config, parallel, model_cfg: Optional["ModelConfig"] =
                          f"{moe.ffn_hidden_size} (hf_config moe_intermediate_size): choose a divisor, e.g. 1")
     if moe.shared_ffn_hidden_size % tp:
         raise ValueError(f"parallel.tensor_model_parallel_size={tp} does not divide the shared expert FFN size "
-                         f"{moe.shared_ffn_hidden_size} (hf_config.shared_expert_intermediate_size)")
+                         f"{moe.shared_ffn_hidden_size} (hf_config.shared_expert_intermediate_size, or "
+                         "n_shared_experts × moe_intermediate_size)")
+    if moe.dense_ffn_hidden_size % tp:
+        raise ValueError(f"parallel.tensor_model_parallel_size={tp} does not divide the dense layers' FFN size "
+                         f"{moe.dense_ffn_hidden_size} (hf_config.intermediate_size)")
     try:  # the key domains load_config checks (ModelConfig.validate), for callers that built the config by hand
         model_cfg.validate()
     except ValueError as err:
@@ -589,6 +792,11 @@ def megatron_attention_heads(hf_config, tp: int, model_cfg: Optional[ModelConfig
     """
     model_cfg = model_cfg or ModelConfig()
     heads, groups = hf_config.num_attention_heads, _kv_heads(hf_config)
+    if ATTENTION_FAMILY.get(_get(hf_config, "model_type")) == "mla":
+        # MLA has no query groups: every head has its own key and value from the shared latent
+        if heads % tp:
+            raise ValueError(f"hf_config.num_attention_heads={heads} is not divisible by tensor_model_parallel_size={tp}")
+        return heads, heads
     multiple = math.lcm(tp, model_cfg.query_groups_multiple or 1)
     if groups % multiple == 0:
         return heads, groups
@@ -638,9 +846,22 @@ def hf_to_transformer_config(hf_config, parallel, model_cfg: ModelConfig = None,
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     heads, groups = megatron_attention_heads(hf_config, tp, model_cfg)
     moe = check_moe_parallel(hf_config, parallel, model_cfg)
+    mla = mla_layout(hf_config)
+    if mla is not None:
+        # the local spec's MLA down-projections are ColumnParallelLinear (gpt_layer_specs.py:413-425,
+        # multi_latent_attention.py:536-601): their output rows are split over TP, then gathered
+        for what, rows in (("q_lora_rank", mla.q_lora_rank), ("kv_lora_rank + qk_rope_head_dim",
+                                                              mla.kv_lora_rank + mla.qk_rope_head_dim)):
+            if rows is not None and rows % tp:
+                raise ValueError(f"hf_config {what}={rows} is not divisible by tensor_model_parallel_size={tp} (the "
+                                 "local spec splits the MLA down-projections over TP)")
     if routing_replay and moe is None:
         raise ValueError(f"actor.routing_replay=rollout needs a mixture-of-experts model; hf_config.model_type="
                          f"{model_type!r} is dense (no router to replay): set actor.routing_replay=off")
+    if model_cfg.moe_router_bias_update_rate and (moe is None or not moe.expert_bias):
+        raise ValueError(f"model.moe_router_bias_update_rate={model_cfg.moe_router_bias_update_rate} needs a router "
+                         f"with a score-correction bias (DeepSeek-V3 family); hf_config.model_type={model_type!r} has "
+                         "none: set it to 0")
     if moe is None and hf_config.intermediate_size % tp != 0:
         raise ValueError(
             f"hf_config.intermediate_size={hf_config.intermediate_size} is not divisible by "
@@ -660,17 +881,19 @@ def hf_to_transformer_config(hf_config, parallel, model_cfg: ModelConfig = None,
         hidden_size=hf_config.hidden_size,
         # dense layers' FFN; an all-MoE model has none (Qwen's intermediate_size then sizes
         # layers it does not have), so the expert size stands in for it
-        ffn_hidden_size=hf_config.intermediate_size if moe is None else moe.ffn_hidden_size,
+        ffn_hidden_size=hf_config.intermediate_size if moe is None else (moe.dense_ffn_hidden_size or
+                                                                         moe.ffn_hidden_size),
         num_attention_heads=heads,
         num_query_groups=groups,
-        kv_channels=head_dim(hf_config),
+        kv_channels=head_dim(hf_config) if mla is None else mla.v_head_dim,
         normalization="RMSNorm",
         layernorm_epsilon=float(hf_config.rms_norm_eps),
         gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
         add_qkv_bias=attention == "qwen2",
-        qk_layernorm=attention == "qwen3",
+        # MLA: the latent norms q_a_layernorm / kv_a_layernorm are megatron-core's q_layernorm / kv_layernorm
+        qk_layernorm=attention in ("qwen3", "mla"),
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=float(_get(hf_config, "initializer_range", 0.02)),
@@ -689,7 +912,7 @@ def hf_to_transformer_config(hf_config, parallel, model_cfg: ModelConfig = None,
         transformer_impl=impl,
     )
     if moe is not None:
-        kwargs.update(moe_transformer_config_kwargs(moe, parallel, model_cfg, impl))
+        kwargs.update(moe_transformer_config_kwargs(moe, parallel, model_cfg, impl, hf_config.num_hidden_layers))
         # megatron-core router.py (0.19.2 :256, core_v0.16.1 :206): every TopKRouter gets a
         # RouterReplay (moe/router_replay.py)
         kwargs["moe_enable_routing_replay"] = bool(routing_replay)
@@ -708,10 +931,19 @@ def hf_to_transformer_config(hf_config, parallel, model_cfg: ModelConfig = None,
             num_layers_at_end_in_bf16=model_cfg.num_layers_at_end_in_bf16,
         )
     kwargs.update(model_cfg.extra_transformer_config)
+    if mla is not None:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        kwargs.update(mla_rope_kwargs(hf_config))
+        kwargs.update(multi_latent_attention=True, q_lora_rank=mla.q_lora_rank, kv_lora_rank=mla.kv_lora_rank,
+                      qk_head_dim=mla.qk_nope_head_dim, qk_pos_emb_head_dim=mla.qk_rope_head_dim,
+                      v_head_dim=mla.v_head_dim)
+        return MLATransformerConfig(**kwargs)
     return TransformerConfig(**kwargs)
 
 
-def moe_transformer_config_kwargs(moe: MoELayout, parallel, model_cfg: ModelConfig, impl: str) -> dict[str, Any]:
+def moe_transformer_config_kwargs(moe: MoELayout, parallel, model_cfg: ModelConfig, impl: str,
+                                  num_layers: int = 0) -> dict[str, Any]:
     """The ``TransformerConfig`` MoE fields (megatron-core names, the same in 0.16.1 and 0.19.2:
     megatron/core/transformer/transformer_config.py "MoE related") of an MoE model.
 
@@ -730,9 +962,9 @@ def moe_transformer_config_kwargs(moe: MoELayout, parallel, model_cfg: ModelConf
         num_moe_experts=moe.num_experts,
         moe_router_topk=moe.topk,
         moe_ffn_hidden_size=moe.ffn_hidden_size,
-        moe_router_score_function="softmax",
-        moe_router_pre_softmax=not moe.norm_topk_prob,
-        moe_router_topk_scaling_factor=None,
+        moe_router_score_function=moe.score_function,
+        moe_router_pre_softmax=not moe.norm_topk_prob if moe.score_function == "softmax" else False,
+        moe_router_topk_scaling_factor=moe.scaling_factor,
         moe_router_dtype="fp32",
         moe_router_load_balancing_type=model_cfg.moe_router_load_balancing_type,
         moe_aux_loss_coeff=moe.aux_loss_coef if model_cfg.moe_aux_loss_coeff is None else model_cfg.moe_aux_loss_coeff,
@@ -744,6 +976,14 @@ def moe_transformer_config_kwargs(moe: MoELayout, parallel, model_cfg: ModelConf
         expert_model_parallel_size=ep,
         expert_tensor_parallel_size=tp if etp is None else etp,
     )
+    if moe.expert_bias:
+        # megatron-core router.py:177-195 registers expert_bias (fp32, persistent: in the checkpoint);
+        # finalize_model_grads updates it by the rate after each step (0: kept as loaded)
+        out.update(moe_router_enable_expert_bias=True, moe_router_bias_update_rate=model_cfg.moe_router_bias_update_rate)
+    if moe.num_groups:
+        out.update(moe_router_num_groups=moe.num_groups, moe_router_group_topk=moe.group_topk)
+    if moe.dense_layers:
+        out["moe_layer_freq"] = moe.moe_layer_pattern(num_layers)
     if moe.shared_ffn_hidden_size:
         out.update(moe_shared_expert_intermediate_size=moe.shared_ffn_hidden_size,
                    moe_shared_expert_gate=moe.shared_expert_gate, moe_shared_expert_overlap=False)

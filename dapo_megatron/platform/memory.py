@@ -86,7 +86,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from dapo_megatron.config.loader import ConfigError
-from dapo_megatron.models.config import ATTENTION_FAMILY, moe_layout
+from dapo_megatron.models.config import ATTENTION_FAMILY, mla_layout, moe_layout
 from dapo_megatron.rollout.engines.sglang_env import cuda_graphs_released
 
 GB = 10**9
@@ -119,6 +119,12 @@ class ModelShape:
     topk: int = 0
     shared_ffn: int = 0
     shared_gate: bool = False
+    dense_layers: int = 0
+    """DeepSeek-V3 ``first_k_dense_replace``: the first layers are dense MLPs of FFN ``dense_ffn``."""
+    dense_ffn: int = 0
+    mla: Optional[tuple[int, int, int, int, int]] = None
+    """multi-head latent attention (q_lora_rank or 0, kv_lora_rank, qk_nope_head_dim,
+    qk_rope_head_dim, v_head_dim), None for GQA."""
 
     @classmethod
     def from_hf(cls, hf_config) -> "ModelShape":
@@ -137,17 +143,37 @@ class ModelShape:
             experts=moe.num_experts if moe else 0, moe_ffn=moe.ffn_hidden_size if moe else 0,
             topk=moe.topk if moe else 0, shared_ffn=moe.shared_ffn_hidden_size if moe else 0,
             shared_gate=bool(moe and moe.shared_expert_gate),
+            dense_layers=len(moe.dense_layers) if moe else 0, dense_ffn=moe.dense_ffn_hidden_size if moe else 0,
+            mla=None if (m := mla_layout(hf_config)) is None else
+            (m.q_lora_rank or 0, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim),
         )
+
+    def _attention_params(self) -> tuple[int, int]:
+        """(split over TP, replicated) attention parameters of one layer. MLA (TE spec): the
+        down-projections and latent norms replicated (TELinear ``duplicated``), the
+        up-projections and ``o_proj`` split by heads."""
+        h, n = self.hidden, self.heads
+        if self.mla is None:
+            q, kv = n * self.head_dim, self.kv_heads * self.head_dim
+            return h * (q + 2 * kv) + q * h + (q + 2 * kv if self.qkv_bias else 0), \
+                2 * self.head_dim if self.qk_norm else 0
+        q_lora, kv_lora, nope, rope, v = self.mla
+        q_up = q_lora * n * (nope + rope) if q_lora else h * n * (nope + rope)
+        split = q_up + kv_lora * n * (nope + v) + n * v * h
+        replicated = (h * q_lora + q_lora if q_lora else 0) + h * (kv_lora + rope) + kv_lora
+        return split, replicated
 
     def layer_params(self) -> tuple[int, int]:
         """``(split over TP, replicated)`` parameters of one decoder layer, routed experts
-        excluded (:meth:`expert_params`); the router and the shared expert's gate are replicated."""
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        split = self.hidden * (q + 2 * kv) + q * self.hidden + 3 * self.hidden * (self.ffn + self.shared_ffn)
-        if self.qkv_bias:
-            split += q + 2 * kv
-        replicated = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+        excluded (:meth:`expert_params`); the router and the shared expert's gate are replicated.
+        With dense layers among MoE ones (DeepSeek-V3), the larger of a dense and an MoE layer's
+        (an upper bound per layer: the estimate then holds for every stage)."""
+        attn_split, attn_rep = self._attention_params()
+        moe_ffn = 3 * self.hidden * (self.ffn + self.shared_ffn)
+        split = attn_split + max(moe_ffn, 3 * self.hidden * self.dense_ffn)
+        replicated = 2 * self.hidden + attn_rep
         replicated += self.experts * self.hidden + (self.hidden if self.shared_gate else 0)
+        replicated += self.experts if self.mla is not None or self.dense_layers else 0  # the router's bias
         return split, replicated
 
     def expert_params(self) -> int:
@@ -156,12 +182,23 @@ class ModelShape:
 
     def total_params(self) -> int:
         """All parameters of the HF model (unpadded vocabulary, tied embeddings once)."""
-        split, rep = self.layer_params()
+        attn_split, attn_rep = self._attention_params()
         emb = self.vocab * self.hidden
-        return self.layers * (split + rep + self.expert_params()) + emb * (1 if self.tied else 2) + self.hidden
+        per_layer = attn_split + attn_rep + 2 * self.hidden
+        moe = 3 * self.hidden * self.shared_ffn + self.experts * self.hidden + self.expert_params() \
+            + (self.hidden if self.shared_gate else 0) + (self.experts if self.mla is not None else 0)
+        mlp = self.dense_layers * 3 * self.hidden * self.dense_ffn + (self.layers - self.dense_layers) * \
+            (moe if self.experts else 3 * self.hidden * self.ffn)
+        return self.layers * per_layer + mlp + emb * (1 if self.tied else 2) + self.hidden
 
     def kv_bytes_per_token(self, tp: int, dtype_bytes: int = 2) -> int:
-        """SGLang's KV cell: K and V of every layer, ``max(1, n_kv // tp)`` heads per GPU."""
+        """SGLang's KV cell: K and V of every layer, ``max(1, n_kv // tp)`` heads per GPU. MLA
+        caches one latent and one shared RoPE key per token and layer, ``kv_lora_rank +
+        qk_rope_head_dim`` elements, the same on every TP rank (SGLang's ``MLATokenToKVPool``:
+        ``kv_lora_rank + qk_rope_head_dim`` per layer, not split over TP): DeepSeek-V3's 576
+        against GQA's 2 · heads · head_dim."""
+        if self.mla is not None:
+            return self.layers * (self.mla[1] + self.mla[3]) * dtype_bytes
         return 2 * self.layers * max(1, self.kv_heads // tp) * self.head_dim * dtype_bytes
 
     def activation_bytes_per_token(self, tp: int, etp: Optional[int] = None) -> int:
@@ -169,8 +206,14 @@ class ModelShape:
         keeps, per token and routed expert (``topk`` of them, balanced over the EP ranks), the
         dispatched input and the combined output (``2 h``) and the expert's fc1 outputs and fc2
         input (``3 f / ETP``); the shared expert as a dense MLP."""
-        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        dense = 2 * (4 * self.hidden + (q + 2 * kv + q + 3 * (self.ffn + self.shared_ffn)) // tp)
+        if self.mla is None:
+            q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+            attn = q + 2 * kv + q
+        else:  # q, k (nope + rope), v and the attention output per head; the latents replicated
+            q_lora, kv_lora, nope, rope, v = self.mla
+            attn = self.heads * (2 * (nope + rope) + 2 * v) + tp * (q_lora + kv_lora + rope)
+        ffn = max(self.ffn + self.shared_ffn, self.dense_ffn)
+        dense = 2 * (4 * self.hidden + (attn + 3 * ffn) // tp)
         return dense + 2 * self.topk * (2 * self.hidden + 3 * self.moe_ffn // (etp or tp))
 
 

@@ -15,6 +15,8 @@ from typing import Iterable, Iterator
 
 import torch
 
+from dapo_megatron.bridge.mapping import keep_together
+
 NamedTensor = tuple[str, torch.Tensor]
 
 
@@ -37,7 +39,10 @@ def iter_buckets(named_tensors: Iterable[NamedTensor], bucket_bytes: int) -> Ite
     Yields:
         Non-empty lists of ``(name, tensor)`` in the input order. A tensor larger than
         ``bucket_bytes`` forms a bucket of its own (it is never split); the current
-        partial bucket is flushed before it so that order is kept.
+        partial bucket is flushed before it so that order is kept. A tensor that the engine
+        must receive in one call with the next (an MLA ``q_a_proj``, which SGLang fuses with the
+        following ``kv_a_proj_with_mqa``: :func:`dapo_megatron.bridge.mapping.keep_together`)
+        never ends a bucket, which may then exceed ``bucket_bytes`` by that next tensor.
 
     Raises:
         ValueError: ``bucket_bytes`` <= 0, or an element is not a ``(str, Tensor)`` pair.
@@ -53,12 +58,12 @@ def iter_buckets(named_tensors: Iterable[NamedTensor], bucket_bytes: int) -> Ite
                              f"{item if not isinstance(item, tuple) else tuple(type(x).__name__ for x in item)}")
         name, tensor = item
         nbytes = tensor_nbytes(tensor)
-        if bucket and size + nbytes > bucket_bytes:
+        if bucket and size + nbytes > bucket_bytes and not keep_together(bucket[-1][0]):
             yield bucket
             bucket, size = [], 0
         bucket.append((name, tensor))
         size += nbytes
-        if size >= bucket_bytes:  # full, or a single oversized tensor
+        if size >= bucket_bytes and not keep_together(name):  # full, or a single oversized tensor
             yield bucket
             bucket, size = [], 0
     if bucket:

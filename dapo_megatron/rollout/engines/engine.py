@@ -371,7 +371,12 @@ _FUSED_EXPERT_NAMES = {
     "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
     "qwen2_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
     "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+    "deepseek_v3": ("mlp", "gate_proj", "up_proj", "down_proj"),
 }
+# Buffers that are weights: a router's score-correction bias (DeepSeek-V3's aux-loss-free balancing,
+# transformers ``DeepseekV3TopkRouter.e_score_correction_bias``, a buffer kept in fp32) decides routes,
+# so the sync must fill it and the tracker must count it like a parameter.
+_WEIGHT_BUFFERS = (".e_score_correction_bias",)
 
 
 def checkpoint_parameters(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -385,12 +390,15 @@ def checkpoint_parameters(module: torch.nn.Module) -> list[tuple[str, torch.Tens
     ``gate_up_proj[e, F:]``, ``down_proj`` = ``down_proj[e]``; Mixtral's
     ``block_sparse_moe.experts.{e}.w1/w3/w2.weight``, and its router ``block_sparse_moe.gate.weight``).
     Copying into a view writes the fused parameter, so a weight sync by checkpoint name fills
-    it, and a tracker over these names counts every expert.
+    it, and a tracker over these names counts every expert. Buffers that decide routes
+    (:data:`_WEIGHT_BUFFERS`: DeepSeek-V3's ``mlp.gate.e_score_correction_bias``) are listed too,
+    after the parameters.
     """
     config = getattr(module, "config", None)
     names = _FUSED_EXPERT_NAMES.get(getattr(config, "model_type", None))
     out: list[tuple[str, torch.Tensor]] = []
-    for name, p in module.named_parameters(remove_duplicate=False):
+    buffers = [(n, b) for n, b in module.named_buffers() if n.endswith(_WEIGHT_BUFFERS)]
+    for name, p in list(module.named_parameters(remove_duplicate=False)) + buffers:
         if names is None or ".mlp." not in name:
             out.append((name, p))
             continue

@@ -179,25 +179,31 @@ def encode_sglang_routes(routes: torch.Tensor) -> str:
 
 
 # ----------------------------------------------------------------------------- transformers
-def hf_router_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The top-k routers of a transformers MoE model, one per decoder layer in layer order:
-    the ``gate`` of each layer's sparse MoE block (``mlp.gate`` in Qwen3-MoE / Qwen2-MoE,
-    ``block_sparse_moe.gate`` / ``mlp.gate`` in Mixtral), whose forward returns
-    ``(router_logits, router_scores, router_indices)``. Empty for a dense model."""
+def hf_routers_by_layer(model: torch.nn.Module) -> list[Optional[torch.nn.Module]]:
+    """The top-k router of each decoder layer of a transformers MoE model, None for a dense
+    layer among MoE ones (DeepSeek-V3's first ``first_k_dense_replace`` layers); empty for a
+    dense model. A router is the ``gate`` of the layer's sparse MoE block (``mlp.gate`` in
+    Qwen3-MoE / Qwen2-MoE / DeepSeek-V3, ``block_sparse_moe.gate`` / ``mlp.gate`` in Mixtral), whose
+    forward returns ``(router_logits, router_scores, router_indices)`` (DeepSeek-V3's
+    ``DeepseekV3TopkRouter``: ``(router_logits, topk_weights, topk_indices)``)."""
     base = getattr(model, "model", model)
     layers = getattr(base, "layers", None)
     if layers is None:
         return []
-    out = []
+    out: list[Optional[torch.nn.Module]] = []
     for layer in layers:
         block = getattr(layer, "mlp", None)
         if block is None or not hasattr(block, "gate") or not hasattr(block, "experts"):
             block = getattr(layer, "block_sparse_moe", None)
         gate = getattr(block, "gate", None) if block is not None else None
-        if gate is None or not hasattr(gate, "top_k"):
-            return []  # a dense layer (or a dense model): no routes
-        out.append(gate)
-    return out
+        out.append(gate if gate is not None and hasattr(gate, "top_k") else None)
+    return out if any(g is not None for g in out) else []
+
+
+def hf_router_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The top-k routers of a transformers MoE model in layer order (:func:`hf_routers_by_layer`
+    without the dense layers). Empty for a dense model."""
+    return [g for g in hf_routers_by_layer(model) if g is not None]
 
 
 class HFRouteRecorder:
@@ -206,21 +212,24 @@ class HFRouteRecorder:
     Forward hooks on :func:`hf_router_modules` keep ``router_indices`` (output 2, ``[B · T, K]``
     int64, the experts transformers actually used) of each call; :meth:`take` returns those of
     the last forward as ``[B, T, L, K]``. Works for prefill and decode forwards alike (the
-    router sees the ``B · T`` new tokens of the call, row-major).
+    router sees the ``B · T`` new tokens of the call, row-major). ``L`` is every decoder layer:
+    the rows of a dense layer among MoE ones (DeepSeek-V3's first layers) are 0, never read (the
+    actor indexes the routes by its routers' ``layer_number``).
 
     Raises:
         ValueError: (construction) a model without MoE routers.
     """
 
     def __init__(self, model: torch.nn.Module):
-        self.routers = hf_router_modules(model)
+        self.by_layer = hf_routers_by_layer(model)
+        self.routers = [g for g in self.by_layer if g is not None]
         if not self.routers:
             raise ValueError(f"{type(model).__name__} has no MoE routers (a dense model): routing replay needs a "
                              "mixture-of-experts model; set actor.routing_replay=off")
         self.topk = int(self.routers[0].top_k)
         self.num_experts = int(getattr(self.routers[0], "num_experts", 0) or self.routers[0].weight.shape[0])
-        self._calls: list[Optional[torch.Tensor]] = [None] * len(self.routers)
-        self._handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.routers)]
+        self._calls: list[Optional[torch.Tensor]] = [None] * len(self.by_layer)
+        self._handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(self.by_layer) if r is not None]
 
     def _hook(self, layer: int):
         def hook(module, args, output):
@@ -229,7 +238,7 @@ class HFRouteRecorder:
 
     @property
     def num_layers(self) -> int:
-        return len(self.routers)
+        return len(self.by_layer)
 
     def take(self, batch: int, length: int) -> torch.Tensor:
         """The last forward's routes, int64 ``[batch, length, L, K]`` on CPU (then forgotten).
@@ -237,11 +246,15 @@ class HFRouteRecorder:
         Raises:
             RuntimeError: a layer's router did not run, or ran on another number of tokens.
         """
-        calls, self._calls = self._calls, [None] * len(self.routers)
+        calls, self._calls = self._calls, [None] * len(self.by_layer)
         for layer, c in enumerate(calls):
+            if self.by_layer[layer] is None:
+                continue
             if c is None or c.shape != (batch * length, self.topk):
                 raise RuntimeError(f"router of layer {layer} recorded {None if c is None else tuple(c.shape)}, "
                                    f"expected [{batch * length}, {self.topk}]")
+        like = next(c for c in calls if c is not None)
+        calls = [like.new_zeros(like.shape) if c is None else c for c in calls]  # a dense layer: rows of 0
         return torch.stack([c.view(batch, length, self.topk) for c in calls], dim=2).cpu()
 
     def remove(self) -> None:

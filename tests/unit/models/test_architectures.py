@@ -35,6 +35,9 @@ SGLANG_0_5_23_ENTRY_CLASSES = {
     "Qwen3MoeForCausalLM": "qwen3_moe.py:1298",
     "Qwen2MoeForCausalLM": "qwen2_moe.py:1436",
     "MixtralForCausalLM": "mixtral.py:482",
+    # deepseek_v2.py ends with EntryClass = [DeepseekV2ForCausalLM, DeepseekV3ForCausalLM]; read at
+    # the stored commit 00114aef (older than 0.5.23, the line not checked at the tag)
+    "DeepseekV3ForCausalLM": "deepseek_v2.py (EntryClass, last line)",
 }
 # vllm/model_executor/models/registry.py _TEXT_GENERATION_MODELS: name -> (module, class)
 VLLM_TEXT_GENERATION_MODELS = {
@@ -44,6 +47,7 @@ VLLM_TEXT_GENERATION_MODELS = {
     "Qwen2MoeForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "DeepseekV3ForCausalLM": ("deepseek_v2", "DeepseekV3ForCausalLM"),
 }
 
 

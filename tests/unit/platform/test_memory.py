@@ -212,3 +212,63 @@ def test_qwen3_30b_a3b_example_fits_16_h100_with_ep8_and_not_without_ep():
     assert (tc.expert_model_parallel_size, tc.expert_tensor_parallel_size) == (8, 1)
     assert tc.moe_router_pre_softmax is False  # norm_topk_prob: softmax over the top 8
     assert tc.moe_token_dispatcher_type == "alltoall" and tc.moe_aux_loss_coeff == 0.001
+
+
+# ---------------------------------------------------------------- DeepSeek-V3 architecture (MLA)
+MOONLIGHT_16B_A3B = dict(  # the published moonshotai/Moonlight-16B-A3B config.json (model_type deepseek_v3)
+    vocab_size=163840, hidden_size=2048, intermediate_size=11264, moe_intermediate_size=1408, num_hidden_layers=27,
+    num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2, n_routed_experts=64,
+    routed_scaling_factor=2.446, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, v_head_dim=128,
+    qk_nope_head_dim=128, n_group=1, topk_group=1, num_experts_per_tok=6, first_k_dense_replace=1,
+    norm_topk_prob=True, max_position_embeddings=8192, rope_theta=50000.0, tie_word_embeddings=False,
+    rms_norm_eps=1e-5)
+MOONLIGHT_YAML = H100["7b"].replace("dapo_qwen2_5_7b_h100", "dapo_moonlight_16b_a3b_h100")
+
+
+def test_mla_parameter_count_matches_transformers():
+    from conftest import tiny_mla_config
+
+    for hf in (tiny_mla_config(), tiny_mla_config(q_lora_rank=None)):
+        model = _meta(hf)
+        # transformers keeps the score-correction bias as a buffer; the estimate counts it as a weight
+        bias = sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
+        assert ModelShape.from_hf(hf).total_params() == _counts(hf)[0] + bias
+
+
+def test_mla_kv_cell_is_the_latent_and_the_rope_key_on_every_tp_rank():
+    from transformers import DeepseekV3Config
+
+    shape = ModelShape.from_hf(DeepseekV3Config(**MOONLIGHT_16B_A3B))
+    # SGLang's MLA pool: kv_lora_rank + qk_rope_head_dim bf16 values per token and layer, not split over TP
+    assert shape.kv_bytes_per_token(1) == shape.kv_bytes_per_token(8) == 27 * (512 + 64) * 2
+    # what a GQA formula would have said (16 heads of K and V, head 192/128): 5.3x more
+    assert 2 * 27 * 16 * 128 * 2 > 5 * shape.kv_bytes_per_token(2)
+
+
+def test_moonlight_example_fits_16_h100_and_not_at_tp1_or_on_one_node():
+    from transformers import DeepseekV3Config
+
+    from dapo_megatron.models import ModelConfig
+    from dapo_megatron.models.config import hf_to_transformer_config
+
+    hf = DeepseekV3Config(**MOONLIGHT_16B_A3B)
+    cfg = load_config(DAPOConfig, MOONLIGHT_YAML, ["model.hf_path=/models/x"])
+    p = cfg.parallel
+    assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size,
+            p.expert_tensor_parallel_size) == (2, 1, 8, 1)
+    cfg.check_world_size(16, 8)
+    est = estimate_from_config(cfg, hf, 16)
+    assert est.fits, est.problems
+    assert est.parts["kv_cache"] // ModelShape.from_hf(hf).kv_bytes_per_token(2) > 300_000
+    assert est.parts["logits"] == 16 * 22528 * 163840 // 2
+    check_memory(cfg, hf, 16)
+    for world, over in ((16, "parallel.tensor_model_parallel_size=1"), (8, "parallel.tensor_model_parallel_size=2")):
+        other = load_config(DAPOConfig, MOONLIGHT_YAML, ["model.hf_path=/models/x", over])
+        assert not estimate_from_config(other, hf, world).fits, (world, over)
+    # the mapping the actor uses, on CPU (local spec): MLA without a query LoRA, the bias, dense layer 0
+    tc = hf_to_transformer_config(hf, cfg.parallel, ModelConfig(transformer_impl="local"))
+    assert tc.multi_latent_attention and tc.q_lora_rank is None and (tc.kv_lora_rank, tc.qk_pos_emb_head_dim) == (512, 64)
+    assert tc.moe_router_score_function == "sigmoid" and tc.moe_router_enable_expert_bias
+    assert tc.moe_router_bias_update_rate == 0.0 and tc.moe_router_num_groups is None
+    assert tc.moe_router_topk_scaling_factor == 2.446 and tc.moe_shared_expert_intermediate_size == 2 * 1408
+    assert tc.moe_layer_freq == [0] + [1] * 26 and tc.ffn_hidden_size == 11264

@@ -1,0 +1,180 @@
+"""Routing replay (R3) for DeepSeek-V3: a sigmoid router whose choice adds the score-correction
+bias and is limited to ``topk_group`` of ``n_group`` groups, behind a dense first layer
+(tests/conftest.py ``tiny_mla_config``).
+
+- HFEngine's recorded routes equal an independent full-sequence computation of DeepSeek-V3's
+  routing (sigmoid + bias, top-2 sum per group, top group, top-k in it) for every MoE layer, and
+  are 0 for the dense layer; without the bias (or without the group limit) some routes differ,
+  so both are really in what the engine records;
+- at EP=2 with replay on (the actor's routers perturbed), the actor's routers use the engine's
+  experts for every routed token, old-logprob and training forwards alike, and its logprobs are
+  transformers' with its routers forced to those experts (weights: the chosen sigmoid scores,
+  renormalised, times ``routed_scaling_factor``).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+from conftest import hf_checkpoint_state, random_hf_model, tiny_mla_config
+from dapo_megatron.platform import ParallelConfig, spawn
+from unit.actor.test_routing_replay import _full_routes, _my_samples, _samples
+
+
+def _deepseek_routes(model, ids: list[int], *, bias: bool = True, groups: bool = True) -> torch.Tensor:
+    """Int64 ``[T, L, K]`` routes of one full sequence, computed here from the routers' logits
+    (transformers' ``router_logits`` per MoE layer; DeepSeek-V3 routing written out: sigmoid,
+    + bias for the choice, groups ranked by their top-2 sum, the top ``topk_group`` groups kept,
+    top-k of those); dense layers 0."""
+    from dapo_megatron.rollout.engines.routes import hf_routers_by_layer
+
+    cfg = model.config
+    k, E, G, TG = cfg.num_experts_per_tok, cfg.n_routed_experts, cfg.n_group, cfg.topk_group
+    logits = {}
+    gates = hf_routers_by_layer(model)
+    handles = [g.register_forward_hook(lambda m, a, o, i=i: logits.__setitem__(i, o[0].detach()))
+               for i, g in enumerate(gates) if g is not None]
+    try:
+        with torch.no_grad():
+            model(torch.tensor([ids]))
+    finally:
+        for h in handles:
+            h.remove()
+    out = torch.zeros(len(ids), len(gates), k, dtype=torch.long)
+    for i, g in enumerate(gates):
+        if g is None:
+            continue
+        s = torch.sigmoid(logits[i].float()) + (g.e_score_correction_bias.float() if bias else 0.0)
+        if groups and TG < G:
+            top2 = s.view(-1, G, E // G).topk(2, dim=-1).values.sum(-1)
+            keep = torch.zeros_like(top2).scatter_(1, top2.topk(TG, dim=-1).indices, 1.0)
+            s = s.masked_fill(keep.repeat_interleave(E // G, dim=1) == 0, float("-inf"))
+        out[:, i] = s.topk(k, dim=-1).indices.sort(-1).values
+    return out
+
+
+def _forced_logprobs(model, ids: list[int], prompt_len: int, forced: torch.Tensor) -> torch.Tensor:
+    """Response logprobs with every MoE router forced to ``forced`` ([T, L, K]): weights the
+    sigmoid scores at those experts, renormalised, times ``routed_scaling_factor`` (what
+    megatron-core's REPLAY_FORWARD computes for this router)."""
+    from dapo_megatron.rollout.engines.routes import hf_routers_by_layer
+
+    scale = model.config.routed_scaling_factor
+
+    def hook_for(layer):
+        def hook(mod, args, out):
+            idx = forced[:, layer].long()
+            w = torch.sigmoid(out[0].float()).gather(1, idx)
+            return out[0], (w / (w.sum(-1, keepdim=True) + 1e-20) * scale).to(out[1].dtype), idx
+        return hook
+
+    handles = [g.register_forward_hook(hook_for(i)) for i, g in enumerate(hf_routers_by_layer(model)) if g is not None]
+    try:
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits[0].float()
+    finally:
+        for h in handles:
+            h.remove()
+    return torch.log_softmax(logits[prompt_len - 1:-1], -1).gather(-1, torch.tensor(ids[prompt_len:])[:, None])[:, 0]
+
+
+def _worker(out_dir: str, cfg, state, samples) -> None:
+    from dapo_megatron.actor import ActorConfig, MegatronActor
+    from dapo_megatron.actor.routing_replay import micro_batch_routes
+    from dapo_megatron.bridge import load_hf_weights
+    from dapo_megatron.models import build_gpt_model
+    from dapo_megatron.platform import init_distributed
+
+    rank = int(os.environ["RANK"])
+    par = init_distributed(ParallelConfig(1, 1, 2), seed=3)
+    mine = _my_samples(samples, rank, 2)
+    mbs_in = [mine[:len(mine) // 2], mine[len(mine) // 2:]]
+    model = build_gpt_model(cfg, parallel=par, routing_replay=True)
+    load_hf_weights(model, state, parallel=par)
+    acfg = ActorConfig(ppo_mini_batch_size=1, ppo_max_token_len_per_gpu=256, micro_batch_layout="thd",
+                       shared_prompt="auto", routing_replay="rollout")
+    acfg.optim.lr, acfg.optim.weight_decay = 1e-3, 0.0
+    actor = MegatronActor(model, acfg, total_steps=4, vocab_size=cfg.vocab_size, parallel=par)
+    actor.routing.keep = True
+    mbs, _ = actor._make_micro_batches(mbs_in)
+    engine_mb = [micro_batch_routes(mb, num_layers=cfg.num_hidden_layers, topk=cfg.num_experts_per_tok,
+                                    num_experts=cfg.n_routed_experts) for mb in mbs]
+    lp = actor.compute_logprobs(mbs_in)
+    old_records, actor.routing.records = actor.routing.records, []
+    for s, x in zip(mine, lp):
+        s.old_logprobs, s.advantage = x.tolist(), 1.0
+    trained = actor.train_mini_batch(mbs_in, return_logprobs=True)
+    res = {"lp": lp, "train_lp": trained.logprobs, "skipped": trained.metrics["skipped"], "old": old_records,
+           "train": actor.routing.records, "engine_mb": engine_mb}
+    torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+@pytest.fixture(scope="module")
+def mla_engine():
+    from dapo_megatron.rollout.engines.hf_engine import HFEngine
+
+    cfg = tiny_mla_config()
+    model = random_hf_model(cfg, seed=11)
+    return model, _samples(HFEngine(model, eos_token_ids=[0], record_routes=True), seed=2)
+
+
+def test_hf_engine_routes_are_deepseek_routing_with_bias_and_groups(mla_engine):
+    model, samples = mla_engine
+    cfg = model.config
+    k, L = cfg.num_experts_per_tok, cfg.num_hidden_layers
+    no_bias = no_groups = 0
+    for s in samples:
+        ids = s.prompt_ids + s.response_ids
+        assert tuple(s.routes.shape) == (len(ids) - 1, L, k)
+        got = s.routes.long().sort(-1).values
+        assert torch.equal(got, _deepseek_routes(model, ids)[:len(ids) - 1]), s.prompt_ids
+        assert not got[:, 0].any()  # the dense layer: no routes
+        no_bias += int((got != _deepseek_routes(model, ids, bias=False)[:len(ids) - 1]).any(-1).sum())
+        no_groups += int((got != _deepseek_routes(model, ids, groups=False)[:len(ids) - 1]).any(-1).sum())
+    assert no_bias > 0 and no_groups > 0, (no_bias, no_groups)
+
+
+@pytest.fixture(scope="module")
+def replay_results(tmp_path_factory, mla_engine):
+    from dapo_megatron.rollout.engines.routes import hf_router_modules
+
+    out = tmp_path_factory.mktemp("routing_replay_mla")
+    engine_model, samples = mla_engine
+    actor_model = copy.deepcopy(engine_model)  # routers nudged: some tokens would route elsewhere
+    g = torch.Generator().manual_seed(101)
+    with torch.no_grad():
+        for gate in hf_router_modules(actor_model):
+            gate.weight.add_(0.3 * torch.randn(gate.weight.shape, generator=g))
+    state = hf_checkpoint_state(actor_model, out / "hf")
+    spawn(_worker, 2, str(out), engine_model.config, state, samples)
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)], actor_model, samples
+
+
+@pytest.mark.dist
+def test_replay_at_ep2_routes_every_token_as_the_engine_and_gives_its_logprobs(replay_results):
+    ranks, actor_model, samples = replay_results
+    cfg = actor_model.config
+    moe_layers = [layer for layer in range(cfg.num_hidden_layers) if layer >= cfg.first_k_dense_replace]
+    natural_differs = 0
+    for rank, res in enumerate(ranks):
+        for records in (res["old"], res["train"]):
+            assert len(records) == len(res["engine_mb"]) * len(moe_layers)
+            for j, rec in enumerate(records):
+                routes, routed = res["engine_mb"][j // len(moe_layers)]
+                assert rec["layer"] == moe_layers[j % len(moe_layers)]
+                eng = routes[:, rec["layer"]][routed].sort(-1).values
+                assert torch.equal(rec["used"][routed], eng), (rank, j)
+        for s, lp, tlp in zip(_my_samples(samples, rank, 2), res["lp"], res["train_lp"]):
+            ids = s.prompt_ids + s.response_ids
+            forced = _full_routes(s, cfg.num_experts_per_tok)
+            want = _forced_logprobs(actor_model, ids, len(s.prompt_ids), forced)
+            assert (lp - want).abs().max().item() <= 1e-5
+            assert (tlp - want).abs().max().item() <= 1e-5
+            own = _deepseek_routes(actor_model, ids)[:len(ids) - 1]
+            natural_differs += int((own != s.routes.long().sort(-1).values).any(-1).sum())
+        assert res["skipped"] == 0.0
+    assert natural_differs > 0  # the perturbed routers alone would have routed some tokens elsewhere

@@ -1,0 +1,233 @@
+"""DeepSeek-V3 (multi-head latent attention, sigmoid router with score-correction bias and
+grouped top-k, shared expert, a dense first layer) through the bridge on 2 gloo processes, tiny
+and random (tests/conftest.py ``tiny_mla_config``, 2 layers: layer 0 dense, layer 1 MoE).
+
+- logprobs equal transformers' (fp32, <= 1e-5) at EP=1, EP=2, TP=2 with ETP=2 and ETP=1, ETP=2 at
+  TP=1 and PP=2 (the dense and the MoE layer on different stages), and with YaRN RoPE; the bias
+  matters in this config (transformers with the bias zeroed gives other logprobs), and so does
+  the group limit (all groups kept gives other logprobs);
+- the export is bitwise the HF checkpoint (``save_pretrained``'s tensors, the bias included) at
+  every layout, in one order on every rank;
+- HFEngine, started from other random weights, synced from the EP=2 model, holds the checkpoint
+  bitwise (its score-correction biases too) and gives the same logprobs; the stream cut into
+  SGLang-sized buckets (``iter_buckets``) carries the same tensors, and every bucket holding a
+  ``q_a_proj`` holds its ``kv_a_proj_with_mqa`` (SGLang fuses the pair within one load call);
+- one DAPO optimizer step at EP=2 with the aux-loss-free bias update on (megatron-core's
+  ``moe_router_bias_update_rate``) moves the bias, and the sync hands the engine the new bias
+  (the engine then gives the actor's logprobs).
+
+One spawned world runs every layout; the oracle is computed in the parent.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from conftest import hf_checkpoint_state, random_hf_model, tiny_mla_config
+from dapo_megatron.platform import ParallelConfig, spawn
+from unit.bridge.test_bridge_dist import _mismatches, record_errors
+from unit.bridge.test_bridge_dist import megatron_logprobs as _logprobs
+from unit.bridge.test_bridge_moe_dist import _train_then_sync
+
+LAYOUTS = (("ep1", 1, 1, 1, None), ("ep2", 1, 1, 2, None), ("tp2", 2, 1, 1, None), ("tp2_etp1", 2, 1, 1, 1),
+           ("etp2_tp1", 1, 1, 1, 2), ("pp2", 1, 2, 1, None))
+YARN = "yarn"  # the same model with YaRN RoPE (DeepSeek-V3's own scaling), at EP=1
+SEQ = 16
+
+
+def _yarn_config():
+    return tiny_mla_config(max_position_embeddings=64, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})
+
+
+def _worker(out_dir: str, cases: dict, ids: dict) -> None:
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from dapo_megatron.bridge import export_hf_state_dict, iter_hf_weights, load_hf_weights
+    from dapo_megatron.models import ModelConfig, build_gpt_model
+    from dapo_megatron.models.config import hf_to_transformer_config
+    from dapo_megatron.platform import init_distributed
+    from dapo_megatron.rollout.engines.buckets import iter_buckets
+    from dapo_megatron.rollout.engines.engine import checkpoint_parameters
+    from dapo_megatron.rollout.engines.hf_engine import HFEngine
+
+    rank = int(os.environ["RANK"])
+    res: dict = {"lp": {}, "export": {}, "order": {}, "sync": {}}
+    cfg, state = cases["v3"]
+    for layout, tp, pp, ep, etp in LAYOUTS:
+        par = init_distributed(ParallelConfig(tp, pp, ep, etp), seed=3)
+        my_ids = ids[rank] if ep > 1 else ids[0]
+        names = ["v3", YARN] if layout == "ep1" else ["v3"]
+        for name in names:
+            cfg, state = cases[name]
+            model = build_gpt_model(cfg, parallel=par).eval()
+            load_hf_weights(model, state, parallel=par)
+            lp = _logprobs(model, my_ids, cfg.vocab_size, par)
+            if lp is not None:
+                res["lp"][(layout, name)] = lp
+            exported = export_hf_state_dict(model, bucket_bytes=4096, parallel=par)
+            res["export"][(layout, name)] = _mismatches(exported, state)
+            res["order"][(layout, name)] = list(exported)
+        if layout == "ep2":
+            torch.manual_seed(50 + rank)
+            engine = HFEngine(AutoModelForCausalLM.from_config(cfg).float(), eos_token_ids=[0])
+            engine.update_weights(iter_hf_weights(model, parallel=par, bucket_bytes=4096), version=1)
+            held = {n: t.detach().clone() for n, t in checkpoint_parameters(engine.model)}
+            with torch.no_grad():
+                logits = engine.model(my_ids).logits.float()
+            eng_lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, my_ids[:, 1:, None])[..., 0]
+            # SGLang-shaped buckets: 2 KiB, smaller than q_a_proj (32 × 64 fp32 = 8 KiB)
+            buckets = [[(n, t.clone()) for n, t in b]
+                       for b in iter_buckets(iter_hf_weights(model, parallel=par, bucket_bytes=4096), 2048)]
+            res["sync"] = {"held": _mismatches(held, state), "lp": eng_lp,
+                           "buckets": [[n for n, _ in b] for b in buckets],
+                           "bucketed": _mismatches({n: t for b in buckets for n, t in b}, state)}
+            # one step with the bias update on: the bias moves, and the sync carries it
+            model = build_gpt_model(cfg, ModelConfig(moe_router_bias_update_rate=0.05), parallel=par)
+            load_hf_weights(model, state, parallel=par)
+            res["trained"] = _train_then_sync(model, cfg, par, engine, rank)
+            bias_name = "model.layers.1.mlp.gate.e_score_correction_bias"
+            res["trained"]["bias_before"] = state[bias_name]
+            res["trained"]["bias_actor"] = model.decoder.layers[1].mlp.router.expert_bias.detach().clone()
+            res["trained"]["bias_engine"] = dict(checkpoint_parameters(engine.model))[bias_name].detach().clone()
+
+    attempts = {
+        "norm_topk_false": lambda: hf_to_transformer_config(tiny_mla_config(norm_topk_prob=False), ParallelConfig()),
+        "group_topk_not_2": lambda: hf_to_transformer_config(
+            tiny_mla_config(n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2), ParallelConfig()),
+        "rope_not_interleaved": lambda: hf_to_transformer_config(tiny_mla_config(rope_interleave=False),
+                                                                 ParallelConfig()),
+        "tp_not_dividing_kv_down": lambda: hf_to_transformer_config(tiny_mla_config(kv_lora_rank=15),
+                                                                    ParallelConfig(2, 1)),
+        "bias_rate_on_qwen": lambda: hf_to_transformer_config(
+            __import__("conftest").tiny_moe_config("qwen3_moe"), ParallelConfig(),
+            ModelConfig(moe_router_bias_update_rate=0.1)),
+    }
+    res["errors"] = record_errors(attempts)
+    dist.barrier()
+    torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _hf_logprobs(model, x):
+    with torch.no_grad():
+        logits = model(x).logits.float()
+    return torch.log_softmax(logits[:, :-1], -1).gather(-1, x[:, 1:, None])[..., 0]
+
+
+@pytest.fixture(scope="module")
+def mla_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bridge_mla")
+    g = torch.Generator().manual_seed(0)
+    ids = {r: torch.randint(0, 250, (2, SEQ), generator=g) for r in range(2)}
+    ids[0][0, 3] = 249  # the last real token id, next to the vocabulary padding rows
+    cases, ref_lp, alt_lp = {}, {}, {}
+    for i, (name, cfg) in enumerate((("v3", tiny_mla_config()), (YARN, _yarn_config()))):
+        hf = random_hf_model(cfg, seed=i)
+        cases[name] = (cfg, hf_checkpoint_state(hf, out / name))
+        for r, x in ids.items():
+            ref_lp[(name, r)] = _hf_logprobs(hf, x)
+        if name == "v3":
+            # what the bias and the group limit change in this config (their checks can fail)
+            bias = hf.model.layers[1].mlp.gate.e_score_correction_bias
+            kept = bias.clone()
+            bias.zero_()
+            alt_lp["no_bias"] = _hf_logprobs(hf, ids[0])
+            bias.copy_(kept)
+            hf.model.layers[1].mlp.gate.topk_group = 2  # every group kept: plain top-k
+            alt_lp["no_groups"] = _hf_logprobs(hf, ids[0])
+    spawn(_worker, 2, str(out), cases, ids)
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return ranks, ref_lp, alt_lp, cases
+
+
+def _cases():
+    return [(layout, "v3") for layout, *_ in LAYOUTS] + [("ep1", YARN)]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("layout,name", _cases())
+def test_mla_logprobs_equal_transformers_fp32(mla_results, layout, name):
+    ranks, ref_lp, _, _ = mla_results
+    got = [(r, res["lp"][(layout, name)]) for r, res in enumerate(ranks) if (layout, name) in res["lp"]]
+    assert got, "no rank produced logprobs"
+    for r, lp in got:
+        ref = ref_lp[(name, r if layout == "ep2" else 0)]
+        assert lp.shape == ref.shape
+        assert (lp - ref).abs().max().item() <= 1e-5, (layout, name, r)
+    if layout == "ep2":
+        assert len(got) == 2 and not torch.allclose(got[0][1], got[1][1])
+
+
+@pytest.mark.dist
+def test_the_bias_and_the_group_limit_change_this_configs_logprobs(mla_results):
+    # without this, the parity above would not show that Megatron routes with the bias and groups
+    _, ref_lp, alt_lp, _ = mla_results
+    assert (alt_lp["no_bias"] - ref_lp[("v3", 0)]).abs().max().item() > 1e-3
+    assert (alt_lp["no_groups"] - ref_lp[("v3", 0)]).abs().max().item() > 1e-3
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("layout,name", _cases())
+def test_mla_export_is_the_hf_checkpoint_bitwise(mla_results, layout, name):
+    ranks, _, _, cases = mla_results
+    for res in ranks:
+        assert res["export"][(layout, name)] == [], (layout, name)
+    names = ranks[0]["order"][(layout, name)]
+    assert names == ranks[1]["order"][(layout, name)] == ranks[0]["order"][("ep1", name)]
+    # the dense layer has an MLP and no router; the MoE layer a router, its bias and a shared expert
+    assert "model.layers.0.mlp.gate_proj.weight" in names and "model.layers.0.mlp.gate.weight" not in names
+    assert "model.layers.1.mlp.gate.e_score_correction_bias" in names
+    assert "model.layers.1.mlp.shared_experts.down_proj.weight" in names
+    # q_a_proj is followed by kv_a_proj_with_mqa (SGLang fuses the two)
+    for layer in range(2):
+        i = names.index(f"model.layers.{layer}.self_attn.q_a_proj.weight")
+        assert names[i + 1] == f"model.layers.{layer}.self_attn.kv_a_proj_with_mqa.weight"
+
+
+@pytest.mark.dist
+def test_sync_into_hf_engine_and_sglang_buckets_equal_the_checkpoint(mla_results):
+    ranks, ref_lp, _, _ = mla_results
+    for r, res in enumerate(ranks):
+        sync = res["sync"]
+        assert sync["held"] == [], sync["held"][:5]
+        assert sync["bucketed"] == [], sync["bucketed"][:5]
+        assert (sync["lp"] - ref_lp[("v3", r)]).abs().max().item() <= 1e-5
+        for bucket in sync["buckets"]:
+            for n in bucket:
+                if n.endswith("q_a_proj.weight"):
+                    assert n.replace("q_a_proj", "kv_a_proj_with_mqa") in bucket, bucket
+        assert len(sync["buckets"]) > 10  # the 2 KiB buckets really cut the stream
+
+
+@pytest.mark.dist
+def test_bias_update_moves_the_bias_and_the_sync_carries_it(mla_results):
+    ranks, _, _, _ = mla_results
+    a, b = ranks[0]["trained"], ranks[1]["trained"]
+    assert a["skipped"] == 0.0 and a["grad_norm"] > 0 and a["grad_norm"] == b["grad_norm"]
+    for t in (a, b):
+        assert t["engine_vs_actor"] <= 1e-5, t
+        moved = (t["bias_actor"] - t["bias_before"]).abs()
+        # megatron-core: bias += rate · sign(mean load − load), so each entry moves by 0 or ±0.05
+        assert moved.max().item() == pytest.approx(0.05, abs=1e-6), moved
+        assert torch.equal(t["bias_engine"], t["bias_actor"])
+    assert torch.equal(a["bias_actor"], b["bias_actor"])  # the load is reduced over every rank
+
+
+@pytest.mark.dist
+def test_what_the_mla_mapping_cannot_build_fails_in_one_line(mla_results):
+    err = mla_results[0][0]["errors"]
+    expect = {
+        "norm_topk_false": "hf_config.norm_topk_prob=False is not supported with the sigmoid router",
+        "group_topk_not_2": "num_experts_per_tok=2 / topk_group=2 must be 2",
+        "rope_not_interleaved": "hf_config.rope_interleave=False is not supported",
+        "tp_not_dividing_kv_down": "kv_lora_rank + qk_rope_head_dim=19 is not divisible by tensor_model_parallel_size=2",
+        "bias_rate_on_qwen": "model.moe_router_bias_update_rate=0.1 needs a router with a score-correction bias",
+    }
+    for key, text in expect.items():
+        assert err[key] is not None and text in err[key], (key, err[key])
+        assert "\n" not in err[key], key
