@@ -98,6 +98,7 @@ def decoder_block_spec(config, model_cfg: ModelConfig, *, vp_stage: Optional[int
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm",
                                        vp_stage=vp_stage, pp_rank=pp_rank)
     if config.multi_latent_attention and not use_te:
+        # here, not at the top: models/mla.py imports megatron-core, which the config loads without
         from .mla import MLADotProductAttention
 
         for spec in block.layer_specs:  # the local DotProductAttention cannot take MLA's k/v channel sizes

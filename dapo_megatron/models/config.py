@@ -932,6 +932,7 @@ def hf_to_transformer_config(hf_config, parallel, model_cfg: ModelConfig = None,
         )
     kwargs.update(model_cfg.extra_transformer_config)
     if mla is not None:
+        # megatron-core here, not at the top: the config loads without it (as TransformerConfig above)
         from megatron.core.transformer.transformer_config import MLATransformerConfig
 
         kwargs.update(mla_rope_kwargs(hf_config))

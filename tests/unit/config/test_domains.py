@@ -48,6 +48,7 @@ DOMAINS: dict[str, Case] = {
     "model.hf_path": Case(["null"], "/models/y"),
     "model.gguf_file": Case(["''"], "m.gguf"),
     "model.params_dtype": Case(["float8", "int8", "''"], "bfloat16"),
+    "model.moe_router_bias_update_rate": Case(["-0.1", ".nan"], 0.0),
     "model.make_vocab_size_divisible_by": Case([0, -128], 64),
     "model.transformer_impl": Case(["foo", "te"], "local"),
     "model.fp8": Case(["e5m2", "fp8"], "hybrid", good_ctx=["model.transformer_impl=transformer_engine"]),
