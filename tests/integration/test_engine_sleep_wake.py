@@ -80,9 +80,9 @@ def _run(hf_dir, out_dir, variant):
             events.append(("wake",))
             super().wake_up()
 
-        def update_weights(self, named_tensors, version, *, finish=True):
+        def update_weights(self, named_tensors, version, *, finish=True, digest=None):
             events.append(("sync", version))
-            super().update_weights(named_tensors, version, finish=finish)
+            super().update_weights(named_tensors, version, finish=finish, digest=digest)
 
         def generate(self, prompt_ids, params, prompt_seeds=None):
             trainer = holder.get("trainer")
