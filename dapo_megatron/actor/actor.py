@@ -358,7 +358,8 @@ class MegatronActor:
     # ------------------------------------------------------------------ public API
     @torch.no_grad()
     def compute_logprobs(
-        self, micro_batches: Sequence[Sequence[Sample]], temperature: float = 1.0, *, return_entropy: bool = False
+        self, micro_batches: Sequence[Sequence[Sample]], temperature: float = 1.0, *, return_entropy: bool = False,
+        own_routing: bool = False,
     ):
         """Logprobs of every sample's response tokens under the current weights (no grad).
 
@@ -371,6 +372,8 @@ class MegatronActor:
                 :func:`~dapo_megatron.rollout.plan.dp_split.split_for_dp`.
             temperature: the rollout's sampling temperature (logits are divided by it).
             return_entropy: also return per-token entropies.
+            own_routing: MoE with routing replay: route these samples with the routers' own choice
+                (they carry no engine routes; the weight-sync probe) instead of replaying.
 
         Returns:
             ``list[Tensor[R_i]]`` float32 CPU logprobs (nats) in the order of the
@@ -389,7 +392,15 @@ class MegatronActor:
             mb = next(data_iterator)
             return self._forward(model, mb), partial(loss_func, mb)
 
-        outs = self._run_schedule(mbs, forward_step, forward_only=True)
+        if own_routing and self.routing is not None:
+            routing, self.routing = self.routing, None  # no begin/end per micro-batch: nothing to replay
+            try:
+                with routing.own_routing():
+                    outs = self._run_schedule(mbs, forward_step, forward_only=True)
+            finally:
+                self.routing = routing
+        else:
+            outs = self._run_schedule(mbs, forward_step, forward_only=True)
         logprobs, entropies = self._per_sample_outputs(mbs, order, outs, ("logprobs", "entropy"))
         return (logprobs, entropies) if return_entropy else logprobs
 

@@ -66,6 +66,8 @@ Design: docs/design.md §2.1 (routing replay).
 
 from __future__ import annotations
 
+import contextlib
+
 from typing import Optional, Sequence
 
 import torch
@@ -240,6 +242,7 @@ class RoutingReplay:
         self.stats = RouteStats(self.num_layers, self.num_experts, device=self.device)
         self.records: list[dict] = []
         self._current: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self._own = False  # inside own_routing(): the routers route on their own, nothing observed
         if replay:
             # megatron-core here, not at the top: the config loads actor/ (its ActorConfig) without it
             from megatron.core.transformer.moe.router_replay import RouterReplayAction  # megatron-core: after quiet_third_party
@@ -268,6 +271,17 @@ class RoutingReplay:
                 # set directly, not with set_target_indices (which also queues it for a recompute):
                 # _choose_action queues it only for a call that will be recomputed
                 r.router_replay.target_topk_idx = self._current[0][:, r.layer_number - 1]
+
+    @contextlib.contextmanager
+    def own_routing(self):
+        """Forwards inside route on the routers' own choice and are neither replayed nor observed:
+        for a sequence no engine routed (the weight-sync probe, ``rollout/rollout.py``). Replay
+        resumes on exit."""
+        self._own = True
+        try:
+            yield
+        finally:
+            self._own = False
 
     def end(self) -> None:
         """After the forward: the routers' forward targets cleared; the routes queued for a
@@ -321,6 +335,9 @@ class RoutingReplay:
         from megatron.core.transformer.moe.router_replay import RouterReplayAction  # megatron-core: after quiet_third_party
 
         rr = router.router_replay
+        if self._own:
+            rr.clear_router_replay_action()  # moe_utils.topk_routing_with_score_function: its own top-k
+            return
         if router.training and torch.is_grad_enabled() and self._recomputing():
             if not rr.replay_backward_list:
                 raise RuntimeError(f"routing replay: layer {router.layer_number} is recomputed in the backward but "
@@ -338,7 +355,7 @@ class RoutingReplay:
         """Router forward hook: the routes it used (``routing_map``), its own top-k of the
         logits (``gating`` again, no grad) and its softmax, summed on the device over the
         engine-routed tokens (:meth:`RouteStats.add`: no host synchronisation)."""
-        if self._recomputing():  # the recomputed forward of a checkpoint: counted in its first pass
+        if self._own or self._recomputing():  # the recomputed forward of a checkpoint: counted in its first pass
             return
         hidden = args[0]
         _, routing_map = output

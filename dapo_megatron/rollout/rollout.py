@@ -208,7 +208,12 @@ class Rollout:
         sample = Sample(prompt_ids=ids[:8], response_ids=ids[8:], rollout_logprobs=[0.0] * (len(ids) - 8),
                         finish_reason="length", group_id=0)
         with Timer(digest):
-            actor_lp = actor.compute_logprobs([[sample]], r.temperature)[0]
+            # the probe has no engine routes: an MoE actor under routing replay routes it on its own;
+            # its forward is not one of the step's model calls (actor/num_model_calls)
+            calls = getattr(actor, "num_model_calls", None)
+            actor_lp = actor.compute_logprobs([[sample]], r.temperature, own_routing=True)[0]
+            if calls is not None:
+                actor.num_model_calls = calls
             if not self.engine.supports_score or not self.engine.weights_valid:
                 return None
             engine_lp = self.engine.score(ids, r.temperature)[7:]

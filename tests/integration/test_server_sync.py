@@ -326,7 +326,9 @@ def test_trainer_in_server_mode_checks_health_generates_and_syncs_every_step(tmp
 
     from transformers import AutoModelForCausalLM
 
-    from integration.test_trainer_parallel_parity import LOGPROB_GAP_MAX, REPO, STEP
+    from conftest import FIRST_STEP as STEP
+    from conftest import REPO
+    from integration.test_trainer_parallel_parity import LOGPROB_GAP_MAX
 
     gguf = os.path.join(*smollm2_gguf)
     servers = [RolloutServer(gguf, tmp_path / f"server{i}.log", "--skip-tokenizer-init", wait=False) for i in range(2)]
@@ -357,6 +359,13 @@ def test_trainer_in_server_mode_checks_health_generates_and_syncs_every_step(tmp
         assert row["rollout/logprob_diff_max"] <= LOGPROB_GAP_MAX, row["rollout/logprob_diff_max"]
         for s, skip in zip(servers, before):
             calls = [c for c in s.calls()[skip:] if c != "POST /update_weights_from_distributed"]
+            # every sync is verified before the server generates again (rollout.check_weight_update):
+            # its sampled tensors are read back between the flush and /continue_generation
+            syncs = "".join("p" if c == "POST /pause_generation" else "r" if c == "POST /get_weights_by_name" else
+                            "c" if c == "POST /continue_generation" else "" for c in calls)
+            assert syncs.count("p") == 2 and all(set(x) == {"r"} for x in
+                                                 syncs.replace("c", "").split("p")[1:]), (syncs, calls)
+            calls = [c for c in calls if c != "POST /get_weights_by_name"]
             # start: info, both stages' groups, the first sync; step 1: health, generate(s), the sync
             assert calls[:3] == ["GET /server_info", "POST /init_weights_update_group",
                                  "POST /init_weights_update_group"], calls

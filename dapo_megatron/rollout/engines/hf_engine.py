@@ -538,7 +538,7 @@ class HFEngine(RolloutEngine):
         x = torch.tensor([list(ids)], device=self.device)
         logits = self.model(input_ids=x).logits[0, :-1].float() / temperature
         if self._routes is not None:
-            self._routes._calls = [None] * len(self._routes.routers)
+            self._routes.clear()
         return torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None])[:, 0].cpu()
 
     def _loaded_checksums(self, names: list[str], dtype) -> dict[str, Optional[int]]:

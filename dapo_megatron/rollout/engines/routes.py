@@ -257,6 +257,10 @@ class HFRouteRecorder:
         calls = [like.new_zeros(like.shape) if c is None else c for c in calls]  # a dense layer: rows of 0
         return torch.stack([c.view(batch, length, self.topk) for c in calls], dim=2).cpu()
 
+    def clear(self) -> None:
+        """Forget the last forward's calls (a forward whose routes nobody takes)."""
+        self._calls = [None] * len(self.by_layer)
+
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
