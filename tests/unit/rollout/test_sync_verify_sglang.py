@@ -35,7 +35,7 @@ def _worker(model_dir: str, out_dir: str) -> None:
     from dapo_megatron.rollout.engines.engine import InvalidWeightsError, SamplingParams
     from dapo_megatron.rollout.engines.sglang_engine import SGLangEngine
     from dapo_megatron.rollout.engines.verify import SyncDigest
-    from unit.rollout.test_engine_group_sync import _setup
+    from unit.rollout.test_engine_group_sync import _hf_source, _setup
     from unit.rollout.test_sglang_engine import _SpyEngine
 
     class ReadbackSpy(_SpyEngine):
@@ -46,7 +46,7 @@ def _worker(model_dir: str, out_dir: str) -> None:
                         return t.float().tolist()[:truncate_size]
             return None
 
-    model, hf_config, export, group, parallel = _setup(2, 1, 1, "qwen2_bias")
+    model, hf_config, export, group, parallel = _setup(2, 1, 1, _hf_source("qwen2_bias"))
     sys.modules["sglang"].Engine = ReadbackSpy
     rank = dist.get_rank()
     res = {}
