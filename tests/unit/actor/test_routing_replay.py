@@ -83,7 +83,12 @@ def _forcing(model, forced: torch.Tensor) -> list:
 
 def _forced_logprobs(model, ids: list[int], prompt_len: int, forced: torch.Tensor) -> torch.Tensor:
     """Response logprobs of ``model`` with its routers forced to ``forced`` (:func:`_forcing`)."""
-    handles = _forcing(model, forced)
+    return _logprobs_with_hooks(model, ids, prompt_len, _forcing(model, forced))
+
+
+def _logprobs_with_hooks(model, ids: list[int], prompt_len: int, handles) -> torch.Tensor:
+    """Response logprobs of ``model`` (one no-grad forward of ``ids``) with the forward hooks
+    ``handles`` in place, removed afterwards."""
     try:
         with torch.no_grad():
             logits = model(torch.tensor([ids])).logits[0].float()

@@ -22,7 +22,7 @@ import torch
 
 from conftest import hf_checkpoint_state, random_hf_model, tiny_mla_config
 from dapo_megatron.platform import ParallelConfig, spawn
-from unit.actor.test_routing_replay import _full_routes, _my_samples, _samples
+from unit.actor.test_routing_replay import _full_routes, _logprobs_with_hooks, _my_samples, _samples
 
 
 def _deepseek_routes(model, ids: list[int], *, bias: bool = True, groups: bool = True) -> torch.Tensor:
@@ -73,13 +73,7 @@ def _forced_logprobs(model, ids: list[int], prompt_len: int, forced: torch.Tenso
         return hook
 
     handles = [g.register_forward_hook(hook_for(i)) for i, g in enumerate(hf_routers_by_layer(model)) if g is not None]
-    try:
-        with torch.no_grad():
-            logits = model(torch.tensor([ids])).logits[0].float()
-    finally:
-        for h in handles:
-            h.remove()
-    return torch.log_softmax(logits[prompt_len - 1:-1], -1).gather(-1, torch.tensor(ids[prompt_len:])[:, None])[:, 0]
+    return _logprobs_with_hooks(model, ids, prompt_len, handles)
 
 
 def _worker(out_dir: str, cfg, state, samples) -> None:

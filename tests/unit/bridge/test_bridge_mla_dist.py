@@ -30,7 +30,7 @@ from conftest import hf_checkpoint_state, random_hf_model, tiny_mla_config
 from dapo_megatron.platform import ParallelConfig, spawn
 from unit.bridge.test_bridge_dist import _mismatches, record_errors
 from unit.bridge.test_bridge_dist import megatron_logprobs as _logprobs
-from unit.bridge.test_bridge_moe_dist import _train_then_sync
+from unit.bridge.test_bridge_moe_dist import _synced_engine, _train_then_sync
 
 LAYOUTS = (("ep1", 1, 1, 1, None), ("ep2", 1, 1, 2, None), ("tp2", 2, 1, 1, None), ("tp2_etp1", 2, 1, 1, 1),
            ("etp2_tp1", 1, 1, 1, 2), ("pp2", 1, 2, 1, None))
@@ -46,7 +46,6 @@ def _yarn_config():
 
 def _worker(out_dir: str, cases: dict, ids: dict) -> None:
     import torch.distributed as dist
-    from transformers import AutoModelForCausalLM
 
     from dapo_megatron.bridge import export_hf_state_dict, iter_hf_weights, load_hf_weights
     from dapo_megatron.models import ModelConfig, build_gpt_model
@@ -54,7 +53,6 @@ def _worker(out_dir: str, cases: dict, ids: dict) -> None:
     from dapo_megatron.platform import init_distributed
     from dapo_megatron.rollout.engines.buckets import iter_buckets
     from dapo_megatron.rollout.engines.engine import checkpoint_parameters
-    from dapo_megatron.rollout.engines.hf_engine import HFEngine
 
     rank = int(os.environ["RANK"])
     res: dict = {"lp": {}, "export": {}, "order": {}, "sync": {}}
@@ -74,13 +72,7 @@ def _worker(out_dir: str, cases: dict, ids: dict) -> None:
             res["export"][(layout, name)] = _mismatches(exported, state)
             res["order"][(layout, name)] = list(exported)
         if layout == "ep2":
-            torch.manual_seed(50 + rank)
-            engine = HFEngine(AutoModelForCausalLM.from_config(cfg).float(), eos_token_ids=[0])
-            engine.update_weights(iter_hf_weights(model, parallel=par, bucket_bytes=4096), version=1)
-            held = {n: t.detach().clone() for n, t in checkpoint_parameters(engine.model)}
-            with torch.no_grad():
-                logits = engine.model(my_ids).logits.float()
-            eng_lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, my_ids[:, 1:, None])[..., 0]
+            engine, held, eng_lp = _synced_engine(model, cfg, par, rank, my_ids)
             # SGLang-shaped buckets: 2 KiB, smaller than q_a_proj (32 × 64 fp32 = 8 KiB)
             buckets = [[(n, t.clone()) for n, t in b]
                        for b in iter_buckets(iter_hf_weights(model, parallel=par, bucket_bytes=4096), 2048)]

@@ -44,6 +44,25 @@ def _cases_at(layout: str) -> tuple[str, ...]:
     return (*TINY_MOE_FAMILIES, UPCYCLED) if layout in ALL_FAMILIES_AT else ("qwen3_moe",)
 
 
+def _synced_engine(model, cfg, par, rank: int, my_ids):
+    """An HFEngine built from other random weights (seed 50 + rank), then synced from ``model``
+    (every tensor by checkpoint name, 4 KiB buckets): ``(engine, {name: tensor it holds},
+    logprobs of my_ids[:, 1:] under it)``."""
+    from transformers import AutoModelForCausalLM
+
+    from dapo_megatron.bridge import iter_hf_weights
+    from dapo_megatron.rollout.engines.engine import checkpoint_parameters
+    from dapo_megatron.rollout.engines.hf_engine import HFEngine
+
+    torch.manual_seed(50 + rank)
+    engine = HFEngine(AutoModelForCausalLM.from_config(cfg).float(), eos_token_ids=[0])
+    engine.update_weights(iter_hf_weights(model, parallel=par, bucket_bytes=4096), version=1)
+    held = {n: t.detach().clone() for n, t in checkpoint_parameters(engine.model)}
+    with torch.no_grad():
+        logits = engine.model(my_ids).logits.float()
+    return engine, held, torch.log_softmax(logits[:, :-1], -1).gather(-1, my_ids[:, 1:, None])[..., 0]
+
+
 def _train_then_sync(model, cfg, par, engine, rank: int) -> dict:
     """One DAPO optimizer step of the EP=2 model (megatron-core DDP and distributed optimizer:
     expert gradients reduced over the expert-DP group, the rest over DP; each rank trains its own
@@ -81,13 +100,10 @@ def _train_then_sync(model, cfg, par, engine, rank: int) -> dict:
 
 def _worker(out_dir: str, cases: dict, ids: dict) -> None:
     import torch.distributed as dist
-    from transformers import AutoModelForCausalLM
 
     from dapo_megatron.bridge import export_hf_state_dict, iter_hf_weights, load_hf_weights
     from dapo_megatron.models import build_gpt_model
     from dapo_megatron.platform import init_distributed
-    from dapo_megatron.rollout.engines.engine import checkpoint_parameters
-    from dapo_megatron.rollout.engines.hf_engine import HFEngine
 
     rank = int(os.environ["RANK"])
     res: dict = {"lp": {}, "export": {}, "order": {}, "experts": {}, "sync": {}, "errors": {}}
@@ -108,14 +124,7 @@ def _worker(out_dir: str, cases: dict, ids: dict) -> None:
             res["export"][(layout, name)] = _mismatches(exported, state)
             res["order"][(layout, name)] = list(exported)
             if layout == "ep2":
-                # HFEngine from other random weights; the sync streams every expert by checkpoint name
-                torch.manual_seed(50 + rank)
-                engine = HFEngine(AutoModelForCausalLM.from_config(cfg).float(), eos_token_ids=[0])
-                engine.update_weights(iter_hf_weights(model, parallel=par, bucket_bytes=4096), version=1)
-                held = {n: t.detach().clone() for n, t in checkpoint_parameters(engine.model)}
-                with torch.no_grad():
-                    logits = engine.model(my_ids).logits.float()
-                eng_lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, my_ids[:, 1:, None])[..., 0]
+                engine, held, eng_lp = _synced_engine(model, cfg, par, rank, my_ids)
                 dropped = f"model.layers.1.{'block_sparse_moe' if cfg.model_type == 'mixtral' else 'mlp'}.experts.3." + \
                     ("w2" if cfg.model_type == "mixtral" else "down_proj") + ".weight"
                 try:
