@@ -137,6 +137,21 @@ def tiny_mla_config(**overrides):
         tie_word_embeddings=False), **overrides})
 
 
+def tiny_glm_config(**overrides):
+    """A tiny GLM-4.5 HF config (``glm4_moe``): 2 layers (layer 0 dense, FFN 96; layer 1 MoE), hidden
+    64, 4 heads of 16 in 2 KV groups with a q/k/v bias and q/k norm, RoPE on half of each head
+    (partial_rotary_factor 0.5), 4 routed experts of FFN 16 in 2 groups, top-2 from 1 group, one
+    shared expert, routed_scaling_factor 2.5, one MTP layer declared (ignored), untied, vocab 250."""
+    from transformers import Glm4MoeConfig
+
+    return Glm4MoeConfig(**{**dict(
+        vocab_size=250, hidden_size=64, intermediate_size=96, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5, attention_bias=True,
+        use_qk_norm=True, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
+        first_k_dense_replace=1, num_nextn_predict_layers=1, max_position_embeddings=128, rms_norm_eps=1e-6,
+        routed_scaling_factor=2.5, tie_word_embeddings=False), **overrides})
+
+
 def hf_checkpoint_state(model, directory) -> dict:
     """The HF checkpoint tensors of ``model`` as transformers writes them (``save_pretrained``
     into ``directory``, read back from the safetensors): an MoE model's experts under their

@@ -42,6 +42,17 @@ The router's score-correction bias (HF ``mlp.gate.e_score_correction_bias``) is 
 ``mlp.router.expert_bias`` buffer (fp32), mapped like a parameter so that import, export, the weight
 sync and the checkpoint carry it.
 
+GLM-4.5 / 4.6 (``glm4_moe``): llama's GQA rules, plus ``linear_qkv.bias`` (``qkv``, from
+``q_proj`` / ``k_proj`` / ``v_proj.bias``) when ``attention_bias`` and ``q_layernorm`` /
+``k_layernorm`` (HF ``q_norm`` / ``k_norm``) when ``use_qk_norm``; partial rotary changes no
+weight. Its MLP side is DeepSeek-V3's rules under the same HF names (dense first layers, router
+and ``e_score_correction_bias``, per-expert ``mlp.experts.{e}``, ``mlp.shared_experts``). SGLang's
+``Glm4MoeForCausalLM.load_weights`` (models/glm4_moe.py) takes these per-tensor names: q/k/v into
+``qkv_proj`` and gate/up into ``gate_up_proj`` by shard id (``stacked_params_mapping``), experts
+by ``FusedMoE.make_expert_params_mapping``, the shared expert renamed to expert
+``n_routed_experts`` when it fuses it, the bias through ``default_weight_loader``; every shard is
+written in place, so no two tensors must share a bucket.
+
 Mixtures of experts (``qwen3_moe``, ``qwen2_moe``, ``mixtral``): the MLP rules become the
 router (replicated), the routed experts' ``linear_fc1`` (gate_up) and ``linear_fc2`` (row),
 marked ``expert=True``, and for qwen2_moe the shared expert (gate_up / row over TP) and its
@@ -75,7 +86,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from dapo_megatron.models.config import ATTENTION_FAMILY, MLALayout, check_hf_config, head_dim, mla_layout, moe_layout
+from dapo_megatron.models.config import (ATTENTION_FAMILY, DEEPSEEK_ROUTER_TYPES, MLALayout, check_hf_config,
+                                         has_qk_norm, has_qkv_bias, head_dim, mla_layout, moe_layout)
 
 SPLITS = ("replicated", "column", "row", "row_heads", "vocab", "qkv", "gate_up", "mla_down")
 LAYER_KINDS = ("all", "dense", "moe")
@@ -177,6 +189,21 @@ _DEEPSEEK_MOE = (
 )
 
 
+def _dense_then_moe(rules: tuple, moe: Sequence[Rule]) -> tuple:
+    """``rules`` with its MLP rules kept for the dense layers only (``layers="dense"``) and ``moe``
+    (the MoE layers' rules) right after them: DeepSeek-V3's and GLM's first ``first_k_dense_replace``
+    layers are dense, the others MoE."""
+    out = []
+    for r in rules:
+        if r.megatron in _DENSE_MLP:
+            out.append(Rule(r.megatron, r.hf, r.split, layers="dense"))
+            if r.megatron == _DENSE_MLP[1]:
+                out.extend(moe)
+        else:
+            out.append(r)
+    return tuple(out)
+
+
 def _mla_family(q_lora: bool) -> tuple:
     """The DeepSeek-V3 table: MLA attention, dense MLP rules for the first layers, MoE rules for the others."""
     out = []
@@ -188,13 +215,21 @@ def _mla_family(q_lora: bool) -> tuple:
                 out.extend(_MLA_Q + _MLA_KV)
         elif r.megatron == _L + "self_attention.linear_proj.weight":
             continue
-        elif r.megatron in _DENSE_MLP:
-            out.append(Rule(r.megatron, r.hf, r.split, layers="dense"))
-            if r.megatron == _DENSE_MLP[1]:
-                out.extend(_DEEPSEEK_MOE)
         else:
             out.append(r)
-    return tuple(out)
+    return _dense_then_moe(tuple(out), _DEEPSEEK_MOE)
+
+
+def _glm_family(qkv_bias: bool, qk_norm: bool) -> tuple:
+    """The GLM-4.5 table: llama's GQA rules plus the q/k/v bias (``attention_bias``) and the per-head
+    q/k norm (``use_qk_norm``, HF ``self_attn.q_norm`` / ``k_norm`` as Qwen3), then DeepSeek-V3's MLP
+    side (dense first layers; router, its score-correction bias, routed and shared experts under the
+    same HF names: transformers ``Glm4MoeMoE`` has ``gate``, ``experts``, ``shared_experts``).
+    SGLang's glm4_moe ``load_weights`` takes every one of these per-tensor names and fuses
+    q/k/v into ``qkv_proj`` and gate/up into ``gate_up_proj`` by shard id, each shard written in
+    place (``stacked_params_mapping``), so no pair has to share a load call."""
+    extra = ([_QKV_BIAS] if qkv_bias else []) + ([_Q_NORM, _K_NORM] if qk_norm else [])
+    return _dense_then_moe(_insert_after(_LLAMA, _L + "self_attention.linear_qkv.weight", extra), _DEEPSEEK_MOE)
 
 
 def _with_moe(rules: tuple, moe: Sequence[Rule]) -> tuple:
@@ -228,9 +263,12 @@ FAMILY_RULES: dict[str, tuple[Rule, ...]] = {
     "qwen2_moe": _with_moe(_QWEN2, _QWEN_MOE + _SHARED_EXPERT),
     "mixtral": _with_moe(_LLAMA, _MIXTRAL_MOE),
     "deepseek_v3": _mla_family(q_lora=True),
+    "glm4_moe": _glm_family(qkv_bias=True, qk_norm=False),  # GLM-4.5-Air; GLM-4.5 / 4.6 add the q/k norm
 }
 # DeepSeek-V3-architecture configs without a query LoRA (Moonlight, DeepSeek-V2-Lite's attention)
 _MLA_NO_Q_LORA_RULES = {"deepseek_v3": _mla_family(q_lora=False)}
+# GLM's table per (attention_bias, use_qk_norm)
+_GLM_RULES = {(b, n): _glm_family(b, n) for b in (False, True) for n in (False, True)}
 
 # Transformer Engine spec names → local spec names (fused RMSNorm into the next linear).
 TE_NAME_ALIASES = {
@@ -252,7 +290,7 @@ class ModelLayout:
         num_attention_heads, num_query_groups, head_dim: attention geometry (GQA).
         vocab_size: the real (HF) vocabulary; padded_vocab_size: Megatron rows (≥ vocab_size).
         tie_word_embeddings: lm_head shares the embedding matrix.
-        qkv_bias: q/k/v projections have a bias (qwen2).
+        qkv_bias: q/k/v projections have a bias (qwen2; GLM with ``attention_bias``).
         padded_num_query_groups: Megatron's query groups (≥ num_query_groups; the extra ones
             are all-zero, see ``ModelConfig.pad_query_groups``).
         num_experts: routed experts per layer (0: a dense model).
@@ -263,6 +301,10 @@ class ModelLayout:
         mla: the multi-head latent attention sizes (None: GQA attention).
         mla_down_split: the MLA down-projections are split over TP (local spec) rather than
             replicated (TE spec), see the ``mla_down`` split.
+        qk_norm: per-head q/k RMSNorm on GQA attention (qwen3; GLM with ``use_qk_norm``).
+        mtp_layers: the checkpoint's multi-token-prediction layers after the decoder
+            (``num_nextn_predict_layers``: DeepSeek-V3, GLM-4.5), which the model does not build
+            (:meth:`is_mtp_name`).
     """
 
     model_type: str
@@ -283,6 +325,8 @@ class ModelLayout:
     dense_layers: tuple[int, ...] = ()
     mla: Optional[MLALayout] = None
     mla_down_split: bool = True
+    qk_norm: bool = False
+    mtp_layers: int = 0
 
     @classmethod
     def from_hf_config(
@@ -312,7 +356,7 @@ class ModelLayout:
             vocab_size=vocab,
             padded_vocab_size=padded,
             tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            qkv_bias=ATTENTION_FAMILY[model_type] == "qwen2",
+            qkv_bias=has_qkv_bias(hf_config),
             padded_num_query_groups=padded_num_query_groups or groups,
             num_experts=moe.num_experts if moe else 0,
             moe_ffn_hidden_size=moe.ffn_hidden_size if moe else 0,
@@ -320,12 +364,26 @@ class ModelLayout:
             dense_layers=moe.dense_layers if moe else (),
             mla=mla,
             mla_down_split=mla_down_split,
+            qk_norm=has_qk_norm(hf_config),
+            mtp_layers=int(getattr(hf_config, "num_nextn_predict_layers", 0) or 0)
+            if model_type in DEEPSEEK_ROUTER_TYPES else 0,
         )
+
+    def is_mtp_name(self, hf_name: str) -> bool:
+        """Whether an HF tensor belongs to a multi-token-prediction layer
+        (``model.layers.{i}.`` with ``num_layers <= i < num_layers + mtp_layers``). Those layers
+        feed no logprob of the main head; import skips them and export never writes them, as
+        SGLang's deepseek_v2 / glm4_moe ``load_weights`` skip ``model.layers`` indices >=
+        ``num_hidden_layers`` when not loading the draft model."""
+        m = _HF_LAYER_RE.match(hf_name)
+        return bool(m) and self.num_layers <= int(m.group(1)) < self.num_layers + self.mtp_layers
 
     def rules(self) -> tuple[Rule, ...]:
         """The family's rules (from :data:`FAMILY_RULES`)."""
         if self.mla is not None and self.mla.q_lora_rank is None:
             return _MLA_NO_Q_LORA_RULES[self.model_type]
+        if ATTENTION_FAMILY[self.model_type] == "glm":
+            return _GLM_RULES[(self.qkv_bias, self.qk_norm)]
         return FAMILY_RULES[self.model_type]
 
     def layer_has(self, rule: Rule, layer: Optional[int]) -> bool:
@@ -374,6 +432,7 @@ def canonical_megatron_name(name: str) -> str:
 
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 _EXPERT_RE = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 
 

@@ -150,7 +150,10 @@ def load_hf_weights(
         hf_state: ``Mapping[hf_name, Tensor]`` with full HF shapes (any float dtype; cast
             to the parameter dtype).
         strict: raise on any missing or unexpected HF tensor (checked against the whole
-            model, not only this rank's stage, so every rank raises the same error).
+            model, not only this rank's stage, so every rank raises the same error). The
+            multi-token-prediction layers of a DeepSeek-V3 / GLM checkpoint (``model.layers.{i}.*``
+            with ``num_hidden_layers <= i < num_hidden_layers + num_nextn_predict_layers``) are
+            not the model's and not unexpected: they are skipped, as SGLang's loaders skip them.
         parallel: the layout the model was built for (its TP rank and size pick the shard; the
             expert-TP ones for routed experts, whose global indices the model itself holds).
 
@@ -171,7 +174,8 @@ def load_hf_weights(
     allowed = set(expected)
     if layout.tie_word_embeddings:
         allowed.add("lm_head.weight")  # tied alias, checked below
-    report.unexpected = sorted(n for n in available if n not in allowed and not _IGNORED_HF_KEYS.search(n))
+    report.unexpected = sorted(n for n in available if n not in allowed and not _IGNORED_HF_KEYS.search(n)
+                               and not layout.is_mtp_name(n))
     if strict and (report.missing or report.unexpected):
         raise KeyError(
             f"HF weights do not fit the {layout.model_type} config: missing {report.missing[:10]}"

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Optional
 
-from .config import ATTENTION_FAMILY, moe_grouped_gemm, moe_layout
+from .config import ATTENTION_FAMILY, has_qk_norm, moe_grouped_gemm, moe_layout
 from .config import (
     ModelConfig,
     check_hf_config,
@@ -67,7 +67,8 @@ def layer_spec(hf_config, model_cfg: ModelConfig):
     ``experts.local_experts.{i}``), the TE spec with ``moe_grouped_gemm`` as ``TEGroupedMLP``
     (``experts.linear_fc1.weight{i}``, one grouped GEMM per rank); TE is imported only then.
     """
-    qk_norm = ATTENTION_FAMILY[check_hf_config(hf_config)] == "qwen3"
+    check_hf_config(hf_config)
+    qk_norm = has_qk_norm(hf_config)
     moe = moe_layout(hf_config)
     if ATTENTION_FAMILY[hf_config.model_type] == "mla" or (moe is not None and moe.dense_layers):
         raise ValueError(f"hf_config.model_type={hf_config.model_type!r} mixes dense and MoE layers or uses MLA: its "

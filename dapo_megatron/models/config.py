@@ -28,6 +28,14 @@ Mixtures of experts (every decoder layer an MoE layer, megatron-core ``MoELayer`
   (``num_nextn_predict_layers``) are ignored: they feed no logprob of the main head, the bridge
   neither imports nor exports them (SGLang's loader skips layers >= num_hidden_layers when not
   loading a draft model), see docs/design.md §2.1.
+- ``glm4_moe`` (GLM-4.5, GLM-4.5-Air, GLM-4.6): GQA attention with a q/k/v bias when
+  ``attention_bias`` (o_proj has none), per-head q/k RMSNorm when ``use_qk_norm``, RoPE on the
+  first ``partial_rotary_factor`` of each head (megatron-core ``rotary_percent``, rotate-half as
+  transformers' ``apply_rotary_pos_emb``); the MLP side is DeepSeek-V3's (first
+  ``first_k_dense_replace`` layers dense, sigmoid router with ``e_score_correction_bias``, grouped
+  top-k, ``routed_scaling_factor``, ``n_shared_experts`` ungated shared experts). Its MTP layers
+  (``num_nextn_predict_layers``, checkpoint layers >= ``num_hidden_layers``) are ignored as
+  DeepSeek-V3's (SGLang's glm4_moe ``load_weights`` skips them when not loading a draft model).
 
 Anything this module cannot map exactly (another activation, a RoPE scaling type
 megatron-core 0.19 does not implement, sliding-window attention, ...) raises a
@@ -48,14 +56,15 @@ from typing import Any, Optional
 import torch
 from packaging.version import Version
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
-MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe")
 # families whose router is DeepSeek-V3's: sigmoid scores, + e_score_correction_bias for the choice,
 # grouped top-k, routed_scaling_factor; shared experts without a gate; first_k_dense_replace dense layers
-DEEPSEEK_ROUTER_TYPES = ("deepseek_v3",)
-# the dense family whose attention block each MoE family shares (q/k norm, qkv bias)
+DEEPSEEK_ROUTER_TYPES = ("deepseek_v3", "glm4_moe")
+# the dense family whose attention block each MoE family shares (q/k norm, qkv bias); "glm": GQA whose
+# qkv bias (attention_bias) and q/k norm (use_qk_norm) are per config, with partial rotary
 ATTENTION_FAMILY = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3",
-                    "qwen2_moe": "qwen2", "mixtral": "llama", "deepseek_v3": "mla"}
+                    "qwen2_moe": "qwen2", "mixtral": "llama", "deepseek_v3": "mla", "glm4_moe": "glm"}
 MOE_DISPATCHERS = ("alltoall", "allgather")
 # The model class of each supported model_type, written to config.json's "architectures": serving
 # engines pick the class from it and refuse a checkpoint without it (SGLang 0.5.23
@@ -66,7 +75,8 @@ MOE_DISPATCHERS = ("alltoall", "allgather")
 # tests/unit/models/test_architectures.py checks each name against transformers, SGLang and vLLM.
 CAUSAL_LM_ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                           "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                          "mixtral": "MixtralForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+                          "mixtral": "MixtralForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                          "glm4_moe": "Glm4MoeForCausalLM"}
 MOE_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 FP8_FORMATS = ("e4m3", "hybrid")
 # Minimum Transformer Engine version for each FP8 recipe, as megatron-core itself requires them
@@ -406,9 +416,15 @@ def gpt_rope_kwargs(hf_config) -> dict:
     p = rope_parameters(hf_config)
     out = dict(rotary_base=float(p["rope_theta"]), rotary_percent=1.0, rope_scaling=False,
                rope_scaling_factor=8.0, seq_len_interpolation_factor=None)
-    if _get(hf_config, "partial_rotary_factor", 1.0) not in (None, 1.0):
-        raise ValueError("hf_config.partial_rotary_factor != 1 is not supported")
     kind = p["rope_type"]
+    partial = partial_rotary_factor(hf_config)
+    if partial != 1.0:
+        if ATTENTION_FAMILY.get(_get(hf_config, "model_type")) != "glm":
+            raise ValueError("hf_config.partial_rotary_factor != 1 is not supported")
+        if kind != "default":
+            raise ValueError(f"hf_config.rope_parameters.rope_type={kind!r} with partial_rotary_factor={partial} is "
+                             "not supported (GLM: default RoPE only)")
+        out["rotary_percent"] = partial
     if kind == "default":
         return out
     if kind == "linear":
@@ -430,6 +446,33 @@ def gpt_rope_kwargs(hf_config) -> dict:
     )
 
 
+def partial_rotary_factor(hf_config) -> float:
+    """The fraction of each head that RoPE rotates (transformers 5 keeps it in ``rope_parameters``,
+    v4 as a config attribute; 1.0 when absent).
+
+    For GLM (transformers ``Glm4MoeRotaryEmbedding``: ``dim = int(head_dim · factor)``, the first
+    ``dim`` channels of each head rotated half against half, the rest passed through) this is
+    megatron-core's ``rotary_percent`` (``RotaryEmbedding``: ``dim = int(kv_channels ·
+    rotary_percent)``, rotary_pos_embedding.py:73-74; ``_apply_rotary_pos_emb_bshd`` rotates
+    ``t[..., :rot_dim]`` and passes the rest, rope_utils.py:121-124).
+
+    Raises:
+        ValueError: a factor outside (0, 1], or one whose rotated size ``head_dim · factor`` is not
+            an even integer (transformers truncates it, megatron-core too, but odd sizes pair channels
+            differently)."""
+    factor = (rope_parameters(hf_config).get("partial_rotary_factor") or
+              _get(hf_config, "partial_rotary_factor", None) or 1.0)
+    factor = float(factor)
+    if not 0.0 < factor <= 1.0:
+        raise ValueError(f"hf_config.partial_rotary_factor={factor} must be in (0, 1]")
+    if factor != 1.0 and ATTENTION_FAMILY.get(_get(hf_config, "model_type")) not in ("mla",):
+        rotated = head_dim(hf_config) * factor
+        if rotated != int(rotated) or int(rotated) % 2:
+            raise ValueError(f"hf_config.partial_rotary_factor={factor} rotates {rotated} of head_dim="
+                             f"{head_dim(hf_config)} channels: it must be an even whole number")
+    return factor
+
+
 def mla_rope_kwargs(hf_config) -> dict:
     """The RoPE fields of megatron-core's ``MLATransformerConfig`` for an MLA HF config (the MLA
     layer builds its own rotary embedding from them, multi_latent_attention.py:180-204).
@@ -449,7 +492,7 @@ def mla_rope_kwargs(hf_config) -> dict:
             ignores ``mscale``).
     """
     p = rope_parameters(hf_config)
-    if _get(hf_config, "partial_rotary_factor", 1.0) not in (None, 1.0):
+    if partial_rotary_factor(hf_config) != 1.0:
         raise ValueError("hf_config.partial_rotary_factor != 1 is not supported for MLA")
     out = dict(rope_type="rope", rotary_base=float(p["rope_theta"]), rotary_percent=1.0)
     kind = p["rope_type"]
@@ -506,6 +549,8 @@ def check_hf_config(hf_config) -> str:
     if attention == "mla":
         mla_layout(hf_config)  # raises on what megatron-core's MLA cannot reproduce
         mla_rope_kwargs(hf_config)
+    else:
+        gpt_rope_kwargs(hf_config)  # raises on a RoPE megatron-core cannot reproduce (partial rotary: GLM only)
     heads, groups = hf_config.num_attention_heads, _kv_heads(hf_config)
     if heads % groups != 0:
         raise ValueError(
@@ -810,6 +855,20 @@ def megatron_attention_heads(hf_config, tp: int, model_cfg: Optional[ModelConfig
     return padded * (heads // groups), padded
 
 
+def has_qkv_bias(hf_config) -> bool:
+    """Whether the q/k/v projections carry a bias: always for the qwen2 attention family, per
+    ``attention_bias`` for GLM (whose o_proj never has one, transformers ``Glm4MoeAttention``)."""
+    attention = ATTENTION_FAMILY.get(_get(hf_config, "model_type"))
+    return attention == "qwen2" or (attention == "glm" and bool(_get(hf_config, "attention_bias", False)))
+
+
+def has_qk_norm(hf_config) -> bool:
+    """Whether queries and keys get a per-head RMSNorm before RoPE (megatron-core ``qk_layernorm``
+    on GQA attention): always for qwen3, per ``use_qk_norm`` for GLM (GLM-4.5 on, GLM-4.5-Air off)."""
+    attention = ATTENTION_FAMILY.get(_get(hf_config, "model_type"))
+    return attention == "qwen3" or (attention == "glm" and bool(_get(hf_config, "use_qk_norm", False)))
+
+
 def head_dim(hf_config) -> int:
     """Per-head size: ``hf_config.head_dim`` if set, else hidden_size / num_attention_heads."""
     hd = _get(hf_config, "head_dim")
@@ -891,9 +950,9 @@ def hf_to_transformer_config(hf_config, parallel, model_cfg: ModelConfig = None,
         gated_linear_unit=True,
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
-        add_qkv_bias=attention == "qwen2",
+        add_qkv_bias=has_qkv_bias(hf_config),
         # MLA: the latent norms q_a_layernorm / kv_a_layernorm are megatron-core's q_layernorm / kv_layernorm
-        qk_layernorm=attention in ("qwen3", "mla"),
+        qk_layernorm=has_qk_norm(hf_config) or attention == "mla",
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=float(_get(hf_config, "initializer_range", 0.02)),

@@ -86,7 +86,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from dapo_megatron.config.loader import ConfigError
-from dapo_megatron.models.config import ATTENTION_FAMILY, mla_layout, moe_layout
+from dapo_megatron.models.config import has_qk_norm, has_qkv_bias, mla_layout, moe_layout
 from dapo_megatron.rollout.engines.sglang_env import cuda_graphs_released
 
 GB = 10**9
@@ -125,12 +125,12 @@ class ModelShape:
     mla: Optional[tuple[int, int, int, int, int]] = None
     """multi-head latent attention (q_lora_rank or 0, kv_lora_rank, qk_nope_head_dim,
     qk_rope_head_dim, v_head_dim), None for GQA."""
+    router_bias: bool = False
+    """the router has a per-expert score-correction bias (DeepSeek-V3, GLM-4.5)."""
 
     @classmethod
     def from_hf(cls, hf_config) -> "ModelShape":
         h, nh = hf_config.hidden_size, hf_config.num_attention_heads
-        model_type = getattr(hf_config, "model_type", "llama")
-        attention = ATTENTION_FAMILY.get(model_type, model_type)
         moe = moe_layout(hf_config)
         return cls(
             hidden=h, layers=hf_config.num_hidden_layers, heads=nh,
@@ -138,8 +138,9 @@ class ModelShape:
             head_dim=getattr(hf_config, "head_dim", None) or h // nh,
             ffn=hf_config.intermediate_size if moe is None else 0,
             vocab=hf_config.vocab_size, tied=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            qkv_bias=attention == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
-            qk_norm=attention == "qwen3",
+            qkv_bias=has_qkv_bias(hf_config) or bool(getattr(hf_config, "attention_bias", False)),
+            qk_norm=has_qk_norm(hf_config),
+            router_bias=bool(moe and moe.expert_bias),
             experts=moe.num_experts if moe else 0, moe_ffn=moe.ffn_hidden_size if moe else 0,
             topk=moe.topk if moe else 0, shared_ffn=moe.shared_ffn_hidden_size if moe else 0,
             shared_gate=bool(moe and moe.shared_expert_gate),
@@ -173,7 +174,7 @@ class ModelShape:
         split = attn_split + max(moe_ffn, 3 * self.hidden * self.dense_ffn)
         replicated = 2 * self.hidden + attn_rep
         replicated += self.experts * self.hidden + (self.hidden if self.shared_gate else 0)
-        replicated += self.experts if self.mla is not None or self.dense_layers else 0  # the router's bias
+        replicated += self.experts if self.router_bias else 0  # the router's score-correction bias
         return split, replicated
 
     def expert_params(self) -> int:
@@ -186,7 +187,7 @@ class ModelShape:
         emb = self.vocab * self.hidden
         per_layer = attn_split + attn_rep + 2 * self.hidden
         moe = 3 * self.hidden * self.shared_ffn + self.experts * self.hidden + self.expert_params() \
-            + (self.hidden if self.shared_gate else 0) + (self.experts if self.mla is not None else 0)
+            + (self.hidden if self.shared_gate else 0) + (self.experts if self.router_bias else 0)
         mlp = self.dense_layers * 3 * self.hidden * self.dense_ffn + (self.layers - self.dense_layers) * \
             (moe if self.experts else 3 * self.hidden * self.ffn)
         return self.layers * per_layer + mlp + emb * (1 if self.tied else 2) + self.hidden

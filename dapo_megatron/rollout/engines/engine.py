@@ -372,6 +372,7 @@ _FUSED_EXPERT_NAMES = {
     "qwen2_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
     "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
     "deepseek_v3": ("mlp", "gate_proj", "up_proj", "down_proj"),
+    "glm4_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),  # conversion_mapping.py: "glm4_moe" -> "qwen2_moe"
 }
 # Buffers that are weights: a router's score-correction bias (DeepSeek-V3's aux-loss-free balancing,
 # transformers ``DeepseekV3TopkRouter.e_score_correction_bias``, a buffer kept in fp32) decides routes,

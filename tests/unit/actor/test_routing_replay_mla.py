@@ -1,6 +1,7 @@
-"""Routing replay (R3) for DeepSeek-V3: a sigmoid router whose choice adds the score-correction
-bias and is limited to ``topk_group`` of ``n_group`` groups, behind a dense first layer
-(tests/conftest.py ``tiny_mla_config``).
+"""Routing replay (R3) for DeepSeek-V3 and GLM-4.5: a sigmoid router whose choice adds the
+score-correction bias and is limited to ``topk_group`` of ``n_group`` groups, behind a dense first
+layer (tests/conftest.py ``tiny_mla_config``, ``tiny_glm_config``), each check run for both
+families (the replay of both in ONE spawned world).
 
 - HFEngine's recorded routes equal an independent full-sequence computation of DeepSeek-V3's
   routing (sigmoid + bias, top-2 sum per group, top group, top-k in it) for every MoE layer, and
@@ -20,7 +21,7 @@ import os
 import pytest
 import torch
 
-from conftest import hf_checkpoint_state, random_hf_model, tiny_mla_config
+from conftest import hf_checkpoint_state, random_hf_model, tiny_glm_config, tiny_mla_config
 from dapo_megatron.platform import ParallelConfig, spawn
 from unit.actor.test_routing_replay import _full_routes, _logprobs_with_hooks, _my_samples, _samples
 
@@ -76,15 +77,25 @@ def _forced_logprobs(model, ids: list[int], prompt_len: int, forced: torch.Tenso
     return _logprobs_with_hooks(model, ids, prompt_len, handles)
 
 
-def _worker(out_dir: str, cfg, state, samples) -> None:
-    from dapo_megatron.actor import ActorConfig, MegatronActor
-    from dapo_megatron.actor.routing_replay import micro_batch_routes
-    from dapo_megatron.bridge import load_hf_weights
-    from dapo_megatron.models import build_gpt_model
+FAMILIES = {"v3": tiny_mla_config, "glm": tiny_glm_config}
+
+
+def _worker(out_dir: str, cases: dict) -> None:
     from dapo_megatron.platform import init_distributed
 
     rank = int(os.environ["RANK"])
     par = init_distributed(ParallelConfig(1, 1, 2), seed=3)
+    out = {name: _replay(par, rank, *case) for name, case in cases.items()}
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def _replay(par, rank: int, cfg, state, samples) -> dict:
+    """One family's replay at EP=2: old-logprob and training forwards with the engine's routes."""
+    from dapo_megatron.actor import ActorConfig, MegatronActor
+    from dapo_megatron.actor.routing_replay import micro_batch_routes
+    from dapo_megatron.bridge import load_hf_weights
+    from dapo_megatron.models import build_gpt_model
+
     mine = _my_samples(samples, rank, 2)
     mbs_in = [mine[:len(mine) // 2], mine[len(mine) // 2:]]
     model = build_gpt_model(cfg, parallel=par, routing_replay=True)
@@ -102,22 +113,24 @@ def _worker(out_dir: str, cfg, state, samples) -> None:
     for s, x in zip(mine, lp):
         s.old_logprobs, s.advantage = x.tolist(), 1.0
     trained = actor.train_mini_batch(mbs_in, return_logprobs=True)
-    res = {"lp": lp, "train_lp": trained.logprobs, "skipped": trained.metrics["skipped"], "old": old_records,
-           "train": actor.routing.records, "engine_mb": engine_mb}
-    torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
+    return {"lp": lp, "train_lp": trained.logprobs, "skipped": trained.metrics["skipped"], "old": old_records,
+            "train": actor.routing.records, "engine_mb": engine_mb}
 
 
 @pytest.fixture(scope="module")
-def mla_engine():
+def mla_engines():
     from dapo_megatron.rollout.engines.hf_engine import HFEngine
 
-    cfg = tiny_mla_config()
-    model = random_hf_model(cfg, seed=11)
-    return model, _samples(HFEngine(model, eos_token_ids=[0], record_routes=True), seed=2)
+    out = {}
+    for name, make in FAMILIES.items():
+        model = random_hf_model(make(), seed=11)
+        out[name] = model, _samples(HFEngine(model, eos_token_ids=[0], record_routes=True), seed=2)
+    return out
 
 
-def test_hf_engine_routes_are_deepseek_routing_with_bias_and_groups(mla_engine):
-    model, samples = mla_engine
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_engine_routes_are_deepseek_routing_with_bias_and_groups(mla_engines, family):
+    model, samples = mla_engines[family]
     cfg = model.config
     k, L = cfg.num_experts_per_tok, cfg.num_hidden_layers
     no_bias = no_groups = 0
@@ -133,24 +146,28 @@ def test_hf_engine_routes_are_deepseek_routing_with_bias_and_groups(mla_engine):
 
 
 @pytest.fixture(scope="module")
-def replay_results(tmp_path_factory, mla_engine):
+def replay_results(tmp_path_factory, mla_engines):
     from dapo_megatron.rollout.engines.routes import hf_router_modules
 
     out = tmp_path_factory.mktemp("routing_replay_mla")
-    engine_model, samples = mla_engine
-    actor_model = copy.deepcopy(engine_model)  # routers nudged: some tokens would route elsewhere
-    g = torch.Generator().manual_seed(101)
-    with torch.no_grad():
-        for gate in hf_router_modules(actor_model):
-            gate.weight.add_(0.3 * torch.randn(gate.weight.shape, generator=g))
-    state = hf_checkpoint_state(actor_model, out / "hf")
-    spawn(_worker, 2, str(out), engine_model.config, state, samples)
-    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)], actor_model, samples
+    cases, actors = {}, {}
+    for name, (engine_model, samples) in mla_engines.items():
+        actor_model = copy.deepcopy(engine_model)  # routers nudged: some tokens would route elsewhere
+        g = torch.Generator().manual_seed(101)
+        with torch.no_grad():
+            for gate in hf_router_modules(actor_model):
+                gate.weight.add_(0.3 * torch.randn(gate.weight.shape, generator=g))
+        cases[name] = (engine_model.config, hf_checkpoint_state(actor_model, out / name), samples)
+        actors[name] = actor_model, samples
+    spawn(_worker, 2, str(out), cases)
+    ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return {name: ([res[name] for res in ranks], *actors[name]) for name in cases}
 
 
 @pytest.mark.dist
-def test_replay_at_ep2_routes_every_token_as_the_engine_and_gives_its_logprobs(replay_results):
-    ranks, actor_model, samples = replay_results
+@pytest.mark.parametrize("family", FAMILIES)
+def test_replay_at_ep2_routes_every_token_as_the_engine_and_gives_its_logprobs(replay_results, family):
+    ranks, actor_model, samples = replay_results[family]
     cfg = actor_model.config
     moe_layers = [layer for layer in range(cfg.num_hidden_layers) if layer >= cfg.first_k_dense_replace]
     natural_differs = 0

@@ -1,6 +1,10 @@
 """DeepSeek-V3 (multi-head latent attention, sigmoid router with score-correction bias and
-grouped top-k, shared expert, a dense first layer) through the bridge on 2 gloo processes, tiny
-and random (tests/conftest.py ``tiny_mla_config``, 2 layers: layer 0 dense, layer 1 MoE).
+grouped top-k, shared expert, a dense first layer) and GLM-4.5 (the same MoE side behind GQA
+attention with a q/k/v bias, q/k norm and RoPE on half of each head) through the bridge on 2 gloo
+processes, tiny and random (tests/conftest.py ``tiny_mla_config`` / ``tiny_glm_config``, 2 layers:
+layer 0 dense, layer 1 MoE). Both families run in ONE spawned world (the suite's time, issue 35):
+GLM at the layouts :data:`GLM_LAYOUTS` (EP=2, TP=2 with ETP=2 and ETP=1, PP=2), DeepSeek-V3 at
+all of :data:`LAYOUTS`.
 
 - logprobs equal transformers' (fp32, <= 1e-5) at EP=1, EP=2, TP=2 with ETP=2 and ETP=1, ETP=2 at
   TP=1 and PP=2 (the dense and the MoE layer on different stages), and with YaRN RoPE; the bias
@@ -16,6 +20,12 @@ and random (tests/conftest.py ``tiny_mla_config``, 2 layers: layer 0 dense, laye
   ``moe_router_bias_update_rate``) moves the bias, and the sync hands the engine the new bias
   (the engine then gives the actor's logprobs).
 
+GLM: logprobs equal transformers' (<= 1e-5) and the export is the checkpoint bitwise at every GLM
+layout, the checkpoint's MTP layer (``num_nextn_predict_layers``, layer 2 here) skipped on import
+and never exported; the EP=2 sync into HFEngine and into 2 KiB SGLang-sized buckets carries the
+checkpoint bitwise (the score-correction biases too), and the engine then gives transformers'
+logprobs. GLM's partial rotary matters in this config (full rotary gives other logprobs).
+
 One spawned world runs every layout; the oracle is computed in the parent.
 """
 
@@ -26,7 +36,7 @@ import os
 import pytest
 import torch
 
-from conftest import hf_checkpoint_state, random_hf_model, tiny_mla_config
+from conftest import hf_checkpoint_state, random_hf_model, tiny_glm_config, tiny_mla_config
 from dapo_megatron.platform import ParallelConfig, spawn
 from unit.bridge.test_bridge_dist import _mismatches, record_errors
 from unit.bridge.test_bridge_dist import megatron_logprobs as _logprobs
@@ -35,7 +45,13 @@ from unit.bridge.test_bridge_moe_dist import _synced_engine, _train_then_sync
 LAYOUTS = (("ep1", 1, 1, 1, None), ("ep2", 1, 1, 2, None), ("tp2", 2, 1, 1, None), ("tp2_etp1", 2, 1, 1, 1),
            ("etp2_tp1", 1, 1, 1, 2), ("pp2", 1, 2, 1, None))
 YARN = "yarn"  # the same model with YaRN RoPE (DeepSeek-V3's own scaling), at EP=1
+GLM = "glm"  # GLM-4.5 (tiny_glm_config), at the layouts below
+GLM_LAYOUTS = ("ep2", "tp2", "tp2_etp1", "pp2")
 SEQ = 16
+# the GLM checkpoint's MTP layer (num_nextn_predict_layers=1 after the 2 decoder layers): a few of its
+# tensors, which transformers does not build; import must skip them as SGLang does
+GLM_MTP = {"model.layers.2.eh_proj.weight": (64, 128), "model.layers.2.enorm.weight": (64,),
+           "model.layers.2.self_attn.q_proj.weight": (64, 64), "model.layers.2.mlp.gate.e_score_correction_bias": (4,)}
 
 
 def _yarn_config():
@@ -56,29 +72,36 @@ def _worker(out_dir: str, cases: dict, ids: dict) -> None:
 
     rank = int(os.environ["RANK"])
     res: dict = {"lp": {}, "export": {}, "order": {}, "sync": {}}
-    cfg, state = cases["v3"]
     for layout, tp, pp, ep, etp in LAYOUTS:
         par = init_distributed(ParallelConfig(tp, pp, ep, etp), seed=3)
         my_ids = ids[rank] if ep > 1 else ids[0]
         names = ["v3", YARN] if layout == "ep1" else ["v3"]
+        names += [GLM] if layout in GLM_LAYOUTS else []
         for name in names:
             cfg, state = cases[name]
             model = build_gpt_model(cfg, parallel=par).eval()
-            load_hf_weights(model, state, parallel=par)
+            load = dict(state, **{n: torch.zeros(shape) for n, shape in GLM_MTP.items()}) if name == GLM else state
+            load_hf_weights(model, load, parallel=par)
             lp = _logprobs(model, my_ids, cfg.vocab_size, par)
             if lp is not None:
                 res["lp"][(layout, name)] = lp
             exported = export_hf_state_dict(model, bucket_bytes=4096, parallel=par)
             res["export"][(layout, name)] = _mismatches(exported, state)
             res["order"][(layout, name)] = list(exported)
-        if layout == "ep2":
+            if layout != "ep2":
+                continue
             engine, held, eng_lp = _synced_engine(model, cfg, par, rank, my_ids)
             # SGLang-shaped buckets: 2 KiB, smaller than q_a_proj (32 × 64 fp32 = 8 KiB)
             buckets = [[(n, t.clone()) for n, t in b]
                        for b in iter_buckets(iter_hf_weights(model, parallel=par, bucket_bytes=4096), 2048)]
-            res["sync"] = {"held": _mismatches(held, state), "lp": eng_lp,
-                           "buckets": [[n for n, _ in b] for b in buckets],
-                           "bucketed": _mismatches({n: t for b in buckets for n, t in b}, state)}
+            res["sync"][name] = {"held": _mismatches(held, state), "lp": eng_lp,
+                                 "buckets": [[n for n, _ in b] for b in buckets],
+                                 "bucketed": _mismatches({n: t for b in buckets for n, t in b}, state)}
+            if name == "v3":
+                v3_engine = engine
+        if layout == "ep2":
+            cfg, state = cases["v3"]
+            engine = v3_engine
             # one step with the bias update on: the bias moves, and the sync carries it
             model = build_gpt_model(cfg, ModelConfig(moe_router_bias_update_rate=0.05), parallel=par)
             load_hf_weights(model, state, parallel=par)
@@ -99,6 +122,16 @@ def _worker(out_dir: str, cases: dict, ids: dict) -> None:
         "bias_rate_on_qwen": lambda: hf_to_transformer_config(
             __import__("conftest").tiny_moe_config("qwen3_moe"), ParallelConfig(),
             ModelConfig(moe_router_bias_update_rate=0.1)),
+        "glm_partial_with_yarn": lambda: hf_to_transformer_config(tiny_glm_config(rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0, "original_max_position_embeddings": 64,
+            "partial_rotary_factor": 0.5}), ParallelConfig()),
+        "glm_partial_odd": lambda: hf_to_transformer_config(tiny_glm_config(partial_rotary_factor=0.3125),
+                                                            ParallelConfig()),
+        "llama_partial": lambda: hf_to_transformer_config(__import__("transformers").LlamaConfig(
+            vocab_size=250, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+            partial_rotary_factor=0.5), ParallelConfig()),
+        "glm_norm_topk_false": lambda: hf_to_transformer_config(tiny_glm_config(norm_topk_prob=False),
+                                                                ParallelConfig()),
     }
     res["errors"] = record_errors(attempts)
     dist.barrier()
@@ -118,7 +151,7 @@ def mla_results(tmp_path_factory):
     ids = {r: torch.randint(0, 250, (2, SEQ), generator=g) for r in range(2)}
     ids[0][0, 3] = 249  # the last real token id, next to the vocabulary padding rows
     cases, ref_lp, alt_lp = {}, {}, {}
-    for i, (name, cfg) in enumerate((("v3", tiny_mla_config()), (YARN, _yarn_config()))):
+    for i, (name, cfg) in enumerate((("v3", tiny_mla_config()), (YARN, _yarn_config()), (GLM, tiny_glm_config()))):
         hf = random_hf_model(cfg, seed=i)
         cases[name] = (cfg, hf_checkpoint_state(hf, out / name))
         for r, x in ids.items():
@@ -132,13 +165,17 @@ def mla_results(tmp_path_factory):
             bias.copy_(kept)
             hf.model.layers[1].mlp.gate.topk_group = 2  # every group kept: plain top-k
             alt_lp["no_groups"] = _hf_logprobs(hf, ids[0])
+        if name == GLM:  # what partial rotary changes: the same weights with RoPE on the whole head
+            full = random_hf_model(tiny_glm_config(partial_rotary_factor=1.0), seed=i)
+            full.load_state_dict(hf.state_dict())
+            alt_lp["glm_full_rotary"] = _hf_logprobs(full, ids[0])
     spawn(_worker, 2, str(out), cases, ids)
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
     return ranks, ref_lp, alt_lp, cases
 
 
 def _cases():
-    return [(layout, "v3") for layout, *_ in LAYOUTS] + [("ep1", YARN)]
+    return [(layout, "v3") for layout, *_ in LAYOUTS] + [("ep1", YARN)] + [(layout, GLM) for layout in GLM_LAYOUTS]
 
 
 @pytest.mark.dist
@@ -161,6 +198,7 @@ def test_the_bias_and_the_group_limit_change_this_configs_logprobs(mla_results):
     _, ref_lp, alt_lp, _ = mla_results
     assert (alt_lp["no_bias"] - ref_lp[("v3", 0)]).abs().max().item() > 1e-3
     assert (alt_lp["no_groups"] - ref_lp[("v3", 0)]).abs().max().item() > 1e-3
+    assert (alt_lp["glm_full_rotary"] - ref_lp[(GLM, 0)]).abs().max().item() > 1e-3
 
 
 @pytest.mark.dist
@@ -170,11 +208,18 @@ def test_mla_export_is_the_hf_checkpoint_bitwise(mla_results, layout, name):
     for res in ranks:
         assert res["export"][(layout, name)] == [], (layout, name)
     names = ranks[0]["order"][(layout, name)]
-    assert names == ranks[1]["order"][(layout, name)] == ranks[0]["order"][("ep1", name)]
+    first = ("ep2" if name == GLM else "ep1", name)
+    assert names == ranks[1]["order"][(layout, name)] == ranks[0]["order"][first]
     # the dense layer has an MLP and no router; the MoE layer a router, its bias and a shared expert
     assert "model.layers.0.mlp.gate_proj.weight" in names and "model.layers.0.mlp.gate.weight" not in names
     assert "model.layers.1.mlp.gate.e_score_correction_bias" in names
     assert "model.layers.1.mlp.shared_experts.down_proj.weight" in names
+    assert not any(n.startswith("model.layers.2.") for n in names)  # no MTP layer
+    if name == GLM:  # qkv bias and q/k norm per layer (attention_bias, use_qk_norm)
+        for layer in range(2):
+            for t in ("q_proj.bias", "k_proj.bias", "v_proj.bias", "q_norm.weight", "k_norm.weight"):
+                assert f"model.layers.{layer}.self_attn.{t}" in names
+        return
     # q_a_proj is followed by kv_a_proj_with_mqa (SGLang fuses the two)
     for layer in range(2):
         i = names.index(f"model.layers.{layer}.self_attn.q_a_proj.weight")
@@ -182,13 +227,14 @@ def test_mla_export_is_the_hf_checkpoint_bitwise(mla_results, layout, name):
 
 
 @pytest.mark.dist
-def test_sync_into_hf_engine_and_sglang_buckets_equal_the_checkpoint(mla_results):
+@pytest.mark.parametrize("name", ["v3", GLM])
+def test_sync_into_hf_engine_and_sglang_buckets_equal_the_checkpoint(mla_results, name):
     ranks, ref_lp, _, _ = mla_results
     for r, res in enumerate(ranks):
-        sync = res["sync"]
+        sync = res["sync"][name]
         assert sync["held"] == [], sync["held"][:5]
         assert sync["bucketed"] == [], sync["bucketed"][:5]
-        assert (sync["lp"] - ref_lp[("v3", r)]).abs().max().item() <= 1e-5
+        assert (sync["lp"] - ref_lp[(name, r)]).abs().max().item() <= 1e-5
         for bucket in sync["buckets"]:
             for n in bucket:
                 if n.endswith("q_a_proj.weight"):
@@ -219,6 +265,10 @@ def test_what_the_mla_mapping_cannot_build_fails_in_one_line(mla_results):
         "rope_not_interleaved": "hf_config.rope_interleave=False is not supported",
         "tp_not_dividing_kv_down": "kv_lora_rank + qk_rope_head_dim=19 is not divisible by tensor_model_parallel_size=2",
         "bias_rate_on_qwen": "model.moe_router_bias_update_rate=0.1 needs a router with a score-correction bias",
+        "glm_partial_with_yarn": "rope_type='yarn' with partial_rotary_factor=0.5 is not supported",
+        "glm_partial_odd": "partial_rotary_factor=0.3125 rotates 5.0 of head_dim=16 channels",
+        "llama_partial": "hf_config.partial_rotary_factor != 1 is not supported",
+        "glm_norm_topk_false": "hf_config.norm_topk_prob=False is not supported with the sigmoid router",
     }
     for key, text in expect.items():
         assert err[key] is not None and text in err[key], (key, err[key])

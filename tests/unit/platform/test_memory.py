@@ -226,9 +226,10 @@ MOONLIGHT_YAML = H100["7b"].replace("dapo_qwen2_5_7b_h100", "dapo_moonlight_16b_
 
 
 def test_mla_parameter_count_matches_transformers():
-    from conftest import tiny_mla_config
+    from conftest import tiny_glm_config, tiny_mla_config
 
-    for hf in (tiny_mla_config(), tiny_mla_config(q_lora_rank=None)):
+    for hf in (tiny_mla_config(), tiny_mla_config(q_lora_rank=None), tiny_glm_config(),
+               tiny_glm_config(attention_bias=False, use_qk_norm=False)):
         model = _meta(hf)
         # transformers keeps the score-correction bias as a buffer; the estimate counts it as a weight
         bias = sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
@@ -272,3 +273,52 @@ def test_moonlight_example_fits_16_h100_and_not_at_tp1_or_on_one_node():
     assert tc.moe_router_bias_update_rate == 0.0 and tc.moe_router_num_groups is None
     assert tc.moe_router_topk_scaling_factor == 2.446 and tc.moe_shared_expert_intermediate_size == 2 * 1408
     assert tc.moe_layer_freq == [0] + [1] * 26 and tc.ffn_hidden_size == 11264
+
+
+# ---------------------------------------------------------------- GLM-4.5-Air (glm4_moe)
+GLM4_5_AIR = dict(  # slime's scripts/models/glm4.5-106B-A12B.sh and transformers' Glm4MoeConfig defaults
+    # (the zai-org config.json was not available here; routed_scaling_factor, groups, eps and max
+    # positions are the defaults: see examples/configs/dapo_glm4_5_air_h100.yaml)
+    vocab_size=151552, hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=46,
+    num_attention_heads=96, num_key_value_heads=8, head_dim=128, partial_rotary_factor=0.5, attention_bias=True,
+    use_qk_norm=False, n_shared_experts=1, n_routed_experts=128, num_experts_per_tok=8, n_group=1, topk_group=1,
+    first_k_dense_replace=1, routed_scaling_factor=1.0, norm_topk_prob=True, max_position_embeddings=131072,
+    rope_theta=1000000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, num_nextn_predict_layers=1)
+GLM_AIR_YAML = H100["7b"].replace("dapo_qwen2_5_7b_h100", "dapo_glm4_5_air_h100")
+
+
+def test_glm4_5_air_example_fits_64_h100_and_not_on_fewer_or_at_tp4():
+    from transformers import Glm4MoeConfig
+
+    from dapo_megatron.models import ModelConfig
+    from dapo_megatron.models.config import hf_to_transformer_config
+
+    hf = Glm4MoeConfig(**GLM4_5_AIR)
+    assert 106e9 < ModelShape.from_hf(hf).total_params() < 108e9  # "106B total parameters"
+    cfg = load_config(DAPOConfig, GLM_AIR_YAML, ["model.hf_path=/models/x"])
+    p = cfg.parallel
+    assert (p.tensor_model_parallel_size, p.pipeline_model_parallel_size, p.expert_model_parallel_size,
+            p.expert_tensor_parallel_size) == (8, 2, 32, 1)
+    cfg.check_world_size(64, 8)
+    est = check_memory(cfg, hf, 64)
+    assert est.kv_tokens > 200_000
+    # GQA's cell at TP 8: one of the 8 KV heads per GPU, K and V of 128 per layer
+    assert ModelShape.from_hf(hf).kv_bytes_per_token(8) == 2 * 46 * 1 * 128 * 2
+    for world, overs in ((32, ["parallel.expert_model_parallel_size=16"]),
+                         (64, ["parallel.tensor_model_parallel_size=4", "parallel.expert_model_parallel_size=16"]),
+                         (64, ["parallel.expert_model_parallel_size=8"])):
+        other = load_config(DAPOConfig, GLM_AIR_YAML, ["model.hf_path=/models/x", *overs])
+        assert not estimate_from_config(other, hf, world).fits, (world, overs)
+    # at the default static fraction 0.5 the KV pool holds about one longest sequence
+    half = load_config(DAPOConfig, GLM_AIR_YAML, ["model.hf_path=/models/x", "rollout.gpu_memory_utilization=0.5"])
+    assert estimate_from_config(half, hf, 64).kv_tokens < 2 * (2048 + 20480)
+    # the mapping the actor uses, on CPU (local spec): partial rotary, qkv bias, no q/k norm, the bias, dense layer 0
+    tc = hf_to_transformer_config(hf, cfg.parallel, ModelConfig(transformer_impl="local"))
+    assert tc.add_qkv_bias and not tc.qk_layernorm and tc.kv_channels == 128 and tc.num_query_groups == 8
+    assert tc.moe_router_score_function == "sigmoid" and tc.moe_router_enable_expert_bias
+    assert tc.moe_router_num_groups is None and tc.moe_router_topk_scaling_factor is None
+    assert tc.moe_shared_expert_intermediate_size == 1408 and tc.moe_shared_expert_gate is False
+    assert tc.moe_layer_freq == [0] + [1] * 45 and tc.ffn_hidden_size == 10944
+    from dapo_megatron.models.config import gpt_rope_kwargs
+
+    assert gpt_rope_kwargs(hf)["rotary_percent"] == 0.5 and gpt_rope_kwargs(hf)["rotary_base"] == 1e6
