@@ -405,13 +405,15 @@ def gpt_rope_kwargs(hf_config) -> dict:
     """RoPE arguments of ``megatron.core.models.gpt.GPTModel`` for an HF config.
 
     Returns:
-        dict with ``rotary_base`` (θ), ``rotary_percent`` (1.0), ``rope_scaling`` (bool,
-        llama3), ``rope_scaling_factor`` and ``seq_len_interpolation_factor`` (linear).
+        dict with ``rotary_base`` (θ), ``rotary_percent`` (1.0; GLM's ``partial_rotary_factor``,
+        see :func:`partial_rotary_factor`), ``rope_scaling`` (bool, llama3),
+        ``rope_scaling_factor`` and ``seq_len_interpolation_factor`` (linear).
 
     Raises:
         ValueError: naming ``rope_parameters.<field>`` for a scaling type or parameter
             megatron-core cannot reproduce exactly (its llama3 scaling hard-codes
-            low_freq_factor=1, high_freq_factor=4, original_max_position_embeddings=8192).
+            low_freq_factor=1, high_freq_factor=4, original_max_position_embeddings=8192);
+            ``partial_rotary_factor`` != 1 outside GLM, or with a scaled RoPE.
     """
     p = rope_parameters(hf_config)
     out = dict(rotary_base=float(p["rope_theta"]), rotary_percent=1.0, rope_scaling=False,
@@ -887,7 +889,8 @@ def hf_to_transformer_config(hf_config, parallel, model_cfg: ModelConfig = None,
     Returns:
         ``megatron.core.transformer.TransformerConfig`` with RMSNorm (eps =
         ``rms_norm_eps``), SwiGLU (gated_linear_unit, silu), no linear biases except the
-        qkv bias (qwen2), q/k layernorm (qwen3), ``kv_channels`` = head_dim, GQA
+        qkv bias (qwen2; GLM with ``attention_bias``), q/k layernorm (qwen3; GLM with
+        ``use_qk_norm``), ``kv_channels`` = head_dim, GQA
         (``num_query_groups``; zero-padded to a multiple of TP when needed, see
         :func:`megatron_attention_heads`), dropout 0, and the FP8 fields.
 
