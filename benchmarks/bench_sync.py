@@ -13,8 +13,9 @@ line but one is sync ÷ floor (GB/s over GB/s), higher is better; the goal is >=
 verified as the trainer verifies it by default (``rollout.check_weight_update``, period
 ``rollout.check_weight_update_period``; ``rollout/engines/verify.py``); the same sync without
 verification, and with every tensor checked (period 1), alternate with it in the same run, and the
-last line is the verification overhead at the default period: verified ÷ unverified sync time
-(goal <= 1.02), next to the checksum seconds timed inside the sync.
+last line is the verification overhead at the default period: the median over rounds of verified ÷
+unverified sync time, the two run back to back in alternating order (goal <= 1.02), next to the
+checksum seconds timed inside the sync.
 
     python benchmarks/bench_sync.py [--hidden 512 --layers 8 --bucket-mb 64 --repeats 5]
 """
@@ -139,22 +140,38 @@ def _worker(args: argparse.Namespace, out_path: str) -> None:
 
     floor()  # warm-up
     # sync and floor alternate, so that load from outside the benchmark hits both alike; the
-    # medians are compared
-    rounds = [(timed(sync), timed(floor), timed(lambda: sync(0)), timed(lambda: sync(1)))
-              for _ in range(args.repeats)]
-    sync_s, floor_s, plain_s, full_s = (statistics.median(r[i] for r in rounds) for i in range(4))
+    # medians are compared (the verification overhead: the median of each round's ratio)
+    rounds = interleaved(args.repeats, [sync, lambda: sync(0), floor, lambda: sync(1)])
+    sync_s, plain_s, floor_s, full_s = (statistics.median(r[i] for r in rounds) for i in range(4))
     floor_bytes = params.numel() * elem
     if dist.get_rank() == 0:
         torch.save({"sync_GBps": nbytes / sync_s / 1e9, "memcpy_GBps": copy_bytes / copy_s / 1e9,
                     "floor_GBps": floor_bytes / floor_s / 1e9, "floor_primitive":
-                    primitive, "bytes": nbytes, **verify_figures(sync_s, plain_s, full_s, inside, args)}, out_path)
+                    primitive, "bytes": nbytes, **verify_figures(sync_s, plain_s, full_s, inside, args, rounds)}, out_path)
 
 
-def verify_figures(sync_s: float, plain_s: float, full_s: float, inside: dict, args) -> dict:
-    """The verification overhead figures (medians): verified ÷ unverified sync time at the default
-    period and at period 1, and the checksum seconds timed inside the syncs (rank 0's) ÷ the
-    unverified sync time."""
-    return {"verify_ratio": sync_s / plain_s, "verify_full_ratio": full_s / plain_s,
+def interleaved(repeats: int, arms: list) -> list[tuple[float, ...]]:
+    """``repeats`` rounds of :func:`timed` over every arm (zero-argument functions); the seconds of each
+    round in the order of ``arms``. The first two arms (the verified and the unverified sync) run
+    back to back in every round, in alternating order (A B, then B A): what runs before a sync (the
+    floor's buffers evicting the caches, the other sync's memory) then weighs on both alike; the
+    other arms follow."""
+    rounds = []
+    for r in range(repeats):
+        order = [0, 1] if r % 2 == 0 else [1, 0]
+        order += list(range(2, len(arms)))
+        seconds = {i: timed(arms[i]) for i in order}
+        rounds.append(tuple(seconds[i] for i in range(len(arms))))
+    return rounds
+
+
+def verify_figures(sync_s: float, plain_s: float, full_s: float, inside: dict, args, rounds=None) -> dict:
+    """The verification overhead figures: verified ÷ unverified sync time at the default period
+    (the median over rounds of each round's ratio, the two syncs run back to back, when ``rounds``
+    holds ``(verified, unverified, ...)`` seconds; else the ratio of the medians) and at period 1, and
+    the checksum seconds timed inside the syncs (rank 0's) ÷ the unverified sync time."""
+    ratio = statistics.median(r[0] / r[1] for r in rounds) if rounds else sync_s / plain_s
+    return {"verify_ratio": ratio, "verify_full_ratio": full_s / plain_s,
             "verify_inside": statistics.median(inside.get(args.verify_period, [0.0])) / plain_s,
             "verify_full_inside": statistics.median(inside.get(1, [0.0])) / plain_s, "plain_s": plain_s}
 

@@ -29,7 +29,7 @@ import statistics
 import sys
 import tempfile
 
-from bench_sync import (_default_period, all_gather_floor, print_verify, timed,  # benchmarks/ is sys.path[0]
+from bench_sync import (_default_period, all_gather_floor, interleaved, print_verify,  # benchmarks/ is sys.path[0]
                         verify_figures)
 
 
@@ -110,9 +110,8 @@ def _worker(args: argparse.Namespace, out_path: str) -> None:
     floor_broadcast()
     # sync and floors alternate, so that load from outside the benchmark hits all alike; the
     # medians are compared
-    rounds = [(timed(sync), timed(floor), timed(floor_broadcast), timed(lambda: sync(0)), timed(lambda: sync(1)))
-              for _ in range(args.repeats)]
-    sync_s, floor_s, bcast_s, plain_s, full_s = (statistics.median(r[i] for r in rounds) for i in range(5))
+    rounds = interleaved(args.repeats, [sync, lambda: sync(0), floor, floor_broadcast, lambda: sync(1)])
+    sync_s, plain_s, floor_s, bcast_s, full_s = (statistics.median(r[i] for r in rounds) for i in range(5))
     floor_bytes = params.numel() * elem
     if dist.get_rank() == 0:
         torch.save({"sync_GBps": nbytes / sync_s / 1e9, "floor_GBps": floor_bytes / floor_s / 1e9,
@@ -120,7 +119,7 @@ def _worker(args: argparse.Namespace, out_path: str) -> None:
                     "floor_primitive": primitive,
                     "bytes": nbytes, "expert_bytes": expert_bytes,
                     "experts_here": [list(layer.mlp.local_expert_indices) for layer in actor.decoder.layers][0],
-                    **verify_figures(sync_s, plain_s, full_s, inside, args)},
+                    **verify_figures(sync_s, plain_s, full_s, inside, args, rounds)},
                    out_path)
 
 

@@ -619,11 +619,13 @@ class _Signer:
         self.count = index - first
 
     def written(self, slot: _Slot) -> None:
+        first = self.first[id(slot)]
+        if not any(self.digest.wants(first + j) for j in range(len(slot.entry.hf))):
+            return  # most slots at the default period: no views built, nothing timed
         with Timer(self.digest):
             for j, (_, t) in enumerate(slot.hf_views(self.flat)):
-                index = self.first[id(slot)] + j
-                if self.digest.wants(index):
-                    self.sums[index] = checksum_tensor(t)  # on the device: no host read per tensor
+                if self.digest.wants(first + j):
+                    self.sums[first + j] = checksum_tensor(t)  # on the device: no host read per tensor
 
     def write(self, words: torch.Tensor, bucket: int) -> None:
         """The trailer (version, bucket index, the checksum of each HF tensor, 0 where unchecked),

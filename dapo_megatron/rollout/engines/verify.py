@@ -47,6 +47,8 @@ def checksum_tensor(t: torch.Tensor) -> torch.Tensor:
     raw = t.reshape(-1).view(torch.uint8)
     n = raw.numel()
     whole = n // 8 * 8
+    if whole == n and n and t.data_ptr() % 8 == 0:  # the common case: whole, aligned words, one reduction
+        return raw.view(torch.int64).sum()
     total = torch.zeros((), dtype=torch.int64, device=t.device)
     if whole:
         head = raw[:whole]
@@ -170,6 +172,10 @@ def write_trailer(words: torch.Tensor, version: int, bucket: int, sums: Sequence
     """Fill a bucket's trailer (an int64 view into the bucket buffer) on the rank that filled it:
     ``sums`` are :func:`checksum_tensor` values on the bucket's device (None: unchecked, 0), copied
     without a host read."""
+    if words.device.type == "cpu":  # host values: one small tensor, one copy (the 0-d sums read without a sync)
+        head = [version, bucket, len(sums)] + [0 if v is None else int(v) for v in sums]
+        words[:len(head)].copy_(torch.tensor(head, dtype=torch.int64))
+        return
     words[:TRAILER_HEAD].copy_(torch.tensor([version, bucket, len(sums)], dtype=torch.int64))
     if sums:
         zero = torch.zeros((), dtype=torch.int64, device=words.device)
