@@ -10,8 +10,9 @@ Every run here reads SmolLM2 from the session's de-quantised HF copy (``smollm2_
 tests/conftest.py: the GGUF's weights and tokenizer, bit for bit, tests/integration/test_convert.py)
 instead of de-quantising the GGUF on each rank of each launch (~40 s a launch). The trainer's
 GGUF path (``model.gguf_file``, the README default) still runs end to end in
-tests/integration/test_server_sync.py (dapo-train on the GGUF at PP=2, server mode), and the bridge's
-GGUF import at TP=2 in tests/integration/test_weight_sync.py.
+tests/integration/test_server_sync.py (dapo-train on the GGUF at PP=2, server mode), the bridge's
+GGUF import at TP=2 in tests/integration/test_weight_sync.py, and HFEngine's GGUF load, built by
+the engine factory as the colocated trainer builds it, in tests/integration/test_eval.py.
 """
 
 from __future__ import annotations
