@@ -46,12 +46,12 @@ from dapo_megatron.data.dataset import PromptRecord
 
 
 def _import_dali():
-    try:  # DALI (nvidia-dali-cuda120) is imported only where a stream is read
+    try:  # DALI (nvidia-dali-cuda130) is imported only where a stream is read
         from nvidia.dali import fn, types
         from nvidia.dali.pipeline import Pipeline
     except ImportError as exc:
         raise ImportError(
-            "PromptStream needs NVIDIA DALI: pip install nvidia-dali-cuda120 "
+            "PromptStream needs NVIDIA DALI: pip install nvidia-dali-cuda130 "
             "(its CPU-only pipelines are used; no GPU needed)"
         ) from exc
     return Pipeline, fn, types

@@ -313,7 +313,7 @@ def test_health_check_names_a_dead_a_hung_and_an_unhealthy_server():
 @pytest.mark.dist
 @pytest.mark.timeout(1500)
 def test_trainer_in_server_mode_checks_health_generates_and_syncs_every_step(tmp_path, smollm2_gguf,
-                                                                             tiny_async_hf_dir):
+                                                                             smollm2_hf_dir, tiny_async_hf_dir):
     """dapo-train (SmolLM2, PP=2 on 2 gloo ranks) with rollout.mode=server against two real
     dapo-rollout-servers on the same GGUF: each step starts with /health of both, the generation
     batch is dealt over the two servers (rank e drives server e) and really generated there (the
@@ -372,8 +372,9 @@ def test_trainer_in_server_mode_checks_health_generates_and_syncs_every_step(tmp
             sync = ["POST /pause_generation", "POST /flush_cache", "POST /continue_generation"]
             assert calls[3:6] == sync and calls[6] == "GET /health" and calls[-3:] == sync, calls
             assert "POST /generate" in calls[7:-3], "each server generated part of the batch"
-        initial = AutoModelForCausalLM.from_pretrained(smollm2_gguf[0], gguf_file=smollm2_gguf[1],
-                                                       dtype=torch.float32).state_dict()
+        # the GGUF's weights as the session's HF copy holds them, bit for bit (test_convert), read
+        # in ~1 s instead of de-quantising the GGUF again (~30 s)
+        initial = AutoModelForCausalLM.from_pretrained(smollm2_hf_dir, dtype=torch.float32).state_dict()
         changed = False
         for name, tensor in initial.items():  # the first rows of every tensor, read back from both servers
             rows = [torch.tensor(http_post(s.url, "/get_weights_by_name", {"name": name, "truncate_size": 8}, 60))
@@ -385,9 +386,12 @@ def test_trainer_in_server_mode_checks_health_generates_and_syncs_every_step(tmp
         # the streamed rollout on the same servers (issue 20): group g on server g % 2, rounds of
         # records, the tokens sent once from the rank that drove the server to the ranks that train
         # them. Filtering off: the keep rate's prior (1) submits exactly N = 2 prompts, both kept
-        # when they finish, nothing left to abort
+        # when they finish, nothing left to abort. The trainer reads SmolLM2's HF copy (the GGUF's
+        # weights and tokenizer, bit for bit) instead of de-quantising the GGUF on both ranks again
+        # (~30 s); the run above covers the GGUF, and the start-up sync rewrites the servers' weights
         before = [len(s.calls()) for s in servers]
-        out = run(tmp_path / "streamed", "rollout.streaming=true", "rollout.stream_poll_tokens=4")
+        out = run(tmp_path / "streamed", "rollout.streaming=true", "rollout.stream_poll_tokens=4",
+                  f"model.hf_path={smollm2_hf_dir}", "model.gguf_file=null")
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         with open(tmp_path / "streamed" / "metrics.jsonl") as f:
             (row,) = [json.loads(line) for line in f]

@@ -5,6 +5,14 @@ the tests of this module: MLflow read back with ``MlflowClient``, the checkpoint
 reference for the kill-and-resume test, which SIGKILLs a second run during step 2 and
 resumes it; the resumed steps must equal the uninterrupted ones exactly (deterministic
 CPU: seeded sampling, fixed reduction order).
+
+Every run here reads SmolLM2 from the session's de-quantised HF copy (``smollm2_hf_dir``,
+tests/conftest.py: the GGUF's weights and tokenizer, bit for bit, tests/integration/test_convert.py)
+instead of de-quantising the GGUF on each rank of each launch (~40 s a launch). The trainer's
+GGUF path (``model.gguf_file``, the README default) still runs end to end in
+tests/integration/test_server_sync.py (dapo-train on the GGUF at PP=2, server mode), the bridge's
+GGUF import at TP=2 in tests/integration/test_weight_sync.py, and HFEngine's GGUF load, built by
+the engine factory as the colocated trainer builds it, in tests/integration/test_eval.py.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ SCRIPT = os.path.join(REPO, "examples", "run_dapo_smollm2_cpu.sh")
 # Small enough for CI (~15 s a step), large enough for dynamic sampling to keep groups.
 SMALL = [
     "trainer.total_training_steps=3",
-    "trainer.save_freq=1",
+    "trainer.save_freq=1",  # the kill test resumes from step 1 (the reference run saves at its last step only)
     "trainer.max_ckpt_to_keep=1",  # 2.2 GB a save; the resume test still resumes from step 1
     "trainer.test_freq=3",
     "buffer.train_batch_size=2",
@@ -97,11 +105,18 @@ def _metrics(run_dir: str) -> dict[int, dict]:
     return rows
 
 
+def _hf_copy(smollm2_hf_dir: str) -> tuple[str, str]:
+    """The overrides that point a run at SmolLM2's de-quantised HF copy (module docstring)."""
+    return f"model.hf_path={smollm2_hf_dir}", "model.gguf_file=null"
+
+
 @pytest.fixture(scope="module")
-def reference_run(tmp_path_factory, smollm2_gguf):
+def reference_run(tmp_path_factory, smollm2_hf_dir):
     run_dir = str(tmp_path_factory.mktemp("ref") / "run")
     log = run_dir + ".log"
-    proc = _start(run_dir, log)
+    # one save, at the last step (what the checkpoint and conversion tests read): the kill test's
+    # runs save every step, so a save that changed the training would part them from this run
+    proc = _start(run_dir, log, *_hf_copy(smollm2_hf_dir), "trainer.save_freq=3")
     assert proc.wait(timeout=1500) == 0, _tail(log)
     yield run_dir
     shutil.rmtree(os.path.dirname(run_dir), ignore_errors=True)  # module-scoped: free its GBs now
@@ -148,7 +163,7 @@ def test_main_job_logs_to_mlflow_and_checkpoints(reference_run):
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_trainer_checkpoint_converts_to_hf(reference_run, smollm2_gguf, tmp_path):
+def test_trainer_checkpoint_converts_to_hf(reference_run, smollm2_hf_dir, tmp_path):
     """The conversion tool reads a trainer checkpoint (TP=2, with optimizer state) at TP=1 and
     writes, bit for bit, the HF export of the actor at that step: the export of the checkpoint
     loaded at the training layout (TP=2, no resharding; the same gather the weight sync feeds the
@@ -170,8 +185,8 @@ def test_trainer_checkpoint_converts_to_hf(reference_run, smollm2_gguf, tmp_path
     trained = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
     for name in expected:
         assert expected[name].dtype == torch.float32 and torch.equal(trained[name], expected[name]), name
-    original = AutoModelForCausalLM.from_pretrained(smollm2_gguf[0], gguf_file=smollm2_gguf[1],
-                                                    dtype=torch.float32).state_dict()
+    # the run's initial weights: SmolLM2's HF copy (the GGUF de-quantised, read in ~1 s instead of ~30 s)
+    original = AutoModelForCausalLM.from_pretrained(smollm2_hf_dir, dtype=torch.float32).state_dict()
     assert trained.keys() == original.keys()
     assert all(trained[k].shape == original[k].shape for k in trained)  # vocab/query-group padding trimmed
     name = "model.layers.0.self_attn.q_proj.weight"
@@ -186,9 +201,7 @@ def test_kill_during_step_and_resume_matches_uninterrupted(reference_run, smollm
     run_dir = str(tmp_path / "run")
     log = run_dir + ".log"
     before = set(reaper.child_pids())
-    # SmolLM2 de-quantised once (conftest) instead of from the GGUF in each of the two launches
-    # (~40 s each): the same weights and tokenizer, so the steps still equal the reference's exactly
-    model = (f"model.hf_path={smollm2_hf_dir}", "model.gguf_file=null")
+    model = _hf_copy(smollm2_hf_dir)  # as the reference run
     proc = _start(run_dir, log, *model)
     latest = os.path.join(run_dir, "checkpoints", "latest")
     deadline = time.time() + 900

@@ -6,7 +6,9 @@
    from different random weights, so a tensor the sync missed would show.
 2. SmolLM2-135M-Instruct generates with HFEngine from chat-templated prompts, and the
    logprobs it returns equal the TP=2 Megatron actor's on the generated tokens (rank 0's
-   engine generates; both TP ranks score its samples).
+   engine generates; both TP ranks score its samples). The actor imports the GGUF through the
+   bridge; the engine reads the session's de-quantised HF copy (``smollm2_hf_dir``: transformers'
+   GGUF import, saved once; ~35 s less than de-quantising the GGUF and its tokenizer again).
 
 Every case runs in ONE 2-rank world (a world costs more than a case).
 """
@@ -94,7 +96,8 @@ SMOLLM2_TEST = "test_smollm2_hf_engine_generation_logprobs_match_tp2_actor"
 
 def _world(families, smollm2, out_path: str) -> None:
     """Every case of this file in ONE TP=2 world of 2 ranks (a world costs more than a case): the
-    sync of each tiny family, then (``smollm2``: ``(dir, file)`` or None) the SmolLM2 generation."""
+    sync of each tiny family, then (``smollm2``: ``(gguf dir, gguf file, HF copy dir)`` or None) the
+    SmolLM2 generation."""
     out = {family: _sync_case(family) for family in families}
     if smollm2 is not None:
         out["smollm2"] = _smollm2_case(*smollm2)
@@ -106,7 +109,7 @@ def _world(families, smollm2, out_path: str) -> None:
 def world(request, tmp_path_factory):
     """Rank 0's results of :func:`_world`; the SmolLM2 case only when its (slow) test is selected."""
     wanted = any(item.originalname == SMOLLM2_TEST for item in request.session.items)
-    smollm2 = request.getfixturevalue("smollm2_gguf") if wanted else None
+    smollm2 = (*request.getfixturevalue("smollm2_gguf"), request.getfixturevalue("smollm2_hf_dir")) if wanted else None
     path = str(tmp_path_factory.mktemp("weight_sync") / "out.pt")
     spawn(_world, 2, FAMILIES, smollm2, path)
     return torch.load(path)
@@ -121,7 +124,7 @@ def test_sync_after_optimizer_step_matches_actor_logprobs(family, world):
         assert rank_result["moved_by_update"] > 1e-3, rank_result  # the step changed the weights
 
 
-def _smollm2_case(gguf_dir: str, gguf_file: str) -> dict | None:
+def _smollm2_case(gguf_dir: str, gguf_file: str, hf_dir: str) -> dict | None:
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
@@ -141,9 +144,9 @@ def _smollm2_case(gguf_dir: str, gguf_file: str) -> dict | None:
                           vocab_size=hf_config.vocab_size, parallel=par)
     temperature = 0.9
     samples = None
-    if dist.get_rank() == 0:  # one engine generates (its own GGUF import, independent of the bridge)...
-        tok = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
-        engine = HFEngine(gguf_dir, gguf_file=gguf_file)
+    if dist.get_rank() == 0:  # one engine generates (transformers' GGUF import, independent of the bridge)...
+        tok = AutoTokenizer.from_pretrained(hf_dir)
+        engine = HFEngine(hf_dir)
         prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                            tokenize=True)
                    for q in ("Compute 7 + 5. Reply with just the number.", "What is the capital of France?")]

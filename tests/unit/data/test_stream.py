@@ -20,7 +20,7 @@ def _have_dali() -> bool:
         return False
 
 
-needs_dali = pytest.mark.skipif(not _have_dali(), reason="NVIDIA DALI (nvidia-dali-cuda120) is not installed")
+needs_dali = pytest.mark.skipif(not _have_dali(), reason="NVIDIA DALI (nvidia-dali-cuda130) is not installed")
 
 
 def make_dataset(n):
@@ -154,5 +154,5 @@ def test_missing_dali_gives_install_hint(monkeypatch):
     `import nvidia.dali` fail, even after DALI was imported by the tests above."""
     monkeypatch.setitem(sys.modules, "nvidia.dali", None)
     s = PromptStream(make_dataset(4), 2)
-    with pytest.raises(ImportError, match="pip install nvidia-dali-cuda120"):
+    with pytest.raises(ImportError, match="pip install nvidia-dali-cuda130"):
         s.next_batch()

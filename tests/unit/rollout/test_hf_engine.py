@@ -312,7 +312,8 @@ def test_smollm2_chat_logprobs_match_teacher_forced(smollm2_hf_dir):
     from transformers import AutoTokenizer
 
     # the de-quantised HF directory: the same weights as the GGUF, loaded in 1 s instead of 37 s
-    # (the GGUF path of HFEngine is the main job's: tests/integration/test_trainer_e2e.py)
+    # (HFEngine's GGUF path, built by the engine factory as the trainer builds it: the GGUF eval of
+    # tests/integration/test_eval.py)
     tok = AutoTokenizer.from_pretrained(smollm2_hf_dir)
     eng = HFEngine(smollm2_hf_dir, num_threads=1)
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
