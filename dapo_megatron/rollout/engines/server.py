@@ -47,7 +47,7 @@ Endpoints, with the request and response fields of sglang 0.5.11
   As in SGLang (0.5.23 ``managers/scheduler.py:5797-5812``, ``schedule_batch.py:2011``), a
   decoding row runs ONE more decode step and then ends as an abort, even when the token of that
   step is its stop token or its last of ``max_new_tokens`` (the client reads such a row as
-  finished: :func:`~dapo_megatron.rollout.engines.sglang_engine.row_outcome`).
+  finished: :func:`~dapo_megatron.rollout.engines.sglang_io.row_outcome`).
   Answer: 200, empty body. Unlike SGLang, a request waiting for ``/continue_generation`` is
   aborted too (SGLang leaves it to run after the continue).
 * ``POST /pause_generation`` (``mode``: ``"abort"``: every row in flight is aborted and
