@@ -1,4 +1,4 @@
-"""``dapo-rollout-server`` (dapo_megatron/rollout/engines/server.py): a real server process on a tiny random
+"""``dapo-rollout-server`` (dapo_megatron/rollout_server/): a real server process on a tiny random
 model, driven through the project's own SGLang client functions.
 
 What it must get right, each checked against a value computed here independently: the

@@ -31,7 +31,7 @@ The protocol, from sglang 0.5.23 (paths under ``python/sglang/srt/``):
   so a row sends about :data:`EVENTS_PER_ROW` events: without ``--incremental-streaming-output``
   each event repeats the row's tokens so far, and one per token would cost O(length²) bytes.
 
-``dapo-rollout-server`` (``rollout/engines/server.py``) serves the same protocol, so the tests run
+``dapo-rollout-server`` (``dapo_megatron/rollout_server/``) serves the same protocol, so the tests run
 this client against a real server on CPU.
 
 Design: docs/design.md §3.8 (faults: every ``/generate`` bounded by the server's silence).
