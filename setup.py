@@ -60,7 +60,7 @@ setup(
     entry_points={
         "console_scripts": [
             "dapo-train=dapo_megatron.train:main",
-            "dapo-rollout-server=dapo_megatron.rollout.engines.server:main",
+            "dapo-rollout-server=dapo_megatron.rollout_server.app:main",
         ],
     },
 )

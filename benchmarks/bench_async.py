@@ -81,7 +81,7 @@ def start_server(gguf: str, log_path: str, startup_s: float = 600.0) -> tuple[su
     """One ``dapo-rollout-server`` on core 1; returns (process, URL) once ``/health`` answers."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "dapo_megatron.rollout.engines.server", "--model-path", gguf, "--port", str(port),
+    cmd = [sys.executable, "-m", "dapo_megatron.rollout_server", "--model-path", gguf, "--port", str(port),
            "--num-threads", "1", "--skip-tokenizer-init", "--log-level", "warning"]
     log = open(log_path, "w")
     proc = subprocess.Popen(_pinned(1, cmd), stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=REPO)

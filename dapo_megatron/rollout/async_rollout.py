@@ -44,15 +44,13 @@ import logging
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 
 from dapo_megatron.data import PromptStream
 from dapo_megatron.rollout.engines.engine import Completion, SamplingParams, completions_to_group, sample_seed
-from dapo_megatron.rollout.engines.server_sync import probe_health
-from dapo_megatron.rollout.engines.generate_stream import stream_generate, with_progress
-from dapo_megatron.rollout.engines.sglang_engine import build_sampling_params, row_outcome
+from dapo_megatron.rollout.engines.row_client import RowClient
+from dapo_megatron.rollout.engines.sglang_io import build_sampling_params
 from dapo_megatron.rollout.sampling.buffer import (DROP_REASONS, KEPT, GroupSelector, group_from_dict,
                                                   group_staleness, group_to_dict)
 from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipConfig, PromptSkipper
@@ -65,77 +63,6 @@ if TYPE_CHECKING:
     from dapo_megatron.platform import ParallelDims
 
 logger = logging.getLogger("dapo_megatron.rollout.async")
-
-
-def _parse_row(item: Any, row: int, fallback_version: int, *, budget: int,
-               stop_ids: frozenset = frozenset()) -> tuple[list[int], list[float], str, int]:
-    """One SGLang output row → ``(token ids, logprobs, finish kind, weight version)``: the ids,
-    logprobs and kind of :func:`~dapo_megatron.rollout.engines.sglang_engine.row_outcome` (the one
-    parser of every path: an aborted row that ends on a stop token in ``stop_ids`` is ``"stop"``,
-    one that fills ``budget`` is ``"length"``, the others ``"abort"``: the tokens sampled before the
-    abort); the version is the output's ``meta_info.weight_version`` (the weights that sampled it:
-    SGLang reports the version of its last update), ``fallback_version`` when the server reports
-    none.
-
-    Raises:
-        RuntimeError: a failed row (any other finish kind), or a malformed one.
-    """
-    meta = item.get("meta_info") if isinstance(item, dict) else None
-    try:
-        version = int(meta.get("weight_version"))
-    except (TypeError, ValueError, AttributeError):
-        version = fallback_version
-    ids, logprobs, kind = row_outcome(item, budget=budget, stop_ids=stop_ids, row=row)
-    return ids, logprobs, kind, version
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerFailure:
-    """What :func:`generate_rows_on_servers` answers for a row whose server failed: the server's
-    index and the error (naming its URL: unreachable, reset, an HTTP error, no answer within
-    the timeout, or a malformed answer)."""
-
-    server: int
-    message: str
-
-
-def generate_rows_on_servers(urls: Sequence[str], rows: Sequence[tuple[int, list[int], dict]], silence_s: float,
-                             version: int, pool: Optional[ThreadPoolExecutor] = None, *,
-                             connect_timeout_s: float = 60.0, eos_token_ids: Sequence[int] = ()) -> list:
-    """Rows ``(server index, input ids, sampling_params)``, one streamed batched ``/generate`` per
-    server (rows in the order given; :mod:`~dapo_megatron.rollout.engines.generate_stream`), all
-    servers at once, each failed only when its server sends no byte for ``silence_s`` seconds
-    (``rollout.server_silence_timeout_s``), never on total time; per row, in the order given, its
-    :func:`_parse_row` (budget its ``max_new_tokens``, stop tokens ``eos_token_ids`` and its
-    ``stop_token_ids``), or a :class:`ServerFailure` for every row of a server that failed (the
-    other servers' rows are unaffected). HTTP only; never raises for a server's failure.
-    """
-
-    by_server: dict[int, list[int]] = {}
-    for k, (e, _, _) in enumerate(rows):
-        by_server.setdefault(e, []).append(k)
-    eos = frozenset(int(t) for t in eos_token_ids)
-
-    def one(e):
-        ks = by_server[e]
-        req = {"input_ids": [list(rows[k][1]) for k in ks],
-               "sampling_params": [with_progress(rows[k][2]) for k in ks], "return_logprob": True}
-        try:
-            out = stream_generate(urls[e], req, silence_s=silence_s, connect_timeout_s=connect_timeout_s)
-            return [_parse_row(item, r, version, budget=int(rows[k][2]["max_new_tokens"]),
-                               stop_ids=eos | frozenset(rows[k][2].get("stop_token_ids") or ()))
-                    for r, (k, item) in enumerate(zip(ks, out))]
-        except Exception as err:  # this server's rows only: the controller retries them on another
-            failure = ServerFailure(e, f"rollout server {urls[e]}: /generate of {len(ks)} rows failed: {err}")
-            return [failure] * len(ks)
-
-    servers = sorted(by_server)
-    parts = list(pool.map(one, servers)) if pool is not None and len(servers) > 1 else [one(e) for e in servers]
-    results: list = [None] * len(rows)
-    for e, part in zip(servers, parts):
-        for k, res in zip(by_server[e], part):
-            results[k] = res
-    return results
 
 
 class _Stopped(Exception):
@@ -201,11 +128,12 @@ class RolloutController:
         health_timeout_s: bound on one ``/health`` probe and on opening a connection
             (``rollout.server_timeout_s``).
         eos_token_ids: the model's stop tokens (an aborted row that ends on one has finished:
-            :func:`_parse_row`).
+            :func:`~dapo_megatron.rollout.engines.sglang_io.parse_versioned_row`).
         version: the weights the servers hold now (the trainer's step).
         policy_version: the policy version of the first step to fill (the trainer's step).
         gen_batches_done: generation batches drawn so far (numbers groups, seeds responses).
-        generate: ``(rows, version) -> results`` of :func:`generate_rows_on_servers`; default:
+        generate: ``(rows, version) -> results`` of :meth:`RowClient.generate_rows
+            <dapo_megatron.rollout.engines.row_client.RowClient.generate_rows>`; default:
             that function over ``urls``.
         prompts: streamed admission (``rollout.streaming``): the prompt queue of synchronous
             streamed mode (whole stream, positions ``fetched * gen_batch_size + i``); None: batch
@@ -257,12 +185,10 @@ class RolloutController:
         self.silence_timeout_s = float(silence_timeout_s)
         self.health_timeout_s = float(health_timeout_s)
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
-        self.health = ["healthy"] * len(self.urls)
-        self.server_errors: list[Optional[str]] = [None] * len(self.urls)  # the last failure of each
-        self._pool = ThreadPoolExecutor(max(1, len(self.urls)), thread_name_prefix="rollout-http")
-        self._generate = generate or (lambda rows, version: generate_rows_on_servers(
-            self.urls, rows, self.silence_timeout_s, version, self._pool, connect_timeout_s=self.health_timeout_s,
-            eos_token_ids=self.eos_token_ids))
+        # the HTTP row client: dispatch over the healthy servers, mark-down and retry, and their health
+        self.client = RowClient(self.urls, silence_timeout_s=self.silence_timeout_s, timeout_s=self.health_timeout_s,
+                                eos_token_ids=self.eos_token_ids, on_down=self._count_failure)
+        self._generate = generate or self.client.generate_rows
         self.gen_batches_done = int(gen_batches_done)
         self.version = int(version)
         self._fill = _Fill(int(policy_version))
@@ -291,7 +217,7 @@ class RolloutController:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-        self._pool.shutdown(wait=False)
+        self.client.close()
 
     def pause(self, wait: bool = True) -> float:
         """Stop starting new batches and continuing aborted rows until :meth:`resume`; nestable.
@@ -312,50 +238,36 @@ class RolloutController:
         with self._cv:
             if version is not None:
                 self.version = int(version)
-            for e in synced or ():
-                if self.health[e] != "healthy":
-                    logger.info("rollout server %s is back in dispatch at weight version %s", self.urls[e], version)
-                self.health[e] = "healthy"
+            self.client.mark_synced(synced or (), version)
             self._paused = max(0, self._paused - 1)
             if self._holds:
                 self._holds.pop()
             self._cv.notify_all()
 
     # ---- server health ------------------------------------------------------------------
-    def _mark_down(self, e: int, message: str) -> None:
-        """Server ``e`` failed: out of dispatch (call under the lock)."""
-        if self.health[e] != "down":
-            logger.warning("rollout server %s leaves dispatch: %s", self.urls[e], message)
+    @property
+    def health(self) -> list[str]:
+        """Per server ``"healthy"``, ``"down"`` or ``"back"`` (:attr:`RowClient.health
+        <dapo_megatron.rollout.engines.row_client.RowClient.health>`)."""
+        return self.client.health
+
+    @property
+    def server_errors(self) -> list[Optional[str]]:
+        """Per server its last failure (None: none)."""
+        return self.client.server_errors
+
+    def _count_failure(self, e: int) -> None:
+        """Server ``e`` went down (the client's ``on_down``): counted for the step being filled."""
+        with self._cv:
             self._fill.server_failures += 1
-        self.health[e], self.server_errors[e] = "down", message
-
-    def _healthy(self) -> list[int]:
-        """The servers that get rows (call under the lock).
-
-        Raises:
-            RuntimeError: none is healthy (every server named with its last error).
-        """
-        live = [e for e, h in enumerate(self.health) if h == "healthy"]
-        if not live:
-            raise RuntimeError("every rollout server failed (rollout.server_urls): " + "; ".join(
-                f"{u}: {err}" for u, err in zip(self.urls, self.server_errors)) + ". Restart them (or list the live "
-                "ones in rollout.server_urls) and resume from the last checkpoint")
-        return live
 
     def members_for_sync(self) -> list[int]:
-        """The servers the next weight sync goes to: ``GET /health`` of every server (at once,
-        ``health_timeout_s`` each; HTTP only, from the main thread): a healthy server that fails
-        it goes down; a down one that answers is back (synced, then dispatched: :meth:`resume`).
-        Returns their indices (ascending), possibly none."""
-        errors = probe_health(self.urls, self.health_timeout_s)
-        with self._cv:
-            for e, err in enumerate(errors):
-                if err is not None:
-                    self._mark_down(e, err)
-                elif self.health[e] == "down":
-                    logger.info("rollout server %s answers /health again: it joins the next weight sync", self.urls[e])
-                    self.health[e] = "back"
-            return [e for e, h in enumerate(self.health) if h != "down"]
+        """The servers the next weight sync goes to (:meth:`RowClient.members_for_sync
+        <dapo_megatron.rollout.engines.row_client.RowClient.members_for_sync>`: ``GET /health`` of
+        every server, ``health_timeout_s`` each; HTTP only, from the main thread): a healthy server
+        that fails it goes down; a down one that answers is back (synced, then dispatched:
+        :meth:`resume`). Returns their indices (ascending), possibly none."""
+        return self.client.members_for_sync()
 
     def take(self, policy_version: int, timeout_s: Optional[float] = None) -> tuple[list[Group], dict]:
         """The oldest ready step (it must be the step of ``policy_version``): its groups and its
@@ -538,57 +450,32 @@ class RolloutController:
 
     def _dispatch(self, pending: list, request: Callable[[Any], tuple[int, list[int], dict]],
                   accept: Callable[[Any, tuple], bool], version: int, stoppable: bool = True) -> int:
-        """Generate rows on the healthy servers until every one is done; the one dispatch and
-        retry loop of the rollout (:meth:`_generate_batch`) and of validation
-        (:meth:`generate_validation`).
-
-        Each round sends every pending row (``request(key)`` → ``(deal, input ids,
-        sampling_params)``) to healthy server ``live[deal % len(live)]`` (``live``:
-        :meth:`_healthy` at the start of the round, ascending), one batched ``/generate`` per
-        server, streamed, bounded by its silence (``silence_timeout_s``; ``self._generate``). A row whose server failed
-        marks that server down (:meth:`_mark_down`: out of dispatch at once) and is sent again,
-        as ``request(key)`` builds it then, in the next round, on a server still healthy; a
-        row that came back is handed to ``accept(key, (ids, logprobs, kind, version))``, which
-        returns False for a row to send again (an aborted row continued after a weight sync).
-        Between rounds it waits while a sync holds the servers (:meth:`pause` without wait)
-        and then generates with the version the sync left. Keys are sent in the order given.
-        ``stoppable``: end at :meth:`stop` between rounds (the thread's rows; validation, from
-        the main thread, finishes its rows on a controller that stopped itself).
+        """Generate rows on the healthy servers until every one is done
+        (:meth:`RowClient.dispatch <dapo_megatron.rollout.engines.row_client.RowClient.dispatch>`,
+        through ``self._generate``); the one dispatch and retry loop of the rollout
+        (:meth:`_generate_batch`) and of validation (:meth:`generate_validation`). Between rounds
+        it waits while a sync holds the servers (:meth:`pause` without wait) and then generates
+        with the version the sync left. ``stoppable``: end at :meth:`stop` between rounds (the
+        thread's rows; validation, from the main thread, finishes its rows on a controller that
+        stopped itself).
 
         Returns:
             the rows sent again after their server failed.
 
         Raises:
-            RuntimeError: no healthy server is left (:meth:`_healthy`, every server named).
+            RuntimeError: no healthy server is left (every server named).
             _Stopped: :meth:`stop` while rows waited for a sync to end.
         """
-        retried = 0
-        while pending:
+        def between_rounds() -> int:  # wait out a sync (its abort): continue on the new weights
             with self._cv:
-                live = self._healthy()
-            rows = []
-            for key in pending:
-                deal, ids, sp = request(key)
-                rows.append((live[deal % len(live)], ids, sp))
-            results = self._generate(rows, version)
-            still = []
-            for key, res in zip(pending, results):
-                if isinstance(res, ServerFailure):  # its server leaves dispatch; the row goes to another
-                    with self._cv:
-                        self._mark_down(res.server, res.message)
-                    still.append(key)
-                    retried += 1
-                elif not accept(key, res):
-                    still.append(key)
-            pending = still
-            if pending:  # a sync's abort: continue once it is over, on the new weights
-                with self._cv:
-                    while any(self._holds) and not self._stop:
-                        self._cv.wait()
-                    if self._stop and stoppable:
-                        raise _Stopped()
-                    version = self.version
-        return retried
+                while any(self._holds) and not self._stop:
+                    self._cv.wait()
+                if self._stop and stoppable:
+                    raise _Stopped()
+                return self.version
+
+        return self.client.dispatch(pending, request, accept, version, between_rounds=between_rounds,
+                                    generate=self._generate)
 
     def _generate_batch(self, records, positions: Sequence[int], version: int) -> tuple[list[Group], int, int, int]:
         """Synchronous server mode's ``_generate_groups`` over HTTP, interruptible.
@@ -607,11 +494,11 @@ class RolloutController:
         Returns:
             ``(groups, rows resubmitted, prefix tokens re-prefilled, rows retried)``: rows
             retried are those sent again after their server failed (the server's error marks
-            it down: :meth:`_mark_down`; they restart from the prefix they had, on a healthy
+            it down: :meth:`RowClient.mark_down <dapo_megatron.rollout.engines.row_client.RowClient.mark_down>`; they restart from the prefix they had, on a healthy
             server, with their own seed, so they draw what they would have drawn).
 
         Raises:
-            RuntimeError: no healthy server is left (:meth:`_healthy`).
+            RuntimeError: no healthy server is left (every server named).
         """
         n, p = self.params.n, self.params
         groups = []
@@ -644,12 +531,9 @@ class RolloutController:
             ids, lps, kind, row_version = res
             s = groups[g].samples[j]
             if ids:
-                if not s.versions or s.versions[-1][1] != row_version:
-                    s.versions = list(s.versions) + [(len(s.response_ids), row_version)]
-                s.response_ids = list(s.response_ids) + ids
-                s.rollout_logprobs = list(s.rollout_logprobs) + lps
+                s.append_tokens(row_version, ids, lps)
             if kind == "abort":  # aborted by a weight sync: continued once it is over, on the new weights (a
-                return False  # row it aborted right after its stop token or at its budget is "stop" / "length": _parse_row)
+                return False  # row it aborted right after its stop token or at its budget is "stop" / "length": sglang_io.row_outcome)
             s.finish_reason = kind
             if not s.versions:
                 s.versions = [(0, row_version)]

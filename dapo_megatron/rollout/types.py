@@ -125,6 +125,34 @@ class Sample:
             out.extend([version] * max(0, end - start))
         return out
 
+    def append_tokens(self, version: int, response_ids: Optional[list[int]], logprobs: Optional[list[float]],
+                      num_tokens: Optional[int] = None) -> None:
+        """Append one row's new tokens (sampled by weights ``version``): the one place a
+        generated row grows a sample (the async controller's rows, the streamed rollout's).
+
+        A new version span ``(start, version)`` opens where the tokens start unless the last span
+        has that version already (no span for no token). ``response_ids`` / ``logprobs``: the new
+        tokens and their logprobs (appended, the sample's lists replaced by new ones), or None on
+        a rank that does not hold them: the sample then keeps only its length
+        (``num_response_tokens`` grows by ``num_tokens``; the token lists become None).
+        ``num_tokens``: the count of new tokens (default ``len(response_ids)``).
+
+        Raises:
+            RuntimeError: new tokens given for a sample whose earlier tokens are not held here.
+        """
+        start = self.response_length
+        count = len(response_ids) if num_tokens is None else int(num_tokens)
+        if count and (not self.versions or self.versions[-1][1] != version):
+            self.versions = list(self.versions) + [(start, version)]
+        if response_ids is not None:
+            if self.response_ids is None:
+                raise RuntimeError("new tokens for a response whose earlier tokens this rank does not hold")
+            self.response_ids = list(self.response_ids) + list(response_ids)
+            self.rollout_logprobs = list(self.rollout_logprobs) + list(logprobs)
+        else:
+            self.response_ids = self.rollout_logprobs = None
+            self.num_response_tokens = start + count
+
     def staleness(self, current_version: int) -> int:
         """Versions behind ``current_version`` of the response's oldest token (0 when unknown)."""
         oldest = self.oldest_version

@@ -1,6 +1,6 @@
 """Streamed ``/generate`` (rollout/engines/generate_stream.py) against a real, slow
 ``dapo-rollout-server`` (``--step-delay-s``: it keeps decoding, a quarter second per token), and
-the one reading of an aborted row (``sglang_engine.row_outcome``) on the async path.
+the one reading of an aborted row (``sglang_io.row_outcome``) on the async path.
 
 * Issue 36 item 3: a batch that takes ~3 s on a server that sends progress is not failed by a
   1 s bound: the bound is on silence, not on total time; the tokens and logprobs are those the
@@ -11,7 +11,7 @@ the one reading of an aborted row (``sglang_engine.row_outcome``) on the async p
 * Issue 36 item 8: a row that a sync's ``/pause_generation`` (mode abort) stops one decode step
   before its EOS, or before its budget, comes back ``"abort"`` with that EOS (the budget's last
   token) as its last token (SGLang's scheduler decodes once more and sets the abort before the
-  EOS and length checks); the async controller's ``generate_rows_on_servers`` reads it as
+  EOS and length checks); the async controller's ``RowClient.generate_rows`` reads it as
   ``"stop"`` (``"length"``), not as a partial row to continue past its EOS.
 """
 
@@ -25,11 +25,12 @@ import time
 
 import pytest
 
-from dapo_megatron.rollout.async_rollout import ServerFailure, generate_rows_on_servers
+from dapo_megatron.rollout.engines.row_client import RowClient, ServerFailure
 from dapo_megatron.rollout.engines.engine import SamplingParams, sample_seed
 from dapo_megatron.rollout.engines.generate_stream import StreamedGenerate, stream_generate, wait_streams, with_progress
-from dapo_megatron.rollout.engines.server import ServerEngine, parse_generate
-from dapo_megatron.rollout.engines.sglang_engine import build_sampling_params, http_get, http_post
+from dapo_megatron.rollout_server import ServerEngine, parse_generate
+from dapo_megatron.rollout.engines.sglang_engine import http_get, http_post
+from dapo_megatron.rollout.engines.sglang_io import build_sampling_params
 from rollout_server import RolloutServer, save_tiny_model
 
 STEP_DELAY_S = 0.25  # per decode step: 12 tokens take ~3 s
@@ -94,8 +95,8 @@ def test_a_slow_batch_that_keeps_decoding_outlives_a_shorter_silence_bound_with_
     rows = _rows()
     want = _reference(engine, rows)
     t0 = time.monotonic()
-    got = generate_rows_on_servers([server.url], [(0, ids, sp) for ids, sp in rows], SILENCE_S, version=5,
-                                   connect_timeout_s=10, eos_token_ids=list(engine.eos_token_ids))
+    got = RowClient([server.url], silence_timeout_s=SILENCE_S, timeout_s=10,
+                    eos_token_ids=list(engine.eos_token_ids)).generate_rows([(0, ids, sp) for ids, sp in rows], 5)
     took = time.monotonic() - t0
     assert not [g for g in got if isinstance(g, ServerFailure)], got
     assert took > 2.5 * SILENCE_S, f"the batch took {took:.1f} s: it must outlast the silence bound"
@@ -170,8 +171,8 @@ def test_a_row_aborted_right_after_its_eos_or_at_its_budget_is_finished_not_cont
 
     # the async controller's request of the same row reads it as finished
     out = {}
-    _pause_when(server, n - 1, lambda: threading.Thread(target=lambda: out.setdefault("r", generate_rows_on_servers(
-        [server.url], [(0, prompt, sp)], SILENCE_S, version=1, connect_timeout_s=10, eos_token_ids=[eos])),
+    _pause_when(server, n - 1, lambda: threading.Thread(target=lambda: out.setdefault("r", RowClient(
+        [server.url], silence_timeout_s=SILENCE_S, timeout_s=10, eos_token_ids=[eos]).generate_rows([(0, prompt, sp)], 1)),
         daemon=True).start())
     deadline = time.monotonic() + 20
     while "r" not in out and time.monotonic() < deadline:

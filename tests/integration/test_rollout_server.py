@@ -1,4 +1,4 @@
-"""``dapo-rollout-server`` (dapo_megatron/rollout/engines/server.py): a real server process on a tiny random
+"""``dapo-rollout-server`` (dapo_megatron/rollout_server/): a real server process on a tiny random
 model, driven through the project's own SGLang client functions.
 
 What it must get right, each checked against a value computed here independently: the
@@ -21,8 +21,9 @@ import pytest
 import torch
 
 from dapo_megatron.rollout.engines.engine import RowRequest, SamplingParams
-from dapo_megatron.rollout.engines.sglang_engine import (build_generate_request, build_row_request, http_get, http_post,
-                                                 init_custom_process_group, parse_generate_output, parse_row_output)
+from dapo_megatron.rollout.engines.sglang_engine import http_get, http_post, init_custom_process_group
+from dapo_megatron.rollout.engines.sglang_io import (build_generate_request, build_row_request, parse_generate_output,
+                                                     parse_row_output)
 from rollout_server import RolloutServer, free_port, save_tiny_model
 
 EOS = 2
@@ -167,11 +168,11 @@ def test_abort_by_rid_stops_that_row_of_a_batch_only(server):
 
 
 def test_streamed_rows_poll_abort_and_continue_exactly_as_uninterrupted(server, local_model):
-    """ServerRows (the streamed rollout's rows on one server, rollout/server_sync.py): a short
+    """RowClient's streamed rows (the streamed rollout's rows on one server, rollout/engines/row_client.py): a short
     group answers at a poll, a long group is aborted mid-way with its partial tokens, and its
     rows, resubmitted after their prefix, end with exactly the tokens of the uninterrupted rows
     (the server seeds draws by position); logprobs are the model's."""
-    from dapo_megatron.rollout.engines.server_sync import ServerRows
+    from dapo_megatron.rollout.engines.row_client import RowClient
 
     # top_k=4: the EOS is rarely among a random model's 4 likeliest tokens, so the long rows run on
     long_params, short_params = SamplingParams(max_new_tokens=3000, top_k=4, seed=11), SamplingParams(max_new_tokens=3)
@@ -189,7 +190,7 @@ def test_streamed_rows_poll_abort_and_continue_exactly_as_uninterrupted(server, 
                                                                                                long_params))), None)
     assert seed is not None, "no seed gives long responses: the abort would find nothing running"
     long_rows, short_rows = rows(PROMPTS[0], seed, long_params), rows(PROMPTS[1], 1000, short_params)
-    client = ServerRows(server.url, silence_timeout_s=120, timeout_s=10, eos_token_ids=[EOS], rid_prefix="t")
+    client = RowClient([server.url], silence_timeout_s=120, timeout_s=10, eos_token_ids=[EOS], rid_prefix="t")
     client.submit(short_rows + long_rows)
     assert client.num_in_flight == 4
     got = []

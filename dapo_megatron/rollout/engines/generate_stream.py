@@ -31,7 +31,7 @@ The protocol, from sglang 0.5.23 (paths under ``python/sglang/srt/``):
   so a row sends about :data:`EVENTS_PER_ROW` events: without ``--incremental-streaming-output``
   each event repeats the row's tokens so far, and one per token would cost O(length²) bytes.
 
-``dapo-rollout-server`` (``rollout/engines/server.py``) serves the same protocol, so the tests run
+``dapo-rollout-server`` (``dapo_megatron/rollout_server/``) serves the same protocol, so the tests run
 this client against a real server on CPU.
 
 Design: docs/design.md §3.8 (faults: every ``/generate`` bounded by the server's silence).
@@ -41,28 +41,82 @@ from __future__ import annotations
 
 import http.client
 import json
-import math
 import socket
 import threading
 import time
+import urllib.error
 import urllib.parse
+import urllib.request
 from typing import Any, Optional, Sequence
 
-from dapo_megatron.rollout.engines.sglang_engine import http_get, sglang_error_message
+from dapo_megatron.rollout.engines.sglang_io import EVENTS_PER_ROW, progress_interval, with_progress  # noqa: F401
 
-EVENTS_PER_ROW = 8
-"""Progress events a row of ``max_new_tokens`` tokens sends at most (plus its first token's and its
-last): its ``stream_interval`` is ``ceil(max_new_tokens / EVENTS_PER_ROW)``."""
+# ---------------------------------------------------------------------------- plain HTTP calls
+def sglang_error_message(body: bytes) -> str:
+    """SGLang's message in an error response body: ``{"message"}`` (weight-update endpoints),
+    ``{"error": {"message"}}`` (generate, release / resume memory), FastAPI's 422
+    ``{"detail": ...}``, or the plain text of ``/flush_cache``."""
+    text = body.decode(errors="replace").strip()
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return text[:1000] or "(empty response body)"
+    if isinstance(obj, dict):
+        err = obj.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])[:1000]
+        for k in ("message", "error", "detail"):
+            if obj.get(k):
+                return (obj[k] if isinstance(obj[k], str) else json.dumps(obj[k]))[:1000]
+    return text[:1000]
 
 
-def progress_interval(max_new_tokens: int) -> int:
-    """``sampling_params.stream_interval`` of a row with this budget (module docstring)."""
-    return max(1, math.ceil(int(max_new_tokens) / EVENTS_PER_ROW))
+def http_post(base_url: str, path: str, payload: Optional[dict], timeout: float, *, text: bool = False) -> Any:
+    """POST JSON to ``base_url + path``.
+
+    Returns:
+        the decoded JSON body (None for an empty body or JSON ``null``), or with ``text``
+        the body as a string (``/flush_cache`` answers plain text).
+
+    Raises:
+        RuntimeError: HTTP error status (naming the endpoint, with SGLang's message) or an
+            unreachable server.
+    """
+    url = base_url.rstrip("/") + path
+    data = json.dumps(payload if payload is not None else {}).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+    body = _http_call(req, url, timeout)
+    if text:
+        return body.decode(errors="replace")
+    return json.loads(body) if body.strip() else None
 
 
-def with_progress(sampling_params: dict) -> dict:
-    """A copy of one row's ``sampling_params`` with its :func:`progress_interval`."""
-    return {**sampling_params, "stream_interval": progress_interval(sampling_params.get("max_new_tokens", 128))}
+def http_get(base_url: str, path: str, timeout: float) -> Any:
+    """GET ``base_url + path``: the decoded JSON body (None for an empty body, e.g. ``/health``'s
+    200). Raises ``RuntimeError`` as :func:`http_post` does."""
+    url = base_url.rstrip("/") + path
+    body = _http_call(urllib.request.Request(url, method="GET"), url, timeout)
+    return json.loads(body) if body.strip() else None
+
+
+def _http_call(req: urllib.request.Request, url: str, timeout: float) -> bytes:
+    """One HTTP request, every failure a ``RuntimeError`` naming the URL: an error status (with
+    SGLang's message), an unreachable server, or no answer within ``timeout`` seconds (a hung
+    server must not hang the trainer)."""
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.read()
+    except urllib.error.HTTPError as err:
+        raise RuntimeError(f"SGLang server {url} returned HTTP {err.code}: "
+                           f"{sglang_error_message(err.read())}") from None
+    except urllib.error.URLError as err:
+        if isinstance(err.reason, (TimeoutError, socket.timeout)):
+            raise RuntimeError(f"SGLang server {url} did not answer within {timeout:g} s") from None
+        raise RuntimeError(f"SGLang server {url} unreachable: {err.reason}") from None
+    except (TimeoutError, socket.timeout):  # the connection opened, the answer never came
+        raise RuntimeError(f"SGLang server {url} did not answer within {timeout:g} s") from None
+    except (ConnectionError, OSError) as err:  # reset or closed mid-answer: the server died
+        raise RuntimeError(f"SGLang server {url} unreachable: {err}") from None
 
 
 class Liveness:

@@ -41,7 +41,6 @@ Design: docs/design.md §2 (server mode) and §2.2.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import socket
 import threading
@@ -49,7 +48,7 @@ import time
 import urllib.parse
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -59,19 +58,11 @@ from dapo_megatron.platform.parallel_dims import ParallelDims, dims_or_single
 from dapo_megatron.rollout.engines.buckets import dtype_name
 from dapo_megatron.rollout.engines.engine import RowRequest, RowResult, WeightSyncTracker
 from dapo_megatron.rollout.engines.flat_bucket import FlatBucketPacker
-from dapo_megatron.rollout.engines.generate_stream import (Liveness, StreamedGenerate, stream_generate, wait_streams,
-                                                           with_progress)
 from dapo_megatron.rollout.engines.layout import rollout_engines, server_rank_offsets
+from dapo_megatron.rollout.engines.row_client import RowClient, check_health, each_server as _each
 from dapo_megatron.rollout.engines.verify import SyncDigest, Timer, digest_dtype, readback_checksum, readback_names
-from dapo_megatron.rollout.engines.sglang_engine import (
-    build_generate_request,
-    build_row_request,
-    http_get,
-    http_post,
-    init_custom_process_group,
-    parse_generate_output,
-    parse_row_output,
-)
+from dapo_megatron.rollout.engines.generate_stream import http_get, http_post
+from dapo_megatron.rollout.engines.sglang_engine import init_custom_process_group
 
 NamedTensor = tuple[str, torch.Tensor]
 logger = logging.getLogger("dapo_megatron.rollout")
@@ -111,56 +102,6 @@ def query_server(url: str, timeout_s: float) -> ServerInfo:
                       enable_weights_cpu_backup=bool(info.get("enable_weights_cpu_backup", False)),
                       enable_deterministic_inference=bool(info.get("enable_deterministic_inference", False)),
                       version=str(info.get("version", "?")))
-
-
-def _each(urls: Sequence[str], fn) -> list:
-    """``fn(url)`` for every URL at once (threads); returns the results in order, raising one
-    ``RuntimeError`` that lists every URL that failed."""
-    results: list[Any] = [None] * len(urls)
-    errors: list[Optional[str]] = [None] * len(urls)
-
-    def run(i):
-        try:
-            results[i] = fn(urls[i])
-        except Exception as err:  # collected: all failing servers are named at once
-            errors[i] = str(err)
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(urls))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    failed = [e for e in errors if e is not None]
-    if failed:
-        raise RuntimeError("; ".join(failed))
-    return results
-
-
-def probe_health(urls: Sequence[str], timeout_s: float) -> list[Optional[str]]:
-    """``GET /health`` of every server at once, each within ``timeout_s``: per server None
-    (healthy) or the error naming its URL (down, unhealthy, or silent). Never raises."""
-    def one(url):
-        try:
-            http_get(url, "/health", timeout_s)
-        except Exception as err:  # reported per server
-            return str(err)
-        return None
-
-    return _each(list(urls), one)
-
-
-def check_health(urls: Sequence[str], timeout_s: float) -> None:
-    """``GET /health`` of every server (at once), each within ``timeout_s``.
-
-    SGLang answers 200 when healthy and 503 while starting, shutting down or after a failed
-    health generation (``entrypoints/http_server.py`` ``health_generate``).
-
-    Raises:
-        RuntimeError: naming every server that is down, unhealthy, or silent for ``timeout_s``.
-    """
-    failed = [e for e in probe_health(urls, timeout_s) if e is not None]
-    if failed:
-        raise RuntimeError(f"rollout server health check failed: {'; '.join(failed)}")
 
 
 def local_address_towards(url: str) -> str:
@@ -557,129 +498,6 @@ def sync_servers(stage_tensors: Optional[Iterable[NamedTensor]], *, sender: Opti
     return sender.bytes_sent if sender is not None else 0
 
 
-class ServerRows:
-    """The asynchronous rows of one server (the streamed rollout's ``submit`` / ``poll`` / ``abort``).
-
-    Each submitted run of rows of one prompt (a group's rows share their prefill) is one
-    streamed batched ``/generate`` request with one ``rid`` per row, read in a thread
-    (:class:`~dapo_megatron.rollout.engines.generate_stream.StreamedGenerate`). A poll returns
-    the rows of the requests that answered (it waits for one, at most :attr:`poll_timeout_s`:
-    like SGLang's offline engine, a server cannot stop after a token count, so a streamed
-    round is a time slice). The requests share the server's
-    :class:`~dapo_megatron.rollout.engines.generate_stream.Liveness`: a request waiting in the
-    server's queue is not silent while the others decode; the server fails when none of them
-    sent a byte for ``silence_timeout_s`` (checked whenever this waits on it). An abort posts
-    ``/abort_request`` with each row's ``rid`` (sglang 0.5.23 ``tokenizer_manager.py``
-    ``abort_request`` ignores a rid that is not a request's own, so a batch's prefix would not
-    do) and waits for the answers: the tokens sampled so far, finish reason ``"abort"``
-    (``"stop"`` / ``"length"`` where the row had already finished,
-    :func:`~dapo_megatron.rollout.engines.sglang_engine.parse_row_output`).
-
-    Args:
-        url: the server.
-        silence_timeout_s: bound on the server's silence (``rollout.server_silence_timeout_s``);
-            timeout_s: on an abort call, a connection, a ``/health`` probe.
-        eos_token_ids: the model's stop tokens (an aborted row that ends on one has finished).
-        rid_prefix: the rids' prefix, unique among the server's clients (``dapo-<rank>``).
-    """
-
-    poll_timeout_s = 0.5
-    """The longest a :meth:`poll` with ``max_tokens`` waits for a request to answer (seconds)."""
-
-    def __init__(self, url: str, *, silence_timeout_s: float, timeout_s: float, eos_token_ids: Sequence[int] = (),
-                 rid_prefix: str = "dapo"):
-        self.url = url
-        self.silence_timeout_s, self.timeout_s = float(silence_timeout_s), float(timeout_s)
-        self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
-        self.rid_prefix = rid_prefix
-        self._requests: list[tuple[StreamedGenerate, list[RowRequest], list[str]]] = []  # in flight, in order
-        self._answered = threading.Event()  # set by every request that answers: wakes poll()
-        self._liveness = Liveness()
-        self._rids = itertools.count()
-
-    @property
-    def num_in_flight(self) -> int:
-        """Rows submitted and not yet returned by :meth:`poll` or :meth:`abort`."""
-        return sum(len(rows) for _, rows, _ in self._requests)
-
-    def submit(self, rows: Sequence[RowRequest]) -> None:
-        """Start the rows (each with its own ``rid``, seed and remaining budget, continued after
-        its prefix; :func:`~dapo_megatron.rollout.engines.sglang_engine.build_row_request`).
-
-        Raises:
-            ValueError: a row key already in flight.
-        """
-        keys = {row.key for _, rs, _ in self._requests for row in rs}
-        batches: list[list[RowRequest]] = []
-        for row in rows:
-            if row.key in keys:
-                raise ValueError(f"ServerRows.submit: row key {row.key!r} is already in flight")
-            keys.add(row.key)
-            if batches and batches[-1][0].prompt_seed == row.prompt_seed:
-                batches[-1].append(row)
-            else:
-                batches.append([row])
-        for batch in batches:
-            # fixed width: dapo-rollout-server aborts every row whose rid starts with the given one
-            rids = [f"{self.rid_prefix}-{next(self._rids):012d}" for _ in batch]
-            reqs = [build_row_request(row, rid) for row, rid in zip(batch, rids)]
-            payload = {"input_ids": [r["input_ids"] for r in reqs], "rid": rids, "return_logprob": True,
-                       "sampling_params": [with_progress(r["sampling_params"]) for r in reqs]}
-            stream = StreamedGenerate(self.url, payload, connect_timeout_s=self.timeout_s, liveness=self._liveness,
-                                      answered=self._answered)
-            self._requests.append((stream, batch, rids))
-
-    def _wait(self, until_all: bool, timeout_s: Optional[float]) -> None:
-        """Wait for every request (``until_all``) or for one to answer (at most ``timeout_s``),
-        under the silence bound (:func:`~dapo_megatron.rollout.engines.generate_stream.wait_streams`)."""
-        streams = [s for s, _, _ in self._requests]
-        if until_all:
-            wait_streams(streams, self.silence_timeout_s, self.timeout_s)
-            return
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not any(s.done.is_set() for s in streams):
-            if self._liveness.silent_s() >= self.silence_timeout_s:
-                wait_streams(streams, self.silence_timeout_s, self.timeout_s)  # cancels them, naming the server
-                return
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                return
-            self._answered.wait(min(left if left is not None else 1.0, max(0.01, self.silence_timeout_s / 4)))
-
-    def poll(self, max_tokens: Optional[int] = None, version: int = 0) -> list[RowResult]:
-        """The rows of the requests that answered, labelled weights ``version``: waits until
-        one does (at most :attr:`poll_timeout_s` when ``max_tokens`` is set), or until all do
-        when None.
-
-        Raises:
-            RuntimeError: a request failed (naming the server).
-        """
-        if not self._requests:
-            return []
-        self._wait(max_tokens is None, self.poll_timeout_s)
-        return self._collect(version, only_done=True)
-
-    def abort(self, version: int = 0) -> list[RowResult]:
-        """Stop every row in flight; every request's answer (see the class docstring)."""
-        for stream, _, rids in self._requests:
-            if not stream.done.is_set():
-                for rid in rids:
-                    http_post(self.url, "/abort_request", {"rid": rid}, self.timeout_s)
-        self._wait(True, None)
-        return self._collect(version, only_done=False)
-
-    def _collect(self, version: int, only_done: bool) -> list[RowResult]:
-        self._answered.clear()  # before reading: an answer arriving now is seen by the next poll's check
-        done = [r for r in self._requests if r[0].done.is_set() or not only_done]
-        self._requests = [r for r in self._requests if r not in done]
-        out = []
-        for stream, rows, _ in done:
-            if stream.error is not None:
-                raise RuntimeError(f"streamed rows on {stream.url}: {stream.error}")
-            out += [parse_row_output(item, row, version, self.eos_token_ids) for item, row in zip(stream.result, rows)]
-        return out
-
-
 class ServerRollout:
     """``rollout.mode: server`` as one trainer rank sees it; build it on every rank (collective).
 
@@ -692,7 +510,7 @@ class ServerRollout:
     :meth:`wake_up` are nothing (the servers have GPUs of their own), :meth:`check_health`
     starts every step, :meth:`sync` sends the weights; the streamed rollout
     (:class:`~dapo_megatron.rollout.sampling.streaming.EngineClient`) submits, polls and aborts rows on
-    the rank's server (:class:`ServerRows`).
+    the rank's server (:class:`~dapo_megatron.rollout.engines.row_client.RowClient`).
 
     Args:
         urls: ``rollout.server_urls``.
@@ -706,7 +524,7 @@ class ServerRollout:
         bucket_bytes: ``rollout.update_weights_bucket_megabytes`` in bytes.
         backend: of the weight-update groups; None: NCCL on a CUDA device, else gloo.
         eos_token_ids: the model's stop tokens (an aborted row that already ends on one has
-            finished: ``"stop"``, :func:`~dapo_megatron.rollout.engines.sglang_engine.parse_row_output`).
+            finished: ``"stop"``, :func:`~dapo_megatron.rollout.engines.sglang_io.parse_row_output`).
         one_driver: ``async_training``: rank 0's controller sends the training rows to every
             server, so there may be more servers than ranks
             (:func:`~dapo_megatron.rollout.engines.layout.rollout_engines`).
@@ -748,9 +566,9 @@ class ServerRollout:
         self._group_generation = 0
         self.weight_version = 0
         self.weights_valid = True  # the servers loaded their checkpoint; the first sync follows
-        self.rows = (ServerRows(self.urls[self.engine_index], silence_timeout_s=silence_timeout_s,
-                                timeout_s=timeout_s, eos_token_ids=eos_token_ids, rid_prefix=f"dapo-{self.rank}")
-                     if self.engine_index is not None else None)
+        # this rank's server's rows (the HTTP row client over every server; this rank drives engine_index)
+        self.client = RowClient(self.urls, silence_timeout_s=silence_timeout_s, timeout_s=timeout_s,
+                                eos_token_ids=eos_token_ids, rid_prefix=f"dapo-{self.rank}")
 
     def check_health(self) -> None:
         """:func:`check_health` of every server from rank 0; every rank raises the same error."""
@@ -766,51 +584,47 @@ class ServerRollout:
 
     def generate(self, prompt_ids, params, prompt_seeds=None):
         """One streamed ``/generate`` request to this rank's server (a driving rank only), failed
-        only when the server sends no byte for ``silence_timeout_s``
-        (:func:`~dapo_megatron.rollout.engines.generate_stream.stream_generate`); see
+        only when the server sends no byte for ``silence_timeout_s`` (:meth:`RowClient.generate
+        <dapo_megatron.rollout.engines.row_client.RowClient.generate>`); see
         :meth:`~dapo_megatron.rollout.engines.engine.RolloutEngine.generate`."""
+        self._check_can_generate()
+        return self.client.generate(self.engine_index, prompt_ids, params, prompt_seeds,
+                                    routes_shape=self.record_routes)
+
+    def _check_can_generate(self) -> None:
         if self.engine_index is None:
             raise RuntimeError(f"rank {self.rank} drives no server (rollout.server_urls has {self.num_engines})")
         if not self.weights_valid:
             raise RuntimeError("the servers' weights are partly updated by a failed sync; a full sync must succeed "
                                "before generating")
-        url = self.urls[self.engine_index]
-        req = build_generate_request(prompt_ids, params, prompt_seeds)
-        if self.record_routes is not None:
-            req["return_routed_experts"] = True  # meta_info.routed_experts, SGLang's format
-        req["sampling_params"] = [with_progress(sp) for sp in req["sampling_params"]]
-        out = stream_generate(url, req, silence_s=self.silence_timeout_s, connect_timeout_s=self.timeout_s)
-        return parse_generate_output(out, len(prompt_ids), params.n, prompt_lens=[len(p) for p in prompt_ids],
-                                     routes_shape=self.record_routes)
 
-    # ---- asynchronous rows (the streamed rollout): this rank's server's ServerRows --------
+    # ---- asynchronous rows (the streamed rollout): RowClient's rows on this rank's server --------
     supports_async = True
 
     @property
     def num_in_flight(self) -> int:
         """Rows submitted and not yet returned by :meth:`poll` or :meth:`abort`."""
-        return self.rows.num_in_flight if self.rows is not None else 0
+        return self.client.num_in_flight
 
     def submit(self, rows: Sequence[RowRequest]) -> None:
-        """:meth:`ServerRows.submit` on this rank's server.
+        """:meth:`RowClient.submit <dapo_megatron.rollout.engines.row_client.RowClient.submit>` on
+        this rank's server.
 
         Raises:
             RuntimeError: a rank that drives no server, or weights left invalid by a failed sync.
         """
-        if self.rows is None:
-            raise RuntimeError(f"rank {self.rank} drives no server (rollout.server_urls has {self.num_engines})")
-        if not self.weights_valid:
-            raise RuntimeError("the servers' weights are partly updated by a failed sync; a full sync must succeed "
-                               "before generating")
-        self.rows.submit(rows)
+        self._check_can_generate()
+        self.client.submit(rows, self.engine_index)
 
     def poll(self, max_tokens: Optional[int] = None) -> list[RowResult]:
-        """:meth:`ServerRows.poll` (nothing on a rank that drives no server)."""
-        return self.rows.poll(max_tokens, self.weight_version) if self.rows is not None else []
+        """:meth:`RowClient.poll <dapo_megatron.rollout.engines.row_client.RowClient.poll>`
+        (nothing on a rank that drives no server)."""
+        return self.client.poll(max_tokens, self.weight_version)
 
     def abort(self) -> list[RowResult]:
-        """:meth:`ServerRows.abort` (nothing on a rank that drives no server)."""
-        return self.rows.abort(self.weight_version) if self.rows is not None else []
+        """:meth:`RowClient.abort <dapo_megatron.rollout.engines.row_client.RowClient.abort>`
+        (nothing on a rank that drives no server)."""
+        return self.client.abort(self.weight_version)
 
     def sleep(self, keep_weights: bool = False) -> None:
         """Nothing: the servers do not share the trainer's GPUs."""

@@ -81,15 +81,10 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import dataclasses
 import inspect
 import itertools
-import json
-import socket
 import threading
-import urllib.error
 import urllib.parse
-import urllib.request
 from datetime import timedelta
 from typing import Any, Optional, Sequence
 
@@ -102,7 +97,6 @@ from dapo_megatron.platform import collectives, device as rank_device, local_dev
 from dapo_megatron.rollout.engines import sglang_env
 from dapo_megatron.rollout.engines.buckets import bucket_metadata, dtype_name
 from dapo_megatron.rollout.engines.engine import (
-    Completion,
     GenerationOutput,
     ParamSpec,
     RolloutEngine,
@@ -110,13 +104,18 @@ from dapo_megatron.rollout.engines.engine import (
     RowResult,
     SamplingParams,
     hf_param_specs,
-    resolve_prompt_seeds,
-    sample_seed,
-    validate_prompt_ids,
 )
 from dapo_megatron.rollout.engines.engine_group import RolloutGroup, sync_flat_buckets
 from dapo_megatron.rollout.engines.flat_bucket import FlatBucketPacker
-from dapo_megatron.rollout.engines.routes import decode_sglang_routes, num_route_tokens
+# the plain HTTP calls of the control endpoints (http_get, sglang_error_message: re-exported for their users)
+from dapo_megatron.rollout.engines.generate_stream import http_get, http_post, sglang_error_message  # noqa: F401
+from dapo_megatron.rollout.engines.row_client import RowClient
+from dapo_megatron.rollout.engines.sglang_io import (
+    build_generate_request,
+    build_row_request,
+    parse_generate_output,
+    parse_row_output,
+)
 from dapo_megatron.rollout.engines.sglang_server_args import (  # noqa: F401  (checked here, defined beside the list)
     MANAGED_ENGINE_ARGS,
     check_engine_kwargs,
@@ -152,161 +151,6 @@ def sglang_dtype(dtype: Any) -> str:
     if name not in _SGLANG_DTYPES:
         raise ValueError(f"dtype {dtype!r} is not an SGLang dtype; use one of {sorted(_SGLANG_DTYPES)}")
     return _SGLANG_DTYPES[name]
-
-
-# ---------------------------------------------------------------------------- requests
-def build_sampling_params(params: SamplingParams, seed: Optional[int]) -> dict[str, Any]:
-    """SGLang ``sampling_params`` dict of one response row with its own ``sampling_seed``.
-
-    ``n`` is expanded into rows by the caller (one request per response), so each row has
-    its own seed (:func:`~dapo_megatron.rollout.engines.engine.sample_seed`); ``no_stop_trim``
-    keeps the stop token in the output.
-    """
-    sp: dict[str, Any] = {
-        "max_new_tokens": params.max_new_tokens,
-        "temperature": float(params.temperature),
-        "top_p": float(params.top_p),
-        "top_k": int(params.top_k),
-        "no_stop_trim": True,
-        "skip_special_tokens": False,
-    }
-    if params.stop_token_ids:
-        sp["stop_token_ids"] = list(params.stop_token_ids)
-    if seed is not None:
-        sp["sampling_seed"] = seed
-    return sp
-
-
-def build_generate_request(prompt_ids: Sequence[Sequence[int]], params: SamplingParams,
-                           prompt_seeds: Optional[Sequence[int]] = None) -> dict[str, Any]:
-    """The batched ``/generate`` payload (also the kwargs of ``Engine.generate``): each prompt
-    repeated ``n`` times, one sampling-params dict per row (seeded per response, see
-    :func:`~dapo_megatron.rollout.engines.engine.sample_seed`), logprobs of the output only."""
-    validate_prompt_ids(prompt_ids)
-    seeds = resolve_prompt_seeds(prompt_ids, prompt_seeds)
-    rows = [list(p) for p in prompt_ids for _ in range(params.n)]
-    return {
-        "input_ids": rows,
-        "sampling_params": [build_sampling_params(params, sample_seed(params.seed, ps, j))
-                            for ps in seeds for j in range(params.n)],
-        "return_logprob": True,
-    }
-
-
-# ---------------------------------------------------------------------------- responses
-def parse_completion(item: dict, row: int, *, prompt_len: int = 0,
-                     routes_shape: Optional[tuple[int, int, int]] = None) -> Completion:
-    """One SGLang output dict → :class:`Completion`.
-
-    With ``routes_shape = (L, K, E)`` (routing replay; the request had ``return_routed_experts``)
-    ``meta_info.routed_experts`` becomes ``Completion.routes``, ``[prompt_len + R - 1, L, K]``
-    (:func:`~dapo_megatron.rollout.engines.routes.decode_sglang_routes`).
-
-    Raises:
-        RuntimeError: the request was aborted or failed (message included), or the output
-            lacks ``meta_info.output_token_logprobs`` (``return_logprob`` not set).
-    """
-    meta = item.get("meta_info") if isinstance(item, dict) else None
-    if not isinstance(meta, dict):
-        raise RuntimeError(f"SGLang output row {row} has no meta_info: {str(item)[:200]}")
-    fr = meta.get("finish_reason")
-    kind = fr.get("type") if isinstance(fr, dict) else fr
-    if kind not in ("stop", "length"):
-        detail = fr.get("message") if isinstance(fr, dict) else None
-        raise RuntimeError(f"SGLang request row {row} finished with {kind!r}"
-                           + (f": {detail}" if detail else "") + " (aborted or failed; expected 'stop' or 'length')")
-    entries = meta.get("output_token_logprobs")
-    if entries is None:
-        raise RuntimeError(f"SGLang output row {row} has no meta_info.output_token_logprobs; "
-                           "generate must be called with return_logprob=True")
-    ids = [int(e[1]) for e in entries]
-    logprobs = [float(e[0]) for e in entries]
-    output_ids = item.get("output_ids")
-    if output_ids is not None and list(output_ids) != ids:
-        raise RuntimeError(f"SGLang output row {row}: output_ids ({len(output_ids)} tokens) disagree with the "
-                           f"token ids of output_token_logprobs ({len(ids)} tokens)")
-    if any(lp != lp for lp in logprobs):
-        raise RuntimeError(f"SGLang output row {row} has NaN logprobs")
-    routes = None
-    if routes_shape is not None:
-        L, K, E = routes_shape
-        routes = decode_sglang_routes(meta, num_tokens=num_route_tokens(prompt_len, len(ids)), num_layers=L,
-                                      topk=K, num_experts=E, row=row)
-    return Completion(ids, logprobs, kind, routes)
-
-
-def parse_generate_output(outputs: Any, num_prompts: int, n: int, *, prompt_lens: Optional[Sequence[int]] = None,
-                          routes_shape: Optional[tuple[int, int, int]] = None) -> GenerationOutput:
-    """SGLang's batched ``generate`` result (list of ``num_prompts * n`` dicts, row order
-    of :func:`build_generate_request`) → ``outputs[i][j]``; with ``routes_shape`` (and the
-    prompts' lengths) every completion carries its routes (:func:`parse_completion`).
-
-    Raises:
-        RuntimeError: wrong number of rows, or any row failed (see :func:`parse_completion`).
-    """
-    if isinstance(outputs, dict):
-        outputs = [outputs]
-    if not isinstance(outputs, list) or len(outputs) != num_prompts * n:
-        got = len(outputs) if isinstance(outputs, list) else type(outputs).__name__
-        raise RuntimeError(f"SGLang generate returned {got} outputs, expected {num_prompts} prompts x n={n}")
-    lens = list(prompt_lens) if prompt_lens is not None else [0] * num_prompts
-    rows = [parse_completion(item, r, prompt_len=lens[r // n], routes_shape=routes_shape)
-            for r, item in enumerate(outputs)]
-    return [rows[i * n:(i + 1) * n] for i in range(num_prompts)]
-
-
-def build_row_request(row: RowRequest, rid: str) -> dict[str, Any]:
-    """``Engine.async_generate`` kwargs of one :class:`~dapo_megatron.rollout.engines.engine.RowRequest`:
-    the prompt followed by the row's prefix, the remaining budget, the row's own seed."""
-    params = dataclasses.replace(row.params, n=1, max_new_tokens=row.budget)
-    return {"input_ids": list(row.prompt_ids + row.prefix_ids), "sampling_params": build_sampling_params(params, row.seed),
-            "return_logprob": True, "rid": rid}
-
-
-def row_outcome(item: Any, *, budget: int, stop_ids=frozenset(), row: int = 0) -> tuple[list[int], list[float], str]:
-    """One SGLang output of a row → ``(token ids, logprobs, finish kind)``: the one reading of a
-    row's end, for every path (the streamed rollout's rows :func:`parse_row_output`, the async
-    controller's ``rollout/async_rollout.py`` ``_parse_row``).
-
-    ``"stop"`` / ``"length"`` as SGLang reports them; an aborted output (``"abort"``: a weight
-    sync's ``/pause_generation``, an ``/abort_request``) holds the tokens sampled so far and stays
-    ``"abort"`` (to be continued) UNLESS it already ends on a stop token (``stop_ids``: the model's
-    EOS ids and the row's ``stop_token_ids``) — then ``"stop"`` — or fills ``budget`` (the
-    request's ``max_new_tokens``) — then ``"length"``. SGLang lets an aborted running row decode
-    one more token (sglang 0.5.23 ``managers/scheduler.py:5797-5812``) and applies the abort
-    before checking EOS and length (``managers/schedule_batch.py:2011``,
-    ``update_finish_state``), so such an output is a finished row reported as an abort;
-    continued, it would run on past its EOS (or its budget).
-
-    Raises:
-        RuntimeError: a failed request, or a malformed output (see :func:`parse_completion`).
-    """
-    meta = item.get("meta_info") if isinstance(item, dict) else None
-    fr = meta.get("finish_reason") if isinstance(meta, dict) else None
-    kind = fr.get("type") if isinstance(fr, dict) else fr
-    if kind == "abort":
-        entries = meta.get("output_token_logprobs") or []
-        ids, logprobs = [int(e[1]) for e in entries], [float(e[0]) for e in entries]
-        if ids and ids[-1] in stop_ids:
-            kind = "stop"
-        elif len(ids) >= budget:
-            kind = "length"
-        return ids, logprobs, kind
-    c = parse_completion(item, row)
-    return list(c.response_ids), list(c.logprobs), c.finish_reason
-
-
-def parse_row_output(item: Any, row: RowRequest, version: int, eos_token_ids: frozenset = frozenset()) -> RowResult:
-    """One SGLang output of a row (``build_row_request``) → :class:`RowResult` (:func:`row_outcome`
-    with the row's remaining budget and stop tokens: ``eos_token_ids`` and the row's
-    ``stop_token_ids``).
-
-    Raises:
-        RuntimeError: a failed request, or a malformed output (see :func:`parse_completion`).
-    """
-    ids, logprobs, kind = row_outcome(item, budget=row.budget,
-                                      stop_ids=frozenset(row.params.stop_token_ids) | frozenset(eos_token_ids))
-    return RowResult(row.key, ids, logprobs, kind, version)
 
 
 def check_result(result: Any, what: str) -> None:
@@ -348,74 +192,6 @@ def distributed_update_request(bucket: Sequence[tuple[str, torch.Tensor]], group
         "group_name": group_name,
         "flush_cache": flush_cache,
     }
-
-
-# ---------------------------------------------------------------------------- HTTP
-def sglang_error_message(body: bytes) -> str:
-    """SGLang's message in an error response body: ``{"message"}`` (weight-update endpoints),
-    ``{"error": {"message"}}`` (generate, release / resume memory), FastAPI's 422
-    ``{"detail": ...}``, or the plain text of ``/flush_cache``."""
-    text = body.decode(errors="replace").strip()
-    try:
-        obj = json.loads(text)
-    except ValueError:
-        return text[:1000] or "(empty response body)"
-    if isinstance(obj, dict):
-        err = obj.get("error")
-        if isinstance(err, dict) and err.get("message"):
-            return str(err["message"])[:1000]
-        for k in ("message", "error", "detail"):
-            if obj.get(k):
-                return (obj[k] if isinstance(obj[k], str) else json.dumps(obj[k]))[:1000]
-    return text[:1000]
-
-
-def http_post(base_url: str, path: str, payload: Optional[dict], timeout: float, *, text: bool = False) -> Any:
-    """POST JSON to ``base_url + path``.
-
-    Returns:
-        the decoded JSON body (None for an empty body or JSON ``null``), or with ``text``
-        the body as a string (``/flush_cache`` answers plain text).
-
-    Raises:
-        RuntimeError: HTTP error status (naming the endpoint, with SGLang's message) or an
-            unreachable server.
-    """
-    url = base_url.rstrip("/") + path
-    data = json.dumps(payload if payload is not None else {}).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
-    body = _http_call(req, url, timeout)
-    if text:
-        return body.decode(errors="replace")
-    return json.loads(body) if body.strip() else None
-
-
-def http_get(base_url: str, path: str, timeout: float) -> Any:
-    """GET ``base_url + path``: the decoded JSON body (None for an empty body, e.g. ``/health``'s
-    200). Raises ``RuntimeError`` as :func:`http_post` does."""
-    url = base_url.rstrip("/") + path
-    body = _http_call(urllib.request.Request(url, method="GET"), url, timeout)
-    return json.loads(body) if body.strip() else None
-
-
-def _http_call(req: urllib.request.Request, url: str, timeout: float) -> bytes:
-    """One HTTP request, every failure a ``RuntimeError`` naming the URL: an error status (with
-    SGLang's message), an unreachable server, or no answer within ``timeout`` seconds (a hung
-    server must not hang the trainer)."""
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.read()
-    except urllib.error.HTTPError as err:
-        raise RuntimeError(f"SGLang server {url} returned HTTP {err.code}: "
-                           f"{sglang_error_message(err.read())}") from None
-    except urllib.error.URLError as err:
-        if isinstance(err.reason, (TimeoutError, socket.timeout)):
-            raise RuntimeError(f"SGLang server {url} did not answer within {timeout:g} s") from None
-        raise RuntimeError(f"SGLang server {url} unreachable: {err.reason}") from None
-    except (TimeoutError, socket.timeout):  # the connection opened, the answer never came
-        raise RuntimeError(f"SGLang server {url} did not answer within {timeout:g} s") from None
-    except (ConnectionError, OSError) as err:  # reset or closed mid-answer: the server died
-        raise RuntimeError(f"SGLang server {url} unreachable: {err}") from None
 
 
 def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
@@ -850,6 +626,8 @@ class SGLangServerEngine(_SGLangMemory, RolloutEngine):
         self.group_name: Optional[str] = None
         self._released: set[str] = set()
         self._flush_pending = False
+        # generation: the HTTP row client, one plain /generate bounded by timeout_s (not streamed)
+        self.client = RowClient([self.base_url], silence_timeout_s=timeout_s, timeout_s=timeout_s, stream=False)
 
     def _post(self, path: str, payload: Optional[dict] = None) -> Any:
         result = http_post(self.base_url, path, payload, self.timeout_s)
@@ -858,11 +636,10 @@ class SGLangServerEngine(_SGLangMemory, RolloutEngine):
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
                  prompt_seeds: Optional[Sequence[int]] = None) -> GenerationOutput:
-        """See :meth:`RolloutEngine.generate` (one batched ``/generate`` request)."""
+        """See :meth:`RolloutEngine.generate` (one batched ``/generate`` request:
+        :meth:`~dapo_megatron.rollout.engines.row_client.RowClient.generate`)."""
         self._check_can_generate()
-        req = build_generate_request(prompt_ids, params, prompt_seeds)
-        out = http_post(self.base_url, "/generate", req, self.timeout_s)
-        return parse_generate_output(out, len(prompt_ids), params.n)
+        return self.client.generate(0, prompt_ids, params, prompt_seeds)
 
     def init_weights_update_group(self, master_address: str, master_port: int, world_size: int,
                                   group_name: str = "weight_update_group", backend: str = "nccl") -> None:

@@ -288,20 +288,13 @@ def new_group(record: Any, position: int, n: int) -> Group:
 
 
 def extend_sample(s: Sample, u: RowUpdate) -> None:
-    """Apply one row's update to its sample: on the holder the new tokens and logprobs are
-    appended; elsewhere the sample keeps its length only (``num_response_tokens``, the token
+    """Apply one row's update to its sample (:meth:`Sample.append_tokens
+    <dapo_megatron.rollout.types.Sample.append_tokens>`): on the holder the new tokens and logprobs
+    are appended; elsewhere the sample keeps its length only (``num_response_tokens``, the token
     lists None). The span of the version that sampled them is recorded everywhere."""
-    start = s.response_length
-    if u.num_tokens and (not s.versions or s.versions[-1][1] != u.version):
-        s.versions = list(s.versions) + [(start, u.version)]
-    if u.response_ids is not None:
-        if s.response_ids is None:
-            raise RuntimeError(f"rank {u.holder} got new tokens of a response whose earlier tokens it does not hold")
-        s.response_ids = list(s.response_ids) + list(u.response_ids)
-        s.rollout_logprobs = list(s.rollout_logprobs) + list(u.logprobs)
-    else:
-        s.response_ids = s.rollout_logprobs = None
-        s.num_response_tokens = start + u.num_tokens
+    if u.response_ids is not None and s.response_ids is None:
+        raise RuntimeError(f"rank {u.holder} got new tokens of a response whose earlier tokens it does not hold")
+    s.append_tokens(u.version, u.response_ids, u.logprobs, num_tokens=u.num_tokens)
     s.holder = u.holder
     s.finish_reason = PENDING if u.finish_reason == "abort" else u.finish_reason
 

@@ -463,7 +463,7 @@ def test_send_tokens_delivers_the_routes_bitwise(tmp_path):
 
 def test_sglang_generate_output_gives_each_completion_its_routes():
     from dapo_megatron.rollout.engines.routes import encode_sglang_routes
-    from dapo_megatron.rollout.engines.sglang_engine import parse_generate_output
+    from dapo_megatron.rollout.engines.sglang_io import parse_generate_output
 
     g = torch.Generator().manual_seed(1)
     prompts, n, L, K, E = [[1, 2, 3], [4, 5]], 2, 3, 2, 8

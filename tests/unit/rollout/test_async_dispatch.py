@@ -11,7 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from dapo_megatron.rollout.async_rollout import RolloutController, ServerFailure
+from dapo_megatron.rollout.async_rollout import RolloutController
+from dapo_megatron.rollout.engines.row_client import ServerFailure
 from dapo_megatron.rollout.engines.engine import SamplingParams, sample_seed
 from dapo_megatron.rollout.sampling.buffer import BufferConfig
 
@@ -23,7 +24,7 @@ def _tokens(seed: int, k: int = 3) -> list[int]:
 
 
 class _Servers:
-    """``generate(rows, version)`` of ``generate_rows_on_servers``: per row its tokens, or a
+    """``generate(rows, version)`` of ``RowClient.generate_rows``: per row its tokens, or a
     ServerFailure for every row of a server in ``dead``; every call recorded."""
 
     def __init__(self, dead=(), abort_once=False):
@@ -227,13 +228,12 @@ def test_a_failed_controller_is_not_checkpointed_and_every_rank_raises():
 
 
 def test_the_async_parser_reads_a_row_aborted_after_its_stop_token_or_at_its_budget_as_finished():
-    """``_parse_row`` (the controller's) and ``parse_row_output`` (the streamed rows') are one rule
-    (``sglang_engine.row_outcome``): SGLang decodes an aborted row once more and sets the abort before
+    """``parse_versioned_row`` (the controller's) and ``parse_row_output`` (the streamed rows') are one rule
+    (``sglang_io.row_outcome``): SGLang decodes an aborted row once more and sets the abort before
     its EOS / length checks, so an ``"abort"`` ending on a stop token is ``"stop"``, one at its budget
     ``"length"``; only the others are partial rows to continue (issue 36 item 8)."""
-    from dapo_megatron.rollout.async_rollout import _parse_row
     from dapo_megatron.rollout.engines.engine import RowRequest
-    from dapo_megatron.rollout.engines.sglang_engine import parse_row_output
+    from dapo_megatron.rollout.engines.sglang_io import parse_row_output, parse_versioned_row as _parse_row
 
     def out(ids, kind="abort"):
         return {"output_ids": ids, "meta_info": {"finish_reason": {"type": kind}, "weight_version": "3",

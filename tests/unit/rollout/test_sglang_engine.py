@@ -20,12 +20,11 @@ from dapo_megatron.rollout.engines.buckets import bucket_metadata, dtype_from_na
 from dapo_megatron.rollout.engines.engine import InvalidWeightsError, ParamSpec, SamplingParams
 from dapo_megatron.rollout.engines.sglang_engine import (
     SGLangServerEngine,
-    build_generate_request,
     check_result,
     distributed_update_request,
     http_post,
-    parse_generate_output,
 )
+from dapo_megatron.rollout.engines.sglang_io import build_generate_request, parse_generate_output
 
 
 # ------------------------------------------------------------------ bucketing
@@ -508,7 +507,7 @@ def test_async_rows_submit_poll_abort_at_the_sglang_boundary(fake_sglang, tiny_m
 
 def test_aborted_output_that_already_finished():
     from dapo_megatron.rollout.engines.engine import RowRequest
-    from dapo_megatron.rollout.engines.sglang_engine import parse_row_output
+    from dapo_megatron.rollout.engines.sglang_io import parse_row_output
 
     row = RowRequest("k", [1], SamplingParams(max_new_tokens=5, stop_token_ids=(9,)), 0, 0, prefix_ids=[4, 4])
     item = lambda ids: sglang_item(ids, [-0.5] * len(ids), "abort") if ids else {

@@ -124,7 +124,7 @@ def test_every_request_body_names_only_sglang_0_5_23_fields(monkeypatch):
     (tests/sglang_reference.py): SGLang's HTTP schema drops an unknown field without a word."""
     from dapo_megatron.rollout.engines import server_sync
     from dapo_megatron.rollout.engines.engine import RowRequest, SamplingParams
-    from dapo_megatron.rollout.engines.sglang_engine import build_generate_request, build_row_request
+    from dapo_megatron.rollout.engines.sglang_io import build_generate_request, build_row_request
 
     sent = []
     monkeypatch.setattr(server_sync, "http_post", lambda url, path, body, *a, **k: sent.append((path, body)))

@@ -23,7 +23,7 @@ BUCKET = 20_000
 # the plant, run in the server's process before its main(): Scheduler.update_weights copies into clones
 _LAZY = """
 import sys
-import dapo_megatron.rollout.engines.server as server
+import dapo_megatron.rollout_server as server
 real = server.Scheduler.update_weights
 def update_weights(self, req):
     held = self.params
