@@ -98,12 +98,19 @@ def decoder_block_spec(config, model_cfg: ModelConfig, *, vp_stage: Optional[int
     use_te = resolve_transformer_impl(model_cfg) == "transformer_engine"
     block = get_gpt_decoder_block_spec(config, use_transformer_engine=use_te, normalization="RMSNorm",
                                        vp_stage=vp_stage, pp_rank=pp_rank)
-    if config.multi_latent_attention and not use_te:
+    if config.multi_latent_attention:
         # here, not at the top: models/mla.py imports megatron-core, which the config loads without
-        from .mla import MLADotProductAttention
+        from megatron.core.transformer.identity_op import IdentityOp
 
-        for spec in block.layer_specs:  # the local DotProductAttention cannot take MLA's k/v channel sizes
-            spec.submodules.self_attention.submodules.core_attention = MLADotProductAttention
+        from .mla import HFMLASelfAttention, MLADotProductAttention
+
+        for spec in block.layer_specs:
+            attention = spec.submodules.self_attention
+            attention.module = HFMLASelfAttention  # no query LoRA: a plain q projection, as transformers'
+            if config.q_lora_rank is None:
+                attention.submodules.q_layernorm = IdentityOp  # nothing to normalise: no q latent
+            if not use_te:  # the local DotProductAttention cannot take MLA's k/v channel sizes
+                attention.submodules.core_attention = MLADotProductAttention
     return block
 
 

@@ -10,12 +10,25 @@ scores are ``baddbmm`` over whatever head size query and key have, scaled by the
 wide, with ``kv_channels`` set to ``v_head_dim`` (models/config.py). :class:`MLADotProductAttention`
 checks the two sizes against that and runs ``DotProductAttention`` unchanged.
 
+Without a query LoRA (``q_lora_rank`` None: DeepSeek-V2-Lite, Moonlight) transformers' attention
+projects the query with a plain ``q_proj`` and normalises only the KV latent
+(``DeepseekV3Attention``: ``q_proj`` when ``q_lora_rank is None``, ``kv_a_layernorm``). megatron-core
+0.19.2 ties both norms to ``qk_layernorm``: its ``QKNormConfigResolver``
+(transformer/mla_qk_norm_config.py:138-150, :171-172) refuses the local spec's q norm without a
+query LoRA (``_raise_unused_q_norm``, :259) and on Transformer Engine makes ``linear_q_proj`` a
+fused RMSNorm + linear, a norm the HF model does not have. :class:`HFMLASelfAttention` resolves
+that one case as transformers computes it: a plain column-parallel ``linear_q_proj``, no q norm,
+the KV side as megatron-core resolves it.
+
 Design: docs/design.md §2.1 (DeepSeek-V3).
 """
 
 from __future__ import annotations
 
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mla_qk_norm_config import QKNormConfigResolver
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
 
 class MLADotProductAttention(DotProductAttention):
@@ -36,3 +49,30 @@ class MLADotProductAttention(DotProductAttention):
             raise ValueError(f"MLA k_channels={k_channels} must equal qk_head_dim + qk_pos_emb_head_dim = {q_head}")
         super().__init__(config, layer_number, attn_mask_type, attention_type, attention_dropout=attention_dropout,
                          softmax_scale=softmax_scale, cp_comm_type=cp_comm_type, pg_collection=pg_collection)
+
+
+class HFMLASelfAttention(MLASelfAttention):
+    """``MLASelfAttention`` that, without a query LoRA, projects the query as transformers does
+    (a plain ``linear_q_proj``, no q norm; the module docstring says why). With a query LoRA, or
+    with ``qk_layernorm`` off, megatron-core's resolution is used unchanged.
+
+    Raises:
+        RuntimeError / ValueError: as megatron-core's resolver, for the KV side's spec.
+    """
+
+    def _resolve_qk_norm_config(self, submodules):
+        if self.config.q_lora_rank is not None or not self.config.qk_layernorm:
+            return super()._resolve_qk_norm_config(submodules)
+        # the resolver's own helpers (mla_qk_norm_config.py:152-167, :209-218, :233-236, :283-292), so the
+        # KV side is exactly what megatron-core builds; only the query side differs
+        resolver = QKNormConfigResolver(self.config, submodules)
+        q_linear = submodules.linear_q_proj
+        if q_linear is None or resolver._is_fused_norm_linear(q_linear):
+            q_linear = resolver.linear_impl  # the backend's ColumnParallelLinear / TEColumnParallelLinear
+        kv_norm = submodules.kv_layernorm or IdentityOp
+        if resolver._is_trivial(kv_norm):
+            kv_up = resolver._mla_fused_linear_or_default(submodules.linear_kv_up_proj, "linear_kv_up_proj")
+        else:
+            kv_up = resolver._non_fused_or_default(submodules.linear_kv_up_proj, "linear_kv_up_proj")
+        return resolver._result(linear_q_proj=q_linear, linear_q_up_proj=IdentityOp, linear_kv_up_proj=kv_up,
+                                q_layernorm=IdentityOp, kv_layernorm=kv_norm)

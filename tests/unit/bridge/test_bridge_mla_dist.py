@@ -47,6 +47,8 @@ LAYOUTS = (("ep1", 1, 1, 1, None), ("ep2", 1, 1, 2, None), ("tp2", 2, 1, 1, None
 YARN = "yarn"  # the same model with YaRN RoPE (DeepSeek-V3's own scaling), at EP=1
 GLM = "glm"  # GLM-4.5 (tiny_glm_config), at the layouts below
 GLM_LAYOUTS = ("ep2", "tp2", "tp2_etp1", "pp2")
+NOQ = "no_q_lora"  # q_lora_rank None (DeepSeek-V2-Lite, Moonlight): one q_proj, no q norm
+NOQ_LAYOUTS = ("ep1", "tp2")
 SEQ = 16
 # the GLM checkpoint's MTP layer (num_nextn_predict_layers=1 after the 2 decoder layers): a few of its
 # tensors, which transformers does not build; import must skip them as SGLang does
@@ -77,6 +79,7 @@ def _worker(out_dir: str, cases: dict, ids: dict) -> None:
         my_ids = ids[rank] if ep > 1 else ids[0]
         names = ["v3", YARN] if layout == "ep1" else ["v3"]
         names += [GLM] if layout in GLM_LAYOUTS else []
+        names += [NOQ] if layout in NOQ_LAYOUTS else []
         for name in names:
             cfg, state = cases[name]
             model = build_gpt_model(cfg, parallel=par).eval()
@@ -151,7 +154,8 @@ def mla_results(tmp_path_factory):
     ids = {r: torch.randint(0, 250, (2, SEQ), generator=g) for r in range(2)}
     ids[0][0, 3] = 249  # the last real token id, next to the vocabulary padding rows
     cases, ref_lp, alt_lp = {}, {}, {}
-    for i, (name, cfg) in enumerate((("v3", tiny_mla_config()), (YARN, _yarn_config()), (GLM, tiny_glm_config()))):
+    for i, (name, cfg) in enumerate((("v3", tiny_mla_config()), (YARN, _yarn_config()), (GLM, tiny_glm_config()),
+                                       (NOQ, tiny_mla_config(q_lora_rank=None)))):
         hf = random_hf_model(cfg, seed=i)
         cases[name] = (cfg, hf_checkpoint_state(hf, out / name))
         for r, x in ids.items():
@@ -175,7 +179,8 @@ def mla_results(tmp_path_factory):
 
 
 def _cases():
-    return [(layout, "v3") for layout, *_ in LAYOUTS] + [("ep1", YARN)] + [(layout, GLM) for layout in GLM_LAYOUTS]
+    return ([(layout, "v3") for layout, *_ in LAYOUTS] + [("ep1", YARN)] + [(layout, GLM) for layout in GLM_LAYOUTS]
+            + [(layout, NOQ) for layout in NOQ_LAYOUTS])
 
 
 @pytest.mark.dist
@@ -219,6 +224,11 @@ def test_mla_export_is_the_hf_checkpoint_bitwise(mla_results, layout, name):
         for layer in range(2):
             for t in ("q_proj.bias", "k_proj.bias", "v_proj.bias", "q_norm.weight", "k_norm.weight"):
                 assert f"model.layers.{layer}.self_attn.{t}" in names
+        return
+    if name == NOQ:  # one query projection, no query latent and no q norm (transformers' q_proj branch)
+        for layer in range(2):
+            assert f"model.layers.{layer}.self_attn.q_proj.weight" in names
+            assert not any(n.startswith(f"model.layers.{layer}.self_attn.q_a") for n in names)
         return
     # q_a_proj is followed by kv_a_proj_with_mqa (SGLang fuses the two)
     for layer in range(2):
