@@ -91,7 +91,8 @@ def decoder_block_spec(config, model_cfg: ModelConfig, *, vp_stage: Optional[int
     megatron-core's ``get_gpt_decoder_block_spec`` (models/gpt/gpt_layer_specs.py:676), which reads
     ``config.moe_layer_freq`` and ``config.multi_latent_attention``. On the local spec the MLA
     layer is ``MLASelfAttention`` with ``ColumnParallelLinear`` down/up projections and
-    ``q_layernorm`` / ``kv_layernorm`` torch RMSNorms (gpt_layer_specs.py:413-431)."""
+    ``q_layernorm`` / ``kv_layernorm`` torch RMSNorms (gpt_layer_specs.py:413-431); every MLA layer
+    is :class:`~.mla.HFMLASelfAttention` (without a query LoRA, a plain q projection as transformers')."""
     # megatron-core here, not at the top: models/ and actor/ hold config sections, and the config loads without it
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
@@ -100,17 +101,10 @@ def decoder_block_spec(config, model_cfg: ModelConfig, *, vp_stage: Optional[int
                                        vp_stage=vp_stage, pp_rank=pp_rank)
     if config.multi_latent_attention:
         # here, not at the top: models/mla.py imports megatron-core, which the config loads without
-        from megatron.core.transformer.identity_op import IdentityOp
-
-        from .mla import HFMLASelfAttention, MLADotProductAttention
+        from .mla import use_hf_mla_attention
 
         for spec in block.layer_specs:
-            attention = spec.submodules.self_attention
-            attention.module = HFMLASelfAttention  # no query LoRA: a plain q projection, as transformers'
-            if config.q_lora_rank is None:
-                attention.submodules.q_layernorm = IdentityOp  # nothing to normalise: no q latent
-            if not use_te:  # the local DotProductAttention cannot take MLA's k/v channel sizes
-                attention.submodules.core_attention = MLADotProductAttention
+            use_hf_mla_attention(spec.submodules.self_attention, config.q_lora_rank, local_core_attention=not use_te)
     return block
 
 

@@ -76,3 +76,17 @@ class HFMLASelfAttention(MLASelfAttention):
             kv_up = resolver._non_fused_or_default(submodules.linear_kv_up_proj, "linear_kv_up_proj")
         return resolver._result(linear_q_proj=q_linear, linear_q_up_proj=IdentityOp, linear_kv_up_proj=kv_up,
                                 q_layernorm=IdentityOp, kv_layernorm=kv_norm)
+
+
+def use_hf_mla_attention(attention_spec, q_lora_rank, *, local_core_attention: bool) -> None:
+    """Point one layer's MLA self-attention ``ModuleSpec`` (megatron-core's
+    ``get_gpt_decoder_block_spec``, in place) at :class:`HFMLASelfAttention`; without a query LoRA
+    (``q_lora_rank`` None) its ``q_layernorm`` slot is emptied (there is no q latent to normalise;
+    megatron-core's resolver refuses a q norm it cannot use). ``local_core_attention``: the local
+    spec, whose ``DotProductAttention`` cannot take MLA's k/v channel sizes, gets
+    :class:`MLADotProductAttention`."""
+    attention_spec.module = HFMLASelfAttention
+    if q_lora_rank is None:
+        attention_spec.submodules.q_layernorm = IdentityOp
+    if local_core_attention:
+        attention_spec.submodules.core_attention = MLADotProductAttention
