@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from dapo_megatron.platform import spawn
-from dapo_megatron.rollout.engines.sglang_engine import http_post
+from dapo_megatron.rollout.engines.generate_stream import http_post
 from rollout_server import RolloutServer, forget_weight_update_groups, free_port, save_tiny_model
 from sglang_standin import StandIn
 
@@ -55,7 +55,7 @@ def _calls_settled(log_paths) -> list[list[str]]:
 def _probe(url, export, prompts):
     """What a server holds after a sync, read back through SGLang's API: every exported tensor's
     values (``/get_weights_by_name``), its greedy generation of ``prompts`` and its weight-update groups."""
-    from dapo_megatron.rollout.engines.sglang_engine import http_get
+    from dapo_megatron.rollout.engines.generate_stream import http_get
 
     weights = {name: http_post(url, "/get_weights_by_name", {"name": name, "truncate_size": tensor.shape[0]}, 30)
                for name, tensor in export.items()}
@@ -250,7 +250,7 @@ def test_set_members_destroys_the_old_group_on_every_server_before_forming_the_n
     one on each server (``/destroy_weights_update_group``, SGLang's endpoint), so no server keeps a
     communicator per membership change; the dropped server too, while it answers."""
     from dapo_megatron.rollout.engines.server_sync import ServerRollout
-    from dapo_megatron.rollout.engines.sglang_engine import http_get
+    from dapo_megatron.rollout.engines.generate_stream import http_get
 
     a, b = servers[0], servers[1]
     eng = ServerRollout([a.url, b.url], None, stage=0, num_stages=1, is_sender=True, device="cpu", timeout_s=20,

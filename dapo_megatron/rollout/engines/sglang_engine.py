@@ -70,7 +70,7 @@ release's wheel. Files are those of ``python/sglang/srt/`` in sglang 0.5.11 unle
   ("Cache flushed..." with 200, the failure message with 400); ``POST
   /release_memory_occupation`` / ``/resume_memory_occupation`` (``{"tags": [...]}``) →
   JSON ``null``, errors ``{"error": {"message"}}``. Request validation errors are
-  FastAPI's 422 ``{"detail": [...]}``. :func:`sglang_error_message` reads all of them.
+  FastAPI's 422 ``{"detail": [...]}``. :func:`~.generate_stream.sglang_error_message` reads all of them.
 
 Logprobs: SGLang returns the logprob of each sampled token under its processed sampling
 distribution (temperature applied; with top-p/top-k, see its ``SGLANG_RETURN_ORIGINAL_LOGPROB``
@@ -107,8 +107,8 @@ from dapo_megatron.rollout.engines.engine import (
 )
 from dapo_megatron.rollout.engines.engine_group import RolloutGroup, sync_flat_buckets
 from dapo_megatron.rollout.engines.flat_bucket import FlatBucketPacker
-# the plain HTTP calls of the control endpoints (http_get, sglang_error_message: re-exported for their users)
-from dapo_megatron.rollout.engines.generate_stream import http_get, http_post, sglang_error_message  # noqa: F401
+# the plain HTTP call of the control endpoints (generate_stream.py holds the HTTP helpers)
+from dapo_megatron.rollout.engines.generate_stream import http_post
 from dapo_megatron.rollout.engines.row_client import RowClient
 from dapo_megatron.rollout.engines.sglang_io import (
     build_generate_request,
