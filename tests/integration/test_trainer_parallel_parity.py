@@ -10,7 +10,8 @@ rollout-vs-actor logprob gap, which must stay at round-off.
 
 Each run is a torchrun of ``dapo_megatron.train`` (~1 minute): the ``first_step`` fixture
 (tests/conftest.py) runs each distinct layout once a session, so the TP=1 reference is shared by
-both tests here and by tests/unit/actor/test_shared_prompt.py (which also reuses the TP=2 run).
+both tests here and by tests/unit/actor/test_shared_prompt.py (which also reuses the TP=2 run); the two
+1-process runs (the reference and THD) run side by side, one per core.
 Each layout is checked as soon as it has run, so a planted layout bug fails within a few runs.
 """
 
@@ -39,6 +40,7 @@ LOGPROB_GAP_MAX = 1e-4
 @pytest.mark.slow
 @pytest.mark.dist
 def test_first_step_loss_and_grad_norm_match_across_layouts(first_step):
+    first_step.start(1, 1, "actor.micro_batch_layout=thd")  # both 1-process runs side by side: one per core
     ref = first_step(1, 1)
     assert ref["rollout/kept_groups"] >= 1 and ref["actor/grad_norm"] > 0
     assert ref["rollout/logprob_diff_max"] <= LOGPROB_GAP_MAX
