@@ -327,12 +327,41 @@ def tiny_llama_with_smollm2_tokenizer_dir(smollm2_gguf: tuple[str, str], out_dir
     return str(out_dir)
 
 
+_CHILD_TMPDIR_ENV = "DAPO_TESTS_CHILD_TMPDIR"  # the session's directory, for nested pytest processes to reuse
+
+
 def pytest_configure(config):
     """Adopt every orphan of the suite's processes (a killed rank's children), so that
-    :func:`pytest_sessionfinish` finds what is left among this process's children."""
+    :func:`pytest_sessionfinish` finds what is left among this process's children; and point the
+    ``TMPDIR`` of every process the suite starts at one directory of this session, removed at its
+    end (:func:`pytest_unconfigure`): torchrun's agent makes a ``torchelastic_*`` log directory it
+    never removes (torch/distributed/elastic/multiprocessing/api.py:262-277, ``tempfile.mkdtemp``),
+    and a SIGKILLed process leaves its ``pymp-*`` (multiprocessing/util.py, removed by a finalizer
+    that never runs). This process keeps the temp directory it had: ``tempfile.gettempdir()`` is
+    read (and cached) before ``TMPDIR`` changes, so pytest's own ``tmp_path`` stays where it was."""
+    import tempfile
+
     from dapo_megatron.platform import reaper
 
     reaper.set_subreaper(True)
+    tempfile.gettempdir()  # cached now: this process's temp files stay where they were
+    if os.environ.get(_CHILD_TMPDIR_ENV) is None and os.environ.get("PYTEST_XDIST_WORKER") is None:
+        config._dapo_saved_tmpdir = os.environ.get("TMPDIR")
+        os.environ[_CHILD_TMPDIR_ENV] = os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="dapo-tests-")
+
+
+def pytest_unconfigure(config):
+    """Remove the session's ``TMPDIR`` of child processes (:func:`pytest_configure`), once every
+    process of the suite has ended (:func:`pytest_sessionfinish`), and restore ``TMPDIR``."""
+    import shutil
+
+    if not hasattr(config, "_dapo_saved_tmpdir"):
+        return
+    shutil.rmtree(os.environ.pop(_CHILD_TMPDIR_ENV), ignore_errors=True)
+    if config._dapo_saved_tmpdir is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = config._dapo_saved_tmpdir
 
 
 @pytest.hookimpl(trylast=True)
