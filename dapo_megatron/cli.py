@@ -70,7 +70,7 @@ def run_tool(prog: str, main: Callable[[Optional[Sequence[str]]], object], argv:
         main(argv)
     except (InputError, FileNotFoundError, NotADirectoryError) as err:
         return report_input_error(prog, err)
-    except BaseException as err:
+    except Exception as err:  # not SystemExit (argparse's usage error): that needs no import
         if isinstance(err, input_errors() if callable(input_errors) else input_errors):
             return report_input_error(prog, err)
         raise

@@ -197,7 +197,7 @@ def quiet_third_party(on_cpu: Optional[bool] = None, environ: Optional[Mapping[s
 
 
 def _no_cuda() -> bool:
-    import torch
+    import torch  # here, not at the top: a tool's bad flag stops before anything loads torch (~1.2 s)
 
     return not torch.cuda.is_available()
 
