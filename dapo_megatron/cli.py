@@ -17,7 +17,7 @@ import math
 import os
 import sys
 import time
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 from dapo_megatron.platform.console import quiet_third_party
 
@@ -57,14 +57,23 @@ def report_input_error(prog: str, err: BaseException) -> int:
 
 
 def run_tool(prog: str, main: Callable[[Optional[Sequence[str]]], object], argv: Optional[Sequence[str]] = None,
-             input_errors: tuple[type[BaseException], ...] = ()) -> int:
+             input_errors: Union[tuple[type[BaseException], ...],
+                                 Callable[[], tuple[type[BaseException], ...]]] = ()) -> int:
     """Run a tool's ``main(argv)``; :class:`InputError`, ``FileNotFoundError`` and ``input_errors``
-    become one line and exit status 2, anything else propagates. Returns the exit status."""
+    become one line and exit status 2, anything else propagates. Returns the exit status.
+
+    ``input_errors`` may be a function returning the classes, called only when ``main`` raised
+    something else than the three above: a tool whose error classes live in modules that load torch
+    (``dapo_megatron.checkpointing``) then stops on a bad flag or path without loading torch (~1.2 s)."""
     quiet_third_party()  # the known-benign import warnings of megatron-core on CPU: one line means one line
     try:
         main(argv)
-    except (InputError, FileNotFoundError, NotADirectoryError, *input_errors) as err:
+    except (InputError, FileNotFoundError, NotADirectoryError) as err:
         return report_input_error(prog, err)
+    except Exception as err:  # not SystemExit (argparse's usage error): that needs no import
+        if isinstance(err, input_errors() if callable(input_errors) else input_errors):
+            return report_input_error(prog, err)
+        raise
     return 0
 
 

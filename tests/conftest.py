@@ -327,12 +327,41 @@ def tiny_llama_with_smollm2_tokenizer_dir(smollm2_gguf: tuple[str, str], out_dir
     return str(out_dir)
 
 
+_CHILD_TMPDIR_ENV = "DAPO_TESTS_CHILD_TMPDIR"  # the session's directory, for nested pytest processes to reuse
+
+
 def pytest_configure(config):
     """Adopt every orphan of the suite's processes (a killed rank's children), so that
-    :func:`pytest_sessionfinish` finds what is left among this process's children."""
+    :func:`pytest_sessionfinish` finds what is left among this process's children; and point the
+    ``TMPDIR`` of every process the suite starts at one directory of this session, removed at its
+    end (:func:`pytest_unconfigure`): torchrun's agent makes a ``torchelastic_*`` log directory it
+    never removes (torch/distributed/elastic/multiprocessing/api.py:262-277, ``tempfile.mkdtemp``),
+    and a SIGKILLed process leaves its ``pymp-*`` (multiprocessing/util.py, removed by a finalizer
+    that never runs). This process keeps the temp directory it had: ``tempfile.gettempdir()`` is
+    read (and cached) before ``TMPDIR`` changes, so pytest's own ``tmp_path`` stays where it was."""
+    import tempfile
+
     from dapo_megatron.platform import reaper
 
     reaper.set_subreaper(True)
+    tempfile.gettempdir()  # cached now: this process's temp files stay where they were
+    if os.environ.get(_CHILD_TMPDIR_ENV) is None and os.environ.get("PYTEST_XDIST_WORKER") is None:
+        config._dapo_saved_tmpdir = os.environ.get("TMPDIR")
+        os.environ[_CHILD_TMPDIR_ENV] = os.environ["TMPDIR"] = tempfile.mkdtemp(prefix="dapo-tests-")
+
+
+def pytest_unconfigure(config):
+    """Remove the session's ``TMPDIR`` of child processes (:func:`pytest_configure`), once every
+    process of the suite has ended (:func:`pytest_sessionfinish`), and restore ``TMPDIR``."""
+    import shutil
+
+    if not hasattr(config, "_dapo_saved_tmpdir"):
+        return
+    shutil.rmtree(os.environ.pop(_CHILD_TMPDIR_ENV), ignore_errors=True)
+    if config._dapo_saved_tmpdir is None:
+        os.environ.pop("TMPDIR", None)
+    else:
+        os.environ["TMPDIR"] = config._dapo_saved_tmpdir
 
 
 @pytest.hookimpl(trylast=True)
@@ -516,11 +545,11 @@ FIRST_STEP = (
 )
 
 
-def run_first_step(run_dir, model_dir: str, tp: int, pp: int, dp: int, extra: tuple[str, ...]) -> dict:
-    """``python -m torch.distributed.run -m dapo_megatron.train`` of the main job's config on
+def start_first_step(run_dir, model_dir: str, tp: int, pp: int, dp: int, extra: tuple[str, ...]):
+    """Start ``python -m torch.distributed.run -m dapo_megatron.train`` of the main job's config on
     ``model_dir`` (an HF directory) for one step at TP ``tp`` × PP ``pp`` × DP ``dp``, with the
-    overrides ``extra``; returns the step's metrics row."""
-    import json
+    overrides ``extra``, its output into ``<run_dir>.log``; returns the process for
+    :func:`finish_first_step`."""
     import subprocess
     import sys
 
@@ -530,11 +559,64 @@ def run_first_step(run_dir, model_dir: str, tp: int, pp: int, dp: int, extra: tu
            f"parallel.tensor_model_parallel_size={tp}", f"parallel.pipeline_model_parallel_size={pp}",
            *FIRST_STEP, *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    with open(f"{run_dir}.log", "w") as log:
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+
+def finish_first_step(proc, run_dir, timeout_s: float = 1200) -> dict:
+    """Wait for a :func:`start_first_step` run (killed after ``timeout_s``); its step's metrics row."""
+    import json
+    import subprocess
+
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    with open(f"{run_dir}.log", errors="replace") as f:
+        assert proc.returncode == 0, f.read()[-6000:]
     with open(os.path.join(str(run_dir), "metrics.jsonl")) as f:
         (row,) = [json.loads(line) for line in f]
     return row
+
+
+def run_first_step(run_dir, model_dir: str, tp: int, pp: int, dp: int, extra: tuple[str, ...]) -> dict:
+    """:func:`start_first_step` and :func:`finish_first_step`: the step's metrics row."""
+    return finish_first_step(start_first_step(run_dir, model_dir, tp, pp, dp, extra), run_dir)
+
+
+class FirstSteps:
+    """The ``first_step`` fixture: ``first_step(tp, pp, *overrides, dp=1)`` is the metrics row of the
+    main job's first step at that layout, run once a session per distinct ``(tp, pp, dp, overrides)``;
+    ``first_step.start(...)`` launches one in the background (a 1-process run leaves the second core
+    idle: two of them side by side take the time of one), and the next call with the same arguments
+    waits for it."""
+
+    def __init__(self, model_dir: str, root):
+        self.model_dir, self.root = model_dir, root
+        self.rows: dict[tuple, dict] = {}
+        self.running: dict[tuple, tuple] = {}
+
+    def start(self, tp: int, pp: int, *extra: str, dp: int = 1) -> None:
+        key = (tp, pp, dp, *extra)
+        if key not in self.rows and key not in self.running:
+            run_dir = self.root / f"run{len(self.rows) + len(self.running)}"
+            self.running[key] = (start_first_step(run_dir, self.model_dir, tp, pp, dp, tuple(extra)), run_dir)
+
+    def __call__(self, tp: int, pp: int, *extra: str, dp: int = 1) -> dict:
+        key = (tp, pp, dp, *extra)
+        if key not in self.rows:
+            self.start(tp, pp, *extra, dp=dp)
+            proc, run_dir = self.running.pop(key)
+            self.rows[key] = finish_first_step(proc, run_dir)
+        return dict(self.rows[key])
+
+    def close(self) -> None:
+        """End what was started and never waited for (a test that failed first)."""
+        for proc, _ in self.running.values():
+            proc.kill()
+            proc.wait()
+        self.running.clear()
 
 
 @pytest.fixture(scope="session")
@@ -543,16 +625,10 @@ def first_step(smollm2_hf_dir, tmp_path_factory):
     (:data:`FIRST_STEP`) on SmolLM2-135M at that layout, run once a session per distinct
     ``(tp, pp, dp, overrides)`` (the key: the whole command line's variable part) and shared by
     every test that asks for the same run (the TP=1 reference serves the layout parity, the
-    rollout-TP and the shared-prompt tests). The model is the de-quantised HF directory
+    rollout-TP and the shared-prompt tests); ``first_step.start(...)`` runs one alongside
+    (:class:`FirstSteps`). The model is the de-quantised HF directory
     (``smollm2_hf_dir``: the GGUF's weights bit for bit, tests/integration/test_convert.py), so a
     run does not convert the GGUF tokenizer and weights on every rank again."""
-    cache: dict[tuple, dict] = {}
-    root = tmp_path_factory.mktemp("first_step")
-
-    def run(tp: int, pp: int, *extra: str, dp: int = 1) -> dict:
-        key = (tp, pp, dp, *extra)
-        if key not in cache:
-            cache[key] = run_first_step(root / f"run{len(cache)}", smollm2_hf_dir, tp, pp, dp, tuple(extra))
-        return dict(cache[key])
-
-    return run
+    runs = FirstSteps(smollm2_hf_dir, tmp_path_factory.mktemp("first_step"))
+    yield runs
+    runs.close()

@@ -185,9 +185,12 @@ def convert(argv=None) -> None:
 
 def main(argv=None) -> int:
     """:func:`convert`; bad input is one line and exit status 2 (:mod:`dapo_megatron.cli`)."""
-    from dapo_megatron.checkpointing import CheckpointError
+    def input_errors():  # imported only when convert() raised: a bad flag never loads torch (~1.2 s)
+        from dapo_megatron.checkpointing import CheckpointError
 
-    return run_tool(PROG, convert, argv, (CheckpointError,))
+        return (CheckpointError,)
+
+    return run_tool(PROG, convert, argv, input_errors)
 
 
 if __name__ == "__main__":

@@ -240,11 +240,11 @@ def resolve_model(model: str, gguf_file: Optional[str], workdir: str) -> tuple[s
             truncated checkpoint file (named).
         RuntimeError: the conversion failed (its output is included).
     """
+    if not os.path.isdir(model):  # before the imports below (torch): a mistyped path stops at once
+        raise FileNotFoundError(f"--model {model!r} is not a directory (HF / GGUF dir or Megatron checkpoint)")
     from dapo_megatron.checkpointing import check_model_checkpoint, is_run_dir, latest_checkpoint_dir
     from dapo_megatron.cli import InputError
 
-    if not os.path.isdir(model):
-        raise FileNotFoundError(f"--model {model!r} is not a directory (HF / GGUF dir or Megatron checkpoint)")
     if is_run_dir(model) and not os.path.isfile(os.path.join(model, "config.json")):
         model = latest_checkpoint_dir(model)
         _log(f"run directory: evaluating its latest checkpoint, {model}")
@@ -399,12 +399,6 @@ def evaluate(cfg: EvalConfig) -> tuple[dict[str, float], list[dict]]:
     Raises:
         see :func:`resolve_model`, :func:`~dapo_megatron.data.dataset.load_prompt_dataset`.
     """
-    from dapo_megatron.data.dataset import load_prompt_dataset
-    from dapo_megatron.metrics import compute_val_metrics
-    from dapo_megatron.rewards import RewardPool
-    from dapo_megatron.rollout.engines.engine import SamplingParams
-    from dapo_megatron.rollout.engines.factory import build_engine, load_tokenizer
-
     cfg.validate()
     workdir = tempfile.mkdtemp(prefix="dapo_eval_")
     try:
@@ -414,6 +408,13 @@ def evaluate(cfg: EvalConfig) -> tuple[dict[str, float], list[dict]]:
         else:
             workdir_model = workdir
         hf_dir, gguf_file = resolve_model(cfg.model, cfg.gguf_file, workdir_model)
+        # torch and transformers (~8 s) once the model is known to exist
+        from dapo_megatron.data.dataset import load_prompt_dataset
+        from dapo_megatron.metrics import compute_val_metrics
+        from dapo_megatron.rewards import RewardPool
+        from dapo_megatron.rollout.engines.engine import SamplingParams
+        from dapo_megatron.rollout.engines.factory import build_engine, load_tokenizer
+
         tokenizer = load_tokenizer(hf_dir, gguf_file)
         dataset = load_prompt_dataset(cfg.data, tokenizer, cfg.max_prompt_length)
         prompts = group_prompts(dataset.records, cfg.dedup, cfg.max_prompts)
@@ -507,15 +508,19 @@ def run(cfg: EvalConfig) -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """:func:`run`; bad input (a flag out of range, a missing / damaged model or checkpoint, a bad
     dataset) is one line and exit status 2 (:mod:`dapo_megatron.cli`). Returns the exit status."""
-    from dapo_megatron.checkpointing import CheckpointError
     from dapo_megatron.cli import report_input_error, run_tool
-    from dapo_megatron.data import DatasetError
+
+    def input_errors():  # imported only when run() raised: a bad flag or path never loads torch (~1.2 s)
+        from dapo_megatron.checkpointing import CheckpointError
+        from dapo_megatron.data import DatasetError
+
+        return CheckpointError, DatasetError
 
     try:
         cfg = parse_args(argv)
     except ValueError as err:  # EvalConfig.validate: a flag out of its range
         return report_input_error(PROG, err)
-    return run_tool(PROG, lambda _: run(cfg), None, (CheckpointError, DatasetError))
+    return run_tool(PROG, lambda _: run(cfg), None, input_errors)
 
 
 if __name__ == "__main__":  # an entry point keeps the guard (docs/design.md §5.2)

@@ -14,19 +14,25 @@ hides exactly
 Every other warning and log record is printed as usual. ``DAPO_SHOW_WARNINGS=1`` in the
 environment turns the filtering off, so the hidden lines are printed again.
 
+This module does not import torch: a command-line tool installs the filters first and may stop
+on bad input before it ever loads torch (~1.2 s a process). Until torch is imported the
+``cpu_only`` entries, which need ``torch.cuda.is_available()``, wait for it (an import hook that
+installs them as soon as ``import torch`` has run, before anything imports megatron-core).
+
 Design: docs/design.md §5 (megatron-core on CPU: the warnings it prints there).
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import logging
 import os
 import re
+import sys
 import warnings
 from dataclasses import dataclass
-from typing import Mapping, Optional
-
-import torch
+from typing import Callable, Mapping, Optional
 
 SHOW_WARNINGS_ENV = "DAPO_SHOW_WARNINGS"
 
@@ -165,7 +171,9 @@ def quiet_third_party(on_cpu: Optional[bool] = None, environ: Optional[Mapping[s
 
     Args:
         on_cpu: whether this machine has no CUDA (default: ``not torch.cuda.is_available()``);
-            decides the ``cpu_only`` entries.
+            decides the ``cpu_only`` entries. Left ``None`` in a process that has not imported
+            torch yet, the ``cpu_only`` entries are installed right after its ``import torch``
+            (:class:`_AfterTorchImport`), so this call does not load torch.
         environ: the environment to read ``DAPO_SHOW_WARNINGS`` from (default ``os.environ``).
 
     Returns:
@@ -173,21 +181,81 @@ def quiet_third_party(on_cpu: Optional[bool] = None, environ: Optional[Mapping[s
     """
     if show_warnings(environ):
         return False
-    if on_cpu is None:
-        on_cpu = not torch.cuda.is_available()
-    for w in KNOWN_BENIGN_WARNINGS:
-        if on_cpu or not w.cpu_only:
-            warnings.filterwarnings("ignore", message=w.message, category=w.category, module=w.module)
-    by_logger: dict[str, list[str]] = {}
-    for r in KNOWN_BENIGN_LOG_RECORDS:
-        if on_cpu or not r.cpu_only:
-            by_logger.setdefault(r.logger, []).append(r.message)
-    for name, patterns in by_logger.items():
-        logger = logging.getLogger(name)
-        if not any(isinstance(f, _DropRecords) for f in logger.filters):  # idempotent
-            logger.addFilter(_DropRecords(patterns))
+    _install(lambda entry: not entry.cpu_only)
+    if on_cpu is None and "torch" not in sys.modules:
+        _AfterTorchImport.arm(_install_cpu_only)
+    else:
+        if on_cpu is None:
+            on_cpu = _no_cuda()
+        if on_cpu:
+            _install(lambda entry: entry.cpu_only)
     for name in QUIET_LOGGERS:
         logger = logging.getLogger(name)
         if logger.level < logging.WARNING:  # NOTSET (inherit the root's INFO) included
             logger.setLevel(logging.WARNING)
     return True
+
+
+def _no_cuda() -> bool:
+    import torch  # here, not at the top: a tool's bad flag stops before anything loads torch (~1.2 s)
+
+    return not torch.cuda.is_available()
+
+
+def _install_cpu_only() -> None:
+    if _no_cuda():
+        _install(lambda entry: entry.cpu_only)
+
+
+def _install(selected: Callable[[object], bool]) -> None:
+    """The warning filters and log-record filters of the entries ``selected`` picks."""
+    for w in KNOWN_BENIGN_WARNINGS:
+        if selected(w):
+            warnings.filterwarnings("ignore", message=w.message, category=w.category, module=w.module)
+    by_logger: dict[str, list[str]] = {}
+    for r in KNOWN_BENIGN_LOG_RECORDS:
+        if selected(r):
+            by_logger.setdefault(r.logger, []).append(r.message)
+    for name, patterns in by_logger.items():
+        logger = logging.getLogger(name)
+        drop = _DropRecords(patterns)
+        if not any(isinstance(f, _DropRecords) and f.pattern.pattern == drop.pattern.pattern
+                   for f in logger.filters):  # idempotent
+            logger.addFilter(drop)
+
+
+class _AfterTorchImport(importlib.abc.MetaPathFinder):
+    """A ``sys.meta_path`` entry that runs a callback once, right after the module ``torch`` has been
+    executed (its ``exec_module``; the import system's PEP 451 protocol). It finds nothing itself: on
+    the first ``import torch`` it leaves ``sys.meta_path`` and wraps the loader of the spec the other
+    finders return. At most one is armed at a time (the callback of the last :meth:`arm` runs)."""
+
+    _armed: Optional["_AfterTorchImport"] = None
+
+    def __init__(self, callback: Callable[[], None]):
+        self.callback = callback
+
+    @classmethod
+    def arm(cls, callback: Callable[[], None]) -> None:
+        if cls._armed is not None and cls._armed in sys.meta_path:
+            cls._armed.callback = callback
+            return
+        cls._armed = cls(callback)
+        sys.meta_path.insert(0, cls._armed)
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != "torch":
+            return None
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)  # the other finders (torch is not in sys.modules yet)
+        if spec is None or isinstance(spec.loader, (type(None), type)) or not hasattr(spec.loader, "exec_module"):
+            return spec  # no loader of its own to wrap (a class-level importer): nothing deferred
+        exec_module, callback = spec.loader.exec_module, self.callback
+
+        def exec_then_callback(module):
+            exec_module(module)
+            callback()
+
+        spec.loader.exec_module = exec_then_callback
+        return spec

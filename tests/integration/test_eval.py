@@ -143,10 +143,37 @@ def _brute_pass_at_k(accs: list[int], k: int) -> float:
     return sum(any(accs[i] for i in s) for s in subsets) / len(subsets)
 
 
-def _run_eval(args: list[str]) -> tuple[dict, list[dict]]:
-    out_path = args[args.index("--output") + 1]
+def _start_eval(args: list[str], log_dir) -> tuple[subprocess.Popen, list[str], str]:
+    """``tools/eval.py args`` started, its stdout and stderr into files of ``log_dir`` (for
+    :func:`_finish_eval`: an eval can run while the test does something else)."""
     env = {**os.environ, "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, EVAL, *args], capture_output=True, text=True, env=env, timeout=600)
+    base = os.path.join(str(log_dir), os.path.basename(args[args.index("--output") + 1]))
+    with open(base + ".stdout", "w") as out, open(base + ".stderr", "w") as err:
+        return subprocess.Popen([sys.executable, EVAL, *args], stdout=out, stderr=err, text=True, env=env), args, base
+
+
+def _finish_eval(started: tuple[subprocess.Popen, list[str], str]) -> tuple[dict, list[dict]]:
+    proc, args, base = started
+    try:
+        proc.wait(timeout=600)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    proc = subprocess.CompletedProcess(proc.args, proc.returncode, open(base + ".stdout").read(),
+                                       open(base + ".stderr").read())
+    return _eval_result(proc, args)
+
+
+def _run_eval(args: list[str]) -> tuple[dict, list[dict]]:
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    return _eval_result(subprocess.run([sys.executable, EVAL, *args], capture_output=True, text=True, env=env,
+                                       timeout=600), args)
+
+
+def _eval_result(proc: subprocess.CompletedProcess, args: list[str]) -> tuple[dict, list[dict]]:
+    """The metrics line and the ``--output`` records of a finished eval, checked: exit 0, stdout is
+    exactly the metrics line, the closing table's "all" row holds the metrics."""
+    out_path = args[args.index("--output") + 1]
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = proc.stdout.strip().splitlines()
     assert len(lines) == 1, proc.stdout  # stdout is exactly the metrics line
@@ -220,12 +247,19 @@ def test_eval_megatron_checkpoint_equals_its_hf_source(tiny_llama_with_smollm2_t
     SmolLM2's tokenizer (vocab 49,152) keeps it fast."""
     hf_dir = tiny_llama_with_smollm2_tokenizer
     ckpt = tmp_path / "tiny_megatron"
-    proc = subprocess.run([sys.executable, TO_MEGATRON, "--hf", hf_dir, "--out", str(ckpt)],
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
     common = ["--data", arithmetic_file, "--n", "2", "--max-new-tokens", "6", "--max-prompts", "3",
               "--num-workers", "1", "--seed", "11"]
-    m_hf, r_hf = _run_eval(["--model", hf_dir, *common, "--output", str(tmp_path / "hf.jsonl")])
+    # the HF model's eval does not need the conversion: it runs alongside it (one process each, one per core)
+    hf_eval = _start_eval(["--model", hf_dir, *common, "--output", str(tmp_path / "hf.jsonl")], tmp_path)
+    try:
+        proc = subprocess.run([sys.executable, TO_MEGATRON, "--hf", hf_dir, "--out", str(ckpt)],
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    except BaseException:
+        hf_eval[0].kill()  # its grader worker follows its parent (rewards/worker.py --parent-pid)
+        hf_eval[0].wait()
+        raise
+    m_hf, r_hf = _finish_eval(hf_eval)
     m_mg, r_mg = _run_eval(["--model", str(ckpt), *common, "--output", str(tmp_path / "mg.jsonl")])
     assert [r["rows"] for r in r_mg] == [[0], [1], [2]]  # no --dedup: one prompt per row
     assert [r["responses"] for r in r_mg] == [r["responses"] for r in r_hf]

@@ -160,6 +160,14 @@ def gsm8k_with_broken_row(tmp_path_factory):
     return str(out)
 
 
+def _hf_copy(smollm2_hf_dir: str) -> tuple[str, str]:
+    """SmolLM2 from the session's de-quantised HF copy (tests/conftest.py: the GGUF's weights and
+    tokenizer bit for bit, tests/integration/test_convert.py) instead of the README's GGUF, which a
+    run converts again (tokenizer ~9 s, weights ~30 s); the trainer's GGUF path runs end to end in
+    tests/integration/test_server_sync.py."""
+    return f"model.hf_path={smollm2_hf_dir}", "model.gguf_file=null"
+
+
 GSM8K_STEP = [
     "parallel.tensor_model_parallel_size=1", "trainer.total_training_steps=1", "trainer.save_freq=-1",
     "trainer.test_freq=-1", "buffer.train_batch_size=2", "buffer.gen_batch_size=2",
@@ -170,8 +178,8 @@ GSM8K_STEP = [
 
 
 @pytest.mark.slow
-def test_broken_row_stops_the_run_with_its_index(gsm8k_with_broken_row, smollm2_gguf, tmp_path):
-    out = _cli("--config", CPU_YAML, f"model.hf_path={smollm2_gguf[0]}", f"trainer.default_local_dir={tmp_path}",
+def test_broken_row_stops_the_run_with_its_index(gsm8k_with_broken_row, smollm2_hf_dir, tmp_path):
+    out = _cli("--config", CPU_YAML, *_hf_copy(smollm2_hf_dir), f"trainer.default_local_dir={tmp_path}",
                f"data.train_files=[{gsm8k_with_broken_row}]", f"data.val_files=[{gsm8k_with_broken_row}]",
                *GSM8K_STEP)
     assert out.returncode == 2
@@ -182,14 +190,14 @@ def test_broken_row_stops_the_run_with_its_index(gsm8k_with_broken_row, smollm2_
 
 @pytest.mark.slow
 def test_converted_gsm8k_data_path_runs_a_zero_advantage_step_skipping_and_counting_the_broken_row(
-        gsm8k_with_broken_row, smollm2_gguf, tmp_path):
+        gsm8k_with_broken_row, smollm2_hf_dir, tmp_path):
     """Data handling only: a converted GSM8K file goes through rollout, the openai/gsm8k grader,
     the buffer and an optimizer step, but every group is constant (24 tokens never reach the
     answer), so the advantages and the gradient are exactly 0; the DAPO update itself is
     tested on groups with a gradient by test_trainer_e2e and test_trainer_parallel_parity."""
     from mlflow.tracking import MlflowClient
 
-    out = _cli("--config", CPU_YAML, f"model.hf_path={smollm2_gguf[0]}", f"trainer.default_local_dir={tmp_path}",
+    out = _cli("--config", CPU_YAML, *_hf_copy(smollm2_hf_dir), f"trainer.default_local_dir={tmp_path}",
                f"data.train_files=[{gsm8k_with_broken_row}]", f"data.val_files=[{gsm8k_with_broken_row}]",
                "data.skip_invalid_rows=true", *GSM8K_STEP)
     assert out.returncode == 0, out.stderr[-3000:]

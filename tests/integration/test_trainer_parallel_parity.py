@@ -10,7 +10,9 @@ rollout-vs-actor logprob gap, which must stay at round-off.
 
 Each run is a torchrun of ``dapo_megatron.train`` (~1 minute): the ``first_step`` fixture
 (tests/conftest.py) runs each distinct layout once a session, so the TP=1 reference is shared by
-both tests here and by tests/unit/actor/test_shared_prompt.py (which also reuses the TP=2 run).
+both tests here and by tests/unit/actor/test_shared_prompt.py (which also reuses the TP=2 run); the
+1-process runs (the reference, THD and, when the rollout-TP test is selected, its streamed reference) run
+side by side, where the 2-process ones each fill both cores.
 Each layout is checked as soon as it has run, so a planted layout bug fails within a few runs.
 """
 
@@ -34,11 +36,17 @@ REL_BOUND = 1e-5
 # The engine holds the actor's weights at the first step (fp32 HF engine): its logprobs and the
 # actor's differ by round-off only (tests/integration/test_trainer_e2e.py measured 2.6e-5).
 LOGPROB_GAP_MAX = 1e-4
+# the streamed rollout's overrides (the rollout-TP test)
+STREAMED = ("rollout.streaming=true", "rollout.stream_poll_tokens=4", "buffer.on_cap=train_on_kept")
 
 
 @pytest.mark.slow
 @pytest.mark.dist
-def test_first_step_loss_and_grad_norm_match_across_layouts(first_step):
+def test_first_step_loss_and_grad_norm_match_across_layouts(first_step, request):
+    first_step.start(1, 1, "actor.micro_batch_layout=thd")  # both 1-process runs side by side: one per core
+    if any(item.name == test_rollout_tensor_parallel_groups_sample_the_same_rollout.__name__
+           for item in request.session.items):  # its 1-process reference too: 3 runs on 2 cores take 1.5 runs' time
+        first_step.start(1, 1, *STREAMED)
     ref = first_step(1, 1)
     assert ref["rollout/kept_groups"] >= 1 and ref["actor/grad_norm"] > 0
     assert ref["rollout/logprob_diff_max"] <= LOGPROB_GAP_MAX
@@ -84,10 +92,9 @@ def test_rollout_tensor_parallel_groups_sample_the_same_rollout(first_step):
     # streamed (issue 20): the leader's engine runs every group; records are replicated each round,
     # the tokens stay with the leader until the plan sends DP rank 1 its half. The HF engine's
     # rounds are token counts, so the streamed rollout equals one engine in a world of one
-    streamed = ["rollout.streaming=true", "rollout.stream_poll_tokens=4", "buffer.on_cap=train_on_kept"]
-    ref = first_step(1, 1, *streamed)
+    ref = first_step(1, 1, *STREAMED)
     assert ref["rollout/rounds"] > 1 and ref["rollout/kept_groups"] >= 1
-    got = first_step(1, 1, "rollout.tensor_model_parallel_size=2", *streamed, dp=2)
+    got = first_step(1, 1, "rollout.tensor_model_parallel_size=2", *STREAMED, dp=2)
     for key in (*ROLLOUT_KEYS, "rollout/rounds", "rollout/prompts_submitted", "rollout/aborted_rows",
                 "rollout/aborted_tokens", "rollout/keep_rate", "rollout/partial_out", "train/response_length_mean"):
         assert got[key] == ref[key], (key, got[key], ref[key])

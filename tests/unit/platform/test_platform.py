@@ -315,6 +315,7 @@ def test_console_filters_match_megatron_core_at_import():
         if sys.argv[1] == "quiet":
             from dapo_megatron.platform.console import quiet_third_party
             quiet_third_party()
+            assert "torch" not in sys.modules  # the CPU-only filters wait for torch's import (a tool's bad flag never loads it)
         import megatron.core.optimizer, megatron.core.models.gpt.gpt_layer_specs, megatron.core.hyper_comm_grid
         from megatron.core.transformer import TransformerConfig
         TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
