@@ -196,7 +196,7 @@ class Sandbox:
         self.config = config or SandboxConfig()
         self.config.validate()
         python = self.config.python or sys.executable
-        self.python, self._python_dirs = _interpreter_paths(python)
+        self.python, self.python_dirs = _interpreter_paths(python)
         bwrap = shutil.which(self.config.bwrap)
         if bwrap is None and not self.config.allow_unsandboxed:
             raise SandboxUnavailable(
@@ -212,6 +212,11 @@ class Sandbox:
                     f"bwrap ({bwrap}) cannot start a sandbox on this machine ({probe.kind}: {probe.detail}; "
                     f"output {probe.output[:500]!r}); on a host that forbids user namespaces run as root or set "
                     "sandbox.allow_unsandboxed=true (development only)")
+
+    python: str
+    """real path of the interpreter that runs the programs."""
+    python_dirs: list[str]
+    """the directories of that interpreter bound read-only into the sandbox (its prefixes)."""
 
     @property
     def sandboxed(self) -> bool:
@@ -243,7 +248,7 @@ class Sandbox:
                 fds_to_close.remove(seccomp_w)
                 argv = [self.bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
                 argv += _system_binds()
-                for d in self._python_dirs:
+                for d in self.python_dirs:
                     argv += ["--ro-bind", d, d]
                 argv += ["--dev", "/dev", "--size", str(cfg.tmp_size_mb << 20), "--tmpfs", "/tmp",
                          "--remount-ro", "/", "--chdir", "/tmp", "--clearenv"]
@@ -284,35 +289,44 @@ class Sandbox:
         except OSError:  # the sandbox died at start; its message is on stdout
             pass
         output = bytearray()
+        status = _BwrapStatus(status_r)
         verdict = None  # "timeout" / "output_truncated" when the caller killed it
         fd = process.stdout.fileno()
-        with selectors.DefaultSelector() as selector:
-            selector.register(fd, selectors.EVENT_READ)
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
+        try:
+            with selectors.DefaultSelector() as selector:
+                selector.register(fd, selectors.EVENT_READ)
+                if status_r is not None:
+                    selector.register(status_r, selectors.EVENT_READ)
+                while True:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        verdict = "timeout"
+                        break
+                    ready = [key.fd for key, _ in selector.select(left)]
+                    if status_r in ready and not status.read():
+                        selector.unregister(status_r)
+                    if fd not in ready:
+                        continue
+                    chunk = os.read(fd, 1 << 16)
+                    if not chunk:
+                        break
+                    room = cfg.output_limit_bytes - len(output)
+                    output += chunk[:room]
+                    if len(chunk) > room:
+                        verdict = "output_truncated"
+                        break
+            if verdict is None:
+                try:
+                    process.wait(timeout=max(deadline - time.monotonic(), 0.0))
+                except subprocess.TimeoutExpired:  # closed its output but still runs
                     verdict = "timeout"
-                    break
-                if not selector.select(left):
-                    continue
-                chunk = os.read(fd, 1 << 16)
-                if not chunk:
-                    break
-                room = cfg.output_limit_bytes - len(output)
-                output += chunk[:room]
-                if len(chunk) > room:
-                    verdict = "output_truncated"
-                    break
-        if verdict is None:
-            try:
-                process.wait(timeout=max(deadline - time.monotonic(), 0.0))
-            except subprocess.TimeoutExpired:  # closed its output but still runs
-                verdict = "timeout"
-        if verdict is not None or self.bwrap is None:  # unsandboxed: also whatever the program left behind
-            self._kill(process)
-        wall_s = time.monotonic() - started
-        process.stdout.close()
-        status = self._status(status_r)
+            if verdict is not None or self.bwrap is None:  # unsandboxed: also whatever the program left behind
+                self._kill(process, status)
+            wall_s = time.monotonic() - started
+            status.read()
+        finally:
+            process.stdout.close()
+            status.close()
         text = output.decode("utf-8", "replace")
         if verdict == "timeout":
             return SandboxResult(text, "timeout", wall_s, None, f"wall time over {cfg.wall_timeout_s:g} s", call_id)
@@ -320,11 +334,11 @@ class Sandbox:
             return SandboxResult(text, "output_truncated", wall_s, None,
                                  f"output over {cfg.output_limit_bytes} bytes", call_id)
         code_ = process.returncode
-        if status_r is not None and "child-pid" not in status:  # bwrap failed before starting the program
+        if status_r is not None and "child-pid" not in status.fields:  # bwrap failed before starting the program
             return SandboxResult(text, "sandbox_error", wall_s, code_, f"bwrap exited {code_} before the program ran",
                                  call_id)
-        if status_r is not None and "exit-code" in status:
-            code_ = status["exit-code"]
+        if "exit-code" in status.fields:
+            code_ = status.fields["exit-code"]
         elif code_ < 0:  # unsandboxed: Popen reports signal N as -N
             code_ = 128 - code_
         if code_ == 0:
@@ -341,9 +355,26 @@ class Sandbox:
         return SandboxResult(text, "nonzero_exit", wall_s, code_, f"exit {code_}", call_id)
 
     @staticmethod
-    def _kill(process: subprocess.Popen) -> None:
-        """SIGKILL the sandbox's process group (bwrap and, unsandboxed, the program); the pid
-        namespace's init dies with it, and the kernel kills everything left in the namespace."""
+    def _kill(process: subprocess.Popen, status: _BwrapStatus) -> None:
+        """Kill the sandbox and return once nothing of it is left.
+
+        Sandboxed, SIGKILL goes to the pid namespace's init (bwrap's pid 1): the kernel then kills
+        every process in the namespace and waits until they are reaped before the init is gone
+        (kernel/pid_namespace.c, ``zap_pid_ns_processes``), and the outer bwrap exits only after
+        reaping the init, so ``process.wait`` returning means no process of the call remains.
+        Killing the outer bwrap instead would leave the namespace's teardown running after the
+        call returned. Without an init (unsandboxed, or bwrap still setting up) the process group
+        is killed."""
+        if status.init_pidfd is not None:
+            try:
+                signal.pidfd_send_signal(status.init_pidfd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            try:
+                process.wait(timeout=10)
+                return
+            except subprocess.TimeoutExpired:
+                pass
         try:
             os.killpg(process.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -353,23 +384,50 @@ class Sandbox:
         except subprocess.TimeoutExpired:  # D state: do not hang the rollout
             pass
 
-    @staticmethod
-    def _status(status_r: int | None) -> dict:
-        """bwrap's ``--json-status-fd`` messages merged into one dict (empty unsandboxed)."""
-        if status_r is None:
-            return {}
-        data = bytearray()
-        while chunk := os.read(status_r, 1 << 16):
-            data += chunk
-        merged = {}
-        for part in data.decode("utf-8", "replace").replace("}{", "}\n{").splitlines():
-            part = part.strip()
-            if part:
+
+class _BwrapStatus:
+    """bwrap's ``--json-status-fd`` stream (one JSON object a line): ``child-pid`` (the pid
+    namespace's init, as this process sees it) when the sandbox is set up, ``exit-code`` at the
+    end. Holds a pidfd of the init from the moment it is reported, so a kill can never reach a
+    recycled pid."""
+
+    def __init__(self, fd: int | None):
+        self.fd = fd
+        self.fields: dict = {}
+        self.init_pidfd: int | None = None
+        self._buffer = bytearray()
+        if fd is not None:
+            os.set_blocking(fd, False)
+
+    def read(self) -> bool:
+        """Consume what is readable now; False at end of stream (or without a stream)."""
+        if self.fd is None:
+            return False
+        while True:
+            try:
+                chunk = os.read(self.fd, 1 << 16)
+            except BlockingIOError:
+                return True
+            if not chunk:
+                return False
+            self._buffer += chunk
+            *lines, rest = self._buffer.split(b"\n")
+            self._buffer = bytearray(rest)
+            for line in lines:
                 try:
-                    merged.update(json.loads(part))
-                except json.JSONDecodeError:
-                    pass
-        return merged
+                    self.fields.update(json.loads(line))
+                except ValueError:
+                    continue
+                if "child-pid" in self.fields and self.init_pidfd is None:
+                    try:
+                        self.init_pidfd = os.pidfd_open(self.fields["child-pid"])
+                    except ProcessLookupError:  # already gone: nothing to kill
+                        pass
+
+    def close(self) -> None:
+        if self.init_pidfd is not None:
+            os.close(self.init_pidfd)
+            self.init_pidfd = None
 
 
 class SandboxPool:
