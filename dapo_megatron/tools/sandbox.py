@@ -129,17 +129,11 @@ class SandboxResult:
     call_id: str
 
 
-# Runs first inside the sandbox (argv: address-space bytes, CPU seconds, file-size bytes): reads
-# the program from stdin into ./main.py, closes stdin, sets the limits, then execs a fresh
-# interpreter on main.py so tracebacks show the program's own lines and nothing of this script.
+# Runs first inside the sandbox, in the directory that holds main.py (argv: address-space bytes,
+# CPU seconds, file-size bytes): sets the limits, then execs a fresh interpreter on main.py, so
+# tracebacks show the program's own lines and nothing of this launcher.
 _BOOTSTRAP = r"""
 import os, resource, sys
-code = sys.stdin.buffer.read()
-with open("main.py", "wb") as f:
-    f.write(code)
-null = os.open(os.devnull, os.O_RDONLY)
-os.dup2(null, 0)
-os.close(null)
 as_bytes, cpu_s, fsize = (int(a) for a in sys.argv[1:4])
 resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
 resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
@@ -147,6 +141,19 @@ resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))
 resource.setrlimit(resource.RLIMIT_AS, (as_bytes, as_bytes))
 os.execv(sys.executable, [sys.executable, "-I", "-B", "main.py"])
 """
+
+
+def _memfd(name: str, data: bytes) -> int:
+    """A memory file holding ``data``, offset 0, for bwrap to read (no pipe buffer to fill)."""
+    fd = os.memfd_create(name)
+    try:
+        os.write(fd, data)
+        os.lseek(fd, 0, os.SEEK_SET)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
 
 _INTERPRETER_QUERY = ("import json, os, sys; print(json.dumps([os.path.realpath(sys.executable), "
                       "sys.base_prefix, sys.base_exec_prefix]))")
@@ -236,58 +243,55 @@ class Sandbox:
         limits = [str(cfg.memory_limit_mb << 20), str(cfg.cpu_time_limit_s), str(cfg.tmp_size_mb << 20)]
         env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "TMPDIR": "/tmp", "LANG": "C.UTF-8",
                "PYTHONIOENCODING": "utf-8", "PYTHONUNBUFFERED": "1", "DAPO_SANDBOX_CALL": call_id}
+        program = code.encode("utf-8", "replace")
         fds_to_close: list[int] = []
         workdir = None
         try:
             if self.bwrap is not None:
-                seccomp_r, seccomp_w = os.pipe()
                 status_r, status_w = os.pipe()
-                fds_to_close += [seccomp_r, seccomp_w, status_r, status_w]
-                os.write(seccomp_w, self._seccomp)  # ~150 bytes: fits the pipe buffer
-                os.close(seccomp_w)
-                fds_to_close.remove(seccomp_w)
+                fds_to_close += [status_r, status_w]
+                seccomp = _memfd("dapo-sandbox-seccomp", self._seccomp)
+                fds_to_close.append(seccomp)
+                source = _memfd("dapo-sandbox-main", program)
+                fds_to_close.append(source)
                 argv = [self.bwrap, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
                 argv += _system_binds()
                 for d in self.python_dirs:
                     argv += ["--ro-bind", d, d]
                 argv += ["--dev", "/dev", "--size", str(cfg.tmp_size_mb << 20), "--tmpfs", "/tmp",
-                         "--remount-ro", "/", "--chdir", "/tmp", "--clearenv"]
+                         "--file", str(source), "/tmp/main.py", "--remount-ro", "/", "--chdir", "/tmp", "--clearenv"]
                 for key, value in env.items():
                     argv += ["--setenv", key, value]
-                argv += ["--seccomp", str(seccomp_r), "--json-status-fd", str(status_w), "--",
+                argv += ["--seccomp", str(seccomp), "--json-status-fd", str(status_w), "--",
                          self.python, "-I", "-c", _BOOTSTRAP, *limits]
-                popen = dict(pass_fds=(seccomp_r, status_w))
+                popen = dict(pass_fds=(seccomp, source, status_w))
             else:
                 workdir = tempfile.mkdtemp(prefix="dapo-tool-")
+                with open(os.path.join(workdir, "main.py"), "wb") as f:
+                    f.write(program)
                 status_r = None
                 argv = [self.python, "-I", "-c", _BOOTSTRAP, *limits]
                 popen = dict(cwd=workdir, env=env)
             started = time.monotonic()
             try:
-                process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                            stderr=subprocess.STDOUT, start_new_session=True, **popen)
             except OSError as e:
                 return SandboxResult(f"cannot start the sandbox: {e}", "sandbox_error", 0.0, None, str(e), call_id)
-            if self.bwrap is not None:  # the child holds its own copies now
-                for fd in (seccomp_r, status_w):
-                    os.close(fd)
-                    fds_to_close.remove(fd)
-            return self._collect(process, code.encode("utf-8", "surrogatepass"), started, status_r, call_id)
+            if self.bwrap is not None:  # the child holds its own copies now; EOF on status needs ours closed
+                os.close(status_w)
+                fds_to_close.remove(status_w)
+            return self._collect(process, started, status_r, call_id)
         finally:
             for fd in fds_to_close:
                 os.close(fd)
             if workdir is not None:
                 shutil.rmtree(workdir, ignore_errors=True)
 
-    def _collect(self, process: subprocess.Popen, code: bytes, started: float, status_r: int | None,
+    def _collect(self, process: subprocess.Popen, started: float, status_r: int | None,
                  call_id: str) -> SandboxResult:
         cfg = self.config
         deadline = started + cfg.wall_timeout_s
-        try:  # the bootstrap reads all of stdin before anything else runs
-            process.stdin.write(code)
-            process.stdin.close()
-        except OSError:  # the sandbox died at start; its message is on stdout
-            pass
         output = bytearray()
         status = _BwrapStatus(status_r)
         verdict = None  # "timeout" / "output_truncated" when the caller killed it

@@ -82,6 +82,13 @@ def test_the_private_tmp_is_writable_and_private(sandbox):
     assert second.output == "['main.py']\n", second  # a fresh /tmp per call
 
 
+def test_a_large_program_runs_and_stdin_is_empty(sandbox):
+    code = "".join(f"v{i} = {i}\n" for i in range(20000)) + "import sys\nprint(v19999 + v1, repr(sys.stdin.read()))\n"
+    assert len(code) > 200_000  # more than a pipe buffer: the program reaches the sandbox as a file
+    result = sandbox.run(code)
+    assert (result.kind, result.output) == ("ok", "20000 ''\n"), result
+
+
 # -- hostile programs ----------------------------------------------------------------------------
 
 def test_infinite_loop_hits_the_cpu_limit(sandbox):
