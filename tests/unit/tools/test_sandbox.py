@@ -31,6 +31,14 @@ def sandbox():
     return sb
 
 
+@pytest.fixture(autouse=True)
+def no_descriptor_leaks():
+    """Every path of a call (exit, kill on a limit, truncation) closes its pipes, memfds and pidfd."""
+    before = sorted(os.listdir("/proc/self/fd"))
+    yield
+    assert sorted(os.listdir("/proc/self/fd")) == before
+
+
 def processes_of(call_id: str) -> list[int]:
     """pids of every process on this machine whose command line or environment carries the call's id
     (bwrap's arguments hold it; the program's environment holds DAPO_SANDBOX_CALL=id)."""
@@ -242,6 +250,7 @@ def test_a_bad_key_is_named(key, value):
 def test_the_pool_runs_calls_concurrently_within_its_bound(sandbox):
     code = "import time\nstart = time.time()\ntime.sleep(0.4)\nprint(start, time.time())\n"
     pool = SandboxPool(sandbox=Sandbox(SandboxConfig(**{**LIMITS, "max_concurrent": 2})))
+    fds_before = sorted(os.listdir("/proc/self/fd"))
     with pool:
         t0 = time.monotonic()
         results = pool.map([code] * 4)
@@ -250,6 +259,7 @@ def test_the_pool_runs_calls_concurrently_within_its_bound(sandbox):
             return await asyncio.gather(pool.arun("print(1)"), pool.arun("print(2)"))
 
         assert [r.output for r in asyncio.run(two())] == ["1\n", "2\n"]
+    assert sorted(os.listdir("/proc/self/fd")) == fds_before  # no pipe, memfd or pidfd left open
     assert all(r.kind == "ok" for r in results), results
     spans = [tuple(map(float, r.output.split())) for r in results]
     most_at_once = max(sum(s <= t < e for s, e in spans) for t, _ in spans)
