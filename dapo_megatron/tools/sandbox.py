@@ -213,7 +213,7 @@ class Sandbox:
         self.bwrap = bwrap
         self._seccomp = no_new_processes_filter() if bwrap else b""
         if bwrap is not None:
-            probe = self.run("print(6 * 7)")
+            probe = self._run("print(6 * 7)", wall_timeout_s=max(self.config.wall_timeout_s, 60.0))
             if probe.kind != "ok" or probe.output != "42\n":
                 raise SandboxUnavailable(
                     f"bwrap ({bwrap}) cannot start a sandbox on this machine ({probe.kind}: {probe.detail}; "
@@ -238,6 +238,9 @@ class Sandbox:
         Never raises for anything the program does; an OS failure to start the sandbox is a
         ``sandbox_error`` result.
         """
+        return self._run(code, self.config.wall_timeout_s)
+
+    def _run(self, code: str, wall_timeout_s: float) -> SandboxResult:
         cfg = self.config
         call_id = uuid.uuid4().hex
         limits = [str(cfg.memory_limit_mb << 20), str(cfg.cpu_time_limit_s), str(cfg.tmp_size_mb << 20)]
@@ -267,6 +270,7 @@ class Sandbox:
                 popen = dict(pass_fds=(seccomp, source, status_w))
             else:
                 workdir = tempfile.mkdtemp(prefix="dapo-tool-")
+                env.update(HOME=workdir, TMPDIR=workdir)  # the host's /tmp is shared: keep to the private one
                 with open(os.path.join(workdir, "main.py"), "wb") as f:
                     f.write(program)
                 status_r = None
@@ -281,17 +285,17 @@ class Sandbox:
             if self.bwrap is not None:  # the child holds its own copies now; EOF on status needs ours closed
                 os.close(status_w)
                 fds_to_close.remove(status_w)
-            return self._collect(process, started, status_r, call_id)
+            return self._collect(process, started, wall_timeout_s, status_r, call_id)
         finally:
             for fd in fds_to_close:
                 os.close(fd)
             if workdir is not None:
                 shutil.rmtree(workdir, ignore_errors=True)
 
-    def _collect(self, process: subprocess.Popen, started: float, status_r: int | None,
+    def _collect(self, process: subprocess.Popen, started: float, wall_timeout_s: float, status_r: int | None,
                  call_id: str) -> SandboxResult:
         cfg = self.config
-        deadline = started + cfg.wall_timeout_s
+        deadline = started + wall_timeout_s
         output = bytearray()
         status = _BwrapStatus(status_r)
         verdict = None  # "timeout" / "output_truncated" when the caller killed it
@@ -333,7 +337,7 @@ class Sandbox:
             status.close()
         text = output.decode("utf-8", "replace")
         if verdict == "timeout":
-            return SandboxResult(text, "timeout", wall_s, None, f"wall time over {cfg.wall_timeout_s:g} s", call_id)
+            return SandboxResult(text, "timeout", wall_s, None, f"wall time over {wall_timeout_s:g} s", call_id)
         if verdict == "output_truncated":
             return SandboxResult(text, "output_truncated", wall_s, None,
                                  f"output over {cfg.output_limit_bytes} bytes", call_id)

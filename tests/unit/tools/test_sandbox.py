@@ -235,6 +235,9 @@ def test_without_bwrap_it_refuses_unless_allowed(tmp_path):
     plain = Sandbox(SandboxConfig(**limits, bwrap=str(tmp_path / "no-bwrap"), allow_unsandboxed=True))
     assert not plain.sandboxed
     assert plain.run("print(2 ** 100)").output == f"{2 ** 100}\n"
+    where = plain.run("import os, tempfile\nprint(os.getcwd() == tempfile.gettempdir() != '/tmp', os.getcwd())")
+    assert where.output.startswith("True "), where  # a private directory, removed after the call
+    assert not os.path.exists(where.output.split()[1])
     result = plain.run("import time\ntime.sleep(3600)\n")
     assert result.kind == "timeout"
     assert_clean(result)
