@@ -132,6 +132,8 @@ def find_tool_call(text: str, config: MultiTurnConfig) -> ToolCall | None:
         fence = re.compile(r"```" + re.escape(config.code_block_language) + r"[ \t]*\n(.*?)```", re.S)
         m = fence.search(text)
         return None if m is None else ToolCall(code=m.group(1), end=m.end())
+    # verl's HermesToolParser (verl/experimental/agent_loop/tool_parser.py) matches the same
+    # non-greedy <tool_call>(.*?)</tool_call> and drops a call whose JSON fails; we answer it instead
     m = re.search(r"<tool_call>(.*?)</tool_call>", text, re.S)
     if m is None:
         return None
@@ -162,6 +164,8 @@ def truncate_tool_response(text: str, config: MultiTurnConfig) -> str:
     """``text`` cut to ``max_tool_response_length`` characters as verl cuts it (``left``: the first
     n + ``...(truncated)``; ``right``: ``(truncated)...`` + the last n; ``middle``: the first and last
     n // 2 around ``...(truncated)...``); unchanged when it fits."""
+    # verl/experimental/agent_loop/tool_agent_loop.py cuts characters the same way (verl's middle
+    # keeps text[-0:], all of it, when n == 1; here it keeps nothing of the end)
     n = config.max_tool_response_length
     if len(text) <= n:
         return text
