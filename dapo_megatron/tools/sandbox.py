@@ -22,7 +22,7 @@ Contract (docs/design.md §4.1 says how each point is enforced and what is not c
   kills every process left in that namespace; ``--die-with-parent`` does the same when the
   caller dies.
 
-Without bwrap on ``PATH`` (or at ``bwrap``), :class:`Sandbox` refuses to start, naming
+Without a working bwrap on ``PATH`` (or at ``bwrap``), :class:`Sandbox` refuses to start, naming
 ``sandbox.allow_unsandboxed``: with that key set it runs the program in a plain child process with
 the same resource limits, a private working directory and its process group killed at the end,
 but with no file-system, network or process isolation (development only).
@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import json
+import logging
 import os
 import selectors
 import shutil
@@ -47,6 +48,8 @@ import uuid
 from dataclasses import dataclass
 
 from dapo_megatron.tools.seccomp import no_new_processes_filter
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["SandboxConfig", "SandboxResult", "Sandbox", "SandboxPool", "SandboxUnavailable", "RESULT_KINDS"]
 
@@ -84,7 +87,7 @@ class SandboxConfig:
     bwrap: str = "bwrap"
     """the bubblewrap executable (a name on ``PATH`` or a path)."""
     allow_unsandboxed: bool = False
-    """run programs without bwrap when it is missing: a child process with the same resource
+    """run programs without bwrap when it is missing or cannot start a sandbox here: a child process with the same resource
     limits but no file-system, network or process isolation. For development only."""
 
     def validate(self) -> None:
@@ -214,7 +217,11 @@ class Sandbox:
         self._seccomp = no_new_processes_filter() if bwrap else b""
         if bwrap is not None:
             probe = self._run("print(6 * 7)", wall_timeout_s=max(self.config.wall_timeout_s, 60.0))
-            if probe.kind != "ok" or probe.output != "42\n":
+            if (probe.kind != "ok" or probe.output != "42\n") and self.config.allow_unsandboxed:
+                logger.warning("bwrap (%s) cannot start a sandbox here (%s: %s); sandbox.allow_unsandboxed=true: "
+                               "running tool programs WITHOUT isolation", bwrap, probe.kind, probe.output[:300])
+                self.bwrap = None
+            elif probe.kind != "ok" or probe.output != "42\n":
                 raise SandboxUnavailable(
                     f"bwrap ({bwrap}) cannot start a sandbox on this machine ({probe.kind}: {probe.detail}; "
                     f"output {probe.output[:500]!r}); on a host that forbids user namespaces run as root or set "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import socket
 import time
 
@@ -241,6 +242,11 @@ def test_without_bwrap_it_refuses_unless_allowed(tmp_path):
     result = plain.run("import time\ntime.sleep(3600)\n")
     assert result.kind == "timeout"
     assert_clean(result)
+    # a bwrap that cannot start a sandbox (here: an executable that exits 1) is refused the same way
+    broken = dict(limits, bwrap=shutil.which("false"))
+    with pytest.raises(SandboxUnavailable, match=r"cannot start a sandbox.*sandbox\.allow_unsandboxed=true"):
+        Sandbox(SandboxConfig(**broken))
+    assert not Sandbox(SandboxConfig(**broken, allow_unsandboxed=True)).sandboxed
 
 
 @pytest.mark.parametrize("key, value", [("wall_timeout_s", 0), ("cpu_time_limit_s", 0.5), ("memory_limit_mb", 8),
