@@ -11,7 +11,12 @@ checksum compared with the server's ``/get_weights_by_name`` read-back).
   what transformers greedy-decodes from the export;
 - a bit flipped in one of rank 1's expert tensors after its checksum was taken (the payload the
   server receives differs from what the owner signed) fails that sync on both ranks, naming the
-  tensor, the server and the version.
+  tensor, the server and the version;
+- through the trainer (the factory's senders, the rollout's streams): 2 steps at EP 2 against a
+  server that returns routes, every tensor verified at every sync: the actor's recomputed logprobs
+  are the server's (it samples with the synced weights) and the actor replays its routes.
+  (Asynchronous training takes the same sync; with routing replay it is refused for another reason:
+  its streamed rows carry no routes.)
 """
 
 from __future__ import annotations
@@ -162,3 +167,74 @@ def test_a_bit_flipped_in_an_owners_expert_fails_the_sync_naming_it(moe_world):
         assert err is not None, res["rank"]
         assert "model.layers.1.mlp.experts.3.down_proj.weight" in err and "version 2" in err, err
         assert "SGLang server http://127.0.0.1:" in err, err
+
+
+# ------------------------------------------------------------------ through the trainer (the factory's senders)
+TRAIN = [
+    "trainer.total_training_steps=2", "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.save_freq=-1",
+    "buffer.train_batch_size=2", "buffer.n=2", "buffer.gen_batch_size=4", "buffer.max_num_gen_batches=4",
+    "buffer.on_cap=train_on_kept", "buffer.filter_metric=reward",
+    "actor.ppo_mini_batch_size=1", "actor.ppo_max_token_len_per_gpu=512", "actor.optim.lr=1e-3",
+    "actor.optim.lr_warmup_steps=0", "actor.routing_replay=rollout",
+    "rollout.response_length=8", "buffer.overlong.max_response_length=8", "buffer.overlong.overlong_buffer_len=4",
+    "rollout.name=sglang", "rollout.mode=server", "rollout.server_timeout_s=60",
+    "rollout.check_weight_update=true", "rollout.check_weight_update_period=1",
+    "data.arithmetic.num_train_problems=16", "data.arithmetic.num_val_problems=2", "model.params_dtype=float32",
+    "model.transformer_impl=local", "reward.num_workers=1", "tracking.use_mlflow=false",
+    "parallel.expert_model_parallel_size=2",
+]
+
+
+def _train_worker(hf_dir, url, run_dir, out):
+    from dapo_megatron.config import DAPOConfig, load_config
+    from dapo_megatron.platform import init_distributed
+    from dapo_megatron.trainer import DAPOTrainer
+
+    cfg = load_config(DAPOConfig, None, TRAIN + [f"model.hf_path={hf_dir}", f"trainer.default_local_dir={run_dir}",
+                                                 f"rollout.server_urls=[{url}]"])
+    trainer = DAPOTrainer(cfg, init_distributed(cfg.parallel, seed=cfg.trainer.seed))
+    rows = []
+    try:
+        for _ in range(cfg.trainer.total_training_steps):
+            rows.append({k: v for k, v in trainer.train_step().items() if isinstance(v, (int, float))})
+    finally:
+        trainer.rollout.close()
+    if int(os.environ["RANK"]) == 0:
+        with open(out, "w") as f:
+            json.dump(rows, f)
+
+
+@pytest.mark.slow
+@pytest.mark.dist
+@pytest.mark.timeout(600)
+def test_trainer_at_ep2_in_server_mode_syncs_verified_and_replays_the_servers_routes(smollm2_gguf, tmp_path):
+    """dapo-train's path (the factory picks the senders, the rollout streams each owner's experts):
+    2 steps of a tiny Qwen3-MoE (SmolLM2's tokenizer) at EP 2 against a dapo-rollout-server that
+    returns routes, every tensor verified at every sync (period 1): the servers sample with the
+    actor's weights (the actor's recomputed logprobs are theirs), the actor replays their routes."""
+    import math
+
+    from transformers import AutoTokenizer
+
+    from conftest import random_hf_model, smollm2_tokenizer_dir, tiny_moe_config
+    from integration.test_trainer_parallel_parity import LOGPROB_GAP_MAX
+
+    tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir(smollm2_gguf))
+    # a random model never stops: a third of the ids stop it, so responses vary in length
+    cfg = tiny_moe_config("qwen3_moe", vocab_size=len(tok), max_position_embeddings=512, bos_token_id=tok.bos_token_id,
+                          eos_token_id=[tok.eos_token_id] + list(range(1000, 1000 + 16383)))
+    hf_dir = tmp_path / "model"
+    random_hf_model(cfg, seed=0).save_pretrained(hf_dir)
+    tok.save_pretrained(hf_dir)
+    server = RolloutServer(str(hf_dir), tmp_path / "server.log", "--skip-tokenizer-init",
+                           "--enable-return-routed-experts")
+    try:
+        spawn(_train_worker, 2, str(hf_dir), server.url, str(tmp_path / "run"), str(tmp_path / "metrics.json"))
+    finally:
+        server.stop()
+    rows = json.load(open(tmp_path / "metrics.json"))
+    assert len(rows) == 2
+    for step, row in enumerate(rows, 1):
+        assert all(math.isfinite(v) for v in row.values()), (step, row)
+        assert row["rollout/logprob_diff_max"] <= LOGPROB_GAP_MAX, (step, row["rollout/logprob_diff_max"])
+        assert row["moe/route_agreement"] >= 0.98 and row["perf/sync_GBps"] > 0, (step, row)
