@@ -137,6 +137,33 @@ def tiny_mla_config(**overrides):
         tie_word_embeddings=False), **overrides})
 
 
+def tiny_v2_config(**overrides):
+    """A tiny DeepSeek-V2-Lite-style HF config (``deepseek_v2``): 2 layers (layer 0 dense, FFN 96; layer 1
+    MoE), hidden 64, 4 heads of multi-head latent attention without a query LoRA (q_proj; kv_lora_rank 16,
+    nope 8 + rope 4, v 8), YaRN RoPE with V2-Lite's mscale = mscale_all_dim = 0.707, 4 routed experts of
+    FFN 16, softmax router, greedy top-2 never renormalised (``norm_topk_prob`` false), routed_scaling_factor
+    2.5 (V2-Lite's is 1), one shared expert, untied, vocab 250. ``tiny_v2_config(**V2_GROUPED)`` is the
+    ``group_limited_greedy`` variant with a query LoRA."""
+    from transformers import DeepseekV2Config
+
+    return DeepseekV2Config(**{**dict(
+        vocab_size=250, hidden_size=64, intermediate_size=96, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2,
+        topk_method="greedy", n_group=1, topk_group=1, norm_topk_prob=False, first_k_dense_replace=1,
+        q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+        max_position_embeddings=64, rms_norm_eps=1e-6, routed_scaling_factor=2.5, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 16, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "mscale": 0.707, "mscale_all_dim": 0.707}), **overrides})
+
+
+# DeepSeek-V2's group-limited routing (DeepSeek-V2 / V2.5's topk_method) at a size megatron-core ranks as
+# transformers: 8 experts in 4 groups of 2, the best 2 groups kept (a group ranked by its best expert),
+# top-3 of their 4 experts (3 // 2 = 1: megatron-core ranks a group by the sum of its top 1); with a query LoRA
+V2_GROUPED = dict(topk_method="group_limited_greedy", n_routed_experts=8, n_group=4, topk_group=2,
+                  num_experts_per_tok=3, q_lora_rank=32, max_position_embeddings=128, rope_parameters=None)
+
+
 def tiny_glm_config(**overrides):
     """A tiny GLM-4.5 HF config (``glm4_moe``): 2 layers (layer 0 dense, FFN 96; layer 1 MoE), hidden
     64, 4 heads of 16 in 2 KV groups with a q/k/v bias and q/k norm, RoPE on half of each head

@@ -365,12 +365,14 @@ class RoutingReplay:
             cfg = self.config
             if cfg.moe_router_score_function == "softmax" and not cfg.moe_router_num_groups:
                 own = torch.topk(logits, self.topk, dim=-1).indices
-            else:  # DeepSeek-V3: sigmoid + the score-correction bias, grouped top-k (megatron-core's own choice)
+            else:  # DeepSeek-V3: sigmoid + the score-correction bias, grouped top-k; DeepSeek-V2: softmax over
+                # all experts, grouped top-k (megatron-core's own choice)
                 # megatron-core here, not at the top: the config loads actor/ (its ActorConfig) without it
                 from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
 
                 own = topk_routing_with_score_function(
-                    logits, self.topk, num_groups=cfg.moe_router_num_groups, group_topk=cfg.moe_router_group_topk,
+                    logits, self.topk, use_pre_softmax=cfg.moe_router_pre_softmax,
+                    num_groups=cfg.moe_router_num_groups, group_topk=cfg.moe_router_group_topk,
                     score_function=cfg.moe_router_score_function, expert_bias=router.expert_bias,
                     dense_output=True)[1]
         layer = router.layer_number - 1

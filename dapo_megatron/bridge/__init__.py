@@ -25,6 +25,7 @@ from .sources import SafetensorsSource, load_gguf_state_dict, open_hf_source
 from .weights import (
     ExportBuffers,
     LoadReport,
+    expert_turn,
     export_hf_state_dict,
     iter_hf_weights,
     load_hf_weights,
@@ -43,6 +44,7 @@ __all__ = [
     "canonical_megatron_name",
     "check_config_fits",
     "expected_hf_names",
+    "expert_turn",
     "export_hf_state_dict",
     "hf_to_megatron_shard",
     "iter_hf_weights",

@@ -23,7 +23,7 @@ mla_down        MLA down-projections (``q_a_proj``, ``kv_a_proj_with_mqa``): ``c
                 multi_latent_attention.py:521-530, :572-580); :attr:`ModelLayout.mla_down_split`
 ==============  ============================================================================
 
-Multi-head latent attention (``deepseek_v3``): HF ``q_a_proj`` / ``q_b_proj`` (or ``q_proj``),
+Multi-head latent attention (``deepseek_v3``, ``deepseek_v2``): HF ``q_a_proj`` / ``q_b_proj`` (or ``q_proj``),
 ``kv_a_proj_with_mqa``, ``kv_b_proj``, ``o_proj`` and the latent norms ``q_a_layernorm`` /
 ``kv_a_layernorm`` are megatron-core's ``linear_q_down_proj`` / ``linear_q_up_proj`` (or
 ``linear_q_proj``), ``linear_kv_down_proj``, ``linear_kv_up_proj``, ``linear_proj``, ``q_layernorm``,
@@ -204,8 +204,11 @@ def _dense_then_moe(rules: tuple, moe: Sequence[Rule]) -> tuple:
     return tuple(out)
 
 
-def _mla_family(q_lora: bool) -> tuple:
-    """The DeepSeek-V3 table: MLA attention, dense MLP rules for the first layers, MoE rules for the others."""
+def _mla_family(q_lora: bool, expert_bias: bool = True) -> tuple:
+    """The DeepSeek-V3 table: MLA attention, dense MLP rules for the first layers, MoE rules for the
+    others; DeepSeek-V2's (``expert_bias=False``) without the router's score-correction bias, which
+    its softmax router does not have (transformers ``DeepseekV2TopkRouter``; SGLang's ``MoEGate``
+    creates ``e_score_correction_bias`` only for ``topk_method='noaux_tc'``)."""
     out = []
     for r in _LLAMA:
         if r.megatron == _L + "self_attention.linear_qkv.weight":
@@ -217,7 +220,8 @@ def _mla_family(q_lora: bool) -> tuple:
             continue
         else:
             out.append(r)
-    return _dense_then_moe(tuple(out), _DEEPSEEK_MOE)
+    moe = _DEEPSEEK_MOE if expert_bias else tuple(r for r in _DEEPSEEK_MOE if not r.megatron.endswith(".expert_bias"))
+    return _dense_then_moe(tuple(out), moe)
 
 
 def _glm_family(qkv_bias: bool, qk_norm: bool) -> tuple:
@@ -262,11 +266,13 @@ FAMILY_RULES: dict[str, tuple[Rule, ...]] = {
     "qwen3_moe": _with_moe(_QWEN3, _QWEN_MOE),
     "qwen2_moe": _with_moe(_QWEN2, _QWEN_MOE + _SHARED_EXPERT),
     "mixtral": _with_moe(_LLAMA, _MIXTRAL_MOE),
+    "deepseek_v2": _mla_family(q_lora=True, expert_bias=False),
     "deepseek_v3": _mla_family(q_lora=True),
     "glm4_moe": _glm_family(qkv_bias=True, qk_norm=False),  # GLM-4.5-Air; GLM-4.5 / 4.6 add the q/k norm
 }
-# DeepSeek-V3-architecture configs without a query LoRA (Moonlight, DeepSeek-V2-Lite's attention)
-_MLA_NO_Q_LORA_RULES = {"deepseek_v3": _mla_family(q_lora=False)}
+# MLA configs without a query LoRA (DeepSeek-V2-Lite; Moonlight, a deepseek_v3 config)
+_MLA_NO_Q_LORA_RULES = {"deepseek_v2": _mla_family(q_lora=False, expert_bias=False),
+                        "deepseek_v3": _mla_family(q_lora=False)}
 # GLM's table per (attention_bias, use_qk_norm)
 _GLM_RULES = {(b, n): _glm_family(b, n) for b in (False, True) for n in (False, True)}
 

@@ -446,7 +446,7 @@ class _Slot:
 
 def iter_hf_weights(
     model_chunks, *, parallel: ParallelDims, bucket_bytes: Optional[int] = None, pp_broadcast: bool = True,
-    buffers: Optional[ExportBuffers] = None, digest: Optional[SyncDigest] = None,
+    buffers: Optional[ExportBuffers] = None, digest: Optional[SyncDigest] = None, expert_owners: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Stream the model as full HF-named tensors; a COLLECTIVE generator.
 
@@ -489,6 +489,14 @@ def iter_hf_weights(
             the broadcast over the PP group (a receiver fed by one rank per stage, e.g. the
             servers of ``rollout.mode=server``); the TP gather stays collective over the
             stage's TP group, and the plan over the PP group.
+        expert_owners: with ``pp_broadcast=False`` at EP > 1 (the servers fed by each expert owner):
+            yield only the buckets this rank fills, without the EP broadcast: the non-expert ones on
+            the ranks of DP shard 0, the experts of its own EP rank on the ranks of expert-data-
+            parallel rank 0 (:attr:`~dapo_megatron.platform.parallel_dims.ParallelDims.expert_owner`);
+            in turn order: EP rank 0's experts with the non-expert tensors (plan order), then EP
+            rank 1's, ... (:func:`expert_turn` of each name), so that one sender per (stage, EP rank)
+            can send its part in its turn. Every rank of DP shard 0 or of an owner's EP group
+            iterates (TP and expert-TP gathers); the others yield nothing.
         buffers: memory kept between calls (:class:`ExportBuffers`); None: this call's own,
             freed when it ends.
         digest: verify the sync (:mod:`dapo_megatron.rollout.engines.verify`): each bucket
@@ -512,10 +520,14 @@ def iter_hf_weights(
     """
     if bucket_bytes is not None and bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be a positive number of bytes or None, got {bucket_bytes}")
-    if not pp_broadcast and parallel.ep_size > 1:
+    if not pp_broadcast and parallel.ep_size > 1 and not expert_owners:
         raise ValueError(f"iter_hf_weights(pp_broadcast=False) at expert_model_parallel_size={parallel.ep_size}: "
                          "an expert's bucket is broadcast over the EP group, which spans DP ranks that a "
-                         "one-rank-per-stage receiver (rollout.mode=server) does not run; use rollout.mode=colocated")
+                         "one-rank-per-stage receiver does not run; pass expert_owners=True (one sender per "
+                         "expert owner) or use rollout.mode=colocated")
+    if expert_owners and pp_broadcast:
+        raise ValueError("iter_hf_weights(expert_owners=True) needs pp_broadcast=False (one sender per stage and "
+                         "expert owner)")
     layout = model_layout(model_chunks)
     params = local_parameters(model_chunks)
     plan = _export_plan(layout, params, parallel)
@@ -573,6 +585,11 @@ def iter_hf_weights(
         start = -(-end // per_word) * per_word
         trailers.append((start, trailer_words(n_hf) * 8 // elem))
     mine = [(k, slots) for k, slots in enumerate(slotted) if pp_broadcast or slots[0].entry.owner == pp_rank]
+    if expert_owners:  # only what this rank fills, EP owner 0's turn (with the non-expert tensors) first
+        owner = parallel.expert_owner
+        mine = [(k, slots) for k, slots in mine
+                if (parallel.dp_rank == 0 if slots[0].entry.ep_owner is None else slots[0].entry.ep_owner == owner)]
+        mine.sort(key=lambda item: item[1][0].entry.ep_owner or 0)  # stable: plan order within a turn
     capacity = max((sum(trailers[k]) for k, _ in mine), default=0)
     buffers = ExportBuffers() if buffers is None else buffers
 
@@ -586,7 +603,7 @@ def iter_hf_weights(
                 if signer is not None:
                     signer.write(_trailer_view(flat, trailers[k]), k)
                     del signer  # it views the buffer: held across the yields it would make ExportBuffers reallocate
-            if ep_owner is not None and parallel.ep_size > 1:  # the other EP ranks of the stage
+            if ep_owner is not None and parallel.ep_size > 1 and not expert_owners:  # the other EP ranks of the stage
                 parallel.broadcast(flat, "ep", src=parallel.ep_ranks[ep_owner])
         if pp_size > 1 and pp_broadcast:
             parallel.broadcast(flat, "pp", src=pp_ranks[owner])
@@ -598,6 +615,17 @@ def iter_hf_weights(
         for item in named:
             yield item
         del named, item
+
+
+_ROUTED_EXPERT_RE = re.compile(r"\.experts\.(\d+)\.")
+
+
+def expert_turn(hf_name: str, num_experts: int, ep_size: int) -> int:
+    """The EP rank that holds HF tensor ``hf_name`` (a routed expert ``...experts.{e}....``: ``e //
+    (num_experts / ep_size)``, megatron-core's ``MoELayer.local_expert_indices``), 0 for every other
+    tensor: the turn in which :func:`iter_hf_weights` with ``expert_owners`` lists it."""
+    m = _ROUTED_EXPERT_RE.search(hf_name)
+    return int(m.group(1)) // (num_experts // ep_size) if m and ep_size > 1 else 0
 
 
 def _trailer_view(flat: torch.Tensor, trailer: tuple[int, int]) -> torch.Tensor:

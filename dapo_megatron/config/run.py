@@ -65,12 +65,6 @@ class DAPOConfig:
                 f"buffer.overlong.max_response_length={self.buffer.overlong.max_response_length} must equal "
                 f"rollout.response_length={self.rollout.response_length} (Eq. 13's L_max is the generation budget)"
             )
-        if self.rollout.mode == "server" and self.parallel.expert_model_parallel_size > 1:
-            # server mode feeds each stage's NCCL group from DP rank 0 alone, but an MoE export at
-            # EP > 1 gathers experts over the EP group (DP ranks): the other ranks would never join
-            raise ValueError(f"rollout.mode=server with parallel.expert_model_parallel_size="
-                             f"{self.parallel.expert_model_parallel_size} is not supported yet (the weight sync "
-                             "reads every expert from DP rank 0 only): use rollout.mode=colocated or EP=1")
         if self.buffer.prompt_skip.enable and not self.rollout.streaming:
             raise ValueError("buffer.prompt_skip.enable=true needs rollout.streaming=true (prompts are skipped as the "
                              "streamed rollout draws them)")

@@ -28,6 +28,12 @@ Mixtures of experts (every decoder layer an MoE layer, megatron-core ``MoELayer`
   (``num_nextn_predict_layers``) are ignored: they feed no logprob of the main head, the bridge
   neither imports nor exports them (SGLang's loader skips layers >= num_hidden_layers when not
   loading a draft model), see docs/design.md §2.1.
+- ``deepseek_v2`` (DeepSeek-V2-Lite; DeepSeek-V2 / V2.5 where their group limit maps, see
+  :func:`_deepseek_v2_moe_layout`): DeepSeek-V3's attention (MLA) and layer plan (dense first
+  layers, ungated shared experts), with V2's router: softmax over all experts, the top k kept as
+  they are (never renormalised: ``norm_topk_prob`` must be false) and scaled by
+  ``routed_scaling_factor``; ``topk_method`` ``greedy`` (plain top-k) or ``group_limited_greedy``
+  (``topk_group`` of ``n_group`` groups, a group ranked by its best expert). No score-correction bias.
 - ``glm4_moe`` (GLM-4.5, GLM-4.5-Air, GLM-4.6): GQA attention with a q/k/v bias when
   ``attention_bias`` (o_proj has none), per-head q/k RMSNorm when ``use_qk_norm``, RoPE on the
   first ``partial_rotary_factor`` of each head (megatron-core ``rotary_percent``, rotate-half as
@@ -56,15 +62,17 @@ from typing import Any, Optional
 import torch
 from packaging.version import Version
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe")
-MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3",
+                         "glm4_moe")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3", "glm4_moe")
 # families whose router is DeepSeek-V3's: sigmoid scores, + e_score_correction_bias for the choice,
 # grouped top-k, routed_scaling_factor; shared experts without a gate; first_k_dense_replace dense layers
 DEEPSEEK_ROUTER_TYPES = ("deepseek_v3", "glm4_moe")
 # the dense family whose attention block each MoE family shares (q/k norm, qkv bias); "glm": GQA whose
 # qkv bias (attention_bias) and q/k norm (use_qk_norm) are per config, with partial rotary
 ATTENTION_FAMILY = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3",
-                    "qwen2_moe": "qwen2", "mixtral": "llama", "deepseek_v3": "mla", "glm4_moe": "glm"}
+                    "qwen2_moe": "qwen2", "mixtral": "llama", "deepseek_v2": "mla", "deepseek_v3": "mla",
+                    "glm4_moe": "glm"}
 MOE_DISPATCHERS = ("alltoall", "allgather")
 # The model class of each supported model_type, written to config.json's "architectures": serving
 # engines pick the class from it and refuse a checkpoint without it (SGLang 0.5.23
@@ -75,7 +83,8 @@ MOE_DISPATCHERS = ("alltoall", "allgather")
 # tests/unit/models/test_architectures.py checks each name against transformers, SGLang and vLLM.
 CAUSAL_LM_ARCHITECTURE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                           "qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-                          "mixtral": "MixtralForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                          "mixtral": "MixtralForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+                          "deepseek_v3": "DeepseekV3ForCausalLM",
                           "glm4_moe": "Glm4MoeForCausalLM"}
 MOE_LOAD_BALANCING = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 FP8_FORMATS = ("e4m3", "hybrid")
@@ -646,6 +655,14 @@ def _deepseek_moe_layout(hf_config) -> MoELayout:
             raise ValueError(f"hf_config.num_experts_per_tok={topk} / topk_group={topk_group} must be 2: transformers "
                              "ranks a group by its top-2 scores, megatron-core by its top (topk / topk_group)")
         groups, group_topk = n_group, topk_group
+    return MoELayout(num_experts=experts, topk=topk, norm_topk_prob=True, score_function="sigmoid", expert_bias=True,
+                     num_groups=groups, group_topk=group_topk, **_deepseek_layer_plan(hf_config))
+
+
+def _deepseek_layer_plan(hf_config) -> dict:
+    """The layer plan DeepSeek-V2 and V3 share: ``n_shared_experts × moe_intermediate_size`` of
+    ungated shared expert, the first ``first_k_dense_replace`` layers dense (FFN
+    ``intermediate_size``), every later layer MoE (``moe_layer_freq`` 1). :class:`MoELayout` fields."""
     shared = int(_get(hf_config, "n_shared_experts", 0) or 0) * int(hf_config.moe_intermediate_size)
     first_dense = int(_get(hf_config, "first_k_dense_replace", 0) or 0)
     if not 0 <= first_dense < hf_config.num_hidden_layers:
@@ -655,12 +672,78 @@ def _deepseek_moe_layout(hf_config) -> MoELayout:
         raise ValueError(f"hf_config.moe_layer_freq={hf_config.moe_layer_freq}: only 1 (every layer after "
                          "first_k_dense_replace an MoE layer) is supported")
     scale = float(_get(hf_config, "routed_scaling_factor", 1.0) or 1.0)
-    return MoELayout(num_experts=experts, topk=topk, ffn_hidden_size=int(hf_config.moe_intermediate_size),
-                     shared_ffn_hidden_size=shared, shared_expert_gate=False, norm_topk_prob=True,
-                     aux_loss_coef=float(_get(hf_config, "router_aux_loss_coef", 0.0) or 0.0),
-                     score_function="sigmoid", expert_bias=True, num_groups=groups, group_topk=group_topk,
-                     scaling_factor=None if scale == 1.0 else scale, dense_layers=tuple(range(first_dense)),
-                     dense_ffn_hidden_size=int(hf_config.intermediate_size) if first_dense else 0)
+    return dict(ffn_hidden_size=int(hf_config.moe_intermediate_size), shared_ffn_hidden_size=shared,
+                shared_expert_gate=False, aux_loss_coef=float(_get(hf_config, "router_aux_loss_coef", 0.0) or 0.0),
+                scaling_factor=None if scale == 1.0 else scale, dense_layers=tuple(range(first_dense)),
+                dense_ffn_hidden_size=int(hf_config.intermediate_size) if first_dense else 0)
+
+
+def _deepseek_v2_moe_layout(hf_config) -> MoELayout:
+    """:class:`MoELayout` of a DeepSeek-V2 config (DeepSeek-V2-Lite: ``scoring_func: softmax``,
+    ``topk_method: greedy``, ``norm_topk_prob: false``, ``n_group`` = ``topk_group`` = 1).
+
+    What transformers 5.19.0 computes (models/deepseek_v2/modeling_deepseek_v2.py:97-116,
+    ``DeepseekV2TopkRouter.forward``): ``softmax(x·Wᵀ)`` in fp32 over all experts; ``greedy``: the
+    top k of those; ``group_limited_greedy``: each of ``n_group`` groups ranked by its BEST score
+    (``.max(dim=-1)``), the ``topk_group`` best groups kept, the others' scores set to 0, then the top
+    k; the weights are the chosen softmax probabilities times ``routed_scaling_factor``, never
+    renormalised (the router has no ``norm_topk_prob``: modular_deepseek_v2.py:166 deletes it).
+    SGLang's deepseek_v2 computes the same when ``norm_topk_prob`` is false (``grouped_topk``: group
+    max, masked to 0; ``renormalize=config.norm_topk_prob``), always through its grouped top-k.
+
+    megatron-core 0.19.2 (transformer/moe/moe_utils.py ``topk_routing_with_score_function``):
+    ``moe_router_pre_softmax=True`` is the softmax over all experts before the top k, the weights
+    the chosen probabilities (:840-846), times ``moe_router_topk_scaling_factor`` (:872-873, any
+    score function); with ``moe_router_num_groups`` / ``moe_router_group_topk`` the choice is
+    ``group_limited_topk`` (:617-672), which ranks a group by the SUM of its top
+    ``topk // group_topk`` scores (:654-657) and masks the other groups with -inf. The two agree
+    exactly when ``num_experts_per_tok // topk_group == 1`` (the sum of one score is the max).
+
+    Raises:
+        ValueError, naming the field: ``norm_topk_prob`` true (transformers never renormalises,
+        SGLang would: the engines disagree), ``scoring_func`` other than softmax, ``topk_method``
+        other than greedy / group_limited_greedy, ``greedy`` with a real group limit (transformers
+        ignores the groups, SGLang applies them), a group limit megatron-core ranks differently
+        (``num_experts_per_tok // topk_group`` != 1, DeepSeek-V2's 6 // 3) or whose kept groups hold
+        fewer than k experts, and the layer-plan fields of :func:`_deepseek_layer_plan`.
+    """
+    experts = int(hf_config.n_routed_experts)
+    topk = int(_get(hf_config, "num_experts_per_tok", 0) or 0)
+    if not 1 <= topk <= experts:
+        raise ValueError(f"hf_config.num_experts_per_tok={topk} must be between 1 and the {experts} experts")
+    if bool(_get(hf_config, "norm_topk_prob", False)) and topk > 1:
+        raise ValueError("hf_config.norm_topk_prob=True is not supported for deepseek_v2: transformers' "
+                         "DeepseekV2TopkRouter never renormalises the top-k weights while SGLang's deepseek_v2 "
+                         "would; set it to false (DeepSeek-V2 / V2-Lite's value)")
+    scoring = _get(hf_config, "scoring_func", "softmax")
+    if scoring not in (None, "softmax"):
+        raise ValueError(f"hf_config.scoring_func={scoring!r}: DeepSeek-V2's router is softmax (a sigmoid router "
+                         "with a score-correction bias is model_type 'deepseek_v3')")
+    method = _get(hf_config, "topk_method", "greedy")
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ValueError(f"hf_config.topk_method={method!r}: deepseek_v2 supports 'greedy' and 'group_limited_greedy' "
+                         "('noaux_tc', sigmoid with a score-correction bias, is model_type 'deepseek_v3')")
+    n_group, topk_group = int(_get(hf_config, "n_group", 1) or 1), int(_get(hf_config, "topk_group", 1) or 1)
+    if experts % n_group or not 1 <= topk_group <= n_group:
+        raise ValueError(f"hf_config.n_group={n_group}, topk_group={topk_group}: n_group must divide the {experts} "
+                         "experts and 1 <= topk_group <= n_group")
+    groups = group_topk = None
+    if topk_group < n_group:
+        if method == "greedy":
+            raise ValueError(f"hf_config.topk_method='greedy' with n_group={n_group}, topk_group={topk_group}: "
+                             "transformers ignores the groups for 'greedy', SGLang's deepseek_v2 limits them "
+                             "(grouped top-k always); set topk_group = n_group, or topk_method='group_limited_greedy'")
+        if topk // topk_group != 1:
+            raise ValueError(f"hf_config.num_experts_per_tok={topk} // topk_group={topk_group} must be 1 for "
+                             "topk_method='group_limited_greedy': transformers and SGLang rank a group by its best "
+                             "expert, megatron-core by the sum of its top (num_experts_per_tok // topk_group) "
+                             "(moe_utils.group_limited_topk)")
+        if topk > topk_group * (experts // n_group):
+            raise ValueError(f"hf_config.num_experts_per_tok={topk} exceeds the {topk_group * (experts // n_group)} "
+                             f"experts of the topk_group={topk_group} kept groups")
+        groups, group_topk = n_group, topk_group
+    return MoELayout(num_experts=experts, topk=topk, norm_topk_prob=False, score_function="softmax",
+                     expert_bias=False, num_groups=groups, group_topk=group_topk, **_deepseek_layer_plan(hf_config))
 
 
 @dataclass(frozen=True)
@@ -732,6 +815,8 @@ def moe_layout(hf_config) -> Optional[MoELayout]:
         return None
     if model_type in DEEPSEEK_ROUTER_TYPES:
         return _deepseek_moe_layout(hf_config)
+    if model_type == "deepseek_v2":
+        return _deepseek_v2_moe_layout(hf_config)
     if model_type == "mixtral":
         experts, ffn, shared, norm = hf_config.num_local_experts, hf_config.intermediate_size, 0, True
         if float(_get(hf_config, "router_jitter_noise", 0.0) or 0.0) != 0.0:
@@ -1015,8 +1100,10 @@ def moe_transformer_config_kwargs(moe: MoELayout, parallel, model_cfg: ModelConf
     then the top k, then (``norm_topk_prob``) divides by their sum, which equals megatron's
     default top-k of the logits followed by a softmax over those k (``moe_router_pre_softmax``
     False). Without renormalisation HF keeps the top k of the full softmax, which is megatron's
-    ``moe_router_pre_softmax=True`` with no ``moe_router_topk_scaling_factor``. The router runs
-    in fp32 (``moe_router_dtype``), as HF's softmax does.
+    ``moe_router_pre_softmax=True`` (moe_utils.py:840-846), times ``moe_router_topk_scaling_factor``
+    where the model scales (DeepSeek-V2's ``routed_scaling_factor``, :872-873; its group limit as
+    ``moe_router_num_groups`` / ``moe_router_group_topk`` on the softmax probabilities, see
+    :func:`_deepseek_v2_moe_layout`). The router runs in fp32 (``moe_router_dtype``), as HF's softmax does.
     """
     ep = getattr(parallel, "expert_model_parallel_size", 1)
     etp = getattr(parallel, "expert_tensor_parallel_size", None)

@@ -195,6 +195,16 @@ class ParallelDims:
         return tuple(r for r, d in enumerate(self.dp_rank_of) if d == dp_rank)
 
     @property
+    def expert_owner(self) -> Optional[int]:
+        """The EP rank whose experts this rank exports to one-rank-per-owner receivers
+        (``rollout.mode: server`` at EP > 1, :func:`~dapo_megatron.bridge.iter_hf_weights` with
+        ``expert_owners``): its ``ep_rank`` when its EP group holds a rank of DP shard 0 (expert-data-
+        parallel rank 0: megatron-core's expert grid lays ``ep`` inside ``dp`` when ETP is TP, so DP
+        shard 0's rank is in the first EP group), None where its experts are copies of those. The
+        sender of those experts is the owner's expert-TP rank 0; its expert-TP peers gather with it."""
+        return self.ep_rank if set(self.ep_ranks) & set(self.ranks_of_dp_rank(0)) else None
+
+    @property
     def experts_span_dp(self) -> bool:
         """The MoE layers' collectives (the EP all-to-all, an expert-TP group wider than TP) reach
         ranks of other DP shards: every forward is then a collective across DP ranks, so forward-only

@@ -163,9 +163,13 @@ class Rollout:
         bucket = self.cfg.rollout.update_weights_bucket_megabytes * 2**20
         if self.server_mode:  # the stage's own tensors (no PP broadcast); DP > 0 ranks hold copies
             digest = self.new_digest(version)
+            # at EP > 1 each EP owner's ranks stream its own experts (iter_hf_weights' expert_owners)
+            owners = self.parallel.ep_size > 1
+            streams = self.parallel.dp_rank == 0 or (owners and self.parallel.expert_owner is not None)
             stream = (iter_hf_weights(actor.model_chunks, parallel=self.parallel, bucket_bytes=bucket,
-                                      pp_broadcast=False, buffers=self.export_buffers, digest=digest)
-                      if self.parallel.dp_rank == 0 else None)
+                                      pp_broadcast=False, buffers=self.export_buffers, digest=digest,
+                                      expert_owners=owners)
+                      if streams else None)
             sent = self.engine.sync(stream, version=version, digest=digest)
             return float(sum(self.parallel.all_gather_objects(sent, "world")))
         nbytes = 0

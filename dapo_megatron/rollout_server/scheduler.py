@@ -17,7 +17,7 @@ import torch
 
 from dapo_megatron.platform import collectives
 from dapo_megatron.rollout.engines.buckets import dtype_from_name
-from dapo_megatron.rollout.engines.engine import RowResult
+from dapo_megatron.rollout.engines.engine import RowResult, checkpoint_parameters
 from dapo_megatron.rollout.engines.routes import encode_sglang_routes
 from dapo_megatron.rollout.engines.sglang_engine import init_custom_process_group
 
@@ -89,7 +89,9 @@ class Scheduler:
         self.step_delay_s = float(step_delay_s)
         self._next_step = 0.0  # monotonic time before which no decode step runs (step_delay_s)
         self._to_finish: set[str] = set()  # running rows aborted: finished after one more decode step
-        self.params = dict(engine.model.named_parameters(remove_duplicate=False))
+        # by checkpoint name, as SGLang's load_weights takes them: a transformers-5 MoE model's fused experts
+        # as per-expert views (mlp.experts.{e}.gate_proj.weight ...), router biases included
+        self.params = dict(checkpoint_parameters(engine.model))
         self.weight_version = "default"
         self.groups: dict[str, Any] = {}
         self.paused = False

@@ -2,7 +2,10 @@
 layer, an MoE layer with a shared expert and a sigmoid router with a score-correction bias)
 through the main loop: 3 steps on CPU with the HF engine and routing replay (R3) on, every
 metric finite, and a run stopped after step 2 and resumed from its checkpoint repeats step 3 of
-the uninterrupted run exactly (the router bias travels in the checkpoint and the weight sync).
+the uninterrupted run exactly: with megatron-core's aux-loss-free bias update on
+(``model.moe_router_bias_update_rate``), the moved router bias travels in the checkpoint and the
+weight sync (a resume that dropped the checkpoint's bias gives other step-3 metrics: checked by
+planting it in ``Checkpointer.load``, not kept).
 
 World of one; SmolLM2's tokenizer (vocab 49,152) on the tiny model (tests/conftest.py
 ``tiny_mla_config`` sizes).
@@ -28,6 +31,9 @@ CONFIG = [
     "buffer.filter_metric=reward",
     "data.arithmetic.num_train_problems=8", "data.arithmetic.num_val_problems=2", "model.params_dtype=float32",
     "model.transformer_impl=local", "reward.num_workers=1", "tracking.use_mlflow=false",
+    # the aux-loss-free bias update on: the bias moves every step, so the resumed run repeats step 3 only
+    # if the checkpoint (and then the sync) carries the moved bias, not the HF checkpoint's
+    "model.moe_router_bias_update_rate=0.01",
 ]
 
 
@@ -77,10 +83,9 @@ def test_three_steps_with_finite_metrics_and_routing_replay(runs):
     for step, row in full.items():
         bad = {k: v for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)}
         assert not bad, (step, bad)
-        # R3 on; the actor's own (biased, grouped) choice against the engine's: all of them where
-        # no update came between the engine's sync and the forward, nearly all after one
+        # R3 on; the actor's own (biased, grouped) choice against the engine's: nearly all of them (the
+        # second mini-batch of a step routes after an update of the weights and, at 0.01, of the bias)
         assert row["moe/route_agreement"] >= 0.98, (step, row["moe/route_agreement"])
-    assert full[1]["moe/route_agreement"] == 1.0
     # real updates (the overlong punishment gives mixed scores once responses reach its buffer)
     assert sum(row["actor/grad_norm"] > 0 for row in full.values()) >= 2, [r["actor/grad_norm"] for r in full.values()]
 

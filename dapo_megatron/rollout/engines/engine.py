@@ -371,6 +371,7 @@ _FUSED_EXPERT_NAMES = {
     "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
     "qwen2_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
     "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
+    "deepseek_v2": ("mlp", "gate_proj", "up_proj", "down_proj"),  # conversion_mapping.py: "deepseek_v2" -> "qwen2_moe"
     "deepseek_v3": ("mlp", "gate_proj", "up_proj", "down_proj"),
     "glm4_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),  # conversion_mapping.py: "glm4_moe" -> "qwen2_moe"
 }

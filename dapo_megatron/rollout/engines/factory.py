@@ -183,13 +183,21 @@ def build_training_rollout(cfg: DAPOConfig, tokenizer, hf_config, parallel) -> t
     (:func:`training_engine_spec`; SGLang spans the group's GPUs), the other ranks are
     :class:`~dapo_megatron.rollout.engines.engine_group.EngineGroupMember` s feeding its weight sync.
     server: a :class:`~dapo_megatron.rollout.engines.server_sync.ServerRollout` on every rank (rank
-    ``e`` drives ``rollout.server_urls[e]``; each pipeline stage's DP-0/TP-0 rank sends it).
+    ``e`` drives ``rollout.server_urls[e]``; each pipeline stage's DP-0/TP-0 rank sends it, and at
+    EP > 1 each EP owner its own experts).
     """
     rollout = cfg.rollout
     if rollout.mode == "server":
+        # EP > 1: one sender per EP owner of each stage (its expert-TP rank 0), EP rank 0's with the
+        # non-expert tensors (server_sync's module docstring); EP = 1: the stage's DP-0 TP-0 rank
+        ep, owner = parallel.ep_size, parallel.expert_owner
+        is_sender = (parallel.tp_rank == 0 and parallel.dp_rank == 0) if ep == 1 else \
+            (owner is not None and parallel.etp_rank == 0)
+        moe = moe_layout(hf_config)
         servers = ServerRollout(
             rollout.server_urls, hf_param_specs(hf_config), stage=parallel.pp_rank, num_stages=parallel.pp_size,
-            is_sender=parallel.tp_rank == 0 and parallel.dp_rank == 0, device=device(),
+            is_sender=is_sender, expert_turns=ep, expert_turn=owner or 0,
+            num_experts=moe.num_experts if moe is not None else 0, device=device(),
             timeout_s=rollout.server_timeout_s, silence_timeout_s=rollout.server_silence_timeout_s,
             bucket_bytes=rollout.update_weights_bucket_megabytes * 2**20,
             eos_token_ids=stop_token_ids(tokenizer, hf_config, cfg.model.hf_path), parallel=parallel,

@@ -22,7 +22,14 @@ broadcast from rank 0 as ONE flat ``uint8`` buffer: the server allocates the sam
 buffer must be packed exactly as that bucket is, which
 :class:`~dapo_megatron.rollout.engines.flat_bucket.FlatBucketPacker` does.
 
-The stages send one after the other (stage 0 first), never at once: a server handles one
+Expert parallelism (EP > 1): an SGLang server receives every bucket from rank 0 of the named group
+(``broadcast(src=0)`` in ``_update_bucketed_weights_from_distributed``), so each EP owner of a stage
+(the expert-TP rank 0 of each EP rank of expert-data-parallel rank 0) is rank 0 of a group of its
+own, ``dapo_weights_pp<s>_ep<e>`` (EP rank 0's is ``dapo_weights_pp<s>``), and sends its own experts
+in its turn, EP rank 0 with the non-expert tensors; no expert is gathered onto one rank
+(:func:`~dapo_megatron.bridge.iter_hf_weights` with ``expert_owners``, :func:`expert_turn`).
+
+The stages (and, within a stage, its EP owners) send one after the other (stage 0 first), never at once: a server handles one
 update request at a time (while paused its tokenizer manager holds ``is_pause_cond`` for the
 whole update, ``managers/tokenizer_control_mixin.py`` ``update_weights_from_distributed``),
 so with two stages sending concurrently server A could be inside stage 0's broadcast waiting
@@ -145,13 +152,16 @@ class ServerWeightSender:
         bucket_bytes: bucket size in bytes.
         group_suffix: appended to the group's name: a group over another set of servers needs
             a name of its own (torch refuses to create a process group under a used name).
+        expert_turn: the EP rank whose experts this sender sends (0: also every non-expert tensor
+            of the stage); its group is ``dapo_weights_pp<stage>_ep<expert_turn>`` when > 0.
     """
 
     def __init__(self, servers: Sequence[ServerInfo], stage: int, *, device: torch.device | str,
-                 timeout_s: float, bucket_bytes: int, group_suffix: str = ""):
+                 timeout_s: float, bucket_bytes: int, group_suffix: str = "", expert_turn: int = 0):
         self.servers = list(servers)
         self.stage = stage
-        self.group_name = f"dapo_weights_pp{stage}{group_suffix}"
+        self.expert_turn = int(expert_turn)
+        self.group_name = f"dapo_weights_pp{stage}{f'_ep{expert_turn}' if expert_turn else ''}{group_suffix}"
         self.device = torch.device(device)
         self.timeout_s = float(timeout_s)
         self.packer = FlatBucketPacker(bucket_bytes, self.device)
@@ -310,7 +320,7 @@ class ServerWeightSender:
 def connect_servers(servers: Sequence[ServerInfo], *, stage: int, num_stages: int, is_sender: bool,
                     device: torch.device | str, timeout_s: float, bucket_bytes: int,
                     backend: Optional[str] = None, parallel: Optional[ParallelDims] = None,
-                    group_suffix: str = "") -> Optional[ServerWeightSender]:
+                    group_suffix: str = "", expert_turn: int = 0, expert_turns: int = 1) -> Optional[ServerWeightSender]:
     """Create the weight-update group of every pipeline stage, stage by stage; collective over
     the world of ``parallel`` (None: a world of one).
 
@@ -318,6 +328,8 @@ def connect_servers(servers: Sequence[ServerInfo], *, stage: int, num_stages: in
     server to join ``dapo_weights_pp<s>`` and joins as rank 0; the others wait. One stage at a
     time because a server's scheduler takes one group init at a time and blocks in it until the
     group is complete (see the module docstring). ``group_suffix``: :class:`ServerWeightSender`'s.
+    At EP > 1 (``expert_turns`` = EP) each stage has ``expert_turns`` senders, one per EP owner
+    (``expert_turn``: this rank's), each forming its own group in turn ``stage · expert_turns + expert_turn``.
 
     Returns:
         this rank's :class:`ServerWeightSender`, or None off the senders.
@@ -328,14 +340,16 @@ def connect_servers(servers: Sequence[ServerInfo], *, stage: int, num_stages: in
     """
     parallel = dims_or_single(parallel, "connect_servers")
     sender, error = None, None
-    for turn in range(num_stages):
-        if turn == stage and is_sender:
+    for turn in range(num_stages * expert_turns):
+        if turn == stage * expert_turns + expert_turn and is_sender:
             try:
                 sender = ServerWeightSender(servers, stage, device=device, timeout_s=timeout_s,
-                                            bucket_bytes=bucket_bytes, group_suffix=group_suffix)
+                                            bucket_bytes=bucket_bytes, group_suffix=group_suffix,
+                                            expert_turn=expert_turn)
                 sender.init_group(backend=backend)
             except Exception as err:
-                error = f"creating the weight-update group of pipeline stage {stage}: {err}"
+                error = (f"creating the weight-update group of pipeline stage {stage}"
+                         f"{f', expert owner {expert_turn}' if expert_turns > 1 else ''}: {err}")
         errors = parallel.all_gather_objects(error, "world")
         if any(errors):
             raise RuntimeError("; ".join(e for e in errors if e))
@@ -387,18 +401,28 @@ def flush_and_continue(urls: Sequence[str], timeout_s: float) -> None:
     _each(list(urls), one)
 
 
-def _prepend(first, rest: Iterator):
-    """``first``, then ``rest``; unlike ``itertools.chain([first], rest)``, which keeps the list
-    (and so the bridge's bucket memory under ``first``) until the whole stream is consumed."""
-    yield first
-    del first
-    yield from rest
+class _Turns:
+    """A rank's part of the bridge stream cut into the expert turns of its stage: :meth:`take` ``(e)``
+    yields the items of turn ``e`` (``turn_of(name)``; the stream lists the turns in order) and stops
+    at the first item of a later turn, which it holds for the next call (pulling it fills its bucket,
+    as every peer of that bucket's gathers does at the same point)."""
+
+    def __init__(self, stream: Iterator[NamedTensor], turn_of):
+        self.stream, self.turn_of = stream, turn_of
+        self.head: Optional[NamedTensor] = next(stream, None)
+
+    def take(self, turn: int) -> Iterator[NamedTensor]:
+        while self.head is not None and self.turn_of(self.head[0]) <= turn:
+            item, self.head = self.head, None
+            yield item
+            del item
+            self.head = next(self.stream, None)
 
 
 def sync_servers(stage_tensors: Optional[Iterable[NamedTensor]], *, sender: Optional[ServerWeightSender],
                  urls: Sequence[str], timeout_s: float, param_specs, version: int, coordinator: bool,
                  stage: int = 0, num_stages: int = 1, parallel: Optional[ParallelDims] = None,
-                 digest: Optional[SyncDigest] = None) -> int:
+                 digest: Optional[SyncDigest] = None, expert_turns: int = 1, turn_of=None) -> int:
     """One weight sync into the servers; collective over the world of ``parallel`` (None: a world
     of one).
 
@@ -416,6 +440,11 @@ def sync_servers(stage_tensors: Optional[Iterable[NamedTensor]], *, sender: Opti
         coordinator: the one rank that pauses, flushes and resumes the servers (rank 0).
         stage, num_stages: this rank's pipeline stage and the PP size: stage ``s`` sends in
             turn ``s`` (see the module docstring); a failed turn ends the sync for all.
+        expert_turns, turn_of: EP > 1 (``expert_turns`` = EP): stage ``s``'s EP owner ``e`` sends in
+            turn ``s · expert_turns + e`` the items ``turn_of(name) == e`` of its stream (its own
+            experts; EP rank 0 every non-expert tensor too: :func:`expert_turn`), through its own
+            ``sender`` (``sender.expert_turn``); every other rank with a stream iterates its items
+            of the turn (the gathers are collective). ``turn_of`` None: one turn per stage.
         digest: verification (:mod:`.verify`): the :class:`~.verify.SyncDigest` the bridge filled
             on this rank's stream (its stage's checksums on the senders); the senders' checksums are
             all-gathered, and before generation continues the coordinator reads every checked
@@ -444,29 +473,30 @@ def sync_servers(stage_tensors: Optional[Iterable[NamedTensor]], *, sender: Opti
     if any(errors):
         raise RuntimeError(next(e for e in errors if e))
     sent: list[tuple[str, tuple[int, ...]]] = []
-    stream = iter(stage_tensors) if stage_tensors is not None else iter(())
     # the bridge's export plan is collective over the PP group: every stage runs it (and gathers
     # its first bucket) before the turns, or stage 0 would wait in it for stages parked below
-    first = next(stream, None)
-    if first is not None:
-        stream = _prepend(first, stream)
-    del first
+    turns = _Turns(iter(stage_tensors) if stage_tensors is not None else iter(()),
+                   turn_of if turn_of is not None else (lambda name: 0))
     every_sent: list[tuple[str, tuple[int, ...]]] = []  # all stages' (name, shape)s, for the check below
     failed: list[str] = []
-    for turn in range(num_stages):
-        if turn == stage:
-            if sender is not None:
+    for turn in range(num_stages * expert_turns):
+        mine = turn // expert_turns == stage
+        sent = []
+        if mine:
+            items = turns.take(turn % expert_turns)
+            if sender is not None and sender.expert_turn == turn % expert_turns:
                 try:
-                    sent = sender.send(stream)
+                    sent = sender.send(items)
                 except Exception as err:
                     error = str(err)
-            for item in stream:  # after a failure (or off the sender): keep the bridge's TP gathers in step
+            for item in items:  # after a failure (or off the sender): keep the bridge's TP gathers in step
                 del item
-        reports = parallel.all_gather_objects((sent if turn == stage else [], error), "world")
+        reports = parallel.all_gather_objects((sent, error), "world")
         every_sent += [item for part, _ in reports for item in part]
         failed = [e for _, e in reports if e]
         if failed:
             break  # later stages do not send into servers that failed; their streams are dropped
+    del turns
     if not failed:
         tracker = WeightSyncTracker(*param_specs)
         tracker.begin(version)
@@ -533,12 +563,17 @@ class ServerRollout:
         record_routes: routing replay, ``(L, K, E)`` of the model: :meth:`generate` asks for
             ``return_routed_experts`` and every completion carries its routes (servers launched
             with ``--enable-return-routed-experts``, SGLang or dapo-rollout-server); None: off.
+        expert_turns, expert_turn, num_experts: EP > 1 (``expert_turns`` = EP): each stage has one
+            sender per EP owner (``is_sender`` with ``expert_turn`` = its EP rank) and the sync
+            sends in turns (:func:`sync_servers`; ``num_experts``, the routed experts per layer,
+            places each expert in its owner's turn: :func:`~dapo_megatron.bridge.expert_turn`).
     """
 
     def __init__(self, urls: Sequence[str], param_specs, *, stage: int, num_stages: int, is_sender: bool,
                  device: torch.device | str, timeout_s: float, silence_timeout_s: float, bucket_bytes: int,
                  backend: Optional[str] = None, eos_token_ids: Sequence[int] = (), one_driver: bool = False,
-                 parallel: Optional[ParallelDims] = None, record_routes: Optional[tuple[int, int, int]] = None):
+                 parallel: Optional[ParallelDims] = None, record_routes: Optional[tuple[int, int, int]] = None,
+                 expert_turns: int = 1, expert_turn: int = 0, num_experts: int = 0):
         self.parallel = dims_or_single(parallel, "ServerRollout")
         self.urls = list(urls)
         self.record_routes = record_routes
@@ -559,7 +594,9 @@ class ServerRollout:
         if isinstance(answer, str):
             raise RuntimeError(answer)
         self.servers: list[ServerInfo] = answer
+        self.expert_turns, self.num_experts = int(expert_turns), int(num_experts)
         self._connect = dict(stage=stage, num_stages=num_stages, is_sender=is_sender, device=device,
+                             expert_turn=expert_turn, expert_turns=expert_turns,
                              timeout_s=timeout_s, bucket_bytes=bucket_bytes, backend=backend, parallel=self.parallel)
         self.sender = connect_servers(self.servers, **self._connect)
         self.members = list(range(len(self.servers)))  # the servers the weight syncs go to (set_members)
@@ -569,6 +606,14 @@ class ServerRollout:
         # this rank's server's rows (the HTTP row client over every server; this rank drives engine_index)
         self.client = RowClient(self.urls, silence_timeout_s=silence_timeout_s, timeout_s=timeout_s,
                                 eos_token_ids=eos_token_ids, rid_prefix=f"dapo-{self.rank}")
+
+    def _turn_of(self):
+        if self.expert_turns == 1:
+            return None
+        # the bridge here, not at the top: it imports rollout.engines (verify), which imports this module
+        from dapo_megatron.bridge import expert_turn
+
+        return lambda name: expert_turn(name, self.num_experts, self.expert_turns)
 
     def check_health(self) -> None:
         """:func:`check_health` of every server from rank 0; every rank raises the same error."""
@@ -670,6 +715,7 @@ class ServerRollout:
         urls = [self.urls[e] for e in self.members]
         nbytes = sync_servers(stage_tensors, sender=self.sender, urls=urls, timeout_s=self.timeout_s,
                               param_specs=self.param_specs, version=version, coordinator=self.rank == 0,
-                              stage=self.stage, num_stages=self.num_stages, parallel=self.parallel, digest=digest)
+                              stage=self.stage, num_stages=self.num_stages, parallel=self.parallel, digest=digest,
+                              expert_turns=self.expert_turns, turn_of=self._turn_of())
         self.weight_version, self.weights_valid = version, True
         return nbytes

@@ -11,6 +11,13 @@ families (the replay of both in ONE spawned world).
   experts for every routed token, old-logprob and training forwards alike, and its logprobs are
   transformers' with its routers forced to those experts (weights: the chosen sigmoid scores,
   renormalised, times ``routed_scaling_factor``).
+
+DeepSeek-V2 (``tiny_v2_config``: V2-Lite's softmax router, greedy top-2 never renormalised; and
+``V2_GROUPED``: ``group_limited_greedy``, a group ranked by its best softmax score) runs the same
+checks in the same world: the engine's routes are the softmax routing written out here (no bias;
+the group limit changes some routes of the grouped config only), and replay at EP=2 uses them
+token for token with transformers' forced logprobs (weights: the softmax over all experts at the
+replayed experts, not renormalised, times ``routed_scaling_factor``).
 """
 
 from __future__ import annotations
@@ -21,16 +28,21 @@ import os
 import pytest
 import torch
 
-from conftest import hf_checkpoint_state, random_hf_model, tiny_glm_config, tiny_mla_config
+from conftest import V2_GROUPED, hf_checkpoint_state, random_hf_model, tiny_glm_config, tiny_mla_config, tiny_v2_config
 from dapo_megatron.platform import ParallelConfig, spawn
 from unit.actor.test_routing_replay import _full_routes, _logprobs_with_hooks, _my_samples, _samples
+
+
+def _is_v2(cfg) -> bool:
+    return cfg.model_type == "deepseek_v2"
 
 
 def _deepseek_routes(model, ids: list[int], *, bias: bool = True, groups: bool = True) -> torch.Tensor:
     """Int64 ``[T, L, K]`` routes of one full sequence, computed here from the routers' logits
     (transformers' ``router_logits`` per MoE layer; DeepSeek-V3 routing written out: sigmoid,
     + bias for the choice, groups ranked by their top-2 sum, the top ``topk_group`` groups kept,
-    top-k of those); dense layers 0."""
+    top-k of those; DeepSeek-V2's: softmax, no bias, with ``group_limited_greedy`` groups ranked by
+    their best score); dense layers 0."""
     from dapo_megatron.rollout.engines.routes import hf_routers_by_layer
 
     cfg = model.config
@@ -49,10 +61,15 @@ def _deepseek_routes(model, ids: list[int], *, bias: bool = True, groups: bool =
     for i, g in enumerate(gates):
         if g is None:
             continue
-        s = torch.sigmoid(logits[i].float()) + (g.e_score_correction_bias.float() if bias else 0.0)
+        if _is_v2(cfg):
+            s = torch.softmax(logits[i].float(), dim=-1)
+            rank = s.view(-1, G, E // G).max(dim=-1).values
+            groups = groups and cfg.topk_method == "group_limited_greedy"
+        else:
+            s = torch.sigmoid(logits[i].float()) + (g.e_score_correction_bias.float() if bias else 0.0)
+            rank = s.view(-1, G, E // G).topk(2, dim=-1).values.sum(-1)
         if groups and TG < G:
-            top2 = s.view(-1, G, E // G).topk(2, dim=-1).values.sum(-1)
-            keep = torch.zeros_like(top2).scatter_(1, top2.topk(TG, dim=-1).indices, 1.0)
+            keep = torch.zeros_like(rank).scatter_(1, rank.topk(TG, dim=-1).indices, 1.0)
             s = s.masked_fill(keep.repeat_interleave(E // G, dim=1) == 0, float("-inf"))
         out[:, i] = s.topk(k, dim=-1).indices.sort(-1).values
     return out
@@ -60,24 +77,31 @@ def _deepseek_routes(model, ids: list[int], *, bias: bool = True, groups: bool =
 
 def _forced_logprobs(model, ids: list[int], prompt_len: int, forced: torch.Tensor) -> torch.Tensor:
     """Response logprobs with every MoE router forced to ``forced`` ([T, L, K]): weights the
-    sigmoid scores at those experts, renormalised, times ``routed_scaling_factor`` (what
-    megatron-core's REPLAY_FORWARD computes for this router)."""
+    sigmoid scores at those experts, renormalised, times ``routed_scaling_factor`` (DeepSeek-V2: the
+    softmax over all experts at those experts, not renormalised, times the factor), what
+    megatron-core's REPLAY_FORWARD computes for this router."""
     from dapo_megatron.rollout.engines.routes import hf_routers_by_layer
 
     scale = model.config.routed_scaling_factor
+    v2 = _is_v2(model.config)
 
     def hook_for(layer):
         def hook(mod, args, out):
             idx = forced[:, layer].long()
-            w = torch.sigmoid(out[0].float()).gather(1, idx)
-            return out[0], (w / (w.sum(-1, keepdim=True) + 1e-20) * scale).to(out[1].dtype), idx
+            if v2:
+                w = torch.softmax(out[0].float(), dim=-1).gather(1, idx)
+            else:
+                w = torch.sigmoid(out[0].float()).gather(1, idx)
+                w = w / (w.sum(-1, keepdim=True) + 1e-20)
+            return out[0], (w * scale).to(out[1].dtype), idx
         return hook
 
     handles = [g.register_forward_hook(hook_for(i)) for i, g in enumerate(hf_routers_by_layer(model)) if g is not None]
     return _logprobs_with_hooks(model, ids, prompt_len, handles)
 
 
-FAMILIES = {"v3": tiny_mla_config, "glm": tiny_glm_config}
+FAMILIES = {"v3": tiny_mla_config, "glm": tiny_glm_config, "v2": tiny_v2_config,
+            "v2_grouped": lambda: tiny_v2_config(**V2_GROUPED)}
 
 
 def _worker(out_dir: str, cases: dict) -> None:
@@ -142,7 +166,9 @@ def test_hf_engine_routes_are_deepseek_routing_with_bias_and_groups(mla_engines,
         assert not got[:, 0].any()  # the dense layer: no routes
         no_bias += int((got != _deepseek_routes(model, ids, bias=False)[:len(ids) - 1]).any(-1).sum())
         no_groups += int((got != _deepseek_routes(model, ids, groups=False)[:len(ids) - 1]).any(-1).sum())
-    assert no_bias > 0 and no_groups > 0, (no_bias, no_groups)
+    # DeepSeek-V2 has no bias, and V2-Lite's greedy top-k no group limit
+    has_bias, has_groups = not _is_v2(cfg), cfg.n_group > cfg.topk_group
+    assert (no_bias > 0) == has_bias and (no_groups > 0) == has_groups, (no_bias, no_groups)
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,16 @@ all of :data:`LAYOUTS`.
   ``moe_router_bias_update_rate``) moves the bias, and the sync hands the engine the new bias
   (the engine then gives the actor's logprobs).
 
+DeepSeek-V2 (``deepseek_v2``, tests/conftest.py ``tiny_v2_config``): V2-Lite's router (softmax over all
+experts, greedy top-2, the weights never renormalised, times ``routed_scaling_factor``) behind MLA
+without a query LoRA and YaRN with V2-Lite's mscale, at EP=2, TP=2 and PP=2; and DeepSeek-V2's
+``group_limited_greedy`` (``V2_GROUPED``: 8 experts in 4 groups, 2 kept, top-3) at EP=2. Logprobs
+equal transformers' (<= 1e-5), the export is the checkpoint bitwise (no score-correction bias in
+either), the EP=2 sync into HFEngine and SGLang-sized buckets carries the checkpoint; renormalising,
+dropping the scale or (grouped) the group limit gives other logprobs in these configs. What the
+mapping cannot reproduce (a renormalised V2 router, sigmoid scoring, greedy with a group limit,
+DeepSeek-V2's own 6-of-3-groups ranking) fails in one line.
+
 GLM: logprobs equal transformers' (<= 1e-5) and the export is the checkpoint bitwise at every GLM
 layout, the checkpoint's MTP layer (``num_nextn_predict_layers``, layer 2 here) skipped on import
 and never exported; the EP=2 sync into HFEngine and into 2 KiB SGLang-sized buckets carries the
@@ -36,7 +46,7 @@ import os
 import pytest
 import torch
 
-from conftest import hf_checkpoint_state, random_hf_model, tiny_glm_config, tiny_mla_config
+from conftest import V2_GROUPED, hf_checkpoint_state, random_hf_model, tiny_glm_config, tiny_mla_config, tiny_v2_config
 from dapo_megatron.platform import ParallelConfig, spawn
 from unit.bridge.test_bridge_dist import _mismatches, record_errors
 from unit.bridge.test_bridge_dist import megatron_logprobs as _logprobs
@@ -49,6 +59,11 @@ GLM = "glm"  # GLM-4.5 (tiny_glm_config), at the layouts below
 GLM_LAYOUTS = ("ep2", "tp2", "tp2_etp1", "pp2")
 NOQ = "no_q_lora"  # q_lora_rank None (DeepSeek-V2-Lite, Moonlight): one q_proj, no q norm
 NOQ_LAYOUTS = ("ep1", "tp2")
+V2 = "v2"  # DeepSeek-V2-Lite style (tiny_v2_config): softmax router, greedy top-k not renormalised, no q LoRA, YaRN
+V2G = "v2_grouped"  # DeepSeek-V2's group_limited_greedy (V2_GROUPED), with a q LoRA
+V2_LAYOUTS = {V2: ("ep2", "tp2", "pp2"), V2G: ("ep2",)}
+# the layout each family's export order is compared with (all layouts export in one order)
+FIRST_LAYOUT = {GLM: "ep2", V2: "ep2", V2G: "ep2"}
 SEQ = 16
 # the GLM checkpoint's MTP layer (num_nextn_predict_layers=1 after the 2 decoder layers): a few of its
 # tensors, which transformers does not build; import must skip them as SGLang does
@@ -62,8 +77,9 @@ def _yarn_config():
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0})
 
 
-def _worker(out_dir: str, cases: dict, ids: dict) -> None:
+def _worker(out_dir: str, configs: dict, ids: dict) -> None:
     import torch.distributed as dist
+    from safetensors.torch import load_file
 
     from dapo_megatron.bridge import export_hf_state_dict, iter_hf_weights, load_hf_weights
     from dapo_megatron.models import ModelConfig, build_gpt_model
@@ -73,6 +89,10 @@ def _worker(out_dir: str, cases: dict, ids: dict) -> None:
     from dapo_megatron.rollout.engines.engine import checkpoint_parameters
 
     rank = int(os.environ["RANK"])
+    # each case's checkpoint from the file the parent wrote: the tensors of six cases passed as
+    # arguments would need more file descriptors than the fork server sends (multiprocessing MAXFDS_TO_SEND)
+    cases = {name: (cfg, load_file(os.path.join(out_dir, name, "model.safetensors")))
+             for name, cfg in configs.items()}
     res: dict = {"lp": {}, "export": {}, "order": {}, "sync": {}}
     for layout, tp, pp, ep, etp in LAYOUTS:
         par = init_distributed(ParallelConfig(tp, pp, ep, etp), seed=3)
@@ -80,6 +100,7 @@ def _worker(out_dir: str, cases: dict, ids: dict) -> None:
         names = ["v3", YARN] if layout == "ep1" else ["v3"]
         names += [GLM] if layout in GLM_LAYOUTS else []
         names += [NOQ] if layout in NOQ_LAYOUTS else []
+        names += [v2 for v2, at in V2_LAYOUTS.items() if layout in at]
         for name in names:
             cfg, state = cases[name]
             model = build_gpt_model(cfg, parallel=par).eval()
@@ -135,6 +156,15 @@ def _worker(out_dir: str, cases: dict, ids: dict) -> None:
             partial_rotary_factor=0.5), ParallelConfig()),
         "glm_norm_topk_false": lambda: hf_to_transformer_config(tiny_glm_config(norm_topk_prob=False),
                                                                 ParallelConfig()),
+        "v2_norm_topk_true": lambda: hf_to_transformer_config(tiny_v2_config(norm_topk_prob=True), ParallelConfig()),
+        "v2_sigmoid": lambda: hf_to_transformer_config(tiny_v2_config(scoring_func="sigmoid"), ParallelConfig()),
+        "v2_noaux_tc": lambda: hf_to_transformer_config(tiny_v2_config(topk_method="noaux_tc"), ParallelConfig()),
+        "v2_greedy_with_groups": lambda: hf_to_transformer_config(
+            tiny_v2_config(n_routed_experts=8, n_group=4, topk_group=2), ParallelConfig()),
+        # DeepSeek-V2 / V2.5: top-6 of 3 of 8 groups; megatron-core would rank a group by its top-2 sum
+        "v2_group_rank_top2": lambda: hf_to_transformer_config(
+            tiny_v2_config(**dict(V2_GROUPED, n_routed_experts=16, n_group=8, topk_group=3, num_experts_per_tok=6)),
+            ParallelConfig()),
     }
     res["errors"] = record_errors(attempts)
     dist.barrier()
@@ -155,7 +185,8 @@ def mla_results(tmp_path_factory):
     ids[0][0, 3] = 249  # the last real token id, next to the vocabulary padding rows
     cases, ref_lp, alt_lp = {}, {}, {}
     for i, (name, cfg) in enumerate((("v3", tiny_mla_config()), (YARN, _yarn_config()), (GLM, tiny_glm_config()),
-                                       (NOQ, tiny_mla_config(q_lora_rank=None)))):
+                                       (NOQ, tiny_mla_config(q_lora_rank=None)), (V2, tiny_v2_config()),
+                                       (V2G, tiny_v2_config(**V2_GROUPED)))):
         hf = random_hf_model(cfg, seed=i)
         cases[name] = (cfg, hf_checkpoint_state(hf, out / name))
         for r, x in ids.items():
@@ -173,14 +204,28 @@ def mla_results(tmp_path_factory):
             full = random_hf_model(tiny_glm_config(partial_rotary_factor=1.0), seed=i)
             full.load_state_dict(hf.state_dict())
             alt_lp["glm_full_rotary"] = _hf_logprobs(full, ids[0])
-    spawn(_worker, 2, str(out), cases, ids)
+        if name in (V2, V2G):  # what not renormalising, the scale and (V2G) the group limit change here
+            gate = hf.model.layers[1].mlp.gate
+            handle = gate.register_forward_hook(lambda m, a, o: (
+                o[0], o[1] / o[1].sum(-1, keepdim=True) * m.routed_scaling_factor, o[2]))
+            alt_lp[f"{name}_renormalised"] = _hf_logprobs(hf, ids[0])
+            handle.remove()
+            gate.routed_scaling_factor = 1.0
+            alt_lp[f"{name}_unscaled"] = _hf_logprobs(hf, ids[0])
+            gate.routed_scaling_factor = cfg.routed_scaling_factor
+            if name == V2G:
+                gate.topk_method = "greedy"
+                alt_lp["v2_no_groups"] = _hf_logprobs(hf, ids[0])
+                gate.topk_method = cfg.topk_method
+    spawn(_worker, 2, str(out), {name: cfg for name, (cfg, _) in cases.items()}, ids)
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(2)]
     return ranks, ref_lp, alt_lp, cases
 
 
 def _cases():
     return ([(layout, "v3") for layout, *_ in LAYOUTS] + [("ep1", YARN)] + [(layout, GLM) for layout in GLM_LAYOUTS]
-            + [(layout, NOQ) for layout in NOQ_LAYOUTS])
+            + [(layout, NOQ) for layout in NOQ_LAYOUTS]
+            + [(layout, name) for name, at in V2_LAYOUTS.items() for layout in at])
 
 
 @pytest.mark.dist
@@ -207,17 +252,30 @@ def test_the_bias_and_the_group_limit_change_this_configs_logprobs(mla_results):
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("name", [V2, V2G])
+def test_v2_renormalising_the_scale_and_the_group_limit_change_this_configs_logprobs(mla_results, name):
+    # without this, the V2 parity would not show that Megatron keeps the top-k softmax weights as they
+    # are, scales them, and (grouped) limits the groups as transformers does
+    _, ref_lp, alt_lp, _ = mla_results
+    for what in ("renormalised", "unscaled"):
+        assert (alt_lp[f"{name}_{what}"] - ref_lp[(name, 0)]).abs().max().item() > 1e-3, what
+    if name == V2G:
+        assert (alt_lp["v2_no_groups"] - ref_lp[(V2G, 0)]).abs().max().item() > 1e-3
+
+
+@pytest.mark.dist
 @pytest.mark.parametrize("layout,name", _cases())
 def test_mla_export_is_the_hf_checkpoint_bitwise(mla_results, layout, name):
     ranks, _, _, cases = mla_results
     for res in ranks:
         assert res["export"][(layout, name)] == [], (layout, name)
     names = ranks[0]["order"][(layout, name)]
-    first = ("ep2" if name == GLM else "ep1", name)
+    first = (FIRST_LAYOUT.get(name, "ep1"), name)
     assert names == ranks[1]["order"][(layout, name)] == ranks[0]["order"][first]
     # the dense layer has an MLP and no router; the MoE layer a router, its bias and a shared expert
     assert "model.layers.0.mlp.gate_proj.weight" in names and "model.layers.0.mlp.gate.weight" not in names
-    assert "model.layers.1.mlp.gate.e_score_correction_bias" in names
+    # DeepSeek-V2's softmax router has no score-correction bias (nor has its HF checkpoint)
+    assert ("model.layers.1.mlp.gate.e_score_correction_bias" in names) == (name not in (V2, V2G))
     assert "model.layers.1.mlp.shared_experts.down_proj.weight" in names
     assert not any(n.startswith("model.layers.2.") for n in names)  # no MTP layer
     if name == GLM:  # qkv bias and q/k norm per layer (attention_bias, use_qk_norm)
@@ -225,7 +283,7 @@ def test_mla_export_is_the_hf_checkpoint_bitwise(mla_results, layout, name):
             for t in ("q_proj.bias", "k_proj.bias", "v_proj.bias", "q_norm.weight", "k_norm.weight"):
                 assert f"model.layers.{layer}.self_attn.{t}" in names
         return
-    if name == NOQ:  # one query projection, no query latent and no q norm (transformers' q_proj branch)
+    if name in (NOQ, V2):  # one query projection, no query latent and no q norm (transformers' q_proj branch)
         for layer in range(2):
             assert f"model.layers.{layer}.self_attn.q_proj.weight" in names
             assert not any(n.startswith(f"model.layers.{layer}.self_attn.q_a") for n in names)
@@ -237,7 +295,7 @@ def test_mla_export_is_the_hf_checkpoint_bitwise(mla_results, layout, name):
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("name", ["v3", GLM])
+@pytest.mark.parametrize("name", ["v3", GLM, V2, V2G])
 def test_sync_into_hf_engine_and_sglang_buckets_equal_the_checkpoint(mla_results, name):
     ranks, ref_lp, _, _ = mla_results
     for r, res in enumerate(ranks):
@@ -279,6 +337,11 @@ def test_what_the_mla_mapping_cannot_build_fails_in_one_line(mla_results):
         "glm_partial_odd": "partial_rotary_factor=0.3125 rotates 5.0 of head_dim=16 channels",
         "llama_partial": "hf_config.partial_rotary_factor != 1 is not supported",
         "glm_norm_topk_false": "hf_config.norm_topk_prob=False is not supported with the sigmoid router",
+        "v2_norm_topk_true": "hf_config.norm_topk_prob=True is not supported for deepseek_v2",
+        "v2_sigmoid": "hf_config.scoring_func='sigmoid': DeepSeek-V2's router is softmax",
+        "v2_noaux_tc": "hf_config.topk_method='noaux_tc': deepseek_v2 supports 'greedy' and 'group_limited_greedy'",
+        "v2_greedy_with_groups": "hf_config.topk_method='greedy' with n_group=4, topk_group=2",
+        "v2_group_rank_top2": "hf_config.num_experts_per_tok=6 // topk_group=3 must be 1",
     }
     for key, text in expect.items():
         assert err[key] is not None and text in err[key], (key, err[key])

@@ -458,13 +458,12 @@ def test_malformed_override_is_one_line_with_its_column(item, column):
     assert "\n" not in msg and "<unicode string>" not in msg
 
 
-def test_server_mode_refuses_expert_parallelism():
-    """Server mode syncs each stage from DP rank 0 alone; an EP > 1 export gathers experts over
-    the EP group (DP ranks), which would wait forever for ranks that never export: one line."""
+def test_server_mode_takes_expert_parallelism():
+    """Server mode at EP > 1 (each expert owner sends its own experts, issue 39 item 6) loads; it was
+    refused while the sync read every expert from DP rank 0 alone."""
     from dapo_megatron.config import DAPOConfig
 
     base = ["model.hf_path=/models/x", "rollout.name=sglang", "rollout.mode=server",
             "rollout.server_urls=[http://h:30000]"]
-    with pytest.raises(ConfigError, match=r"^rollout\.mode=server with parallel\.expert_model_parallel_size=2 "):
-        load_config(DAPOConfig, None, [*base, "parallel.expert_model_parallel_size=2"])
-    load_config(DAPOConfig, None, base)
+    cfg = load_config(DAPOConfig, None, [*base, "parallel.expert_model_parallel_size=2"])
+    assert cfg.parallel.expert_model_parallel_size == 2 and cfg.rollout.mode == "server"

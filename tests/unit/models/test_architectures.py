@@ -37,6 +37,7 @@ SGLANG_0_5_23_ENTRY_CLASSES = {
     "MixtralForCausalLM": "mixtral.py:482",
     # deepseek_v2.py ends with EntryClass = [DeepseekV2ForCausalLM, DeepseekV3ForCausalLM]; read at
     # the stored commit 00114aef (older than 0.5.23, the line not checked at the tag)
+    "DeepseekV2ForCausalLM": "deepseek_v2.py (EntryClass, last line)",
     "DeepseekV3ForCausalLM": "deepseek_v2.py (EntryClass, last line)",
     # glm4_moe.py ends with EntryClass = [Glm4MoeForCausalLM, GlmMoeDsaForCausalLM]; read at the stored
     # commit 005ffc65 (its tag not known here, the line not checked at 0.5.23)
@@ -50,6 +51,7 @@ VLLM_TEXT_GENERATION_MODELS = {
     "Qwen2MoeForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "DeepseekV2ForCausalLM": ("deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("deepseek_v2", "DeepseekV3ForCausalLM"),
     "Glm4MoeForCausalLM": ("glm4_moe", "Glm4MoeForCausalLM"),
 }

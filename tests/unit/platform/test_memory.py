@@ -226,10 +226,11 @@ MOONLIGHT_YAML = H100["7b"].replace("dapo_qwen2_5_7b_h100", "dapo_moonlight_16b_
 
 
 def test_mla_parameter_count_matches_transformers():
-    from conftest import tiny_glm_config, tiny_mla_config
+    from conftest import V2_GROUPED, tiny_glm_config, tiny_mla_config, tiny_v2_config
 
     for hf in (tiny_mla_config(), tiny_mla_config(q_lora_rank=None), tiny_glm_config(),
-               tiny_glm_config(attention_bias=False, use_qk_norm=False)):
+               tiny_glm_config(attention_bias=False, use_qk_norm=False), tiny_v2_config(),
+               tiny_v2_config(**V2_GROUPED)):
         model = _meta(hf)
         # transformers keeps the score-correction bias as a buffer; the estimate counts it as a weight
         bias = sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
@@ -273,6 +274,40 @@ def test_moonlight_example_fits_16_h100_and_not_at_tp1_or_on_one_node():
     assert tc.moe_router_bias_update_rate == 0.0 and tc.moe_router_num_groups is None
     assert tc.moe_router_topk_scaling_factor == 2.446 and tc.moe_shared_expert_intermediate_size == 2 * 1408
     assert tc.moe_layer_freq == [0] + [1] * 26 and tc.ffn_hidden_size == 11264
+
+
+DEEPSEEK_V2_LITE = dict(  # deepseek-ai/DeepSeek-V2-Lite's config.json (model_type deepseek_v2), its model fields
+    vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27,
+    num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2, n_routed_experts=64, num_experts_per_tok=6,
+    routed_scaling_factor=1.0, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, v_head_dim=128,
+    qk_nope_head_dim=128, n_group=1, topk_group=1, topk_method="greedy", scoring_func="softmax",
+    norm_topk_prob=False, first_k_dense_replace=1, moe_layer_freq=1, max_position_embeddings=163840,
+    rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                  "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707},
+    rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
+
+
+def test_deepseek_v2_lite_maps_to_megatron_cores_softmax_router_without_renormalisation():
+    from transformers import DeepseekV2Config
+
+    from dapo_megatron.models import ModelConfig
+    from dapo_megatron.models.config import hf_to_transformer_config
+    from dapo_megatron.platform import ParallelConfig
+
+    hf = DeepseekV2Config(**DEEPSEEK_V2_LITE)
+    assert 15.5e9 < ModelShape.from_hf(hf).total_params() < 16.0e9  # "16B total params" (15.7 B)
+    # SGLang's MLA pool, as Moonlight: 27 layers of (512 + 64) bf16 values per token
+    assert ModelShape.from_hf(hf).kv_bytes_per_token(2) == 27 * (512 + 64) * 2
+    tc = hf_to_transformer_config(hf, ParallelConfig(1, 1, 8, 1), ModelConfig(transformer_impl="local"))
+    # softmax over all 64 experts before the top 6, the 6 probabilities kept as they are: pre-softmax, no
+    # renormalisation, routed_scaling_factor 1 (no scaling), greedy (no groups), no score-correction bias
+    assert tc.moe_router_score_function == "softmax" and tc.moe_router_pre_softmax is True
+    assert tc.moe_router_topk_scaling_factor is None and tc.moe_router_num_groups is None
+    assert tc.moe_router_group_topk is None and not tc.moe_router_enable_expert_bias
+    assert (tc.num_moe_experts, tc.moe_router_topk, tc.moe_ffn_hidden_size) == (64, 6, 1408)
+    assert tc.moe_shared_expert_intermediate_size == 2 * 1408 and tc.moe_layer_freq == [0] + [1] * 26
+    assert tc.multi_latent_attention and tc.q_lora_rank is None and tc.rope_type == "yarn"
+    assert (tc.rotary_scaling_factor, tc.mscale, tc.mscale_all_dim) == (40.0, 0.707, 0.707)
 
 
 # ---------------------------------------------------------------- GLM-4.5-Air (glm4_moe)
