@@ -167,3 +167,63 @@ def test_the_mismatch_metrics_leave_the_context_out():
     assert m["rollout/logprob_diff_mean"] == pytest.approx(0.25) and m["rollout/logprob_diff_max"] == pytest.approx(0.25)
     a.old_logprobs = [lp - 0.25 if k else -9.0 for lp, k in zip(a.rollout_logprobs, a.loss_token_mask())]
     assert logprob_mismatch_metrics([a]) == m  # the context's values are never read
+
+
+
+# ----------------------------------------------------------------- the actor on a real two-turn sample
+# test_actor.py's reference world trains these samples (its one spawned process, no other): a
+# two-turn sample from the HF engine through the trajectory hook, next to single-turn ones.
+
+def two_turn_hf_samples(vocab: int, temperature: float) -> list[Sample]:
+    """One group of 4 responses of a tiny random HF Llama (``vocab`` ids) through the batch loop's
+    :func:`~dapo_megatron.rollout.trajectory.run_turns` with a two-turn trajectory: some with
+    context tokens, some without (checked)."""
+    from dapo_megatron.rollout.engines.engine import SamplingParams, completions_to_group
+    from dapo_megatron.rollout.engines.hf_engine import HFEngine
+    from dapo_megatron.rollout.trajectory import run_turns
+    from unit.rollout.test_hf_engine import tiny_llama
+    from unit.rollout.test_trajectory import TwoTurns
+
+    engine = HFEngine(tiny_llama(seed=2, vocab=vocab), eos_token_ids=[3])
+    # every fourth id stops a turn: the random model ends some first turns early
+    params = SamplingParams(n=4, temperature=temperature, max_new_tokens=12,
+                            stop_token_ids=tuple(range(4, vocab, 4)), seed=13)
+    prompt = [1, 7, 9, 11]
+    (group,) = [completions_to_group(0, prompt, c) for c in engine.generate([prompt], params, prompt_seeds=[0])]
+    run_turns(engine, [(s, 0, j) for j, s in enumerate(group.samples)], params, TwoTurns())
+    assert any(s.num_context_tokens for s in group.samples) and any(not s.num_context_tokens for s in group.samples)
+    return group.samples
+
+
+def train_two_turn(actor, model, samples, temperature: float, direct_logprobs) -> dict:
+    """In the actor's world: old logprobs, advantages, one ``forward_backward`` with the plan's
+    global token count; what :func:`check_two_turn_training` checks."""
+    direct, _ = direct_logprobs(model, samples)
+    lps = actor.compute_logprobs([samples], temperature)
+    g = torch.Generator().manual_seed(1)
+    for s, lp in zip(samples, lps):
+        s.old_logprobs = (lp + 0.3 * torch.randn(lp.shape, generator=g)).tolist()
+        s.advantage = float(torch.randn((), generator=g))
+    n_tok = plan_step([Group(0, samples)], 1, 1, 256).mini_batches[0].global_num_tokens
+    metrics = actor.forward_backward([samples], temperature, n_tok).metrics
+    return dict(samples=samples, direct=direct, metrics=metrics, n_tok=n_tok)
+
+
+def check_two_turn_training(res: dict, clip_low: float, clip_high: float) -> None:
+    """The actor trained the two-turn samples on their model tokens: the global count excludes the
+    context, and the loss is the hand-written token mean over mask-1 tokens of the direct forward's
+    logprobs (with the context counted it would differ)."""
+    samples, m = res["samples"], res["metrics"]
+    assert m["num_tokens"] == res["n_tok"] == sum(s.num_model_tokens for s in samples) < sum(
+        s.response_length for s in samples)
+    num, num_all = 0.0, 0.0
+    for s, lp in zip(samples, res["direct"]):
+        ratio = torch.exp(lp.double() - torch.tensor(s.old_logprobs, dtype=torch.float64))
+        per = torch.maximum(-s.advantage * ratio, -s.advantage * ratio.clamp(1 - clip_low, 1 + clip_high))
+        num += float((per * torch.tensor(s.loss_token_mask(), dtype=torch.float64)).sum())
+        num_all += float(per.sum())
+        if s.num_context_tokens:  # the context sits in the forward as the tokens appended, unchanged
+            k = s.response_mask.index(0)
+            assert s.response_ids[k:k + 3] == [20, 21, 22] and s.response_mask[k:k + 3] == [0, 0, 0]
+    assert m["loss"] == pytest.approx(num / res["n_tok"], abs=1e-5)
+    assert abs(num_all / sum(s.response_length for s in samples) - m["loss"]) > 1e-3  # a planted defect fails
