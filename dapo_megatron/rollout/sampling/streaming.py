@@ -302,8 +302,9 @@ def extend_sample(s: Sample, u: RowUpdate, trajectory: Trajectory = SINGLE_TURN,
     if u.finish_reason == "abort":
         s.finish_reason = PENDING
         return False
-    return settle_row(s, u.finish_reason, trajectory, version=u.version,
-                      max_new_tokens=max_new_tokens if max_new_tokens is not None else s.response_length)
+    if trajectory.multi_turn and max_new_tokens is None:
+        raise ValueError("extend_sample: a multi-turn trajectory needs max_new_tokens (rollout.response_length)")
+    return settle_row(s, u.finish_reason, trajectory, version=u.version, max_new_tokens=max_new_tokens or 0)
 
 
 class StreamingCollector:
