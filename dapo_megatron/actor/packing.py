@@ -80,7 +80,9 @@ class PackedBatch:
         response_mask: bool ``[B, T]``, True at the label positions of response tokens
             (all samples, including overlong-filtered ones: logprobs are needed for them).
         loss_mask: bool ``[B, T]``, ``response_mask`` minus the samples with
-            ``loss_mask_zero`` (overlong filtering): the tokens that enter the loss.
+            ``loss_mask_zero`` (overlong filtering) and minus each sample's context tokens
+            (``Sample.response_mask`` 0: a multi-turn rollout's tool output, read as context in
+            the forward and never trained on): the tokens that enter the loss.
         attention_mask: bool ``[B, 1, T, T]``, True = masked (Megatron convention), or
             None when the caller uses ``packed_seq_params`` (or the plain causal mask) instead.
         cu_seqlens: int32 ``[n_segments + 1]`` segment boundaries in the packed row (thd;
@@ -381,7 +383,10 @@ def pack_samples(
             labels[r, a:b] = torch.tensor(samples[i].response_ids, dtype=torch.long)
             response_mask[r, a:b] = True
             if not samples[i].loss_mask_zero:
-                loss_mask[r, a:b] = True
+                if samples[i].response_mask is None:  # single-turn: every response token
+                    loss_mask[r, a:b] = True
+                else:
+                    loss_mask[r, a:b] = torch.tensor(samples[i].loss_token_mask(), dtype=torch.bool)
             if mask is not None:
                 mask[r, 0, start:start + R, o:o + P] = False  # the whole prompt
                 _causal_block(mask, r, start, start + R)  # and its own response, causally

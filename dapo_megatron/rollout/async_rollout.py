@@ -56,6 +56,7 @@ from dapo_megatron.rollout.sampling.buffer import (DROP_REASONS, KEPT, GroupSele
 from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipConfig, PromptSkipper
 from dapo_megatron.rollout.sampling.streaming import KeepRate, PromptQueue, draw_unskipped, streamed_cap_spent
 from dapo_megatron.rollout.rollout import Rollout, StepBatch
+from dapo_megatron.rollout.trajectory import SINGLE_TURN, Trajectory, settle_row
 from dapo_megatron.rollout.types import Group, Sample
 
 if TYPE_CHECKING:
@@ -140,6 +141,9 @@ class RolloutController:
             admission from ``next_batch``.
         skipper: with ``prompts``, GRESO prompt skipping (``buffer.prompt_skip``; a disabled one
             never skips); default a disabled one.
+        trajectory: the hook that settles each finished row (:mod:`~dapo_megatron.rollout.trajectory`;
+            default single-turn); a sample it continues is sent again in the next dispatch round,
+            as prompt + its response so far (not counted as a resubmission after a sync).
 
     Admission of new prompts, for the step being filled (``_admit``):
 
@@ -170,8 +174,9 @@ class RolloutController:
                  params: SamplingParams, *, silence_timeout_s: float, version: int, policy_version: int,
                  gen_batches_done: int = 0, generate: Optional[Callable] = None, health_timeout_s: float = 60.0,
                  prompts: Optional[PromptQueue] = None, skipper: Optional[PromptSkipper] = None,
-                 eos_token_ids: Sequence[int] = ()):
+                 eos_token_ids: Sequence[int] = (), trajectory: Trajectory = SINGLE_TURN):
         self.selector, self.cfg = selector, selector.config
+        self.trajectory = trajectory
         self.next_batch = next_batch
         self.prompts = prompts
         if prompts is not None and prompts.batch_size != self.cfg.gen_batch_size:
@@ -512,6 +517,7 @@ class RolloutController:
                 s.holder, s.finish_reason = 0, ""
             groups.append(grp)
         resubmitted = reprefilled = 0
+        next_turn = set()  # rows a multi-turn trajectory continues (not resubmissions after a sync)
 
         def request(key):
             nonlocal resubmitted, reprefilled
@@ -520,7 +526,9 @@ class RolloutController:
             budget = p.max_new_tokens - len(s.response_ids)
             sp = build_sampling_params(dataclasses.replace(p, n=1, max_new_tokens=budget),
                                        sample_seed(p.seed, positions[g], j))
-            if s.response_ids:
+            if key in next_turn:
+                next_turn.discard(key)
+            elif s.response_ids:
                 resubmitted += 1
                 reprefilled += len(s.response_ids)
             # all servers healthy: server g % len(urls), synchronous server mode's deal
@@ -534,9 +542,11 @@ class RolloutController:
                 s.append_tokens(row_version, ids, lps)
             if kind == "abort":  # aborted by a weight sync: continued once it is over, on the new weights (a
                 return False  # row it aborted right after its stop token or at its budget is "stop" / "length": sglang_io.row_outcome)
-            s.finish_reason = kind
             if not s.versions:
                 s.versions = [(0, row_version)]
+            if settle_row(s, kind, self.trajectory, version=row_version, max_new_tokens=p.max_new_tokens):
+                next_turn.add(key)  # the trajectory appended context: the next turn goes out next round
+                return False
             return True
 
         retried = self._dispatch([(g, j) for g in range(len(records)) for j in range(n)], request, accept, version)
@@ -661,10 +671,12 @@ def partial_metrics(trained: Sequence[Sample], *, resubmitted: int, reprefilled:
 
 def strip_tokens(groups: Sequence[Group]) -> list[Group]:
     """Copies of ``groups`` whose samples carry no token lists (``response_ids`` /
-    ``rollout_logprobs`` None, the length in ``num_response_tokens``) nor extracted answer:
+    ``rollout_logprobs`` / ``response_mask`` None, the length in ``num_response_tokens``, the
+    context tokens' count in ``num_context_tokens``) nor extracted answer:
     the records every rank holds of a response another rank holds."""
-    return [Group(g.group_id, [dataclasses.replace(s, response_ids=None, rollout_logprobs=None, pred=None,
-                                                   num_response_tokens=s.response_length) for s in g.samples],
+    return [Group(g.group_id, [dataclasses.replace(s, response_ids=None, rollout_logprobs=None, response_mask=None,
+                                                   pred=None, num_response_tokens=s.response_length)
+                               for s in g.samples],
                   g.prompt_seed) for g in groups]
 
 
@@ -728,7 +740,8 @@ class AsyncRollout(Rollout):
                                             silence_timeout_s=cfg.rollout.server_silence_timeout_s,
                                             eos_token_ids=getattr(self.engine, "eos_token_ids", ()),
                                             health_timeout_s=cfg.rollout.server_timeout_s, version=0,
-                                            policy_version=0, prompts=self.prompt_queue, skipper=skipper)
+                                            policy_version=0, prompts=self.prompt_queue, skipper=skipper,
+                                            trajectory=self.trajectory)
 
     def _broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank, over the gloo generation-wait group: ranks 1..N wait here

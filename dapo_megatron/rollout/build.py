@@ -29,6 +29,7 @@ from dapo_megatron.rollout.rollout import Rollout
 from dapo_megatron.rollout.sampling.buffer import RolloutBuffer
 from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipper
 from dapo_megatron.rollout.sampling.streaming import PromptQueue, StreamingCollector
+from dapo_megatron.rollout.trajectory import build_trajectory
 
 logger = logging.getLogger("dapo_megatron.rollout")
 
@@ -74,13 +75,24 @@ def build_rollout(cfg: DAPOConfig, parallel: ParallelDims, *, tokenizer: Any, hf
     """The :class:`Rollout` of this rank for ``cfg.rollout.mode`` / ``tensor_model_parallel_size``:
     its engine (:func:`~dapo_megatron.rollout.engines.factory.build_training_rollout`), its reward
     pool, the dynamic-sampling buffer and, with ``rollout.streaming``, the streamed collector and
-    its prompt queue; collective in server mode. Build it after the actor: an SGLang engine sizes
+    its prompt queue, and the trajectory hook every generation loop settles its rows with
+    (``rollout.multi_turn``, :func:`~dapo_megatron.rollout.trajectory.build_trajectory`: single-turn
+    by default); collective in server mode. Build it after the actor: an SGLang engine sizes
     its KV cache from the GPU memory left free.
 
     Raises:
         ValueError: ``rollout.streaming`` with an engine that has no asynchronous generation
-            (on every rank: :class:`~dapo_megatron.rollout.sampling.streaming.EngineClient`).
+            (on every rank: :class:`~dapo_megatron.rollout.sampling.streaming.EngineClient`); a
+            ``rollout.multi_turn.trajectory`` that does not build; a multi-turn trajectory under
+            synchronous streaming in a world of more than one process.
     """
+    trajectory = build_trajectory(cfg.rollout.multi_turn, tokenizer)
+    if trajectory.multi_turn and cfg.rollout.streaming and not cfg.async_training.enable and parallel.world_size > 1:
+        # the streamed rounds replicate records only: the trajectory would run on the rank holding
+        # the tokens while every rank takes the keep / continue decisions from the same records
+        raise ValueError("rollout.multi_turn.enable=true with rollout.streaming=true runs in a world of one process "
+                         f"only (world size {parallel.world_size}: the streamed rounds do not replicate a trajectory's "
+                         "decisions yet): set rollout.streaming=false, or use async_training")
     engine, num_engines, engine_index = build_training_rollout(cfg, tokenizer, hf_config, parallel)
     reward_pool = RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
     reward_pool.wait_ready()
@@ -96,9 +108,10 @@ def build_rollout(cfg: DAPOConfig, parallel: ParallelDims, *, tokenizer: Any, hf
         if not cfg.async_training.enable:  # async: rank 0's controller admits from the queue itself
             collector = StreamingCollector(buffer, PromptSkipper(b.prompt_skip, seed=cfg.trainer.seed),
                                            partial_rollout=cfg.rollout.partial_rollout,
-                                           poll_tokens=cfg.rollout.stream_poll_tokens)
+                                           poll_tokens=cfg.rollout.stream_poll_tokens, trajectory=trajectory,
+                                           max_new_tokens=cfg.rollout.response_length)
     cls = AsyncRollout if cfg.async_training.enable else Rollout  # async: server mode, generation beside training
     return cls(cfg, parallel, engine=engine, num_engines=num_engines, engine_index=engine_index,
                    train_data=train_data, val_data=val_data, stream=stream, reward_pool=reward_pool, decode=decode,
                    buffer=buffer, collector=collector, prompt_queue=prompt_queue,
-                   routes_layout=replay_routes_layout(cfg.actor.routing_replay, hf_config))
+                   routes_layout=replay_routes_layout(cfg.actor.routing_replay, hf_config), trajectory=trajectory)

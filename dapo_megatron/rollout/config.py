@@ -12,6 +12,30 @@ from dapo_megatron.rollout.engines.sglang_server_args import check_engine_kwargs
 
 
 @dataclass
+class MultiTurnConfig:
+    """``rollout.multi_turn``: the trajectory hook of the rollout (verl's
+    ``actor_rollout_ref.rollout.multi_turn`` names; :mod:`dapo_megatron.rollout.trajectory`). The
+    tool-calling trajectory and its keys (``max_assistant_turns``, ``tool_config_path``, ...) are
+    issue 38's."""
+
+    enable: bool = False
+    """multi-turn rollouts: every finished row goes through the trajectory named by ``trajectory``,
+    which may append context tokens (trained with ``Sample.response_mask`` 0) and continue the
+    response. False: single-turn, unchanged."""
+    trajectory: str = ""
+    """with ``enable``: the trajectory factory as ``"package.module:attribute"``, called with
+    ``(rollout.multi_turn, tokenizer)``, returning a ``dapo_megatron.rollout.trajectory.Trajectory``."""
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the bad field."""
+        if self.enable and ":" not in str(self.trajectory):
+            raise ValueError(f"trajectory={self.trajectory!r}: enable=true needs a Trajectory factory as "
+                             "'package.module:attribute'")
+        if not self.enable and self.trajectory:
+            raise ValueError(f"trajectory={self.trajectory!r} is set but enable=false: set enable: true to use it")
+
+
+@dataclass
 class RolloutConfig:
     """Generation settings (verl ``actor_rollout_ref.rollout.*`` names)."""
 
@@ -124,6 +148,8 @@ class RolloutConfig:
     """SGLang only: further ``sglang.Engine`` arguments (``ServerArgs`` fields), e.g.
     ``load_format: dummy`` (weights are synced from the actor right after start) or
     ``enable_weights_cpu_backup: true``; every key is checked against SGLang's argument list."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """the trajectory hook: single-turn unless ``multi_turn.enable``."""
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the bad field."""

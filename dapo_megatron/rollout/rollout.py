@@ -53,6 +53,7 @@ from dapo_megatron.rollout.engines.verify import (SyncDigest, Timer, WeightSyncV
 from dapo_megatron.rollout.plan.step_data import gather_groups, gather_preds, send_tokens
 from dapo_megatron.rollout.sampling.buffer import RolloutBuffer
 from dapo_megatron.rollout.sampling.streaming import EngineClient, PromptQueue, StreamingCollector
+from dapo_megatron.rollout.trajectory import SINGLE_TURN, Trajectory, run_turns
 from dapo_megatron.rollout.types import HELD_BY_ALL, Group, Sample
 
 
@@ -93,8 +94,9 @@ class Rollout:
                  engine_index: Optional[int], train_data: Any, val_data: Any, stream: PromptStream,
                  reward_pool: RewardPool, decode: Callable[[list[int]], str], buffer: RolloutBuffer,
                  collector: Optional[StreamingCollector], prompt_queue: Optional[PromptQueue],
-                 routes_layout: Optional[tuple] = None):
+                 routes_layout: Optional[tuple] = None, trajectory: Trajectory = SINGLE_TURN):
         self.cfg, self.parallel = cfg, parallel
+        self.trajectory = trajectory  # settles every finished row (rollout/trajectory.py); default single-turn
         self.routes_layout = routes_layout  # routing replay: (L, K, dtype) of Sample.routes, which travel too
         self.engine, self.num_engines, self.engine_index = engine, num_engines, engine_index
         self.server_mode = cfg.rollout.mode == "server"
@@ -268,12 +270,15 @@ class Rollout:
         prompts = [self.train_data[batch[g]].prompt_ids for g in mine]
         outputs = self.engine.generate(prompts, params, [first_group_id + g for g in mine]) if mine else []
         self.parallel.wait_for_generation()  # ranks that generate nothing wait on gloo, not in gather_groups
-        local = []
+        local, rows = [], []
         for g, completions in zip(mine, outputs):
             rec = self.train_data[batch[g]]
             local.append((0, g, completions_to_group(  # (0, g): ordered by global position
                 -1, rec.prompt_ids, completions, prompt_index=rec.index, data_source=rec.data_source,
                 ground_truth=rec.ground_truth, extra_info=rec.extra_info)))
+            rows.extend((s, first_group_id + g, j) for j, s in enumerate(local[-1][2].samples))
+        # each finished row through the trajectory hook; a multi-turn one runs its next turns here
+        run_turns(self.engine, rows, params, self.trajectory)
         groups = gather_groups(local, n=params.n, max_local=-(-len(batch) // self.num_engines),
                                record_of=self.train_data.__getitem__, parallel=self.parallel)
         version = self.engine.weight_version  # the same on every rank: the weights of the last sync

@@ -60,6 +60,16 @@ class Sample:
             ``[P + R - 1, L, K]`` (layers × top-k global expert indices) of uint8 (<= 256
             experts) or int16 (:mod:`dapo_megatron.rollout.engines.routes`); held where
             ``response_ids`` is and sent with it. None: not recorded.
+        response_mask: which response tokens the policy sampled (multi-turn rollouts,
+            docs/design.md §2.3 "trajectories"): a list of R ints, 1 = a model-sampled token (trained
+            on: in the loss, DAPO's token count, the entropy and mismatch metrics and the soft
+            overlong length), 0 = a context-only token appended between turns (a tool's output,
+            a user turn), which the actor reads as context in the forward and never trains on.
+            None: every token is the model's (single-turn; nothing else changes). Held where
+            ``response_ids`` is and sent with it; only :meth:`append_tokens` writes it.
+        num_context_tokens: the mask-0 tokens of the response (``R - sum(response_mask)``), kept
+            on every rank (the replicated decisions need the loss-token count where the mask is
+            not held: :attr:`num_model_tokens`).
     """
 
     prompt_ids: list[int]
@@ -83,6 +93,8 @@ class Sample:
     holder: int = HELD_BY_ALL
     num_response_tokens: Optional[int] = None
     routes: Optional[Any] = None
+    response_mask: Optional[list[int]] = None
+    num_context_tokens: int = 0
 
     @property
     def response_length(self) -> int:
@@ -93,6 +105,28 @@ class Sample:
                 raise ValueError("Sample without response_ids must carry num_response_tokens")
             return self.num_response_tokens
         return len(self.response_ids)
+
+    @property
+    def num_model_tokens(self) -> int:
+        """Response tokens the policy sampled (``response_mask`` 1), whether or not this rank holds
+        them: the tokens the loss, DAPO's token-mean denominator and the soft overlong penalty
+        count (R for a single-turn sample)."""
+        return self.response_length - self.num_context_tokens
+
+    def loss_token_mask(self) -> list[int]:
+        """``response_mask``, or R ones when it is None (every token the model's).
+
+        Raises:
+            ValueError: the tokens are not held here, or the mask's length is not R.
+        """
+        if self.response_ids is None:
+            raise ValueError("Sample.loss_token_mask: this rank does not hold the response's tokens")
+        if self.response_mask is None:
+            return [1] * len(self.response_ids)
+        if len(self.response_mask) != len(self.response_ids):
+            raise ValueError(f"Sample.response_mask has {len(self.response_mask)} entries for "
+                             f"{len(self.response_ids)} response tokens")
+        return list(self.response_mask)
 
     @property
     def total_length(self) -> int:
@@ -126,9 +160,11 @@ class Sample:
         return out
 
     def append_tokens(self, version: int, response_ids: Optional[list[int]], logprobs: Optional[list[float]],
-                      num_tokens: Optional[int] = None) -> None:
-        """Append one row's new tokens (sampled by weights ``version``): the one place a
-        generated row grows a sample (the async controller's rows, the streamed rollout's).
+                      num_tokens: Optional[int] = None, *, context: bool = False,
+                      routes: Optional[Any] = None) -> None:
+        """Append one row's new tokens (sampled by weights ``version``), or context tokens between
+        two turns: the one place a sample grows (the batch, streamed and async loops' rows, and a
+        trajectory's context through :func:`~dapo_megatron.rollout.trajectory.settle_row`).
 
         A new version span ``(start, version)`` opens where the tokens start unless the last span
         has that version already (no span for no token). ``response_ids`` / ``logprobs``: the new
@@ -137,20 +173,50 @@ class Sample:
         (``num_response_tokens`` grows by ``num_tokens``; the token lists become None).
         ``num_tokens``: the count of new tokens (default ``len(response_ids)``).
 
+        ``context=True``: the tokens are context, not sampled (a tool's output, tokenised once by
+        the trajectory and appended as they are): they get ``response_mask`` 0 and count in
+        ``num_context_tokens``; ``logprobs`` must be None and ``rollout_logprobs`` gets a 0.0
+        placeholder per token, so it keeps one entry per response token (length R, aligned with
+        ``response_ids``) and the placeholder is never read (every reader of rollout logprobs
+        masks by ``response_mask``: the loss, the behaviour-policy correction, the mismatch
+        metrics). Their version span is ``version`` (pass the version of the turn before them:
+        the weights whose output they answer). The mask is materialised at the first context
+        append (ones before it); model tokens appended after it get ones. A sample that never
+        sees context keeps ``response_mask`` None, bit for bit as before.
+
+        ``routes`` (routing replay): the row's routes over ``prompt + response so far + new
+        tokens`` (minus the last token), which replace the sample's; a context append without
+        routes drops them (the next row's prefill records the context's routes again).
+
         Raises:
             RuntimeError: new tokens given for a sample whose earlier tokens are not held here.
+            ValueError: logprobs given for context tokens, or not one logprob per model token.
         """
         start = self.response_length
         count = len(response_ids) if num_tokens is None else int(num_tokens)
+        if context and logprobs is not None:
+            raise ValueError("Sample.append_tokens(context=True): context tokens have no rollout logprobs "
+                             "(pass logprobs=None)")
         if count and (not self.versions or self.versions[-1][1] != version):
             self.versions = list(self.versions) + [(start, version)]
+        if context:
+            self.num_context_tokens += count
         if response_ids is not None:
             if self.response_ids is None:
                 raise RuntimeError("new tokens for a response whose earlier tokens this rank does not hold")
+            if not context and len(logprobs) != len(response_ids):
+                raise ValueError(f"Sample.append_tokens: {len(logprobs)} logprobs for {len(response_ids)} tokens")
             self.response_ids = list(self.response_ids) + list(response_ids)
-            self.rollout_logprobs = list(self.rollout_logprobs) + list(logprobs)
+            self.rollout_logprobs = list(self.rollout_logprobs) + ([0.0] * count if context else list(logprobs))
+            if context or self.response_mask is not None:
+                mask = self.response_mask if self.response_mask is not None else [1] * start
+                self.response_mask = list(mask) + [0 if context else 1] * count
+            if routes is not None:
+                self.routes = routes
+            elif context and count:
+                self.routes = None
         else:
-            self.response_ids = self.rollout_logprobs = None
+            self.response_ids = self.rollout_logprobs = self.response_mask = None
             self.num_response_tokens = start + count
 
     def staleness(self, current_version: int) -> int:

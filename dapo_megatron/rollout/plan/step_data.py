@@ -8,8 +8,9 @@ runs identically everywhere without further communication. The token lists of a 
 step's plan names the DP rank that trains it; then they travel once, as tensors, to the
 TP × PP ranks of that DP rank. In order:
 
-1. :func:`gather_groups`, per generation batch: an all-gather of ``3 + 2n`` int64 per
-   group (DP rank, position, prompt index; each response's length and finish reason).
+1. :func:`gather_groups`, per generation batch: an all-gather of ``3 + 3n`` int64 per
+   group (DP rank, position, prompt index; each response's length, finish reason and count of
+   context tokens, ``Sample.num_context_tokens``: 0 but for a multi-turn trajectory's).
    Prompt ids and grading inputs come from the dataset, which every rank holds.
 2. :class:`DistributedGrader`, per generation batch: each rank grades the responses it
    holds in its own reward pool; ``(score, acc)`` are all-reduced, 3 float64 per response.
@@ -18,8 +19,9 @@ TP × PP ranks of that DP rank. In order:
    (:func:`~dapo_megatron.rollout.plan.dp_split.split_for_dp`) from the replicated lengths,
    reused by every PPO epoch; it fixes the DP rank that trains each sample.
 4. :func:`send_tokens`, once per step: one ``all_to_all_single`` of int32 words (the
-   token ids, then the float32 bits of the rollout logprobs) from each holder to the
-   ranks of the owning DP rank (3 and 4 together: :func:`route_step`).
+   token ids, then the float32 bits of the rollout logprobs, then, for a sample with context
+   tokens, its ``response_mask``) from each holder to the ranks of the owning DP rank (3 and 4
+   together: :func:`route_step`).
 
 The old logprobs are then computed on the ranks that train each sample and stay there; their
 mismatch metrics are pooled over DP as sums
@@ -111,7 +113,7 @@ def gather_groups(local: Sequence[tuple[int, int, Group]], *, n: int, max_local:
     rank = parallel.rank
     if len(local) > max_local:
         raise ValueError(f"{len(local)} local groups, more than max_local={max_local}")
-    rows = torch.zeros((len(local), 3 + 2 * n), dtype=torch.int64)
+    rows = torch.zeros((len(local), 3 + 3 * n), dtype=torch.int64)
     for k, (dp_rank, position, g) in enumerate(local):
         if len(g.samples) != n:
             raise ValueError(f"group at DP rank {dp_rank}, position {position} has {len(g.samples)} samples, need {n}")
@@ -121,7 +123,8 @@ def gather_groups(local: Sequence[tuple[int, int, Group]], *, n: int, max_local:
             s.holder = rank
         rows[k] = torch.tensor([dp_rank, position, g.samples[0].prompt_index]
                                + [s.response_length for s in g.samples]
-                               + [FINISH_REASONS.index(s.finish_reason) for s in g.samples])
+                               + [FINISH_REASONS.index(s.finish_reason) for s in g.samples]
+                               + [s.num_context_tokens for s in g.samples])
     mine = {(dp_rank, position): g for dp_rank, position, g in local}
     entries = sorted((row[0], row[1], src, row) for src, row in all_gather_rows(rows, max_rows=max_local,
                                                                                    group=parallel.world_group))
@@ -136,8 +139,8 @@ def gather_groups(local: Sequence[tuple[int, int, Group]], *, n: int, max_local:
                    finish_reason=FINISH_REASONS[finish], prompt_index=rec.index, data_source=rec.data_source,
                    ground_truth=rec.ground_truth,
                    extra_info=dict(rec.extra_info) if rec.extra_info is not None else None,
-                   holder=src, num_response_tokens=length)
-            for length, finish in zip(row[3:3 + n], row[3 + n:])
+                   holder=src, num_response_tokens=length, num_context_tokens=context)
+            for length, finish, context in zip(row[3:3 + n], row[3 + n:3 + 2 * n], row[3 + 2 * n:])
         ]))
     return groups
 
@@ -191,7 +194,8 @@ class MiniBatchPlan:
         micro_batches: ``micro_batches[dp_rank][k]`` = the step-global sample indices of
             micro-batch ``k`` of that DP rank (every DP rank has the same count).
         global_num_tokens: loss tokens of the whole mini-batch (overlong-filtered samples
-            count 0), the denominator of DAPO's token-mean loss (docs/design.md §3.4).
+            count 0, a multi-turn sample its model tokens only: ``Sample.num_model_tokens``), the
+            denominator of DAPO's token-mean loss (docs/design.md §3.4).
         total_tokens: prompt + response tokens of the mini-batch (for throughput).
     """
 
@@ -240,7 +244,7 @@ def plan_step(groups: Sequence[Group], groups_per_mini_batch: int, dp_size: int,
                     owner[i] = dp_rank
         minis.append(MiniBatchPlan(
             start=start, size=len(mini), micro_batches=micro,
-            global_num_tokens=sum(s.response_length for s in mini if not s.loss_mask_zero),
+            global_num_tokens=sum(s.num_model_tokens for s in mini if not s.loss_mask_zero),
             total_tokens=sum(s.total_length for s in mini)))
         start += len(mini)
     return StepPlan(mini_batches=tuple(minis), owner=tuple(owner))
@@ -278,9 +282,11 @@ def send_tokens(samples: Sequence[Sample], destinations: Sequence[Sequence[int]]
     rank passes the same samples (records) and destinations. Sample ``i`` travels from
     ``samples[i].holder`` to every destination other than the holder, as int32 words:
     ``response_ids`` then the float32 bits of ``rollout_logprobs`` (exact for the engines'
-    float32 logprobs), all pairs in one ``all_to_all_single``. A sample held by every rank
+    float32 logprobs), then, when the sample has context tokens (``num_context_tokens > 0``, a
+    replicated count, so the receiver knows), its ``response_mask``, all pairs in one
+    ``all_to_all_single``. A sample held by every rank
     (:data:`~dapo_megatron.rollout.types.HELD_BY_ALL`) does not travel. On arrival the
-    receiver's record gets both lists.
+    receiver's record gets the lists.
 
     ``routes = (L, K, dtype)`` (routing replay): ``Sample.routes`` (``[P + R - 1, L, K]`` of
     ``dtype``) travels too, its bytes after the logprobs in the same words
@@ -301,7 +307,11 @@ def send_tokens(samples: Sequence[Sample], destinations: Sequence[Sequence[int]]
     def n_routes(s: Sample) -> int:
         return num_route_tokens(len(s.prompt_ids), s.response_length)
 
-    words = [2 * s.response_length + (route_words(n_routes(s), *routes) if routes else 0) for s in samples]
+    def n_mask(s: Sample) -> int:  # the mask's words: a multi-turn sample's only
+        return s.response_length if s.num_context_tokens else 0
+
+    words = [2 * s.response_length + n_mask(s) + (route_words(n_routes(s), *routes) if routes else 0)
+             for s in samples]
     send_parts: list[list[torch.Tensor]] = [[] for _ in range(world)]
     recv_plan: list[list[int]] = [[] for _ in range(world)]  # per source: the sample indices, in order
     for i, (s, dests) in enumerate(zip(samples, destinations)):
@@ -315,6 +325,8 @@ def send_tokens(samples: Sequence[Sample], destinations: Sequence[Sequence[int]]
                     raise ValueError(f"sample {i} is held by rank {rank}, which has no token lists for it")
                 send_parts[dst].append(torch.tensor(s.response_ids, dtype=torch.int32))
                 send_parts[dst].append(torch.tensor(s.rollout_logprobs, dtype=torch.float32).view(torch.int32))
+                if n_mask(s):
+                    send_parts[dst].append(torch.tensor(s.loss_token_mask(), dtype=torch.int32))
                 if routes:
                     want = (n_routes(s), routes[0], routes[1])
                     if s.routes is None or tuple(s.routes.shape) != want or s.routes.dtype != routes[2]:
@@ -338,8 +350,11 @@ def send_tokens(samples: Sequence[Sample], destinations: Sequence[Sequence[int]]
             length = samples[i].response_length
             samples[i].response_ids = recv[offset:offset + length].tolist()
             samples[i].rollout_logprobs = recv[offset + length:offset + 2 * length].view(torch.float32).tolist()
+            end = offset + 2 * length + n_mask(samples[i])
+            if n_mask(samples[i]):
+                samples[i].response_mask = recv[offset + 2 * length:end].tolist()
             if routes:
-                samples[i].routes = routes_from_words(recv[offset + 2 * length:offset + words[i]],
+                samples[i].routes = routes_from_words(recv[end:offset + words[i]],
                                                       n_routes(samples[i]), *routes)
             offset += words[i]
     return 4 * recv.numel()

@@ -199,14 +199,19 @@ class GroupSelector:
     # ---- grading and the keep rule --------------------------------------------------------
     def grade(self, groups: list[Group]) -> None:
         """Grade and shape every sample of ``groups`` in place (one ``reward_pool.grade`` call):
-        sets ``score``, ``acc``, ``pred``, ``overlong_penalty``, ``reward``, ``loss_mask_zero``."""
+        sets ``score``, ``acc``, ``pred``, ``overlong_penalty``, ``reward``, ``loss_mask_zero``.
+        The overlong penalty's length is ``Sample.num_model_tokens``: the context tokens of a
+        multi-turn rollout (a tool's output) do not count, as the penalty punishes the policy's
+        own verbosity, which a long tool output is not (R for a single-turn sample)."""
         samples = [s for g in groups for s in g.samples]
         requests = [(s.data_source, self.decode(s.response_ids) if _grades_here(s) else None, s.ground_truth,
                      s.extra_info) for s in samples]
         results = self.reward_pool.grade(requests)
         if len(results) != len(samples):
             raise RuntimeError(f"reward_pool.grade returned {len(results)} results for {len(samples)} requests")
-        lengths = torch.tensor([s.response_length for s in samples], dtype=torch.long)
+        # the soft overlong penalty counts the model's tokens only: a multi-turn rollout's context
+        # (tool output) is not the policy's length (Sample.num_model_tokens; R when single-turn)
+        lengths = torch.tensor([s.num_model_tokens for s in samples], dtype=torch.long)
         penalty = self.config.overlong.penalty(lengths).tolist()
         for s, r, p in zip(samples, results, penalty):
             s.score = float(r["score"])
@@ -515,7 +520,8 @@ def logprob_mismatch_metrics(samples: Sequence[Sample], group=None, older_than: 
     """Rollout-vs-actor logprob mismatch over all response tokens of ``samples``.
 
     ``|Sample.rollout_logprobs - Sample.old_logprobs|`` per token (nats), pooled over all
-    tokens. Samples whose ``old_logprobs`` is None (not recomputed, or recomputed on another
+    model tokens (a multi-turn sample's context tokens, ``response_mask`` 0, have no rollout
+    logprob and are left out). Samples whose ``old_logprobs`` is None (not recomputed, or recomputed on another
     DP rank) are skipped; samples masked out of the loss (``loss_mask_zero``) are included.
     With top-p/top-k sampling the rollout logprobs are those of the truncated distribution,
     so a non-zero mismatch is expected.
@@ -546,9 +552,13 @@ def logprob_mismatch_metrics(samples: Sequence[Sample], group=None, older_than: 
                              f"has {None if s.rollout_logprobs is None else len(s.rollout_logprobs)} (both must "
                              "cover response_ids)")
         d = torch.tensor(s.rollout_logprobs, dtype=torch.float64) - torch.tensor(s.old_logprobs, dtype=torch.float64)
+        keep = None if s.response_mask is None else torch.tensor(s.loss_token_mask(), dtype=torch.bool)
         if older_than is not None:
             versions = s.token_versions() or [older_than] * len(d)  # unknown versions count as fresh
-            d = d[torch.tensor([v < older_than for v in versions], dtype=torch.bool)]
+            stale = torch.tensor([v < older_than for v in versions], dtype=torch.bool)
+            keep = stale if keep is None else keep & stale
+        if keep is not None:
+            d = d[keep]
         diffs.append(d)
     d = torch.cat(diffs).abs() if diffs else torch.zeros(0, dtype=torch.float64)
     # [sum, token count, samples with old_logprobs] and the max: exact to pool over ranks

@@ -51,10 +51,8 @@ from dapo_megatron.rollout.sampling.buffer import KEPT, GroupSelector, group_fro
 from dapo_megatron.rollout.engines.engine import RolloutEngine, RowRequest, RowResult, SamplingParams
 from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipper
 from dapo_megatron.rollout.plan.step_data import all_gather_rows
+from dapo_megatron.rollout.trajectory import PENDING, SINGLE_TURN, Trajectory, settle_row
 from dapo_megatron.rollout.types import HELD_BY_ALL, Group, Sample
-
-PENDING = ""
-"""``Sample.finish_reason`` of a response in flight (not started, or partial)."""
 
 ROW_FINISH = ("stop", "length", "abort")
 """The finish reasons of a row result (:class:`~dapo_megatron.rollout.engines.engine.RowResult`), coded by
@@ -287,16 +285,26 @@ def new_group(record: Any, position: int, n: int) -> Group:
     return Group(group_id=-1, samples=samples, prompt_seed=position)
 
 
-def extend_sample(s: Sample, u: RowUpdate) -> None:
+def extend_sample(s: Sample, u: RowUpdate, trajectory: Trajectory = SINGLE_TURN,
+                  max_new_tokens: Optional[int] = None) -> bool:
     """Apply one row's update to its sample (:meth:`Sample.append_tokens
     <dapo_megatron.rollout.types.Sample.append_tokens>`): on the holder the new tokens and logprobs
     are appended; elsewhere the sample keeps its length only (``num_response_tokens``, the token
-    lists None). The span of the version that sampled them is recorded everywhere."""
+    lists None). The span of the version that sampled them is recorded everywhere. An aborted row
+    leaves the sample ``PENDING`` (a partial rollout); a finished one is settled by ``trajectory``
+    (:func:`~dapo_megatron.rollout.trajectory.settle_row`, budget ``max_new_tokens``, needed by a
+    multi-turn trajectory only). Returns True when the trajectory continues the sample (a
+    continuation row must be submitted)."""
     if u.response_ids is not None and s.response_ids is None:
         raise RuntimeError(f"rank {u.holder} got new tokens of a response whose earlier tokens it does not hold")
     s.append_tokens(u.version, u.response_ids, u.logprobs, num_tokens=u.num_tokens)
     s.holder = u.holder
-    s.finish_reason = PENDING if u.finish_reason == "abort" else u.finish_reason
+    if u.finish_reason == "abort":
+        s.finish_reason = PENDING
+        return False
+    if trajectory.multi_turn and max_new_tokens is None:
+        raise ValueError("extend_sample: a multi-turn trajectory needs max_new_tokens (rollout.response_length)")
+    return settle_row(s, u.finish_reason, trajectory, version=u.version, max_new_tokens=max_new_tokens or 0)
 
 
 class StreamingCollector:
@@ -309,13 +317,22 @@ class StreamingCollector:
         skipper: prompt skipping (a disabled one never skips).
         partial_rollout: keep aborted responses and continue them next step.
         poll_tokens: sampled tokens per engine per round, >= 1.
+        trajectory: the hook that settles each finished row (:mod:`~dapo_megatron.rollout.trajectory`;
+            default single-turn); a continued sample's next row is submitted in the same round.
+            A multi-turn one needs every sample's tokens here (a world of one).
+        max_new_tokens: the response budget (``rollout.response_length``) a multi-turn trajectory's
+            context is cut to.
     """
 
-    def __init__(self, selector: GroupSelector, skipper: PromptSkipper, *, partial_rollout: bool, poll_tokens: int):
+    def __init__(self, selector: GroupSelector, skipper: PromptSkipper, *, partial_rollout: bool, poll_tokens: int,
+                 trajectory: Trajectory = SINGLE_TURN, max_new_tokens: Optional[int] = None):
         if poll_tokens < 1:
             raise ValueError(f"rollout.stream_poll_tokens={poll_tokens} must be >= 1")
+        if trajectory.multi_turn and max_new_tokens is None:
+            raise ValueError("StreamingCollector: a multi-turn trajectory needs max_new_tokens (rollout.response_length)")
         self.selector, self.skipper = selector, skipper
         self.partial_rollout, self.poll_tokens = partial_rollout, poll_tokens
+        self.trajectory, self.max_new_tokens = trajectory, max_new_tokens
         self._partial: list[Group] = []
         self.keep = KeepRate()
 
@@ -400,9 +417,14 @@ class StreamingCollector:
             if not inflight:
                 break  # at the cap, nothing running
             rounds += 1
+            continued = []
             for u in client.poll(self.poll_tokens):
-                extend_sample(inflight[u.key[0]].samples[u.key[1]], u)
+                g = inflight[u.key[0]]
+                if extend_sample(g.samples[u.key[1]], u, self.trajectory, self.max_new_tokens):
+                    continued.append((g, u.key[1]))
                 gen_tokens += u.num_tokens
+            if continued:  # a multi-turn trajectory's next turns, after their context
+                client.submit(continued)
             done = [g for g in inflight.values() if all(s.finish_reason != PENDING for s in g.samples)]
             if not done:
                 continue

@@ -12,6 +12,7 @@ import torch
 
 from dapo_megatron.platform import ParallelConfig, spawn
 from unit.actor.test_packing import random_samples, tiny_gpt_config, tiny_gpt_model
+from unit.actor.test_response_mask import check_two_turn_training, train_two_turn, two_turn_hf_samples
 
 VOCAB_PADDED = 64
 VOCAB = 61  # the last 3 columns are Megatron vocab padding, masked out of the softmax
@@ -126,7 +127,7 @@ def reference_model():
     return model, {n: p.detach().clone() for n, p in model.named_parameters()}, par
 
 
-def _reference_worker(out_path):
+def _reference_worker(out_path, two_turn_samples):
     from dapo_megatron.actor.actor import MegatronActor
 
     model, full_sd, par = reference_model()
@@ -173,6 +174,7 @@ def _reference_worker(out_path):
     # the TP=1 optimizer step that the parallel layouts must reproduce
     stepped_sd = {n: p.detach().clone() for n, p in model.named_parameters()}
     stepped_lps = actor.compute_logprobs([samples[:4], samples[4:]], TEMPERATURE)
+    two_turn = train_two_turn(actor, model, two_turn_samples, TEMPERATURE, _direct_logprobs)
     torch.save(dict(full_sd=full_sd, samples=samples, direct=direct, direct_ents=direct_ents, lps=lps, ents=ents,
                     one=one, three=three,
                     stepped_sd=stepped_sd, stepped_lps=stepped_lps,
@@ -182,13 +184,13 @@ def _reference_worker(out_path):
                     ent_grads_one=ent_grads_one, ent_grads_three=ent_grads_three, layout_default=layout_default,
                     labels_only_default=labels_only_default, bucket_lps=bucket_lps, bucket_one=bucket_one,
                     bucket_grads_one=bucket_grads_one,
-                    thd_lps=thd_lps, thd_one=thd_one, thd_grads_one=thd_grads_one), out_path)
+                    thd_lps=thd_lps, thd_one=thd_one, thd_grads_one=thd_grads_one, two_turn=two_turn), out_path)
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("actor") / "ref.pt")
-    spawn(_reference_worker, 1, path)
+    spawn(_reference_worker, 1, path, two_turn_hf_samples(VOCAB, TEMPERATURE))
     return torch.load(path, weights_only=False)
 
 
@@ -280,6 +282,12 @@ def test_loss_value_is_token_mean_of_dapo_objective(reference):
         seq_means.append(float(per_tok.mean()))
     assert abs(reference["one"]["loss"] - num / n) < 1e-5
     assert abs(reference["seq_one"]["loss"] - sum(seq_means) / len(seq_means)) < 1e-5
+
+
+def test_a_two_turn_sample_from_the_hf_engine_trains_on_its_model_tokens_only(reference):
+    """test_response_mask.py's check: a sample with tool-like context (response_mask 0) from the HF
+    engine through the trajectory hook, trained by the actor with the context out of the loss."""
+    check_two_turn_training(reference["two_turn"], 0.2, 0.28)
 
 
 def test_seq_mean_token_mean_split_invariance(reference):

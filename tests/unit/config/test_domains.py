@@ -99,6 +99,10 @@ DOMAINS: dict[str, Case] = {
     "rollout.val_max_prompts": Case([-1], 10),
     "rollout.deterministic": Case(["true"], "true", good_ctx=["rollout.name=sglang"]),
     "rollout.partial_rollout": Case(["true"], "true", good_ctx=STREAM),
+    # enable needs a factory, a factory needs enable (the factory itself is imported where the rollout is built)
+    "rollout.multi_turn.enable": Case(["true"], "true", good_ctx=["rollout.multi_turn.trajectory=pkg.mod:Factory"]),
+    "rollout.multi_turn.trajectory": Case(["pkg.mod:Factory"], "pkg.mod:Factory",
+                                          good_ctx=["rollout.multi_turn.enable=true"]),
     "rollout.stream_poll_tokens": Case([0], 8),
     "rollout.check_weight_update_period": Case([0, -1], 1),
     "rollout.weight_probe_tolerance": Case([-0.1], 0.05),

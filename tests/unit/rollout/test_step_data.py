@@ -46,9 +46,16 @@ def _completions(dp_rank: int, position: int) -> list[Completion]:
 
 
 def _group(dp_rank: int, position: int) -> Group:
+    """The group of a prompt; at position 1 its first response is a two-turn one (context tokens
+    with ``response_mask`` 0, then one more model token), whose mask and count travel too."""
     rec = RECORDS[_prompt_of(dp_rank, position)]
-    return completions_to_group(-1, rec.prompt_ids, _completions(dp_rank, position), prompt_index=rec.index,
-                                data_source=rec.data_source, ground_truth=rec.ground_truth, extra_info=rec.extra_info)
+    g = completions_to_group(-1, rec.prompt_ids, _completions(dp_rank, position), prompt_index=rec.index,
+                             data_source=rec.data_source, ground_truth=rec.ground_truth, extra_info=rec.extra_info)
+    if position == 1:
+        s = g.samples[0]
+        s.append_tokens(0, [11, 12, 13], None, context=True)
+        s.append_tokens(0, [14], [-0.75])
+    return g
 
 
 class ParityGrader:
@@ -147,7 +154,7 @@ def _world_worker(out_path: str) -> None:
                            parallel=par)
     samples = [s for g in groups for s in g.samples]
     res["records"] = [(s.prompt_index, s.prompt_ids, s.response_length, s.finish_reason, s.holder, s.data_source,
-                       s.ground_truth, s.extra_info) for s in samples]
+                       s.ground_truth, s.extra_info, s.num_context_tokens) for s in samples]
     res["held"] = [s.response_ids is not None for s in samples]
 
     grader = ParityGrader()
@@ -161,7 +168,7 @@ def _world_worker(out_path: str) -> None:
     received = send_tokens(samples, [par.ranks_of_dp_rank(d) for d in plan.owner], parallel=par)
     mine = plan.owned(par.dp_rank)
     res["received_bytes"] = received
-    res["mine"] = {i: (samples[i].response_ids, samples[i].rollout_logprobs) for i in mine}
+    res["mine"] = {i: (samples[i].response_ids, samples[i].rollout_logprobs, samples[i].response_mask) for i in mine}
     res["not_mine_held"] = [i for i, s in enumerate(samples) if i not in mine and s.response_ids is not None]
     for i in mine:  # an old policy 0.25 nats per token below the rollout's
         samples[i].old_logprobs = [x - 0.25 * (k % 3) for k, x in enumerate(samples[i].rollout_logprobs)]
@@ -170,7 +177,7 @@ def _world_worker(out_path: str) -> None:
     send_tokens(samples, [(0,)] * len(samples), parallel=par)  # as DAPOTrainer.save does for its surplus
     gather_preds(samples, parallel=par, dst=0)
     if par.rank == 0:
-        res["rank0_all"] = [(s.response_ids, s.rollout_logprobs, s.pred) for s in samples]
+        res["rank0_all"] = [(s.response_ids, s.rollout_logprobs, s.response_mask, s.pred) for s in samples]
     torch.save(res, out_path.format(rank=dist.get_rank()))
 
 
@@ -185,7 +192,8 @@ def test_four_ranks_route_each_response_once_to_the_ranks_that_train_it(tmp_path
     ref_samples = [s for _, _, g in ref for s in g.samples]
     holders = [2 * d + p % 2 for d, p, g in ref for _ in g.samples]
     want_records = [(s.prompt_index, s.prompt_ids, len(s.response_ids), s.finish_reason, h, s.data_source,
-                     s.ground_truth, s.extra_info) for s, h in zip(ref_samples, holders)]
+                     s.ground_truth, s.extra_info, s.num_context_tokens) for s, h in zip(ref_samples, holders)]
+    assert sum(s.num_context_tokens > 0 for s in ref_samples) == 2  # one two-turn response per DP rank
     texts = [_decode(s.response_ids) for s in ref_samples]
     want_grades = [(1.0 if len(t) % 2 else -1.0, len(t) % 2 == 1) for t in texts]
     for r, res in enumerate(ranks):
@@ -200,16 +208,17 @@ def test_four_ranks_route_each_response_once_to_the_ranks_that_train_it(tmp_path
         # exactly this DP rank's samples, bit for bit, and nothing else beyond what it generated
         dp = r // 2
         assert sorted(res["mine"]) == [i for i, d in enumerate(res["owner"]) if d == dp]
-        for i, (ids, lps) in res["mine"].items():
+        for i, (ids, lps, mask) in res["mine"].items():
             assert ids == ref_samples[i].response_ids and lps == ref_samples[i].rollout_logprobs
+            assert mask == ref_samples[i].response_mask  # None single-turn; the two-turn one's travelled
         assert all(holders[i] == r for i in res["not_mine_held"])
-        want_bytes = sum(8 * len(ref_samples[i].response_ids) for i, d in enumerate(res["owner"])
-                         if d == dp and holders[i] != r)
+        want_bytes = sum((12 if ref_samples[i].num_context_tokens else 8) * len(ref_samples[i].response_ids)
+                         for i, d in enumerate(res["owner"]) if d == dp and holders[i] != r)
         assert res["received_bytes"] == want_bytes
         # the mismatch pooled over DP equals the one-process metric over all samples
-        diffs = torch.cat([torch.tensor([0.25 * (k % 3) for k in range(len(s.response_ids))], dtype=torch.float64)
-                           for s in ref_samples])
+        diffs = torch.cat([torch.tensor([0.25 * (k % 3) for k, m in enumerate(s.loss_token_mask()) if m],
+                                        dtype=torch.float64) for s in ref_samples])  # the context left out
         assert res["mismatch"]["rollout/logprob_diff_max"] == pytest.approx(float(diffs.max()), abs=1e-12)
         assert res["mismatch"]["rollout/logprob_diff_mean"] == pytest.approx(float(diffs.mean()), rel=1e-12)
-    assert ranks[0]["rank0_all"] == [(s.response_ids, s.rollout_logprobs, f"p{len(t)}")
+    assert ranks[0]["rank0_all"] == [(s.response_ids, s.rollout_logprobs, s.response_mask, f"p{len(t)}")
                                      for s, t in zip(ref_samples, texts)]

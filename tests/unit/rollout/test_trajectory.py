@@ -1,0 +1,212 @@
+"""The trajectory hook (rollout/trajectory.py) in the three generation loops.
+
+A two-turn trajectory (after a row that stops, append three context ids once and continue) runs on a
+real HFEngine (tiny random Llama, CPU) through the batch loop's ``run_turns`` and the streamed
+``StreamingCollector``, and on the async controller's dispatch with a fake ``/generate``. The oracle of
+the token ids is the first row ``generate`` sampled plus the appended ids, kept exactly (nothing is
+decoded or re-tokenised), and of the logprobs a teacher-forced forward of the HF model on
+prompt + everything before each model token. Single-turn leaves every sample as it was.
+"""
+
+from __future__ import annotations
+
+import copy
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dapo_megatron.config.run import DAPOConfig
+from dapo_megatron.rollout.async_rollout import RolloutController
+from dapo_megatron.rollout.config import MultiTurnConfig
+from dapo_megatron.rollout.engines.engine import SamplingParams, completions_to_group, sample_seed
+from dapo_megatron.rollout.engines.hf_engine import HFEngine
+from dapo_megatron.rollout.sampling.buffer import BufferConfig, RolloutBuffer
+from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipConfig, PromptSkipper
+from dapo_megatron.rollout.sampling.streaming import EngineClient, PromptQueue, StreamingCollector
+from dapo_megatron.rollout.trajectory import SINGLE_TURN, Trajectory, build_trajectory, run_turns, settle_row
+from dapo_megatron.rollout.types import Sample
+from dapo_megatron.algorithms.overlong import OverlongConfig
+from unit.rollout.test_hf_engine import teacher_forced_logprobs, tiny_llama
+from unit.rollout.test_streaming import BATCH, RECORDS, Mod3Grader, Stream, decode
+
+CONTEXT = [20, 21, 22]  # neither a stop token (4, 5) nor EOS (3): the next row samples after them
+PARAMS = SamplingParams(n=4, temperature=1.0, max_new_tokens=12, stop_token_ids=(4, 5), seed=13)
+
+
+class TwoTurns(Trajectory):
+    """After the first row that stops, append :data:`CONTEXT` once and continue; records its calls."""
+
+    multi_turn = True
+
+    def __init__(self, multi_turn_cfg=None, tokenizer=None):
+        self.calls = []
+
+    def on_row_finished(self, sample, finish_reason, budget):
+        self.calls.append((list(sample.response_ids), finish_reason, budget))
+        return list(CONTEXT) if finish_reason == "stop" and sample.num_context_tokens == 0 else None
+
+
+def make_two_turns(cfg, tokenizer):
+    """The ``rollout.multi_turn.trajectory`` factory the config test names."""
+    return TwoTurns(cfg, tokenizer)
+
+
+def make_not_a_trajectory(cfg, tokenizer):
+    return object()
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return HFEngine(tiny_llama(seed=2), eos_token_ids=[3])
+
+
+def _check_two_turn(engine, s: Sample, turn1: list[int], first_finish: str, params=PARAMS):
+    """``s`` is ``turn1`` + CONTEXT + a second turn when the first stopped with room left, else the
+    first row alone; its mask, placeholders, versions and logprobs line up with its tokens."""
+    R = s.response_length
+    if first_finish != "stop" or len(turn1) + len(CONTEXT) >= params.max_new_tokens:
+        assert s.response_ids[:len(turn1)] == turn1 and s.finish_reason in ("stop", "length")
+        if first_finish != "stop":
+            assert s.response_ids == turn1 and s.response_mask is None
+        return False
+    k = len(turn1) + len(CONTEXT)
+    assert s.response_ids[:k] == turn1 + CONTEXT  # the sampled ids and the appended ids, exactly
+    assert s.response_mask == [1] * len(turn1) + [0] * len(CONTEXT) + [1] * (R - k)
+    assert s.num_context_tokens == 3 and s.num_model_tokens == R - 3
+    assert s.rollout_logprobs[len(turn1):k] == [0.0] * 3  # placeholders, never read
+    assert s.versions == [(0, engine.weight_version)] and len(s.token_versions()) == R
+    assert s.finish_reason in ("stop", "length") and R <= params.max_new_tokens
+    # every model token's logprob is the model's given the prompt and everything before it, context included
+    want = teacher_forced_logprobs(engine.model, s.prompt_ids, s.response_ids, params.temperature)
+    for lp, w, m in zip(s.rollout_logprobs, want.tolist(), s.response_mask):
+        if m:
+            assert abs(lp - w) < 1e-4
+    return True
+
+
+def _batch(engine, prompts, seeds, trajectory, params=PARAMS):
+    outs = engine.generate(prompts, params, prompt_seeds=seeds)
+    groups = [completions_to_group(-1, p, comps) for p, comps in zip(prompts, outs)]
+    rows = [(s, seed, j) for seed, g in zip(seeds, groups) for j, s in enumerate(g.samples)]
+    run_turns(engine, rows, params, trajectory)
+    return outs, groups
+
+
+def test_batch_turns_append_the_context_and_sample_the_next_turn_after_it(engine):
+    prompts = [list(r.prompt_ids) for r in RECORDS[:4]]
+    seeds = [0, 1, 2, 3]
+    trajectory = TwoTurns()
+    outs, groups = _batch(engine, prompts, seeds, trajectory)
+    two_turn = [_check_two_turn(engine, s, list(c.response_ids), c.finish_reason)
+                for comps, g in zip(outs, groups) for c, s in zip(comps, g.samples)]
+    assert sum(two_turn) >= 4  # the test exercises the second turn
+    assert len(trajectory.calls) == len(two_turn) + sum(two_turn)  # every finished row, once
+    assert engine.num_in_flight == 0
+    # single-turn: the same generation, every sample as generate() returned it
+    outs1 = engine.generate(prompts, PARAMS, prompt_seeds=seeds)
+    groups1 = [completions_to_group(-1, p, comps) for p, comps in zip(prompts, outs1)]
+    before = copy.deepcopy(groups1)
+    run_turns(engine, [(s, seed, j) for seed, g in zip(seeds, groups1) for j, s in enumerate(g.samples)], PARAMS,
+              SINGLE_TURN)
+    assert groups1 == before
+
+
+def _collector(trajectory):
+    cfg = BufferConfig(train_batch_size=3, n=4, gen_batch_size=BATCH, max_num_gen_batches=4,
+                       overlong=OverlongConfig(enable=False), on_cap="train_on_kept")
+    buf = RolloutBuffer(cfg, Mod3Grader(), decode)
+    collector = StreamingCollector(buf, PromptSkipper(PromptSkipConfig(), seed=0), partial_rollout=False,
+                                   poll_tokens=3, trajectory=trajectory, max_new_tokens=PARAMS.max_new_tokens)
+    return collector, PromptQueue(Stream(), BATCH, RECORDS.__getitem__)
+
+
+def test_streamed_turns_equal_the_batch_loops_token_for_token(engine):
+    """The streamed loop submits each next turn in the round its first turn finished; every kept
+    response equals the batch loop's for the same prompt seed (ids and mask)."""
+    collector, queue = _collector(TwoTurns())
+    out, m = collector.collect(EngineClient(engine, PARAMS), queue, policy_version=0)
+    assert len(out) == 3 and engine.num_in_flight == 0
+    assert m["rollout/gen_tokens"] == pytest.approx(  # sampled tokens: the context is not generated
+        sum(s.response_length for g in out for s in g.samples) * m["rollout/gen_tokens_per_kept_token"])
+    multi = 0
+    for g in out:
+        outs, (ref,) = _batch(engine, [g.samples[0].prompt_ids], [g.prompt_seed], TwoTurns())
+        for s, r, c in zip(g.samples, ref.samples, outs[0], strict=True):
+            assert (s.response_ids, s.response_mask, s.finish_reason) == (r.response_ids, r.response_mask,
+                                                                           r.finish_reason)
+            multi += _check_two_turn(engine, s, list(c.response_ids), c.finish_reason)
+    assert multi >= 2
+
+
+def test_settle_row_cuts_the_context_to_the_budget_and_refuses_bad_context():
+    def sample(n_tokens):
+        s = Sample([1, 2], [], [], "")
+        s.append_tokens(0, list(range(6, 6 + n_tokens)), [-1.0] * n_tokens)
+        return s
+
+    s = sample(10)  # 2 left of 12: the context is cut to 2 and the sample is truncated
+    assert not settle_row(s, "stop", TwoTurns(), version=0, max_new_tokens=12)
+    assert s.response_ids[10:] == CONTEXT[:2] and s.response_mask[10:] == [0, 0] and s.finish_reason == "length"
+    s = sample(4)
+    assert settle_row(s, "stop", TwoTurns(), version=0, max_new_tokens=12) and s.finish_reason == ""
+    s = sample(4)  # single-turn: the finish reason, nothing else
+    before = copy.deepcopy(s)
+    assert not settle_row(s, "stop", SINGLE_TURN, version=0, max_new_tokens=12)
+    before.finish_reason = "stop"
+    assert s == before
+
+    class Bad(Trajectory):
+        multi_turn = True
+
+        def on_row_finished(self, sample, finish_reason, budget):
+            return []
+
+    with pytest.raises(ValueError, match="non-empty list of token ids"):
+        settle_row(sample(4), "stop", Bad(), version=0, max_new_tokens=12)
+    with pytest.raises(ValueError, match="an aborted row"):
+        settle_row(sample(4), "abort", SINGLE_TURN, version=0, max_new_tokens=12)
+    elsewhere = Sample([1], None, None, "", holder=3, num_response_tokens=4)
+    with pytest.raises(RuntimeError, match="held by rank 3"):
+        settle_row(elsewhere, "stop", TwoTurns(), version=0, max_new_tokens=12)
+
+
+def test_the_async_controller_sends_the_next_turn_as_prompt_plus_the_response_so_far():
+    calls = []
+
+    def servers(rows, version):
+        """First turn: two tokens and a stop; a continued row (longer input): one token and a stop."""
+        calls.append([(list(ids), sp["max_new_tokens"], sp["sampling_seed"]) for _, ids, sp in rows])
+        return [(([7, 8] if len(ids) == 1 else [9]), ([-0.5, -0.25] if len(ids) == 1 else [-0.75]), "stop", version)
+                for _, ids, sp in rows]
+
+    cfg = BufferConfig(train_batch_size=1, n=2, gen_batch_size=2, max_num_gen_batches=1)
+    selector = SimpleNamespace(config=cfg, begin=lambda version: None)
+    ctrl = RolloutController(selector, lambda: [], ["http://a"], SamplingParams(n=2, max_new_tokens=10, seed=5),
+                             silence_timeout_s=1.0, version=4, policy_version=4, generate=servers,
+                             trajectory=TwoTurns())
+    records = [SimpleNamespace(prompt_ids=[10 + g], index=g, data_source="d", ground_truth="1", extra_info={})
+               for g in range(2)]
+    groups, resubmitted, reprefilled, retried = ctrl._generate_batch(records, [6, 7], 4)
+    assert (resubmitted, reprefilled, retried) == (0, 0, 0)  # a next turn is not a resubmission after a sync
+    first, second = calls
+    assert [ids for ids, _, _ in second] == [[10 + g, 7, 8, *CONTEXT] for g in range(2) for _ in range(2)]
+    assert [n for _, n, _ in second] == [10 - 5] * 4  # the budget left after turn 1 and the context
+    assert [seed for _, _, seed in second] == [seed for _, _, seed in first]  # the row's own seed
+    for g in groups:
+        for s in g.samples:
+            assert s.response_ids == [7, 8, *CONTEXT, 9] and s.response_mask == [1, 1, 0, 0, 0, 1]
+            assert s.rollout_logprobs == [-0.5, -0.25, 0.0, 0.0, 0.0, -0.75] and s.finish_reason == "stop"
+            assert s.versions == [(0, 4)] and s.holder == 0
+    assert sample_seed(5, 6, 0) == first[0][2]
+
+
+def test_the_trajectory_is_selected_from_rollout_multi_turn():
+    assert build_trajectory(MultiTurnConfig()) is SINGLE_TURN
+    assert DAPOConfig().rollout.multi_turn == MultiTurnConfig(enable=False, trajectory="")
+    t = build_trajectory(MultiTurnConfig(enable=True, trajectory="unit.rollout.test_trajectory:make_two_turns"))
+    assert isinstance(t, TwoTurns) and t.multi_turn
+    with pytest.raises(ValueError, match=r"rollout.multi_turn.trajectory='no.such.module:x' does not import"):
+        build_trajectory(MultiTurnConfig(enable=True, trajectory="no.such.module:x"))
+    with pytest.raises(ValueError, match="not a dapo_megatron.rollout.trajectory.Trajectory"):
+        build_trajectory(MultiTurnConfig(enable=True, trajectory="unit.rollout.test_trajectory:make_not_a_trajectory"))
