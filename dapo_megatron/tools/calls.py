@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 from dapo_megatron.tools.sandbox import SandboxPool, SandboxResult
 
-__all__ = ["MultiTurnConfig", "ToolCall", "stop_strings", "find_tool_call", "truncate_tool_response",
+__all__ = ["ToolCallConfig", "ToolCall", "stop_strings", "find_tool_call", "truncate_tool_response",
            "tool_result_text", "format_tool_response", "run_tool_call", "FORMATS", "DEFAULT_TEMPLATES"]
 
 FORMATS = ("code_block", "hermes")
@@ -54,8 +54,11 @@ _TRUNCATED = "...(truncated)"  # verl's marker, so a model trained there reads o
 
 
 @dataclass
-class MultiTurnConfig:
-    """The ``multi_turn.*`` keys: tool calls inside one response (verl's names where verl has them)."""
+class ToolCallConfig:
+    """The tool keys of a multi-turn rollout: tool calls inside one response (verl's ``multi_turn.*``
+    names where verl has them). Not yet a block of the run config: the tool trajectory (issue 38)
+    reads these beside :class:`dapo_megatron.rollout.config.MultiTurnConfig` (``enable``, ``trajectory``),
+    which selects it."""
 
     enable: bool = False
     """let responses call the Python tool (verl: ``multi_turn.enable``)."""
@@ -120,13 +123,13 @@ class ToolCall:
     error: str | None = None
 
 
-def stop_strings(config: MultiTurnConfig) -> tuple[str, ...]:
+def stop_strings(config: ToolCallConfig) -> tuple[str, ...]:
     """Stop strings for the engine: generation halts right after a call's end (SGLang and HF
     match them on the decoded text, whatever the token boundaries)."""
     return ("```\n",) if config.format == "code_block" else ("</tool_call>",)
 
 
-def find_tool_call(text: str, config: MultiTurnConfig) -> ToolCall | None:
+def find_tool_call(text: str, config: ToolCallConfig) -> ToolCall | None:
     """The first complete call in ``text`` (one turn's decoded response), or None."""
     if config.format == "code_block":
         fence = re.compile(r"```" + re.escape(config.code_block_language) + r"[ \t]*\n(.*?)```", re.S)
@@ -140,7 +143,7 @@ def find_tool_call(text: str, config: MultiTurnConfig) -> ToolCall | None:
     return _parse_hermes(m.group(1), m.end(), config)
 
 
-def _parse_hermes(body: str, end: int, config: MultiTurnConfig) -> ToolCall:
+def _parse_hermes(body: str, end: int, config: ToolCallConfig) -> ToolCall:
     try:
         call = json.loads(body)
     except ValueError as e:
@@ -160,7 +163,7 @@ def _parse_hermes(body: str, end: int, config: MultiTurnConfig) -> ToolCall:
     return ToolCall(arguments["code"], end)
 
 
-def truncate_tool_response(text: str, config: MultiTurnConfig) -> str:
+def truncate_tool_response(text: str, config: ToolCallConfig) -> str:
     """``text`` cut to ``max_tool_response_length`` characters as verl cuts it (``left``: the first
     n + ``...(truncated)``; ``right``: ``(truncated)...`` + the last n; ``middle``: the first and last
     n // 2 around ``...(truncated)...``); unchanged when it fits."""
@@ -189,13 +192,13 @@ def tool_result_text(result: SandboxResult) -> str:
     return f"the tool could not run the program ({result.detail})"  # sandbox_error: no host details
 
 
-def format_tool_response(output: str, config: MultiTurnConfig) -> str:
+def format_tool_response(output: str, config: ToolCallConfig) -> str:
     """The text appended after a call: ``output`` truncated (:func:`truncate_tool_response`), then
     placed in the template. The caller tokenises it once (no special tokens added)."""
     return config.template.replace("{output}", truncate_tool_response(output, config))
 
 
-async def run_tool_call(call: ToolCall, pool: SandboxPool, config: MultiTurnConfig) -> tuple[str, SandboxResult | None]:
+async def run_tool_call(call: ToolCall, pool: SandboxPool, config: ToolCallConfig) -> tuple[str, SandboxResult | None]:
     """Run ``call`` in the sandbox and return (text to append, the sandbox's result); a malformed
     call does not run: its text is the error, and the result is None."""
     if call.code is None:

@@ -9,13 +9,13 @@ import json
 
 import pytest
 
-from dapo_megatron.tools.calls import (DEFAULT_TEMPLATES, MultiTurnConfig, ToolCall, find_tool_call,
+from dapo_megatron.tools.calls import (DEFAULT_TEMPLATES, ToolCallConfig, ToolCall, find_tool_call,
                                        format_tool_response, run_tool_call, stop_strings, tool_result_text,
                                        truncate_tool_response)
 from dapo_megatron.tools.sandbox import SandboxConfig, SandboxPool, SandboxResult
 
-BLOCK = MultiTurnConfig()
-HERMES = MultiTurnConfig(format="hermes")
+BLOCK = ToolCallConfig()
+HERMES = ToolCallConfig(format="hermes")
 
 
 # -- code_block ---------------------------------------------------------------------------------
@@ -46,7 +46,7 @@ def test_no_complete_block_is_no_call():
 
 def test_the_first_of_two_blocks_is_the_call_and_the_language_is_configurable():
     text = "```py\na = 1\n```\nthen\n```py\nb = 2\n```\n"
-    call = find_tool_call(text, MultiTurnConfig(code_block_language="py"))
+    call = find_tool_call(text, ToolCallConfig(code_block_language="py"))
     assert call.code == "a = 1\n" and call.end == text.index("```\nthen") + 3
     inline = "```python  \nprint(2)```"  # closing fence on the code's line, then the end of the text
     assert find_tool_call(inline, BLOCK) == ToolCall("print(2)", len(inline))
@@ -91,7 +91,7 @@ def test_an_unclosed_hermes_call_is_no_call():
 @pytest.mark.parametrize("side, expected", [("left", "abcd...(truncated)"), ("right", "(truncated)...ghij"),
                                             ("middle", "ab...(truncated)...ij")])
 def test_truncation_follows_verls_sides(side, expected):
-    config = MultiTurnConfig(max_tool_response_length=4, tool_response_truncate_side=side)
+    config = ToolCallConfig(max_tool_response_length=4, tool_response_truncate_side=side)
     assert truncate_tool_response("abcdefghij", config) == expected
     assert truncate_tool_response("abcd", config) == "abcd"
 
@@ -100,7 +100,7 @@ def test_the_response_text_wraps_the_truncated_output_in_the_template():
     assert format_tool_response("42\n", BLOCK) == "```output\n42\n\n```\n"
     assert format_tool_response("7", HERMES) == ("<|im_end|>\n<|im_start|>user\n<tool_response>\n7\n"
                                                  "</tool_response><|im_end|>\n<|im_start|>assistant\n")
-    custom = MultiTurnConfig(tool_response_template="<out>{output}</out> {not a field}",
+    custom = ToolCallConfig(tool_response_template="<out>{output}</out> {not a field}",
                              max_tool_response_length=3, tool_response_truncate_side="left")
     assert format_tool_response("{x}yz", custom) == "<out>{x}...(truncated)</out> {not a field}"
 
@@ -126,7 +126,7 @@ def test_the_result_text_says_why_a_program_was_stopped():
                                         ("tool_response_template", "no placeholder")])
 def test_a_bad_key_is_named(key, value):
     with pytest.raises(ValueError, match=rf"multi_turn\.{key}"):
-        MultiTurnConfig(**{key: value}).validate()
+        ToolCallConfig(**{key: value}).validate()
 
 
 def test_a_turn_round_trips_through_the_sandbox():
