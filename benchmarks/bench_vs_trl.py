@@ -184,8 +184,8 @@ def _bench_prompts(steps: int):
 
     cfg = load_config(DAPOConfig, CONFIG, [f"model.hf_path={smollm2_dir()}"])
     tok = load_tokenizer(cfg.model.hf_path, cfg.model.gguf_file)
-    data = resolve_data_files(cfg.data, tempfile.mkdtemp(prefix="bench_data_"))
-    ds = load_from_config(data, tok, "train")
+    with tempfile.TemporaryDirectory(prefix="bench_data_") as scratch:  # the files are read into memory here
+        ds = load_from_config(resolve_data_files(cfg.data, scratch), tok, "train")
     stream = PromptStream(ds, N_PROMPTS, 0, 1, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     return cfg, tok, [rec for _ in range(steps) for rec in stream.next_batch()]
 
