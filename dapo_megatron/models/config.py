@@ -618,6 +618,22 @@ class MoELayout:
         return [0 if i in self.dense_layers else 1 for i in range(num_layers)]
 
 
+def _check_topk(topk: int, experts: int) -> None:
+    """Raises ValueError unless ``1 <= num_experts_per_tok <= experts`` (every MoE family's router)."""
+    if not 1 <= topk <= experts:
+        raise ValueError(f"hf_config.num_experts_per_tok={topk} must be between 1 and the {experts} experts")
+
+
+def _router_groups(hf_config: Any, experts: int) -> tuple[int, int]:
+    """``(n_group, topk_group)`` of a DeepSeek router (1 each when unset). Raises ValueError unless
+    ``n_group`` divides ``experts`` and ``1 <= topk_group <= n_group``."""
+    n_group, topk_group = int(_get(hf_config, "n_group", 1) or 1), int(_get(hf_config, "topk_group", 1) or 1)
+    if experts % n_group or not 1 <= topk_group <= n_group:
+        raise ValueError(f"hf_config.n_group={n_group}, topk_group={topk_group}: n_group must divide the {experts} "
+                         "experts and 1 <= topk_group <= n_group")
+    return n_group, topk_group
+
+
 def _deepseek_moe_layout(hf_config) -> MoELayout:
     """:class:`MoELayout` of a DeepSeek-V3-router config (transformers 5 ``DeepseekV3TopkRouter`` /
     ``DeepseekV3MoE``): ``sigmoid(x·Wᵀ)`` in fp32; the choice ranks ``scores + e_score_correction_bias``,
@@ -633,8 +649,7 @@ def _deepseek_moe_layout(hf_config) -> MoELayout:
     ``norm_topk_prob=False`` is refused."""
     experts = int(_get(hf_config, "n_routed_experts", None) or _get(hf_config, "num_local_experts"))
     topk = int(hf_config.num_experts_per_tok)
-    if not 1 <= topk <= experts:
-        raise ValueError(f"hf_config.num_experts_per_tok={topk} must be between 1 and the {experts} experts")
+    _check_topk(topk, experts)
     if not bool(_get(hf_config, "norm_topk_prob", True)) and topk > 1:
         raise ValueError("hf_config.norm_topk_prob=False is not supported with the sigmoid router: megatron-core "
                          "renormalises the top-k sigmoid weights always (moe_utils.py topk_routing_with_score_function)")
@@ -645,10 +660,7 @@ def _deepseek_moe_layout(hf_config) -> MoELayout:
     scoring = _get(hf_config, "scoring_func", "sigmoid")
     if scoring not in (None, "sigmoid"):
         raise ValueError(f"hf_config.scoring_func={scoring!r}: this family's router is sigmoid")
-    n_group, topk_group = int(_get(hf_config, "n_group", 1) or 1), int(_get(hf_config, "topk_group", 1) or 1)
-    if experts % n_group or not 1 <= topk_group <= n_group:
-        raise ValueError(f"hf_config.n_group={n_group}, topk_group={topk_group}: n_group must divide the {experts} "
-                         "experts and 1 <= topk_group <= n_group")
+    n_group, topk_group = _router_groups(hf_config, experts)
     groups = group_topk = None
     if topk_group < n_group:
         if topk % topk_group or topk // topk_group != 2:
@@ -709,8 +721,7 @@ def _deepseek_v2_moe_layout(hf_config) -> MoELayout:
     """
     experts = int(hf_config.n_routed_experts)
     topk = int(_get(hf_config, "num_experts_per_tok", 0) or 0)
-    if not 1 <= topk <= experts:
-        raise ValueError(f"hf_config.num_experts_per_tok={topk} must be between 1 and the {experts} experts")
+    _check_topk(topk, experts)
     if bool(_get(hf_config, "norm_topk_prob", False)) and topk > 1:
         raise ValueError("hf_config.norm_topk_prob=True is not supported for deepseek_v2: transformers' "
                          "DeepseekV2TopkRouter never renormalises the top-k weights while SGLang's deepseek_v2 "
@@ -723,10 +734,7 @@ def _deepseek_v2_moe_layout(hf_config) -> MoELayout:
     if method not in ("greedy", "group_limited_greedy"):
         raise ValueError(f"hf_config.topk_method={method!r}: deepseek_v2 supports 'greedy' and 'group_limited_greedy' "
                          "('noaux_tc', sigmoid with a score-correction bias, is model_type 'deepseek_v3')")
-    n_group, topk_group = int(_get(hf_config, "n_group", 1) or 1), int(_get(hf_config, "topk_group", 1) or 1)
-    if experts % n_group or not 1 <= topk_group <= n_group:
-        raise ValueError(f"hf_config.n_group={n_group}, topk_group={topk_group}: n_group must divide the {experts} "
-                         "experts and 1 <= topk_group <= n_group")
+    n_group, topk_group = _router_groups(hf_config, experts)
     groups = group_topk = None
     if topk_group < n_group:
         if method == "greedy":
@@ -834,8 +842,7 @@ def moe_layout(hf_config) -> Optional[MoELayout]:
             raise ValueError(f"hf_config.decoder_sparse_step={hf_config.decoder_sparse_step}: only 1 (every layer an "
                              "MoE layer) is supported")
     topk = hf_config.num_experts_per_tok
-    if not 1 <= topk <= experts:
-        raise ValueError(f"hf_config.num_experts_per_tok={topk} must be between 1 and the {experts} experts")
+    _check_topk(topk, experts)
     return MoELayout(num_experts=int(experts), topk=int(topk), ffn_hidden_size=int(ffn),
                      shared_ffn_hidden_size=shared, shared_expert_gate=model_type == "qwen2_moe" and shared > 0,
                      norm_topk_prob=norm, aux_loss_coef=float(_get(hf_config, "router_aux_loss_coef", 0.0) or 0.0))
