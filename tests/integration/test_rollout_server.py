@@ -137,7 +137,11 @@ def test_an_aborted_row_returns_its_partial_output_and_continues_seed_exactly(se
     k = len(out["output_ids"])
     assert 0 < k < 3000 and out["meta_info"]["output_token_logprobs_length"] == k
     res = parse_row_output(out, row, version=0, eos_token_ids=frozenset({EOS}))
-    assert res.finish_reason == "abort" and res.response_ids == out["output_ids"] and len(res.logprobs) == k
+    # ignore_eos lets the random model sample EOS mid-row; an abort landing right after one is a
+    # finished row (the abort-after-EOS rule of sglang_io.row_outcome), any other is continued
+    # (about one abort in 250 with this 250-token vocabulary: a suite run on 2026-12-04 drew it)
+    assert res.finish_reason == ("stop" if out["output_ids"][-1] == EOS else "abort"), (res.finish_reason, out)
+    assert res.response_ids == out["output_ids"] and len(res.logprobs) == k
     assert res.logprobs == pytest.approx(_logprobs(local_model, PROMPTS[0], res.response_ids), abs=1e-4)
 
     # resubmitted as prompt + prefix (what the async trainer does), it draws what it would have drawn
