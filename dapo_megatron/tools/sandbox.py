@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import json
 import logging
 import os
@@ -380,24 +381,21 @@ class Sandbox:
         Killing the outer bwrap instead would leave the namespace's teardown running after the
         call returned. Without an init (unsandboxed, or bwrap still setting up) the process group
         is killed."""
-        if status.init_pidfd is not None:
-            try:
-                signal.pidfd_send_signal(status.init_pidfd, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        def reaped() -> bool:  # bounded: a process stuck in D state must not hang the rollout
             try:
                 process.wait(timeout=10)
-                return
+                return True
             except subprocess.TimeoutExpired:
-                pass
-        try:
+                return False
+
+        if status.init_pidfd is not None:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(status.init_pidfd, signal.SIGKILL)
+            if reaped():
+                return
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:  # D state: do not hang the rollout
-            pass
+        reaped()
 
 
 class _BwrapStatus:
