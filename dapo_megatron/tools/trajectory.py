@@ -49,6 +49,8 @@ COUNTS = ("responses", "calls", "errors", "timeouts", "with_call", "acc_with_cal
 """The summable counts :meth:`ToolTrajectory.take_counts` returns (summed over ranks before
 :func:`tool_metrics` divides them)."""
 
+_MAX_COUNTED = 1 << 16  # samples whose counts wait for take_counts, at most
+
 
 def tool_metrics(counts: dict[str, float], prefix: str = "tool/") -> dict[str, float]:
     """Metrics from :data:`COUNTS` (summed over ranks): ``{prefix}calls_per_response``,
@@ -114,6 +116,10 @@ class ToolTrajectory(Trajectory):
 
     def on_row_finished(self, sample: Sample, finish_reason: str, budget: int) -> Optional[Sequence[int]]:
         """The hook (class docstring): the tool's output ids to append, or None."""
+        if len(self._counts) >= _MAX_COUNTED and id(sample) not in self._counts:
+            # a loop that never takes the counts (the async rollout logs no tool/* yet): forget the oldest
+            for key in list(self._counts)[:len(self._counts) // 2]:
+                del self._counts[key]
         record = self._counts.setdefault(id(sample), [sample, 0, 0, 0])
         record[0] = sample
         if finish_reason != "stop" or budget <= 0:
