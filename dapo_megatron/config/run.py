@@ -20,6 +20,7 @@ from dapo_megatron.rollout.async_config import AsyncTrainingConfig
 from dapo_megatron.rollout.sampling.buffer import BufferConfig
 from dapo_megatron.rollout.config import RolloutConfig
 from dapo_megatron.rollout.engines.layout import check_rollout_layout
+from dapo_megatron.tools.sandbox import SandboxConfig
 from dapo_megatron.tracking import TrackingConfig
 
 from .loader import ConfigError, config_errors
@@ -54,6 +55,8 @@ class DAPOConfig:
     """MLflow."""
     async_training: AsyncTrainingConfig = field(default_factory=AsyncTrainingConfig)
     """generation on the servers overlapped with training (verl's fully async names)."""
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    """the tool programs' sandbox (``rollout.multi_turn`` with the tool trajectory; docs/design.md §4.1)."""
 
     def validate(self) -> None:
         """Checks across sections (each section validates itself); messages name every key in full."""

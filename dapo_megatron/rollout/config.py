@@ -9,14 +9,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dapo_megatron.rollout.engines.sglang_server_args import check_engine_kwargs
+from dapo_megatron.tools.calls import ToolCallConfig
 
 
 @dataclass
-class MultiTurnConfig:
+class MultiTurnConfig(ToolCallConfig):
     """``rollout.multi_turn``: the trajectory hook of the rollout (verl's
-    ``actor_rollout_ref.rollout.multi_turn`` names; :mod:`dapo_megatron.rollout.trajectory`). The
-    tool-calling trajectory and its keys (``max_assistant_turns``, ``tool_config_path``, ...) are
-    issue 38's."""
+    ``actor_rollout_ref.rollout.multi_turn`` block, flat as verl has it;
+    :mod:`dapo_megatron.rollout.trajectory`), and the keys of the tool-calling trajectory
+    (``format``, ``max_assistant_turns``, ``max_tool_response_length``,
+    ``tool_response_truncate_side``: verl's names; :class:`~dapo_megatron.tools.calls.ToolCallConfig`),
+    which ``trajectory: dapo_megatron.tools.trajectory:ToolTrajectory`` selects. The sandbox the
+    tool programs run in is the top-level ``sandbox`` block."""
 
     enable: bool = False
     """multi-turn rollouts: every finished row goes through the trajectory named by ``trajectory``,
@@ -24,7 +28,8 @@ class MultiTurnConfig:
     response. False: single-turn, unchanged."""
     trajectory: str = ""
     """with ``enable``: the trajectory factory as ``"package.module:attribute"``, called with
-    ``(rollout.multi_turn, tokenizer)``, returning a ``dapo_megatron.rollout.trajectory.Trajectory``."""
+    ``(rollout.multi_turn, tokenizer)``, returning a ``dapo_megatron.rollout.trajectory.Trajectory``;
+    the Python tool's: ``dapo_megatron.tools.trajectory:ToolTrajectory``."""
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the bad field."""
@@ -33,6 +38,10 @@ class MultiTurnConfig:
                              "'package.module:attribute'")
         if not self.enable and self.trajectory:
             raise ValueError(f"trajectory={self.trajectory!r} is set but enable=false: set enable: true to use it")
+        try:
+            super().validate()
+        except ValueError as err:  # its messages name multi_turn.<key>; the loader prefixes rollout.multi_turn.
+            raise ValueError(str(err).removeprefix("multi_turn.")) from None
 
 
 @dataclass

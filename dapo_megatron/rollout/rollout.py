@@ -236,7 +236,7 @@ class Rollout:
     def _sampling_params(self, *, n: int, temperature: float, top_p: float, seed: int) -> SamplingParams:
         r = self.cfg.rollout
         return SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=r.top_k,
-                              max_new_tokens=r.response_length, seed=seed)
+                              max_new_tokens=r.response_length, seed=seed, stop=self.trajectory.stop)
 
     def _train_params(self) -> SamplingParams:
         r = self.cfg.rollout
@@ -300,10 +300,25 @@ class Rollout:
         """The groups that train step ``step + 1`` (sampled by weights version ``step``):
         generation, grading and dynamic sampling (docs/design.md §1, steps 1-3)."""
         if self.collector is None:
-            return StepBatch(*self.buffer.collect(self._generate_batch, policy_version=step))
-        groups, metrics = self.collector.collect(self.row_client, self.prompt_queue, policy_version=step)
-        self.gen_batches_done = self.prompt_queue.fetched
-        return StepBatch(groups, metrics)
+            batch = StepBatch(*self.buffer.collect(self._generate_batch, policy_version=step))
+        else:
+            groups, metrics = self.collector.collect(self.row_client, self.prompt_queue, policy_version=step)
+            self.gen_batches_done = self.prompt_queue.fetched
+            batch = StepBatch(groups, metrics)
+        if self.trajectory.multi_turn:  # the responses this step finished and graded (tool calls, their accuracy)
+            batch.metrics.update(self._trajectory_metrics(self.trajectory.take_counts(), "tool/"))
+        return batch
+
+    def _trajectory_metrics(self, counts: dict[str, float], prefix: str) -> dict[str, float]:
+        """The trajectory's metrics of ``counts`` summed over the world (a collective: every rank
+        has the same keys, :meth:`Trajectory.take_counts`); float64 sums of small integers, exact."""
+        if not counts:
+            return {}
+        keys = sorted(counts)
+        table = torch.tensor([float(counts[k]) for k in keys], dtype=torch.float64)
+        if self.parallel.world_size > 1:
+            table = self.parallel.all_reduce(table.to(collective_device(self.parallel.world_group)), "world").cpu()
+        return self.trajectory.metrics(dict(zip(keys, table.tolist())), prefix)
 
     # ------------------------------------------------------------------ validation
     def validate(self, step: int) -> dict[str, float]:
@@ -334,13 +349,25 @@ class Rollout:
         mine = self._engine_share(len(problems))
         self.wake()
         outputs = self.engine.generate([problems[i].prompt_ids for i in mine], params, mine) if mine else []
+        val_samples = []
+        if self.trajectory.multi_turn and outputs:  # the tool turns of validation's responses too
+            groups = [completions_to_group(-1, problems[i].prompt_ids, comps) for i, comps in zip(mine, outputs)]
+            rows = [(s, i, j) for i, g in zip(mine, groups) for j, s in enumerate(g.samples)]
+            run_turns(self.engine, rows, params, self.trajectory)
+            outputs = [g.samples for g in groups]  # each with response_ids: what the grader reads
+            val_samples = [s for s, _, _ in rows]
         self.sleep(keep_weights=True)  # no update before the next rollout: the weights stay valid
         graded = self._grade_val(problems, zip(mine, outputs))
+        for s, acc in zip(val_samples, [a for i in mine for a in graded.get(i, [])]):
+            s.acc = bool(acc)
         self.parallel.wait_for_generation()  # ranks that generate nothing wait on gloo, not in the gather
         accs: dict[int, list[float]] = {}
         for part in self.parallel.all_gather_objects(graded, "world"):
             accs.update(part)
-        return self._val_metrics(problems, accs)
+        metrics = self._val_metrics(problems, accs)
+        if self.trajectory.multi_turn:
+            metrics.update(self._trajectory_metrics(self.trajectory.take_counts(val_samples), "val/tool/"))
+        return metrics
 
     # validation's parts, shared with the asynchronous rollout's (AsyncRollout.validate): the same
     # problems, seeds, sampling parameters, grading and metrics whoever generates the responses
@@ -385,8 +412,9 @@ class Rollout:
                                    k=self.cfg.rollout.val_n)
 
     def close(self) -> None:
-        """Stop the reward pool's grader processes."""
+        """Stop the reward pool's grader processes and the trajectory's sandbox pool."""
         self.reward_pool.close()
+        self.trajectory.close()
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict[str, Any]:

@@ -65,6 +65,10 @@ class Trajectory:
     #: so a rank that does not hold a sample's tokens can settle its row from the record alone
     multi_turn: bool = False
 
+    #: stop strings the engines must end a row at (``SamplingParams.stop``; a tool call's end), in
+    #: the training rollout's and validation's sampling parameters; none for single-turn
+    stop: tuple[str, ...] = ()
+
     def on_row_finished(self, sample: Sample, finish_reason: str, budget: int) -> Optional[Sequence[int]]:
         """The row of ``sample`` finished; its tokens are appended already.
 
@@ -81,6 +85,23 @@ class Trajectory:
             beyond ``budget`` are cut. Context that ends on a stop token ends the next row at once.
         """
         return None
+
+    def bind_sandbox(self, config: Any) -> None:
+        """Take the run's ``sandbox`` block (a trajectory that runs programs starts its pool here;
+        ``build_rollout`` calls it for a multi-turn trajectory). The base class runs nothing."""
+
+    def take_counts(self, samples: Optional[Sequence[Sample]] = None) -> dict[str, float]:
+        """Summable counts for the step's metrics over ``samples`` (default: the finished samples
+        settled on this rank since the last call), which are then forgotten; the same keys on every
+        rank (the rollout sums them over ranks). The base class counts nothing: ``{}``."""
+        return {}
+
+    def metrics(self, counts: dict[str, float], prefix: str) -> dict[str, float]:
+        """The metrics of :meth:`take_counts`' counts summed over ranks (names under ``prefix``)."""
+        return {}
+
+    def close(self) -> None:
+        """Release what the trajectory holds (a sandbox pool's threads)."""
 
 
 SINGLE_TURN = Trajectory()

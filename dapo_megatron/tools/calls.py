@@ -56,9 +56,9 @@ _TRUNCATED = "...(truncated)"  # verl's marker, so a model trained there reads o
 @dataclass
 class ToolCallConfig:
     """The tool keys of a multi-turn rollout: tool calls inside one response (verl's ``multi_turn.*``
-    names where verl has them). Not yet a block of the run config: the tool trajectory (issue 38)
-    reads these beside :class:`dapo_megatron.rollout.config.MultiTurnConfig` (``enable``, ``trajectory``),
-    which selects it."""
+    names where verl has them). The run config's ``rollout.multi_turn`` block
+    (:class:`dapo_megatron.rollout.config.MultiTurnConfig`) is this class plus the trajectory hook's
+    ``trajectory``; :class:`dapo_megatron.tools.trajectory.ToolTrajectory` reads it."""
 
     enable: bool = False
     """let responses call the Python tool (verl: ``multi_turn.enable``)."""

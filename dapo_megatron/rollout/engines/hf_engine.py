@@ -260,9 +260,20 @@ class HFEngine(RolloutEngine):
         self._cache_kw = "cache" if "cache" in forward_params else "past_key_values"
         self._routes: Optional[HFRouteRecorder] = HFRouteRecorder(self.model) if record_routes else None
         self._loaded_sums: dict[str, Optional[torch.Tensor]] = {}  # the last sync's receiver checksums
+        self._stop_decode = None  # token ids -> text, for rows with stop strings (set_stop_decoder)
 
     # ---- generation ---------------------------------------------------------------
     supports_async = True
+
+    def set_stop_decoder(self, decode) -> None:
+        """Give the engine ``decode(ids) -> str`` (the tokenizer's, special tokens kept), which rows
+        with stop strings (``SamplingParams.stop``) need: after every sampled token the text of the
+        row's last few new tokens (4 per character of the longest stop string, + 4: a token of
+        byte-fallback text may hold a quarter of a character) is searched for each stop string, and
+        the first token that completes one ends the row with ``"stop"``, kept. An occurrence that
+        straddles the row's prefix and its first new token is not seen (SGLang's check,
+        ``Req._check_str_based_finish``, decodes the output's tail only, likewise)."""
+        self._stop_decode = decode
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
@@ -305,6 +316,9 @@ class HFEngine(RolloutEngine):
             if r.key in keys:
                 raise ValueError(f"HFEngine.submit: row key {r.key!r} is already in flight")
             keys.add(r.key)
+            if r.params.stop and self._stop_decode is None:
+                raise ValueError(f"HFEngine.submit: row {r.key!r} has stop strings {list(r.params.stop)} but the "
+                                 "engine has no decoder to match them: call set_stop_decoder(tokenizer.decode)")
             bad = [t for t in r.prompt_ids + r.prefix_ids if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"HFEngine.submit: row {r.key!r} holds token ids {bad[:5]} outside [0, {self.vocab_size})")
@@ -402,6 +416,15 @@ class HFEngine(RolloutEngine):
         """Token ids that end the row: the model's EOS ids and the row's ``stop_token_ids``."""
         return self.eos_token_ids | set(req.params.stop_token_ids)
 
+    def _ends_on_stop_string(self, row: _Row) -> bool:
+        """Whether the row's last token completes one of its stop strings (:meth:`set_stop_decoder`).
+        An earlier occurrence inside the window would have ended the row already, so any
+        occurrence is this token's."""
+        stops = row.req.params.stop
+        window = 4 * max(len(t) for t in stops) + 4
+        text = self._stop_decode(row.tokens[-window:])
+        return any(t in text for t in stops)
+
     def _admit(self, reqs: list[RowRequest]) -> list[RowResult]:
         """Prefill ``reqs`` (each distinct input once), merge them into the running batch;
         returns the rows that have nothing left to sample (a prefix that already ends the
@@ -467,6 +490,8 @@ class HFEngine(RolloutEngine):
             row.tokens.append(tok_cpu[i])
             row.logprobs.append(tok_logp_cpu[i])
             if tok_cpu[i] in row.stops:
+                reason = "stop"
+            elif row.req.params.stop and self._ends_on_stop_string(row):
                 reason = "stop"
             elif len(row.tokens) >= row.req.budget:
                 reason = "length"

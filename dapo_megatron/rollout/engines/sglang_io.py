@@ -71,6 +71,11 @@ def build_sampling_params(params: SamplingParams, seed: Optional[int]) -> dict[s
     }
     if params.stop_token_ids:
         sp["stop_token_ids"] = list(params.stop_token_ids)
+    if params.stop:
+        # SGLang's ``stop`` (sampling/sampling_params.py: ``stop_strs``, normalised to a list) ends a row at
+        # the token whose decoded tail holds one (managers/schedule_batch.py ``Req._check_str_based_finish``);
+        # with ``no_stop_trim`` the ids keep that token, as the HF engine does
+        sp["stop"] = list(params.stop)
     if seed is not None:
         sp["sampling_seed"] = seed
     return sp

@@ -103,6 +103,22 @@ DOMAINS: dict[str, Case] = {
     "rollout.multi_turn.enable": Case(["true"], "true", good_ctx=["rollout.multi_turn.trajectory=pkg.mod:Factory"]),
     "rollout.multi_turn.trajectory": Case(["pkg.mod:Factory"], "pkg.mod:Factory",
                                           good_ctx=["rollout.multi_turn.enable=true"]),
+    "rollout.multi_turn.format": Case(["xml", "json"], "hermes"),
+    "rollout.multi_turn.code_block_language": Case(["'py thon'", "''"], "python3"),
+    "rollout.multi_turn.tool_name": Case(["''"], "run_python"),
+    "rollout.multi_turn.max_assistant_turns": Case([0, -1], 2),
+    "rollout.multi_turn.max_tool_response_length": Case([0], 1024),
+    "rollout.multi_turn.tool_response_truncate_side": Case(["top", "both"], "left"),
+    "rollout.multi_turn.tool_response_template": Case(["'no output here'", "'{output}{output}'"],
+                                                      "'<out>{output}</out>'"),
+    # sandbox (the tool programs')
+    "sandbox.wall_timeout_s": Case([0, -1.0], 2.5),
+    "sandbox.cpu_time_limit_s": Case([0], 3),
+    "sandbox.memory_limit_mb": Case([63, 0], 256),
+    "sandbox.output_limit_bytes": Case([0], 4096),
+    "sandbox.tmp_size_mb": Case([0], 8),
+    "sandbox.max_concurrent": Case([0], 8),
+    "sandbox.python": Case(["/no/such/python"], "/usr/bin/python3"),
     "rollout.stream_poll_tokens": Case([0], 8),
     "rollout.check_weight_update_period": Case([0, -1], 1),
     "rollout.weight_probe_tolerance": Case([-0.1], 0.05),
@@ -199,6 +215,8 @@ FREE: dict[str, str] = {
     "trainer.val_before_train": "bool",
     "tracking.use_mlflow": "bool",
     "async_training.partial_rollout": "bool",
+    "sandbox.bwrap": "an executable's name or path: found (and probed) when the tool trajectory starts its pool",
+    "sandbox.allow_unsandboxed": "bool: honoured only where bwrap cannot run, with a warning",
 }
 
 
