@@ -26,11 +26,11 @@ import logging
 import math
 import os
 import re
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-import torch.distributed as dist
 from tqdm.auto import tqdm
 
 logger = logging.getLogger(__name__)
@@ -107,7 +107,10 @@ def flatten_dict(d: Mapping[str, Any], prefix: str = "", sep: str = ".") -> dict
 
 
 def _default_rank() -> int:
-    if dist.is_available() and dist.is_initialized():
+    # no process group exists before torch.distributed is imported: the config (TrackingConfig)
+    # loads this module without torch (tests/unit/config/test_torch_free.py)
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank()
     return int(os.environ.get("RANK", "0"))
 

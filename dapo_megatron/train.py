@@ -24,14 +24,10 @@ import os
 import sys
 import time
 
-from dapo_megatron.checkpointing import CheckpointError
 from dapo_megatron.config import ConfigError, DAPOConfig, documented_keys, load_config, to_yaml
 from dapo_megatron.data import DatasetError
-from dapo_megatron.platform import destroy_distributed, init_distributed
 from dapo_megatron.platform.console import quiet_third_party
 from dapo_megatron.platform.reaper import die_with_parent
-from dapo_megatron.rollout.engines.sglang_env import align_nccl_with_sglang_server
-from dapo_megatron.run_dir import banner, prepare_run_dir, summary
 
 _ENV_HELP = """environment:
   DAPO_SHOW_WARNINGS=1  print the third-party warnings and INFO logs that dapo-train hides
@@ -131,7 +127,13 @@ def main(argv=None) -> int:
               flush=True)
         return 0
 
-    # the trainer imports megatron-core: here, once quiet_third_party has silenced its import warnings
+    # the run's modules import torch and megatron-core: here, once the config is checked (a config check,
+    # a bad key or --print-config is a torch-free process, ~2 s less: tests/unit/config/test_torch_free.py)
+    # and quiet_third_party has silenced megatron-core's import warnings
+    from dapo_megatron.checkpointing import CheckpointError
+    from dapo_megatron.platform import destroy_distributed, init_distributed
+    from dapo_megatron.rollout.engines.sglang_env import align_nccl_with_sglang_server
+    from dapo_megatron.run_dir import banner, prepare_run_dir, summary
     from dapo_megatron.trainer import DAPOTrainer
 
     t0 = time.time()

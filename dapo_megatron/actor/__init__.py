@@ -3,28 +3,47 @@
 Nothing here serves the weight sync to the rollout engine: :mod:`dapo_megatron.bridge`
 reads ``MegatronActor.model_chunks`` for that.
 
+The names below load their submodule on first use (PEP 562), so that loading a config (which
+reads the torch-free :mod:`.config`) does not load torch and megatron-core through :mod:`.actor`.
+
 Design: docs/design.md §1 steps 5-6 (old logprobs, updates).
 """
 
-from .actor import ActorConfig, MegatronActor, OptimConfig, TrainOutput
-from .logprobs import vocab_parallel_entropy, vocab_parallel_logprobs, vocab_parallel_logprobs_and_entropy
-from .packing import PackedBatch, group_by_length, pack_samples, split_by_token_budget
-from .plan import ActorPlan, OldLogprobPlan, resolve_actor_plan, resolve_old_logprob_plan
+from __future__ import annotations
 
-__all__ = [
-    "ActorConfig",
-    "ActorPlan",
-    "MegatronActor",
-    "OldLogprobPlan",
-    "OptimConfig",
-    "PackedBatch",
-    "group_by_length",
-    "pack_samples",
-    "resolve_actor_plan",
-    "resolve_old_logprob_plan",
-    "split_by_token_budget",
-    "TrainOutput",
-    "vocab_parallel_entropy",
-    "vocab_parallel_logprobs",
-    "vocab_parallel_logprobs_and_entropy",
-]
+import importlib
+
+# public name -> its submodule
+_EXPORTS = {
+    "ActorConfig": "config",
+    "MegatronActor": "actor",
+    "OptimConfig": "config",
+    "TrainOutput": "actor",
+    "vocab_parallel_entropy": "logprobs",
+    "vocab_parallel_logprobs": "logprobs",
+    "vocab_parallel_logprobs_and_entropy": "logprobs",
+    "PackedBatch": "packing",
+    "group_by_length": "packing",
+    "pack_samples": "packing",
+    "split_by_token_budget": "packing",
+    "ActorPlan": "plan",
+    "OldLogprobPlan": "plan",
+    "resolve_actor_plan": "plan",
+    "resolve_old_logprob_plan": "plan",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    try:
+        module = _EXPORTS[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from dapo_megatron.algorithms.policy_loss import ROLLOUT_IS_LEVELS, ROLLOUT_RS_LEVELS
+from dapo_megatron.algorithms.config import ROLLOUT_IS_LEVELS, ROLLOUT_RS_LEVELS
 
 from .plan import SHARED_PROMPT_MODES
 

@@ -1,20 +1,40 @@
 """DAPO algorithm core, pure torch: policy loss, group advantages, overlong shaping.
 
 The equations: docs/design.md §3 and arXiv 2503.14476. No engine, process-group or CUDA
-dependency; callers pass the mini-batch-global token count for ``token-mean``.
+dependency; callers pass the mini-batch-global token count for ``token-mean``. The config
+sections and the names they check (:mod:`.config`) import no torch; the names below load their
+submodule on first use (PEP 562), so that loading a config does not load torch.
 """
 
-from dapo_megatron.algorithms.advantages import AlgorithmConfig, compute_group_advantages
-from dapo_megatron.algorithms.overlong import OverlongConfig, overlong_filter_mask, soft_overlong_penalty
-from dapo_megatron.algorithms.policy_loss import LOSS_AGG_MODES, agg_loss, compute_policy_loss
+from __future__ import annotations
 
-__all__ = [
-    "AlgorithmConfig",
-    "LOSS_AGG_MODES",
-    "OverlongConfig",
-    "agg_loss",
-    "compute_group_advantages",
-    "compute_policy_loss",
-    "overlong_filter_mask",
-    "soft_overlong_penalty",
-]
+import importlib
+
+# public name -> its submodule
+_EXPORTS = {
+    "AlgorithmConfig": "config",
+    "LOSS_AGG_MODES": "config",
+    "OverlongConfig": "config",
+    "compute_group_advantages": "advantages",
+    "overlong_filter_mask": "overlong",
+    "overlong_penalty": "overlong",
+    "soft_overlong_penalty": "overlong",
+    "agg_loss": "policy_loss",
+    "compute_policy_loss": "policy_loss",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    try:
+        module = _EXPORTS[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

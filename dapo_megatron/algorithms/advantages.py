@@ -15,25 +15,10 @@ Design: docs/design.md §3.1 (objective, ratio and advantage).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
-
-@dataclass
-class AlgorithmConfig:
-    """Advantage estimation (verl ``algorithm.*``)."""
-
-    norm_adv_by_std_in_grpo: bool = True
-    """divide by the group std (DAPO/GRPO); False gives Dr. GRPO's mean-centred advantage."""
-    adv_eps: float = 1e-6
-    """epsilon added to the group std, > 0 (a group of equal rewards has std 0)."""
-
-    def validate(self) -> None:
-        """Raise ``ValueError`` naming the bad field (the domain of :func:`compute_group_advantages`)."""
-        if not self.adv_eps > 0:
-            raise ValueError(f"adv_eps={self.adv_eps} must be > 0 (it keeps (R - mean) / (std + eps) finite for a "
-                             "group of equal rewards)")
+from .config import AlgorithmConfig  # noqa: F401  (its home until the config went torch-free)
 
 
 def _group_ids(group_index, batch: int, device: torch.device) -> tuple[torch.Tensor, int]:

@@ -18,30 +18,15 @@ Design: docs/design.md §3.5 (soft overlong punishment).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
+
+# OverlongConfig: its home until the config sections went torch-free, imported from here by callers
+from .config import OverlongConfig, validate_overlong_lengths  # noqa: F401
 
 # finish reasons reported by rollout engines (SGLang / vLLM / HF generate wrappers)
 TRUNCATED_FINISH_REASONS = frozenset({"length"})
 COMPLETED_FINISH_REASONS = frozenset({"stop", "eos", "abort"})
-
-
-def _validate_lengths(max_response_length: int, overlong_buffer_len: int, penalty_factor: float) -> None:
-    if isinstance(max_response_length, bool) or not isinstance(max_response_length, int) or max_response_length <= 0:
-        raise ValueError(f"max_response_length={max_response_length!r} must be a positive int (L_max, in tokens)")
-    if isinstance(overlong_buffer_len, bool) or not isinstance(overlong_buffer_len, int) or overlong_buffer_len <= 0:
-        raise ValueError(
-            f"overlong_buffer_len={overlong_buffer_len!r} must be a positive int (L_cache, in tokens); "
-            "disable the penalty instead of setting it to 0"
-        )
-    if overlong_buffer_len > max_response_length:
-        raise ValueError(
-            f"overlong_buffer_len={overlong_buffer_len} must be <= max_response_length={max_response_length} "
-            "(the soft window lies inside the maximum length)"
-        )
-    if not penalty_factor >= 0:
-        raise ValueError(f"penalty_factor={penalty_factor!r} must be >= 0")
 
 
 def soft_overlong_penalty(
@@ -66,7 +51,7 @@ def soft_overlong_penalty(
     Raises:
         ValueError: invalid lengths/factor, non-integer or negative lengths.
     """
-    _validate_lengths(max_response_length, overlong_buffer_len, penalty_factor)
+    validate_overlong_lengths(max_response_length, overlong_buffer_len, penalty_factor)
     if not isinstance(response_length, torch.Tensor):
         response_length = torch.as_tensor(response_length)
     if response_length.ndim != 1:
@@ -120,32 +105,14 @@ def overlong_filter_mask(truncated: torch.Tensor | Sequence[str]) -> torch.Tenso
     return torch.tensor(keep, dtype=torch.bool)
 
 
-@dataclass
-class OverlongConfig:
-    """Soft overlong punishment settings (verl ``reward_model.overlong_buffer``)."""
-
-    enable: bool = True
-    """apply the penalty (verl ``overlong_buffer.enable``)."""
-    max_response_length: int = 20480
-    """``L_max`` in generated tokens (paper: 20,480)."""
-    overlong_buffer_len: int = 4096
-    """``L_cache`` in tokens (paper: 4,096; verl ``overlong_buffer.len``)."""
-    penalty_factor: float = 1.0
-    """scale of the penalty (paper: 1.0; verl ``overlong_buffer.penalty_factor``)."""
-
-    def validate(self) -> None:
-        """Check the fields; raise ValueError naming the bad field."""
-        if not isinstance(self.enable, bool):
-            raise ValueError(f"enable={self.enable!r} must be a bool")
-        _validate_lengths(self.max_response_length, self.overlong_buffer_len, self.penalty_factor)
-
-    def penalty(self, response_length: torch.Tensor) -> torch.Tensor:
-        """float32 ``[batch]`` penalty of :func:`soft_overlong_penalty`, zeros when disabled."""
-        if not self.enable:
-            return torch.zeros(len(response_length), dtype=torch.float32)
-        return soft_overlong_penalty(
-            torch.as_tensor(response_length),
-            max_response_length=self.max_response_length,
-            overlong_buffer_len=self.overlong_buffer_len,
-            penalty_factor=self.penalty_factor,
-        )
+def overlong_penalty(config: OverlongConfig, response_length: torch.Tensor) -> torch.Tensor:
+    """float32 ``[batch]`` penalty of :func:`soft_overlong_penalty` with ``config``'s settings,
+    zeros when ``config.enable`` is False."""
+    if not config.enable:
+        return torch.zeros(len(response_length), dtype=torch.float32)
+    return soft_overlong_penalty(
+        torch.as_tensor(response_length),
+        max_response_length=config.max_response_length,
+        overlong_buffer_len=config.overlong_buffer_len,
+        penalty_factor=config.penalty_factor,
+    )

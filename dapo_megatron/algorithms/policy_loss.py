@@ -72,9 +72,7 @@ from __future__ import annotations
 
 import torch
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-ROLLOUT_IS_LEVELS = ("token", "sequence")
-ROLLOUT_RS_LEVELS = ("token", "geometric")
+from .config import LOSS_AGG_MODES, ROLLOUT_IS_LEVELS, ROLLOUT_RS_LEVELS
 
 # exp() of a log-ratio beyond this bound overflows fp32/bf16 gradients; verl clamps
 # the same way before exponentiating.

@@ -11,13 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dapo_megatron.actor.config import ActorConfig
-from dapo_megatron.algorithms.advantages import AlgorithmConfig
+from dapo_megatron.algorithms.config import AlgorithmConfig
 from dapo_megatron.data.dataset import DataConfig
 from dapo_megatron.models.config import ModelConfig
-from dapo_megatron.platform.distributed import ParallelConfig
+from dapo_megatron.platform.parallel_config import ParallelConfig
 from dapo_megatron.rewards.config import RewardConfig
 from dapo_megatron.rollout.async_config import AsyncTrainingConfig
-from dapo_megatron.rollout.sampling.buffer import BufferConfig
+from dapo_megatron.rollout.sampling.config import BufferConfig
 from dapo_megatron.rollout.config import RolloutConfig
 from dapo_megatron.rollout.engines.layout import check_rollout_layout
 from dapo_megatron.tools.sandbox import SandboxConfig

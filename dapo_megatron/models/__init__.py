@@ -1,34 +1,44 @@
 """HF config → megatron-core TransformerConfig + layer spec + GPTModel (local on CPU, TE/FP8 on GPU).
 
+The names below load their submodule on first use (PEP 562), so that loading a config (which
+reads :class:`~.config.ModelConfig`) does not load torch and megatron-core through :mod:`.builder`.
+
 Design: docs/design.md §2 (parallel layouts) and §2.1 (mixtures of experts).
 """
 
-from .builder import build_gpt_model, layer_spec, load_hf_config
-from .config import (
-    ModelConfig,
-    check_hf_config,
-    gpt_rope_kwargs,
-    head_dim,
-    hf_to_transformer_config,
-    megatron_attention_heads,
-    padded_vocab_size,
-    resolve_transformer_impl,
-    rope_parameters,
-    validate_fp8,
-)
+from __future__ import annotations
 
-__all__ = [
-    "ModelConfig",
-    "build_gpt_model",
-    "check_hf_config",
-    "gpt_rope_kwargs",
-    "head_dim",
-    "hf_to_transformer_config",
-    "layer_spec",
-    "load_hf_config",
-    "megatron_attention_heads",
-    "padded_vocab_size",
-    "resolve_transformer_impl",
-    "rope_parameters",
-    "validate_fp8",
-]
+import importlib
+
+# public name -> its submodule
+_EXPORTS = {
+    "build_gpt_model": "builder",
+    "layer_spec": "builder",
+    "load_hf_config": "builder",
+    "ModelConfig": "config",
+    "check_hf_config": "config",
+    "gpt_rope_kwargs": "config",
+    "head_dim": "config",
+    "hf_to_transformer_config": "config",
+    "megatron_attention_heads": "config",
+    "padded_vocab_size": "config",
+    "resolve_transformer_impl": "config",
+    "rope_parameters": "config",
+    "validate_fp8": "config",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    try:
+        module = _EXPORTS[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

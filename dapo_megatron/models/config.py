@@ -43,6 +43,10 @@ Mixtures of experts (every decoder layer an MoE layer, megatron-core ``MoELayer`
   (``num_nextn_predict_layers``, checkpoint layers >= ``num_hidden_layers``) are ignored as
   DeepSeek-V3's (SGLang's glm4_moe ``load_weights`` skips them when not loading a draft model).
 
+ModelConfig is a config section: this module loads without torch and megatron-core (a config check
+never loads them, tests/unit/config/test_torch_free.py); the functions that need torch get it from
+:func:`_torch`, megatron-core where they use it.
+
 Anything this module cannot map exactly (another activation, a RoPE scaling type
 megatron-core 0.19 does not implement, sliding-window attention, ...) raises a
 ``ValueError`` naming the HF config field, so that a model never builds with silently
@@ -57,10 +61,12 @@ import math
 import os
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-import torch
 from packaging.version import Version
+
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3",
                          "glm4_moe")
@@ -99,8 +105,16 @@ FP8_RECIPE_MIN_TE = {"delayed": "1.0", "tensorwise": "2.2.0.dev0", "blockwise": 
 # has Hopper kernels (SM 9.0, TE ``check_fp8_block_scaling_support``).
 FP8_RECIPE_MIN_CC = {"delayed": (8, 9), "tensorwise": (8, 9), "blockwise": (9, 0), "mxfp8": (10, 0)}
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+# params_dtype -> the name of its torch dtype
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16",
+           "fp16": "float16"}
+
+
+def _torch():
+    """The torch module, imported on first use."""
+    import torch  # here, not at the top: ModelConfig is a config section, and the config loads without torch
+
+    return torch
 
 
 @dataclass
@@ -256,7 +270,7 @@ class ModelConfig:
             "transformer_impl" if self.transformer_impl == "transformer_engine" else None
         if needs is not None:
             value = getattr(self, needs)
-            if not torch.cuda.is_available():
+            if not _torch().cuda.is_available():
                 raise ValueError(f"{needs}={value!r} needs a CUDA GPU, none is visible; on CPU set "
                                  + ("fp8: null" if needs == "fp8" else "transformer_impl: local"))
             if _te_version() is None:
@@ -267,7 +281,7 @@ class ModelConfig:
         """``params_dtype`` as a ``torch.dtype``; ValueError naming ``model.params_dtype``."""
         if self.params_dtype not in _DTYPES:
             raise ValueError(f"model.params_dtype={self.params_dtype!r} is not one of {sorted(_DTYPES)}")
-        return _DTYPES[self.params_dtype]
+        return getattr(_torch(), _DTYPES[self.params_dtype])
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tp: int = 1) -> int:
@@ -297,7 +311,7 @@ def _te_version() -> Optional[str]:
             return version(dist_name)
         except PackageNotFoundError:
             continue
-    if torch.cuda.is_available():  # source builds (some NGC images) may lack dist metadata
+    if _torch().cuda.is_available():  # source builds (some NGC images) may lack dist metadata
         try:  # Transformer Engine: GPU only
             import transformer_engine
 
@@ -309,6 +323,7 @@ def _te_version() -> Optional[str]:
 
 def _cuda_capability() -> Optional[tuple[int, int]]:
     """(major, minor) of the current CUDA device, or None without CUDA (monkeypatched in tests)."""
+    torch = _torch()
     if not torch.cuda.is_available():
         return None
     return tuple(torch.cuda.get_device_capability())
@@ -994,6 +1009,7 @@ def hf_to_transformer_config(hf_config, parallel, model_cfg: ModelConfig = None,
     # megatron-core here, not at the top: models/ and actor/ hold config sections, and the config loads without it
     from megatron.core.transformer import TransformerConfig
 
+    torch = _torch()
     model_cfg = model_cfg or ModelConfig()
     model_type = check_hf_config(hf_config)
     attention = ATTENTION_FAMILY[model_type]

@@ -15,7 +15,7 @@ import importlib
 _EXPORTS = {
     "activate_cpu_compat": ("cpu_compat", "activate"),
     "spawn": ("launch", "spawn"),
-    "ParallelConfig": ("distributed", "ParallelConfig"),
+    "ParallelConfig": ("parallel_config", "ParallelConfig"),
     "collective_device": ("distributed", "collective_device"),
     "destroy_distributed": ("distributed", "destroy_distributed"),
     "device": ("distributed", "device"),
@@ -24,7 +24,7 @@ _EXPORTS = {
     "local_device_index": ("distributed", "local_device_index"),
     "ParallelDims": ("parallel_dims", "ParallelDims"),
     "dims_or_single": ("parallel_dims", "dims_or_single"),
-    "rollout_groups": ("parallel_dims", "rollout_groups"),
+    "rollout_groups": ("parallel_config", "rollout_groups"),
     "single_process": ("parallel_dims", "single_process"),
 }
 

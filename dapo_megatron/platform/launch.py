@@ -36,9 +36,10 @@ from .distributed import destroy_distributed, free_port
 
 
 # Imported once by the fork server, so that each forked rank starts with them loaded: what nearly
-# every world imports (a name that fails to import is skipped by multiprocessing).
+# every world imports (a name that fails to import is skipped by multiprocessing; a module, not
+# a package: actor/ loads its names on first use).
 _PRELOAD = ["torch", "torch.distributed", "megatron.core", "megatron.core.models.gpt", "transformers",
-            "dapo_megatron.platform.distributed", "dapo_megatron.actor", "dapo_megatron.bridge"]
+            "dapo_megatron.platform.distributed", "dapo_megatron.actor.actor", "dapo_megatron.bridge"]
 START_METHOD = "forkserver" if sys.platform.startswith("linux") else "spawn"
 
 

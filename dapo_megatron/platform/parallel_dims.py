@@ -30,37 +30,8 @@ import torch.distributed as dist
 
 from . import collectives
 
-ROLLOUT_TP_KEY = "rollout.tensor_model_parallel_size"
-
-
-def rollout_groups(world_size: int, local_world_size: int, rollout_tp_size: int) -> list[tuple[int, ...]]:
-    """The rollout groups of a world: consecutive blocks of ``rollout_tp_size`` global ranks.
-
-    Args:
-        world_size: number of ranks.
-        local_world_size: ranks per node (torchrun's ``LOCAL_WORLD_SIZE``); a node holds the
-            consecutive global ranks ``[k * local_world_size, (k + 1) * local_world_size)``.
-        rollout_tp_size: ranks per engine.
-
-    Returns:
-        ``groups[e]`` = the global ranks of engine ``e`` in order (``groups[e][0]`` leads it).
-
-    Raises:
-        ValueError: naming ``rollout.tensor_model_parallel_size`` when it is not an int >= 1,
-            does not divide the world size, or does not divide the ranks per node (a group
-            would span two nodes, which one engine's NVLink/IPC transport cannot serve).
-    """
-    if isinstance(rollout_tp_size, bool) or not isinstance(rollout_tp_size, int) or rollout_tp_size < 1:
-        raise ValueError(f"{ROLLOUT_TP_KEY}={rollout_tp_size!r} must be an int >= 1")
-    if world_size % rollout_tp_size:
-        raise ValueError(f"{ROLLOUT_TP_KEY}={rollout_tp_size} does not divide the world size {world_size}: "
-                         f"choose a divisor of {world_size}")
-    if local_world_size % rollout_tp_size:
-        raise ValueError(f"{ROLLOUT_TP_KEY}={rollout_tp_size} must divide the ranks per node "
-                         f"(LOCAL_WORLD_SIZE={local_world_size}): an engine's ranks must sit on one node; "
-                         f"choose a divisor of {local_world_size}")
-    return [tuple(range(start, start + rollout_tp_size)) for start in range(0, world_size, rollout_tp_size)]
-
+# the layout arithmetic that needs no process group: its home until the config went torch-free
+from .parallel_config import ROLLOUT_TP_KEY, rollout_groups  # noqa: F401
 
 @dataclass(frozen=True, eq=False)
 class ParallelDims:

@@ -509,7 +509,11 @@ class Scheduler:
         if name not in self.params:
             raise BadRequest(f"get_weights_by_name: {name!r} is no parameter of the served model")
         size = _as_int(req.get("truncate_size", 100), "truncate_size")
-        return self.params[name].detach().cpu().to(torch.float32).numpy().tolist()[:size]
+        # SGLang's answer (srt/models/llama.py LlamaForCausalLM.get_weights_by_name:
+        # ``weight.cpu().to(torch.float32).numpy().tolist()[:truncate_size]``): the first truncate_size rows.
+        # Sliced before the conversion, the same list without the whole tensor as Python floats (SmolLM2's
+        # embedding: 28 M of them, seconds a call)
+        return self.params[name].detach()[:size].cpu().to(torch.float32).numpy().tolist()
 
     def state(self) -> dict:
         return {"weight_version": self.weight_version, "weight_update_groups": sorted(self.groups),

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from dapo_megatron.platform.parallel_dims import ROLLOUT_TP_KEY, rollout_groups
+from dapo_megatron.platform.parallel_config import ROLLOUT_TP_KEY, rollout_groups
 
 
 def check_rollout_tp_fits_model(hf_config: Any, rollout_tp: int, key: str = ROLLOUT_TP_KEY) -> None:

@@ -15,7 +15,7 @@ from dapo_megatron.actor.config import ActorConfig
 from dapo_megatron.actor.loss import dapo_loss_func
 from dapo_megatron.actor.micro_batch import MicroBatch, Targets
 from dapo_megatron.actor.plan import ActorPlan, OldLogprobPlan
-from dapo_megatron.algorithms.overlong import OverlongConfig
+from dapo_megatron.algorithms.overlong import OverlongConfig, overlong_penalty
 from dapo_megatron.rollout.plan.step_data import plan_step
 from dapo_megatron.rollout.sampling.buffer import BufferConfig, GroupSelector, logprob_mismatch_metrics
 from dapo_megatron.rollout.types import Group, Sample
@@ -157,7 +157,7 @@ def test_the_soft_overlong_penalty_counts_model_tokens_only():
     sel.grade([Group(0, [multi, single])])
     assert multi.num_model_tokens == single.response_length == 6
     assert multi.overlong_penalty == single.overlong_penalty == pytest.approx(-0.5)
-    assert cfg.overlong.penalty(torch.tensor([multi.response_length])).item() == pytest.approx(-1.0)
+    assert overlong_penalty(cfg.overlong, torch.tensor([multi.response_length])).item() == pytest.approx(-1.0)
 
 
 def test_the_mismatch_metrics_leave_the_context_out():

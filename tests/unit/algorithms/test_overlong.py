@@ -5,7 +5,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dapo_megatron.algorithms import OverlongConfig, overlong_filter_mask, soft_overlong_penalty
+from dapo_megatron.algorithms import OverlongConfig, overlong_filter_mask, overlong_penalty, soft_overlong_penalty
 
 L_MAX, L_CACHE = 20480, 4096  # paper settings: 16,384 expected + 4,096 soft window
 
@@ -78,9 +78,9 @@ def test_overlong_filter_mask():
 def test_overlong_config():
     cfg = OverlongConfig(enable=True, max_response_length=16, overlong_buffer_len=4, penalty_factor=1.0)
     assert cfg.validate() is None
-    torch.testing.assert_close(cfg.penalty(torch.tensor([12, 14, 20])), torch.tensor([0.0, -0.5, -1.0]))
+    torch.testing.assert_close(overlong_penalty(cfg, torch.tensor([12, 14, 20])), torch.tensor([0.0, -0.5, -1.0]))
     off = OverlongConfig(enable=False, max_response_length=16, overlong_buffer_len=4, penalty_factor=1.0)
-    assert off.penalty(torch.tensor([100])).tolist() == [0.0]
+    assert overlong_penalty(off, torch.tensor([100])).tolist() == [0.0]
     with pytest.raises(ValueError, match="^overlong_buffer_len=16 must be <= max_response_length=8"):
         OverlongConfig(enable=True, max_response_length=8, overlong_buffer_len=16, penalty_factor=1.0).validate()
     with pytest.raises(ValueError, match="^enable='yes' must be a bool"):
