@@ -3,7 +3,8 @@ with ``--enable-return-routed-experts`` answers ``return_routed_experts`` with S
 ``meta_info.routed_experts`` (base64 int32 ``[seqlen - 1, L, K]``), which the client parser
 (``parse_generate_output(routes_shape=...)``, what ``ServerRollout.generate`` runs) turns into
 each completion's routes: equal to the top-k of a full-sequence transformers forward of the served
-weights. A server launched without the flag refuses the field in one 400 naming it."""
+weights; with ``routed_experts_start_len`` the rows from that position on (a continued row's). A
+server launched without the flag refuses the field in one 400 naming it."""
 
 from __future__ import annotations
 
@@ -62,6 +63,17 @@ def test_server_returns_sglang_routed_experts_that_the_client_parses(moe_dir, tm
         with pytest.raises(RuntimeError, match="return_routed_experts=true needs the server launched with "
                                                "--enable-return-routed-experts"):
             http_post(plain.url, "/generate", req, 120.0)
+        # routed_experts_start_len = s (SGLang's, one per request): rows [s, seqlen - 1) only, those of
+        # the whole sequence from s on (the same seeds: the same tokens); outside [0, input length]: a 400
+        start = 3
+        tail = http_post(server.url, "/generate", {**req, "routed_experts_start_len": start}, 120.0)
+        tails = parse_generate_output(tail, len(PROMPTS), params.n, prompt_lens=[len(p) - start for p in PROMPTS],
+                                      routes_shape=(L, K, E))
+        for cs, ts in zip(comps, tails):
+            for c, t in zip(cs, ts):
+                assert t.response_ids == c.response_ids and torch.equal(t.routes, c.routes[start:])
+        with pytest.raises(RuntimeError, match=r"routed_experts_start_len=4 must be in \[0, prompt_tokens\]"):
+            http_post(server.url, "/generate", {**req, "routed_experts_start_len": 4}, 120.0)  # PROMPTS[1]: 3 tokens
     finally:
         server.stop()
         plain.stop()
