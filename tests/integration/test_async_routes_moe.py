@@ -2,12 +2,13 @@
 of the CPU MoE model at EP = 2 against a dapo-rollout-server, routes replayed, weights verified every
 sync").
 
-A tiny random Qwen3-MoE (SmolLM2's tokenizer, routers far from ties) trains 3 steps at EP 2 (2 gloo
+A tiny random Qwen3-MoE (SmolLM2's tokenizer, routers far from ties) trains 2 steps at EP 2 (2 gloo
 processes) with ``async_training.enable``, η = ``buffer.max_staleness`` = 1, partial rollouts, a sync
 every step, every tensor verified at every sync (``rollout.check_weight_update_period=1``), against
 one ``dapo-rollout-server`` launched with ``--enable-return-routed-experts``. As in
 test_async_partial, each generation batch after the first waits until a sync starts, and the sync
-0.15 s longer, so the sync's ``/pause_generation`` aborts rows mid-decode and they continue on the
+0.15 s longer (the server decodes a step per 5 ms at least: a row takes longer than that), so the
+sync's ``/pause_generation`` aborts rows mid-decode and they continue on the
 new weights (asking for their routes from where their sample's end: ``routed_experts_start_len``).
 The learning rate is real, so the versions' routes differ.
 
@@ -30,7 +31,7 @@ import torch
 from dapo_megatron.platform import spawn
 from rollout_server import RolloutServer
 
-STEPS, LENGTH = 3, 96
+STEPS, LENGTH = 2, 64
 CONFIG = [
     f"trainer.total_training_steps={STEPS}", "trainer.test_freq=-1", "trainer.val_before_train=false",
     "trainer.save_freq=-1", "buffer.train_batch_size=2", "buffer.n=2", "buffer.gen_batch_size=2",
@@ -132,7 +133,10 @@ def run(smollm2_gguf, tmp_path_factory):
     hf_dir = root / "model"
     model.save_pretrained(hf_dir)
     tok.save_pretrained(hf_dir)
-    server = RolloutServer(str(hf_dir), root / "server.log", "--skip-tokenizer-init", "--enable-return-routed-experts")
+    # 5 ms per decode step: a row of LENGTH tokens decodes >= 0.32 s, so the sync's pause (0.15 s after
+    # the /generate) always finds it decoding
+    server = RolloutServer(str(hf_dir), root / "server.log", "--skip-tokenizer-init", "--enable-return-routed-experts",
+                           "--step-delay-s", "0.005")
     try:
         spawn(_worker, 2, str(hf_dir), server.url, str(root / "run"), str(root / "out.pt"))
     finally:

@@ -315,10 +315,7 @@ class RowClient:
         for k, row in enumerate(rows):
             by_server.setdefault(row[0], []).append(k)
 
-        def request(ks, start):
-            req = build_rows_request([(rows[k][1], rows[k][2]) for k in ks], routes_start=start)
-            out = stream_generate(self.urls[rows[ks[0]][0]], req, silence_s=self.silence_timeout_s,
-                                  connect_timeout_s=self.timeout_s)
+        def parse(ks, start, out):
             return [parse_versioned_row(item, r, version, budget=int(rows[k][2]["max_new_tokens"]),
                                         stop_ids=self.eos_token_ids | frozenset(rows[k][2].get("stop_token_ids") or ()),
                                         routes=None if start is None else (len(rows[k][1]), start, *self.routes_shape))
@@ -328,11 +325,23 @@ class RowClient:
             ks = by_server[e]
             try:
                 if self.routes_shape is None:
-                    return request(ks, None)
-                by_start: dict[int, list[int]] = {}  # one routed_experts_start_len per request
+                    req = build_rows_request([(rows[k][1], rows[k][2]) for k in ks])
+                    return parse(ks, None, stream_generate(self.urls[e], req, silence_s=self.silence_timeout_s,
+                                                           connect_timeout_s=self.timeout_s))
+                # one routed_experts_start_len per request: a request per start, all in flight at once
+                by_start: dict[int, list[int]] = {}
                 for k in ks:
                     by_start.setdefault(int(rows[k][3]) if len(rows[k]) > 3 else 0, []).append(k)
-                got = {k: res for start, part in by_start.items() for k, res in zip(part, request(part, start))}
+                live = Liveness()
+                streams = {start: StreamedGenerate(self.urls[e], build_rows_request(
+                    [(rows[k][1], rows[k][2]) for k in part], routes_start=start), connect_timeout_s=self.timeout_s,
+                    liveness=live) for start, part in by_start.items()}
+                wait_streams(list(streams.values()), self.silence_timeout_s, self.timeout_s)
+                got = {}
+                for start, stream in streams.items():
+                    if stream.error is not None:
+                        raise RuntimeError(stream.error)
+                    got.update(zip(by_start[start], parse(by_start[start], start, stream.result)))
                 return [got[k] for k in ks]
             except Exception as err:  # this server's rows only: the dispatch retries them on another
                 failure = ServerFailure(e, f"rollout server {self.urls[e]}: /generate of {len(ks)} rows failed: {err}")
