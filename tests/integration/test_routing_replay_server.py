@@ -33,8 +33,9 @@ def moe_dir(tmp_path_factory):
 def test_server_returns_sglang_routed_experts_that_the_client_parses(moe_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from dapo_megatron.rollout.engines.engine import SamplingParams
+    from dapo_megatron.rollout.engines.engine import RowRequest, SamplingParams
     from dapo_megatron.rollout.engines.generate_stream import http_post
+    from dapo_megatron.rollout.engines.row_client import RowClient
     from dapo_megatron.rollout.engines.sglang_io import build_generate_request, parse_generate_output
 
     model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
@@ -74,6 +75,20 @@ def test_server_returns_sglang_routed_experts_that_the_client_parses(moe_dir, tm
                 assert t.response_ids == c.response_ids and torch.equal(t.routes, c.routes[start:])
         with pytest.raises(RuntimeError, match=r"routed_experts_start_len=4 must be in \[0, prompt_tokens\]"):
             http_post(server.url, "/generate", {**req, "routed_experts_start_len": 4}, 120.0)  # PROMPTS[1]: 3 tokens
+        # the streamed rollout's rows (RowClient.submit / poll with routes): a new row's routes from 0, a
+        # row continued after 3 tokens from where its sample's end (P + 3 - 1), each one request
+        client = RowClient([server.url], silence_timeout_s=60, timeout_s=60, routes_shape=(L, K, E))
+        try:
+            c = comps[0][0]
+            p = PROMPTS[0]
+            client.submit([RowRequest("new", p, params, 0, 0),
+                           RowRequest("cont", p, params, 0, 0, prefix_ids=c.response_ids[:3], routes_start=len(p) + 2)])
+            got = {r.key: r for r in client.poll(None)}
+            assert got["new"].response_ids == c.response_ids and torch.equal(got["new"].routes, c.routes)
+            assert got["cont"].response_ids == c.response_ids[3:]  # the same seed: the same draws
+            assert torch.equal(got["cont"].routes, c.routes[len(p) + 2:])
+        finally:
+            client.close()
     finally:
         server.stop()
         plain.stop()
