@@ -599,7 +599,7 @@ class RolloutController:
 
         def accept(key, res) -> bool:
             i, j = key
-            ids, lps, kind, _ = res
+            ids, lps, kind = res[:3]  # (a fifth item, the routes, under routing replay: not kept)
             if kind == "abort":
                 raise RuntimeError(f"validation row {j} of problem {i} was aborted on its server: nothing may pause "
                                    "the rollout servers during validation")

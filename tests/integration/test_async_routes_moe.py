@@ -15,7 +15,8 @@ The learning rate is real, so the versions' routes differ.
 Checked, independently of the rollout: every trained sample's routes (what ``send_tokens`` carries
 to the actor) equal, position by position, the top-k of a full-sequence transformers forward of the
 weights that sampled the next token (the actor's HF export at each sync; version 0 the checkpoint),
-including the continued rows; the replay ran (``moe/*`` metrics) and every sync was verified.
+including the continued rows; the replay ran (``moe/*`` metrics), every sync was verified, and
+validation (the same row client, routes asked for) runs.
 """
 
 from __future__ import annotations
@@ -107,12 +108,16 @@ def _worker(hf_dir, url, run_dir, out_path):
                                        (list(s.prompt_ids), list(s.response_ids), s.token_versions(),
                                         None if s.routes is None else s.routes.clone())
                                        for g in collected["groups"] for s in g.samples]}
+        if ctrl is not None:  # the harness lets go: no sync will come for the batch generated ahead
+            ctrl._generate = real_generate
+            go.set()
+        val = trainer.validate()  # validation rows go through the same row client, routes asked for too
     finally:
         rollout.close()
     checked = [None] * dist.get_world_size()  # per rank: (version, tensors checksummed, tensors sent) per sync
     dist.all_gather_object(checked, [(d.version, len(d.sums), len(d.sent)) for d in digests if d is not None])
     if rank == 0:
-        torch.save({"steps": steps, "weights": weights, "checked": checked}, out_path)
+        torch.save({"steps": steps, "weights": weights, "checked": checked, "val": val}, out_path)
 
 
 @pytest.fixture(scope="module")
@@ -197,6 +202,7 @@ def test_async_run_at_ep2_replays_routes_and_verifies_every_sync(run):
         m = st["metrics"]
         assert "moe/route_agreement" in m, (step, sorted(m))
         assert m["train/staleness_max"] <= 1, (step, m["train/staleness_max"])
+    assert run["val"] and all(v == v for v in run["val"].values()), run["val"]  # validation ran with routes on
     synced = sorted(run["weights"])
     assert synced[-STEPS:] == list(range(1, STEPS + 1)), synced
     for rank, records in enumerate(run["checked"]):  # every sync checksummed every tensor each owner sent
