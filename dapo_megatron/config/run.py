@@ -89,18 +89,13 @@ class DAPOConfig:
         the HF engine (its routers' outputs) or SGLang (``return_routed_experts``, launched with
         ``enable_return_routed_experts``); in server mode the servers must be launched with
         ``--enable-return-routed-experts`` (SGLang or dapo-rollout-server), which a server without
-        it answers with a 400 naming the flag. A dense model is refused where the model is built."""
+        it answers with a 400 naming the flag. Every generation path carries routes (batch,
+        ``rollout.streaming``, ``async_training``: a row continued after a weight sync asks for its
+        routes from where its sample's end, ``routed_experts_start_len``). A dense model is
+        refused where the model is built."""
         if self.actor.routing_replay != "rollout":
             return
         r = self.rollout
-        if self.async_training.enable:
-            raise ValueError("actor.routing_replay=rollout with async_training.enable=true is not supported yet (its "
-                             "streamed rows do not carry routes): set async_training.enable=false or "
-                             "actor.routing_replay=off")
-        if r.streaming:
-            raise ValueError("actor.routing_replay=rollout with rollout.streaming=true is not supported yet (the "
-                             "streamed rows do not carry routes): set rollout.streaming=false or "
-                             "actor.routing_replay=off")
         if r.name == "sglang" and (r.engine_kwargs or {}).get("enable_return_routed_experts", True) is False:
             raise ValueError("actor.routing_replay=rollout with rollout.engine_kwargs.enable_return_routed_experts="
                              "false: SGLang then returns no routes; remove the key (the engine sets it)")

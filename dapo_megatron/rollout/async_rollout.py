@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from dapo_megatron.data import PromptStream
 from dapo_megatron.rollout.engines.engine import Completion, SamplingParams, completions_to_group, sample_seed
+from dapo_megatron.rollout.engines.routes import routes_start_of
 from dapo_megatron.rollout.engines.row_client import RowClient
 from dapo_megatron.rollout.engines.sglang_io import build_sampling_params
 from dapo_megatron.rollout.sampling.buffer import (DROP_REASONS, KEPT, GroupSelector, group_from_dict,
@@ -144,6 +145,11 @@ class RolloutController:
         trajectory: the hook that settles each finished row (:mod:`~dapo_megatron.rollout.trajectory`;
             default single-turn); a sample it continues is sent again in the next dispatch round,
             as prompt + its response so far (not counted as a resubmission after a sync).
+        routes_shape: routing replay, ``(L, K, E)`` of the model: every row asks for its routes
+            (a row continued after a sync from where its sample's end: SGLang's
+            ``routed_experts_start_len``, :func:`~dapo_megatron.rollout.engines.routes.routes_start_of`),
+            kept on the sample per position (:meth:`~dapo_megatron.rollout.types.Sample.append_tokens`);
+            None: off.
 
     Admission of new prompts, for the step being filled (``_admit``):
 
@@ -174,7 +180,8 @@ class RolloutController:
                  params: SamplingParams, *, silence_timeout_s: float, version: int, policy_version: int,
                  gen_batches_done: int = 0, generate: Optional[Callable] = None, health_timeout_s: float = 60.0,
                  prompts: Optional[PromptQueue] = None, skipper: Optional[PromptSkipper] = None,
-                 eos_token_ids: Sequence[int] = (), trajectory: Trajectory = SINGLE_TURN):
+                 eos_token_ids: Sequence[int] = (), trajectory: Trajectory = SINGLE_TURN,
+                 routes_shape: Optional[tuple[int, int, int]] = None):
         self.selector, self.cfg = selector, selector.config
         self.trajectory = trajectory
         self.next_batch = next_batch
@@ -192,7 +199,9 @@ class RolloutController:
         self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         # the HTTP row client: dispatch over the healthy servers, mark-down and retry, and their health
         self.client = RowClient(self.urls, silence_timeout_s=self.silence_timeout_s, timeout_s=self.health_timeout_s,
-                                eos_token_ids=self.eos_token_ids, on_down=self._count_failure)
+                                eos_token_ids=self.eos_token_ids, on_down=self._count_failure,
+                                routes_shape=routes_shape)
+        self.routes_shape = self.client.routes_shape
         self._generate = generate or self.client.generate_rows
         self.gen_batches_done = int(gen_batches_done)
         self.version = int(version)
@@ -532,14 +541,18 @@ class RolloutController:
                 resubmitted += 1
                 reprefilled += len(s.response_ids)
             # all servers healthy: server g % len(urls), synchronous server mode's deal
-            return g, list(s.prompt_ids) + list(s.response_ids), sp
+            ids = list(s.prompt_ids) + list(s.response_ids)
+            if self.routes_shape is None:
+                return g, ids, sp
+            return g, ids, sp, routes_start_of(len(ids), s.routes)  # continued: its routes from where s's end
 
         def accept(key, res) -> bool:
             g, j = key
-            ids, lps, kind, row_version = res
+            ids, lps, kind, row_version = res[:4]
+            routes = res[4] if len(res) > 4 else None  # routing replay (RowClient.generate_rows)
             s = groups[g].samples[j]
             if ids:
-                s.append_tokens(row_version, ids, lps)
+                s.append_tokens(row_version, ids, lps, routes=routes)
             if kind == "abort":  # aborted by a weight sync: continued once it is over, on the new weights (a
                 return False  # row it aborted right after its stop token or at its budget is "stop" / "length": sglang_io.row_outcome)
             if not s.versions:
@@ -586,7 +599,7 @@ class RolloutController:
 
         def accept(key, res) -> bool:
             i, j = key
-            ids, lps, kind, _ = res
+            ids, lps, kind = res[:3]  # (a fifth item, the routes, under routing replay: not kept)
             if kind == "abort":
                 raise RuntimeError(f"validation row {j} of problem {i} was aborted on its server: nothing may pause "
                                    "the rollout servers during validation")
@@ -675,7 +688,7 @@ def strip_tokens(groups: Sequence[Group]) -> list[Group]:
     context tokens' count in ``num_context_tokens``) nor extracted answer:
     the records every rank holds of a response another rank holds."""
     return [Group(g.group_id, [dataclasses.replace(s, response_ids=None, rollout_logprobs=None, response_mask=None,
-                                                   pred=None, num_response_tokens=s.response_length)
+                                                   routes=None, pred=None, num_response_tokens=s.response_length)
                                for s in g.samples],
                   g.prompt_seed) for g in groups]
 
@@ -741,7 +754,8 @@ class AsyncRollout(Rollout):
                                             eos_token_ids=getattr(self.engine, "eos_token_ids", ()),
                                             health_timeout_s=cfg.rollout.server_timeout_s, version=0,
                                             policy_version=0, prompts=self.prompt_queue, skipper=skipper,
-                                            trajectory=self.trajectory)
+                                            trajectory=self.trajectory,
+                                            routes_shape=getattr(self.engine, "record_routes", None))
 
     def _broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank, over the gloo generation-wait group: ranks 1..N wait here

@@ -15,6 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import torch
+
 HELD_BY_ALL = -1
 """``Sample.holder`` of a sample whose token lists every rank holds (one process; a resumed
 buffer surplus, which every rank reads from the checkpoint)."""
@@ -184,13 +186,20 @@ class Sample:
         append (ones before it); model tokens appended after it get ones. A sample that never
         sees context keeps ``response_mask`` None, bit for bit as before.
 
-        ``routes`` (routing replay): the row's routes over ``prompt + response so far + new
-        tokens`` (minus the last token), which replace the sample's; a context append without
-        routes drops them (the next row's prefill records the context's routes again).
+        ``routes`` (routing replay): the row's routes, the LAST rows of ``prompt + response so far +
+        new tokens`` (minus the last token, :func:`~dapo_megatron.rollout.engines.routes.num_route_tokens`
+        rows in all): all of them (a row from position 0), which replace the sample's, or a tail
+        from position ``start = num_route_tokens - len(routes)`` (a continued row that asked for
+        its routes from there: ``RowRequest.routes_start``, SGLang's ``routed_experts_start_len``),
+        which replaces the sample's rows from ``start`` on and keeps those before it: each
+        position keeps the route of the weights that forwarded it to sample the next token
+        (versions per token, as ``versions`` has them). A context append without routes drops
+        them (the next row's prefill records the context's routes again).
 
         Raises:
             RuntimeError: new tokens given for a sample whose earlier tokens are not held here.
-            ValueError: logprobs given for context tokens, or not one logprob per model token.
+            ValueError: logprobs given for context tokens, or not one logprob per model token;
+                routes that start past the rows the sample holds, or more rows than the sequence has.
         """
         start = self.response_length
         count = len(response_ids) if num_tokens is None else int(num_tokens)
@@ -211,13 +220,30 @@ class Sample:
             if context or self.response_mask is not None:
                 mask = self.response_mask if self.response_mask is not None else [1] * start
                 self.response_mask = list(mask) + [0 if context else 1] * count
-            if routes is not None:
-                self.routes = routes
+            if routes is not None and count:  # a row that sampled nothing adds no route the sample needs
+                self.routes = self._joined_routes(routes)
             elif context and count:
                 self.routes = None
         else:
             self.response_ids = self.rollout_logprobs = self.response_mask = None
             self.num_response_tokens = start + count
+
+    def _joined_routes(self, routes):
+        """The sample's routes after a row's ``routes`` (the tail rule of :meth:`append_tokens`;
+        ``response_ids`` already extended)."""
+        total = max(len(self.prompt_ids) + len(self.response_ids) - 1, 0)  # engines.routes.num_route_tokens
+        start = total - int(routes.shape[0])
+        if start < 0:
+            raise ValueError(f"Sample.append_tokens: {int(routes.shape[0])} route rows for a sequence of "
+                             f"{total + 1} tokens (at most {total}: every token but the last)")
+        if start == 0:
+            return routes
+        held = 0 if self.routes is None else int(self.routes.shape[0])
+        if held < start:
+            raise ValueError(f"Sample.append_tokens: the row's routes start at position {start}, the sample holds "
+                             f"routes of {held} positions (a continued row must ask for its routes from the first "
+                             "position the sample lacks: RowRequest.routes_start)")
+        return torch.cat([self.routes[:start], routes.to(self.routes.dtype)], dim=0)
 
     def staleness(self, current_version: int) -> int:
         """Versions behind ``current_version`` of the response's oldest token (0 when unknown)."""

@@ -38,7 +38,10 @@ Endpoints, with the request and response fields of sglang 0.5.11
   ``return_routed_experts`` (routing replay; the server launched with
   ``--enable-return-routed-experts``): ``meta_info.routed_experts`` as SGLang sends it, base64 of
   the int32 ``[seqlen - 1, num_layers, topk]`` experts of every token but the last
-  (``srt/layers/moe/routed_experts_capturer.py``; :mod:`~dapo_megatron.rollout.engines.routes`).
+  (``srt/layers/moe/routed_experts_capturer.py``; :mod:`~dapo_megatron.rollout.engines.routes`);
+  with ``routed_experts_start_len`` = s (one per request, in ``[0, input length]``) only the rows
+  ``[s, seqlen - 1)``, as SGLang 0.5.23 (``managers/io_struct.py:264-268``): a continued row's routes
+  from where its sample's end.
 * ``POST /abort_request`` (``AbortReq``: ``rid``, ``abort_all``): as SGLang's tokenizer manager,
   nothing happens unless ``abort_all`` or ``rid`` is the id of a request in flight; then every
   row whose id STARTS with ``rid`` stops (``managers/scheduler.py`` ``abort_request``) and its

@@ -38,7 +38,7 @@ _FREE_REQUEST = {"input_ids", "sampling_params", "return_logprob", "rid", "logpr
                  "return_text_in_logprobs", "log_metrics", "priority", "routing_key", "extra_key", "no_logs",
                  "custom_labels", "conversation_id", "background", "require_reasoning", "modalities",
                  "routed_dp_rank", "data_parallel_rank", "bootstrap_host", "bootstrap_port", "bootstrap_room",
-                 "return_routed_experts"}
+                 "return_routed_experts", "routed_experts_start_len"}
 
 
 class BadRequest(ValueError):
@@ -215,6 +215,19 @@ def parse_generate(body: Any, vocab_size: int, context_length: int, rng: random.
         raise BadRequest(f"return_routed_experts must be true or false, got {routed!r}")
     if routed and not records_routes:
         raise BadRequest("return_routed_experts=true needs the server launched with --enable-return-routed-experts")
+    # SGLang's routed_experts_start_len (sglang 0.5.23 managers/io_struct.py:264-268 GenerateReqInput: "Absolute
+    # start position for returned routings; response covers [routed_experts_start_len, seqlen - 1). Must be in
+    # [0, prompt_tokens]. 0 = full sequence"): one int for the whole batch (GenerateReqInput.__getitem__ copies it to
+    # every row); the rows are sliced where the finished request's routes are gathered
+    # (managers/scheduler_components/batch_result_processor.py _maybe_collect_routed_experts, capturer.get_topk(...,
+    # start_len=req.routed_experts_start_len)). A continued row asks for its routes from where its sample's end.
+    routes_start = body.get("routed_experts_start_len", 0)
+    if isinstance(routes_start, bool) or not isinstance(routes_start, int):
+        raise BadRequest(f"routed_experts_start_len must be an integer, got {routes_start!r}")
+    bad = [i for i, row in enumerate(batch) if not 0 <= routes_start <= len(row)]
+    if bad:
+        raise BadRequest(f"routed_experts_start_len={routes_start} must be in [0, prompt_tokens] (row {bad[0]} has "
+                         f"{len(batch[bad[0]])} input tokens)")
     rid = body.get("rid")
     if rid is None:
         rids = [uuid.uuid4().hex for _ in range(n)]
@@ -242,7 +255,8 @@ def parse_generate(body: Any, vocab_size: int, context_length: int, rng: random.
                              f"tokens: {len(row)} input tokens + max_new_tokens={ex['max_new_tokens']}; lower "
                              "max_new_tokens or the prompt length")
         rows.append(ServerRow(key=rids[i], prompt_ids=tuple(row), params=params, prompt_seed=0,
-                              sampling_seed=ex["sampling_seed"], ignore_eos=ex["ignore_eos"]))
+                              routes_start=routes_start, sampling_seed=ex["sampling_seed"],
+                              ignore_eos=ex["ignore_eos"]))
         specs.append(RowSpec(rids[i], ex["max_new_tokens"], bool(ret_lp[i]), ex["no_stop_trim"],
                              ex["skip_special_tokens"], ex["spaces_between_special_tokens"], routed,
                              ex["stream_interval"]))

@@ -15,8 +15,7 @@ checksum compared with the server's ``/get_weights_by_name`` read-back).
 - through the trainer (the factory's senders, the rollout's streams): 2 steps at EP 2 against a
   server that returns routes, every tensor verified at every sync: the actor's recomputed logprobs
   are the server's (it samples with the synced weights) and the actor replays its routes.
-  (Asynchronous training takes the same sync; with routing replay it is refused for another reason:
-  its streamed rows carry no routes.)
+  (Asynchronous training takes the same sync, with routing replay: tests/integration/test_async_routes_moe.py.)
 """
 
 from __future__ import annotations

@@ -140,6 +140,12 @@ class RowRequest:
         prefix_ids: response tokens already sampled (a partial rollout aborted at the end of
             a step): the engine continues after them, at the same place of the row's random
             stream, and returns only the new tokens.
+        routes_start: routing replay: the first position of ``prompt + prefix`` whose route the
+            row returns (``RowResult.routes`` covers ``[routes_start, P + prefix + new - 1)``),
+            SGLang's ``routed_experts_start_len``. 0: every position (a new row). A row continued
+            after a weight sync passes ``P + len(prefix) - 1``, the routes its sample holds, so the
+            positions forwarded by the earlier version keep that version's routes
+            (:meth:`~dapo_megatron.rollout.types.Sample.append_tokens`).
     """
 
     key: Any
@@ -148,6 +154,7 @@ class RowRequest:
     prompt_seed: int
     index: int = 0
     prefix_ids: tuple[int, ...] = ()
+    routes_start: int = 0
 
     def __post_init__(self):
         object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
@@ -156,6 +163,10 @@ class RowRequest:
             raise ValueError(f"RowRequest {self.key!r}: prompt_ids is empty")
         if self.index < 0:
             raise ValueError(f"RowRequest {self.key!r}: index={self.index} must be >= 0")
+        if not 0 <= self.routes_start <= len(self.prompt_ids) + len(self.prefix_ids):
+            raise ValueError(f"RowRequest {self.key!r}: routes_start={self.routes_start} must be in [0, "
+                             f"{len(self.prompt_ids) + len(self.prefix_ids)}] (the input's length, as SGLang's "
+                             "routed_experts_start_len)")
 
     @property
     def budget(self) -> int:
@@ -179,8 +190,8 @@ class RowResult(NamedTuple):
             ``max_new_tokens``) or ``"abort"`` (stopped by :meth:`RolloutEngine.abort`: a
             partial response, to be continued or discarded).
         version: the engine's :attr:`RolloutEngine.weight_version` that sampled them.
-        routes: as :attr:`Completion.routes`, over ``prompt + prefix + response_ids``; None when
-            not recorded.
+        routes: as :attr:`Completion.routes`, over ``prompt + prefix + response_ids`` from
+            position ``RowRequest.routes_start`` on; None when not recorded.
     """
 
     key: Any

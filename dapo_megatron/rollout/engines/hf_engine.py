@@ -393,15 +393,16 @@ class HFEngine(RolloutEngine):
 
     # ---- the running batch ---------------------------------------------------------
     def _row_routes(self, row: _Row) -> Optional[torch.Tensor]:
-        """The row's routes over ``prompt + prefix + tokens`` minus the last token (compact), or
-        None when routes are not recorded."""
+        """The row's routes over ``prompt + prefix + tokens`` minus the last token, from position
+        ``row.req.routes_start`` on (compact), or None when routes are not recorded."""
         if self._routes is None:
             return None
         n = num_route_tokens(len(row.req.prompt_ids), len(row.req.prefix_ids) + len(row.tokens))
         with torch.inference_mode(False):  # a plain tensor: the actor indexes with it under autograd
-            return compact_routes(concat_routes(row.routes).clone(), num_tokens=n,
-                                  num_layers=self._routes.num_layers, topk=self._routes.topk,
-                                  num_experts=self._routes.num_experts, what=f"HFEngine routes of row {row.req.key!r}")
+            return compact_routes(concat_routes(row.routes)[row.req.routes_start:].clone(),
+                                  num_tokens=max(0, n - row.req.routes_start), num_layers=self._routes.num_layers,
+                                  topk=self._routes.topk, num_experts=self._routes.num_experts,
+                                  what=f"HFEngine routes of row {row.req.key!r}")
 
     def _generator(self, req: RowRequest) -> Optional[torch.Generator]:
         """The row's generator, advanced past the draws of its prefix tokens (one per token)."""

@@ -38,7 +38,7 @@ Design: docs/design.md §2.1 (routing replay).
 from __future__ import annotations
 
 import base64
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
@@ -76,6 +76,16 @@ def replay_routes_layout(routing_replay: str, hf_config) -> Optional[tuple[int, 
 def num_route_tokens(prompt_len: int, response_len: int) -> int:
     """Rows of a sample's routes: every token but the last (``P + R - 1``, at least 0)."""
     return max(prompt_len + response_len - 1, 0)
+
+
+def routes_start_of(input_len: int, held_routes: Any) -> int:
+    """``routed_experts_start_len`` of a row of ``input_len`` input tokens (prompt + the response so
+    far) continued from a sample that holds ``held_routes``
+    (``Sample.routes``, None or ``[n, L, K]``): ``n`` (its routes end there: a row continued
+    after a weight sync asks only for the positions it forwards, so the earlier positions keep
+    the routes of the version that forwarded them), 0 when it holds none (the whole sequence:
+    a new row, a sample whose routes a trajectory's context dropped, a resumed partial one)."""
+    return 0 if held_routes is None else min(int(held_routes.shape[0]), int(input_len))
 
 
 def compact_routes(routes, *, num_tokens: int, num_layers: int, topk: int, num_experts: int,

@@ -114,15 +114,18 @@ class _ServerStreams:
     waiting in the server's queue is not silent while the others decode; the server fails when
     none of them sent a byte for ``silence_timeout_s`` (checked whenever this waits on it)."""
 
-    def __init__(self, url: str, silence_timeout_s: float, timeout_s: float):
+    def __init__(self, url: str, silence_timeout_s: float, timeout_s: float,
+                 routes_shape: Optional[tuple[int, int, int]] = None):
         self.url, self.silence_timeout_s, self.timeout_s = url, silence_timeout_s, timeout_s
+        self.routes_shape = routes_shape
         self.requests: list[tuple[StreamedGenerate, list[RowRequest], list[str]]] = []  # in flight, in order
         self.answered = threading.Event()  # set by every request that answers: wakes poll()
         self.liveness = Liveness()
 
     def start(self, batch: list[RowRequest], rids: list[str]) -> None:
         payload = build_rows_request([(r["input_ids"], r["sampling_params"])
-                                      for r in (build_row_request(row, rid) for row, rid in zip(batch, rids))], rids)
+                                      for r in (build_row_request(row, rid) for row, rid in zip(batch, rids))], rids,
+                                     routes_start=None if self.routes_shape is None else batch[0].routes_start)
         stream = StreamedGenerate(self.url, payload, connect_timeout_s=self.timeout_s, liveness=self.liveness,
                                   answered=self.answered)
         self.requests.append((stream, batch, rids))
@@ -162,7 +165,8 @@ class _ServerStreams:
         for stream, rows, _ in done:
             if stream.error is not None:
                 raise RuntimeError(f"streamed rows on {stream.url}: {stream.error}")
-            out += [parse_row_output(item, row, version, eos_token_ids) for item, row in zip(stream.result, rows)]
+            out += [parse_row_output(item, row, version, eos_token_ids, self.routes_shape)
+                    for item, row in zip(stream.result, rows)]
         return out
 
 
@@ -182,6 +186,10 @@ class RowClient:
         stream: :meth:`generate` streams its request (bounded by the server's silence); False: one
             plain ``/generate`` bounded by ``timeout_s`` (the single-server engine's request).
         on_down: called with a server's index when it turns ``"down"`` (outside the client's lock).
+        routes_shape: routing replay, ``(L, K, E)`` of the model: the rows (:meth:`submit`,
+            :meth:`generate_rows`) ask for ``return_routed_experts`` from their ``routes_start``
+            (SGLang's ``routed_experts_start_len``, one per request: rows continued from
+            different positions go in different requests) and return their routes; None: off.
     """
 
     poll_timeout_s = 0.5
@@ -191,8 +199,10 @@ class RowClient:
 
     def __init__(self, urls: Sequence[str], *, silence_timeout_s: float, timeout_s: float,
                  eos_token_ids: Sequence[int] = (), rid_prefix: str = "dapo", stream: bool = True,
-                 on_down: Optional[Callable[[int], None]] = None):
+                 on_down: Optional[Callable[[int], None]] = None,
+                 routes_shape: Optional[tuple[int, int, int]] = None):
         self.urls = list(urls)
+        self.routes_shape = None if routes_shape is None else tuple(int(x) for x in routes_shape)
         self.silence_timeout_s, self.timeout_s = float(silence_timeout_s), float(timeout_s)
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
         self.rid_prefix, self.stream, self.on_down = rid_prefix, bool(stream), on_down
@@ -288,30 +298,51 @@ class RowClient:
                                      routes_shape=routes_shape)
 
     # ---- rows on every server at once (asynchronous training) ---------------------------
-    def generate_rows(self, rows: Sequence[tuple[int, list[int], dict]], version: int) -> list:
-        """Rows ``(server index, input ids, sampling_params)``, one streamed batched ``/generate``
-        per server (rows in the order given), all servers at once, each failed only when its
+    def generate_rows(self, rows: Sequence[tuple], version: int) -> list:
+        """Rows ``(server index, input ids, sampling_params)`` (with :attr:`routes_shape`, a fourth
+        item: the row's ``routes_start``), one streamed batched ``/generate`` per server (rows in
+        the order given; with routes, one per server and ``routes_start``), all servers at once,
+        each failed only when its
         server sends no byte for ``silence_timeout_s``, never on total time; per row, in the
         order given, its :func:`~dapo_megatron.rollout.engines.sglang_io.parse_versioned_row`
         (budget its ``max_new_tokens``, stop tokens :attr:`eos_token_ids` and its
-        ``stop_token_ids``; ``version`` where the server reports none), or a
+        ``stop_token_ids``; ``version`` where the server reports none; with routes, the row's
+        routes from its ``routes_start`` as a fifth item), or a
         :class:`ServerFailure` for every row of a server that failed (the other servers' rows
         are unaffected). Never raises for a server's failure.
         """
         by_server: dict[int, list[int]] = {}
-        for k, (e, _, _) in enumerate(rows):
-            by_server.setdefault(e, []).append(k)
+        for k, row in enumerate(rows):
+            by_server.setdefault(row[0], []).append(k)
+
+        def parse(ks, start, out):
+            return [parse_versioned_row(item, r, version, budget=int(rows[k][2]["max_new_tokens"]),
+                                        stop_ids=self.eos_token_ids | frozenset(rows[k][2].get("stop_token_ids") or ()),
+                                        routes=None if start is None else (len(rows[k][1]), start, *self.routes_shape))
+                    for r, (k, item) in enumerate(zip(ks, out))]
 
         def one(e):
             ks = by_server[e]
-            req = build_rows_request([(rows[k][1], rows[k][2]) for k in ks])
             try:
-                out = stream_generate(self.urls[e], req, silence_s=self.silence_timeout_s,
-                                      connect_timeout_s=self.timeout_s)
-                return [parse_versioned_row(item, r, version, budget=int(rows[k][2]["max_new_tokens"]),
-                                            stop_ids=self.eos_token_ids | frozenset(rows[k][2].get("stop_token_ids")
-                                                                                    or ()))
-                        for r, (k, item) in enumerate(zip(ks, out))]
+                if self.routes_shape is None:
+                    req = build_rows_request([(rows[k][1], rows[k][2]) for k in ks])
+                    return parse(ks, None, stream_generate(self.urls[e], req, silence_s=self.silence_timeout_s,
+                                                           connect_timeout_s=self.timeout_s))
+                # one routed_experts_start_len per request: a request per start, all in flight at once
+                by_start: dict[int, list[int]] = {}
+                for k in ks:
+                    by_start.setdefault(int(rows[k][3]) if len(rows[k]) > 3 else 0, []).append(k)
+                live = Liveness()
+                streams = {start: StreamedGenerate(self.urls[e], build_rows_request(
+                    [(rows[k][1], rows[k][2]) for k in part], routes_start=start), connect_timeout_s=self.timeout_s,
+                    liveness=live) for start, part in by_start.items()}
+                wait_streams(list(streams.values()), self.silence_timeout_s, self.timeout_s)
+                got = {}
+                for start, stream in streams.items():
+                    if stream.error is not None:
+                        raise RuntimeError(stream.error)
+                    got.update(zip(by_start[start], parse(by_start[start], start, stream.result)))
+                return [got[k] for k in ks]
             except Exception as err:  # this server's rows only: the dispatch retries them on another
                 failure = ServerFailure(e, f"rollout server {self.urls[e]}: /generate of {len(ks)} rows failed: {err}")
                 return [failure] * len(ks)
@@ -336,7 +367,7 @@ class RowClient:
         retry loop of asynchronous training (its generation batches and its validation).
 
         Each round sends every pending row (``request(key)`` → ``(deal, input ids,
-        sampling_params)``) to healthy server ``live[deal % len(live)]`` (``live``:
+        sampling_params)``, with routes ``(deal, input ids, sampling_params, routes_start)``) to healthy server ``live[deal % len(live)]`` (``live``:
         :meth:`healthy` at the start of the round), one batched ``/generate`` per server
         (``generate(rows, version)``, default :meth:`generate_rows`). A row whose server failed
         marks that server down (:meth:`mark_down`: out of dispatch at once) and is sent again,
@@ -359,8 +390,8 @@ class RowClient:
             live = self.healthy()
             rows = []
             for key in pending:
-                deal, ids, sp = request(key)
-                rows.append((live[deal % len(live)], ids, sp))
+                deal, ids, sp, *start = request(key)
+                rows.append((live[deal % len(live)], ids, sp, *start))
             results = generate(rows, version)
             still = []
             for key, res in zip(pending, results):
@@ -396,14 +427,16 @@ class RowClient:
             if row.key in keys:
                 raise ValueError(f"RowClient.submit: row key {row.key!r} is already in flight")
             keys.add(row.key)
-            if batches and batches[-1][0].prompt_seed == row.prompt_seed:
+            # with routes, one routed_experts_start_len per request (sglang_io.build_rows_request)
+            if batches and batches[-1][0].prompt_seed == row.prompt_seed and (
+                    self.routes_shape is None or batches[-1][0].routes_start == row.routes_start):
                 batches[-1].append(row)
             else:
                 batches.append([row])
         streams = self._streams.get(server)
         if streams is None:
             streams = self._streams[server] = _ServerStreams(self.urls[server], self.silence_timeout_s,
-                                                             self.timeout_s)
+                                                             self.timeout_s, self.routes_shape)
         for batch in batches:
             # fixed width: dapo-rollout-server aborts every row whose rid starts with the given one
             streams.start(batch, [f"{self.rid_prefix}-{next(self._rids):012d}" for _ in batch])

@@ -605,7 +605,8 @@ class ServerRollout:
         self.weights_valid = True  # the servers loaded their checkpoint; the first sync follows
         # this rank's server's rows (the HTTP row client over every server; this rank drives engine_index)
         self.client = RowClient(self.urls, silence_timeout_s=silence_timeout_s, timeout_s=timeout_s,
-                                eos_token_ids=eos_token_ids, rid_prefix=f"dapo-{self.rank}")
+                                eos_token_ids=eos_token_ids, rid_prefix=f"dapo-{self.rank}",
+                                routes_shape=record_routes)
 
     def _turn_of(self):
         if self.expert_turns == 1:

@@ -81,6 +81,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import dataclasses
 import inspect
 import itertools
 import threading
@@ -457,7 +458,12 @@ class SGLangEngine(_SGLangMemory, RolloutEngine):
                 raise ValueError(f"SGLangEngine.submit: row key {row.key!r} is already in flight")
             keys.add(row.key)
             rid = f"dapo-{id(self):x}-{next(self._rids):012d}"  # fixed width: SGLang aborts by rid prefix
-            task = self.engine.loop.create_task(self.engine.async_generate(**build_row_request(row, rid)))
+            req = build_row_request(row, rid)
+            if self.record_routes is not None:
+                # the whole sequence's routes, sliced from row.routes_start in _collect: the offline
+                # Engine.async_generate's keywords are not checked here for routed_experts_start_len
+                req["return_routed_experts"] = True
+            task = self.engine.loop.create_task(self.engine.async_generate(**req))
             self._tasks[rid] = (row, task)
 
     def poll(self, max_tokens: Optional[int] = None) -> list[RowResult]:
@@ -489,7 +495,12 @@ class SGLangEngine(_SGLangMemory, RolloutEngine):
             if only_done and not task.done():
                 continue
             del self._tasks[rid]
-            out.append(parse_row_output(task.result(), row, self.weight_version, self.eos_token_ids))
+            if self.record_routes is None:
+                out.append(parse_row_output(task.result(), row, self.weight_version, self.eos_token_ids))
+                continue
+            res = parse_row_output(task.result(), dataclasses.replace(row, routes_start=0), self.weight_version,
+                                   self.eos_token_ids, self.record_routes)
+            out.append(res._replace(routes=res.routes[row.routes_start:]))
         return out
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams,

@@ -167,16 +167,28 @@ def build_row_request(row: RowRequest, rid: str) -> dict[str, Any]:
             "return_logprob": True, "rid": rid}
 
 
-def build_rows_request(rows: Sequence[tuple[Sequence[int], dict]], rids: Optional[Sequence[str]] = None) -> dict[str, Any]:
+def build_rows_request(rows: Sequence[tuple[Sequence[int], dict]], rids: Optional[Sequence[str]] = None, *,
+                       routes_start: Optional[int] = None) -> dict[str, Any]:
     """The streamed batched ``/generate`` body of ``rows`` (``(input ids, sampling_params)`` each,
     e.g. of :func:`build_row_request`): every row's ``sampling_params`` :func:`with_progress`,
     logprobs of the output, one ``rid`` per row when given (``"stream": true`` is added by
-    :class:`~dapo_megatron.rollout.engines.generate_stream.StreamedGenerate`)."""
+    :class:`~dapo_megatron.rollout.engines.generate_stream.StreamedGenerate`).
+
+    ``routes_start`` (routing replay; None: off): ``return_routed_experts`` with
+    ``routed_experts_start_len = routes_start``, ONE value for every row of the request (sglang
+    0.5.23 ``managers/io_struct.py:264-268`` declares it an int, and ``GenerateReqInput.__getitem__``
+    gives each row the batch's value): rows continued from different positions go in different
+    requests (:class:`~dapo_megatron.rollout.engines.row_client.RowClient` splits them)."""
     req: dict[str, Any] = {"input_ids": [list(ids) for ids, _ in rows],
                            "sampling_params": [with_progress(sp) for _, sp in rows], "return_logprob": True}
     if rids is not None:
         req["rid"] = list(rids)
+    if routes_start is not None:
+        req["return_routed_experts"] = True
+        if routes_start:
+            req["routed_experts_start_len"] = int(routes_start)
     return req
+
 
 
 def row_outcome(item: Any, *, budget: int, stop_ids=frozenset(), row: int = 0) -> tuple[list[int], list[float], str]:
@@ -212,29 +224,56 @@ def row_outcome(item: Any, *, budget: int, stop_ids=frozenset(), row: int = 0) -
     return list(c.response_ids), list(c.logprobs), c.finish_reason
 
 
-def parse_row_output(item: Any, row: RowRequest, version: int, eos_token_ids: frozenset = frozenset()) -> RowResult:
+def parse_row_output(item: Any, row: RowRequest, version: int, eos_token_ids: frozenset = frozenset(),
+                     routes_shape: Optional[tuple[int, int, int]] = None) -> RowResult:
     """One SGLang output of a row (``build_row_request``) → :class:`RowResult` (:func:`row_outcome`
     with the row's remaining budget and stop tokens: ``eos_token_ids`` and the row's
-    ``stop_token_ids``).
+    ``stop_token_ids``); with ``routes_shape`` its routes from ``row.routes_start`` on
+    (:func:`row_routes`).
 
     Raises:
         RuntimeError: a failed request, or a malformed output (see :func:`parse_completion`).
     """
     ids, logprobs, kind = row_outcome(item, budget=row.budget,
                                       stop_ids=frozenset(row.params.stop_token_ids) | frozenset(eos_token_ids))
-    return RowResult(row.key, ids, logprobs, kind, version)
+    routes = None
+    if routes_shape is not None:
+        routes = row_routes(item, len(row.prompt_ids) + len(row.prefix_ids), len(ids), row.routes_start,
+                            routes_shape)
+    return RowResult(row.key, ids, logprobs, kind, version, routes)
+
+
+def row_routes(item: Any, input_len: int, num_new: int, routes_start: int, routes_shape: tuple[int, int, int],
+               row: int = 0):
+    """The routes of one row's output, positions ``[routes_start, input_len + num_new - 1)``
+    (``meta_info.routed_experts`` of a request with ``routed_experts_start_len = routes_start``),
+    compact ``[rows, L, K]``; an output with no new token and no routes (a row aborted in the
+    waiting queue) gives 0 rows.
+
+    Raises:
+        RuntimeError / ValueError: routes missing or malformed
+            (:func:`~dapo_megatron.rollout.engines.routes.decode_sglang_routes`).
+    """
+    L, K, E = routes_shape
+    meta = item.get("meta_info") if isinstance(item, dict) else None
+    want = max(0, num_route_tokens(input_len, num_new) - routes_start)
+    if not num_new and (not isinstance(meta, dict) or meta.get("routed_experts") is None):
+        return decode_sglang_routes({"routed_experts": []}, num_tokens=0, num_layers=L, topk=K, num_experts=E)
+    return decode_sglang_routes(meta, num_tokens=want, num_layers=L, topk=K, num_experts=E, row=row)
 
 
 
 
 def parse_versioned_row(item: Any, row: int, fallback_version: int, *, budget: int,
-                        stop_ids: frozenset = frozenset()) -> tuple[list[int], list[float], str, int]:
+                        stop_ids: frozenset = frozenset(),
+                        routes: Optional[tuple[int, int, int, int, int]] = None) -> tuple:
     """One SGLang output row → ``(token ids, logprobs, finish kind, weight version)``: the ids,
     logprobs and kind of :func:`row_outcome` (an aborted row that ends on a stop token in
     ``stop_ids`` is ``"stop"``, one that fills ``budget`` is ``"length"``, the others ``"abort"``:
     the tokens sampled before the abort); the version is the output's ``meta_info.weight_version``
     (the weights that sampled it: SGLang reports the version of its last update),
-    ``fallback_version`` when the server reports none.
+    ``fallback_version`` when the server reports none. With ``routes = (input length,
+    routes_start, L, K, E)`` (routing replay) a fifth item: the row's routes (:func:`row_routes`).
 
     Raises:
         RuntimeError: a failed row (any other finish kind), or a malformed one.
@@ -245,4 +284,7 @@ def parse_versioned_row(item: Any, row: int, fallback_version: int, *, budget: i
     except (TypeError, ValueError, AttributeError):
         version = fallback_version
     ids, logprobs, kind = row_outcome(item, budget=budget, stop_ids=stop_ids, row=row)
-    return ids, logprobs, kind, version
+    if routes is None:
+        return ids, logprobs, kind, version
+    input_len, start, *shape = routes
+    return ids, logprobs, kind, version, row_routes(item, input_len, len(ids), start, tuple(shape), row)

@@ -49,6 +49,7 @@ import torch
 from dapo_megatron.platform.parallel_dims import ParallelDims, dims_or_single
 from dapo_megatron.rollout.sampling.buffer import KEPT, GroupSelector, group_from_dict, group_staleness, group_to_dict
 from dapo_megatron.rollout.engines.engine import RolloutEngine, RowRequest, RowResult, SamplingParams
+from dapo_megatron.rollout.engines.routes import routes_start_of
 from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipper
 from dapo_megatron.rollout.plan.step_data import all_gather_rows
 from dapo_megatron.rollout.trajectory import PENDING, SINGLE_TURN, Trajectory, settle_row
@@ -70,6 +71,8 @@ class RowUpdate(NamedTuple):
         holder: the global rank that holds the row's tokens (its engine's driving rank),
             :data:`~dapo_megatron.rollout.types.HELD_BY_ALL` in one process.
         response_ids, logprobs: the new tokens and their logprobs on the holder, None elsewhere.
+        routes: routing replay: the row's routes on the holder (``RowResult.routes``, from the
+            request's ``routes_start``), None elsewhere or when not recorded.
     """
 
     key: tuple[int, int]
@@ -79,6 +82,7 @@ class RowUpdate(NamedTuple):
     holder: int
     response_ids: Optional[list[int]] = None
     logprobs: Optional[list[float]] = None
+    routes: Optional[Any] = None
 
 
 class RowClient(Protocol):
@@ -159,7 +163,7 @@ class EngineClient:
         the tokens only in this rank's own."""
         if self.world == 1:
             return [RowUpdate(r.key, len(r.response_ids), r.finish_reason, r.version, HELD_BY_ALL, list(r.response_ids),
-                              list(r.logprobs)) for r in local]
+                              list(r.logprobs), r.routes) for r in local]
         self.parallel.wait_for_generation()  # a rank with nothing in flight waits on gloo for the round
         table = torch.tensor([[r.key[0], r.key[1], len(r.response_ids), ROW_FINISH.index(r.finish_reason), r.version]
                               for r in local], dtype=torch.int64).view(len(local), 5)
@@ -168,18 +172,21 @@ class EngineClient:
         for src, (seed, j, num, finish, version) in all_gather_rows(table, group=self.parallel.world_group):
             r = next(own) if src == self.rank else None
             out.append(RowUpdate((seed, j), num, ROW_FINISH[finish], version, src,
-                                 None if r is None else list(r.response_ids), None if r is None else list(r.logprobs)))
+                                 None if r is None else list(r.response_ids), None if r is None else list(r.logprobs),
+                                 None if r is None else r.routes))
         return out
 
 
 def row_request(g: Group, j: int, params: SamplingParams) -> RowRequest:
     """The :class:`RowRequest` of response ``j`` of a group in flight: keyed
-    ``(prompt_seed, j)``, continuing after the tokens it holds."""
+    ``(prompt_seed, j)``, continuing after the tokens it holds (routing replay: its routes from
+    where the sample's end, :func:`~dapo_megatron.rollout.engines.routes.routes_start_of`)."""
     s = g.samples[j]
     if s.response_ids is None:
         raise RuntimeError(f"response {j} of the group of prompt position {g.prompt_seed} is continued on a rank "
                            f"that does not hold its tokens (held by rank {s.holder})")
-    return RowRequest((g.prompt_seed, j), s.prompt_ids, params, g.prompt_seed, j, prefix_ids=s.response_ids)
+    return RowRequest((g.prompt_seed, j), s.prompt_ids, params, g.prompt_seed, j, prefix_ids=s.response_ids,
+                      routes_start=routes_start_of(len(s.prompt_ids) + len(s.response_ids), s.routes))
 
 
 @dataclass
@@ -297,7 +304,7 @@ def extend_sample(s: Sample, u: RowUpdate, trajectory: Trajectory = SINGLE_TURN,
     continuation row must be submitted)."""
     if u.response_ids is not None and s.response_ids is None:
         raise RuntimeError(f"rank {u.holder} got new tokens of a response whose earlier tokens it does not hold")
-    s.append_tokens(u.version, u.response_ids, u.logprobs, num_tokens=u.num_tokens)
+    s.append_tokens(u.version, u.response_ids, u.logprobs, num_tokens=u.num_tokens, routes=u.routes)
     s.holder = u.holder
     if u.finish_reason == "abort":
         s.finish_reason = PENDING
