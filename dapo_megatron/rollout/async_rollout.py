@@ -882,11 +882,12 @@ class AsyncRollout(Rollout):
             outputs = self.controller.generate_validation([rec.prompt_ids for rec in problems], params)
             graded = self._grade_val(problems, enumerate(outputs))
             out = self._val_metrics(problems, graded)
-            if self.trajectory.multi_turn:  # the tool turns of validation (rank 0 generated every response)
+            trajectory = self.controller.trajectory  # the one that ran the turns
+            if trajectory.multi_turn:  # the tool turns of validation (rank 0 generated every response)
                 samples = [s for comps in outputs for s in comps]
                 for s, acc in zip(samples, [a for i in range(len(outputs)) for a in graded.get(i, [])]):
                     s.acc = bool(acc)
-                out.update(self.trajectory.metrics(self.trajectory.take_counts(samples), "val/tool/"))
+                out.update(trajectory.metrics(trajectory.take_counts(samples), "val/tool/"))
             return out
 
         return self._paused_on_rank_0(metrics, share=True)

@@ -279,3 +279,25 @@ def test_the_async_controller_logs_the_trajectory_metrics_of_every_response_a_st
     # every response of the batch ends in 9 (acc, 9 % 3 == 0): both groups are all-correct, none is
     # kept, and the metrics still count the 4 responses generated and graded
     assert trained == [] and metrics["tool/responses"] == 4.0 and metrics["tool/acc"] == 4.0
+
+
+def test_async_validate_logs_the_trajectory_metrics_of_the_validation_responses():
+    from unit.rollout.test_async_dispatch import _async_rollout
+
+    def servers(rows, version):
+        return [(([7, 8] if len(ids) <= 3 else [9]), ([-0.5, -0.25] if len(ids) <= 3 else [-0.75]), "stop", version)
+                for _, ids, sp in rows]
+
+    cfg = BufferConfig(train_batch_size=1, n=3, gen_batch_size=2, max_num_gen_batches=1)
+    ctrl = RolloutController(SimpleNamespace(config=cfg, begin=lambda version: None), lambda: [], ["http://a"],
+                             SamplingParams(n=3, max_new_tokens=10, seed=5), silence_timeout_s=1.0, version=4,
+                             policy_version=4, generate=servers, trajectory=CountingTwoTurns())
+    ar = _async_rollout(ctrl, lambda obj, group, src: obj)
+    ar._val_params = lambda step: SamplingParams(n=3, max_new_tokens=10, seed=5)
+    graded = []
+    ar.reward_pool = SimpleNamespace(grade=lambda reqs: graded.extend(r[1] for r in reqs) or
+                                     [{"acc": r[1].split()[-1] == "9"} for r in reqs])
+    metrics = ar.validate(2)
+    # every response is turn 1, the context and turn 2 (graded whole), right: 15 responses of 5 problems
+    assert graded == ["7 8 20 21 22 9"] * 15 and metrics["val/avg@3"] == 1.0
+    assert metrics["val/tool/responses"] == 15.0 and metrics["val/tool/acc"] == 15.0
