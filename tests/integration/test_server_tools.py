@@ -88,7 +88,7 @@ def test_a_stop_string_ends_the_row_at_the_token_completing_it_as_sglang_reports
         assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
         full = tokenizer.decode(free[:k + 1], skip_special_tokens=True)
         assert out["text"] == (full if no_trim else full[:full.find(stop)])
-    # a plain string is one stop string (SGLang's normalize); an EOS still reports its token
+    # a plain string is one stop string (SGLang's normalize)
     one = http_post(server.url, "/generate", {"input_ids": PROMPT, "sampling_params": {**sp, "stop": stop}}, 60)
     assert one["output_ids"] == free[:k + 1]
     with pytest.raises(BadRequest, match="--skip-tokenizer-init"):
