@@ -578,8 +578,13 @@ class RolloutController:
         fails or sends no byte for ``silence_timeout_s`` is marked down as in the rollout
         (:meth:`_dispatch`): its rows go to the servers still healthy.
 
+        A multi-turn trajectory runs its turns as the rollout does (:meth:`_generate_batch`): a
+        row it continues goes out again as prompt + the response so far (context included),
+        with the remaining budget and its own seed.
+
         Returns:
-            per prompt its ``params.n`` completions, in seed order.
+            per prompt its ``params.n`` completions, in seed order (multi-turn: its
+            :class:`~dapo_megatron.rollout.types.Sample` s, each with its whole response).
 
         Raises:
             RuntimeError: the controller is not paused, no healthy server is left (every server
@@ -590,20 +595,34 @@ class RolloutController:
                 raise RuntimeError("RolloutController.generate_validation needs the controller paused (pause())")
             version = self.version
         n = params.n
-        out: list[list[Completion]] = [[_EMPTY] * n for _ in prompts]
+        out: list[list[Any]] = [[_EMPTY] * n for _ in prompts]
+        turns: dict[tuple[int, int], Sample] = {}  # multi-turn: the samples a trajectory continues
 
         def request(key):
             i, j = key
-            return i, list(prompts[i]), build_sampling_params(dataclasses.replace(params, n=1),
-                                                              sample_seed(params.seed, i, j))
+            done = list(turns[key].response_ids) if key in turns else []
+            return i, list(prompts[i]) + done, build_sampling_params(
+                dataclasses.replace(params, n=1, max_new_tokens=params.max_new_tokens - len(done)),
+                sample_seed(params.seed, i, j))
 
         def accept(key, res) -> bool:
             i, j = key
-            ids, lps, kind = res[:3]  # (a fifth item, the routes, under routing replay: not kept)
+            ids, lps, kind, row_version = res[:4]  # (a fifth item, the routes, under routing replay: not kept)
             if kind == "abort":
                 raise RuntimeError(f"validation row {j} of problem {i} was aborted on its server: nothing may pause "
                                    "the rollout servers during validation")
-            out[i][j] = Completion(ids, lps, kind)
+            if not self.trajectory.multi_turn:
+                out[i][j] = Completion(ids, lps, kind)
+                return True
+            s = turns.pop(key, None) or Sample(prompt_ids=list(prompts[i]), response_ids=[], rollout_logprobs=[],
+                                               finish_reason="", holder=0)
+            s.append_tokens(row_version, ids, lps)
+            if not s.versions:
+                s.versions = [(0, row_version)]
+            if settle_row(s, kind, self.trajectory, version=row_version, max_new_tokens=params.max_new_tokens):
+                turns[key] = s  # the trajectory appended context: the next turn goes out next round
+                return False
+            out[i][j] = s
             return True
 
         retried = self._dispatch([(i, j) for i in range(len(prompts)) for j in range(n)], request, accept, version,
@@ -644,6 +663,8 @@ class RolloutController:
         metrics = sel.step_metrics(num_batches=f.num_batches)
         metrics.update(partial_metrics([s for g in out for s in g.samples], resubmitted=f.resubmitted,
                                        reprefilled=f.reprefilled, generated=generated))
+        if self.trajectory.multi_turn:  # the responses this step generated and graded, as Rollout.collect's
+            metrics.update(self.trajectory.metrics(self.trajectory.take_counts(generated), "tool/"))
         metrics.update({"rollout/retried_rows": float(f.retried), "rollout/server_failures": float(f.server_failures),
                         "rollout/healthy_servers": float(sum(h == "healthy" for h in self.health)),
                         "rollout/evicted_on_resume": float(f.evicted)})
@@ -873,7 +894,15 @@ class AsyncRollout(Rollout):
         def metrics():
             problems, params = self._val_problems(), self._val_params(step)
             outputs = self.controller.generate_validation([rec.prompt_ids for rec in problems], params)
-            return self._val_metrics(problems, self._grade_val(problems, enumerate(outputs)))
+            graded = self._grade_val(problems, enumerate(outputs))
+            out = self._val_metrics(problems, graded)
+            trajectory = self.controller.trajectory  # the one that ran the turns
+            if trajectory.multi_turn:  # the tool turns of validation (rank 0 generated every response)
+                samples = [s for comps in outputs for s in comps]
+                for s, acc in zip(samples, [a for i in range(len(outputs)) for a in graded.get(i, [])]):
+                    s.acc = bool(acc)
+                out.update(trajectory.metrics(trajectory.take_counts(samples), "val/tool/"))
+            return out
 
         return self._paused_on_rank_0(metrics, share=True)
 

@@ -23,7 +23,12 @@ Endpoints, with the request and response fields of sglang 0.5.11
   ``no_stop_trim``). Sampling params: ``max_new_tokens`` (128), ``temperature`` (1.0; 0 is
   greedy, as SGLang's ``SamplingParams`` makes it ``top_k=1``), ``top_p``, ``top_k``,
   ``stop_token_ids``, ``ignore_eos``, ``sampling_seed``, ``no_stop_trim``,
-  ``skip_special_tokens``, ``spaces_between_special_tokens``; the others only at their
+  ``skip_special_tokens``, ``spaces_between_special_tokens``, ``stop`` (a string or a list: the
+  row ends at the token whose decoded text completes one, the HF engine's rule,
+  ``HFEngine.matched_stop_string``; ``finish_reason`` ``{"type": "stop", "matched": <the string>}``
+  as SGLang's ``FINISH_MATCHED_STR``, ``output_ids`` keep every token, ``text`` ends before the
+  string, or after it with ``no_stop_trim``; needs the tokenizer: refused with
+  ``--skip-tokenizer-init``); the others only at their
   defaults (penalties, ``min_p``, ``min_new_tokens``, grammars, ``n`` = 1: the trainer expands
   rows itself). A client that disconnects has its rows aborted, as SGLang does.
   ``"stream": true`` (sglang 0.5.23 ``entrypoints/http_server.py:949-981``): ``text/event-stream``,

@@ -89,7 +89,8 @@ def build_app(scheduler: Scheduler, server_args: dict, context_length: int, rand
         try:
             body = await body_of(request)
             single, rows, specs = parse_generate(body, engine.vocab_size, context_length, rng,
-                                                 records_routes=engine.records_routes)
+                                                 records_routes=engine.records_routes,
+                                                 decodes_text=scheduler.tokenizer is not None)
         except BadRequest as err:
             return error(str(err))
         if scheduler.failed:

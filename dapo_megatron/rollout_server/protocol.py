@@ -26,9 +26,9 @@ SGLANG_API_VERSION = "0.5.11"
 #: engine cannot honour otherwise: any other value is refused.
 _FIXED_SAMPLING = {"min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
                    "min_new_tokens": 0, "n": 1, "json_schema": None, "regex": None, "ebnf": None,
-                   "structural_tag": None, "stop": None, "stop_regex": None, "custom_params": None,
+                   "structural_tag": None, "stop_regex": None, "custom_params": None,
                    "logit_bias": None}
-_FREE_SAMPLING = {"max_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos", "sampling_seed",
+_FREE_SAMPLING = {"max_new_tokens", "stop", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos", "sampling_seed",
                   "no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens", "stream_interval"}
 #: GenerateReqInput fields accepted at these values only (any other value is refused).
 _FIXED_REQUEST = {"text": None, "input_embeds": None, "image_data": None, "video_data": None, "audio_data": None,
@@ -101,9 +101,30 @@ class RowSpec:
     stream_interval: Optional[int] = None  # sampling_params.stream_interval (None: the server's --stream-interval)
 
 
-def parse_sampling_params(sp: Any, key: str, vocab_size: int, rng: random.Random) -> tuple[SamplingParams, dict]:
+def parse_stop(value: Any, key: str, decodes_text: bool) -> tuple[str, ...]:
+    """``sampling_params.stop`` → the row's stop strings: None, ``""`` or ``[]`` is none; a string
+    is one (SGLang's ``SamplingParams.normalize`` makes a str a one-element list).
+
+    Raises:
+        BadRequest: not a string or a list of non-empty strings, or stop strings on a server
+            without a tokenizer (``--skip-tokenizer-init``: nothing to match the text with).
+    """
+    if value is None or value == "" or value == []:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(t, str) and t for t in stops):
+        raise BadRequest(f"{key}.stop must be a string or a list of non-empty strings, got {str(value)[:80]}")
+    if not decodes_text:
+        raise BadRequest(f"{key}.stop={stops!r} needs the server's tokenizer to match the text: launch "
+                         "dapo-rollout-server without --skip-tokenizer-init")
+    return tuple(stops)
+
+
+def parse_sampling_params(sp: Any, key: str, vocab_size: int, rng: random.Random, *,
+                          decodes_text: bool = False) -> tuple[SamplingParams, dict]:
     """One row's ``sampling_params`` → ``(SamplingParams, extras)``; ``extras`` holds
     ``max_new_tokens`` (may be 0), ``ignore_eos``, ``sampling_seed`` and the text options.
+    ``decodes_text``: the server has a tokenizer, so ``stop`` strings are served (:func:`parse_stop`).
 
     Raises:
         BadRequest: an unknown key, a value outside SGLang's ranges (``SamplingParams.verify``), or
@@ -117,7 +138,7 @@ def parse_sampling_params(sp: Any, key: str, vocab_size: int, rng: random.Random
         raise BadRequest(f"{key} has unknown field(s) {unknown}; accepted: {sorted(_FREE_SAMPLING | set(_FIXED_SAMPLING))}")
     for name, default in _FIXED_SAMPLING.items():
         value = sp.get(name, default)
-        if value is not None and value != default and not (name == "stop" and value in ([], "")):
+        if value is not None and value != default:
             raise BadRequest(f"{key}.{name}={value!r} is not supported by dapo-rollout-server (only {default!r}): "
                              "the HF engine samples with temperature / top_p / top_k only"
                              + ("; expand the n rows client side" if name == "n" else ""))
@@ -149,7 +170,8 @@ def parse_sampling_params(sp: Any, key: str, vocab_size: int, rng: random.Random
     if not 0 <= seed < 2**64:
         raise BadRequest(f"{key}.sampling_seed must be in [0, 2**64), got {seed}")
     params = SamplingParams(n=1, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=max(1, max_new),
-                            stop_token_ids=tuple(stops), seed=None)
+                            stop_token_ids=tuple(stops), seed=None,
+                            stop=parse_stop(sp.get("stop"), key, decodes_text))
     extras = {"max_new_tokens": max_new, "ignore_eos": bool(sp.get("ignore_eos", False)), "sampling_seed": seed % 2**63,
               "no_stop_trim": bool(sp.get("no_stop_trim", False)),
               "skip_special_tokens": bool(sp.get("skip_special_tokens", True)),
@@ -162,8 +184,10 @@ def parse_sampling_params(sp: Any, key: str, vocab_size: int, rng: random.Random
 
 
 def parse_generate(body: Any, vocab_size: int, context_length: int, rng: random.Random, *,
-                   records_routes: bool = False) -> tuple[bool, list[ServerRow], list[RowSpec]]:
+                   records_routes: bool = False, decodes_text: bool = False
+                   ) -> tuple[bool, list[ServerRow], list[RowSpec]]:
     """A ``/generate`` body → ``(single, rows, specs)`` (``single``: answer one dict, not a list).
+    ``decodes_text``: the server has a tokenizer (stop strings are served).
 
     Raises:
         BadRequest: naming the field: no ``input_ids``, an empty or out-of-vocabulary row, a row
@@ -246,7 +270,7 @@ def parse_generate(body: Any, vocab_size: int, context_length: int, rng: random.
     rows, specs = [], []
     for i, (row, sp) in enumerate(zip(batch, sps)):
         key = "sampling_params" if not isinstance(body.get("sampling_params"), list) else f"sampling_params[{i}]"
-        params, ex = parse_sampling_params(sp, key, vocab_size, rng)
+        params, ex = parse_sampling_params(sp, key, vocab_size, rng, decodes_text=decodes_text)
         if len(row) >= context_length:
             raise BadRequest(f"The input ({len(row)} tokens) is longer than the model's context length "
                              f"({context_length} tokens).")

@@ -83,6 +83,8 @@ class Scheduler:
                  stream_interval: int = 1, incremental_streaming_output: bool = False, step_delay_s: float = 0.0):
         self.engine = engine
         self.tokenizer = tokenizer
+        if tokenizer is not None:  # stop strings: the HF engine's rule on this text (HFEngine.matched_stop_string)
+            engine.set_stop_decoder(lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
         self.weight_sync_timeout_s = float(weight_sync_timeout_s)
         self.stream_interval = int(stream_interval)
         self.incremental = bool(incremental_streaming_output)
@@ -310,7 +312,14 @@ class Scheduler:
     def _output(self, row: ServerRow, spec: RowSpec, res: RowResult, version: str, t0: float) -> dict:
         """One row's SGLang output dict (module docstring)."""
         tokens = list(res.response_ids)
-        if res.finish_reason == "stop":
+        matched = None
+        if res.finish_reason == "stop" and row.params.stop and tokens and tokens[-1] not in self.engine._stop_ids(row):
+            matched = self.engine.matched_stop_string(row.params.stop, tokens)
+        if matched is not None:
+            # sglang managers/schedule_batch.py FINISH_MATCHED_STR.to_json (lines 140-150 at 000eaff):
+            # {"type": "stop", "matched": <the stop string>}; output_ids keep every token
+            finish = {"type": "stop", "matched": matched}
+        elif res.finish_reason == "stop":
             finish = {"type": "stop", "matched": tokens[-1]}
         elif res.finish_reason == "length":
             finish = {"type": "length", "length": spec.max_new_tokens}
@@ -329,8 +338,14 @@ class Scheduler:
                      "e2e_latency": time.monotonic() - t0})
         out: dict[str, Any] = {}
         if self.tokenizer is not None:
-            shown = tokens[:-1] if finish["type"] == "stop" and not spec.no_stop_trim else tokens
-            out["text"] = self.tokenizer.decode(shown, skip_special_tokens=spec.skip_special_tokens)
+            shown = tokens[:-1] if matched is None and finish["type"] == "stop" and not spec.no_stop_trim else tokens
+            text = self.tokenizer.decode(shown, skip_special_tokens=spec.skip_special_tokens)
+            if matched is not None and matched in text:
+                # sglang managers/detokenizer_manager.py trim_matched_stop: the text ends before the
+                # stop string, or after it with no_stop_trim
+                cut = text.find(matched)
+                text = text[:cut + len(matched)] if spec.no_stop_trim else text[:cut]
+            out["text"] = text
         out["output_ids"] = tokens
         out["meta_info"] = meta
         return out

@@ -417,14 +417,21 @@ class HFEngine(RolloutEngine):
         """Token ids that end the row: the model's EOS ids and the row's ``stop_token_ids``."""
         return self.eos_token_ids | set(req.params.stop_token_ids)
 
-    def _ends_on_stop_string(self, row: _Row) -> bool:
-        """Whether the row's last token completes one of its stop strings (:meth:`set_stop_decoder`).
+    def matched_stop_string(self, stops: Sequence[str], tokens: Sequence[int]) -> Optional[str]:
+        """The first of ``stops`` found in the text of the last few of ``tokens`` (a row's new
+        tokens; the window and decoder of :meth:`set_stop_decoder`), else None. The one rule of
+        stop strings: the engine ends a row on it, ``dapo-rollout-server`` names the match with it.
         An earlier occurrence inside the window would have ended the row already, so any
-        occurrence is this token's."""
-        stops = row.req.params.stop
+        occurrence is the last token's."""
+        if not stops or not tokens:
+            return None
         window = 4 * max(len(t) for t in stops) + 4
-        text = self._stop_decode(row.tokens[-window:])
-        return any(t in text for t in stops)
+        text = self._stop_decode(list(tokens[-window:]))
+        return next((t for t in stops if t in text), None)
+
+    def _ends_on_stop_string(self, row: _Row) -> bool:
+        """Whether the row's last token completes one of its stop strings (:meth:`set_stop_decoder`)."""
+        return self.matched_stop_string(row.req.params.stop, row.tokens) is not None
 
     def _admit(self, reqs: list[RowRequest]) -> list[RowResult]:
         """Prefill ``reqs`` (each distinct input once), merge them into the running batch;

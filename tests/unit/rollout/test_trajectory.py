@@ -210,3 +210,94 @@ def test_the_trajectory_is_selected_from_rollout_multi_turn():
         build_trajectory(MultiTurnConfig(enable=True, trajectory="no.such.module:x"))
     with pytest.raises(ValueError, match="not a dapo_megatron.rollout.trajectory.Trajectory"):
         build_trajectory(MultiTurnConfig(enable=True, trajectory="unit.rollout.test_trajectory:make_not_a_trajectory"))
+
+
+def test_async_validation_runs_the_turns_as_the_rollout_does():
+    calls = []
+
+    def servers(rows, version):
+        """First turn: two tokens and a stop; a continued row (longer input): one token and a stop."""
+        calls.append([(list(ids), sp["max_new_tokens"], sp["sampling_seed"]) for _, ids, sp in rows])
+        return [(([7, 8] if len(ids) == 1 else [9]), ([-0.5, -0.25] if len(ids) == 1 else [-0.75]), "stop", version)
+                for _, ids, sp in rows]
+
+    cfg = BufferConfig(train_batch_size=1, n=2, gen_batch_size=2, max_num_gen_batches=1)
+    selector = SimpleNamespace(config=cfg, begin=lambda version: None)
+    params = SamplingParams(n=2, max_new_tokens=10, seed=5)
+    for trajectory in (TwoTurns(), SINGLE_TURN):
+        calls.clear()
+        ctrl = RolloutController(selector, lambda: [], ["http://a"], params, silence_timeout_s=1.0, version=4,
+                                 policy_version=4, generate=servers, trajectory=trajectory)
+        ctrl.pause()
+        out = ctrl.generate_validation([[10], [11]], params)
+        first = calls[0]
+        assert [seed for _, _, seed in first] == [sample_seed(5, i, j) for i in range(2) for j in range(2)]
+        if trajectory is SINGLE_TURN:  # one round, completions as before
+            assert len(calls) == 1 and [[c.response_ids for c in comps] for comps in out] == [[[7, 8]] * 2] * 2
+            continue
+        second = calls[1]
+        assert [ids for ids, _, _ in second] == [[10 + i, 7, 8, *CONTEXT] for i in range(2) for _ in range(2)]
+        assert [n for _, n, _ in second] == [10 - 5] * 4  # the budget left after turn 1 and the context
+        assert [seed for _, _, seed in second] == [seed for _, _, seed in first]  # the row's own seed
+        for comps in out:
+            for s in comps:
+                assert s.response_ids == [7, 8, *CONTEXT, 9] and s.response_mask == [1, 1, 0, 0, 0, 1]
+                assert s.rollout_logprobs == [-0.5, -0.25, 0.0, 0.0, 0.0, -0.75] and s.finish_reason == "stop"
+                assert s.versions == [(0, 4)]
+
+
+class CountingTwoTurns(TwoTurns):
+    """:class:`TwoTurns` with metrics: the responses it finished, and their calls to it."""
+
+    def take_counts(self, samples=None):
+        mine = [s for s in samples if s.response_mask is not None]
+        return {"responses": float(len(mine)), "acc": float(sum(s.acc for s in mine))}
+
+    def metrics(self, counts, prefix):
+        return {f"{prefix}responses": counts["responses"], f"{prefix}acc": counts["acc"]}
+
+
+def test_the_async_controller_logs_the_trajectory_metrics_of_every_response_a_step_graded():
+    def servers(rows, version):
+        return [(([7, 8] if len(ids) == 1 else [9 + len(ids) % 2]), ([-0.5, -0.25] if len(ids) == 1 else [-0.75]),
+                 "stop", version) for _, ids, sp in rows]
+
+    from dapo_megatron.rollout.sampling.buffer import GroupSelector
+
+    cfg = BufferConfig(train_batch_size=2, n=2, gen_batch_size=2, max_num_gen_batches=1, on_cap="train_on_kept")
+    selector = GroupSelector(cfg, Mod3Grader(), decode)
+    ctrl = RolloutController(selector, lambda: [], ["http://a"], SamplingParams(n=2, max_new_tokens=10, seed=5),
+                             silence_timeout_s=1.0, version=4, policy_version=4, generate=servers,
+                             trajectory=CountingTwoTurns())
+    records = [SimpleNamespace(prompt_ids=[10 + g], index=g, data_source="d", ground_truth="1", extra_info={})
+               for g in range(2)]
+    groups = ctrl._generate_batch(records, [0, 1], 4)[0]
+    selector.grade(groups)
+    ctrl._add_batch(groups)
+    ctrl._close_step()
+    _, trained, metrics = ctrl._ready[-1]
+    # every response of the batch ends in 9 (acc, 9 % 3 == 0): both groups are all-correct, none is
+    # kept, and the metrics still count the 4 responses generated and graded
+    assert trained == [] and metrics["tool/responses"] == 4.0 and metrics["tool/acc"] == 4.0
+
+
+def test_async_validate_logs_the_trajectory_metrics_of_the_validation_responses():
+    from unit.rollout.test_async_dispatch import _async_rollout
+
+    def servers(rows, version):
+        return [(([7, 8] if len(ids) <= 3 else [9]), ([-0.5, -0.25] if len(ids) <= 3 else [-0.75]), "stop", version)
+                for _, ids, sp in rows]
+
+    cfg = BufferConfig(train_batch_size=1, n=3, gen_batch_size=2, max_num_gen_batches=1)
+    ctrl = RolloutController(SimpleNamespace(config=cfg, begin=lambda version: None), lambda: [], ["http://a"],
+                             SamplingParams(n=3, max_new_tokens=10, seed=5), silence_timeout_s=1.0, version=4,
+                             policy_version=4, generate=servers, trajectory=CountingTwoTurns())
+    ar = _async_rollout(ctrl, lambda obj, group, src: obj)
+    ar._val_params = lambda step: SamplingParams(n=3, max_new_tokens=10, seed=5)
+    graded = []
+    ar.reward_pool = SimpleNamespace(grade=lambda reqs: graded.extend(r[1] for r in reqs) or
+                                     [{"acc": r[1].split()[-1] == "9"} for r in reqs])
+    metrics = ar.validate(2)
+    # every response is turn 1, the context and turn 2 (graded whole), right: 15 responses of 5 problems
+    assert graded == ["7 8 20 21 22 9"] * 15 and metrics["val/avg@3"] == 1.0
+    assert metrics["val/tool/responses"] == 15.0 and metrics["val/tool/acc"] == 15.0
