@@ -102,7 +102,7 @@ def _worker(args: argparse.Namespace, out_path: str) -> None:
         def counted():
             nonlocal nbytes
             for name, t in iter_hf_weights(actor, parallel=parallel, bucket_bytes=bucket, buffers=buffers,
-                                           digest=digest):
+                                           digest=digest, param_views=engine.copies_on_load):
                 nbytes += t.numel() * t.element_size()
                 yield name, t
                 del t  # as the trainer does: the bridge reuses bucket memory nobody holds

@@ -67,7 +67,7 @@ def _worker(args: argparse.Namespace, out_path: str) -> None:
         def counted():
             nonlocal nbytes, expert_bytes
             for name, t in iter_hf_weights(actor, parallel=parallel, bucket_bytes=bucket, buffers=buffers,
-                                           digest=digest):
+                                           digest=digest, param_views=engine.copies_on_load):
                 n = t.numel() * t.element_size()
                 nbytes += n
                 expert_bytes += n if ".experts." in name else 0

@@ -664,6 +664,34 @@ def gathers_in_place(split: str) -> bool:
     return split in ("column", "vocab")
 
 
+def hf_row_ranges(layout: ModelLayout, megatron_name: str) -> Optional[list[tuple[int, int]]]:
+    """Where the HF tensors of an UNSPLIT Megatron parameter (TP = 1 for its group, or a
+    replicated one) lie in it, when each is a run of its rows: ``[(start, stop), ...]`` along
+    dim 0 in ``rule.hf`` order, every other dim the parameter's own, so that
+    ``param[start:stop]`` IS the HF tensor (a view, contiguous when the parameter is; the
+    layout rules of :func:`megatron_to_hf_into`, with no copy). None where an HF tensor is not
+    such a run: QKV with more than one query group (the groups interleave q, k and v rows),
+    ``o_proj`` with padded query groups (zero columns dropped).
+
+    Raises:
+        KeyError: unknown name.
+    """
+    rule, _, _ = match_rule(layout, megatron_name)
+    split = layout.split_of(rule)
+    shapes = hf_shapes(layout, rule)
+    if split == "qkv" and layout.padded_num_query_groups != 1:
+        return None
+    if split == "row_heads" and layout.padded_num_query_groups != layout.num_query_groups:
+        return None
+    if split == "vocab":  # the real vocabulary's rows; the padding rows after them are not exported
+        return [(0, shapes[0][0])]
+    ranges, start = [], 0
+    for shape in shapes:  # replicated, column, row (all columns at TP 1), gate_up ([gate; up]), qkv of one group
+        ranges.append((start, start + shape[0]))
+        start += shape[0]
+    return ranges
+
+
 def megatron_to_hf_into(
     layout: ModelLayout, megatron_name: str, shards: Sequence[torch.Tensor], out: Sequence[torch.Tensor]
 ) -> None:

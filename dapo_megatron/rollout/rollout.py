@@ -188,7 +188,8 @@ class Rollout:
         try:
             self.engine.update_weights(
                 counted(iter_hf_weights(actor.model_chunks, parallel=self.parallel, bucket_bytes=bucket,
-                                        buffers=self.export_buffers, digest=digest)),
+                                        buffers=self.export_buffers, digest=digest,
+                                        param_views=self.engine.copies_on_load)),
                 version=version, digest=digest)
         except WeightSyncVerifyError as err:  # the engine is invalid; every rank stops with this one error
             error = str(err)

@@ -508,6 +508,14 @@ class RolloutEngine(abc.ABC):
     #: bucket size used by ``update_weights`` (bytes); engines may override.
     update_bucket_bytes: int = 512 * 2**20
 
+    #: True where ``update_weights`` copies each tensor into the engine's own memory in this process
+    #: before asking for the next, and neither writes into it nor hands it to another process: the
+    #: sender may then pass views of the actor's parameters themselves
+    #: (:func:`dapo_megatron.bridge.iter_hf_weights` with ``param_views``). False for engines that
+    #: pack tensors into payloads for other processes (a CUDA-IPC handle of a view would share the
+    #: actor's parameter memory with them).
+    copies_on_load: bool = False
+
     def __init__(self):
         self._weight_version = 0
         self._tracker: Optional[WeightSyncTracker] = None

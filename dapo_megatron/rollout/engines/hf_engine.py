@@ -561,6 +561,7 @@ class HFEngine(RolloutEngine):
         return specs_from_module(self.model)
 
     supports_score = True
+    copies_on_load = True  # _load_stream: params[name].copy_(tensor), then the tensor is dropped
 
     @torch.no_grad()
     def score(self, ids: Sequence[int], temperature: float = 1.0) -> torch.Tensor:

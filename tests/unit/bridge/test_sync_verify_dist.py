@@ -52,6 +52,14 @@ def _sync(engine, model, par, version, digest, bucket=4096):
         return f"{type(err).__name__}: {err}"
 
 
+def _sync_stream(engine, stream, version, digest):
+    try:
+        engine.update_weights(stream, version=version, digest=digest)
+        return None
+    except RuntimeError as err:
+        return f"{type(err).__name__}: {err}"
+
+
 def _generate_refused(engine) -> bool:
     from dapo_megatron.rollout.engines.engine import InvalidWeightsError, SamplingParams
 
@@ -134,6 +142,27 @@ def _worker(out_dir: str, cases: dict) -> None:
         res[("ep2_bitflip", verify)] = {"error": error, "flipped": planted.get("flipped", False),
                                         "differing": differing, "valid": engine.weights_valid,
                                         "refused": _generate_refused(engine), "version": engine.weight_version}
+    # ---- EP = 2, the trainer's fast path: kept buffers (the bucket plan cached from the first sync) and
+    # views of the parameters where no transport or re-layout is needed; verified, held bitwise
+    from dapo_megatron.bridge import ExportBuffers
+
+    engine, buffers = engine_for(cfg, 62 + rank), ExportBuffers()
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    for version in (2, 3):
+        digest, aliased = SyncDigest(version, 1), set()
+
+        def stream():
+            for name, t in iter_hf_weights(model, parallel=par, bucket_bytes=4096, digest=digest, buffers=buffers,
+                                           param_views=engine.copies_on_load):
+                if t.untyped_storage().data_ptr() in storages:
+                    aliased.add(name)
+                yield name, t
+                del t
+
+        error = _sync_stream(engine, stream(), version, digest)
+        held = dict(checkpoint_parameters(engine.model))
+        res[("ep2_views", version)] = {"error": error, "aliased": aliased, "version": engine.weight_version,
+                                       "differing": sorted(n for n in state if not torch.equal(held[n], state[n]))}
     dist.barrier()
 
     # ---- PP = 2: the second sync's pipeline broadcast replaced by the first sync's bytes
@@ -253,6 +282,17 @@ def test_a_flipped_bit_in_one_expert_shard_at_ep2_is_caught_in_the_same_sync(ver
         # verified: one error naming that tensor, this engine and the version; not served
         _one_error(after["error"], tensor=after["differing"][0], version=1, rank=rank)
         assert not after["valid"] and after["refused"] and after["version"] == 0
+
+
+@pytest.mark.dist
+def test_the_fast_path_at_ep2_views_parameters_and_syncs_bitwise(verify_results):
+    for res in verify_results:
+        for version in (2, 3):  # the second sync reuses the bucket plan kept in ExportBuffers
+            r = res[("ep2_views", version)]
+            assert r["error"] is None and r["version"] == version and r["differing"] == []
+            # what needs no transport was handed out as the parameter itself; experts travel over EP
+            assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"} <= r["aliased"]
+            assert not any(".experts." in n for n in r["aliased"])
 
 
 @pytest.mark.dist
