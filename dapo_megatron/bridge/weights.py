@@ -789,7 +789,8 @@ class _Signer:
         with Timer(self.digest):
             for j, (_, t) in enumerate(slot.hf_views(self.flat) if views is None else views):
                 if self.digest.wants(first + j):
-                    self.sums[first + j] = checksum_tensor(t)  # on the device: no host read per tensor
+                    # on the device, no host read per tensor; a readback receiver's check covers the head rows
+                    self.sums[first + j] = checksum_tensor(self.digest.checked_part(t))
 
     def write(self, words: torch.Tensor, bucket: int) -> None:
         """The trailer (version, bucket index, the checksum of each HF tensor, 0 where unchecked),

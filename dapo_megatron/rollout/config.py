@@ -109,6 +109,12 @@ class RolloutConfig:
     """SGLang engines and servers, which cannot checksum what they loaded: read the sample back with
     ``get_weights_by_name`` (a model class of SGLang without it answers nothing, which fails the
     check naming this key: set it false there, leaving the structural checks)."""
+    check_weight_update_readback_elements: int = 1 << 20
+    """the most elements of one tensor that a readback (``check_weight_update_readback``) reads:
+    the tensor's first rows up to this many elements (``get_weights_by_name``'s ``truncate_size``
+    counts rows), which the sender checksums alike. SGLang answers with the rows as JSON text
+    (~20 bytes a value): a 7B model's embedding read whole is ~10 GB of text per server, so the
+    readback of a large tensor covers its head; 0 reads every tensor whole."""
     weight_probe: bool = True
     """after every sync, a functional check: the logprobs of a fixed probe sequence under the engine
     must equal the actor's within ``weight_probe_tolerance`` (a wrong layout or name map that the
@@ -211,6 +217,9 @@ class RolloutConfig:
         if self.check_weight_update_period < 1:
             raise ValueError(f"check_weight_update_period={self.check_weight_update_period} must be >= 1 "
                              "(1 = every tensor of every sync)")
+        if self.check_weight_update_readback_elements < 0:
+            raise ValueError(f"check_weight_update_readback_elements={self.check_weight_update_readback_elements} "
+                             "must be >= 0 (0 = whole tensors)")
         if self.weight_probe_tolerance < 0:
             raise ValueError(f"weight_probe_tolerance={self.weight_probe_tolerance} must be >= 0 (0 = by dtype)")
         if self.stream_poll_tokens < 1:

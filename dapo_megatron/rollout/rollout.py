@@ -231,7 +231,12 @@ class Rollout:
     def new_digest(self, version: int) -> Optional[SyncDigest]:
         """The verification record of one sync (None with ``rollout.check_weight_update: false``)."""
         r = self.cfg.rollout
-        return SyncDigest(version, r.check_weight_update_period) if r.check_weight_update else None
+        if not r.check_weight_update:
+            return None
+        # SGLang receivers (colocated engines, servers) are read back, a tensor's head rows: every rank's
+        # digest says so alike, since the rank that checksums a bucket is not always the one that compares
+        readback = r.check_weight_update_readback_elements if r.name == "sglang" else None
+        return SyncDigest(version, r.check_weight_update_period, readback_elements=readback)
 
     # ------------------------------------------------------------------ generation
     def _sampling_params(self, *, n: int, temperature: float, top_p: float, seed: int) -> SamplingParams:

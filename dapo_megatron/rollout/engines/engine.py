@@ -701,10 +701,14 @@ class RolloutEngine(abc.ABC):
     def _where(self) -> str:
         return self.engine_label or type(self).__name__
 
-    def _loaded_checksums(self, names: list[str], dtype: torch.dtype) -> dict[str, Optional[int]]:
+    def _loaded_checksums(self, names: list[str], dtype: torch.dtype,
+                          readback_elements: Optional[int] = None) -> dict[str, Optional[int]]:
         """The receiver's checksum (:func:`.verify.checksum`) of each named tensor as the engine holds
         it now, read as ``dtype`` (the sent dtype); None where the engine does not hold it. Engines
-        that can read their weights override it; the default cannot verify (None for all)."""
+        that can read their weights override it; the default cannot verify (None for all).
+        ``readback_elements``: the digest's (:attr:`.verify.SyncDigest.readback_elements`): an engine
+        that reads back checksums each tensor's head rows within it, as the sender did; None for the
+        in-process engines, which checksum whole tensors."""
         raise NotImplementedError(f"{type(self).__name__} cannot read back its weights for verification")
 
     def verify_loaded(self, digest: SyncDigest, tracker: Optional[WeightSyncTracker] = None) -> Optional[str]:
@@ -723,7 +727,7 @@ class RolloutEngine(abc.ABC):
         if not names:
             return None
         with Timer(digest):
-            loaded = self._loaded_checksums(names, digest_dtype(digest))
+            loaded = self._loaded_checksums(names, digest_dtype(digest), digest.readback_elements)
             for name in names:
                 if name not in loaded:  # the engine cannot compare it (a narrower dtype)
                     continue

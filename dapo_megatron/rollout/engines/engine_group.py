@@ -221,7 +221,7 @@ class EngineGroupMember(RolloutEngine):
     def _param_specs(self):
         return self._specs
 
-    def _loaded_checksums(self, names, dtype) -> dict:
+    def _loaded_checksums(self, names, dtype, readback_elements=None) -> dict:
         """Nothing to compare: this rank holds no weights; the leader's engine verifies the group's."""
         return {}
 

@@ -575,8 +575,9 @@ class HFEngine(RolloutEngine):
             self._routes.clear()
         return torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None])[:, 0].cpu()
 
-    def _loaded_checksums(self, names: list[str], dtype) -> dict[str, Optional[int]]:
-        """The checksums :meth:`_load_stream` took of each checked tensor right after loading it,
+    def _loaded_checksums(self, names: list[str], dtype, readback_elements=None) -> dict[str, Optional[int]]:
+        """The checksums :meth:`_load_stream` took of each checked (whole: in process, nothing is read
+        back, and the rollout's digest for this engine has ``readback_elements`` None) tensor right after loading it,
         while in cache, from the parameter looked up by checkpoint name in a map of its own, not
         the one the load wrote through (a wrong load map leaves that parameter without the sent
         bytes); None for one never loaded. A tensor left out could not be compared (a narrower

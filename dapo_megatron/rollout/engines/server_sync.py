@@ -67,7 +67,8 @@ from dapo_megatron.rollout.engines.engine import RowRequest, RowResult, WeightSy
 from dapo_megatron.rollout.engines.flat_bucket import FlatBucketPacker
 from dapo_megatron.rollout.engines.layout import rollout_engines, server_rank_offsets
 from dapo_megatron.rollout.engines.row_client import RowClient, check_health, each_server as _each
-from dapo_megatron.rollout.engines.verify import SyncDigest, Timer, digest_dtype, readback_checksum, readback_names
+from dapo_megatron.rollout.engines.verify import (SyncDigest, Timer, digest_dtype, readback_checksum, readback_names,
+                                                  readback_shape)
 from dapo_megatron.rollout.engines.generate_stream import http_get, http_post
 from dapo_megatron.rollout.engines.sglang_engine import init_custom_process_group
 
@@ -376,10 +377,12 @@ def verify_servers(urls: Sequence[str], digest: SyncDigest, param_specs, timeout
     def one(url):
         with Timer(digest):
             for name in names:
-                shape = specs[aliases.get(name, name)].shape
+                # the head rows the sender checksummed (SyncDigest.checked_part): a large tensor read
+                # whole as JSON would cost its size ~20 times over, per server
+                shape = readback_shape(specs[aliases.get(name, name)].shape, digest.readback_elements)
                 try:
-                    values = http_post(url, "/get_weights_by_name", {"name": name, "truncate_size": max(1, shape[0])},
-                                       timeout_s)
+                    values = http_post(url, "/get_weights_by_name",
+                                       {"name": name, "truncate_size": shape[0] if shape else 1}, timeout_s)
                 except Exception as err:  # a server that cannot answer is reported as holding nothing
                     logger.warning("SGLang server %s: /get_weights_by_name %r failed: %s", url, name, err)
                     values = None

@@ -123,7 +123,7 @@ from dapo_megatron.rollout.engines.sglang_server_args import (  # noqa: F401  (c
     colocated_graph_kwargs,
     engine_argument_names,
 )
-from dapo_megatron.rollout.engines.verify import readback_checksum
+from dapo_megatron.rollout.engines.verify import readback_checksum, readback_shape
 
 
 def _import_sglang():
@@ -526,21 +526,23 @@ class SGLangEngine(_SGLangMemory, RolloutEngine):
     #: read the verified sample back with ``get_weights_by_name`` (``rollout.check_weight_update_readback``)
     verify_readback: bool = True
 
-    def _loaded_checksums(self, names: list[str], dtype) -> dict:
+    def _loaded_checksums(self, names: list[str], dtype, readback_elements: Optional[int] = None) -> dict:
         """SGLang cannot checksum what it loaded: each named tensor is read back with
         ``Engine.get_weights_by_name(name, truncate_size=rows)`` (sglang ``entrypoints/engine.py``
         ``Engine.get_weights_by_name`` -> ``model_executor/model_runner.py``
         ``ModelRunner.get_weights_by_name`` -> the model class's, e.g. ``models/llama.py``: the
         parameter as ``.float().tolist()``, the stacked ``qkv_proj`` / ``gate_up_proj`` sliced back to
         the HF tensor, TP shards gathered; None where the model class has none) and checksummed
-        in the sent dtype (:func:`~dapo_megatron.rollout.engines.verify.readback_checksum`)."""
+        in the sent dtype (:func:`~dapo_megatron.rollout.engines.verify.readback_checksum`): the
+        tensor's head rows within ``readback_elements`` (the digest's, which the sender checksummed
+        alike: ``rollout.check_weight_update_readback_elements``), the whole tensor for None."""
         if not self.verify_readback:
             return {}
         tracker = self._weight_tracker()
         out = {}
         for name in names:
-            shape = tracker.specs[tracker.resolve(name)].shape
-            out[name] = readback_checksum(self.engine.get_weights_by_name(name, truncate_size=max(1, shape[0])),
+            shape = readback_shape(tracker.specs[tracker.resolve(name)].shape, readback_elements)
+            out[name] = readback_checksum(self.engine.get_weights_by_name(name, truncate_size=shape[0] if shape else 1),
                                           dtype, shape)
         return out
 

@@ -107,6 +107,9 @@ class SyncDigest:
     version: int
     period: int = 1
     dtype: Optional[str] = None  # the sent dtype ("float32", "bfloat16"), set by the bridge
+    #: receivers that read back (SGLang, servers): each checksum covers the tensor's first rows up to
+    #: this many elements (:func:`readback_rows`); None: whole tensors (in-process receivers)
+    readback_elements: Optional[int] = None
     sums: dict[str, int] = field(default_factory=dict)
     sent: list[str] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
@@ -114,6 +117,13 @@ class SyncDigest:
 
     def wants(self, index: int) -> bool:
         return sampled(index, self.version, self.period)
+
+    def checked_part(self, t: torch.Tensor) -> torch.Tensor:
+        """What of ``t`` the checksum covers: ``t``, or its head rows for a readback receiver
+        (:func:`readback_rows`)."""
+        if self.readback_elements is None or t.dim() == 0:
+            return t
+        return t[:readback_rows(tuple(t.shape), self.readback_elements)]
 
     def mismatch(self, name: str, loaded: Optional[int], where: str) -> Optional[str]:
         """The error message when ``loaded`` (the receiver's checksum of ``name``; None: the receiver
@@ -208,6 +218,28 @@ def readback_checksum(values: Any, dtype: torch.dtype, shape: Sequence[int]) -> 
     if tuple(t.shape) != tuple(shape):
         return None
     return checksum(t.to(dtype))
+
+
+def readback_rows(shape: Sequence[int], max_elements: Optional[int]) -> int:
+    """The rows of a tensor of ``shape`` that a readback reads (``get_weights_by_name``'s
+    ``truncate_size``): every row, or the most whole rows within ``max_elements`` elements (at
+    least one); ``max_elements`` None or 0: every row. A 0-d tensor counts as one row."""
+    if not shape:
+        return 1
+    rows = int(shape[0])
+    if not max_elements:
+        return max(1, rows)
+    per_row = 1
+    for d in shape[1:]:
+        per_row *= int(d)
+    return max(1, min(rows, max_elements // max(per_row, 1)))
+
+
+def readback_shape(shape: Sequence[int], max_elements: Optional[int]) -> tuple[int, ...]:
+    """The shape of what a readback of a tensor of ``shape`` answers (:func:`readback_rows`)."""
+    if not shape:
+        return ()
+    return (readback_rows(shape, max_elements), *tuple(shape)[1:])
 
 
 def readback_names(digest: SyncDigest, limit: Optional[int] = None) -> list[str]:

@@ -121,6 +121,7 @@ DOMAINS: dict[str, Case] = {
     "sandbox.python": Case(["/no/such/python"], "/usr/bin/python3"),
     "rollout.stream_poll_tokens": Case([0], 8),
     "rollout.check_weight_update_period": Case([0, -1], 1),
+    "rollout.check_weight_update_readback_elements": Case([-1], 0),
     "rollout.weight_probe_tolerance": Case([-0.1], 0.05),
     "rollout.engine_kwargs": Case(["1"], "true", ctx=["rollout.name=sglang"], key="rollout.engine_kwargs.no_such_arg"),
     # buffer

@@ -70,8 +70,11 @@ def _worker(urls, out_dir):
     res = {}
     sender = connect_servers(servers, stage=0, num_stages=1, is_sender=True, device="cpu", timeout_s=30,
                              bucket_bytes=BUCKET, backend="gloo", parallel=parallel)
-    for version, verify in ((1, False), (2, True)):
-        digest = SyncDigest(version, 1) if verify else None
+    # version 3: the readback of a tensor's head rows (rollout.check_weight_update_readback_elements),
+    # 192 elements: the embedding (250 x 64 here) is read as its first 3 rows, which the sender
+    # checksums alike (an honest server passes), the lazy server's stale head is still caught
+    for version, verify in ((1, False), (2, True), (3, "head")):
+        digest = SyncDigest(version, 1, readback_elements=192 if verify == "head" else None) if verify else None
         try:
             sync_servers(iter_hf_weights(model, parallel=parallel, bucket_bytes=BUCKET, pp_broadcast=False,
                                          digest=digest),
@@ -123,3 +126,29 @@ def test_a_server_that_acknowledges_but_does_not_apply_is_caught_in_the_same_syn
     assert after["error"].startswith(f"weight sync to version 2: SGLang server {lazy.url} holds a different "
                                      f"{after['first']!r} than the trainer sent"), after["error"]
     assert after["paused"] == [True, True]
+    head = res["head"]
+    assert head["error"].startswith(f"weight sync to version 3: SGLang server {lazy.url} holds a different "
+                                    f"{head['first']!r} than the trainer sent"), head["error"]
+    assert head["paused"] == [True, True]
+    # the honest server's head rows matched every checksum (a false alarm would name it first)
+    assert honest.url not in head["error"]
+
+
+def test_the_readback_reads_a_tensors_head_rows_within_the_budget_and_the_sender_checksums_the_same():
+    import torch
+
+    from dapo_megatron.rollout.engines.verify import SyncDigest, checksum, readback_rows, readback_shape
+
+    assert readback_rows((250, 64), 192) == 3  # 3 whole rows of 64 fit in 192 elements
+    assert readback_rows((64,), 192) == 64  # a bias within the budget: whole
+    assert readback_rows((1000,), 192) == 192
+    assert readback_rows((10, 1000), 192) == 1  # a row longer than the budget: still one row
+    assert readback_rows((250, 64), 0) == readback_rows((250, 64), None) == 250  # 0 / None: whole tensors
+    assert readback_shape((250, 64), 192) == (3, 64) and readback_shape((), 192) == ()
+    t = torch.arange(250 * 64, dtype=torch.float32).reshape(250, 64)
+    head = SyncDigest(1, 1, readback_elements=192)
+    assert checksum(head.checked_part(t)) == checksum(t[:3].clone())
+    assert checksum(SyncDigest(1, 1).checked_part(t)) == checksum(t)
+    t2 = t.clone()
+    t2[200, 5] += 1  # past the head: what a head readback cannot see (docs/design.md, the readback row)
+    assert checksum(head.checked_part(t2)) == checksum(head.checked_part(t))
