@@ -46,6 +46,7 @@ import importlib
 from typing import Any, Optional, Sequence
 
 from dapo_megatron.rollout.engines.engine import RowRequest
+from dapo_megatron.rollout.engines.routes import routes_start_of
 from dapo_megatron.rollout.types import Sample
 
 PENDING = ""
@@ -219,7 +220,9 @@ def run_turns(engine: Any, rows: Sequence[tuple[Sample, int, int]], params: Any,
         raise ValueError(f"rollout.multi_turn: {type(engine).__name__} cannot continue a response (no submit / poll); "
                          "use the HF or SGLang engine")
     while pending:
-        engine.submit([RowRequest(key, s.prompt_ids, params, seed, j, prefix_ids=s.response_ids)
+        # routes (routing replay) from where the sample's end: the context's from this row's prefill
+        engine.submit([RowRequest(key, s.prompt_ids, params, seed, j, prefix_ids=s.response_ids,
+                                  routes_start=routes_start_of(len(s.prompt_ids) + len(s.response_ids), s.routes))
                        for key, (s, seed, j) in pending.items()])
         following = {}
         for r in engine.poll():

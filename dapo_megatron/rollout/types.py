@@ -193,8 +193,11 @@ class Sample:
         its routes from there: ``RowRequest.routes_start``, SGLang's ``routed_experts_start_len``),
         which replaces the sample's rows from ``start`` on and keeps those before it: each
         position keeps the route of the weights that forwarded it to sample the next token
-        (versions per token, as ``versions`` has them). A context append without routes drops
-        them (the next row's prefill records the context's routes again).
+        (versions per token, as ``versions`` has them). A context append keeps the routes the
+        sample holds: the next row asks for its routes from where they end
+        (:func:`~dapo_megatron.rollout.engines.routes.routes_start_of`), so the context's positions
+        (and the last token before it) take the routes of the prefill that forwarded them, and
+        the earlier positions keep theirs, also across a weight sync between the turns.
 
         Raises:
             RuntimeError: new tokens given for a sample whose earlier tokens are not held here.
@@ -222,8 +225,6 @@ class Sample:
                 self.response_mask = list(mask) + [0 if context else 1] * count
             if routes is not None and count:  # a row that sampled nothing adds no route the sample needs
                 self.routes = self._joined_routes(routes)
-            elif context and count:
-                self.routes = None
         else:
             self.response_ids = self.rollout_logprobs = self.response_mask = None
             self.num_response_tokens = start + count

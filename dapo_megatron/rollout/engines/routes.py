@@ -83,8 +83,9 @@ def routes_start_of(input_len: int, held_routes: Any) -> int:
     far) continued from a sample that holds ``held_routes``
     (``Sample.routes``, None or ``[n, L, K]``): ``n`` (its routes end there: a row continued
     after a weight sync asks only for the positions it forwards, so the earlier positions keep
-    the routes of the version that forwarded them), 0 when it holds none (the whole sequence:
-    a new row, a sample whose routes a trajectory's context dropped, a resumed partial one)."""
+    the routes of the version that forwarded them; a trajectory's next turn: the context's
+    positions come from this row's prefill), 0 when it holds none (the whole sequence: a new
+    row, a resumed partial one)."""
     return 0 if held_routes is None else min(int(held_routes.shape[0]), int(input_len))
 
 

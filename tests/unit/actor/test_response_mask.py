@@ -16,6 +16,7 @@ from dapo_megatron.actor.loss import dapo_loss_func
 from dapo_megatron.actor.micro_batch import MicroBatch, Targets
 from dapo_megatron.actor.plan import ActorPlan, OldLogprobPlan
 from dapo_megatron.algorithms.overlong import OverlongConfig, overlong_penalty
+from dapo_megatron.rollout.engines.routes import routes_start_of
 from dapo_megatron.rollout.plan.step_data import plan_step
 from dapo_megatron.rollout.sampling.buffer import BufferConfig, GroupSelector, logprob_mismatch_metrics
 from dapo_megatron.rollout.types import Group, Sample
@@ -62,12 +63,17 @@ def test_append_tokens_keeps_one_entry_per_token_and_masks_the_context():
     d = Sample([1], None, None, "", num_response_tokens=2)
     d.append_tokens(0, None, None, num_tokens=3, context=True)
     assert (d.response_length, d.num_context_tokens, d.num_model_tokens, d.response_mask) == (5, 3, 2, None)
-    # routes: a row's routes replace the sample's; a context append drops them until the next row's prefill
+    # routes: a context append keeps the sample's (positions 0-1); the next row asks for its routes from
+    # where they end (routes_start_of: 2), so positions 2 (the turn's last token) and 3 (the context)
+    # come from its prefill; a row from position 0 replaces them all
     e = Sample([1, 2], [3], [-1.0], "stop", routes=torch.zeros(2, 1, 1, dtype=torch.uint8))
     e.append_tokens(0, [4], None, context=True)
-    assert e.routes is None
-    e.append_tokens(0, [5], [-1.0], routes=torch.ones(4, 1, 1, dtype=torch.uint8))
-    assert e.routes.shape == (4, 1, 1)
+    assert torch.equal(e.routes, torch.zeros(2, 1, 1, dtype=torch.uint8))
+    assert routes_start_of(len(e.prompt_ids) + len(e.response_ids), e.routes) == 2
+    e.append_tokens(1, [5], [-1.0], routes=torch.ones(2, 1, 1, dtype=torch.uint8))
+    assert e.routes[:, 0, 0].tolist() == [0, 0, 1, 1]
+    e.append_tokens(1, [6], [-1.0], routes=torch.full((5, 1, 1), 2, dtype=torch.uint8))
+    assert e.routes[:, 0, 0].tolist() == [2] * 5
     with pytest.raises(ValueError, match="context tokens have no rollout logprobs"):
         e.append_tokens(0, [6], [-1.0], context=True)
 

@@ -80,3 +80,61 @@ def test_streamed_rows_keep_each_positions_route_across_a_continued_row():
             # the rule is observable: version 1 alone (a continued row's whole-sequence routes) differs
             discriminating += not torch.equal(full[1][:len(ids) - 1], want)
     assert continued == len(PROMPTS) * N and discriminating > 0
+
+
+def test_a_trajectorys_context_keeps_the_held_routes_and_takes_its_own_from_the_next_rows_prefill():
+    """Issue 38 item 3: a multi-turn sample's first turn (version 0), a context append (a tool's
+    output, mask 0) through ``settle_row``, a weight sync, the next turn (version 1). The positions
+    of the first turn keep version 0's routes; the turn's last token, the context's positions and
+    the second turn's take version 1's, from the continuation's prefill and decode."""
+    from dapo_megatron.rollout.engines.engine import SamplingParams, checkpoint_parameters
+    from dapo_megatron.rollout.engines.hf_engine import HFEngine
+    from dapo_megatron.rollout.sampling.streaming import PENDING, EngineClient, extend_sample, new_group
+    from dapo_megatron.rollout.trajectory import Trajectory, settle_row
+
+    context = [40, 41, 42]
+
+    class ToolOutput(Trajectory):
+        multi_turn = True
+
+        def on_row_finished(self, sample, finish_reason, budget):
+            return context if sample.num_context_tokens == 0 else None
+
+    trajectory = ToolOutput()
+    versions = {0: _model(seed=0), 1: _model(seed=1)}
+    engine = HFEngine(_model(seed=0), eos_token_ids=[0], record_routes=True)
+    params = SamplingParams(n=N, max_new_tokens=MAX_NEW, seed=11, temperature=1.0)
+    client = EngineClient(engine, params)
+    groups = [new_group(SimpleNamespace(prompt_ids=p, index=i, data_source="", ground_truth="", extra_info=None), i, N)
+              for i, p in enumerate(PROMPTS)]
+    rows = [(g, j) for g in groups for j in range(N)]
+    client.submit(rows)
+    for u in client.poll(FIRST):
+        extend_sample(groups[u.key[0]].samples[u.key[1]], u)
+    for u in client.abort():
+        extend_sample(groups[u.key[0]].samples[u.key[1]], u)
+    held = {}
+    for g in groups:
+        for j, s in enumerate(g.samples):
+            assert s.finish_reason == PENDING and s.response_ids
+            held[(g.prompt_seed, j)] = first = int(s.routes.shape[0])
+            # the first turn ends at a call: the trajectory appends its output as context
+            assert settle_row(s, "stop", trajectory, version=0, max_new_tokens=MAX_NEW)
+            assert s.response_mask[-len(context):] == [0] * len(context) and int(s.routes.shape[0]) == first
+    engine.update_weights(checkpoint_parameters(versions[1]), version=1)
+    client.submit(rows)  # the second turns: routes from where each sample's end
+    while client.engine.num_in_flight:
+        for u in client.poll(MAX_NEW):
+            extend_sample(groups[u.key[0]].samples[u.key[1]], u, trajectory, MAX_NEW)
+
+    discriminating = 0
+    for g in groups:
+        for j, s in enumerate(g.samples):
+            assert s.finish_reason != PENDING and s.num_context_tokens == len(context)
+            ids, first = s.prompt_ids + s.response_ids, held[(g.prompt_seed, j)]
+            full = {v: _top_k(m, ids) for v, m in versions.items()}
+            want = torch.cat([full[0][:first], full[1][first:len(ids) - 1]])
+            assert tuple(s.routes.shape) == tuple(want.shape)
+            assert torch.equal(s.routes.long(), want), (g.prompt_seed, j, s.versions)
+            discriminating += not torch.equal(full[1][:len(ids) - 1], want)  # the first turn's routes were kept
+    assert discriminating > 0
