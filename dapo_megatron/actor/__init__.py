@@ -11,7 +11,7 @@ Design: docs/design.md §1 steps 5-6 (old logprobs, updates).
 
 from __future__ import annotations
 
-import importlib
+from dapo_megatron.lazy import lazy_exports
 
 # public name -> its submodule
 _EXPORTS = {
@@ -34,16 +34,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    try:
-        module = _EXPORTS[name]
-    except KeyError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -13,7 +13,7 @@
 Design: docs/design.md §1 step 1 (the prompts of a rollout).
 """
 
-import importlib
+from dapo_megatron.lazy import lazy_exports
 
 _EXPORTS = {
     "ArithmeticConfig": "arithmetic",
@@ -32,13 +32,9 @@ _EXPORTS = {
 }
 
 
-def __getattr__(name):
-    # Lazy exports: `python -m dapo_megatron.data.arithmetic` must not find the
-    # module pre-imported by this package (runpy warning), and importing the
-    # package should not pull in pyarrow/numpy until needed.
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f"dapo_megatron.data.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'dapo_megatron.data' has no attribute {name!r}")
+# `python -m dapo_megatron.data.arithmetic` must not find the module pre-imported by this package
+# (runpy warning), and importing the package should not pull in pyarrow/numpy until needed
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
 
 __all__ = [

@@ -9,7 +9,7 @@ Design: docs/design.md §2 (parallel layouts) and §5 (megatron-core on CPU).
 
 from __future__ import annotations
 
-import importlib
+from dapo_megatron.lazy import lazy_exports
 
 # public name -> (submodule, its name there)
 _EXPORTS = {
@@ -30,16 +30,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    try:
-        module, attr = _EXPORTS[name]
-    except KeyError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    value = getattr(importlib.import_module(f".{module}", __name__), attr)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
