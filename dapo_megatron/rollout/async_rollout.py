@@ -551,6 +551,8 @@ class RolloutController:
             ids, lps, kind, row_version = res[:4]
             routes = res[4] if len(res) > 4 else None  # routing replay (RowClient.generate_rows)
             s = groups[g].samples[j]
+            if kind == "abort" and self.trajectory.ends_turn(s, ids):
+                kind = "stop"  # the abort's extra decode step completed a tool call's stop string: the turn ended
             if ids:
                 s.append_tokens(row_version, ids, lps, routes=routes)
             if kind == "abort":  # aborted by a weight sync: continued once it is over, on the new weights (a

@@ -83,18 +83,11 @@ def build_rollout(cfg: DAPOConfig, parallel: ParallelDims, *, tokenizer: Any, hf
     Raises:
         ValueError: ``rollout.streaming`` with an engine that has no asynchronous generation
             (on every rank: :class:`~dapo_megatron.rollout.sampling.streaming.EngineClient`); a
-            ``rollout.multi_turn.trajectory`` that does not build; a multi-turn trajectory under
-            synchronous streaming in a world of more than one process.
+            ``rollout.multi_turn.trajectory`` that does not build.
     """
     trajectory = build_trajectory(cfg.rollout.multi_turn, tokenizer)
     if trajectory.multi_turn:
         trajectory.bind_sandbox(cfg.sandbox)  # a tool trajectory probes its sandbox now, not mid-rollout
-    if trajectory.multi_turn and cfg.rollout.streaming and not cfg.async_training.enable and parallel.world_size > 1:
-        # the streamed rounds replicate records only: the trajectory would run on the rank holding
-        # the tokens while every rank takes the keep / continue decisions from the same records
-        raise ValueError("rollout.multi_turn.enable=true with rollout.streaming=true runs in a world of one process "
-                         f"only (world size {parallel.world_size}: the streamed rounds do not replicate a trajectory's "
-                         "decisions yet): set rollout.streaming=false, or use async_training")
     engine, num_engines, engine_index = build_training_rollout(cfg, tokenizer, hf_config, parallel)
     if trajectory.stop and hasattr(engine, "set_stop_decoder"):  # the HF engine matches stop strings itself
         engine.set_stop_decoder(lambda ids: tokenizer.decode(ids, skip_special_tokens=False))

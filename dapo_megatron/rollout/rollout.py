@@ -106,7 +106,7 @@ class Rollout:
         # streamed: group g on engine g.prompt_seed % num_engines (its driving rank); each round
         # replicates records only, the tokens stay there until the step's plan sends them on
         self.row_client = (EngineClient(engine, self._train_params(), num_engines=num_engines,
-                                        engine_index=engine_index, parallel=parallel)
+                                        engine_index=engine_index, parallel=parallel, trajectory=self.trajectory)
                            if collector is not None else None)
         self.gen_batches_done = 0
         # a CPU sync into fresh memory pays page faults worth several copies; on GPU the caching

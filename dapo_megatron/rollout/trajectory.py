@@ -87,6 +87,15 @@ class Trajectory:
         """
         return None
 
+    def ends_turn(self, sample: Sample, new_ids: Sequence[int]) -> bool:
+        """Whether an ABORTED row's tokens end a turn: ``new_ids`` (the row's, not yet appended to
+        ``sample``) complete one of :attr:`stop`. SGLang lets an aborted row (a weight sync's
+        pause) decode one more token and applies the abort before its stop checks (as for EOS,
+        :func:`~dapo_megatron.rollout.engines.sglang_io.row_outcome`), so a tool call's last token
+        can come back ``"abort"``; the loops then settle the row as ``"stop"`` rather than
+        continue it past the call. The base class has no stop strings: False."""
+        return False
+
     def bind_sandbox(self, config: Any) -> None:
         """Take the run's ``sandbox`` block (a trajectory that runs programs starts its pool here;
         ``build_rollout`` calls it for a multi-turn trajectory). The base class runs nothing."""

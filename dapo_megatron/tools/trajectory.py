@@ -34,6 +34,7 @@ import dataclasses
 import logging
 from typing import Any, Optional, Sequence
 
+from dapo_megatron.rollout.engines.engine import match_stop_string
 from dapo_megatron.rollout.trajectory import PENDING, Trajectory
 from dapo_megatron.rollout.types import Sample
 from dapo_megatron.tools.calls import (ToolCallConfig, find_tool_call, format_tool_response, stop_strings,
@@ -113,6 +114,18 @@ class ToolTrajectory(Trajectory):
         if self.pool is not None:
             self.pool.close()
             self.pool = None
+
+    def ends_turn(self, sample: Sample, new_ids: Sequence[int]) -> bool:
+        """:meth:`Trajectory.ends_turn`: this turn's model tokens (after the last context, then
+        ``new_ids``) end on a stop string, by the engines' rule
+        (:func:`~dapo_megatron.rollout.engines.engine.match_stop_string`)."""
+        if not new_ids or sample.response_ids is None:
+            return False
+        mask = sample.loss_token_mask()
+        start = max((i + 1 for i, m in enumerate(mask) if m == 0), default=0)  # this turn's first token
+        turn = list(sample.response_ids[start:]) + list(new_ids)
+        return match_stop_string(self.stop, turn, lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)) \
+            is not None
 
     def on_row_finished(self, sample: Sample, finish_reason: str, budget: int) -> Optional[Sequence[int]]:
         """The hook (class docstring): the tool's output ids to append, or None."""

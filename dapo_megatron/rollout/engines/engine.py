@@ -202,6 +202,20 @@ class RowResult(NamedTuple):
     routes: Optional[torch.Tensor] = None
 
 
+def match_stop_string(stops: Sequence[str], tokens: Sequence[int], decode) -> Optional[str]:
+    """The first of ``stops`` found in the text (``decode(ids) -> str``) of the last few of
+    ``tokens`` (a row's, or a turn's, tokens), else None: the one rule of stop strings
+    (``SamplingParams.stop``). The window is 4 tokens per character of the longest stop string
+    + 4 (a token of byte-fallback text may hold a quarter of a character). Checked after every
+    sampled token, an earlier occurrence would have ended the row already, so any occurrence is
+    the last token's (SGLang's ``Req._check_str_based_finish`` decodes the output's tail alike)."""
+    if not stops or not tokens:
+        return None
+    window = 4 * max(len(t) for t in stops) + 4
+    text = decode(list(tokens[-window:]))
+    return next((t for t in stops if t in text), None)
+
+
 def sample_seed(seed: Optional[int], prompt_seed: int, sample: int) -> Optional[int]:
     """The sampler seed of response ``sample`` (0..n-1) of the prompt with ``prompt_seed``.
 

@@ -62,6 +62,7 @@ from dapo_megatron.rollout.engines.engine import (
     RowResult,
     SamplingParams,
     checkpoint_parameters,
+    match_stop_string,
     resolve_prompt_seeds,
     specs_from_module,
     validate_prompt_ids,
@@ -423,11 +424,7 @@ class HFEngine(RolloutEngine):
         stop strings: the engine ends a row on it, ``dapo-rollout-server`` names the match with it.
         An earlier occurrence inside the window would have ended the row already, so any
         occurrence is the last token's."""
-        if not stops or not tokens:
-            return None
-        window = 4 * max(len(t) for t in stops) + 4
-        text = self._stop_decode(list(tokens[-window:]))
-        return next((t for t in stops if t in text), None)
+        return match_stop_string(stops, tokens, self._stop_decode)
 
     def _ends_on_stop_string(self, row: _Row) -> bool:
         """Whether the row's last token completes one of its stop strings (:meth:`set_stop_decoder`)."""

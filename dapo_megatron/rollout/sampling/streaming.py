@@ -98,6 +98,16 @@ class RowClient(Protocol):
     def abort(self) -> list[RowUpdate]:
         """Stop every row; each one's new tokens since its submission (``"abort"``)."""
 
+    def share_turns(self, turns: Sequence[tuple[int, int, int, int]]) -> list[tuple[int, int, int, int]]:
+        """A multi-turn trajectory's decisions, taken where the tokens are, for every rank:
+        ``(prompt_seed, j, context tokens appended, TURN_END code)`` per row this rank settled;
+        every rank's, in rank order."""
+
+
+TURN_END = ("stop", "length", PENDING)
+"""How :func:`~dapo_megatron.rollout.trajectory.settle_row` left a sample (finished, or continued after
+its context), coded by position in :meth:`EngineClient.share_turns`' records."""
+
 
 class EngineClient:
     """:class:`RowClient` over the run's rollout engines; in a distributed run every call is a
@@ -127,10 +137,12 @@ class EngineClient:
     """
 
     def __init__(self, engine: Optional[RolloutEngine], params: SamplingParams, *, num_engines: int = 1,
-                 engine_index: Optional[int] = 0, parallel: Optional[ParallelDims] = None):
+                 engine_index: Optional[int] = 0, parallel: Optional[ParallelDims] = None,
+                 trajectory: Trajectory = SINGLE_TURN):
         if num_engines < 1 or (engine_index is not None and not 0 <= engine_index < num_engines):
             raise ValueError(f"engine_index={engine_index} must be None or in [0, num_engines={num_engines})")
-        self.engine, self.params = engine, params
+        self.engine, self.params, self.trajectory = engine, params, trajectory
+        self._samples: dict[tuple[int, int], Sample] = {}  # the rows this rank's engine runs (ends_turn reads them)
         self.num_engines, self.engine_index = num_engines, engine_index
         self.parallel = dims_or_single(parallel, "EngineClient")
         self.rank, self.world = self.parallel.rank, self.parallel.world_size
@@ -147,9 +159,11 @@ class EngineClient:
         return g.prompt_seed % self.num_engines
 
     def submit(self, rows: Sequence[tuple[Group, int]]) -> None:
-        mine = [row_request(g, j, self.params) for g, j in rows if self.engine_of(g) == self.engine_index]
+        mine = [(g, j) for g, j in rows if self.engine_of(g) == self.engine_index]
+        if self.trajectory.stop:
+            self._samples.update(((g.prompt_seed, j), g.samples[j]) for g, j in mine)
         if mine:
-            self.engine.submit(mine)
+            self.engine.submit([row_request(g, j, self.params) for g, j in mine])
 
     def poll(self, max_tokens: int) -> list[RowUpdate]:
         driving = self.engine_index is not None and self.engine.num_in_flight
@@ -158,9 +172,24 @@ class EngineClient:
     def abort(self) -> list[RowUpdate]:
         return self._replicate(self.engine.abort() if self.engine_index is not None else [])
 
+    def share_turns(self, turns: Sequence[tuple[int, int, int, int]]) -> list[tuple[int, int, int, int]]:
+        """:meth:`RowClient.share_turns`: one all-gather of 4 int64 per settled row (a collective)."""
+        if self.world == 1:
+            return [tuple(t) for t in turns]
+        table = torch.tensor([list(t) for t in turns], dtype=torch.int64).view(len(turns), 4)
+        return [tuple(row) for _, row in all_gather_rows(table, group=self.parallel.world_group)]
+
     def _replicate(self, local: list[RowResult]) -> list[RowUpdate]:
         """Every rank's results as :class:`RowUpdate` s, in rank order then each engine's order;
-        the tokens only in this rank's own."""
+        the tokens only in this rank's own. An aborted row whose tokens end a turn
+        (:meth:`~dapo_megatron.rollout.trajectory.Trajectory.ends_turn`: SGLang's extra decode step
+        completed a stop string) is a finished one, decided here, where its tokens are."""
+        if self.trajectory.stop:
+            local = [r._replace(finish_reason="stop")
+                     if r.finish_reason == "abort" and self.trajectory.ends_turn(self._samples[r.key], r.response_ids)
+                     else r for r in local]
+            for r in local:
+                self._samples.pop(r.key, None)
         if self.world == 1:
             return [RowUpdate(r.key, len(r.response_ids), r.finish_reason, r.version, HELD_BY_ALL, list(r.response_ids),
                               list(r.logprobs), r.routes) for r in local]
@@ -311,6 +340,11 @@ def extend_sample(s: Sample, u: RowUpdate, trajectory: Trajectory = SINGLE_TURN,
         return False
     if trajectory.multi_turn and max_new_tokens is None:
         raise ValueError("extend_sample: a multi-turn trajectory needs max_new_tokens (rollout.response_length)")
+    if trajectory.multi_turn and s.response_ids is None:
+        # the trajectory runs where the tokens are; this rank applies the holder's decision
+        # (StreamingCollector._share_turns), and until then the sample is still in flight
+        s.finish_reason = PENDING
+        return False
     return settle_row(s, u.finish_reason, trajectory, version=u.version, max_new_tokens=max_new_tokens or 0)
 
 
@@ -326,7 +360,8 @@ class StreamingCollector:
         poll_tokens: sampled tokens per engine per round, >= 1.
         trajectory: the hook that settles each finished row (:mod:`~dapo_megatron.rollout.trajectory`;
             default single-turn); a continued sample's next row is submitted in the same round.
-            A multi-turn one needs every sample's tokens here (a world of one).
+            A multi-turn one runs where each row's tokens are; the other ranks take its decisions
+            (:meth:`RowClient.share_turns`).
         max_new_tokens: the response budget (``rollout.response_length``) a multi-turn trajectory's
             context is cut to.
     """
@@ -371,6 +406,30 @@ class StreamingCollector:
         self.skipper.load_state_dict(state["skipper"])
 
     # ---- the step -------------------------------------------------------------------
+    def _share_turns(self, client: RowClient, inflight: dict[int, Group],
+                     finished: list[tuple[RowUpdate, int]]) -> list[tuple[Group, int]]:
+        """A multi-turn trajectory's decisions on every rank (a collective when the client is): the
+        rank holding a finished row's tokens settled it (:func:`extend_sample`); each rank
+        elsewhere appends the same number of context tokens (their count: it holds no tokens) and
+        takes the same finish reason. Returns the rows to continue, in the holders' order."""
+        mine = []
+        for u, before in finished:
+            s = inflight[u.key[0]].samples[u.key[1]]
+            if s.response_ids is not None:  # settled here: this rank holds the row's tokens
+                mine.append((u.key[0], u.key[1], s.num_context_tokens - before, TURN_END.index(s.finish_reason)))
+        versions = {u.key: u.version for u, _ in finished}
+        continued = []
+        for seed, j, added, end in client.share_turns(mine):
+            g = inflight[seed]
+            s = g.samples[j]
+            if s.response_ids is None:  # the holder's decision, as settle_row took it there
+                if added:
+                    s.append_tokens(versions[(seed, j)], None, None, num_tokens=added, context=True)
+                s.finish_reason = TURN_END[end]
+            if TURN_END[end] == PENDING:
+                continued.append((g, j))
+        return continued
+
     def collect(self, client: RowClient, prompts: PromptQueue, policy_version: int) -> tuple[list[Group], dict]:
         """The groups of one training step (module docstring); a collective when the client is.
 
@@ -424,12 +483,17 @@ class StreamingCollector:
             if not inflight:
                 break  # at the cap, nothing running
             rounds += 1
-            continued = []
+            continued, finished = [], []
             for u in client.poll(self.poll_tokens):
                 g = inflight[u.key[0]]
+                before = g.samples[u.key[1]].num_context_tokens
                 if extend_sample(g.samples[u.key[1]], u, self.trajectory, self.max_new_tokens):
                     continued.append((g, u.key[1]))
+                if u.finish_reason != "abort":
+                    finished.append((u, before))
                 gen_tokens += u.num_tokens
+            if self.trajectory.multi_turn:
+                continued = self._share_turns(client, inflight, finished)
             if continued:  # a multi-turn trajectory's next turns, after their context
                 client.submit(continued)
             done = [g for g in inflight.values() if all(s.finish_reason != PENDING for s in g.samples)]
@@ -442,11 +506,19 @@ class StreamingCollector:
                 self.skipper.record(g.samples[0].prompt_index, sel.zero_variance(g))
                 self.keep.count(sel.offer(g) == KEPT)
         aborted = client.abort() if inflight else []
-        aborted_tokens = 0
+        aborted_tokens, finished = 0, []
         for u in aborted:
-            extend_sample(inflight[u.key[0]].samples[u.key[1]], u)
+            s = inflight[u.key[0]].samples[u.key[1]]
+            before = s.num_context_tokens
+            # an abort that ended a turn (EngineClient reads "stop") is settled by the trajectory: its
+            # tool runs now, and a continued sample is carried with its context (partial_rollout)
+            extend_sample(s, u, self.trajectory, self.max_new_tokens)
+            if u.finish_reason != "abort":
+                finished.append((u, before))
             gen_tokens += u.num_tokens
             aborted_tokens += u.num_tokens
+        if self.trajectory.multi_turn:
+            self._share_turns(client, inflight, finished)
         if self.partial_rollout:
             self._partial = list(inflight.values())
         if sel.missing and cfg.on_cap == "error":

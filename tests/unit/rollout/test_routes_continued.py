@@ -42,15 +42,16 @@ def _top_k(model, ids):
     return torch.stack([torch.topk(torch.softmax(lg.float(), -1), k, -1).indices for lg in logits], 1)  # [T, L, K]
 
 
-def test_streamed_rows_keep_each_positions_route_across_a_continued_row():
-    from dapo_megatron.rollout.engines.engine import SamplingParams, checkpoint_parameters
+def _aborted_after_first_tokens():
+    """Every row of :data:`PROMPTS` streamed on an HF engine with weights version 0 (routes
+    recorded) for :data:`FIRST` tokens, then aborted: ``(engine, client, groups, rows, versions)``."""
+    from dapo_megatron.rollout.engines.engine import SamplingParams
     from dapo_megatron.rollout.engines.hf_engine import HFEngine
-    from dapo_megatron.rollout.sampling.streaming import PENDING, EngineClient, extend_sample, new_group
+    from dapo_megatron.rollout.sampling.streaming import EngineClient, extend_sample, new_group
 
     versions = {0: _model(seed=0), 1: _model(seed=1)}
     engine = HFEngine(_model(seed=0), eos_token_ids=[0], record_routes=True)
-    params = SamplingParams(n=N, max_new_tokens=MAX_NEW, seed=11, temperature=1.0)
-    client = EngineClient(engine, params)
+    client = EngineClient(engine, SamplingParams(n=N, max_new_tokens=MAX_NEW, seed=11, temperature=1.0))
     groups = [new_group(SimpleNamespace(prompt_ids=p, index=i, data_source="", ground_truth="", extra_info=None), i, N)
               for i, p in enumerate(PROMPTS)]
     rows = [(g, j) for g in groups for j in range(N)]
@@ -59,6 +60,14 @@ def test_streamed_rows_keep_each_positions_route_across_a_continued_row():
         extend_sample(groups[u.key[0]].samples[u.key[1]], u)
     for u in client.abort():
         extend_sample(groups[u.key[0]].samples[u.key[1]], u)
+    return engine, client, groups, rows, versions
+
+
+def test_streamed_rows_keep_each_positions_route_across_a_continued_row():
+    from dapo_megatron.rollout.engines.engine import checkpoint_parameters
+    from dapo_megatron.rollout.sampling.streaming import PENDING, extend_sample
+
+    engine, client, groups, rows, versions = _aborted_after_first_tokens()
     assert all(s.finish_reason == PENDING and s.response_ids for g in groups for s in g.samples)
     engine.update_weights(checkpoint_parameters(versions[1]), version=1)
     client.submit(rows)  # every row continued from its prefix: routes from where its sample's end
@@ -87,9 +96,8 @@ def test_a_trajectorys_context_keeps_the_held_routes_and_takes_its_own_from_the_
     output, mask 0) through ``settle_row``, a weight sync, the next turn (version 1). The positions
     of the first turn keep version 0's routes; the turn's last token, the context's positions and
     the second turn's take version 1's, from the continuation's prefill and decode."""
-    from dapo_megatron.rollout.engines.engine import SamplingParams, checkpoint_parameters
-    from dapo_megatron.rollout.engines.hf_engine import HFEngine
-    from dapo_megatron.rollout.sampling.streaming import PENDING, EngineClient, extend_sample, new_group
+    from dapo_megatron.rollout.engines.engine import checkpoint_parameters
+    from dapo_megatron.rollout.sampling.streaming import PENDING, extend_sample
     from dapo_megatron.rollout.trajectory import Trajectory, settle_row
 
     context = [40, 41, 42]
@@ -101,18 +109,7 @@ def test_a_trajectorys_context_keeps_the_held_routes_and_takes_its_own_from_the_
             return context if sample.num_context_tokens == 0 else None
 
     trajectory = ToolOutput()
-    versions = {0: _model(seed=0), 1: _model(seed=1)}
-    engine = HFEngine(_model(seed=0), eos_token_ids=[0], record_routes=True)
-    params = SamplingParams(n=N, max_new_tokens=MAX_NEW, seed=11, temperature=1.0)
-    client = EngineClient(engine, params)
-    groups = [new_group(SimpleNamespace(prompt_ids=p, index=i, data_source="", ground_truth="", extra_info=None), i, N)
-              for i, p in enumerate(PROMPTS)]
-    rows = [(g, j) for g in groups for j in range(N)]
-    client.submit(rows)
-    for u in client.poll(FIRST):
-        extend_sample(groups[u.key[0]].samples[u.key[1]], u)
-    for u in client.abort():
-        extend_sample(groups[u.key[0]].samples[u.key[1]], u)
+    engine, client, groups, rows, versions = _aborted_after_first_tokens()
     held = {}
     for g in groups:
         for j, s in enumerate(g.samples):

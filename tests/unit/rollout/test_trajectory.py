@@ -139,6 +139,38 @@ def test_streamed_turns_equal_the_batch_loops_token_for_token(engine):
     assert multi >= 2
 
 
+def test_the_streamed_client_settles_an_aborted_row_that_ends_a_turn_where_its_tokens_are(engine):
+    """The abort's extra decode step (SGLang's) can complete a call: the client asks the trajectory
+    (``ends_turn``) before it replicates the row's record, so every rank reads ``"stop"`` and the
+    row is settled as a turn (here: a turn ends at an even id)."""
+    from dapo_megatron.rollout.sampling.streaming import extend_sample, new_group
+
+    class EndsAtEven(TwoTurns):
+        stop = ("<the call's end>",)
+
+        def ends_turn(self, sample, new_ids):
+            return bool(new_ids) and new_ids[-1] % 2 == 0
+
+    trajectory = EndsAtEven()
+    client = EngineClient(engine, PARAMS, trajectory=trajectory)
+    groups = [new_group(r, i, PARAMS.n) for i, r in enumerate(RECORDS[:4])]
+    client.submit([(g, j) for g in groups for j in range(PARAMS.n)])
+    finished = client.poll(2)
+    aborted = client.abort()
+    assert engine.num_in_flight == 0
+    kinds = set()
+    for u in aborted:
+        want = "stop" if u.response_ids and u.response_ids[-1] % 2 == 0 else "abort"
+        assert u.finish_reason == want
+        kinds.add(want)
+        s = groups[u.key[0]].samples[u.key[1]]
+        continued = extend_sample(s, u, trajectory, PARAMS.max_new_tokens)
+        assert continued == (want == "stop" and len(s.response_ids) < PARAMS.max_new_tokens)  # settled, after CONTEXT
+        assert (s.num_context_tokens > 0) == (want == "stop")  # the trajectory ran on the row's turn
+    assert kinds == {"stop", "abort"} and len(finished) + len(aborted) == 4 * PARAMS.n
+    assert not client._samples  # every row's sample released
+
+
 def test_settle_row_cuts_the_context_to_the_budget_and_refuses_bad_context():
     def sample(n_tokens):
         s = Sample([1, 2], [], [], "")
@@ -199,6 +231,42 @@ def test_the_async_controller_sends_the_next_turn_as_prompt_plus_the_response_so
             assert s.rollout_logprobs == [-0.5, -0.25, 0.0, 0.0, 0.0, -0.75] and s.finish_reason == "stop"
             assert s.versions == [(0, 4)] and s.holder == 0
     assert sample_seed(5, 6, 0) == first[0][2]
+
+
+@pytest.mark.timeout(60)
+def test_an_aborted_row_whose_tokens_end_the_turn_is_settled_as_a_finished_turn():
+    """SGLang's abort (a weight sync's pause) decodes one more token before it applies, so a tool
+    call's last token can come back ``"abort"``: the controller asks the trajectory
+    (``ends_turn``) and settles that row as ``"stop"``, its next turn after the context, rather
+    than continuing it past the call."""
+
+    class CallEndsAt8(TwoTurns):
+        stop = ("<the call's end>",)
+
+        def ends_turn(self, sample, new_ids):
+            return bool(new_ids) and new_ids[-1] == 8
+
+    calls = []
+
+    def servers(rows, version):
+        calls.append([list(ids) for _, ids, _ in rows])
+        return [(([7, 8] if len(ids) == 1 else [9]), ([-0.5, -0.25] if len(ids) == 1 else [-0.75]),
+                 "abort" if len(ids) == 1 else "stop", version) for _, ids, sp in rows]
+
+    cfg = BufferConfig(train_batch_size=1, n=2, gen_batch_size=2, max_num_gen_batches=1)
+    selector = SimpleNamespace(config=cfg, begin=lambda version: None)
+    ctrl = RolloutController(selector, lambda: [], ["http://a"], SamplingParams(n=2, max_new_tokens=10, seed=5),
+                             silence_timeout_s=1.0, version=4, policy_version=4, generate=servers,
+                             trajectory=CallEndsAt8())
+    records = [SimpleNamespace(prompt_ids=[10 + g], index=g, data_source="d", ground_truth="1", extra_info={})
+               for g in range(2)]
+    groups, resubmitted, reprefilled, retried = ctrl._generate_batch(records, [6, 7], 4)
+    assert resubmitted == 0  # nothing continued as a partial row
+    assert calls[1] == [[10 + g, 7, 8, *CONTEXT] for g in range(2) for _ in range(2)]  # the next turn, after the tool
+    for g in groups:
+        for s in g.samples:
+            assert s.response_ids == [7, 8, *CONTEXT, 9] and s.response_mask == [1, 1, 0, 0, 0, 1]
+            assert s.finish_reason == "stop"
 
 
 def test_the_trajectory_is_selected_from_rollout_multi_turn():

@@ -18,7 +18,7 @@ import torch
 from dapo_megatron.rollout.config import MultiTurnConfig
 from dapo_megatron.rollout.engines.engine import RowRequest, SamplingParams
 from dapo_megatron.rollout.engines.hf_engine import HFEngine
-from dapo_megatron.rollout.trajectory import PENDING, settle_row
+from dapo_megatron.rollout.trajectory import PENDING, Trajectory, settle_row
 from dapo_megatron.rollout.types import Sample
 from dapo_megatron.tools.sandbox import SandboxConfig
 from dapo_megatron.tools.trajectory import ToolTrajectory, tool_metrics
@@ -135,3 +135,25 @@ def test_errors_turn_limits_and_turns_without_a_call(tokenizer, trajectory):
         assert t.response_ids == ids and t.response_mask is None
     counts = trajectory.take_counts()
     assert (counts["responses"], counts["calls"], counts["errors"], counts["with_call"]) == (3, 2, 2, 1)
+
+
+def test_an_aborted_rows_tokens_end_the_turn_when_they_complete_the_calls_stop_string(tokenizer, trajectory):
+    """``ends_turn`` (SGLang's abort decodes one more token, applied before its stop checks): the
+    turn's tokens, the held ones then the row's, completing the stop string; a turn before the
+    context does not count."""
+    def _chars(tok, text):  # one id per character
+        return [i for ch in text for i in tok.encode(ch, add_special_tokens=False)]
+
+    head = _chars(tokenizer, "Let me compute.\n```python\nprint(2 + 2)\n``")
+    s = Sample(prompt_ids=[1, 2], response_ids=list(head), rollout_logprobs=[-0.5] * len(head),
+               finish_reason=PENDING, versions=[(0, 1)])
+    assert trajectory.ends_turn(s, _chars(tokenizer, "`\n"))  # completed across the held part and the row's
+    assert not trajectory.ends_turn(s, _chars(tokenizer, "`"))  # one newline short
+    assert not trajectory.ends_turn(s, [])
+    # after a context (a tool's output ends with the same fence), a new turn starts: nothing of it ends it
+    done = _chars(tokenizer, "```python\nprint(1)\n```\n")
+    t = Sample(prompt_ids=[1, 2], response_ids=list(done), rollout_logprobs=[-0.5] * len(done),
+               finish_reason=PENDING, versions=[(0, 1)])
+    t.append_tokens(1, _chars(tokenizer, "```output\n1\n```\n"), None, context=True)
+    assert not trajectory.ends_turn(t, _chars(tokenizer, "So"))
+    assert not Trajectory().ends_turn(s, _chars(tokenizer, "`\n"))  # single-turn: no stop strings
