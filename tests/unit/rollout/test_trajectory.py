@@ -203,20 +203,28 @@ def test_settle_row_cuts_the_context_to_the_budget_and_refuses_bad_context():
         settle_row(elsewhere, "stop", TwoTurns(), version=0, max_new_tokens=12)
 
 
+def _two_turn_servers(calls: list, first_kind: str = "stop"):
+    """A fake ``/generate``: a first turn (one-token input) samples 7, 8 and ends ``first_kind``; a
+    continued row (longer input) samples 9 and stops. Each request's (ids, max_new_tokens, seed)
+    are appended to ``calls``."""
+    def servers(rows, version):
+        calls.append([(list(ids), sp["max_new_tokens"], sp["sampling_seed"]) for _, ids, sp in rows])
+        return [(([7, 8] if len(ids) == 1 else [9]), ([-0.5, -0.25] if len(ids) == 1 else [-0.75]),
+                 first_kind if len(ids) == 1 else "stop", version) for _, ids, sp in rows]
+    return servers
+
+
+def _controller(servers, trajectory, params=SamplingParams(n=2, max_new_tokens=10, seed=5)):
+    """An async controller at version 4 over ``servers``, groups of 2."""
+    cfg = BufferConfig(train_batch_size=1, n=2, gen_batch_size=2, max_num_gen_batches=1)
+    return RolloutController(SimpleNamespace(config=cfg, begin=lambda version: None), lambda: [], ["http://a"],
+                             params, silence_timeout_s=1.0, version=4, policy_version=4, generate=servers,
+                             trajectory=trajectory)
+
+
 def test_the_async_controller_sends_the_next_turn_as_prompt_plus_the_response_so_far():
     calls = []
-
-    def servers(rows, version):
-        """First turn: two tokens and a stop; a continued row (longer input): one token and a stop."""
-        calls.append([(list(ids), sp["max_new_tokens"], sp["sampling_seed"]) for _, ids, sp in rows])
-        return [(([7, 8] if len(ids) == 1 else [9]), ([-0.5, -0.25] if len(ids) == 1 else [-0.75]), "stop", version)
-                for _, ids, sp in rows]
-
-    cfg = BufferConfig(train_batch_size=1, n=2, gen_batch_size=2, max_num_gen_batches=1)
-    selector = SimpleNamespace(config=cfg, begin=lambda version: None)
-    ctrl = RolloutController(selector, lambda: [], ["http://a"], SamplingParams(n=2, max_new_tokens=10, seed=5),
-                             silence_timeout_s=1.0, version=4, policy_version=4, generate=servers,
-                             trajectory=TwoTurns())
+    ctrl = _controller(_two_turn_servers(calls), TwoTurns())
     records = [SimpleNamespace(prompt_ids=[10 + g], index=g, data_source="d", ground_truth="1", extra_info={})
                for g in range(2)]
     groups, resubmitted, reprefilled, retried = ctrl._generate_batch(records, [6, 7], 4)
@@ -247,22 +255,13 @@ def test_an_aborted_row_whose_tokens_end_the_turn_is_settled_as_a_finished_turn(
             return bool(new_ids) and new_ids[-1] == 8
 
     calls = []
-
-    def servers(rows, version):
-        calls.append([list(ids) for _, ids, _ in rows])
-        return [(([7, 8] if len(ids) == 1 else [9]), ([-0.5, -0.25] if len(ids) == 1 else [-0.75]),
-                 "abort" if len(ids) == 1 else "stop", version) for _, ids, sp in rows]
-
-    cfg = BufferConfig(train_batch_size=1, n=2, gen_batch_size=2, max_num_gen_batches=1)
-    selector = SimpleNamespace(config=cfg, begin=lambda version: None)
-    ctrl = RolloutController(selector, lambda: [], ["http://a"], SamplingParams(n=2, max_new_tokens=10, seed=5),
-                             silence_timeout_s=1.0, version=4, policy_version=4, generate=servers,
-                             trajectory=CallEndsAt8())
+    ctrl = _controller(_two_turn_servers(calls, first_kind="abort"), CallEndsAt8())
     records = [SimpleNamespace(prompt_ids=[10 + g], index=g, data_source="d", ground_truth="1", extra_info={})
                for g in range(2)]
     groups, resubmitted, reprefilled, retried = ctrl._generate_batch(records, [6, 7], 4)
     assert resubmitted == 0  # nothing continued as a partial row
-    assert calls[1] == [[10 + g, 7, 8, *CONTEXT] for g in range(2) for _ in range(2)]  # the next turn, after the tool
+    # the next turn, after the tool's output
+    assert [ids for ids, _, _ in calls[1]] == [[10 + g, 7, 8, *CONTEXT] for g in range(2) for _ in range(2)]
     for g in groups:
         for s in g.samples:
             assert s.response_ids == [7, 8, *CONTEXT, 9] and s.response_mask == [1, 1, 0, 0, 0, 1]
@@ -282,20 +281,10 @@ def test_the_trajectory_is_selected_from_rollout_multi_turn():
 
 def test_async_validation_runs_the_turns_as_the_rollout_does():
     calls = []
-
-    def servers(rows, version):
-        """First turn: two tokens and a stop; a continued row (longer input): one token and a stop."""
-        calls.append([(list(ids), sp["max_new_tokens"], sp["sampling_seed"]) for _, ids, sp in rows])
-        return [(([7, 8] if len(ids) == 1 else [9]), ([-0.5, -0.25] if len(ids) == 1 else [-0.75]), "stop", version)
-                for _, ids, sp in rows]
-
-    cfg = BufferConfig(train_batch_size=1, n=2, gen_batch_size=2, max_num_gen_batches=1)
-    selector = SimpleNamespace(config=cfg, begin=lambda version: None)
     params = SamplingParams(n=2, max_new_tokens=10, seed=5)
     for trajectory in (TwoTurns(), SINGLE_TURN):
         calls.clear()
-        ctrl = RolloutController(selector, lambda: [], ["http://a"], params, silence_timeout_s=1.0, version=4,
-                                 policy_version=4, generate=servers, trajectory=trajectory)
+        ctrl = _controller(_two_turn_servers(calls), trajectory, params)
         ctrl.pause()
         out = ctrl.generate_validation([[10], [11]], params)
         first = calls[0]
