@@ -1,5 +1,7 @@
 """Megatron ⇄ HF weights: one mapping table (:mod:`.mapping`), TP/PP gather/scatter,
-bucketed streaming (:func:`iter_hf_weights`) and model-only distributed checkpoints.
+bucketed streaming (:func:`iter_hf_weights`) and model-only distributed checkpoints; the weight
+sync's buckets (:mod:`.buckets`, SGLang's flattened form :mod:`.flat_bucket`) and the verification
+of every sync (:mod:`.verify`).
 
 Design: docs/design.md §1 step 7 (weight sync).
 """

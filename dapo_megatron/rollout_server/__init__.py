@@ -75,7 +75,7 @@ Endpoints, with the request and response fields of sglang 0.5.11
   model (name, shape, dtype name) BEFORE the broadcast is joined; names are the checkpoint's, as
   SGLang's ``load_weights`` takes them (a transformers-5 MoE model's fused experts by their
   per-expert names, ``mlp.experts.{e}.gate_proj.weight``, as views:
-  :func:`~dapo_megatron.rollout.engines.engine.checkpoint_parameters`; ``/get_weights_by_name`` too), so a bad update answers 400
+  :func:`~dapo_megatron.bridge.receiver.checkpoint_parameters`; ``/get_weights_by_name`` too), so a bad update answers 400
   at once and the sender stops naming this server instead of waiting for it. Then one
   ``broadcast(src=0)`` per tensor in order, or with ``load_format="flattened_bucket"`` ONE
   broadcast of the ``uint8`` buffer that SGLang's ``FlattenedTensorBucket`` would allocate

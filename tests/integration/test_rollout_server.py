@@ -276,8 +276,8 @@ def _weights(url, name, numel_rows):
 def test_weight_update_over_gloo_is_bitwise_and_generation_uses_it(server, model_dir):
     from transformers import AutoModelForCausalLM
 
-    from dapo_megatron.rollout.engines.buckets import dtype_name
-    from dapo_megatron.rollout.engines.flat_bucket import FlatBucketPacker
+    from dapo_megatron.bridge.buckets import dtype_name
+    from dapo_megatron.bridge.flat_bucket import FlatBucketPacker
     from dapo_megatron.rollout.engines.sglang_engine import distributed_update_request
 
     new_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

@@ -91,7 +91,7 @@ def _sync_case(tp, pp, urls, out_dir, timeout_s=60, logs=(), seed=1, probe=False
     from dapo_megatron.bridge import ExportBuffers, export_hf_state_dict, iter_hf_weights, load_hf_weights
     from dapo_megatron.models import ModelConfig, build_gpt_model
     from dapo_megatron.platform import ParallelConfig, init_distributed
-    from dapo_megatron.rollout.engines.engine import hf_param_specs
+    from dapo_megatron.bridge.receiver import hf_param_specs
     from dapo_megatron.rollout.engines.server_sync import check_health, connect_servers, query_server, sync_servers
 
     os.makedirs(out_dir, exist_ok=True)

@@ -26,7 +26,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from dapo_megatron.models.config import moe_layout
 from dapo_megatron.platform import device, local_device_index
-from dapo_megatron.rollout.engines.engine import RolloutEngine, hf_param_specs
+from dapo_megatron.rollout.engines.engine import RolloutEngine
+from dapo_megatron.bridge.receiver import hf_param_specs
 from dapo_megatron.rollout.engines.engine_group import EngineGroupMember, RolloutGroup
 from dapo_megatron.rollout.engines.hf_engine import HFEngine
 from dapo_megatron.rollout.engines.routes import replay_routes_layout

@@ -56,19 +56,17 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from dapo_megatron.rollout.engines.engine import (
     Completion,
     GenerationOutput,
-    ParamSpec,
     RolloutEngine,
     RowRequest,
     RowResult,
     SamplingParams,
-    checkpoint_parameters,
     match_stop_string,
     resolve_prompt_seeds,
-    specs_from_module,
     validate_prompt_ids,
 )
+from dapo_megatron.bridge.receiver import ParamSpec, checkpoint_parameters, specs_from_module
 from dapo_megatron.rollout.engines.routes import HFRouteRecorder, compact_routes, concat_routes, num_route_tokens
-from dapo_megatron.rollout.engines.verify import Timer, as_sent, checksum_tensor, digest_dtype, read_checksums
+from dapo_megatron.bridge.verify import Timer, as_sent, checksum_tensor, digest_dtype, read_checksums
 
 
 def process_logits(logits: torch.Tensor, temperature: float, top_p: float = 1.0, top_k: int = -1) -> torch.Tensor:

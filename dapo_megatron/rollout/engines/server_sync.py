@@ -20,7 +20,7 @@ broadcast from rank 0 as ONE flat ``uint8`` buffer: the server allocates the sam
 ``FlattenedTensorBucket`` from the announced metadata and receives into it
 (``model_executor/model_runner.py`` ``_update_bucketed_weights_from_distributed``), so the
 buffer must be packed exactly as that bucket is, which
-:class:`~dapo_megatron.rollout.engines.flat_bucket.FlatBucketPacker` does.
+:class:`~dapo_megatron.bridge.flat_bucket.FlatBucketPacker` does.
 
 Expert parallelism (EP > 1): an SGLang server receives every bucket from rank 0 of the named group
 (``broadcast(src=0)`` in ``_update_bucketed_weights_from_distributed``), so each EP owner of a stage
@@ -62,12 +62,13 @@ import torch.distributed as dist
 
 from dapo_megatron.platform import collectives, free_port
 from dapo_megatron.platform.parallel_dims import ParallelDims, dims_or_single
-from dapo_megatron.rollout.engines.buckets import dtype_name
-from dapo_megatron.rollout.engines.engine import RowRequest, RowResult, WeightSyncTracker
-from dapo_megatron.rollout.engines.flat_bucket import FlatBucketPacker
+from dapo_megatron.bridge.buckets import dtype_name
+from dapo_megatron.rollout.engines.engine import RowRequest, RowResult
+from dapo_megatron.bridge.receiver import WeightSyncTracker
+from dapo_megatron.bridge.flat_bucket import FlatBucketPacker
 from dapo_megatron.rollout.engines.layout import rollout_engines, server_rank_offsets
 from dapo_megatron.rollout.engines.row_client import RowClient, check_health, each_server as _each
-from dapo_megatron.rollout.engines.verify import (SyncDigest, Timer, digest_dtype, readback_checksum, readback_names,
+from dapo_megatron.bridge.verify import (SyncDigest, Timer, digest_dtype, readback_checksum, readback_names,
                                                   readback_shape)
 from dapo_megatron.rollout.engines.generate_stream import http_get, http_post
 from dapo_megatron.rollout.engines.sglang_engine import init_custom_process_group
@@ -448,7 +449,7 @@ def sync_servers(stage_tensors: Optional[Iterable[NamedTensor]], *, sender: Opti
             experts; EP rank 0 every non-expert tensor too: :func:`expert_turn`), through its own
             ``sender`` (``sender.expert_turn``); every other rank with a stream iterates its items
             of the turn (the gathers are collective). ``turn_of`` None: one turn per stage.
-        digest: verification (:mod:`.verify`): the :class:`~.verify.SyncDigest` the bridge filled
+        digest: verification (:mod:`~dapo_megatron.bridge.verify`): the :class:`~dapo_megatron.bridge.verify.SyncDigest` the bridge filled
             on this rank's stream (its stage's checksums on the senders); the senders' checksums are
             all-gathered, and before generation continues the coordinator reads every checked
             tensor back from every server (``/get_weights_by_name``) and compares; a difference

@@ -96,18 +96,11 @@ from transformers import AutoConfig, GenerationConfig
 
 from dapo_megatron.platform import collectives, device as rank_device, local_device_index
 from dapo_megatron.rollout.engines import sglang_env
-from dapo_megatron.rollout.engines.buckets import bucket_metadata, dtype_name
-from dapo_megatron.rollout.engines.engine import (
-    GenerationOutput,
-    ParamSpec,
-    RolloutEngine,
-    RowRequest,
-    RowResult,
-    SamplingParams,
-    hf_param_specs,
-)
+from dapo_megatron.bridge.buckets import bucket_metadata, dtype_name
+from dapo_megatron.rollout.engines.engine import GenerationOutput, RolloutEngine, RowRequest, RowResult, SamplingParams
+from dapo_megatron.bridge.receiver import ParamSpec, hf_param_specs
 from dapo_megatron.rollout.engines.engine_group import RolloutGroup, sync_flat_buckets
-from dapo_megatron.rollout.engines.flat_bucket import FlatBucketPacker
+from dapo_megatron.bridge.flat_bucket import FlatBucketPacker
 # the plain HTTP call of the control endpoints (generate_stream.py holds the HTTP helpers)
 from dapo_megatron.rollout.engines.generate_stream import http_post
 from dapo_megatron.rollout.engines.row_client import RowClient
@@ -123,7 +116,7 @@ from dapo_megatron.rollout.engines.sglang_server_args import (  # noqa: F401  (c
     colocated_graph_kwargs,
     engine_argument_names,
 )
-from dapo_megatron.rollout.engines.verify import readback_checksum, readback_shape
+from dapo_megatron.bridge.verify import readback_checksum, readback_shape
 
 
 def _import_sglang():
@@ -533,7 +526,7 @@ class SGLangEngine(_SGLangMemory, RolloutEngine):
         ``ModelRunner.get_weights_by_name`` -> the model class's, e.g. ``models/llama.py``: the
         parameter as ``.float().tolist()``, the stacked ``qkv_proj`` / ``gate_up_proj`` sliced back to
         the HF tensor, TP shards gathered; None where the model class has none) and checksummed
-        in the sent dtype (:func:`~dapo_megatron.rollout.engines.verify.readback_checksum`): the
+        in the sent dtype (:func:`~dapo_megatron.bridge.verify.readback_checksum`): the
         tensor's head rows within ``readback_elements`` (the digest's, which the sender checksummed
         alike: ``rollout.check_weight_update_readback_elements``), the whole tensor for None."""
         if not self.verify_readback:
@@ -611,7 +604,7 @@ class SGLangServerEngine(_SGLangMemory, RolloutEngine):
     Args:
         base_url: e.g. ``"http://10.0.0.5:30000"``.
         param_specs: ``(specs, aliases)`` of the served model (e.g. from
-            :func:`dapo_megatron.rollout.engines.engine.hf_param_specs`) for the sync checks.
+            :func:`dapo_megatron.bridge.receiver.hf_param_specs`) for the sync checks.
         device: device the broadcast tensors are moved to (a CUDA device for NCCL, ``"cpu"``
             for gloo); None: this rank's device (:func:`dapo_megatron.platform.device`).
         timeout_s: HTTP timeout per call, seconds.

@@ -16,8 +16,9 @@ import torch
 
 import sglang_reference
 from sglang_standin import StandIn, free_port
-from dapo_megatron.rollout.engines.buckets import bucket_metadata, dtype_from_name, dtype_name, iter_buckets
-from dapo_megatron.rollout.engines.engine import InvalidWeightsError, ParamSpec, SamplingParams
+from dapo_megatron.bridge.buckets import bucket_metadata, dtype_from_name, dtype_name, iter_buckets
+from dapo_megatron.rollout.engines.engine import InvalidWeightsError, SamplingParams
+from dapo_megatron.bridge.receiver import ParamSpec
 from dapo_megatron.rollout.engines.sglang_engine import (
     SGLangServerEngine,
     check_result,
@@ -318,7 +319,7 @@ def fake_sglang(monkeypatch):
     import sys
     import types
 
-    from dapo_megatron.rollout.engines import flat_bucket
+    from dapo_megatron.bridge import flat_bucket
 
     flat_bucket._sglang_metadata_class.cache_clear()
     _SpyEngine.tensor_bucket = sglang_reference.install_tensor_bucket(monkeypatch.setitem)
@@ -345,7 +346,7 @@ def tiny_model_dir(tmp_path):
 def _full_weights(model_dir):
     from transformers import AutoConfig
 
-    from dapo_megatron.rollout.engines.engine import hf_param_specs
+    from dapo_megatron.bridge.receiver import hf_param_specs
 
     specs, _ = hf_param_specs(AutoConfig.from_pretrained(model_dir))
     return [(n, torch.zeros(s.shape)) for n, s in specs.items()]
