@@ -94,7 +94,7 @@ Endpoints, with the request and response fields of sglang 0.5.11
 
 Every malformed request gets ONE 400 ``{"error": {"message"}}`` naming the field and the fix
 (SGLang's ``_create_error_response`` form; the project's client reads it with
-:func:`~dapo_megatron.rollout.engines.generate_stream.sglang_error_message`).
+:func:`~dapo_megatron.platform.http.sglang_error_message`).
 
 Scheduling (:class:`Scheduler`): one thread owns the engine, as SGLang's scheduler process
 does: HTTP handlers queue commands; between two decode steps the thread applies them

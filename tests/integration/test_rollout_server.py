@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from dapo_megatron.rollout.engines.engine import RowRequest, SamplingParams
-from dapo_megatron.rollout.engines.generate_stream import http_get, http_post
-from dapo_megatron.rollout.engines.sglang_engine import init_custom_process_group
+from dapo_megatron.platform.http import http_get, http_post
+from dapo_megatron.bridge.servers import init_custom_process_group
 from dapo_megatron.rollout.engines.sglang_io import (build_generate_request, build_row_request, parse_generate_output,
                                                      parse_row_output)
 from rollout_server import RolloutServer, free_port, save_tiny_model

@@ -47,7 +47,7 @@ def _world(url: str, out_dir: str) -> None:
     from dapo_megatron.models import ModelConfig, build_gpt_model
     from dapo_megatron.platform import ParallelConfig, init_distributed
     from dapo_megatron.bridge.receiver import checkpoint_parameters, hf_param_specs
-    from dapo_megatron.rollout.engines.generate_stream import http_get, http_post
+    from dapo_megatron.platform.http import http_get, http_post
     from dapo_megatron.rollout.engines.server_sync import ServerRollout
     from dapo_megatron.bridge.verify import SyncDigest
 

@@ -70,7 +70,7 @@ release's wheel. Files are those of ``python/sglang/srt/`` in sglang 0.5.11 unle
   ("Cache flushed..." with 200, the failure message with 400); ``POST
   /release_memory_occupation`` / ``/resume_memory_occupation`` (``{"tags": [...]}``) →
   JSON ``null``, errors ``{"error": {"message"}}``. Request validation errors are
-  FastAPI's 422 ``{"detail": [...]}``. :func:`~.generate_stream.sglang_error_message` reads all of them.
+  FastAPI's 422 ``{"detail": [...]}``. :func:`~dapo_megatron.platform.http.sglang_error_message` reads all of them.
 
 Logprobs: SGLang returns the logprob of each sampled token under its processed sampling
 distribution (temperature applied; with top-p/top-k, see its ``SGLANG_RETURN_ORIGINAL_LOGPROB``
@@ -82,27 +82,22 @@ from __future__ import annotations
 import asyncio
 import atexit
 import dataclasses
-import inspect
 import itertools
-import threading
-import urllib.parse
-from datetime import timedelta
 from typing import Any, Optional, Sequence
 
 import torch
-from torch.distributed import TCPStore
-from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 from transformers import AutoConfig, GenerationConfig
 
-from dapo_megatron.platform import collectives, device as rank_device, local_device_index
-from dapo_megatron.rollout.engines import sglang_env
 from dapo_megatron.bridge.buckets import bucket_metadata, dtype_name
-from dapo_megatron.rollout.engines.engine import GenerationOutput, RolloutEngine, RowRequest, RowResult, SamplingParams
-from dapo_megatron.bridge.receiver import ParamSpec, hf_param_specs
-from dapo_megatron.rollout.engines.engine_group import RolloutGroup, sync_flat_buckets
 from dapo_megatron.bridge.flat_bucket import FlatBucketPacker
-# the plain HTTP call of the control endpoints (generate_stream.py holds the HTTP helpers)
-from dapo_megatron.rollout.engines.generate_stream import http_post
+from dapo_megatron.bridge.receiver import ParamSpec, hf_param_specs
+from dapo_megatron.bridge.servers import init_custom_process_group
+from dapo_megatron.bridge.verify import readback_checksum, readback_shape
+from dapo_megatron.platform import collectives, device as rank_device, local_device_index
+from dapo_megatron.platform.http import BackgroundCall, http_post
+from dapo_megatron.rollout.engines import sglang_env
+from dapo_megatron.rollout.engines.engine import GenerationOutput, RolloutEngine, RowRequest, RowResult, SamplingParams
+from dapo_megatron.rollout.engines.engine_group import RolloutGroup, sync_flat_buckets
 from dapo_megatron.rollout.engines.row_client import RowClient
 from dapo_megatron.rollout.engines.sglang_io import (
     build_generate_request,
@@ -116,7 +111,6 @@ from dapo_megatron.rollout.engines.sglang_server_args import (  # noqa: F401  (c
     colocated_graph_kwargs,
     engine_argument_names,
 )
-from dapo_megatron.bridge.verify import readback_checksum, readback_shape
 
 
 def _import_sglang():
@@ -186,57 +180,6 @@ def distributed_update_request(bucket: Sequence[tuple[str, torch.Tensor]], group
         "group_name": group_name,
         "flush_cache": flush_cache,
     }
-
-
-def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
-                              timeout: timedelta = timedelta(minutes=10)):
-    """Create a process group outside the default one (trainer rank 0 + engine workers).
-
-    The same construction SGLang's ``init_weights_update_group`` uses on its side (a TCP
-    store, ``PrefixStore(group_name)``, ``_new_process_group_helper``), so both ends meet.
-    Works with ``"nccl"`` (GPU) and ``"gloo"`` (CPU tests).
-
-    The store is built here, not by ``rendezvous(init_method)``: under torchrun
-    (``TORCHELASTIC_USE_AGENT_STORE=True``) ``rendezvous`` makes every rank, rank 0 included,
-    a client of a store it expects the elastic agent to host (torch
-    ``distributed/rendezvous.py`` ``_create_c10d_store``), so nobody would serve the port and
-    the servers' workers would time out connecting. Rank 0 hosts it, as ``rendezvous`` does
-    outside torchrun (``TCPStore(..., is_master=rank == 0, multi_tenant=True)``).
-    """
-    parsed = urllib.parse.urlparse(init_method)
-    if parsed.scheme != "tcp" or parsed.hostname is None or parsed.port is None:
-        raise ValueError(f"init_method={init_method!r} must be tcp://host:port")
-    store = TCPStore(parsed.hostname, parsed.port, world_size, rank == 0, timeout=timeout, multi_tenant=True)
-    store = PrefixStore(group_name, store)
-    params = inspect.signature(_new_process_group_helper).parameters
-    opts = {"backend_options": None} if "backend_options" in params else {"pg_options": None}
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
-                                      timeout=timeout, **opts)
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg
-
-
-class _Background:
-    """Run an HTTP call in a thread while this thread does the matching collective."""
-
-    def __init__(self, fn, *args):
-        self.result, self.error = None, None
-        self.thread = threading.Thread(target=self._run, args=(fn, *args), daemon=True)
-        self.thread.start()
-
-    def _run(self, fn, *args):
-        try:
-            self.result = fn(*args)
-        except BaseException as err:  # re-raised in join()
-            self.error = err
-
-    def join(self, timeout: Optional[float] = None):
-        self.thread.join(timeout)
-        if self.thread.is_alive():
-            raise RuntimeError("SGLang server did not answer in time")
-        if self.error is not None:
-            raise self.error
-        return self.result
 
 
 # ---------------------------------------------------------------------------- engines
@@ -653,7 +596,7 @@ class SGLangServerEngine(_SGLangMemory, RolloutEngine):
         ``1..world_size-1`` (``rank_offset=1``) while this process joins as rank 0."""
         payload = {"master_address": master_address, "master_port": int(master_port), "rank_offset": 1,
                    "world_size": int(world_size), "group_name": group_name, "backend": backend}
-        call = _Background(self._post, "/init_weights_update_group", payload)
+        call = BackgroundCall(self._post, "/init_weights_update_group", payload)
         self.group = init_custom_process_group(backend, f"tcp://{master_address}:{master_port}", world_size, 0,
                                                group_name)
         call.join(self.timeout_s)
@@ -666,7 +609,7 @@ class SGLangServerEngine(_SGLangMemory, RolloutEngine):
         if self.group is None:
             raise RuntimeError("SGLangServerEngine.update_weights: call init_weights_update_group() first")
         self._bring_weights_back()
-        call = _Background(self._post, "/update_weights_from_distributed",
+        call = BackgroundCall(self._post, "/update_weights_from_distributed",
                            distributed_update_request(bucket, self.group_name, flush_cache=False))
         for _, tensor in bucket:
             collectives.broadcast(tensor.detach().to(self.device).contiguous(), src=0, group=self.group)

@@ -544,7 +544,7 @@ def test_check_result_reads_every_sglang_result_form():
 
 
 def test_error_messages_of_each_endpoint_format():
-    from dapo_megatron.rollout.engines.generate_stream import sglang_error_message
+    from dapo_megatron.platform.http import sglang_error_message
 
     # sglang 0.5.11 http_server.py: weight-update endpoints, _create_error_response, FastAPI 422, /flush_cache
     assert sglang_error_message(b'{"success": false, "message": "shape mismatch"}') == "shape mismatch"

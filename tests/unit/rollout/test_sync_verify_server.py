@@ -59,7 +59,7 @@ def _worker(urls, out_dir):
     from dapo_megatron.models import ModelConfig, build_gpt_model
     from dapo_megatron.platform import ParallelConfig, init_distributed
     from dapo_megatron.bridge.receiver import hf_param_specs
-    from dapo_megatron.rollout.engines.server_sync import connect_servers, query_server, sync_servers
+    from dapo_megatron.bridge.servers import connect_servers, query_server, sync_servers
     from dapo_megatron.bridge.verify import SyncDigest
 
     parallel = init_distributed(ParallelConfig(1, 1), seed=0)
