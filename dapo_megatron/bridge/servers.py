@@ -170,6 +170,25 @@ def init_custom_process_group(backend: str, init_method: str, world_size: int, r
     return pg
 
 
+def distributed_update_request(meta: Sequence[tuple[str, Sequence[int], torch.dtype]], group_name: str, *,
+                               flush_cache: bool = False, load_format: Optional[str] = None,
+                               weight_version: Optional[str] = None) -> dict:
+    """The ``/update_weights_from_distributed`` body of one bucket (sglang 0.5.23
+    ``managers/io_struct.py`` ``UpdateWeightsFromDistributedReqInput``): names, dtypes and shapes
+    in exactly the order its tensors are then broadcast (``meta``: ``(name, shape, dtype)`` per
+    tensor, :func:`~dapo_megatron.bridge.buckets.bucket_metadata`), the group, and the optional
+    ``load_format`` (``"flattened_bucket"``: ONE broadcast of the flat buffer) and
+    ``weight_version`` (the servers report it per output, ``meta_info.weight_version``)."""
+    request = {"names": [name for name, _, _ in meta], "dtypes": [dtype_name(dt) for _, _, dt in meta],
+               "shapes": [list(shape) for _, shape, _ in meta], "group_name": group_name}
+    if load_format is not None:
+        request["load_format"] = load_format
+    request["flush_cache"] = flush_cache
+    if weight_version is not None:
+        request["weight_version"] = weight_version
+    return request
+
+
 class _NamedFailure(RuntimeError):
     """A failed weight-sync bucket whose message already names the servers."""
 
@@ -301,11 +320,8 @@ class ServerWeightSender:
     def _send(self, named_tensors: Iterable[NamedTensor]) -> list[tuple[str, tuple[int, ...]]]:
         sent: list[tuple[str, tuple[int, ...]]] = []
         for bucket in self.packer.buckets(named_tensors):
-            request = {"names": bucket.names, "dtypes": [dtype_name(e.dtype) for e in bucket.entries],
-                       "shapes": [list(e.shape) for e in bucket.entries], "group_name": self.group_name,
-                       "load_format": "flattened_bucket", "flush_cache": False}
-            if self.weight_version is not None:  # the servers report it per output (meta_info.weight_version)
-                request["weight_version"] = self.weight_version
+            request = distributed_update_request([(e.name, e.shape, e.dtype) for e in bucket.entries], self.group_name,
+                                                 load_format="flattened_bucket", weight_version=self.weight_version)
             calls = [BackgroundCall(http_post, url, "/update_weights_from_distributed", request, self.timeout_s)
                      for url in self.urls]
             try:

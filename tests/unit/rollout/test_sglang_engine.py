@@ -17,14 +17,12 @@ import torch
 import sglang_reference
 from sglang_standin import StandIn, free_port
 from dapo_megatron.bridge.buckets import bucket_metadata, dtype_from_name, dtype_name, iter_buckets
-from dapo_megatron.rollout.engines.engine import InvalidWeightsError, SamplingParams
 from dapo_megatron.bridge.receiver import ParamSpec
-from dapo_megatron.rollout.engines.sglang_engine import (
-    SGLangServerEngine,
-    check_result,
-    distributed_update_request,
-    http_post,
-)
+from dapo_megatron.bridge.servers import distributed_update_request
+from dapo_megatron.platform.http import http_post
+from dapo_megatron.rollout.engines.engine import InvalidWeightsError, SamplingParams
+from dapo_megatron.rollout.engines.sglang_engine import check_result
+from dapo_megatron.rollout.engines.sglang_server_engine import SGLangServerEngine
 from dapo_megatron.rollout.engines.sglang_io import build_generate_request, parse_generate_output
 
 
@@ -140,7 +138,7 @@ def test_check_result():
 
 def test_distributed_update_request_keeps_bucket_order():
     bucket = [("b", torch.zeros(2, 3, dtype=torch.bfloat16)), ("a", torch.zeros(4)), ("c", torch.zeros(1, dtype=torch.float16))]
-    req = distributed_update_request(bucket, "g")
+    req = distributed_update_request(bucket_metadata(bucket), "g")
     assert req == {"names": ["b", "a", "c"], "dtypes": ["bfloat16", "float32", "float16"],
                    "shapes": [[2, 3], [4], [1]], "group_name": "g", "flush_cache": False}
 
