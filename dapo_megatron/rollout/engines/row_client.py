@@ -5,7 +5,7 @@
 Its users: synchronous server mode (``rollout/engines/server_sync.py`` ``ServerRollout``: batch
 :meth:`RowClient.generate` on the rank's server, the streamed rollout's
 :meth:`~RowClient.submit` / :meth:`~RowClient.poll` / :meth:`~RowClient.abort`), the client of one
-server (``rollout/engines/sglang_engine.py`` ``SGLangServerEngine``: non-streamed
+server (``rollout/engines/sglang_server_engine.py`` ``SGLangServerEngine``: non-streamed
 :meth:`RowClient.generate`) and asynchronous training (``rollout/async_rollout.py``
 ``RolloutController``: :meth:`RowClient.dispatch` of rows over the healthy servers, with
 mark-down and retry, abort and continue across a weight sync, validation rows).
