@@ -496,8 +496,8 @@ def sync_servers(stage_tensors: Optional[Iterable[NamedTensor]], *, sender: Opti
             experts; EP rank 0 every non-expert tensor too: :func:`~dapo_megatron.bridge.expert_turn`), through its own
             ``sender`` (``sender.expert_turn``); every other rank with a stream iterates its items
             of the turn (the gathers are collective). ``turn_of`` None: one turn per stage.
-        digest: verification (:mod:`~dapo_megatron.bridge.verify`): the :class:`~dapo_megatron.bridge.verify.SyncDigest` the bridge filled
-            on this rank's stream (its stage's checksums on the senders); the senders' checksums are
+        digest: verification (:mod:`.verify`): the :class:`~dapo_megatron.bridge.verify.SyncDigest`
+            the bridge filled on this rank's stream (its stage's checksums on the senders); the senders' checksums are
             all-gathered, and before generation continues the coordinator reads every checked
             tensor back from every server (``/get_weights_by_name``) and compares; a difference
             fails the sync naming the tensor, the server and the version, with the servers left

@@ -67,7 +67,7 @@ Endpoints, with the request and response fields of sglang 0.5.11
   cache between requests: there is nothing else to flush.
 * ``POST /init_weights_update_group`` (``master_address, master_port, rank_offset, world_size,
   group_name, backend``): joins the group as rank ``rank_offset`` (one worker: TP 1), with
-  :func:`~dapo_megatron.rollout.engines.sglang_engine.init_custom_process_group`, SGLang's own
+  :func:`~dapo_megatron.bridge.servers.init_custom_process_group`, SGLang's own
   construction. ``gloo`` on CPU (``nccl`` needs ``--device cuda``). A group of a name already
   joined is replaced (a restarted trainer joins again).
 * ``POST /update_weights_from_distributed`` (``names, dtypes, shapes, group_name, flush_cache,

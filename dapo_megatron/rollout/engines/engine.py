@@ -521,12 +521,13 @@ class RolloutEngine(abc.ABC):
 
     def _loaded_checksums(self, names: list[str], dtype: torch.dtype,
                           readback_elements: Optional[int] = None) -> dict[str, Optional[int]]:
-        """The receiver's checksum (:func:`~dapo_megatron.bridge.verify.checksum`) of each named tensor as the engine holds
-        it now, read as ``dtype`` (the sent dtype); None where the engine does not hold it. Engines
-        that can read their weights override it; the default cannot verify (None for all).
-        ``readback_elements``: the digest's (:attr:`~dapo_megatron.bridge.verify.SyncDigest.readback_elements`): an engine
-        that reads back checksums each tensor's head rows within it, as the sender did; None for the
-        in-process engines, which checksum whole tensors."""
+        """The receiver's checksum (:func:`~dapo_megatron.bridge.verify.checksum`) of each named
+        tensor as the engine holds it now, read as ``dtype`` (the sent dtype); None where the engine
+        does not hold it. Engines that can read their weights override it; the default cannot verify
+        (None for all). ``readback_elements``: the digest's
+        (:attr:`~dapo_megatron.bridge.verify.SyncDigest.readback_elements`): an engine that reads
+        back checksums each tensor's head rows within it, as the sender did; None for the in-process
+        engines, which checksum whole tensors."""
         raise NotImplementedError(f"{type(self).__name__} cannot read back its weights for verification")
 
     def verify_loaded(self, digest: SyncDigest, tracker: Optional[WeightSyncTracker] = None) -> Optional[str]:

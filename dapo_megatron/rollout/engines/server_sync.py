@@ -185,8 +185,8 @@ class ServerRollout:
         ``rollout.server_urls``; asynchronous training drops a failed server and takes one back
         that answers ``/health`` again); collective. Nothing happens when they are the members
         already; else the old group of every stage is destroyed on this side and on each of its
-        servers that answers (:meth:`~dapo_megatron.bridge.servers.ServerWeightSender.destroy`), then created anew over the
-        members, under a new name (``_m<k>``).
+        servers that answers (:meth:`~dapo_megatron.bridge.servers.ServerWeightSender.destroy`),
+        then created anew over the members, under a new name (``_m<k>``).
 
         Raises:
             ValueError: no member, or an index outside ``rollout.server_urls``.

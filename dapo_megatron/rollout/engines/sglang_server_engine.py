@@ -35,8 +35,8 @@ class SGLangServerEngine(SGLangMemory, RolloutEngine):
     are then broadcast from rank 0 in that order. Only one trainer rank (the one holding
     the gathered full tensors) may call ``update_weights``. Sleep / wake go through
     ``/release_memory_occupation`` and ``/resume_memory_occupation`` with the same tags and
-    weight-validity rules as :class:`SGLangEngine`. Seeds apply only when the server was
-    launched with ``--enable-deterministic-inference``.
+    weight-validity rules as :class:`~dapo_megatron.rollout.engines.sglang_engine.SGLangEngine`.
+    Seeds apply only when the server was launched with ``--enable-deterministic-inference``.
 
     Args:
         base_url: e.g. ``"http://10.0.0.5:30000"``.
