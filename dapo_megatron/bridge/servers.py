@@ -51,7 +51,6 @@ from __future__ import annotations
 import inspect
 import logging
 import socket
-import threading
 import time
 import urllib.parse
 from dataclasses import dataclass
@@ -301,21 +300,15 @@ class ServerWeightSender:
         answer, and holds no group once restarted; one that never joined answers 400 "does not
         exist")."""
         self.abort()
-        errors = [None] * len(self.servers)
 
-        def one(i):
+        def one(url):
             try:
-                http_post(self.servers[i].url, "/destroy_weights_update_group", {"group_name": self.group_name},
-                          self.timeout_s)
+                http_post(url, "/destroy_weights_update_group", {"group_name": self.group_name}, self.timeout_s)
             except Exception as err:  # reported, not raised: see above
-                errors[i] = f"{self.servers[i].url}: {err}"
+                return f"{url}: {err}"
+            return None
 
-        threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(self.servers))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return [e for e in errors if e is not None]
+        return [e for e in each_server(self.urls, one) if e is not None]
 
     def _send(self, named_tensors: Iterable[NamedTensor]) -> list[tuple[str, tuple[int, ...]]]:
         sent: list[tuple[str, tuple[int, ...]]] = []

@@ -216,6 +216,19 @@ def match_stop_string(stops: Sequence[str], tokens: Sequence[int], decode) -> Op
     return next((t for t in stops if t in text), None)
 
 
+def eos_ids(*sources: Any) -> set[int]:
+    """The union of the ``eos_token_id`` of each source (a tokenizer, a ``config.json`` or
+    ``generation_config.json`` config; an int, a list of ints or None each; a source that is None
+    or has no such attribute adds nothing): the one reading of a model's stop ids, which the engine
+    factory, the HF engine and the SGLang engine share."""
+    ids: set[int] = set()
+    for src in sources:
+        eos = getattr(src, "eos_token_id", None)
+        if eos is not None:
+            ids.update(int(t) for t in ([eos] if isinstance(eos, int) else eos))
+    return ids
+
+
 def sample_seed(seed: Optional[int], prompt_seed: int, sample: int) -> Optional[int]:
     """The sampler seed of response ``sample`` (0..n-1) of the prompt with ``prompt_seed``.
 

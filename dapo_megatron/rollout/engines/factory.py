@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from dapo_megatron.models.config import moe_layout
 from dapo_megatron.platform import device, local_device_index
-from dapo_megatron.rollout.engines.engine import RolloutEngine
+from dapo_megatron.rollout.engines.engine import RolloutEngine, eos_ids
 from dapo_megatron.bridge.receiver import hf_param_specs
 from dapo_megatron.rollout.engines.engine_group import EngineGroupMember, RolloutGroup
 from dapo_megatron.rollout.engines.hf_engine import HFEngine
@@ -51,12 +51,6 @@ def load_tokenizer(hf_path: str, gguf_file: Optional[str] = None):
     return tok
 
 
-def _as_ids(eos) -> set[int]:
-    if eos is None:
-        return set()
-    return {int(eos)} if isinstance(eos, int) else {int(t) for t in eos}
-
-
 def stop_token_ids(tokenizer, hf_config, model_path: Optional[str] = None) -> tuple[int, ...]:
     """The token ids that end a response, sorted (see the module docstring for the rule).
 
@@ -69,9 +63,9 @@ def stop_token_ids(tokenizer, hf_config, model_path: Optional[str] = None) -> tu
     Raises:
         ValueError: none of the three names an EOS id (the engine could never stop early).
     """
-    ids = _as_ids(getattr(tokenizer, "eos_token_id", None)) | _as_ids(getattr(hf_config, "eos_token_id", None))
+    ids = eos_ids(tokenizer, hf_config)
     if model_path and os.path.isfile(os.path.join(model_path, "generation_config.json")):
-        ids |= _as_ids(GenerationConfig.from_pretrained(model_path).eos_token_id)
+        ids |= eos_ids(GenerationConfig.from_pretrained(model_path))
     if not ids:
         raise ValueError(f"no EOS token id in the tokenizer, config or generation_config of {model_path!r}: "
                          "the engine could not end a response before its token budget")

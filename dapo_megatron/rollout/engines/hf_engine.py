@@ -28,22 +28,13 @@ from dapo_megatron.rollout.engines.engine import (
     RowRequest,
     RowResult,
     SamplingParams,
+    eos_ids,
     match_stop_string,
     resolve_prompt_seeds,
     validate_prompt_ids,
 )
 from dapo_megatron.rollout.engines.hf_batch import RowBatch
 from dapo_megatron.rollout.engines.routes import HFRouteRecorder
-
-
-def _eos_ids(model) -> set[int]:
-    ids: set[int] = set()
-    for cfg in (getattr(model, "generation_config", None), getattr(model, "config", None)):
-        eos = getattr(cfg, "eos_token_id", None) if cfg is not None else None
-        if eos is None:
-            continue
-        ids.update([eos] if isinstance(eos, int) else list(eos))
-    return ids
 
 
 class HFEngine(RolloutEngine):
@@ -94,7 +85,8 @@ class HFEngine(RolloutEngine):
             kwargs = {"gguf_file": gguf_file} if gguf_file else {}
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
         self.model = model.to(device=self.device, dtype=dtype).eval()
-        eos = set(eos_token_ids) if eos_token_ids is not None else _eos_ids(self.model)
+        eos = set(eos_token_ids) if eos_token_ids is not None else \
+            eos_ids(getattr(self.model, "generation_config", None), getattr(self.model, "config", None))
         if not eos:
             raise ValueError("HFEngine: the model config names no eos_token_id; pass eos_token_ids=[...]")
         self.eos_token_ids = frozenset(int(t) for t in eos)

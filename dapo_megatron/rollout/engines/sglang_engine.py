@@ -94,7 +94,8 @@ from dapo_megatron.bridge.receiver import ParamSpec, hf_param_specs
 from dapo_megatron.bridge.verify import readback_checksum, readback_shape
 from dapo_megatron.platform import device as rank_device, local_device_index
 from dapo_megatron.rollout.engines import sglang_env
-from dapo_megatron.rollout.engines.engine import GenerationOutput, RolloutEngine, RowRequest, RowResult, SamplingParams
+from dapo_megatron.rollout.engines.engine import (GenerationOutput, RolloutEngine, RowRequest, RowResult, SamplingParams,
+                                                  eos_ids)
 from dapo_megatron.rollout.engines.engine_group import RolloutGroup, sync_flat_buckets
 from dapo_megatron.rollout.engines.sglang_io import (
     build_generate_request,
@@ -348,16 +349,12 @@ class SGLangEngine(SGLangMemory, RolloutEngine):
     def eos_token_ids(self) -> frozenset:
         """The model's EOS ids (``config.json`` / ``generation_config.json``), which end a row."""
         if self._eos is None:
-            ids = set()
             sources = [AutoConfig.from_pretrained(self.model_path)]
             try:
                 sources.append(GenerationConfig.from_pretrained(self.model_path))
             except OSError:  # no generation_config.json
                 pass
-            for cfg in sources:
-                eos = getattr(cfg, "eos_token_id", None)
-                ids.update([] if eos is None else [eos] if isinstance(eos, int) else list(eos))
-            self._eos = frozenset(int(t) for t in ids)
+            self._eos = frozenset(eos_ids(*sources))
         return self._eos
 
     # ---- asynchronous rows (module docstring) ----------------------------------------
