@@ -48,7 +48,7 @@ from dapo_megatron.platform import ParallelDims, collective_device
 from dapo_megatron.rewards.pool import RewardPool
 from dapo_megatron.rollout.engines.engine import RolloutEngine, SamplingParams, completions_to_group
 from dapo_megatron.rollout.engines.layout import engine_share
-from dapo_megatron.rollout.engines.verify import (SyncDigest, Timer, WeightSyncVerifyError, probe_error, probe_ids,
+from dapo_megatron.bridge.verify import (SyncDigest, Timer, WeightSyncVerifyError, probe_error, probe_ids,
                                                   probe_tolerance)
 from dapo_megatron.rollout.plan.step_data import gather_groups, gather_preds, send_tokens
 from dapo_megatron.rollout.sampling.buffer import RolloutBuffer
