@@ -550,7 +550,10 @@ def iter_hf_weights(
             ``down_proj`` at TP = 1) is yielded as a VIEW OF THE PARAMETER ITSELF instead of a copy in
             the bucket: for a consumer that copies each tensor before asking for the next and never
             writes into it or hands it to another process (``RolloutEngine.copies_on_load``). On the
-            CPU MoE benchmark this is 145 of 397 MiB not copied twice.
+            CPU MoE benchmark this is 145 of 397 MiB not copied twice. On CPU at EP > 1 it also sends an
+            expert bucket of whole unsplit parameters without packing: one broadcast per parameter from
+            the owner's parameter into its place in the other EP ranks' bucket buffer (the trailer in a
+            broadcast of its own), the owner yielding views of its parameters (the other 126 MiB there).
         digest: verify the sync (:mod:`dapo_megatron.rollout.engines.verify`): each bucket
             gets a trailer of int64 words after its tensors, written by the rank that fills it
             before any broadcast (the version, the bucket's index, the checksum of each HF tensor
