@@ -853,9 +853,9 @@ def _send_direct(flat: torch.Tensor, slots: list[_Slot], params: dict, parallel:
     """One EP-broadcast bucket of :attr:`_Slot.whole` slots sent without packing (collective over the EP
     group: the same broadcasts, in slot order, on every rank): the owner (``owner``, global rank ``src``)
     broadcasts each parameter as it is, the other ranks receive it into its slot of ``flat``; then the
-    trailer (``signer`` not None: the owner's checksums of the very parameters it broadcast, taken while
-    they travel, written into ``flat``'s trailer and broadcast into the other ranks' trailers; every rank
-    passes a signer or none, as every rank's digest follows the same config). Returns the owner's views of
+    trailer's words, broadcast into the other ranks' trailers whether or not the sync verifies (``signer``
+    not None: written first with the owner's checksums of the very parameters it broadcast, taken while
+    they travel; None: unwritten, unread). Returns the owner's views of
     its parameters by slot position (empty on the other ranks: their tensors are ``flat``'s). Every
     broadcast has finished when this returns."""
     group = parallel.group("ep")
@@ -871,14 +871,16 @@ def _send_direct(flat: torch.Tensor, slots: list[_Slot], params: dict, parallel:
             else:
                 region = flat[slot.offset:slot.offset + slot.numel]
             works.append(collectives.broadcast(region, src=src, group=group, async_op=True))
-        if signer is not None:
-            words = _trailer_view(flat, trailer)
-            if owner:
-                for i, slot in enumerate(slots):
-                    signer.written(slot, views[i])
-                signer.write(words, bucket)
-            works.append(collectives.broadcast(words, src=src, group=group, async_op=True))
-            del words
+        # the trailer's words travel whether or not this sync verifies (unwritten then), as the packed
+        # bucket's trailer room does: the collectives never depend on verification, and a verified sync
+        # costs its checksums only
+        words = _trailer_view(flat, trailer)
+        if owner and signer is not None:
+            for i, slot in enumerate(slots):
+                signer.written(slot, views[i])
+            signer.write(words, bucket)
+        works.append(collectives.broadcast(words, src=src, group=group, async_op=True))
+        del words
         for work in works:
             work.wait()
     except BaseException:
