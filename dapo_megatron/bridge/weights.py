@@ -458,6 +458,17 @@ class _Slot:
     def expert(self) -> bool:
         return self.entry.ep_owner is not None
 
+    @property
+    def whole(self) -> bool:
+        """Not gathered, and its HF tensors are consecutive runs of rows covering the whole parameter
+        (gate/up, down_proj, norms at TP = 1): its region of the bucket holds the parameter's bytes as
+        they are (:meth:`hf_views` and :meth:`param_views` give the same tensors)."""
+        if self.rows is None or self.gathered:
+            return False
+        return (self.rows[0][0] == 0 and self.rows[-1][1] == self.shard_shape[0]
+                and all(a[1] == b[0] for a, b in zip(self.rows, self.rows[1:]))
+                and self.numel == math.prod(self.shard_shape))
+
     def param_views(self, param: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         """The HF tensors as views of the (unsplit, contiguous) parameter itself: no copy."""
         return [(name, param[start:stop]) for (name, _), (start, stop) in zip(self.entry.hf, self.rows)]
@@ -538,7 +549,10 @@ def iter_hf_weights(
             ``down_proj`` at TP = 1) is yielded as a VIEW OF THE PARAMETER ITSELF instead of a copy in
             the bucket: for a consumer that copies each tensor before asking for the next and never
             writes into it or hands it to another process (``RolloutEngine.copies_on_load``). On the
-            CPU MoE benchmark this is 145 of 397 MiB not copied twice.
+            CPU MoE benchmark this is 145 of 397 MiB not copied twice. On CPU at EP > 1 it also sends an
+            expert bucket of whole unsplit parameters without packing: one broadcast per parameter from
+            the owner's parameter into its place in the other EP ranks' bucket buffer (the trailer in a
+            broadcast of its own), the owner yielding views of its parameters (the other 126 MiB there).
         digest: verify the sync (:mod:`dapo_megatron.bridge.verify`): each bucket
             gets a trailer of int64 words after its tensors, written by the rank that fills it
             before any broadcast (the version, the bucket's index, the checksum of each HF tensor
@@ -616,10 +630,20 @@ def iter_hf_weights(
 
     cpu = any_param.device.type == "cpu"
 
+    def direct(slots: list[_Slot]) -> bool:
+        """CPU, EP > 1, a consumer that copies on load (``param_views``), no PP broadcast: an expert bucket
+        whose every tensor is a whole unsplit parameter laid out as is (:attr:`_Slot.whole`) travels without
+        packing, one broadcast per parameter straight from the owner's parameter into its slot of the other
+        ranks' bucket buffer (the trailer, when verified, in a broadcast of its own), and the owner hands out
+        views of its parameters: each owner's experts are copied once less (the layout alone decides, so
+        every EP rank of the stage takes the same branch)."""
+        return (cpu and param_views and ep_broadcast(slots) and not (pp_size > 1 and pp_broadcast)
+                and all(slot.whole for slot in slots))
+
     # CPU, EP > 1: at the start of a run of EP-broadcast buckets, every EP rank that does not own the first
     # one packs its own first bucket of the run into the second buffer before that broadcast, so that the
     # owners pack side by side instead of each waiting in the broadcast while the next one packs (on a GPU
-    # the pack is a device copy, far faster than the transport)
+    # the pack is a device copy, far faster than the transport). A bucket sent :func:`direct` is not packed.
     pack_ahead = cpu and parallel.ep_size > 1 and not expert_owners
     packed: Optional[tuple[int, torch.Tensor]] = None  # (bucket index, its filled buffer)
     previous_ep = False
@@ -627,16 +651,17 @@ def iter_hf_weights(
         owner, ep_owner = slots[0].entry.owner, slots[0].entry.ep_owner
         pp_bcast, ep_bcast = pp_size > 1 and pp_broadcast, ep_broadcast(slots)
         views: dict[int, list] = {}
+        sent = direct(slots)
         if packed is not None and packed[0] == k:
             flat, packed = packed[1], None
         else:
             flat = buffers.bucket(any_param, sum(trailers[k]), capacity)
-            if fills(slots):
+            if fills(slots) and not sent:
                 views = fill(k, slots, flat, param_views and not ep_bcast and not pp_bcast)
         if pack_ahead and ep_bcast and not previous_ep and not fills(slots):
             run = itertools.takewhile(lambda item: ep_broadcast(item[1]) and item[1][0].entry.owner == owner,
                                       mine[pos:])
-            j, own = next(((j, s) for j, s in run if fills(s)), (None, None))
+            j, own = next(((j, s) for j, s in run if fills(s) and not direct(s)), (None, None))
             if j is not None:
                 ahead = buffers.ahead(any_param, sum(trailers[j]), capacity)
                 fill(j, own, ahead, False)
@@ -644,7 +669,11 @@ def iter_hf_weights(
                 del ahead
             del own
         previous_ep = ep_bcast
-        if ep_bcast:  # the other EP ranks of the stage
+        if sent:
+            views = _send_direct(flat, slots, params, parallel, parallel.ep_ranks[ep_owner], fills(slots),
+                                 trailers[k], None if digest is None else _Signer(flat, slots, hf_index[k], digest), k,
+                                 buffers)
+        elif ep_bcast:  # the other EP ranks of the stage
             parallel.broadcast(flat, "ep", src=parallel.ep_ranks[ep_owner])
         if pp_bcast:
             parallel.broadcast(flat, "pp", src=pp_ranks[owner])
@@ -815,6 +844,48 @@ def _read_signature(flat: torch.Tensor, named: list, trailer: tuple[int, int], f
         digest.sent.append(name)
         if digest.wants(first + i):
             digest.sums[name] = value
+
+
+def _send_direct(flat: torch.Tensor, slots: list[_Slot], params: dict, parallel: ParallelDims, src: int,
+                 owner: bool, trailer: tuple[int, int], signer: Optional[_Signer], bucket: int,
+                 buffers: ExportBuffers) -> dict[int, list]:
+    """One EP-broadcast bucket of :attr:`_Slot.whole` slots sent without packing (collective over the EP
+    group: the same broadcasts, in slot order, on every rank): the owner (``owner``, global rank ``src``)
+    broadcasts each parameter as it is, the other ranks receive it into its slot of ``flat``; then the
+    trailer's words, broadcast into the other ranks' trailers whether or not the sync verifies (``signer``
+    not None: written first with the owner's checksums of the very parameters it broadcast, taken while
+    they travel; None: unwritten, unread). Returns the owner's views of
+    its parameters by slot position (empty on the other ranks: their tensors are ``flat``'s). Every
+    broadcast has finished when this returns."""
+    group = parallel.group("ep")
+    works, views = [], {}
+    try:
+        for i, slot in enumerate(slots):
+            if owner:
+                param = params[slot.entry.megatron].detach()
+                if not param.is_contiguous():
+                    param = param.contiguous()  # what is sent, and what the owner hands out
+                views[i] = slot.param_views(param)
+                region = param.view(-1)
+            else:
+                region = flat[slot.offset:slot.offset + slot.numel]
+            works.append(collectives.broadcast(region, src=src, group=group, async_op=True))
+        # the trailer's words travel whether or not this sync verifies (unwritten then), as the packed
+        # bucket's trailer room does: the collectives never depend on verification, and a verified sync
+        # costs its checksums only
+        words = _trailer_view(flat, trailer)
+        if owner and signer is not None:
+            for i, slot in enumerate(slots):
+                signer.written(slot, views[i])
+            signer.write(words, bucket)
+        works.append(collectives.broadcast(words, src=src, group=group, async_op=True))
+        del words
+        for work in works:
+            work.wait()
+    except BaseException:
+        buffers.release()  # broadcasts may still be running into the bucket buffer: never hand it out again
+        raise
+    return views
 
 
 def _fill_bucket(flat: torch.Tensor, slots: list[_Slot], params: dict, layout: ModelLayout,

@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from dapo_megatron.bridge.receiver import ParamSpec, checkpoint_parameters, specs_from_module
 from dapo_megatron.bridge.verify import Timer, as_sent, checksum_tensor, digest_dtype, read_checksums
+from dapo_megatron.platform.cpu_compat import native_torch
 from dapo_megatron.rollout.engines.engine import (
     Completion,
     GenerationOutput,
@@ -289,10 +290,13 @@ class HFEngine(RolloutEngine):
         held = dict(pairs) if digest is not None else {}  # the verifier's own map
         dtype = digest_dtype(digest) if digest is not None else None
         self._loaded_sums = {}
-        for name, tensor in named_tensors:
-            params[name].copy_(tensor)  # casts dtype and moves device (also while asleep on CPU)
-            del tensor  # before the next one is produced
-            if digest is not None and name in digest.sums:  # this sync checks it (the trailer came first)
-                with Timer(digest):
-                    loaded = as_sent(held[name], dtype) if name in held else None
-                    self._loaded_sums[name] = None if loaded is None else checksum_tensor(loaded)
+        # the stream (and the bridge's generator it drives) names no CUDA device: without cpu_compat's
+        # mode, a few hundred torch calls per sync skip its Python (a no-op off CPU)
+        with native_torch():
+            for name, tensor in named_tensors:
+                params[name].copy_(tensor)  # casts dtype and moves device (also while asleep on CPU)
+                del tensor  # before the next one is produced
+                if digest is not None and name in digest.sums:  # this sync checks it (the trailer came first)
+                    with Timer(digest):
+                        loaded = as_sent(held[name], dtype) if name in held else None
+                        self._loaded_sums[name] = None if loaded is None else checksum_tensor(loaded)

@@ -84,6 +84,33 @@ def _flip_one_bit_on_ep_receive(par, rank: int, state: dict):
     object.__setattr__(par, "broadcast", broadcast)
 
 
+def _flip_one_bit_on_direct_receive(rank: int, state: dict):
+    """Plant, on the fast path's expert buckets (one broadcast per parameter into the bucket): the first
+    parameter this rank receives gets one bit of its first word flipped once its broadcast finished.
+    Returns the function that removes the plant."""
+    from dapo_megatron.platform import collectives
+
+    real = collectives.broadcast
+
+    class Flipping:
+        def __init__(self, work, tensor):
+            self.work, self.tensor = work, tensor
+
+        def wait(self):
+            self.work.wait()
+            self.tensor.view(torch.int32)[0] ^= 1
+
+    def broadcast(tensor, *, src, group, async_op=False):
+        work = real(tensor, src=src, group=group, async_op=async_op)
+        if not async_op or src == rank or tensor.dtype == torch.int64 or state.get("flipped"):
+            return work  # sent, not received; the trailer (int64 words); or planted already
+        state["flipped"] = True
+        return Flipping(work, tensor)
+
+    collectives.broadcast = broadcast
+    return lambda: setattr(collectives, "broadcast", real)
+
+
 def _stale_pp_cache(par, rank: int, cache: dict):
     """Plant: the receiving stage keeps what it received in the first sync (per call index) and
     hands it out again in the next one instead of what arrived."""
@@ -110,6 +137,7 @@ def _worker(out_dir: str, cases: dict) -> None:
     from transformers import AutoModelForCausalLM
 
     from dapo_megatron.bridge import iter_hf_weights, load_hf_weights
+    from dapo_megatron.bridge.weights import expert_turn
     from dapo_megatron.models import build_gpt_model
     from dapo_megatron.platform import ParallelConfig, init_distributed
     from dapo_megatron.bridge.receiver import checkpoint_parameters
@@ -163,6 +191,25 @@ def _worker(out_dir: str, cases: dict) -> None:
         held = dict(checkpoint_parameters(engine.model))
         res[("ep2_views", version)] = {"error": error, "aliased": aliased, "version": engine.weight_version,
                                        "differing": sorted(n for n in state if not torch.equal(held[n], state[n]))}
+    res["experts_mine"] = sorted(n for n in state if ".experts." in n
+                                 and expert_turn(n, cfg.num_experts, par.ep_size) == par.ep_rank)
+    # ---- EP = 2, the fast path's expert buckets (each parameter broadcast straight into the receiver's
+    # bucket, the trailer apart): one bit flipped in the first parameter this rank receives
+    for verify in (False, True):
+        engine = engine_for(cfg, 64 + rank)
+        planted = {}
+        restore = _flip_one_bit_on_direct_receive(rank, planted)
+        digest = SyncDigest(1, 1) if verify else None
+        try:
+            error = _sync_stream(engine, iter_hf_weights(model, parallel=par, bucket_bytes=4096, digest=digest,
+                                                         buffers=ExportBuffers(), param_views=True), 1, digest)
+        finally:
+            restore()
+        held = dict(checkpoint_parameters(engine.model))
+        res[("ep2_direct_bitflip", verify)] = {
+            "error": error, "flipped": planted.get("flipped", False), "valid": engine.weights_valid,
+            "differing": sorted(n for n in state if not torch.equal(held[n], state[n])),
+            "refused": _generate_refused(engine), "version": engine.weight_version}
     dist.barrier()
 
     # ---- PP = 2: the second sync's pipeline broadcast replaced by the first sync's bytes
@@ -290,9 +337,23 @@ def test_the_fast_path_at_ep2_views_parameters_and_syncs_bitwise(verify_results)
         for version in (2, 3):  # the second sync reuses the bucket plan kept in ExportBuffers
             r = res[("ep2_views", version)]
             assert r["error"] is None and r["version"] == version and r["differing"] == []
-            # what needs no transport was handed out as the parameter itself; experts travel over EP
+            # what needs no transport was handed out as the parameter itself; experts travel over EP, each
+            # owner's straight from its parameters (handed out as they are), the others' into the bucket
             assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"} <= r["aliased"]
-            assert not any(".experts." in n for n in r["aliased"])
+            assert res["experts_mine"] and {n for n in r["aliased"] if ".experts." in n} == set(res["experts_mine"])
+
+
+@pytest.mark.dist
+def test_a_flipped_bit_in_an_expert_sent_straight_from_its_parameter_is_caught_in_the_same_sync(verify_results):
+    for rank, res in enumerate(verify_results):
+        before, after = res[("ep2_direct_bitflip", False)], res[("ep2_direct_bitflip", True)]
+        assert before["flipped"] and after["flipped"]
+        # unverified: accepted, serving one wrong expert tensor, one of the other rank's
+        assert before["error"] is None and before["valid"] and before["version"] == 1
+        assert len(before["differing"]) == 1 and ".mlp.experts." in before["differing"][0]
+        assert before["differing"][0] not in res["experts_mine"]
+        _one_error(after["error"], tensor=after["differing"][0], version=1, rank=rank)
+        assert not after["valid"] and after["refused"] and after["version"] == 0
 
 
 @pytest.mark.dist

@@ -32,9 +32,13 @@ def test_activate_rewrites_cuda_placements_and_type_strings():
         torch.cuda.manual_seed(7); a = torch.rand(2)
         torch.cuda.manual_seed(7); b = torch.rand(2)
         print(bool(torch.equal(a, b)))
+        with cpu_compat.native_torch():  # the mode bypassed inside (the weight sync's hot loop), restored after
+            print(torch.overrides._get_current_function_mode() is None, x.type())
+        print(torch.overrides._get_current_function_mode() is cpu_compat._MODE, x.type())
         """
     )
     lines = out.strip().splitlines()
+    assert lines[3:5] == ["True torch.FloatTensor", "True torch.cuda.FloatTensor"]
     assert lines[0] == "cpu cpu cpu"
     assert lines[1].split() == [
         "torch.cuda.FloatTensor",
