@@ -52,10 +52,10 @@ from dapo_megatron.rollout.engines.engine import Completion, SamplingParams, com
 from dapo_megatron.rollout.engines.routes import routes_start_of
 from dapo_megatron.rollout.engines.row_client import RowClient
 from dapo_megatron.rollout.engines.sglang_io import build_sampling_params
-from dapo_megatron.rollout.sampling.buffer import (DROP_REASONS, KEPT, GroupSelector, group_from_dict,
-                                                  group_staleness, group_to_dict)
+from dapo_megatron.rollout.sampling.buffer import GroupSelector, group_from_dict, group_staleness, group_to_dict
+from dapo_megatron.rollout.sampling.feeder import EtaBound, KeepRateStreaming, StepFeeder, WholeBatches
 from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipConfig, PromptSkipper
-from dapo_megatron.rollout.sampling.streaming import KeepRate, PromptQueue, draw_unskipped, streamed_cap_spent
+from dapo_megatron.rollout.sampling.feeder import KeepRate, PromptQueue
 from dapo_megatron.rollout.rollout import Rollout, StepBatch
 from dapo_megatron.rollout.trajectory import SINGLE_TURN, Trajectory, settle_row
 from dapo_megatron.rollout.types import Group, Sample
@@ -80,36 +80,31 @@ class _Fill:
 
     def __init__(self, version: int):
         self.version = version
-        self.num_batches = 0
         self.resubmitted = self.reprefilled = 0  # partial rows continued after a sync, their prefix tokens
         self.retried = self.server_failures = 0  # rows sent again after their server failed; servers that did
         self.evicted = 0  # carried groups a resume found more than η versions behind (load_state_dict)
-        self.submitted = self.skipped = 0  # streamed admission: prompts generated for the step, prompts skipped
 
-    def state_dict(self, selector: GroupSelector) -> dict:
-        st = selector._step  # the selector's tally of the open step (begin() .. take())
-        return {"version": self.version, "num_batches": self.num_batches, "resubmitted": self.resubmitted,
+    def state_dict(self, feeder: StepFeeder) -> dict:
+        """This step's counts with the admission's (``num_batches``, ``submitted``, ``skipped``) and
+        the selector's tally of it (``GroupSelector.step_state_dict``)."""
+        c, selector = feeder.admission.counts(), feeder.selector
+        return {"version": self.version, "num_batches": c["num_batches"], "resubmitted": self.resubmitted,
                 "reprefilled": self.reprefilled, "retried": self.retried, "server_failures": self.server_failures,
-                "evicted": self.evicted, "submitted": self.submitted, "skipped": self.skipped,
-                "surplus": selector.state_dict(),
-                "kept": [group_to_dict(g) for g in st.kept], "surplus_in": st.surplus_in,
-                "dropped_stale": st.dropped_stale, "graded": [group_to_dict(Group(-1, [x])) for x in st.graded],
-                "dropped": dict(st.dropped)}
+                "evicted": self.evicted, "submitted": c["submitted"], "skipped": c["skipped"],
+                "surplus": selector.state_dict(), **selector.step_state_dict()}
 
     @classmethod
-    def load(cls, d: dict, selector: GroupSelector) -> "_Fill":
+    def load(cls, d: dict, feeder: StepFeeder) -> "_Fill":
+        """The inverse of :meth:`state_dict`: the admission's counts restored and the selector's
+        step reopened with its tally (an open step has no surplus: ``begin`` took it in)."""
         f = cls(int(d["version"]))
-        f.num_batches, f.resubmitted, f.reprefilled = int(d["num_batches"]), int(d["resubmitted"]), int(d["reprefilled"])
+        f.resubmitted, f.reprefilled = int(d["resubmitted"]), int(d["reprefilled"])
         f.retried, f.server_failures = int(d.get("retried", 0)), int(d.get("server_failures", 0))
         f.evicted = int(d.get("evicted", 0))
-        f.submitted, f.skipped = int(d.get("submitted", 0)), int(d.get("skipped", 0))
-        selector.load_state_dict({"surplus": []})
-        selector.begin(f.version)
-        st = selector._step
-        st.kept = [group_from_dict(g) for g in d["kept"]]
-        st.surplus_in, st.dropped_stale = int(d["surplus_in"]), int(d["dropped_stale"])
-        st.graded = [group_from_dict(g).samples[0] for g in d["graded"]]
-        st.dropped = {r: int(d["dropped"][r]) for r in DROP_REASONS}
+        feeder.admission.load_counts({"num_batches": int(d["num_batches"]), "submitted": d.get("submitted", 0),
+                                      "skipped": d.get("skipped", 0)})
+        feeder.selector.load_state_dict({"surplus": []})
+        feeder.selector.load_step_state(f.version, d)
         return f
 
 
@@ -192,6 +187,12 @@ class RolloutController:
         if skipper is None:
             skipper = PromptSkipper(PromptSkipConfig(enable=False))
         self.skipper, self.keep_rate = skipper, KeepRate()
+        # the step feeder: the selector with this controller's admission (streamed: synchronous streamed
+        # mode's keep-rate sizing and skipper; batch: whole generation batches), gated by η (_admits)
+        admission = (KeepRateStreaming(self.cfg, prompts, skipper, self.keep_rate) if prompts is not None
+                     else WholeBatches(self.cfg, self._draw_batch))
+        self.feeder = StepFeeder(selector, admission)
+        self.eta = EtaBound(self.cfg.max_staleness)
         self.urls = list(urls)
         self.params = params
         self.silence_timeout_s = float(silence_timeout_s)
@@ -206,7 +207,7 @@ class RolloutController:
         self.gen_batches_done = int(gen_batches_done)
         self.version = int(version)
         self._fill = _Fill(int(policy_version))
-        selector.begin(self._fill.version)
+        self.feeder.begin(self._fill.version)
         self._ready: deque = deque()  # (policy version, groups, metrics) or (version, RuntimeError, None)
         self._cv = threading.Condition()
         self._paused = 0
@@ -330,7 +331,7 @@ class RolloutController:
                 raise RuntimeError(f"the rollout controller failed ({failed}); its state is not saved (the prompts "
                                    "of its last request would be lost): fix the cause and resume from the last "
                                    "checkpoint") from failed
-            out = {"gen_batches_done": self.gen_batches_done, "fill": self._fill.state_dict(self.selector),
+            out = {"gen_batches_done": self.gen_batches_done, "fill": self._fill.state_dict(self.feeder),
                    "ready": [{"version": v, "groups": [group_to_dict(g) for g in gs], "metrics": m}
                              for v, gs, m in self._ready if not isinstance(gs, BaseException)]}
             if self.prompts is not None:
@@ -365,11 +366,11 @@ class RolloutController:
             self.keep_rate.load_state_dict(a["keep_rate"])
             self.skipper.load_state_dict(a["skipper"])
         self.gen_batches_done = int(state["gen_batches_done"])
-        self._fill = _Fill.load(state["fill"], self.selector)
+        self._fill = _Fill.load(state["fill"], self.feeder)
         self._ready = deque((int(r["version"]), [group_from_dict(g) for g in r["groups"]], dict(r["metrics"]))
                             for r in state["ready"])
         eta, fill = self.cfg.max_staleness, self._fill
-        steps = [(v, gs) for v, gs, _ in self._ready] + [(fill.version, self.selector._step.kept + self.selector.surplus)]
+        steps = [(v, gs) for v, gs, _ in self._ready] + [(fill.version, self.selector.kept + self.selector.surplus)]
         stale = [any(group_staleness(g, v) > eta for g in gs) for v, gs in steps]
         if not any(stale):
             return
@@ -380,6 +381,7 @@ class RolloutController:
         self._ready = deque(list(self._ready)[:first])
         if first < len(steps) - 1:  # a ready step is filled again: the open step's tally starts anew
             self._fill = _Fill(version)
+            self.feeder.admission.load_counts({})
         self.selector.load_state_dict({"surplus": [group_to_dict(g) for g in keep]})
         self.selector.begin(version)
         self._fill.evicted = evicted
@@ -388,35 +390,27 @@ class RolloutController:
 
     # ---- the thread -----------------------------------------------------------------
     def _admits(self) -> bool:
-        """A generation batch for the step being filled may start: its tokens would be at most
-        η versions behind the policy that trains on them."""
-        return self.version >= self._fill.version - self.cfg.max_staleness
+        """A request for the step being filled may start (:class:`~dapo_megatron.rollout.sampling.feeder.EtaBound`):
+        its tokens would be at most η versions behind the policy that trains on them."""
+        return self.eta.admits(self.version, self._fill.version)
 
     def _step_done(self) -> bool:
         """N groups are kept, or the step's cap is reached (batches, or streamed prompts)."""
-        if not self.selector.missing:
-            return True
-        if self.prompts is not None:
-            return self._fill.submitted >= self.cfg.max_num_gen_batches * self.cfg.gen_batch_size
-        return self._fill.num_batches >= self.cfg.max_num_gen_batches
+        return self.feeder.filled()
+
+    def _draw_batch(self) -> list[tuple[Any, int]]:
+        """Batch admission's draw: the next whole generation batch from ``next_batch``, group ``g`` at
+        position ``gen_batches_done * gen_batch_size + g`` (its seed and group number)."""
+        first = self.gen_batches_done * self.cfg.gen_batch_size
+        self.gen_batches_done += 1
+        return [(rec, first + g) for g, rec in enumerate(self.next_batch())]
 
     def _admit(self) -> tuple[list[Any], list[int]]:
         """The records of the next request and their positions (seed and group number), by the
-        admission rule of the class docstring (call under the lock, the step not done)."""
-        cfg, f = self.cfg, self._fill
-        if self.prompts is None:
-            first = self.gen_batches_done * cfg.gen_batch_size
-            self.gen_batches_done += 1
-            records = list(self.next_batch())
-            return records, [first + g for g in range(len(records))]
-        fetched = self.prompts.fetched
-        want = self.keep_rate.admission(self.selector.missing, cfg.gen_batch_size,
-                                        cfg.max_num_gen_batches * cfg.gen_batch_size - f.submitted)
-        drawn, skipped = draw_unskipped(self.prompts, self.skipper, want)
-        f.submitted += len(drawn)
-        f.skipped += skipped
-        f.num_batches += self.prompts.fetched - fetched  # generation batches drawn from the stream
-        self.gen_batches_done = self.prompts.fetched
+        feeder's admission (class docstring; call under the lock, the step not done)."""
+        drawn = self.feeder.admit()
+        if self.prompts is not None:
+            self.gen_batches_done = self.prompts.fetched
         return [rec for rec, _ in drawn], [pos for _, pos in drawn]
 
     def _run(self) -> None:
@@ -440,7 +434,7 @@ class RolloutController:
                 graded = None
                 try:
                     groups, resubmitted, reprefilled, retried = self._generate_batch(records, positions, version)
-                    self.selector.grade(groups)
+                    self.feeder.grade(groups)
                     graded = groups
                 finally:
                     with self._cv:
@@ -634,35 +628,24 @@ class RolloutController:
         return out
 
     def _add_batch(self, groups: list[Group]) -> None:
-        """Offer a graded request's groups to the selector, in submission order; streamed, each
-        one also updates the skipper's history and the keep rate (call under the lock)."""
-        if self.prompts is None:
-            self._fill.num_batches += 1
-        for g in groups:
-            if self.prompts is not None:
-                self.skipper.record(g.samples[0].prompt_index, self.selector.zero_variance(g))
-                self.keep_rate.count(self.selector.offer(g) == KEPT)
-            else:
-                self.selector.offer(g)
+        """Offer a graded request's groups through the feeder, in submission order (streamed, each
+        one also updates the skipper's history and the keep rate); call under the lock."""
+        self.feeder.offer(groups)
 
     def _close_step(self) -> None:
         """Hand the filled step to the ready queue (exactly N groups, or fewer at the cap), as
-        :meth:`RolloutBuffer.collect` ends a step, and open the next: the selector's ``begin``
-        keeps the surplus that is within η of it, the rest is dropped and counted."""
+        :meth:`RolloutBuffer.collect` ends a step, and open the next: the feeder's ``begin`` keeps
+        the surplus that is within η of it (the rest is dropped and counted) and halves the keep rate."""
         cfg, f, sel = self.cfg, self._fill, self.selector
         if sel.missing and cfg.on_cap == "error":
-            what = (f"dynamic sampling after max_num_gen_batches={cfg.max_num_gen_batches} generation batches"
-                    if self.prompts is None else
-                    streamed_cap_spent(cfg, f.submitted, f.skipped))
             try:
-                sel.fail_at_cap(what)
+                self.feeder.take()  # GroupSelector.fail_at_cap, naming what the admission spent
             except RuntimeError as err:
                 self._ready.append((f.version, err, None))
             self._stop = True
             return
-        generated = list(sel._step.graded)
-        out = sel.take()
-        metrics = sel.step_metrics(num_batches=f.num_batches)
+        generated = sel.graded
+        out, metrics = self.feeder.take()
         metrics.update(partial_metrics([s for g in out for s in g.samples], resubmitted=f.resubmitted,
                                        reprefilled=f.reprefilled, generated=generated))
         if self.trajectory.multi_turn:  # the responses this step generated and graded, as Rollout.collect's
@@ -671,12 +654,12 @@ class RolloutController:
                         "rollout/healthy_servers": float(sum(h == "healthy" for h in self.health)),
                         "rollout/evicted_on_resume": float(f.evicted)})
         if self.prompts is not None:  # synchronous streamed mode's names
-            metrics.update({"rollout/keep_rate": self.keep_rate.value, "rollout/prompts_submitted": float(f.submitted),
-                            "rollout/skipped_prompts": float(f.skipped)})
-            self.keep_rate.new_step()
+            a = self.feeder.admission
+            metrics.update({"rollout/keep_rate": self.keep_rate.value, "rollout/prompts_submitted": float(a.submitted),
+                            "rollout/skipped_prompts": float(a.skipped)})
         self._ready.append((f.version, out, metrics))
         self._fill = _Fill(f.version + 1)
-        sel.begin(self._fill.version)
+        self.feeder.begin(self._fill.version)
 
 
 def check_admission(state: dict, *, streamed: bool) -> None:
