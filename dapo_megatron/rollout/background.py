@@ -35,7 +35,8 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 from dapo_megatron.data import PromptStream
-from dapo_megatron.rollout.async_rollout import RolloutController, check_admission
+from dapo_megatron.rollout.async_rollout import RolloutController
+from dapo_megatron.rollout.steps_ahead import check_admission
 from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipper
 from dapo_megatron.rollout.types import Group
 
@@ -105,7 +106,7 @@ class BackgroundDriver:
     @property
     def gen_batches_done(self) -> int:
         """Generation batches rank 0's controller drew so far (0 on the other ranks)."""
-        return self.controller.gen_batches_done if self.controller is not None else 0
+        return self.controller.steps.gen_batches_done if self.controller is not None else 0
 
     def _broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank, over the gloo generation-wait group: ranks 1..N wait here
@@ -184,7 +185,8 @@ class BackgroundDriver:
         self.rollout.engine.set_members(members)
         # partial rollouts: the sync's /pause_generation aborts the rows in flight, which continue
         # after it; else wait for the batch in flight to finish first
-        self._sync_pause_s = self.controller.pause(wait=not self.partial_rollout) if self.controller is not None else 0.0
+        ctrl = self.controller
+        self._sync_pause_s = ctrl.pause(wait=not self.partial_rollout) if ctrl is not None else 0.0
         self.parallel.wait_for_generation()  # rank 0 waited for the batch in flight: the others on gloo
         ok = False
         try:
@@ -264,7 +266,7 @@ class BackgroundDriver:
             RuntimeError: on every rank, rank 0 could not take the state (the controller failed:
                 :meth:`RolloutController.state_dict`), so no checkpoint is written.
         """
-        state = self._paused_on_rank_0(lambda: {"gen_batches_done": self.controller.gen_batches_done,
+        state = self._paused_on_rank_0(lambda: {"gen_batches_done": self.controller.steps.gen_batches_done,
                                                 "streams": [st.state_dict() for st in self.streams],
                                                 "async_rollout": self.controller.state_dict()}, share=False)
         return state if state is not None else {}
@@ -274,7 +276,7 @@ class BackgroundDriver:
 
         Raises:
             ValueError: on every rank, the checkpoint was written by a synchronous run, or by the
-                other admission (:func:`~dapo_megatron.rollout.async_rollout.check_admission`).
+                other admission (:func:`~dapo_megatron.rollout.steps_ahead.check_admission`).
         """
         if "async_rollout" not in state:
             raise ValueError("async_training.enable=true but the checkpoint was written by a synchronous run; "

@@ -83,7 +83,7 @@ def test_a_failed_server_leaves_dispatch_and_its_validation_rows_go_to_the_healt
     ctrl = _controller(servers)
     assert _validate(ctrl) == _expected()  # the same responses: seeded per row, not per server
     assert ctrl.health == ["healthy", "down", "healthy"] and "http://b" in ctrl.server_errors[1]
-    assert ctrl._fill.server_failures == 1
+    assert ctrl.steps.fill.server_failures == 1
     first, second = servers.calls
     retried = [(seed, n) for e, seed, n, _ in first if e == 1]
     assert len(retried) == 2 * PARAMS.n  # problems 1 and 4

@@ -332,7 +332,7 @@ def test_the_async_controller_logs_the_trajectory_metrics_of_every_response_a_st
     selector.grade(groups)
     ctrl._add_batch(groups)
     ctrl._close_step()
-    _, trained, metrics = ctrl._ready[-1]
+    _, trained, metrics = ctrl.steps.ready[-1]
     # every response of the batch ends in 9 (acc, 9 % 3 == 0): both groups are all-correct, none is
     # kept, and the metrics still count the 4 responses generated and graded
     assert trained == [] and metrics["tool/responses"] == 4.0 and metrics["tool/acc"] == 4.0
