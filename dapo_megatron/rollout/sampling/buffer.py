@@ -4,9 +4,11 @@ One training step needs exactly ``train_batch_size`` (N) prompt groups of ``n`` 
 responses whose accuracies are not all equal: a group where every response is right (or
 every one is wrong) has zero advantage for all its tokens and only dilutes the gradient.
 :class:`GroupSelector` holds that rule once, with the step's keep/drop tally, the group
-renumbering, the surplus and the metrics; two feeders offer it groups: whole generation
-batches (:meth:`RolloutBuffer.collect`, below) or streamed rounds
-(:class:`~dapo_megatron.rollout.sampling.streaming.StreamingCollector`). :meth:`RolloutBuffer.collect`
+renumbering, the surplus and the metrics; the one step feeder
+(:class:`~dapo_megatron.rollout.sampling.feeder.StepFeeder`) offers it groups, by whole generation
+batches (:meth:`RolloutBuffer.collect`, below), streamed rounds
+(:class:`~dapo_megatron.rollout.sampling.streaming.StreamingCollector`) or ahead of training (the
+async controller). :meth:`RolloutBuffer.collect`
 
 1. starts from the surplus groups kept at earlier steps (used first), dropping those more
    than ``max_staleness`` weight versions behind the actor (counted),
@@ -85,9 +87,11 @@ class _Step:
 class GroupSelector:
     """DAPO's dynamic-sampling selector: grading, the keep rule, the step's tally, the surplus.
 
-    One selector serves both ways of feeding a step (slime's ``filter_hub`` shape): whole
-    generation batches (:meth:`RolloutBuffer.collect`) or streamed rounds
-    (:class:`~dapo_megatron.rollout.sampling.streaming.StreamingCollector`). A step is
+    One selector serves every way of feeding a step (slime's ``filter_hub`` shape), through the
+    step feeder (:class:`~dapo_megatron.rollout.sampling.feeder.StepFeeder`, the one caller of
+    :meth:`offer`): whole generation batches (:meth:`RolloutBuffer.collect`), streamed rounds
+    (:class:`~dapo_megatron.rollout.sampling.streaming.StreamingCollector`) or the async controller.
+    A step is
     :meth:`begin` (the carried surplus within ``max_staleness`` counts as kept, the stale rest
     is dropped and counted), then :meth:`grade` + :meth:`offer` per finished group, in
     generation order, until :attr:`missing` is 0 or the feeder's cap, then :meth:`take` (the
@@ -302,7 +306,8 @@ class GroupSelector:
 
 
 class RolloutBuffer(GroupSelector):
-    """The batch feeder of the selector (verl's dynamic sampling): whole generation batches
+    """The selector with the batch form of the step feeder (verl's dynamic sampling: the
+    :class:`~dapo_megatron.rollout.sampling.feeder.WholeBatches` admission): whole generation batches
     until N groups are kept; see the module docstring. Constructed as :class:`GroupSelector`."""
 
     def _check_batch(self, groups: Any, batch_index: int) -> list[Group]:

@@ -255,7 +255,9 @@ def extend_sample(s: Sample, u: RowUpdate, trajectory: Trajectory = SINGLE_TURN,
 
 
 class StreamingCollector:
-    """The streamed feeder of the dynamic-sampling selector (module docstring).
+    """The streamed form of the step feeder (module docstring): the
+    :class:`~dapo_megatron.rollout.sampling.feeder.KeepRateStreaming` admission over rounds of the
+    engines' rows (:class:`_Rounds`), with the partial groups it carries between steps.
 
     Args:
         selector: the :class:`~dapo_megatron.rollout.sampling.buffer.GroupSelector` (the trainer's
