@@ -11,7 +11,7 @@ a list where the backend has no ``all_gather_into_tensor``, as the bridge does o
 plus one copy into preallocated parameters; no layout conversion, no checks. The last
 line but one is sync ÷ floor (GB/s over GB/s), higher is better; the goal is >= 0.9. The sync is
 verified as the trainer verifies it by default (``rollout.check_weight_update``, period
-``rollout.check_weight_update_period``; ``rollout/engines/verify.py``); the same sync without
+``rollout.check_weight_update_period``; ``bridge/verify.py``); the same sync without
 verification, and with every tensor checked (period 1), alternate with it in the same run, and the
 last line is the verification overhead at the default period: the median over rounds of verified ÷
 unverified sync time, the two run back to back in alternating order (goal <= 1.02), next to the
@@ -79,7 +79,7 @@ def _worker(args: argparse.Namespace, out_path: str) -> None:
     from dapo_megatron.models import ModelConfig, build_gpt_model
     from dapo_megatron.platform import ParallelConfig, init_distributed
     from dapo_megatron.rollout.engines.hf_engine import HFEngine
-    from dapo_megatron.rollout.engines.verify import SyncDigest
+    from dapo_megatron.bridge.verify import SyncDigest
 
     parallel = init_distributed(ParallelConfig(2, 1), seed=0)
     hf_config = LlamaConfig(

@@ -42,7 +42,7 @@ def _worker(args: argparse.Namespace, out_path: str) -> None:
     from dapo_megatron.models import ModelConfig, build_gpt_model
     from dapo_megatron.platform import ParallelConfig, init_distributed
     from dapo_megatron.rollout.engines.hf_engine import HFEngine
-    from dapo_megatron.rollout.engines.verify import SyncDigest
+    from dapo_megatron.bridge.verify import SyncDigest
 
     parallel = init_distributed(ParallelConfig(1, 1, 2), seed=0)  # TP=1, PP=1, EP=2 (= DP=2)
     hf_config = MixtralConfig(

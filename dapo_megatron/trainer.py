@@ -48,7 +48,6 @@ from dapo_megatron.data import load_from_config, resolve_data_files
 from dapo_megatron.models import build_gpt_model, load_hf_config
 from dapo_megatron.platform import ParallelDims
 from dapo_megatron.rollout.engines.factory import load_tokenizer
-from dapo_megatron.rollout.engines.routes import replay_routes_layout
 from dapo_megatron.rollout.plan.step_data import old_logprob_micro_batches, route_step
 from dapo_megatron.rollout.build import build_rollout, check_rollout_fits, prompt_stream
 from dapo_megatron.rollout.sampling.buffer import logprob_mismatch_metrics, split_fresh_stale
@@ -111,7 +110,6 @@ class DAPOTrainer:
         check_rollout_fits(cfg, parallel, self.hf_config)
         model = build_gpt_model(self.hf_config, cfg.model, parallel=parallel,
                                 routing_replay=cfg.actor.routing_replay == "rollout")
-        self.routes_layout = replay_routes_layout(cfg.actor.routing_replay, self.hf_config)  # R3: routes travel too
         resuming = self.start.resuming
         if not resuming:  # a resumed run loads its weights from the checkpoint below
             load_hf_weights(model, open_hf_source(cfg.model.hf_path, cfg.model.gguf_file), strict=True,
@@ -164,7 +162,8 @@ class DAPOTrainer:
         plan, the indices into ``samples`` of this DP rank's samples, the old-logprob plan."""
         actor, share = self.cfg.actor, self.actor.plan.shares_prompts
         plan, mine = route_step(groups, samples, self.parallel, actor.ppo_mini_batch_size,
-                                actor.ppo_max_token_len_per_gpu, share_prompts=share, routes=self.routes_layout)
+                                actor.ppo_max_token_len_per_gpu, share_prompts=share,
+                                routes=self.rollout.routes_layout)  # R3: the routes travel too
         old = resolve_old_logprob_plan(actor, num_updates=actor.ppo_epochs * len(plan.mini_batches))
         if old.source == ROLLOUT:  # bypass mode: the engine's logprobs are pi_old
             for i in mine:

@@ -58,8 +58,8 @@ def _raw(t: torch.Tensor, digest: bool = False) -> str:
 def serve(http_port: int, ready, tp_size: int = 1) -> None:
     """Run the stand-in (in a spawned process) until terminated."""
     import sglang_reference
-    from dapo_megatron.rollout.engines.buckets import dtype_from_name
-    from dapo_megatron.rollout.engines.sglang_engine import init_custom_process_group
+    from dapo_megatron.bridge.buckets import dtype_from_name
+    from dapo_megatron.bridge.servers import init_custom_process_group
 
     tensor_bucket = sglang_reference.install_tensor_bucket()
     # SGLang's scheduler is one loop taking one request at a time (sglang 0.5.11

@@ -21,8 +21,6 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from dapo_megatron.platform import collectives
 from dapo_megatron.platform.distributed import collective_device
-from dapo_megatron.rollout.engines.verify import (SyncDigest, Timer, checksum_tensor, read_trailer, trailer_words,
-                                                  write_trailer)
 
 from .mapping import (
     ModelLayout,
@@ -39,6 +37,7 @@ from .mapping import (
     megatron_shard_shape,
     megatron_to_hf_into,
 )
+from .verify import SyncDigest, Timer, checksum_tensor, read_trailer, trailer_words, write_trailer
 
 if TYPE_CHECKING:
     from dapo_megatron.platform import ParallelDims
@@ -540,7 +539,7 @@ def iter_hf_weights(
             the bucket: for a consumer that copies each tensor before asking for the next and never
             writes into it or hands it to another process (``RolloutEngine.copies_on_load``). On the
             CPU MoE benchmark this is 145 of 397 MiB not copied twice.
-        digest: verify the sync (:mod:`dapo_megatron.rollout.engines.verify`): each bucket
+        digest: verify the sync (:mod:`dapo_megatron.bridge.verify`): each bucket
             gets a trailer of int64 words after its tensors, written by the rank that fills it
             before any broadcast (the version, the bucket's index, the checksum of each HF tensor
             ``digest.wants``) and read by every rank after the broadcasts into ``digest``

@@ -89,7 +89,8 @@ def build_rollout(cfg: DAPOConfig, parallel: ParallelDims, *, tokenizer: Any, hf
     trajectory = build_trajectory(cfg.rollout.multi_turn, tokenizer)
     if trajectory.multi_turn:
         trajectory.bind_sandbox(cfg.sandbox)  # a tool trajectory probes its sandbox now, not mid-rollout
-    engine, num_engines, engine_index = build_training_rollout(cfg, tokenizer, hf_config, parallel)
+    routes = replay_routes_layout(cfg.actor.routing_replay, hf_config)  # routing replay: the one layout of the run
+    engine, num_engines, engine_index = build_training_rollout(cfg, tokenizer, hf_config, parallel, routes)
     if trajectory.stop and hasattr(engine, "set_stop_decoder"):  # the HF engine matches stop strings itself
         engine.set_stop_decoder(lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
     reward_pool = RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)
@@ -111,8 +112,7 @@ def build_rollout(cfg: DAPOConfig, parallel: ParallelDims, *, tokenizer: Any, hf
     return compose_rollout(cfg, parallel, engine=engine, num_engines=num_engines, engine_index=engine_index,
                            train_data=train_data, val_data=val_data, stream=stream, reward_pool=reward_pool,
                            decode=decode, buffer=buffer, collector=collector, prompt_queue=prompt_queue,
-                           routes_layout=replay_routes_layout(cfg.actor.routing_replay, hf_config),
-                           trajectory=trajectory)
+                           routes_layout=routes, trajectory=trajectory)
 
 
 def compose_rollout(cfg: DAPOConfig, parallel: ParallelDims, **parts: Any) -> Rollout:

@@ -89,7 +89,7 @@ class RolloutConfig:
     bucket of host memory between syncs (``bridge.ExportBuffers``)."""
     check_weight_update: bool = True
     """verify every weight sync before the engines generate with it (docs/design.md §1 step 7,
-    ``rollout/engines/verify.py``): every bucket carries the sender's version and index (a stale or
+    ``bridge/verify.py``): every bucket carries the sender's version and index (a stale or
     misordered bucket fails), every sent tensor must have reached the engine, and the tensors of
     this sync's sample (``check_weight_update_period``) are compared by checksum: the sender's over
     what it sent, the receiver's over what it loaded (an in-process engine) or what SGLang's

@@ -42,7 +42,7 @@ from dapo_megatron.platform import ParallelDims, collective_device
 from dapo_megatron.rewards.pool import RewardPool
 from dapo_megatron.rollout.engines.engine import RolloutEngine, SamplingParams
 from dapo_megatron.rollout.engines.layout import engine_share
-from dapo_megatron.rollout.engines.verify import (SyncDigest, Timer, WeightSyncVerifyError, probe_error, probe_ids,
+from dapo_megatron.bridge.verify import (SyncDigest, Timer, WeightSyncVerifyError, probe_error, probe_ids,
                                                   probe_tolerance)
 from dapo_megatron.rollout.sampling.buffer import RolloutBuffer
 from dapo_megatron.rollout.sampling.streaming import EngineClient, PromptQueue, StreamingCollector

@@ -67,7 +67,7 @@ Endpoints, with the request and response fields of sglang 0.5.11
   cache between requests: there is nothing else to flush.
 * ``POST /init_weights_update_group`` (``master_address, master_port, rank_offset, world_size,
   group_name, backend``): joins the group as rank ``rank_offset`` (one worker: TP 1), with
-  :func:`~dapo_megatron.rollout.engines.sglang_engine.init_custom_process_group`, SGLang's own
+  :func:`~dapo_megatron.bridge.servers.init_custom_process_group`, SGLang's own
   construction. ``gloo`` on CPU (``nccl`` needs ``--device cuda``). A group of a name already
   joined is replaced (a restarted trainer joins again).
 * ``POST /update_weights_from_distributed`` (``names, dtypes, shapes, group_name, flush_cache,
@@ -75,7 +75,7 @@ Endpoints, with the request and response fields of sglang 0.5.11
   model (name, shape, dtype name) BEFORE the broadcast is joined; names are the checkpoint's, as
   SGLang's ``load_weights`` takes them (a transformers-5 MoE model's fused experts by their
   per-expert names, ``mlp.experts.{e}.gate_proj.weight``, as views:
-  :func:`~dapo_megatron.rollout.engines.engine.checkpoint_parameters`; ``/get_weights_by_name`` too), so a bad update answers 400
+  :func:`~dapo_megatron.bridge.receiver.checkpoint_parameters`; ``/get_weights_by_name`` too), so a bad update answers 400
   at once and the sender stops naming this server instead of waiting for it. Then one
   ``broadcast(src=0)`` per tensor in order, or with ``load_format="flattened_bucket"`` ONE
   broadcast of the ``uint8`` buffer that SGLang's ``FlattenedTensorBucket`` would allocate
@@ -94,7 +94,7 @@ Endpoints, with the request and response fields of sglang 0.5.11
 
 Every malformed request gets ONE 400 ``{"error": {"message"}}`` naming the field and the fix
 (SGLang's ``_create_error_response`` form; the project's client reads it with
-:func:`~dapo_megatron.rollout.engines.generate_stream.sglang_error_message`).
+:func:`~dapo_megatron.platform.http.sglang_error_message`).
 
 Scheduling (:class:`Scheduler`): one thread owns the engine, as SGLang's scheduler process
 does: HTTP handlers queue commands; between two decode steps the thread applies them

@@ -16,10 +16,11 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from dapo_megatron.platform import collectives
-from dapo_megatron.rollout.engines.buckets import dtype_from_name
-from dapo_megatron.rollout.engines.engine import RowResult, checkpoint_parameters
+from dapo_megatron.bridge.buckets import dtype_from_name
+from dapo_megatron.rollout.engines.engine import RowResult
+from dapo_megatron.bridge.receiver import checkpoint_parameters
 from dapo_megatron.rollout.engines.routes import encode_sglang_routes
-from dapo_megatron.rollout.engines.sglang_engine import init_custom_process_group
+from dapo_megatron.bridge.servers import init_custom_process_group
 
 logger = logging.getLogger("dapo_rollout_server")
 from dapo_megatron.rollout_server.protocol import BadRequest, RowSpec, ServerEngine, ServerRow, _as_int

@@ -70,7 +70,7 @@ def _sync_with_readback(engine, model_dir, report) -> None:
     import torch
 
     from dapo_megatron.rollout.engines.engine_group import sync_flat_buckets
-    from dapo_megatron.rollout.engines.flat_bucket import FlatBucketPacker
+    from dapo_megatron.bridge.flat_bucket import FlatBucketPacker
 
     device = torch.device("cuda", engine.base_gpu_id) if torch.cuda.is_available() else torch.device("cpu")
     named = _sync_stream(model_dir)

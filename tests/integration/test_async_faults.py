@@ -58,7 +58,7 @@ def _arm(hf_dir, urls, run_dir, out_path, fault, pids, logs=()):
     (log paths) answered so far."""
     from dapo_megatron.config import DAPOConfig, load_config
     from dapo_megatron.platform import init_distributed
-    from dapo_megatron.rollout.engines import server_sync
+    from dapo_megatron.bridge import servers
     from dapo_megatron.trainer import DAPOTrainer
 
     cfg = load_config(DAPOConfig, None, CONFIG + FAULT_CONFIG + _timeouts(fault) + [
@@ -90,7 +90,7 @@ def _arm(hf_dir, urls, run_dir, out_path, fault, pids, logs=()):
             out.setdefault("failures", []).append((failed[0].server, failed[0].message, time.monotonic() - t0))
         return res
 
-    real_pause, pauses = server_sync.pause_servers, [0]
+    real_pause, pauses = servers.pause_servers, [0]
 
     def pause_servers(urls_, timeout_s):
         real_pause(urls_, timeout_s)
@@ -99,7 +99,7 @@ def _arm(hf_dir, urls, run_dir, out_path, fault, pids, logs=()):
             os.kill(pids[1], signal.SIGKILL)  # paused, about to receive the weights of version 2
             out["fault_at"] = time.monotonic()
 
-    ctrl._generate, trainer.rollout.collect, server_sync.pause_servers = generate, collect, pause_servers
+    ctrl._generate, trainer.rollout.collect, servers.pause_servers = generate, collect, pause_servers
     try:
         while trainer.step < STEPS:
             policy_version = trainer.step
@@ -112,7 +112,7 @@ def _arm(hf_dir, urls, run_dir, out_path, fault, pids, logs=()):
     except RuntimeError as err:
         out["error"] = str(err)
     finally:
-        server_sync.pause_servers = real_pause  # the next arm of this process gets the real one
+        servers.pause_servers = real_pause  # the next arm of this process gets the real one
         out["health"], out["server_errors"] = list(ctrl.health), list(ctrl.server_errors)
         trainer.rollout.close()
         out["calls"] = [log_calls(open(path).read()) for path in logs]

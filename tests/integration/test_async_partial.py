@@ -41,7 +41,7 @@ def _worker(hf_dir, url, run_dir, out_path):
     from dapo_megatron.config import DAPOConfig, load_config
     from dapo_megatron.platform import init_distributed
     from dapo_megatron.rollout.engines.engine import sample_seed
-    from dapo_megatron.rollout.engines.generate_stream import http_post
+    from dapo_megatron.platform.http import http_post
     from dapo_megatron.rollout.engines.sglang_io import build_sampling_params
     from dapo_megatron.trainer import DAPOTrainer
 

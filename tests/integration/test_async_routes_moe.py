@@ -155,7 +155,7 @@ def _models(out):
     """The HF model of every weight version: 0 the checkpoint, ``v`` the actor's export at sync ``v``."""
     from transformers import AutoModelForCausalLM
 
-    from dapo_megatron.rollout.engines.engine import checkpoint_parameters
+    from dapo_megatron.bridge.receiver import checkpoint_parameters
 
     first = AutoModelForCausalLM.from_pretrained(out["checkpoint"], dtype=torch.float32).eval()
     models = {0: first}

@@ -29,7 +29,7 @@ from dapo_megatron.rollout.engines.row_client import RowClient, ServerFailure
 from dapo_megatron.rollout.engines.engine import SamplingParams, sample_seed
 from dapo_megatron.rollout.engines.generate_stream import StreamedGenerate, stream_generate, wait_streams, with_progress
 from dapo_megatron.rollout_server import ServerEngine, parse_generate
-from dapo_megatron.rollout.engines.generate_stream import http_get, http_post
+from dapo_megatron.platform.http import http_get, http_post
 from dapo_megatron.rollout.engines.sglang_io import build_sampling_params
 from rollout_server import RolloutServer, save_tiny_model
 

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from dapo_megatron.rollout.engines.engine import RowRequest, SamplingParams
-from dapo_megatron.rollout.engines.generate_stream import http_get, http_post
-from dapo_megatron.rollout.engines.sglang_engine import init_custom_process_group
+from dapo_megatron.platform.http import http_get, http_post
+from dapo_megatron.bridge.servers import init_custom_process_group
 from dapo_megatron.rollout.engines.sglang_io import (build_generate_request, build_row_request, parse_generate_output,
                                                      parse_row_output)
 from rollout_server import RolloutServer, free_port, save_tiny_model
@@ -276,9 +276,9 @@ def _weights(url, name, numel_rows):
 def test_weight_update_over_gloo_is_bitwise_and_generation_uses_it(server, model_dir):
     from transformers import AutoModelForCausalLM
 
-    from dapo_megatron.rollout.engines.buckets import dtype_name
-    from dapo_megatron.rollout.engines.flat_bucket import FlatBucketPacker
-    from dapo_megatron.rollout.engines.sglang_engine import distributed_update_request
+    from dapo_megatron.bridge.buckets import bucket_metadata, dtype_name
+    from dapo_megatron.bridge.flat_bucket import FlatBucketPacker
+    from dapo_megatron.bridge.servers import distributed_update_request
 
     new_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     torch.manual_seed(123)
@@ -304,7 +304,7 @@ def test_weight_update_over_gloo_is_bitwise_and_generation_uses_it(server, model
         # the first half one broadcast per tensor (no load_format), the rest as flattened buckets
         box = {}
         t = _post_later(server.url, "/update_weights_from_distributed",
-                        distributed_update_request(named[:half], name), box)
+                        distributed_update_request(bucket_metadata(named[:half]), name), box)
         for _, tensor in named[:half]:
             torch.distributed.broadcast(tensor, src=0, group=group)
         t.join(60)

@@ -34,7 +34,7 @@ def test_server_returns_sglang_routed_experts_that_the_client_parses(moe_dir, tm
     from transformers import AutoModelForCausalLM
 
     from dapo_megatron.rollout.engines.engine import RowRequest, SamplingParams
-    from dapo_megatron.rollout.engines.generate_stream import http_post
+    from dapo_megatron.platform.http import http_post
     from dapo_megatron.rollout.engines.row_client import RowClient
     from dapo_megatron.rollout.engines.sglang_io import build_generate_request, parse_generate_output
 

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from dapo_megatron.platform import spawn
-from dapo_megatron.rollout.engines.generate_stream import http_post
+from dapo_megatron.platform.http import http_post
 from rollout_server import RolloutServer, forget_weight_update_groups, free_port, save_tiny_model
 from sglang_standin import StandIn
 
@@ -55,7 +55,7 @@ def _calls_settled(log_paths) -> list[list[str]]:
 def _probe(url, export, prompts):
     """What a server holds after a sync, read back through SGLang's API: every exported tensor's
     values (``/get_weights_by_name``), its greedy generation of ``prompts`` and its weight-update groups."""
-    from dapo_megatron.rollout.engines.generate_stream import http_get
+    from dapo_megatron.platform.http import http_get
 
     weights = {name: http_post(url, "/get_weights_by_name", {"name": name, "truncate_size": tensor.shape[0]}, 30)
                for name, tensor in export.items()}
@@ -91,8 +91,9 @@ def _sync_case(tp, pp, urls, out_dir, timeout_s=60, logs=(), seed=1, probe=False
     from dapo_megatron.bridge import ExportBuffers, export_hf_state_dict, iter_hf_weights, load_hf_weights
     from dapo_megatron.models import ModelConfig, build_gpt_model
     from dapo_megatron.platform import ParallelConfig, init_distributed
-    from dapo_megatron.rollout.engines.engine import hf_param_specs
-    from dapo_megatron.rollout.engines.server_sync import check_health, connect_servers, query_server, sync_servers
+    from dapo_megatron.bridge.receiver import hf_param_specs
+    from dapo_megatron.rollout.engines.row_client import check_health
+    from dapo_megatron.bridge.servers import connect_servers, query_server, sync_servers
 
     os.makedirs(out_dir, exist_ok=True)
     # a new layout in the same world: init_distributed rebuilds megatron-core's groups (distributed.py)
@@ -250,7 +251,7 @@ def test_set_members_destroys_the_old_group_on_every_server_before_forming_the_n
     one on each server (``/destroy_weights_update_group``, SGLang's endpoint), so no server keeps a
     communicator per membership change; the dropped server too, while it answers."""
     from dapo_megatron.rollout.engines.server_sync import ServerRollout
-    from dapo_megatron.rollout.engines.generate_stream import http_get
+    from dapo_megatron.platform.http import http_get
 
     a, b = servers[0], servers[1]
     eng = ServerRollout([a.url, b.url], None, stage=0, num_stages=1, is_sender=True, device="cpu", timeout_s=20,
@@ -278,7 +279,8 @@ def test_set_members_destroys_the_old_group_on_every_server_before_forming_the_n
 
 
 def test_health_check_names_a_dead_a_hung_and_an_unhealthy_server():
-    from dapo_megatron.rollout.engines.server_sync import check_health, query_server
+    from dapo_megatron.rollout.engines.row_client import check_health
+    from dapo_megatron.bridge.servers import query_server
 
     # started at once (a start is most of this test's time); a dead server is a port nobody listens on
     alive, hung, sick = (s.wait_ready() for s in [StandIn(wait=False) for _ in range(3)])

@@ -46,10 +46,10 @@ def _world(url: str, out_dir: str) -> None:
     from dapo_megatron.bridge import export_hf_state_dict, iter_hf_weights, load_hf_weights
     from dapo_megatron.models import ModelConfig, build_gpt_model
     from dapo_megatron.platform import ParallelConfig, init_distributed
-    from dapo_megatron.rollout.engines.engine import checkpoint_parameters, hf_param_specs
-    from dapo_megatron.rollout.engines.generate_stream import http_get, http_post
+    from dapo_megatron.bridge.receiver import checkpoint_parameters, hf_param_specs
+    from dapo_megatron.platform.http import http_get, http_post
     from dapo_megatron.rollout.engines.server_sync import ServerRollout
-    from dapo_megatron.rollout.engines.verify import SyncDigest
+    from dapo_megatron.bridge.verify import SyncDigest
 
     parallel = init_distributed(ParallelConfig(1, 1, 2), seed=0)
     rank = dist.get_rank()
@@ -138,7 +138,7 @@ def test_each_expert_owner_sends_its_experts_in_a_group_of_its_own(moe_world):
 def test_the_server_holds_the_export_bitwise_and_generates_with_it(moe_world):
     from transformers import AutoModelForCausalLM
 
-    from dapo_megatron.rollout.engines.engine import checkpoint_parameters
+    from dapo_megatron.bridge.receiver import checkpoint_parameters
 
     a = moe_world[0]
     export = {n: torch.tensor(v) for n, v in a["export"].items()}

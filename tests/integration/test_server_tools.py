@@ -26,7 +26,7 @@ import torch
 
 from dapo_megatron.rollout.config import MultiTurnConfig
 from dapo_megatron.rollout.engines.engine import SamplingParams, sample_seed
-from dapo_megatron.rollout.engines.generate_stream import http_post
+from dapo_megatron.platform.http import http_post
 from dapo_megatron.rollout.engines.sglang_io import build_sampling_params
 from dapo_megatron.rollout.trajectory import PENDING, run_turns
 from dapo_megatron.rollout.types import Sample

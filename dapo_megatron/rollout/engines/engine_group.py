@@ -9,9 +9,9 @@ GPU ``base_gpu_id + i`` (sglang 0.5.11 ``entrypoints/engine.py``
 the GPU of the group's ``i``-th rank. Per bucket of the sync (:func:`sync_flat_buckets`):
 
 1. every rank of the group, fed the same full HF tensors by the bridge, packs the bucket into
-   its flat buffer on its own GPU (:class:`~dapo_megatron.rollout.engines.flat_bucket.FlatBucketPacker`)
+   its flat buffer on its own GPU (:class:`~dapo_megatron.bridge.flat_bucket.FlatBucketPacker`)
    and serializes it as CUDA-IPC handles (SGLang's ``MultiprocessingSerializer`` with its
-   torch-reduction patch, :func:`~dapo_megatron.rollout.engines.flat_bucket.serialize_for_engine`);
+   torch-reduction patch, :func:`~dapo_megatron.bridge.flat_bucket.serialize_for_engine`);
 2. the payloads are gathered over the group's gloo group to the leader, which checks that
    every rank packed the same bucket (names, shapes, dtypes, offsets) on the GPU its SGLang TP
    worker runs on;
@@ -43,8 +43,9 @@ import torch
 
 from dapo_megatron.platform import collectives
 from dapo_megatron.platform import device as rank_device
-from dapo_megatron.rollout.engines.engine import GenerationOutput, ParamSpec, RolloutEngine, SamplingParams
-from dapo_megatron.rollout.engines.flat_bucket import FlatBucketPacker, serialize_for_engine, sglang_bucket_dict
+from dapo_megatron.rollout.engines.engine import GenerationOutput, RolloutEngine, SamplingParams
+from dapo_megatron.bridge.receiver import ParamSpec
+from dapo_megatron.bridge.flat_bucket import FlatBucketPacker, serialize_for_engine, sglang_bucket_dict
 
 NamedTensor = tuple[str, torch.Tensor]
 

@@ -26,10 +26,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 from dapo_megatron.models.config import moe_layout
 from dapo_megatron.platform import device, local_device_index
-from dapo_megatron.rollout.engines.engine import RolloutEngine, hf_param_specs
+from dapo_megatron.rollout.engines.engine import RolloutEngine, eos_ids
+from dapo_megatron.bridge.receiver import hf_param_specs
 from dapo_megatron.rollout.engines.engine_group import EngineGroupMember, RolloutGroup
 from dapo_megatron.rollout.engines.hf_engine import HFEngine
-from dapo_megatron.rollout.engines.routes import replay_routes_layout
+from dapo_megatron.rollout.engines.routes import RoutesLayout
 from dapo_megatron.rollout.engines.server_sync import ServerRollout
 from dapo_megatron.rollout.engines.sglang_engine import SGLangEngine
 from dapo_megatron.rollout.engines.sglang_env import release_allocator_cache
@@ -50,12 +51,6 @@ def load_tokenizer(hf_path: str, gguf_file: Optional[str] = None):
     return tok
 
 
-def _as_ids(eos) -> set[int]:
-    if eos is None:
-        return set()
-    return {int(eos)} if isinstance(eos, int) else {int(t) for t in eos}
-
-
 def stop_token_ids(tokenizer, hf_config, model_path: Optional[str] = None) -> tuple[int, ...]:
     """The token ids that end a response, sorted (see the module docstring for the rule).
 
@@ -68,9 +63,9 @@ def stop_token_ids(tokenizer, hf_config, model_path: Optional[str] = None) -> tu
     Raises:
         ValueError: none of the three names an EOS id (the engine could never stop early).
     """
-    ids = _as_ids(getattr(tokenizer, "eos_token_id", None)) | _as_ids(getattr(hf_config, "eos_token_id", None))
+    ids = eos_ids(tokenizer, hf_config)
     if model_path and os.path.isfile(os.path.join(model_path, "generation_config.json")):
-        ids |= _as_ids(GenerationConfig.from_pretrained(model_path).eos_token_id)
+        ids |= eos_ids(GenerationConfig.from_pretrained(model_path))
     if not ids:
         raise ValueError(f"no EOS token id in the tokenizer, config or generation_config of {model_path!r}: "
                          "the engine could not end a response before its token budget")
@@ -119,9 +114,11 @@ class EngineSpec:
             raise ValueError(f"rollout engine {self.name!r} must be one of {ENGINES}")
 
 
-def training_engine_spec(cfg: DAPOConfig, tokenizer, hf_config) -> EngineSpec:
+def training_engine_spec(cfg: DAPOConfig, tokenizer, hf_config, routes: Optional[RoutesLayout] = None) -> EngineSpec:
     """The trainer's colocated engine: random weights (the actor syncs them before the first
-    rollout), ``model.params_dtype``, this rank's GPU, the ``rollout.*`` settings."""
+    rollout), ``model.params_dtype``, this rank's GPU, the ``rollout.*`` settings; ``routes``: the
+    run's routes layout (routing replay, :func:`~dapo_megatron.rollout.engines.routes.replay_routes_layout`,
+    computed where the rollout is built), None: off."""
     rollout = cfg.rollout
     base_gpu_id = None
     if rollout.name == "sglang":
@@ -133,14 +130,8 @@ def training_engine_spec(cfg: DAPOConfig, tokenizer, hf_config) -> EngineSpec:
         mem_fraction_static=rollout.gpu_memory_utilization,
         base_gpu_id=base_gpu_id, deterministic=rollout.deterministic,
         update_bucket_mb=rollout.update_weights_bucket_megabytes, engine_kwargs=dict(rollout.engine_kwargs or {}),
-        record_routes=_routes_shape(cfg, hf_config),
+        record_routes=None if routes is None else routes.engine_shape,
     )
-
-
-def _routes_shape(cfg: DAPOConfig, hf_config) -> Optional[tuple[int, int, int]]:
-    """``(L, K, E)`` of the routes the engine records (routing replay), None when off."""
-    layout = replay_routes_layout(cfg.actor.routing_replay, hf_config)
-    return None if layout is None else (layout[0], layout[1], moe_layout(hf_config).num_experts)
 
 
 def build_engine(spec: EngineSpec, hf_config=None, group=None) -> RolloutEngine:
@@ -173,7 +164,8 @@ def build_engine(spec: EngineSpec, hf_config=None, group=None) -> RolloutEngine:
                     eos_token_ids=list(spec.eos_token_ids), record_routes=spec.record_routes is not None, **extra)
 
 
-def build_training_rollout(cfg: DAPOConfig, tokenizer, hf_config, parallel) -> tuple[Any, int, Optional[int]]:
+def build_training_rollout(cfg: DAPOConfig, tokenizer, hf_config, parallel,
+                           routes: Optional[RoutesLayout] = None) -> tuple[Any, int, Optional[int]]:
     """The trainer's rollout on this rank: ``(engine, num_engines, engine_index)``, where
     ``engine_index`` is the engine this rank drives (None: it generates nothing); collective in
     server mode.
@@ -184,7 +176,8 @@ def build_training_rollout(cfg: DAPOConfig, tokenizer, hf_config, parallel) -> t
     :class:`~dapo_megatron.rollout.engines.engine_group.EngineGroupMember` s feeding its weight sync.
     server: a :class:`~dapo_megatron.rollout.engines.server_sync.ServerRollout` on every rank (rank
     ``e`` drives ``rollout.server_urls[e]``; each pipeline stage's DP-0/TP-0 rank sends it, and at
-    EP > 1 each EP owner its own experts).
+    EP > 1 each EP owner its own experts). ``routes``: the run's routes layout (routing replay), its
+    ``engine_shape`` recorded by every engine; None: off.
     """
     rollout = cfg.rollout
     if rollout.mode == "server":
@@ -201,7 +194,7 @@ def build_training_rollout(cfg: DAPOConfig, tokenizer, hf_config, parallel) -> t
             timeout_s=rollout.server_timeout_s, silence_timeout_s=rollout.server_silence_timeout_s,
             bucket_bytes=rollout.update_weights_bucket_megabytes * 2**20,
             eos_token_ids=stop_token_ids(tokenizer, hf_config, cfg.model.hf_path), parallel=parallel,
-            one_driver=cfg.async_training.enable, record_routes=_routes_shape(cfg, hf_config))
+            one_driver=cfg.async_training.enable, record_routes=None if routes is None else routes.engine_shape)
         return servers, servers.num_engines, servers.engine_index
     index = parallel.rollout_index if parallel.is_rollout_leader else None
     if rollout.name == "sglang":
@@ -211,7 +204,7 @@ def build_training_rollout(cfg: DAPOConfig, tokenizer, hf_config, parallel) -> t
         release_allocator_cache()
         parallel.barrier("rollout")
     if parallel.rollout_tp_size == 1:
-        engine = build_engine(training_engine_spec(cfg, tokenizer, hf_config), hf_config)
+        engine = build_engine(training_engine_spec(cfg, tokenizer, hf_config, routes), hf_config)
         return _labelled(engine, cfg, parallel), parallel.num_engines, index
     group = RolloutGroup(parallel.rollout_group_ranks, parallel.rank, parallel.rollout_group)
     if not group.is_leader:
@@ -219,7 +212,7 @@ def build_training_rollout(cfg: DAPOConfig, tokenizer, hf_config, parallel) -> t
                                   transport="flat_bucket" if rollout.name == "sglang" else None,
                                   update_bucket_mb=rollout.update_weights_bucket_megabytes),
                 parallel.num_engines, None)
-    spec = training_engine_spec(cfg, tokenizer, hf_config)  # the HF engine ignores tp_size: one full copy
+    spec = training_engine_spec(cfg, tokenizer, hf_config, routes)  # the HF engine ignores tp_size: one full copy
     engine = build_engine(spec, hf_config, group=group if spec.name == "sglang" else None)
     return _labelled(engine, cfg, parallel), parallel.num_engines, index
 

@@ -44,79 +44,11 @@ import json
 import socket
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from typing import Any, Optional, Sequence
 
+from dapo_megatron.platform.http import http_get, sglang_error_message
 from dapo_megatron.rollout.engines.sglang_io import EVENTS_PER_ROW, progress_interval, with_progress  # noqa: F401
-
-# ---------------------------------------------------------------------------- plain HTTP calls
-def sglang_error_message(body: bytes) -> str:
-    """SGLang's message in an error response body: ``{"message"}`` (weight-update endpoints),
-    ``{"error": {"message"}}`` (generate, release / resume memory), FastAPI's 422
-    ``{"detail": ...}``, or the plain text of ``/flush_cache``."""
-    text = body.decode(errors="replace").strip()
-    try:
-        obj = json.loads(text)
-    except ValueError:
-        return text[:1000] or "(empty response body)"
-    if isinstance(obj, dict):
-        err = obj.get("error")
-        if isinstance(err, dict) and err.get("message"):
-            return str(err["message"])[:1000]
-        for k in ("message", "error", "detail"):
-            if obj.get(k):
-                return (obj[k] if isinstance(obj[k], str) else json.dumps(obj[k]))[:1000]
-    return text[:1000]
-
-
-def http_post(base_url: str, path: str, payload: Optional[dict], timeout: float, *, text: bool = False) -> Any:
-    """POST JSON to ``base_url + path``.
-
-    Returns:
-        the decoded JSON body (None for an empty body or JSON ``null``), or with ``text``
-        the body as a string (``/flush_cache`` answers plain text).
-
-    Raises:
-        RuntimeError: HTTP error status (naming the endpoint, with SGLang's message) or an
-            unreachable server.
-    """
-    url = base_url.rstrip("/") + path
-    data = json.dumps(payload if payload is not None else {}).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
-    body = _http_call(req, url, timeout)
-    if text:
-        return body.decode(errors="replace")
-    return json.loads(body) if body.strip() else None
-
-
-def http_get(base_url: str, path: str, timeout: float) -> Any:
-    """GET ``base_url + path``: the decoded JSON body (None for an empty body, e.g. ``/health``'s
-    200). Raises ``RuntimeError`` as :func:`http_post` does."""
-    url = base_url.rstrip("/") + path
-    body = _http_call(urllib.request.Request(url, method="GET"), url, timeout)
-    return json.loads(body) if body.strip() else None
-
-
-def _http_call(req: urllib.request.Request, url: str, timeout: float) -> bytes:
-    """One HTTP request, every failure a ``RuntimeError`` naming the URL: an error status (with
-    SGLang's message), an unreachable server, or no answer within ``timeout`` seconds (a hung
-    server must not hang the trainer)."""
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.read()
-    except urllib.error.HTTPError as err:
-        raise RuntimeError(f"SGLang server {url} returned HTTP {err.code}: "
-                           f"{sglang_error_message(err.read())}") from None
-    except urllib.error.URLError as err:
-        if isinstance(err.reason, (TimeoutError, socket.timeout)):
-            raise RuntimeError(f"SGLang server {url} did not answer within {timeout:g} s") from None
-        raise RuntimeError(f"SGLang server {url} unreachable: {err.reason}") from None
-    except (TimeoutError, socket.timeout):  # the connection opened, the answer never came
-        raise RuntimeError(f"SGLang server {url} did not answer within {timeout:g} s") from None
-    except (ConnectionError, OSError) as err:  # reset or closed mid-answer: the server died
-        raise RuntimeError(f"SGLang server {url} unreachable: {err}") from None
 
 
 class Liveness:

@@ -17,7 +17,7 @@ Design: docs/design.md §2 (the rollout layout).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any
 
 from dapo_megatron.platform.parallel_config import ROLLOUT_TP_KEY, rollout_groups
 
@@ -72,26 +72,6 @@ def engine_share(num_items: int, num_engines: int, engine_index: int) -> list[in
     if num_engines < 1 or not 0 <= engine_index < num_engines:
         raise ValueError(f"engine_index={engine_index} must be in [0, num_engines={num_engines})")
     return list(range(engine_index, num_items, num_engines))
-
-
-def server_rank_offsets(tp_sizes: Sequence[int]) -> tuple[list[int], int]:
-    """Ranks of the SGLang servers in one weight-update group: ``(rank_offsets, world_size)``.
-
-    The trainer's sender is rank 0; server ``e``'s TP workers take ranks
-    ``rank_offsets[e] .. rank_offsets[e] + tp_sizes[e] - 1`` (SGLang's worker joins as
-    ``rank_offset + tp_rank``: sglang 0.5.11 ``model_executor/model_runner.py``
-    ``init_weights_update_group``), so one broadcast from rank 0 reaches every server.
-
-    Raises:
-        ValueError: an empty list or a TP size below 1.
-    """
-    if not tp_sizes or any(int(t) < 1 for t in tp_sizes):
-        raise ValueError(f"server TP sizes must be a non-empty list of ints >= 1, got {list(tp_sizes)}")
-    offsets, next_rank = [], 1
-    for tp in tp_sizes:
-        offsets.append(next_rank)
-        next_rank += int(tp)
-    return offsets, next_rank
 
 
 def rollout_engines(rank: int, world_size: int, *, mode: str = "colocated", rollout_tp: int = 1,

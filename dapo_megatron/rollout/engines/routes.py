@@ -38,7 +38,7 @@ Design: docs/design.md §2.1 (routing replay).
 from __future__ import annotations
 
 import base64
-from typing import Any, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 import torch
@@ -57,9 +57,27 @@ def route_dtype(num_experts: int) -> torch.dtype:
     return torch.uint8 if num_experts <= 256 else torch.int16
 
 
-def replay_routes_layout(routing_replay: str, hf_config) -> Optional[tuple[int, int, torch.dtype]]:
-    """``(L, K, dtype)`` of the routes a run carries (``actor.routing_replay: rollout`` on an MoE
-    model), None when it carries none (``off``).
+class RoutesLayout(NamedTuple):
+    """The routes a run carries (routing replay): every sample's ``routes`` is ``[n, num_layers,
+    topk]`` of ``dtype`` (:func:`route_dtype` of ``num_experts``). Indexes as ``(L, K, dtype)``
+    first, the form the step's data path reads (:func:`~dapo_megatron.rollout.plan.step_data.send_tokens`)."""
+
+    num_layers: int
+    topk: int
+    dtype: torch.dtype
+    num_experts: int
+
+    @property
+    def engine_shape(self) -> tuple[int, int, int]:
+        """``(L, K, E)``: what an engine asked for routes records and checks (``record_routes``)."""
+        return self.num_layers, self.topk, self.num_experts
+
+
+def replay_routes_layout(routing_replay: str, hf_config) -> Optional[RoutesLayout]:
+    """The :class:`RoutesLayout` of the routes a run carries (``actor.routing_replay: rollout`` on an
+    MoE model), None when it carries none (``off``). Computed once, where the rollout is built
+    (:func:`~dapo_megatron.rollout.build.build_rollout`): the engines get its ``engine_shape``,
+    the rollout and the trainer's step data path the layout itself.
 
     Raises:
         ValueError: ``rollout`` on a dense model (naming ``actor.routing_replay``).
@@ -70,7 +88,7 @@ def replay_routes_layout(routing_replay: str, hf_config) -> Optional[tuple[int, 
     if moe is None:
         raise ValueError(f"actor.routing_replay=rollout needs a mixture-of-experts model; hf_config.model_type="
                          f"{getattr(hf_config, 'model_type', None)!r} is dense: set actor.routing_replay=off")
-    return int(hf_config.num_hidden_layers), moe.topk, route_dtype(moe.num_experts)
+    return RoutesLayout(int(hf_config.num_hidden_layers), moe.topk, route_dtype(moe.num_experts), moe.num_experts)
 
 
 def num_route_tokens(prompt_len: int, response_len: int) -> int:

@@ -5,7 +5,7 @@
 Its users: synchronous server mode (``rollout/engines/server_sync.py`` ``ServerRollout``: batch
 :meth:`RowClient.generate` on the rank's server, the streamed rollout's
 :meth:`~RowClient.submit` / :meth:`~RowClient.poll` / :meth:`~RowClient.abort`), the client of one
-server (``rollout/engines/sglang_engine.py`` ``SGLangServerEngine``: non-streamed
+server (``rollout/engines/sglang_server_engine.py`` ``SGLangServerEngine``: non-streamed
 :meth:`RowClient.generate`) and asynchronous training (``rollout/async_rollout.py``
 ``RolloutController``: :meth:`RowClient.dispatch` of rows over the healthy servers, with
 mark-down and retry, abort and continue across a weight sync, validation rows).
@@ -34,37 +34,14 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional, Sequence
 
+from dapo_megatron.platform.http import each_server, http_get, http_post
 from dapo_megatron.rollout.engines.engine import GenerationOutput, RowRequest, RowResult, SamplingParams
-from dapo_megatron.rollout.engines.generate_stream import (Liveness, StreamedGenerate, http_get, http_post,
-                                                           stream_generate, wait_streams)
+from dapo_megatron.rollout.engines.generate_stream import Liveness, StreamedGenerate, stream_generate, wait_streams
 from dapo_megatron.rollout.engines.sglang_io import (build_generate_request, build_row_request, build_rows_request,
                                                      parse_generate_output, parse_row_output, parse_versioned_row,
                                                      with_progress)
 
 logger = logging.getLogger("dapo_megatron.rollout.async")
-
-
-def each_server(urls: Sequence[str], fn) -> list:
-    """``fn(url)`` for every URL at once (threads); returns the results in order, raising one
-    ``RuntimeError`` that lists every URL that failed."""
-    results: list[Any] = [None] * len(urls)
-    errors: list[Optional[str]] = [None] * len(urls)
-
-    def run(i):
-        try:
-            results[i] = fn(urls[i])
-        except Exception as err:  # collected: all failing servers are named at once
-            errors[i] = str(err)
-
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(len(urls))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    failed = [e for e in errors if e is not None]
-    if failed:
-        raise RuntimeError("; ".join(failed))
-    return results
 
 
 def probe_health(urls: Sequence[str], timeout_s: float) -> list[Optional[str]]:

@@ -70,7 +70,7 @@ release's wheel. Files are those of ``python/sglang/srt/`` in sglang 0.5.11 unle
   ("Cache flushed..." with 200, the failure message with 400); ``POST
   /release_memory_occupation`` / ``/resume_memory_occupation`` (``{"tags": [...]}``) →
   JSON ``null``, errors ``{"error": {"message"}}``. Request validation errors are
-  FastAPI's 422 ``{"detail": [...]}``. :func:`~.generate_stream.sglang_error_message` reads all of them.
+  FastAPI's 422 ``{"detail": [...]}``. :func:`~dapo_megatron.platform.http.sglang_error_message` reads all of them.
 
 Logprobs: SGLang returns the logprob of each sampled token under its processed sampling
 distribution (temperature applied; with top-p/top-k, see its ``SGLANG_RETURN_ORIGINAL_LOGPROB``
@@ -82,35 +82,21 @@ from __future__ import annotations
 import asyncio
 import atexit
 import dataclasses
-import inspect
 import itertools
-import threading
-import urllib.parse
-from datetime import timedelta
 from typing import Any, Optional, Sequence
 
 import torch
-from torch.distributed import TCPStore
-from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
 from transformers import AutoConfig, GenerationConfig
 
-from dapo_megatron.platform import collectives, device as rank_device, local_device_index
+from dapo_megatron.bridge.buckets import dtype_name
+from dapo_megatron.bridge.flat_bucket import FlatBucketPacker
+from dapo_megatron.bridge.receiver import ParamSpec, hf_param_specs
+from dapo_megatron.bridge.verify import readback_checksum, readback_shape
+from dapo_megatron.platform import device as rank_device, local_device_index
 from dapo_megatron.rollout.engines import sglang_env
-from dapo_megatron.rollout.engines.buckets import bucket_metadata, dtype_name
-from dapo_megatron.rollout.engines.engine import (
-    GenerationOutput,
-    ParamSpec,
-    RolloutEngine,
-    RowRequest,
-    RowResult,
-    SamplingParams,
-    hf_param_specs,
-)
+from dapo_megatron.rollout.engines.engine import (GenerationOutput, RolloutEngine, RowRequest, RowResult, SamplingParams,
+                                                  eos_ids)
 from dapo_megatron.rollout.engines.engine_group import RolloutGroup, sync_flat_buckets
-from dapo_megatron.rollout.engines.flat_bucket import FlatBucketPacker
-# the plain HTTP call of the control endpoints (generate_stream.py holds the HTTP helpers)
-from dapo_megatron.rollout.engines.generate_stream import http_post
-from dapo_megatron.rollout.engines.row_client import RowClient
 from dapo_megatron.rollout.engines.sglang_io import (
     build_generate_request,
     build_row_request,
@@ -123,7 +109,6 @@ from dapo_megatron.rollout.engines.sglang_server_args import (  # noqa: F401  (c
     colocated_graph_kwargs,
     engine_argument_names,
 )
-from dapo_megatron.rollout.engines.verify import readback_checksum, readback_shape
 
 
 def _import_sglang():
@@ -181,71 +166,6 @@ def check_result(result: Any, what: str) -> None:
         raise RuntimeError(f"SGLang {what} failed: {msg or '(SGLang gave no message; see the server log)'}")
 
 
-def distributed_update_request(bucket: Sequence[tuple[str, torch.Tensor]], group_name: str,
-                               flush_cache: bool = False) -> dict[str, Any]:
-    """``/update_weights_from_distributed`` payload for one bucket: names, dtypes and shapes in
-    exactly the order the tensors will then be broadcast."""
-    meta = bucket_metadata(bucket)
-    return {
-        "names": [name for name, _, _ in meta],
-        "dtypes": [dtype_name(dt) for _, _, dt in meta],
-        "shapes": [list(shape) for _, shape, _ in meta],
-        "group_name": group_name,
-        "flush_cache": flush_cache,
-    }
-
-
-def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
-                              timeout: timedelta = timedelta(minutes=10)):
-    """Create a process group outside the default one (trainer rank 0 + engine workers).
-
-    The same construction SGLang's ``init_weights_update_group`` uses on its side (a TCP
-    store, ``PrefixStore(group_name)``, ``_new_process_group_helper``), so both ends meet.
-    Works with ``"nccl"`` (GPU) and ``"gloo"`` (CPU tests).
-
-    The store is built here, not by ``rendezvous(init_method)``: under torchrun
-    (``TORCHELASTIC_USE_AGENT_STORE=True``) ``rendezvous`` makes every rank, rank 0 included,
-    a client of a store it expects the elastic agent to host (torch
-    ``distributed/rendezvous.py`` ``_create_c10d_store``), so nobody would serve the port and
-    the servers' workers would time out connecting. Rank 0 hosts it, as ``rendezvous`` does
-    outside torchrun (``TCPStore(..., is_master=rank == 0, multi_tenant=True)``).
-    """
-    parsed = urllib.parse.urlparse(init_method)
-    if parsed.scheme != "tcp" or parsed.hostname is None or parsed.port is None:
-        raise ValueError(f"init_method={init_method!r} must be tcp://host:port")
-    store = TCPStore(parsed.hostname, parsed.port, world_size, rank == 0, timeout=timeout, multi_tenant=True)
-    store = PrefixStore(group_name, store)
-    params = inspect.signature(_new_process_group_helper).parameters
-    opts = {"backend_options": None} if "backend_options" in params else {"pg_options": None}
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
-                                      timeout=timeout, **opts)
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg
-
-
-class _Background:
-    """Run an HTTP call in a thread while this thread does the matching collective."""
-
-    def __init__(self, fn, *args):
-        self.result, self.error = None, None
-        self.thread = threading.Thread(target=self._run, args=(fn, *args), daemon=True)
-        self.thread.start()
-
-    def _run(self, fn, *args):
-        try:
-            self.result = fn(*args)
-        except BaseException as err:  # re-raised in join()
-            self.error = err
-
-    def join(self, timeout: Optional[float] = None):
-        self.thread.join(timeout)
-        if self.thread.is_alive():
-            raise RuntimeError("SGLang server did not answer in time")
-        if self.error is not None:
-            raise self.error
-        return self.result
-
-
 # ---------------------------------------------------------------------------- engines
 #: SGLang's memory tags (``sglang.srt.constants.GPU_MEMORY_TYPE_*``, all three since 0.5.5),
 #: in the order its scheduler resumes them.
@@ -253,7 +173,7 @@ KV_CACHE, WEIGHTS, CUDA_GRAPH = "kv_cache", "weights", "cuda_graph"
 MEMORY_TAGS = (CUDA_GRAPH, WEIGHTS, KV_CACHE)
 
 
-class _SGLangMemory:
+class SGLangMemory:
     """Sleep / wake bookkeeping shared by the offline and the server engine.
 
     Keeps the set of released memory tags, releases ``kv_cache`` and ``cuda_graph`` (and
@@ -322,7 +242,7 @@ class _SGLangMemory:
         self._require_valid_weights()
 
 
-class SGLangEngine(_SGLangMemory, RolloutEngine):
+class SGLangEngine(SGLangMemory, RolloutEngine):
     """Colocated offline ``sglang.Engine`` in this process, on this rank's GPU, or, with
     ``tp_size > 1``, on the GPUs of this rank's rollout group (this rank leads it; the other
     ranks are :class:`~dapo_megatron.rollout.engines.engine_group.EngineGroupMember` s).
@@ -429,16 +349,12 @@ class SGLangEngine(_SGLangMemory, RolloutEngine):
     def eos_token_ids(self) -> frozenset:
         """The model's EOS ids (``config.json`` / ``generation_config.json``), which end a row."""
         if self._eos is None:
-            ids = set()
             sources = [AutoConfig.from_pretrained(self.model_path)]
             try:
                 sources.append(GenerationConfig.from_pretrained(self.model_path))
             except OSError:  # no generation_config.json
                 pass
-            for cfg in sources:
-                eos = getattr(cfg, "eos_token_id", None)
-                ids.update([] if eos is None else [eos] if isinstance(eos, int) else list(eos))
-            self._eos = frozenset(int(t) for t in ids)
+            self._eos = frozenset(eos_ids(*sources))
         return self._eos
 
     # ---- asynchronous rows (module docstring) ----------------------------------------
@@ -533,7 +449,7 @@ class SGLangEngine(_SGLangMemory, RolloutEngine):
         ``ModelRunner.get_weights_by_name`` -> the model class's, e.g. ``models/llama.py``: the
         parameter as ``.float().tolist()``, the stacked ``qkv_proj`` / ``gate_up_proj`` sliced back to
         the HF tensor, TP shards gathered; None where the model class has none) and checksummed
-        in the sent dtype (:func:`~dapo_megatron.rollout.engines.verify.readback_checksum`): the
+        in the sent dtype (:func:`~dapo_megatron.bridge.verify.readback_checksum`): the
         tensor's head rows within ``readback_elements`` (the digest's, which the sender checksummed
         alike: ``rollout.check_weight_update_readback_elements``), the whole tensor for None."""
         if not self.verify_readback:
@@ -593,98 +509,3 @@ class SGLangEngine(_SGLangMemory, RolloutEngine):
         pids, self._engine_pids = self._engine_pids, None
         sglang_env.shutdown_engine(self.engine, pids)
         atexit.unregister(self.shutdown)
-
-
-class SGLangServerEngine(_SGLangMemory, RolloutEngine):
-    """Client of a separately launched SGLang server (``python -m sglang.launch_server``).
-
-    Generation goes over HTTP ``/generate``. Weights go over a process group shared by
-    this trainer rank (rank 0) and the server's workers (ranks 1..world_size-1), created by
-    :meth:`init_weights_update_group`; each bucket is announced with
-    ``/update_weights_from_distributed`` (names, dtypes, shapes in order) and its tensors
-    are then broadcast from rank 0 in that order. Only one trainer rank (the one holding
-    the gathered full tensors) may call ``update_weights``. Sleep / wake go through
-    ``/release_memory_occupation`` and ``/resume_memory_occupation`` with the same tags and
-    weight-validity rules as :class:`SGLangEngine`. Seeds apply only when the server was
-    launched with ``--enable-deterministic-inference``.
-
-    Args:
-        base_url: e.g. ``"http://10.0.0.5:30000"``.
-        param_specs: ``(specs, aliases)`` of the served model (e.g. from
-            :func:`dapo_megatron.rollout.engines.engine.hf_param_specs`) for the sync checks.
-        device: device the broadcast tensors are moved to (a CUDA device for NCCL, ``"cpu"``
-            for gloo); None: this rank's device (:func:`dapo_megatron.platform.device`).
-        timeout_s: HTTP timeout per call, seconds.
-        update_bucket_mb: bucket size of ``update_weights`` in MiB.
-        enable_memory_saver: the server was launched with ``--enable-memory-saver``.
-        weights_cpu_backup: the server was launched with ``--enable-weights-cpu-backup``.
-    """
-
-    def __init__(self, base_url: str, param_specs: tuple[dict[str, ParamSpec], dict[str, str]], *,
-                 device: Optional[str] = None, timeout_s: float = 600.0, update_bucket_mb: int = 512,
-                 enable_memory_saver: bool = True, weights_cpu_backup: bool = False):
-        super().__init__()
-        if not base_url.startswith(("http://", "https://")):
-            raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
-        self.base_url = base_url.rstrip("/")
-        self._specs = param_specs
-        if device is None:
-            device = rank_device()
-        self.device = torch.device(device)
-        self.timeout_s = timeout_s
-        self.update_bucket_bytes = int(update_bucket_mb) * 2**20
-        self.enable_memory_saver = enable_memory_saver
-        self.weights_cpu_backup = weights_cpu_backup
-        self.group = None
-        self.group_name: Optional[str] = None
-        self._released: set[str] = set()
-        self._flush_pending = False
-        # generation: the HTTP row client, one plain /generate bounded by timeout_s (not streamed)
-        self.client = RowClient([self.base_url], silence_timeout_s=timeout_s, timeout_s=timeout_s, stream=False)
-
-    def _post(self, path: str, payload: Optional[dict] = None) -> Any:
-        result = http_post(self.base_url, path, payload, self.timeout_s)
-        check_result(result, path)
-        return result
-
-    def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
-                 prompt_seeds: Optional[Sequence[int]] = None) -> GenerationOutput:
-        """See :meth:`RolloutEngine.generate` (one batched ``/generate`` request:
-        :meth:`~dapo_megatron.rollout.engines.row_client.RowClient.generate`)."""
-        self._check_can_generate()
-        return self.client.generate(0, prompt_ids, params, prompt_seeds)
-
-    def init_weights_update_group(self, master_address: str, master_port: int, world_size: int,
-                                  group_name: str = "weight_update_group", backend: str = "nccl") -> None:
-        """Create the trainer↔server group: the server's workers join with ranks
-        ``1..world_size-1`` (``rank_offset=1``) while this process joins as rank 0."""
-        payload = {"master_address": master_address, "master_port": int(master_port), "rank_offset": 1,
-                   "world_size": int(world_size), "group_name": group_name, "backend": backend}
-        call = _Background(self._post, "/init_weights_update_group", payload)
-        self.group = init_custom_process_group(backend, f"tcp://{master_address}:{master_port}", world_size, 0,
-                                               group_name)
-        call.join(self.timeout_s)
-        self.group_name = group_name
-
-    def _param_specs(self) -> tuple[dict[str, ParamSpec], dict[str, str]]:
-        return self._specs
-
-    def _load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        if self.group is None:
-            raise RuntimeError("SGLangServerEngine.update_weights: call init_weights_update_group() first")
-        self._bring_weights_back()
-        call = _Background(self._post, "/update_weights_from_distributed",
-                           distributed_update_request(bucket, self.group_name, flush_cache=False))
-        for _, tensor in bucket:
-            collectives.broadcast(tensor.detach().to(self.device).contiguous(), src=0, group=self.group)
-        call.join(self.timeout_s)
-
-    def _release(self, tags: list[str]) -> None:
-        self._post("/release_memory_occupation", {"tags": tags})
-
-    def _resume(self, tags: list[str]) -> None:
-        self._post("/resume_memory_occupation", {"tags": tags})
-
-    def _flush(self) -> None:
-        # plain text on success ("Cache flushed. ..."); HTTP 400 with the message otherwise
-        http_post(self.base_url, "/flush_cache", None, self.timeout_s, text=True)

@@ -288,8 +288,9 @@ def send_tokens(samples: Sequence[Sample], destinations: Sequence[Sequence[int]]
     (:data:`~dapo_megatron.rollout.types.HELD_BY_ALL`) does not travel. On arrival the
     receiver's record gets the lists.
 
-    ``routes = (L, K, dtype)`` (routing replay): ``Sample.routes`` (``[P + R - 1, L, K]`` of
-    ``dtype``) travels too, its bytes after the logprobs in the same words
+    ``routes = (L, K, dtype)`` (routing replay; a
+    :class:`~dapo_megatron.rollout.engines.routes.RoutesLayout` reads so): ``Sample.routes``
+    (``[P + R - 1, L, K]`` of ``dtype``) travels too, its bytes after the logprobs in the same words
     (:func:`~dapo_megatron.rollout.engines.routes.routes_to_words`).
 
     Returns:
@@ -310,7 +311,7 @@ def send_tokens(samples: Sequence[Sample], destinations: Sequence[Sequence[int]]
     def n_mask(s: Sample) -> int:  # the mask's words: a multi-turn sample's only
         return s.response_length if s.num_context_tokens else 0
 
-    words = [2 * s.response_length + n_mask(s) + (route_words(n_routes(s), *routes) if routes else 0)
+    words = [2 * s.response_length + n_mask(s) + (route_words(n_routes(s), *routes[:3]) if routes else 0)
              for s in samples]
     send_parts: list[list[torch.Tensor]] = [[] for _ in range(world)]
     recv_plan: list[list[int]] = [[] for _ in range(world)]  # per source: the sample indices, in order
@@ -355,7 +356,7 @@ def send_tokens(samples: Sequence[Sample], destinations: Sequence[Sequence[int]]
                 samples[i].response_mask = recv[offset + 2 * length:end].tolist()
             if routes:
                 samples[i].routes = routes_from_words(recv[end:offset + words[i]],
-                                                      n_routes(samples[i]), *routes)
+                                                      n_routes(samples[i]), *routes[:3])
             offset += words[i]
     return 4 * recv.numel()
 

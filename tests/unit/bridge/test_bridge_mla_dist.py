@@ -85,8 +85,8 @@ def _worker(out_dir: str, configs: dict, ids: dict) -> None:
     from dapo_megatron.models import ModelConfig, build_gpt_model
     from dapo_megatron.models.config import hf_to_transformer_config
     from dapo_megatron.platform import init_distributed
-    from dapo_megatron.rollout.engines.buckets import iter_buckets
-    from dapo_megatron.rollout.engines.engine import checkpoint_parameters
+    from dapo_megatron.bridge.buckets import iter_buckets
+    from dapo_megatron.bridge.receiver import checkpoint_parameters
 
     rank = int(os.environ["RANK"])
     # each case's checkpoint from the file the parent wrote: the tensors of six cases passed as

@@ -51,7 +51,7 @@ def _synced_engine(model, cfg, par, rank: int, my_ids):
     from transformers import AutoModelForCausalLM
 
     from dapo_megatron.bridge import iter_hf_weights
-    from dapo_megatron.rollout.engines.engine import checkpoint_parameters
+    from dapo_megatron.bridge.receiver import checkpoint_parameters
     from dapo_megatron.rollout.engines.hf_engine import HFEngine
 
     torch.manual_seed(50 + rank)

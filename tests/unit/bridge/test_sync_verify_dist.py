@@ -112,9 +112,9 @@ def _worker(out_dir: str, cases: dict) -> None:
     from dapo_megatron.bridge import iter_hf_weights, load_hf_weights
     from dapo_megatron.models import build_gpt_model
     from dapo_megatron.platform import ParallelConfig, init_distributed
-    from dapo_megatron.rollout.engines.engine import checkpoint_parameters
+    from dapo_megatron.bridge.receiver import checkpoint_parameters
     from dapo_megatron.rollout.engines.hf_engine import HFEngine
-    from dapo_megatron.rollout.engines.verify import SyncDigest
+    from dapo_megatron.bridge.verify import SyncDigest
 
     rank = int(os.environ["RANK"])
     res: dict = {}

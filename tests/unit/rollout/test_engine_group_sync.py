@@ -74,7 +74,7 @@ def _setup(tp, pp, rollout_tp, source, ep=1):
 
 
 def _engine(group, hf_config, model_dir, bucket_bytes):
-    from dapo_megatron.rollout.engines.engine import hf_param_specs
+    from dapo_megatron.bridge.receiver import hf_param_specs
     from dapo_megatron.rollout.engines.engine_group import EngineGroupMember
     from dapo_megatron.rollout.engines.sglang_engine import SGLangEngine
 
@@ -219,7 +219,7 @@ def test_a_member_without_transport_drops_each_tensor_before_asking_for_the_next
     # the HF engine's rollout-group members drain the bridge's stream: holding nothing lets
     # the bridge reuse its bucket memory
     from conftest import ReleaseRecorder, random_hf_model, tiny_hf_config
-    from dapo_megatron.rollout.engines.engine import hf_param_specs
+    from dapo_megatron.bridge.receiver import hf_param_specs
     from dapo_megatron.rollout.engines.engine_group import EngineGroupMember, RolloutGroup
 
     hf_config = tiny_hf_config("llama_untied")

@@ -22,7 +22,7 @@ import time
 from datetime import timedelta
 
 from dapo_megatron.platform import spawn
-from dapo_megatron.rollout.engines.generate_stream import http_post
+from dapo_megatron.platform.http import http_post
 from sglang_standin import StandIn
 
 TIMEOUT_MIN, DELAY_S = 0.05, 4.5  # 3 s collective timeout, generation past it

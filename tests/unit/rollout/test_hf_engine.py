@@ -10,8 +10,10 @@ import os
 import pytest
 import torch
 
-from dapo_megatron.rollout.engines.engine import SamplingParams, WeightSyncTracker, ParamSpec, completions_to_group
-from dapo_megatron.rollout.engines.hf_engine import HFEngine, process_logits, sample_rows
+from dapo_megatron.rollout.engines.engine import SamplingParams, completions_to_group
+from dapo_megatron.bridge.receiver import WeightSyncTracker, ParamSpec
+from dapo_megatron.rollout.engines.hf_engine import HFEngine
+from dapo_megatron.rollout.engines.hf_batch import process_logits, sample_rows
 
 EOS = 3
 

@@ -5,7 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from dapo_megatron.rollout.engines.layout import check_rollout_tp_fits_model, engine_share, server_rank_offsets
+from dapo_megatron.rollout.engines.layout import check_rollout_tp_fits_model, engine_share
+from dapo_megatron.bridge.servers import server_rank_offsets
 from integration.test_examples import QWEN2_5
 
 

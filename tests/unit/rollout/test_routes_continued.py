@@ -64,7 +64,7 @@ def _aborted_after_first_tokens():
 
 
 def test_streamed_rows_keep_each_positions_route_across_a_continued_row():
-    from dapo_megatron.rollout.engines.engine import checkpoint_parameters
+    from dapo_megatron.bridge.receiver import checkpoint_parameters
     from dapo_megatron.rollout.sampling.streaming import PENDING, extend_sample
 
     engine, client, groups, rows, versions = _aborted_after_first_tokens()
@@ -96,7 +96,7 @@ def test_a_trajectorys_context_keeps_the_held_routes_and_takes_its_own_from_the_
     output, mask 0) through ``settle_row``, a weight sync, the next turn (version 1). The positions
     of the first turn keep version 0's routes; the turn's last token, the context's positions and
     the second turn's take version 1's, from the continuation's prefill and decode."""
-    from dapo_megatron.rollout.engines.engine import checkpoint_parameters
+    from dapo_megatron.bridge.receiver import checkpoint_parameters
     from dapo_megatron.rollout.sampling.streaming import PENDING, extend_sample
     from dapo_megatron.rollout.trajectory import Trajectory, settle_row
 

@@ -16,14 +16,13 @@ import torch
 
 import sglang_reference
 from sglang_standin import StandIn, free_port
-from dapo_megatron.rollout.engines.buckets import bucket_metadata, dtype_from_name, dtype_name, iter_buckets
-from dapo_megatron.rollout.engines.engine import InvalidWeightsError, ParamSpec, SamplingParams
-from dapo_megatron.rollout.engines.sglang_engine import (
-    SGLangServerEngine,
-    check_result,
-    distributed_update_request,
-    http_post,
-)
+from dapo_megatron.bridge.buckets import bucket_metadata, dtype_from_name, dtype_name, iter_buckets
+from dapo_megatron.bridge.receiver import ParamSpec
+from dapo_megatron.bridge.servers import distributed_update_request
+from dapo_megatron.platform.http import http_post
+from dapo_megatron.rollout.engines.engine import InvalidWeightsError, SamplingParams
+from dapo_megatron.rollout.engines.sglang_engine import check_result
+from dapo_megatron.rollout.engines.sglang_server_engine import SGLangServerEngine
 from dapo_megatron.rollout.engines.sglang_io import build_generate_request, parse_generate_output
 
 
@@ -139,7 +138,7 @@ def test_check_result():
 
 def test_distributed_update_request_keeps_bucket_order():
     bucket = [("b", torch.zeros(2, 3, dtype=torch.bfloat16)), ("a", torch.zeros(4)), ("c", torch.zeros(1, dtype=torch.float16))]
-    req = distributed_update_request(bucket, "g")
+    req = distributed_update_request(bucket_metadata(bucket), "g")
     assert req == {"names": ["b", "a", "c"], "dtypes": ["bfloat16", "float32", "float16"],
                    "shapes": [[2, 3], [4], [1]], "group_name": "g", "flush_cache": False}
 
@@ -318,7 +317,7 @@ def fake_sglang(monkeypatch):
     import sys
     import types
 
-    from dapo_megatron.rollout.engines import flat_bucket
+    from dapo_megatron.bridge import flat_bucket
 
     flat_bucket._sglang_metadata_class.cache_clear()
     _SpyEngine.tensor_bucket = sglang_reference.install_tensor_bucket(monkeypatch.setitem)
@@ -345,7 +344,7 @@ def tiny_model_dir(tmp_path):
 def _full_weights(model_dir):
     from transformers import AutoConfig
 
-    from dapo_megatron.rollout.engines.engine import hf_param_specs
+    from dapo_megatron.bridge.receiver import hf_param_specs
 
     specs, _ = hf_param_specs(AutoConfig.from_pretrained(model_dir))
     return [(n, torch.zeros(s.shape)) for n, s in specs.items()]
@@ -543,7 +542,7 @@ def test_check_result_reads_every_sglang_result_form():
 
 
 def test_error_messages_of_each_endpoint_format():
-    from dapo_megatron.rollout.engines.generate_stream import sglang_error_message
+    from dapo_megatron.platform.http import sglang_error_message
 
     # sglang 0.5.11 http_server.py: weight-update endpoints, _create_error_response, FastAPI 422, /flush_cache
     assert sglang_error_message(b'{"success": false, "message": "shape mismatch"}') == "shape mismatch"

@@ -122,16 +122,16 @@ def test_a_colocated_engine_runs_without_the_prefill_graph_that_the_memory_saver
 def test_every_request_body_names_only_sglang_0_5_23_fields(monkeypatch):
     """The bodies the package sends (spied at ``http_post``) against 0.5.23's io_struct
     (tests/sglang_reference.py): SGLang's HTTP schema drops an unknown field without a word."""
-    from dapo_megatron.rollout.engines import server_sync
+    from dapo_megatron.bridge import servers
     from dapo_megatron.rollout.engines.engine import RowRequest, SamplingParams
     from dapo_megatron.rollout.engines.sglang_io import build_generate_request, build_row_request
 
     sent = []
-    monkeypatch.setattr(server_sync, "http_post", lambda url, path, body, *a, **k: sent.append((path, body)))
-    server_sync.pause_servers(["http://a"], 1)
-    server_sync.flush_and_continue(["http://a"], 1)
-    sender = server_sync.ServerWeightSender([server_sync.ServerInfo("http://a", 2)], 0, device="cpu", timeout_s=1,
-                                            bucket_bytes=1 << 20)
+    monkeypatch.setattr(servers, "http_post", lambda url, path, body, *a, **k: sent.append((path, body)))
+    servers.pause_servers(["http://a"], 1)
+    servers.flush_and_continue(["http://a"], 1)
+    sender = servers.ServerWeightSender([servers.ServerInfo("http://a", 2)], 0, device="cpu", timeout_s=1,
+                                        bucket_bytes=1 << 20)
     assert sender.destroy() == []
     assert [p for p, _ in sent] == ["/pause_generation", "/flush_cache", "/continue_generation",
                                     "/destroy_weights_update_group"]

@@ -58,9 +58,9 @@ def _worker(urls, out_dir):
     from dapo_megatron.bridge import iter_hf_weights, load_hf_weights
     from dapo_megatron.models import ModelConfig, build_gpt_model
     from dapo_megatron.platform import ParallelConfig, init_distributed
-    from dapo_megatron.rollout.engines.engine import hf_param_specs
-    from dapo_megatron.rollout.engines.server_sync import connect_servers, query_server, sync_servers
-    from dapo_megatron.rollout.engines.verify import SyncDigest
+    from dapo_megatron.bridge.receiver import hf_param_specs
+    from dapo_megatron.bridge.servers import connect_servers, query_server, sync_servers
+    from dapo_megatron.bridge.verify import SyncDigest
 
     parallel = init_distributed(ParallelConfig(1, 1), seed=0)
     hf_config = tiny_hf_config("qwen2_bias")
@@ -137,7 +137,7 @@ def test_a_server_that_acknowledges_but_does_not_apply_is_caught_in_the_same_syn
 def test_the_readback_reads_a_tensors_head_rows_within_the_budget_and_the_sender_checksums_the_same():
     import torch
 
-    from dapo_megatron.rollout.engines.verify import SyncDigest, checksum, readback_rows, readback_shape
+    from dapo_megatron.bridge.verify import SyncDigest, checksum, readback_rows, readback_shape
 
     assert readback_rows((250, 64), 192) == 3  # 3 whole rows of 64 fit in 192 elements
     assert readback_rows((64,), 192) == 64  # a bias within the budget: whole

@@ -34,7 +34,7 @@ def _worker(model_dir: str, out_dir: str) -> None:
     from dapo_megatron.bridge import iter_hf_weights
     from dapo_megatron.rollout.engines.engine import InvalidWeightsError, SamplingParams
     from dapo_megatron.rollout.engines.sglang_engine import SGLangEngine
-    from dapo_megatron.rollout.engines.verify import SyncDigest
+    from dapo_megatron.bridge.verify import SyncDigest
     from unit.rollout.test_engine_group_sync import _hf_source, _setup
     from unit.rollout.test_sglang_engine import _SpyEngine
 

@@ -1,4 +1,4 @@
-"""The flattened-bucket payload of a weight sync into SGLang (rollout/engines/flat_bucket.py).
+"""The flattened-bucket payload of a weight sync into SGLang (bridge/flat_bucket.py).
 
 Where SGLang is installed (even ``pip install --no-deps``), its own ``FlattenedTensorBucket``
 packs the reference buffers and reconstructs what a TP worker would load; otherwise the
@@ -9,9 +9,9 @@ import pytest
 import torch
 
 import sglang_reference as ref
-from dapo_megatron.rollout.engines import flat_bucket
-from dapo_megatron.rollout.engines.buckets import iter_buckets
-from dapo_megatron.rollout.engines.flat_bucket import FlatBucketPacker, serialize_for_engine, sglang_bucket_dict
+from dapo_megatron.bridge import flat_bucket
+from dapo_megatron.bridge.buckets import iter_buckets
+from dapo_megatron.bridge.flat_bucket import FlatBucketPacker, serialize_for_engine, sglang_bucket_dict
 
 
 @pytest.fixture()

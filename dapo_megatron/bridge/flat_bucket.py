@@ -22,7 +22,7 @@ by the metadata's order and offsets, so the metadata must describe the buffer ex
 was packed: a packer that regroups tensors by dtype while keeping the metadata of the old
 order loads tensors under other names (a fault other stacks shipped). :class:`FlatBucketPacker`
 never reorders; its layout is that of ``FlattenedTensorBucket(named_tensors)`` byte for byte
-(``tests/test_flat_bucket.py`` checks it against SGLang's class where SGLang is installed).
+(``tests/unit/bridge/test_flat_bucket.py`` checks it against SGLang's class where SGLang is installed).
 
 Memory: the packer copies tensors one at a time into a buffer of the bucket size on the
 tensors' device, so a sync holds one bucket beyond the model however large the model is; a
@@ -117,7 +117,7 @@ class FlatBucketPacker:
 
     Bucket boundaries depend only on the names, shapes and dtypes of the stream (never on
     values or devices), so every rank of a rollout group, fed the same stream, cuts the same
-    buckets. The rule is :func:`~dapo_megatron.rollout.engines.buckets.iter_buckets`' (a tensor joins
+    buckets. The rule is :func:`~dapo_megatron.bridge.buckets.iter_buckets`' (a tensor joins
     the current bucket when the bucket stays within ``bucket_bytes``; a tensor larger than
     ``bucket_bytes`` is a bucket of its own), plus one: a tensor whose start would not be a
     multiple of its element size starts a new bucket, because SGLang views each byte range
