@@ -1,6 +1,7 @@
 """``async_training``: generation on the servers overlapped with training (verl's fully async names).
 
-The config section only; the loop is :mod:`dapo_megatron.rollout.async_rollout`. verl's
+The config section only; the driver is :mod:`dapo_megatron.rollout.background` over the controller
+thread of :mod:`dapo_megatron.rollout.async_rollout`. verl's
 ``async_training`` section (``verl/experimental/fully_async_policy/config/fully_async_ppo_trainer.yaml``)
 names the keys; where verl has a key whose meaning differs from ours it is not taken over:
 verl's ``staleness_threshold`` is a fraction of a batch, while the bound here is η in integer

@@ -16,8 +16,11 @@ Two pieces:
   keep-rate-sized requests of the prompts that GRESO skipping (``buffer.prompt_skip``) lets
   through instead of whole batches (synchronous streamed mode's sizing and skipper; the
   class docstring).
-* :class:`AsyncRollout`, on every rank: the trainer's seam (``collect(step)``,
-  ``sync_weights``, ``pause``, ``state_dict``). Rank 0 takes the oldest ready step
+  Its bookkeeping (the step feeder, the step being filled, the ready queue, their state) is
+  :class:`~dapo_megatron.rollout.steps_ahead.StepsAhead`; its requests, :mod:`~dapo_megatron.rollout.async_requests`.
+* :class:`~dapo_megatron.rollout.background.BackgroundDriver`, on every rank: the trainer's seam
+  (``collect(step)``, ``sync_weights``, ``validate``, ``state_dict``), composed by the
+  :class:`~dapo_megatron.rollout.rollout.Rollout`. Rank 0 takes the oldest ready step
   (``time/wait_rollout_s``) and broadcasts its records (lengths, grades, versions; no token
   lists) to the other ranks, which then receive each sample's tokens in the step's plan
   exactly as in synchronous server mode (:func:`~dapo_megatron.rollout.plan.step_data.send_tokens`,
@@ -35,34 +38,37 @@ bit (batch admission; streamed admission sends one keep-rate-sized request at a 
 synchronous streamed mode's rounds do not). The weights are pushed every ``async_training.trigger_parameter_sync_step`` steps; a
 sync waits for the batch in flight to finish (its tokens then carry one version), pauses
 the controller, syncs, and hands it the new version.
+
+Server health (every state change under the controller's lock; ``RolloutController.health`` per
+server): ``"healthy"`` servers get the rows, dealt round-robin over them; a server whose
+``/generate`` fails (unreachable, reset, an HTTP error, or no byte for
+``silence_timeout_s``) or whose ``/health`` probe fails before a sync becomes ``"down"``:
+it leaves dispatch at once and its rows (the prefix they had before that request, their
+own seed) go to the healthy servers in the next round; the trainer's weight syncs leave it
+out (``members_for_sync``). A down server that answers ``/health`` again is
+``"back"``: it is in the next sync, and only once that sync has put the current weights
+into it does it turn ``"healthy"`` and get work (``resume``). With no healthy server
+left the controller fails, naming every server and its error.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
-from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 
-from dapo_megatron.data import PromptStream
-from dapo_megatron.rollout.engines.engine import Completion, SamplingParams, completions_to_group, sample_seed
-from dapo_megatron.rollout.engines.routes import routes_start_of
+from dapo_megatron.rollout.async_requests import server_groups, validation_rows
+from dapo_megatron.rollout.engines.engine import Completion, SamplingParams
 from dapo_megatron.rollout.engines.row_client import RowClient
-from dapo_megatron.rollout.engines.sglang_io import build_sampling_params
-from dapo_megatron.rollout.sampling.buffer import (DROP_REASONS, KEPT, GroupSelector, group_from_dict,
-                                                  group_staleness, group_to_dict)
-from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipConfig, PromptSkipper
-from dapo_megatron.rollout.sampling.streaming import KeepRate, PromptQueue, draw_unskipped, streamed_cap_spent
-from dapo_megatron.rollout.rollout import Rollout, StepBatch
-from dapo_megatron.rollout.trajectory import SINGLE_TURN, Trajectory, settle_row
-from dapo_megatron.rollout.types import Group, Sample
+from dapo_megatron.rollout.sampling.buffer import GroupSelector
+from dapo_megatron.rollout.sampling.feeder import PromptQueue
+from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipper
+from dapo_megatron.rollout.steps_ahead import StepsAhead
+from dapo_megatron.rollout.trajectory import SINGLE_TURN, Trajectory
+from dapo_megatron.rollout.types import Group
 
-if TYPE_CHECKING:
-    from dapo_megatron.config.run import DAPOConfig
-    from dapo_megatron.platform import ParallelDims
 
 logger = logging.getLogger("dapo_megatron.rollout.async")
 
@@ -71,58 +77,15 @@ class _Stopped(Exception):
     """The controller was stopped while rows waited for a weight sync to end."""
 
 
-_EMPTY = Completion([], [], "")
-
-
-class _Fill:
-    """The step being filled: the selector's step (``GroupSelector.begin`` .. ``take``) of policy
-    version ``version``, and what the controller counts for it."""
-
-    def __init__(self, version: int):
-        self.version = version
-        self.num_batches = 0
-        self.resubmitted = self.reprefilled = 0  # partial rows continued after a sync, their prefix tokens
-        self.retried = self.server_failures = 0  # rows sent again after their server failed; servers that did
-        self.evicted = 0  # carried groups a resume found more than η versions behind (load_state_dict)
-        self.submitted = self.skipped = 0  # streamed admission: prompts generated for the step, prompts skipped
-
-    def state_dict(self, selector: GroupSelector) -> dict:
-        st = selector._step  # the selector's tally of the open step (begin() .. take())
-        return {"version": self.version, "num_batches": self.num_batches, "resubmitted": self.resubmitted,
-                "reprefilled": self.reprefilled, "retried": self.retried, "server_failures": self.server_failures,
-                "evicted": self.evicted, "submitted": self.submitted, "skipped": self.skipped,
-                "surplus": selector.state_dict(),
-                "kept": [group_to_dict(g) for g in st.kept], "surplus_in": st.surplus_in,
-                "dropped_stale": st.dropped_stale, "graded": [group_to_dict(Group(-1, [x])) for x in st.graded],
-                "dropped": dict(st.dropped)}
-
-    @classmethod
-    def load(cls, d: dict, selector: GroupSelector) -> "_Fill":
-        f = cls(int(d["version"]))
-        f.num_batches, f.resubmitted, f.reprefilled = int(d["num_batches"]), int(d["resubmitted"]), int(d["reprefilled"])
-        f.retried, f.server_failures = int(d.get("retried", 0)), int(d.get("server_failures", 0))
-        f.evicted = int(d.get("evicted", 0))
-        f.submitted, f.skipped = int(d.get("submitted", 0)), int(d.get("skipped", 0))
-        selector.load_state_dict({"surplus": []})
-        selector.begin(f.version)
-        st = selector._step
-        st.kept = [group_from_dict(g) for g in d["kept"]]
-        st.surplus_in, st.dropped_stale = int(d["surplus_in"]), int(d["dropped_stale"])
-        st.graded = [group_from_dict(g).samples[0] for g in d["graded"]]
-        st.dropped = {r: int(d["dropped"][r]) for r in DROP_REASONS}
-        return f
-
-
 class RolloutController:
     """The rollout thread of trainer rank 0 (module docstring). HTTP and the reward pool only.
 
     Args:
-        selector: synchronous mode's dynamic-sampling selector (grading, the keep rule, the
-            step's tally, the surplus; its reward pool is used from this thread: nothing else may
-            grade while the controller runs, see :meth:`pause`) and the batch sizes.
-        next_batch: the next generation batch of dataset records, in the order synchronous mode
-            deals them (every DP rank's share, DP rank order).
-        urls: the servers.
+        selector, next_batch, policy_version, gen_batches_done, prompts, skipper: the steps it fills
+            ahead (:class:`~dapo_megatron.rollout.steps_ahead.StepsAhead`'s arguments: the selector,
+            whose reward pool this thread uses, so nothing else may grade while it runs (:meth:`pause`);
+            the next generation batch in synchronous mode's order; streamed: the prompt queue, GRESO's skipper).
+        urls: the servers (health: the module docstring).
         params: sampling parameters (``n = buffer.n``, seed ``trainer.seed``).
         silence_timeout_s: bound on a server's silence during a streamed ``/generate``
             (``rollout.server_silence_timeout_s``): a server that sends no byte for that long fails,
@@ -132,16 +95,9 @@ class RolloutController:
         eos_token_ids: the model's stop tokens (an aborted row that ends on one has finished:
             :func:`~dapo_megatron.rollout.engines.sglang_io.parse_versioned_row`).
         version: the weights the servers hold now (the trainer's step).
-        policy_version: the policy version of the first step to fill (the trainer's step).
-        gen_batches_done: generation batches drawn so far (numbers groups, seeds responses).
         generate: ``(rows, version) -> results`` of :meth:`RowClient.generate_rows
             <dapo_megatron.rollout.engines.row_client.RowClient.generate_rows>`; default:
             that function over ``urls``.
-        prompts: streamed admission (``rollout.streaming``): the prompt queue of synchronous
-            streamed mode (whole stream, positions ``fetched * gen_batch_size + i``); None: batch
-            admission from ``next_batch``.
-        skipper: with ``prompts``, GRESO prompt skipping (``buffer.prompt_skip``; a disabled one
-            never skips); default a disabled one.
         trajectory: the hook that settles each finished row (:mod:`~dapo_megatron.rollout.trajectory`;
             default single-turn); a sample it continues is sent again in the next dispatch round,
             as prompt + its response so far (not counted as a resubmission after a sync).
@@ -151,29 +107,9 @@ class RolloutController:
             kept on the sample per position (:meth:`~dapo_megatron.rollout.types.Sample.append_tokens`);
             None: off.
 
-    Admission of new prompts, for the step being filled (``_admit``):
-
-    * batch (``prompts`` None): whole generation batches from ``next_batch``, group ``g`` of
-      batch ``b`` at position ``b * gen_batch_size + g`` (its seed and group number), until
-      ``train_batch_size`` groups are kept or ``max_num_gen_batches`` batches were generated;
-    * streamed: each request is the next ``KeepRate.admission(missing, gen_batch_size, cap -
-      submitted)`` prompts that the skipper does not skip (cap = ``max_num_gen_batches *
-      gen_batch_size`` prompts per step; synchronous streamed mode's sizing, with nothing in
-      flight since a request is generated and graded before the next), until ``train_batch_size``
-      groups are kept or the cap; every graded group updates the skipper's history (zero
-      variance on ``buffer.filter_metric``) and the keep rate, which halves at every step. The
-      same selector keeps the groups in both.
-
-    Server health (every state change under the lock; :attr:`health` per server):
-    ``"healthy"`` servers get the rows, dealt round-robin over them; a server whose
-    ``/generate`` fails (unreachable, reset, an HTTP error, or no byte for
-    ``silence_timeout_s``) or whose ``/health`` probe fails before a sync becomes ``"down"``:
-    it leaves dispatch at once and its rows (the prefix they had before that request, their
-    own seed) go to the healthy servers in the next round; the trainer's weight syncs leave it
-    out (:meth:`members_for_sync`). A down server that answers ``/health`` again is
-    ``"back"``: it is in the next sync, and only once that sync has put the current weights
-    into it does it turn ``"healthy"`` and get work (:meth:`resume`). With no healthy server
-    left the controller fails, naming every server and its error.
+    Admission of new prompts, for the step being filled (:meth:`StepsAhead.admit
+    <dapo_megatron.rollout.steps_ahead.StepsAhead.admit>`): whole generation batches from ``next_batch``
+    (``prompts`` None), or keep-rate-sized requests from ``prompts`` with the skipper, gated by η.
     """
 
     def __init__(self, selector: GroupSelector, next_batch: Callable[[], Sequence[Any]], urls: Sequence[str],
@@ -182,32 +118,20 @@ class RolloutController:
                  prompts: Optional[PromptQueue] = None, skipper: Optional[PromptSkipper] = None,
                  eos_token_ids: Sequence[int] = (), trajectory: Trajectory = SINGLE_TURN,
                  routes_shape: Optional[tuple[int, int, int]] = None):
-        self.selector, self.cfg = selector, selector.config
-        self.trajectory = trajectory
-        self.next_batch = next_batch
-        self.prompts = prompts
-        if prompts is not None and prompts.batch_size != self.cfg.gen_batch_size:
-            raise ValueError(f"the prompt queue's batch_size={prompts.batch_size} must be buffer.gen_batch_size="
-                             f"{self.cfg.gen_batch_size} (it numbers the prompts)")
-        if skipper is None:
-            skipper = PromptSkipper(PromptSkipConfig(enable=False))
-        self.skipper, self.keep_rate = skipper, KeepRate()
+        self.selector, self.trajectory = selector, trajectory
+        # the step feeder run ahead: its admission, the step being filled, the ready steps
+        self.steps = StepsAhead(selector, next_batch, policy_version=int(policy_version),
+                                gen_batches_done=gen_batches_done, prompts=prompts, skipper=skipper,
+                                trajectory=trajectory)
         self.urls = list(urls)
         self.params = params
-        self.silence_timeout_s = float(silence_timeout_s)
-        self.health_timeout_s = float(health_timeout_s)
-        self.eos_token_ids = tuple(int(t) for t in eos_token_ids)
         # the HTTP row client: dispatch over the healthy servers, mark-down and retry, and their health
-        self.client = RowClient(self.urls, silence_timeout_s=self.silence_timeout_s, timeout_s=self.health_timeout_s,
-                                eos_token_ids=self.eos_token_ids, on_down=self._count_failure,
-                                routes_shape=routes_shape)
+        self.client = RowClient(self.urls, silence_timeout_s=float(silence_timeout_s),
+                                timeout_s=float(health_timeout_s), eos_token_ids=tuple(int(t) for t in eos_token_ids),
+                                on_down=self._count_failure, routes_shape=routes_shape)
         self.routes_shape = self.client.routes_shape
         self._generate = generate or self.client.generate_rows
-        self.gen_batches_done = int(gen_batches_done)
         self.version = int(version)
-        self._fill = _Fill(int(policy_version))
-        selector.begin(self._fill.version)
-        self._ready: deque = deque()  # (policy version, groups, metrics) or (version, RuntimeError, None)
         self._cv = threading.Condition()
         self._paused = 0
         self._holds: list[bool] = []  # per pause() in force: True for one that does not wait (a sync's)
@@ -273,7 +197,7 @@ class RolloutController:
     def _count_failure(self, e: int) -> None:
         """Server ``e`` went down (the client's ``on_down``): counted for the step being filled."""
         with self._cv:
-            self._fill.server_failures += 1
+            self.steps.fill.server_failures += 1
 
     def members_for_sync(self) -> list[int]:
         """The servers the next weight sync goes to (:meth:`RowClient.members_for_sync
@@ -295,17 +219,18 @@ class RolloutController:
         t0 = time.perf_counter()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cv:
-            while not self._ready and self._error is None:
-                if self._fill.version > policy_version:  # that step will never come: fail, do not wait
+            while not self.steps.ready and self._error is None:
+                if self.steps.fill.version > policy_version:  # that step will never come: fail, do not wait
                     raise RuntimeError(f"the rollout controller has no step for policy version {policy_version} (it "
-                                       f"fills version {self._fill.version}): its state does not match the trainer's")
+                                       f"fills version {self.steps.fill.version}): its state does not match the "
+                                       "trainer's")
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise RuntimeError(f"the rollout controller produced no step in {timeout_s} s")
                 self._cv.wait(left)
-            if not self._ready:
+            if not self.steps.ready:
                 raise RuntimeError(f"the rollout controller stopped: {self._error}") from self._error
-            version, groups, metrics = self._ready.popleft()
+            version, groups, metrics = self.steps.ready.popleft()
             self._cv.notify_all()
         if isinstance(groups, BaseException):
             raise groups
@@ -318,139 +243,61 @@ class RolloutController:
 
     # ---- state (paused) --------------------------------------------------------------
     def state_dict(self) -> dict:
-        """The ready steps, the step being filled and the batch counter, and with streamed
-        admission ``admission``: the prompt queue, the keep rate and the skipper's history; call
-        it paused."""
+        """:meth:`StepsAhead.state_dict <dapo_megatron.rollout.steps_ahead.StepsAhead.state_dict>` (the
+        ready steps, the step being filled, the batch counter, streamed: the admission's state); call
+        it paused.
+
+        Raises:
+            RuntimeError: not paused, or the controller failed (its last request's prompts were drawn
+                and never offered: a state saved now would skip them on resume).
+        """
         with self._cv:
             if not self._paused or self._busy:  # a waiting pause(): nothing in flight
                 raise RuntimeError("RolloutController.state_dict needs the controller paused (pause())")
-            failed = self._error or next((gs for _, gs, _ in self._ready if isinstance(gs, BaseException)), None)
-            if failed is not None:  # its last request's prompts were drawn and never offered: a state
-                # saved now would skip them on resume
+            failed = self._error or next((gs for _, gs, _ in self.steps.ready if isinstance(gs, BaseException)), None)
+            if failed is not None:
                 raise RuntimeError(f"the rollout controller failed ({failed}); its state is not saved (the prompts "
                                    "of its last request would be lost): fix the cause and resume from the last "
                                    "checkpoint") from failed
-            out = {"gen_batches_done": self.gen_batches_done, "fill": self._fill.state_dict(self.selector),
-                   "ready": [{"version": v, "groups": [group_to_dict(g) for g in gs], "metrics": m}
-                             for v, gs, m in self._ready if not isinstance(gs, BaseException)]}
-            if self.prompts is not None:
-                out["admission"] = {"prompts": self.prompts.state_dict(), "keep_rate": self.keep_rate.state_dict(),
-                                    "skipper": self.skipper.state_dict()}
-            return out
+            return self.steps.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` (before :meth:`start`), evicting what is now too stale.
-
-        Each kept group is checked against the policy version of the step it was kept for
-        (a ready step's, or the open step's for its kept groups and surplus), with η =
-        ``buffer.max_staleness`` of this run (a resume may lower it). The steps before the
-        first one holding a group more than η behind are restored as they were; so is all of
-        it when there is none (the resumed run repeats the uninterrupted one). From that step
-        on, the groups more than η behind their step are evicted, counted in that step's
-        ``rollout/evicted_on_resume``, and the others, in generation order, are carried into
-        it as synchronous mode carries surplus (each is within η of it: it is not newer than
-        the step they were kept for); the step is filled again from there. No group is lost
-        or used twice: every one is trained once or counted as evicted. (Streamed admission
-        keeps the keep rate it had at the save, already halved for the ready steps that are
-        filled again: it sizes the next requests only.)
-
-        Raises:
-            ValueError: the checkpoint's admission (batch or streamed, ``rollout.streaming``) is
-                not this controller's.
-        """
-        check_admission(state, streamed=self.prompts is not None)
-        if self.prompts is not None:
-            a = state["admission"]
-            self.prompts.load_state_dict(a["prompts"])
-            self.keep_rate.load_state_dict(a["keep_rate"])
-            self.skipper.load_state_dict(a["skipper"])
-        self.gen_batches_done = int(state["gen_batches_done"])
-        self._fill = _Fill.load(state["fill"], self.selector)
-        self._ready = deque((int(r["version"]), [group_from_dict(g) for g in r["groups"]], dict(r["metrics"]))
-                            for r in state["ready"])
-        eta, fill = self.cfg.max_staleness, self._fill
-        steps = [(v, gs) for v, gs, _ in self._ready] + [(fill.version, self.selector._step.kept + self.selector.surplus)]
-        stale = [any(group_staleness(g, v) > eta for g in gs) for v, gs in steps]
-        if not any(stale):
-            return
-        first = stale.index(True)
-        keep = [g for v, gs in steps[first:] for g in gs if group_staleness(g, v) <= eta]
-        evicted = sum(len(gs) for _, gs in steps[first:]) - len(keep)
-        version = steps[first][0]
-        self._ready = deque(list(self._ready)[:first])
-        if first < len(steps) - 1:  # a ready step is filled again: the open step's tally starts anew
-            self._fill = _Fill(version)
-        self.selector.load_state_dict({"surplus": [group_to_dict(g) for g in keep]})
-        self.selector.begin(version)
-        self._fill.evicted = evicted
-        logger.warning("resume: %d carried groups are more than buffer.max_staleness=%d versions behind the step they "
-                       "were kept for: evicted from the step of policy version %d on", evicted, eta, version)
+        """Restore :meth:`state_dict` before :meth:`start` (:meth:`StepsAhead.load_state_dict
+        <dapo_megatron.rollout.steps_ahead.StepsAhead.load_state_dict>`: what is now too stale is
+        evicted; ``ValueError`` for the other admission's state)."""
+        self.steps.load_state_dict(state)
 
     # ---- the thread -----------------------------------------------------------------
-    def _admits(self) -> bool:
-        """A generation batch for the step being filled may start: its tokens would be at most
-        η versions behind the policy that trains on them."""
-        return self.version >= self._fill.version - self.cfg.max_staleness
-
-    def _step_done(self) -> bool:
-        """N groups are kept, or the step's cap is reached (batches, or streamed prompts)."""
-        if not self.selector.missing:
-            return True
-        if self.prompts is not None:
-            return self._fill.submitted >= self.cfg.max_num_gen_batches * self.cfg.gen_batch_size
-        return self._fill.num_batches >= self.cfg.max_num_gen_batches
-
-    def _admit(self) -> tuple[list[Any], list[int]]:
-        """The records of the next request and their positions (seed and group number), by the
-        admission rule of the class docstring (call under the lock, the step not done)."""
-        cfg, f = self.cfg, self._fill
-        if self.prompts is None:
-            first = self.gen_batches_done * cfg.gen_batch_size
-            self.gen_batches_done += 1
-            records = list(self.next_batch())
-            return records, [first + g for g in range(len(records))]
-        fetched = self.prompts.fetched
-        want = self.keep_rate.admission(self.selector.missing, cfg.gen_batch_size,
-                                        cfg.max_num_gen_batches * cfg.gen_batch_size - f.submitted)
-        drawn, skipped = draw_unskipped(self.prompts, self.skipper, want)
-        f.submitted += len(drawn)
-        f.skipped += skipped
-        f.num_batches += self.prompts.fetched - fetched  # generation batches drawn from the stream
-        self.gen_batches_done = self.prompts.fetched
-        return [rec for rec, _ in drawn], [pos for _, pos in drawn]
-
     def _run(self) -> None:
         try:
             while True:
                 with self._cv:
                     t0 = time.perf_counter()
-                    while not self._stop and (self._paused or not (self._step_done() or self._admits())):
+                    while not self._stop and (self._paused or not (self.steps.done() or
+                                                                   self.steps.admits(self.version))):
                         self._cv.wait()
                     self.idle_s += time.perf_counter() - t0
                     if self._stop:
                         return
-                    if self._step_done():
+                    if self.steps.done():
                         self._close_step()
                         self._cv.notify_all()
                         continue
                     self._busy = True
                     version = self.version
-                    records, positions = self._admit()
+                    records, positions = self.steps.admit()
                 t0 = time.perf_counter()
                 graded = None
                 try:
                     groups, resubmitted, reprefilled, retried = self._generate_batch(records, positions, version)
-                    self.selector.grade(groups)
+                    self.steps.feeder.grade(groups)
                     graded = groups
                 finally:
                     with self._cv:
                         self.busy_s += time.perf_counter() - t0
                         if graded is not None:  # in the same critical section as _busy = False: a
                             # pause() returning in between would see the prompts drawn but not their groups
-                            self._add_batch(graded)
-                            self._fill.resubmitted += resubmitted
-                            self._fill.reprefilled += reprefilled
-                            self._fill.retried += retried
+                            self._add_batch(graded, resubmitted=resubmitted, reprefilled=reprefilled, retried=retried)
                         self._busy = False
                         self._cv.notify_all()
         except _Stopped:
@@ -492,101 +339,18 @@ class RolloutController:
                                     generate=self._generate)
 
     def _generate_batch(self, records, positions: Sequence[int], version: int) -> tuple[list[Group], int, int, int]:
-        """Synchronous server mode's ``_generate_groups`` over HTTP, interruptible.
-
-        Group ``g`` of the request is seeded and numbered ``positions[g]`` (batch admission:
-        ``first + g``) and dealt to server ``g % len(urls)`` (:func:`~dapo_megatron.rollout.engines.layout.engine_share`); the first
-        round is exactly synchronous server mode's request per server. A row that a weight sync
-        aborts (the sync pauses the servers with ``mode=abort``) comes back with the tokens it
-        sampled; once the sync is over it is resubmitted as prompt + those tokens with the
-        remaining budget and the same seed (the server's draws are keyed on the absolute
-        position, so the row continues as it would have), and its new tokens get a new version
-        span. Every token's version is the one its output reports (``meta_info.weight_version``).
-        ``holder = 0``: trainer rank 0 holds the token lists. Rows go out through
-        :meth:`_dispatch` (group ``g``'s rows dealt by ``g`` over the healthy servers).
-
-        Returns:
-            ``(groups, rows resubmitted, prefix tokens re-prefilled, rows retried)``: rows
-            retried are those sent again after their server failed (the server's error marks
-            it down: :meth:`RowClient.mark_down <dapo_megatron.rollout.engines.row_client.RowClient.mark_down>`; they restart from the prefix they had, on a healthy
-            server, with their own seed, so they draw what they would have drawn).
-
-        Raises:
-            RuntimeError: no healthy server is left (every server named).
-        """
-        n, p = self.params.n, self.params
-        groups = []
-        for g, rec in enumerate(records):
-            comps = [_EMPTY] * n
-            grp = completions_to_group(positions[g], rec.prompt_ids, comps, prompt_index=rec.index,
-                                       data_source=rec.data_source, ground_truth=rec.ground_truth,
-                                       extra_info=rec.extra_info)
-            grp.prompt_seed = positions[g]
-            for s in grp.samples:
-                s.holder, s.finish_reason = 0, ""
-            groups.append(grp)
-        resubmitted = reprefilled = 0
-        next_turn = set()  # rows a multi-turn trajectory continues (not resubmissions after a sync)
-
-        def request(key):
-            nonlocal resubmitted, reprefilled
-            g, j = key
-            s = groups[g].samples[j]
-            budget = p.max_new_tokens - len(s.response_ids)
-            sp = build_sampling_params(dataclasses.replace(p, n=1, max_new_tokens=budget),
-                                       sample_seed(p.seed, positions[g], j))
-            if key in next_turn:
-                next_turn.discard(key)
-            elif s.response_ids:
-                resubmitted += 1
-                reprefilled += len(s.response_ids)
-            # all servers healthy: server g % len(urls), synchronous server mode's deal
-            ids = list(s.prompt_ids) + list(s.response_ids)
-            if self.routes_shape is None:
-                return g, ids, sp
-            return g, ids, sp, routes_start_of(len(ids), s.routes)  # continued: its routes from where s's end
-
-        def accept(key, res) -> bool:
-            g, j = key
-            ids, lps, kind, row_version = res[:4]
-            routes = res[4] if len(res) > 4 else None  # routing replay (RowClient.generate_rows)
-            s = groups[g].samples[j]
-            if kind == "abort" and self.trajectory.ends_turn(s, ids):
-                kind = "stop"  # the abort's extra decode step completed a tool call's stop string: the turn ended
-            if ids:
-                s.append_tokens(row_version, ids, lps, routes=routes)
-            if kind == "abort":  # aborted by a weight sync: continued once it is over, on the new weights (a
-                return False  # row it aborted right after its stop token or at its budget is "stop" / "length": sglang_io.row_outcome)
-            if not s.versions:
-                s.versions = [(0, row_version)]
-            if settle_row(s, kind, self.trajectory, version=row_version, max_new_tokens=p.max_new_tokens):
-                next_turn.add(key)  # the trajectory appended context: the next turn goes out next round
-                return False
-            return True
-
-        retried = self._dispatch([(g, j) for g in range(len(records)) for j in range(n)], request, accept, version)
-        return groups, resubmitted, reprefilled, retried
+        """:func:`~dapo_megatron.rollout.async_requests.server_groups` of the request (records and
+        their positions), through :meth:`_dispatch`: ``(groups, rows resubmitted after a sync, prefix
+        tokens re-prefilled, rows retried after their server failed)``."""
+        return server_groups(records, positions, version, params=self.params, trajectory=self.trajectory,
+                             routes_shape=self.routes_shape, dispatch=self._dispatch)
 
     def generate_validation(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[list[Completion]]:
-        """Validation's responses on the healthy servers, from the main thread with the controller
-        paused (:meth:`pause` with wait: nothing in flight, every request on the weights of the
-        last sync); HTTP only, no collective.
-
-        The requests of synchronous server-mode validation (``ServerRollout.generate(prompts,
-        params, range(len(prompts)))``): response ``j`` of prompt ``i`` is one row seeded
-        :func:`~dapo_megatron.rollout.engines.engine.sample_seed` ``(params.seed, i, j)``, with
-        ``params``' sampling parameters, so it draws the same tokens on whichever server it
-        runs. Prompt ``i``'s rows go to healthy server ``live[i % len(live)]`` and a server that
-        fails or sends no byte for ``silence_timeout_s`` is marked down as in the rollout
-        (:meth:`_dispatch`): its rows go to the servers still healthy.
-
-        A multi-turn trajectory runs its turns as the rollout does (:meth:`_generate_batch`): a
-        row it continues goes out again as prompt + the response so far (context included),
-        with the remaining budget and its own seed.
-
-        Returns:
-            per prompt its ``params.n`` completions, in seed order (multi-turn: its
-            :class:`~dapo_megatron.rollout.types.Sample` s, each with its whole response).
+        """Validation's responses on the healthy servers (:func:`~dapo_megatron.rollout.async_requests.validation_rows`:
+        synchronous server-mode validation's rows and seeds), from the main thread with the controller
+        paused (:meth:`pause` with wait: nothing in flight, every request on the weights of the last
+        sync); HTTP only, no collective. A server that fails or sends no byte for ``silence_timeout_s``
+        is marked down as in the rollout (:meth:`_dispatch`): its rows go to the servers still healthy.
 
         Raises:
             RuntimeError: the controller is not paused, no healthy server is left (every server
@@ -596,372 +360,20 @@ class RolloutController:
             if not self._paused or self._busy:
                 raise RuntimeError("RolloutController.generate_validation needs the controller paused (pause())")
             version = self.version
-        n = params.n
-        out: list[list[Any]] = [[_EMPTY] * n for _ in prompts]
-        turns: dict[tuple[int, int], Sample] = {}  # multi-turn: the samples a trajectory continues
-
-        def request(key):
-            i, j = key
-            done = list(turns[key].response_ids) if key in turns else []
-            return i, list(prompts[i]) + done, build_sampling_params(
-                dataclasses.replace(params, n=1, max_new_tokens=params.max_new_tokens - len(done)),
-                sample_seed(params.seed, i, j))
-
-        def accept(key, res) -> bool:
-            i, j = key
-            ids, lps, kind, row_version = res[:4]  # (a fifth item, the routes, under routing replay: not kept)
-            if kind == "abort":
-                raise RuntimeError(f"validation row {j} of problem {i} was aborted on its server: nothing may pause "
-                                   "the rollout servers during validation")
-            if not self.trajectory.multi_turn:
-                out[i][j] = Completion(ids, lps, kind)
-                return True
-            s = turns.pop(key, None) or Sample(prompt_ids=list(prompts[i]), response_ids=[], rollout_logprobs=[],
-                                               finish_reason="", holder=0)
-            s.append_tokens(row_version, ids, lps)
-            if not s.versions:
-                s.versions = [(0, row_version)]
-            if settle_row(s, kind, self.trajectory, version=row_version, max_new_tokens=params.max_new_tokens):
-                turns[key] = s  # the trajectory appended context: the next turn goes out next round
-                return False
-            out[i][j] = s
-            return True
-
-        retried = self._dispatch([(i, j) for i in range(len(prompts)) for j in range(n)], request, accept, version,
-                                 stoppable=False)
+        out, retried = validation_rows(prompts, params, version, trajectory=self.trajectory,
+                                       dispatch=lambda *args: self._dispatch(*args, stoppable=False))
         if retried:
             logger.warning("validation: %d rows sent again after their server failed", retried)
         return out
 
-    def _add_batch(self, groups: list[Group]) -> None:
-        """Offer a graded request's groups to the selector, in submission order; streamed, each
-        one also updates the skipper's history and the keep rate (call under the lock)."""
-        if self.prompts is None:
-            self._fill.num_batches += 1
-        for g in groups:
-            if self.prompts is not None:
-                self.skipper.record(g.samples[0].prompt_index, self.selector.zero_variance(g))
-                self.keep_rate.count(self.selector.offer(g) == KEPT)
-            else:
-                self.selector.offer(g)
+    def _add_batch(self, groups: list[Group], **counts: int) -> None:
+        """Offer a graded request's groups, with its ``counts`` (:meth:`StepsAhead.add
+        <dapo_megatron.rollout.steps_ahead.StepsAhead.add>`); call under the lock."""
+        self.steps.add(groups, **counts)
 
     def _close_step(self) -> None:
-        """Hand the filled step to the ready queue (exactly N groups, or fewer at the cap), as
-        :meth:`RolloutBuffer.collect` ends a step, and open the next: the selector's ``begin``
-        keeps the surplus that is within η of it, the rest is dropped and counted."""
-        cfg, f, sel = self.cfg, self._fill, self.selector
-        if sel.missing and cfg.on_cap == "error":
-            what = (f"dynamic sampling after max_num_gen_batches={cfg.max_num_gen_batches} generation batches"
-                    if self.prompts is None else
-                    streamed_cap_spent(cfg, f.submitted, f.skipped))
-            try:
-                sel.fail_at_cap(what)
-            except RuntimeError as err:
-                self._ready.append((f.version, err, None))
+        """Hand the filled step to the ready queue and open the next (:meth:`StepsAhead.close
+        <dapo_megatron.rollout.steps_ahead.StepsAhead.close>`); a step that failed at its cap stops
+        the thread (call under the lock)."""
+        if not self.steps.close(healthy_servers=sum(h == "healthy" for h in self.health)):
             self._stop = True
-            return
-        generated = list(sel._step.graded)
-        out = sel.take()
-        metrics = sel.step_metrics(num_batches=f.num_batches)
-        metrics.update(partial_metrics([s for g in out for s in g.samples], resubmitted=f.resubmitted,
-                                       reprefilled=f.reprefilled, generated=generated))
-        if self.trajectory.multi_turn:  # the responses this step generated and graded, as Rollout.collect's
-            metrics.update(self.trajectory.metrics(self.trajectory.take_counts(generated), "tool/"))
-        metrics.update({"rollout/retried_rows": float(f.retried), "rollout/server_failures": float(f.server_failures),
-                        "rollout/healthy_servers": float(sum(h == "healthy" for h in self.health)),
-                        "rollout/evicted_on_resume": float(f.evicted)})
-        if self.prompts is not None:  # synchronous streamed mode's names
-            metrics.update({"rollout/keep_rate": self.keep_rate.value, "rollout/prompts_submitted": float(f.submitted),
-                            "rollout/skipped_prompts": float(f.skipped)})
-            self.keep_rate.new_step()
-        self._ready.append((f.version, out, metrics))
-        self._fill = _Fill(f.version + 1)
-        sel.begin(self._fill.version)
-
-
-def check_admission(state: dict, *, streamed: bool) -> None:
-    """Raise ``ValueError`` (naming ``rollout.streaming`` and its value to resume with) when the
-    controller state ``state`` (:meth:`RolloutController.state_dict`) was written by the other
-    admission: batch and streamed steps are filled from different prompt positions."""
-    if streamed != ("admission" in state):
-        was = "true" if "admission" in state else "false"
-        raise ValueError(f"the checkpoint was written with rollout.streaming={was} (the async controller's "
-                         f"{'streamed' if was == 'true' else 'batch'} admission of prompts); resume it with "
-                         f"rollout.streaming={was}")
-
-
-def partial_metrics(trained: Sequence[Sample], *, resubmitted: int, reprefilled: int,
-                    generated: Sequence[Sample]) -> dict[str, float]:
-    """verl's partial-rollout metrics of a step: ``async/partial_ratio`` (trained samples whose
-    tokens span more than one weight version), ``async/max_partial_span`` (the most versions
-    between the oldest and the newest token of a trained sample), ``rollout/resubmitted_rows``
-    (rows continued after a sync, in the step's generation) and ``rollout/reprefill_ratio``
-    (their prefix tokens, prefilled again, over the tokens the step generated)."""
-    spans = [max(v for _, v in s.versions) - min(v for _, v in s.versions) for s in trained if s.versions]
-    gen_tokens = sum(s.response_length for s in generated)
-    return {"async/partial_ratio": sum(1 for s in trained if len(s.versions) > 1) / max(len(trained), 1),
-            "async/max_partial_span": float(max(spans, default=0)),
-            "rollout/resubmitted_rows": float(resubmitted),
-            "rollout/reprefill_ratio": reprefilled / max(gen_tokens, 1)}
-
-
-def strip_tokens(groups: Sequence[Group]) -> list[Group]:
-    """Copies of ``groups`` whose samples carry no token lists (``response_ids`` /
-    ``rollout_logprobs`` / ``response_mask`` None, the length in ``num_response_tokens``, the
-    context tokens' count in ``num_context_tokens``) nor extracted answer:
-    the records every rank holds of a response another rank holds."""
-    return [Group(g.group_id, [dataclasses.replace(s, response_ids=None, rollout_logprobs=None, response_mask=None,
-                                                   routes=None, pred=None, num_response_tokens=s.response_length)
-                               for s in g.samples],
-                  g.prompt_seed) for g in groups]
-
-
-class AsyncRollout(Rollout):
-    """The :class:`~dapo_megatron.rollout.rollout.Rollout` of ``async_training.enable`` (server
-    mode), on every rank; :func:`~dapo_megatron.rollout.rollout.build_rollout` builds it.
-
-    Same surface, every method a collective:
-
-    * :meth:`collect`: rank 0's :class:`RolloutController` hands over the oldest ready step
-      (``time/wait_rollout_s``); its records (no token lists) are broadcast, the token lists
-      stay on rank 0 (``Sample.holder = 0``) until the step's plan sends them where they train;
-    * :meth:`sync_weights`: every ``async_training.trigger_parameter_sync_step`` versions (and
-      at start), with the controller paused on rank 0 (after the batch in flight: its tokens
-      carry one version), which then generates with the new version; between those steps
-      nothing is sent and the servers keep their weights;
-    * :meth:`validate`: rank 0's controller, paused, generates the validation problems on its
-      healthy servers with synchronous validation's seeds (a failed server's rows retried on
-      another) and broadcasts the metrics, so every request runs on the weights of the last sync;
-    * :meth:`state_dict`: the controller's ready steps, the step being filled, the batch
-      counter and the prompt streams, taken paused (nothing in flight), written by rank 0.
-
-    The controller reads every DP rank's share of each generation batch, in DP order, from
-    streams of its own (the batch synchronous server mode assembles with an all-gather), so
-    the prompts, seeds and group numbers are those of synchronous server mode at any layout.
-    With ``rollout.streaming`` it reads synchronous streamed mode's one stream through a
-    :class:`~dapo_megatron.rollout.sampling.streaming.PromptQueue` instead (streamed admission,
-    GRESO skipping with ``buffer.prompt_skip``: :class:`RolloutController`); the skipper's
-    history, the keep rate and the queue are in :meth:`state_dict`.
-    """
-
-    def __init__(self, cfg: "DAPOConfig", parallel: "ParallelDims", **kwargs):
-        super().__init__(cfg, parallel, **kwargs)
-        b, d = cfg.buffer, cfg.data
-        self.sync_every = cfg.async_training.trigger_parameter_sync_step
-        self.controller: Optional[RolloutController] = None
-        self.streams: list = []
-        self._started = False
-        self._last_collect: Optional[float] = None
-        self._idle_before = 0.0
-        self._sync_pause_s = 0.0
-        if parallel.rank != 0:
-            return
-
-        skipper = None
-        if self.prompt_queue is not None:  # streamed: synchronous streamed mode's one stream and queue
-            self.streams = [self.stream]
-            skipper = PromptSkipper(b.prompt_skip, seed=cfg.trainer.seed)
-        else:
-            dp = parallel.dp_size
-            self.streams = [PromptStream(self.train_data, b.gen_batch_size // dp, r, dp, seed=d.seed,
-                                         shuffle=d.shuffle) for r in range(dp)]
-
-        def next_batch():
-            return [rec for st in self.streams for rec in st.next_batch()]
-
-        # grades from the controller thread with the reward pool itself (no collective): nothing
-        # else grades while it runs (validation pauses it)
-        selector = type(self.buffer)(b, self.reward_pool, self.decode)
-        self.controller = RolloutController(selector, next_batch, cfg.rollout.server_urls, self._train_params(),
-                                            silence_timeout_s=cfg.rollout.server_silence_timeout_s,
-                                            eos_token_ids=getattr(self.engine, "eos_token_ids", ()),
-                                            health_timeout_s=cfg.rollout.server_timeout_s, version=0,
-                                            policy_version=0, prompts=self.prompt_queue, skipper=skipper,
-                                            trajectory=self.trajectory,
-                                            routes_shape=getattr(self.engine, "record_routes", None))
-
-    def _broadcast(self, obj: Any) -> Any:
-        """Rank 0's ``obj`` on every rank, over the gloo generation-wait group: ranks 1..N wait here
-        while rank 0's controller generates (a step, validation, the pause before a checkpoint),
-        which may take longer than ``parallel.distributed_timeout_minutes``."""
-        return self.parallel.broadcast_object(obj, "wait", src=0)
-
-    def _start(self, version: int) -> None:
-        if self._started:
-            return
-        self._started = True
-        if self.controller is not None:
-            self.controller.version = version
-            self.controller.start()
-
-    def collect(self, step: int) -> StepBatch:
-        """The oldest ready step, for policy version ``step``, on every rank (collective).
-
-        Metrics: those of synchronous mode (:meth:`RolloutBuffer.collect`), plus
-        ``time/wait_rollout_s`` (the trainer waited for the rollout), ``trainer/idle_ratio``
-        (that wait over the wall time since the previous collect returned, i.e. one step),
-        ``rollouter/idle_ratio`` (the controller's time with nothing it was allowed to start,
-        over the same wall time) and ``time/sync_pause_s`` (the last sync's wait for the batch
-        in flight)."""
-        self._start(step)
-        payload = None
-        if self.controller is not None:
-            now = time.perf_counter()
-            try:
-                groups, metrics = self.controller.take(step)
-            except RuntimeError as err:
-                payload = err
-            else:
-                end = time.perf_counter()
-                wall = end - (self._last_collect if self._last_collect is not None else now)
-                idle = self.controller.idle_s - self._idle_before
-                self._last_collect, self._idle_before = end, self.controller.idle_s
-                if wall > 0:
-                    metrics["trainer/idle_ratio"] = metrics["time/wait_rollout_s"] / wall
-                    metrics["rollouter/idle_ratio"] = min(1.0, idle / wall)
-                metrics["time/sync_pause_s"] = self._sync_pause_s
-                payload = (strip_tokens(groups), metrics)
-        payload = self._broadcast(payload)
-        if isinstance(payload, BaseException):
-            raise RuntimeError(str(payload))
-        if self.controller is not None:
-            return StepBatch(groups, metrics)
-        return StepBatch(*payload)
-
-    def sync_weights(self, actor: Any, version: int) -> float:
-        """The weight sync of version ``version`` when it is due (start, or ``version`` a multiple
-        of ``trigger_parameter_sync_step``), with the controller paused on rank 0; 0.0 bytes
-        when not due (the servers keep their weights).
-
-        It goes to the servers that answer ``/health`` now
-        (:meth:`RolloutController.members_for_sync`, broadcast from rank 0): a failed server is
-        left out, and one that is back is in it and gets work only after it
-        (:meth:`~dapo_megatron.rollout.engines.server_sync.ServerRollout.set_members` re-forms the
-        weight-update groups when the set changes).
-
-        Raises:
-            RuntimeError: on every rank, no server answers ``/health`` (each named), or a
-                server failed during the sync (:func:`~dapo_megatron.rollout.engines.server_sync.sync_servers`
-                names it); the run stops and resumes from its last checkpoint.
-        """
-        if self._started and version % self.sync_every:
-            return 0.0
-        members = self.controller.members_for_sync() if self.controller is not None else None
-        if members is not None and not members:
-            members = ("no rollout server answers /health for the weight sync of version "
-                       f"{version}: " + "; ".join(f"{u}: {e}" for u, e in zip(self.controller.urls,
-                                                                            self.controller.server_errors)))
-        members = self._broadcast(members)
-        if isinstance(members, str):
-            raise RuntimeError(members)
-        self.engine.set_members(members)
-        # partial rollouts: the sync's /pause_generation aborts the rows in flight, which continue
-        # after it; else wait for the batch in flight to finish first
-        wait = not self.cfg.async_training.partial_rollout
-        self._sync_pause_s = self.controller.pause(wait=wait) if self.controller is not None else 0.0
-        self.parallel.wait_for_generation()  # rank 0 waited for the batch in flight: the others on gloo
-        ok = False
-        try:
-            nbytes = super().sync_weights(actor, version)
-            ok = True
-        finally:
-            if self.controller is not None:
-                self.controller.resume(version if ok else None, members if ok else None)
-        return nbytes
-
-    def check_health(self) -> None:
-        """Nothing: the controller keeps its servers' health (a failed server leaves dispatch,
-        its rows go to the others; :class:`RolloutController`), and a step with no healthy
-        server left fails in :meth:`collect`, naming every server."""
-
-    def wake(self) -> None:
-        """Nothing: the servers have their own memory and their weights are synced by
-        :meth:`sync_weights` only."""
-
-    def validate(self, step: int) -> dict[str, float]:
-        """:meth:`Rollout.validate`'s metrics, generated by rank 0's controller (collective).
-
-        With the controller paused (after the batch in flight: every request on the weights of
-        the last sync, and nothing else grades), rank 0 generates the validation problems on
-        the controller's healthy servers (:meth:`RolloutController.generate_validation`: the
-        requests and seeds of synchronous server-mode validation, each bounded by
-        ``rollout.server_silence_timeout_s`` of silence; a server that fails is marked down and its rows
-        go to the healthy ones), grades them with its reward pool and broadcasts the metrics:
-        every rank returns the same dict, equal to synchronous server mode's at the same weights
-        and step, whichever servers are down.
-
-        Raises:
-            RuntimeError: on every rank, no healthy server is left (every server named).
-        """
-        def metrics():
-            problems, params = self._val_problems(), self._val_params(step)
-            outputs = self.controller.generate_validation([rec.prompt_ids for rec in problems], params)
-            graded = self._grade_val(problems, enumerate(outputs))
-            out = self._val_metrics(problems, graded)
-            trajectory = self.controller.trajectory  # the one that ran the turns
-            if trajectory.multi_turn:  # the tool turns of validation (rank 0 generated every response)
-                samples = [s for comps in outputs for s in comps]
-                for s, acc in zip(samples, [a for i in range(len(outputs)) for a in graded.get(i, [])]):
-                    s.acc = bool(acc)
-                out.update(trajectory.metrics(trajectory.take_counts(samples), "val/tool/"))
-            return out
-
-        return self._paused_on_rank_0(metrics, share=True)
-
-    def _paused_on_rank_0(self, compute: Callable[[], Any], *, share: bool) -> Any:
-        """``compute()`` on rank 0 with its controller paused (nothing in flight; resumed after,
-        whatever happens), on every rank a collective: ``share``: every rank returns rank 0's
-        result (a broadcast); else rank 0 returns it and the others None, and only the outcome
-        is broadcast. Any exception of ``compute`` (a grader's ValueError too) is raised on every
-        rank as ``RuntimeError`` (its type named unless it was one), so no rank waits in a later
-        collective for a rank 0 that failed."""
-        result, error = None, None
-        if self.controller is not None:
-            self.controller.pause()
-            try:
-                result = compute()
-            except Exception as err:
-                error = str(err) if isinstance(err, RuntimeError) else f"{type(err).__name__}: {err}"
-            finally:
-                self.controller.resume()
-        shared, error = self._broadcast((result if share else None, error))
-        if error is not None:
-            raise RuntimeError(error)
-        return shared if share else result
-
-    def close(self) -> None:
-        if self.controller is not None:
-            self.controller.stop()
-        super().close()
-
-    def state_dict(self) -> dict[str, Any]:
-        """Rank 0's controller state (``async_rollout``) and its prompt streams (``streams``),
-        taken paused; the batch counter as ``gen_batches_done``. Other ranks return ``{}``
-        (rank 0 writes the trainer state). A collective (the checkpointer calls it on every rank
-        before it writes anything).
-
-        Raises:
-            RuntimeError: on every rank, rank 0 could not take the state (the controller failed:
-                :meth:`RolloutController.state_dict`), so no checkpoint is written.
-        """
-        state = self._paused_on_rank_0(lambda: {"gen_batches_done": self.controller.gen_batches_done,
-                                                "streams": [st.state_dict() for st in self.streams],
-                                                "async_rollout": self.controller.state_dict()}, share=False)
-        return state if state is not None else {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` on rank 0 (before the first :meth:`collect`).
-
-        Raises:
-            ValueError: on every rank, the checkpoint was written by a synchronous run, or by the
-                other admission (:func:`check_admission`).
-        """
-        if "async_rollout" not in state:
-            raise ValueError("async_training.enable=true but the checkpoint was written by a synchronous run; "
-                             "resume it with async_training.enable=false")
-        check_admission(state["async_rollout"], streamed=self.cfg.rollout.streaming)
-        if self.controller is None:
-            return
-        self.controller.load_state_dict(state["async_rollout"])  # first: it refuses the other admission's state
-        for st, s in zip(self.streams, state["streams"]):
-            st.load_state_dict(s)

@@ -4,8 +4,9 @@
 :func:`check_rollout_fits` and :func:`prompt_stream` run before the model is built, so a run
 that cannot work stops in seconds; :func:`build_rollout` runs after the actor (an SGLang
 engine sizes its KV cache from the GPU memory left free) and returns the
-:class:`~dapo_megatron.rollout.rollout.Rollout` of this rank (an
-:class:`~dapo_megatron.rollout.async_rollout.AsyncRollout` with ``async_training.enable``).
+:class:`~dapo_megatron.rollout.rollout.Rollout` of this rank, composed by :func:`compose_rollout`
+with its step source: the synchronous feeder, or with ``async_training.enable`` the background
+driver that runs the same feeder ahead of training (the one place that reads that key).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dapo_megatron.data import PromptStream
 from dapo_megatron.platform import ParallelDims, device
 from dapo_megatron.platform.memory import check_memory
 from dapo_megatron.rewards import RewardPool
-from dapo_megatron.rollout.async_rollout import AsyncRollout
+from dapo_megatron.rollout.background import BackgroundDriver
 from dapo_megatron.rollout.engines.factory import build_training_rollout
 from dapo_megatron.rollout.engines.layout import check_rollout_tp_fits_model
 from dapo_megatron.rollout.engines.routes import replay_routes_layout
@@ -108,8 +109,21 @@ def build_rollout(cfg: DAPOConfig, parallel: ParallelDims, *, tokenizer: Any, hf
                                            partial_rollout=cfg.rollout.partial_rollout,
                                            poll_tokens=cfg.rollout.stream_poll_tokens, trajectory=trajectory,
                                            max_new_tokens=cfg.rollout.response_length)
-    cls = AsyncRollout if cfg.async_training.enable else Rollout  # async: server mode, generation beside training
-    return cls(cfg, parallel, engine=engine, num_engines=num_engines, engine_index=engine_index,
-                   train_data=train_data, val_data=val_data, stream=stream, reward_pool=reward_pool, decode=decode,
-                   buffer=buffer, collector=collector, prompt_queue=prompt_queue,
-                   routes_layout=routes, trajectory=trajectory)
+    return compose_rollout(cfg, parallel, engine=engine, num_engines=num_engines, engine_index=engine_index,
+                           train_data=train_data, val_data=val_data, stream=stream, reward_pool=reward_pool,
+                           decode=decode, buffer=buffer, collector=collector, prompt_queue=prompt_queue,
+                           routes_layout=routes, trajectory=trajectory)
+
+
+def compose_rollout(cfg: DAPOConfig, parallel: ParallelDims, **parts: Any) -> Rollout:
+    """A :class:`Rollout` of ``parts`` (its keyword arguments) with its step source: the synchronous
+    feeder, or with ``async_training.enable`` (server mode; ``config/run.py`` refuses it otherwise)
+    the background driver (:class:`~dapo_megatron.rollout.background.BackgroundDriver`: rank 0's
+    controller thread runs the step feeder ahead of training; ``trigger_parameter_sync_step``,
+    ``partial_rollout``). A new way of driving the feeder is chosen here."""
+    rollout = Rollout(cfg, parallel, **parts)
+    a = cfg.async_training
+    if a.enable:  # generation beside training
+        rollout.run_ahead(BackgroundDriver(rollout, sync_every=a.trigger_parameter_sync_step,
+                                           partial_rollout=a.partial_rollout))
+    return rollout

@@ -9,8 +9,8 @@ several rows with context tokens between them::
     prompt | model tokens (row 1) | tool output (context) | model tokens (row 2) | ...
               response_mask 1        response_mask 0         response_mask 1
 
-Every generation loop (batch :meth:`Rollout._generate_groups
-<dapo_megatron.rollout.rollout.Rollout._generate_groups>`, streamed
+Every generation loop (batch :meth:`SyncFeeder.generate_groups
+<dapo_megatron.rollout.sync_feeder.SyncFeeder.generate_groups>`, streamed
 :meth:`StreamingCollector.collect <dapo_megatron.rollout.sampling.streaming.StreamingCollector.collect>`,
 async :meth:`RolloutController._generate_batch
 <dapo_megatron.rollout.async_rollout.RolloutController._generate_batch>`) passes each row that

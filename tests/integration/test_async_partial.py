@@ -65,7 +65,7 @@ def _worker(hf_dir, url, run_dir, out_path):
         return res
 
     def sync_weights(actor, version):
-        if rollout._started:
+        if rollout.background.started:
             go.set()
             time.sleep(0.15)  # the /generate reaches the server and decodes
         return real_sync(actor, version)
@@ -87,7 +87,7 @@ def _worker(hf_dir, url, run_dir, out_path):
     finally:
         rollout.close()
     # the uninterrupted row of every trained sample: its prompt, its seed, the whole budget
-    params = rollout._train_params()
+    params = rollout.train_params()
     for st in steps.values():
         st["uninterrupted"] = [
             http_post(url, "/generate", {"input_ids": prompt, "return_logprob": True, "sampling_params":

@@ -86,14 +86,15 @@ def _run(hf_dir, url, run_dir, extra, out_path, kill=False):
             metrics = trainer.train_step()
             out["steps"][trainer.step] = {"policy_version": policy_version, "metrics": metrics,
                                           **_record(trainer, collected["groups"])}
-            if trainer.step == KILL_IN_STEP and ctrl.prompts is not None:
+            if trainer.step == KILL_IN_STEP and ctrl.steps.prompts is not None:
                 # the controller now waits for the sync after step 4 (η = 1): its admission state is
                 # settled, and a resumed run's must be the uninterrupted one's (restored, then the same)
                 with ctrl._cv:
-                    out["admission"] = {"skipper": ctrl.skipper.state_dict(), "keep_rate": ctrl.keep_rate.state_dict()}
+                    out["admission"] = {"skipper": ctrl.steps.skipper.state_dict(),
+                                        "keep_rate": ctrl.steps.keep_rate.state_dict()}
             if kill and trainer.step == KILL_IN_STEP - 1:
                 deadline = time.monotonic() + 120
-                while not any(v == KILL_IN_STEP for v, _, _ in list(ctrl._ready)):
+                while not any(v == KILL_IN_STEP for v, _, _ in list(ctrl.steps.ready)):
                     assert time.monotonic() < deadline, f"the step of policy version {KILL_IN_STEP} never got ready"
                     time.sleep(0.05)
             trainer.save()

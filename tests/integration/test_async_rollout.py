@@ -46,7 +46,7 @@ def _sync_lands_in_flight(rollout):
         return real_generate(rows, version)
 
     def sync_weights(actor, version):
-        if rollout._started:
+        if rollout.background.started:
             assert started.wait(60), "no generation in flight"
         started.clear()
         return real_sync(actor, version)

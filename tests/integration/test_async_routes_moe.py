@@ -84,7 +84,7 @@ def _worker(hf_dir, url, run_dir, out_path):
         ctrl._generate = generate
 
     def sync_weights(actor, version):
-        if rollout._started and ctrl is not None:
+        if rollout.background.started and ctrl is not None:
             go.set()
             time.sleep(0.15)  # the /generate reaches the server and decodes
         nbytes = real_sync(actor, version)

@@ -95,7 +95,7 @@ def _run_layout(out_dir, tp, pp):
         cfg = ActorConfig(ppo_max_token_len_per_gpu=48, optim=OptimConfig(lr=1e-3))
         actor = MegatronActor(model, cfg, total_steps=4, parallel=par, vocab_size=hf_config.vocab_size)
 
-        # the trainer's steps 1-6 (Rollout._generate_groups, the buffer's grading, route_step and
+        # the trainer's steps 1-6 (SyncFeeder.generate_groups, the buffer's grading, route_step and
         # the old logprobs, train_step): DP rank d holds prompts d::DP, its model-parallel
         # rank m generates positions m::MP of them
         all_groups, records = _prompt_groups(hf_config.vocab_size)

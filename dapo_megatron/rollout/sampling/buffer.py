@@ -4,9 +4,11 @@ One training step needs exactly ``train_batch_size`` (N) prompt groups of ``n`` 
 responses whose accuracies are not all equal: a group where every response is right (or
 every one is wrong) has zero advantage for all its tokens and only dilutes the gradient.
 :class:`GroupSelector` holds that rule once, with the step's keep/drop tally, the group
-renumbering, the surplus and the metrics; two feeders offer it groups: whole generation
-batches (:meth:`RolloutBuffer.collect`, below) or streamed rounds
-(:class:`~dapo_megatron.rollout.sampling.streaming.StreamingCollector`). :meth:`RolloutBuffer.collect`
+renumbering, the surplus and the metrics; the one step feeder
+(:class:`~dapo_megatron.rollout.sampling.feeder.StepFeeder`) offers it groups, by whole generation
+batches (:meth:`RolloutBuffer.collect`, below), streamed rounds
+(:class:`~dapo_megatron.rollout.sampling.streaming.StreamingCollector`) or ahead of training (the
+async controller). :meth:`RolloutBuffer.collect`
 
 1. starts from the surplus groups kept at earlier steps (used first), dropping those more
    than ``max_staleness`` weight versions behind the actor (counted),
@@ -45,7 +47,8 @@ from dapo_megatron.platform.distributed import collective_device
 from dapo_megatron.rollout.types import HELD_BY_ALL, Group, Sample
 
 # BufferConfig: its home until the config sections went torch-free, imported from here by callers
-from dapo_megatron.rollout.sampling.config import FILTER_METRICS, ON_CAP, BufferConfig  # noqa: F401
+from dapo_megatron.rollout.sampling.config import DROP_REASONS, FILTER_METRICS, KEPT, ON_CAP, BufferConfig  # noqa: F401
+from dapo_megatron.rollout.sampling.feeder import Generated, StepFeeder, WholeBatches
 
 class RewardPoolLike(Protocol):
     """What the buffer needs of ``dapo_megatron.rewards.RewardPool``."""
@@ -68,14 +71,6 @@ def group_from_dict(d: dict) -> Group:
     return Group(group_id=int(d["group_id"]), samples=samples, prompt_seed=int(d.get("prompt_seed", -1)))
 
 
-KEPT = "kept"
-"""What :meth:`GroupSelector.offer` answers for a group it keeps."""
-DROP_REASONS = ("all_correct", "all_wrong", "other")
-"""Why a group is dropped (its ``filter_metric`` is constant): every response correct, every one
-wrong, or otherwise constant (e.g. equal shaped rewards of mixed accuracy); logged as
-``rollout/dropped_<reason>``."""
-
-
 @dataclass
 class _Step:
     """The tally of one step between :meth:`GroupSelector.begin` and :meth:`GroupSelector.take`."""
@@ -92,9 +87,11 @@ class _Step:
 class GroupSelector:
     """DAPO's dynamic-sampling selector: grading, the keep rule, the step's tally, the surplus.
 
-    One selector serves both ways of feeding a step (slime's ``filter_hub`` shape): whole
-    generation batches (:meth:`RolloutBuffer.collect`) or streamed rounds
-    (:class:`~dapo_megatron.rollout.sampling.streaming.StreamingCollector`). A step is
+    One selector serves every way of feeding a step (slime's ``filter_hub`` shape), through the
+    step feeder (:class:`~dapo_megatron.rollout.sampling.feeder.StepFeeder`, the one caller of
+    :meth:`offer`): whole generation batches (:meth:`RolloutBuffer.collect`), streamed rounds
+    (:class:`~dapo_megatron.rollout.sampling.streaming.StreamingCollector`) or the async controller.
+    A step is
     :meth:`begin` (the carried surplus within ``max_staleness`` counts as kept, the stale rest
     is dropped and counted), then :meth:`grade` + :meth:`offer` per finished group, in
     generation order, until :attr:`missing` is 0 or the feeder's cap, then :meth:`take` (the
@@ -207,6 +204,36 @@ class GroupSelector:
         """Kept groups still needed for ``train_batch_size`` (0 once reached)."""
         return max(0, self.config.train_batch_size - self.num_kept)
 
+    @property
+    def kept(self) -> list[Group]:
+        """The open step's kept groups so far, in the order kept (carried surplus first); a copy."""
+        return list(self._current().kept)
+
+    @property
+    def graded(self) -> list[Sample]:
+        """The samples of every group offered in the open step (kept or dropped), in offer order; a copy."""
+        return list(self._current().graded)
+
+    def step_state_dict(self) -> dict:
+        """The open step's tally as plain python, for a checkpoint taken mid-step (the async
+        controller's): ``kept`` (groups, :func:`group_to_dict`), ``surplus_in``, ``dropped_stale``,
+        ``graded`` (one single-sample group per graded sample) and ``dropped`` (reason -> count).
+        :meth:`load_step_state` is its inverse. The surplus is not in it (:meth:`state_dict`)."""
+        st = self._current()
+        return {"kept": [group_to_dict(g) for g in st.kept], "surplus_in": st.surplus_in,
+                "dropped_stale": st.dropped_stale, "graded": [group_to_dict(Group(-1, [x])) for x in st.graded],
+                "dropped": dict(st.dropped)}
+
+    def load_step_state(self, policy_version: Optional[int], state: dict) -> None:
+        """Open the step of ``policy_version`` with the tally :meth:`step_state_dict` wrote (the
+        surplus is left as it is: restore it first with :meth:`load_state_dict`, which this does not
+        consume). Raises ``KeyError`` naming a missing key."""
+        step = _Step(policy_version, [group_from_dict(g) for g in state["kept"]], surplus_in=int(state["surplus_in"]),
+                     dropped_stale=int(state["dropped_stale"]))
+        step.graded = [group_from_dict(g).samples[0] for g in state["graded"]]
+        step.dropped = {r: int(state["dropped"][r]) for r in DROP_REASONS}
+        self._step = step
+
     def offer(self, g: Group) -> str:
         """Offer one graded group of this step's generation: :data:`KEPT`, or the reason it was
         dropped (one of :data:`DROP_REASONS`). Its samples count for the generation metrics
@@ -279,7 +306,8 @@ class GroupSelector:
 
 
 class RolloutBuffer(GroupSelector):
-    """The batch feeder of the selector (verl's dynamic sampling): whole generation batches
+    """The selector with the batch form of the step feeder (verl's dynamic sampling: the
+    :class:`~dapo_megatron.rollout.sampling.feeder.WholeBatches` admission): whole generation batches
     until N groups are kept; see the module docstring. Constructed as :class:`GroupSelector`."""
 
     def _check_batch(self, groups: Any, batch_index: int) -> list[Group]:
@@ -319,22 +347,11 @@ class RolloutBuffer(GroupSelector):
                 so far stay in the surplus).
             ValueError: a generation batch of the wrong shape.
         """
-        cfg = self.config
-        self.begin(policy_version)
-        num_batches = 0
-        while self.missing:
-            if num_batches >= cfg.max_num_gen_batches:
-                if cfg.on_cap == "error":
-                    self.fail_at_cap(f"dynamic sampling after max_num_gen_batches={cfg.max_num_gen_batches} "
-                                     "generation batches")
-                break
-            groups = self._check_batch(generate_batch(), num_batches)
-            num_batches += 1
-            self.grade(groups)
-            for g in groups:
-                self.offer(g)
-        out = self.take()
-        return out, self.step_metrics(num_batches=num_batches)
+        feeder = StepFeeder(self, WholeBatches(self.config, lambda: self._check_batch(generate_batch(),
+                                                                                 feeder.admission.num_batches)))
+        feeder.begin(policy_version)
+        feeder.fill(Generated())
+        return feeder.take()
 
 
 GENERATION_METRICS = (

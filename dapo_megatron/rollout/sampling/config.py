@@ -16,6 +16,12 @@ from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipConfig
 
 FILTER_METRICS = ("acc", "score", "reward")
 ON_CAP = ("error", "train_on_kept")
+KEPT = "kept"
+"""What ``GroupSelector.offer`` answers for a group it keeps."""
+DROP_REASONS = ("all_correct", "all_wrong", "other")
+"""Why a group is dropped (its ``filter_metric`` is constant): every response correct, every one
+wrong, or otherwise constant (e.g. equal shaped rewards of mixed accuracy); logged as
+``rollout/dropped_<reason>``."""
 
 
 @dataclass

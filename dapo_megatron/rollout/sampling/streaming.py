@@ -40,14 +40,14 @@ Design: docs/design.md §3.7 (streaming, partial rollouts).
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence
+from typing import Any, NamedTuple, Optional, Protocol, Sequence
 
 import torch
 
 from dapo_megatron.platform.parallel_dims import ParallelDims, dims_or_single
-from dapo_megatron.rollout.sampling.buffer import KEPT, GroupSelector, group_from_dict, group_staleness, group_to_dict
+from dapo_megatron.rollout.sampling.buffer import GroupSelector, group_from_dict, group_staleness, group_to_dict
+# PromptQueue: its home is the feeder (the prompt side of admission), imported from here by callers
+from dapo_megatron.rollout.sampling.feeder import KeepRate, KeepRateStreaming, PromptQueue, StepFeeder  # noqa: F401
 from dapo_megatron.rollout.engines.engine import RolloutEngine, RowRequest, RowResult, SamplingParams
 from dapo_megatron.rollout.engines.routes import routes_start_of
 from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipper
@@ -218,100 +218,6 @@ def row_request(g: Group, j: int, params: SamplingParams) -> RowRequest:
                       routes_start=routes_start_of(len(s.prompt_ids) + len(s.response_ids), s.routes))
 
 
-@dataclass
-class PromptQueue:
-    """The prompts not yet submitted, in stream order, each with its global position (seed).
-
-    ``next_batch()`` returns the next generation batch of records from the stream; the
-    queue numbers them ``fetched * batch_size + i`` (the batch form's seeding), hands them out
-    one at a time and keeps the rest of a batch for later steps (in the checkpoint).
-    """
-
-    next_batch: Callable[[], Sequence[Any]]
-    batch_size: int
-    record_of: Callable[[int], Any]
-    fetched: int = 0
-    leftover: list[tuple[int, int]] = field(default_factory=list)  # (dataset index, position)
-
-    def pop(self) -> tuple[Any, int]:
-        """``(record, position)`` of the next prompt."""
-        if not self.leftover:
-            batch = list(self.next_batch())
-            if len(batch) != self.batch_size:
-                raise ValueError(f"next_batch() returned {len(batch)} prompts, expected batch_size={self.batch_size}")
-            self.leftover = [(rec.index, self.fetched * self.batch_size + i) for i, rec in enumerate(batch)]
-            self.fetched += 1
-        index, position = self.leftover.pop(0)
-        return self.record_of(index), position
-
-    def state_dict(self) -> dict:
-        return {"fetched": self.fetched, "leftover": [list(x) for x in self.leftover]}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.fetched = int(state["fetched"])
-        self.leftover = [(int(i), int(p)) for i, p in state["leftover"]]
-
-
-@dataclass
-class KeepRate:
-    """The observed keep rate of dynamic sampling, as a feeder sizes its next admission of new
-    prompts: kept / graded groups, both counts halved at every step (:meth:`new_step`), with
-    one kept of one graded as the prior (so the first admission asks for ``missing`` prompts).
-    Plain floats: the same arithmetic on every rank and after a resume (the counts are the
-    whole state)."""
-
-    kept: float = 0.0
-    graded: float = 0.0
-
-    @property
-    def value(self) -> float:
-        """``(kept + 1) / (graded + 1)``, in (0, 1]."""
-        return (self.kept + 1.0) / (self.graded + 1.0)
-
-    def new_step(self) -> None:
-        """Halve both counts: the rate follows the policy as it changes."""
-        self.kept, self.graded = self.kept / 2, self.graded / 2
-
-    def count(self, kept: bool) -> None:
-        """One graded group, kept or dropped."""
-        self.graded += 1
-        if kept:
-            self.kept += 1
-
-    def admission(self, missing: float, batch_size: int, left: int) -> int:
-        """New prompts to submit for ``missing`` (> 0) expected kept groups: ``ceil(missing /
-        rate)``, at most ``batch_size`` (``buffer.gen_batch_size``: one round's share) and ``left``
-        (the step's cap minus what it submitted; GRESO's adaptive batch size, arXiv 2506.02177
-        Sec. 4.2, without its 1.25 margin: the next round tops up)."""
-        return min(math.ceil(missing / self.value), batch_size, left)
-
-    def state_dict(self) -> dict:
-        return {"kept": self.kept, "graded": self.graded}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.kept, self.graded = float(state["kept"]), float(state["graded"])
-
-
-def streamed_cap_spent(cfg: Any, submitted: int, skipped: int) -> str:
-    """What a streamed step spent when it hit its cap (``GroupSelector.fail_at_cap``'s ``what``)."""
-    return (f"streaming dynamic sampling after {submitted} prompts (max_num_gen_batches={cfg.max_num_gen_batches} "
-            f"x gen_batch_size={cfg.gen_batch_size}; {skipped} skipped)")
-
-
-def draw_unskipped(prompts: "PromptQueue", skipper: PromptSkipper, want: int) -> tuple[list[tuple[Any, int]], int]:
-    """The next ``want`` prompts of the queue that ``skipper`` does not skip, in stream order:
-    ``([(record, position), ...], skipped)``; each skipped prompt is consumed (it counts as an
-    encounter of the skipper and is not offered again until the stream comes back to it)."""
-    drawn, skipped = [], 0
-    while len(drawn) < want:
-        record, position = prompts.pop()
-        if skipper.skip(record.index):
-            skipped += 1
-            continue
-        drawn.append((record, position))
-    return drawn, skipped
-
-
 def new_group(record: Any, position: int, n: int) -> Group:
     """An empty group in flight for a dataset record (``prompt_ids``, ``index``, grading fields)."""
     samples = [Sample(prompt_ids=list(record.prompt_ids), response_ids=[], rollout_logprobs=[], finish_reason=PENDING,
@@ -349,7 +255,9 @@ def extend_sample(s: Sample, u: RowUpdate, trajectory: Trajectory = SINGLE_TURN,
 
 
 class StreamingCollector:
-    """The streamed feeder of the dynamic-sampling selector (module docstring).
+    """The streamed form of the step feeder (module docstring): the
+    :class:`~dapo_megatron.rollout.sampling.feeder.KeepRateStreaming` admission over rounds of the
+    engines' rows (:class:`_Rounds`), with the partial groups it carries between steps.
 
     Args:
         selector: the :class:`~dapo_megatron.rollout.sampling.buffer.GroupSelector` (the trainer's
@@ -449,8 +357,8 @@ class StreamingCollector:
                 (the kept groups stay in the surplus).
         """
         sel, cfg = self.selector, self.selector.config
-        self.keep.new_step()
-        sel.begin(policy_version)
+        feeder = StepFeeder(sel, KeepRateStreaming(cfg, prompts, self.skipper, self.keep))
+        feeder.begin(policy_version)
         carried, stale_partial = [], 0
         for g in self._partial:
             if group_staleness(g, policy_version) > cfg.max_staleness:
@@ -458,53 +366,9 @@ class StreamingCollector:
             else:
                 carried.append(g)
         self._partial = []
-        inflight: dict[int, Group] = {}  # prompt_seed -> group, in submission order
-        resubmit = []
-        for g in carried:
-            inflight[g.prompt_seed] = g
-            resubmit.extend((g, j) for j, s in enumerate(g.samples) if s.finish_reason == PENDING)
-        if resubmit:
-            client.submit(resubmit)
-        partial_in = len(resubmit)
-        cap = cfg.max_num_gen_batches * cfg.gen_batch_size
-        fetched_before = prompts.fetched
-        submitted = skipped = rounds = gen_tokens = 0
-        while sel.missing:
-            missing = sel.missing - self.keep_rate * len(inflight)
-            if missing > 0 and submitted < cap:
-                drawn, n_skipped = draw_unskipped(prompts, self.skipper,
-                                                  self.keep.admission(missing, cfg.gen_batch_size, cap - submitted))
-                new = [new_group(record, position, cfg.n) for record, position in drawn]
-                for g in new:
-                    inflight[g.prompt_seed] = g
-                submitted += len(new)
-                skipped += n_skipped
-                client.submit([(g, j) for g in new for j in range(cfg.n)])
-            if not inflight:
-                break  # at the cap, nothing running
-            rounds += 1
-            continued, finished = [], []
-            for u in client.poll(self.poll_tokens):
-                g = inflight[u.key[0]]
-                before = g.samples[u.key[1]].num_context_tokens
-                if extend_sample(g.samples[u.key[1]], u, self.trajectory, self.max_new_tokens):
-                    continued.append((g, u.key[1]))
-                if u.finish_reason != "abort":
-                    finished.append((u, before))
-                gen_tokens += u.num_tokens
-            if self.trajectory.multi_turn:
-                continued = self._share_turns(client, inflight, finished)
-            if continued:  # a multi-turn trajectory's next turns, after their context
-                client.submit(continued)
-            done = [g for g in inflight.values() if all(s.finish_reason != PENDING for s in g.samples)]
-            if not done:
-                continue
-            for g in done:
-                del inflight[g.prompt_seed]
-            sel.grade(done)
-            for g in done:  # in submission order
-                self.skipper.record(g.samples[0].prompt_index, sel.zero_variance(g))
-                self.keep.count(sel.offer(g) == KEPT)
+        rounds = _Rounds(self, client, carried)
+        feeder.fill(rounds)
+        inflight = rounds.inflight
         aborted = client.abort() if inflight else []
         aborted_tokens, finished = 0, []
         for u in aborted:
@@ -515,28 +379,77 @@ class StreamingCollector:
             extend_sample(s, u, self.trajectory, self.max_new_tokens)
             if u.finish_reason != "abort":
                 finished.append((u, before))
-            gen_tokens += u.num_tokens
+            rounds.gen_tokens += u.num_tokens
             aborted_tokens += u.num_tokens
         if self.trajectory.multi_turn:
             self._share_turns(client, inflight, finished)
         if self.partial_rollout:
             self._partial = list(inflight.values())
-        if sel.missing and cfg.on_cap == "error":
-            sel.fail_at_cap(streamed_cap_spent(cfg, submitted, skipped))
-        out = sel.take()
-        metrics = sel.step_metrics(num_batches=prompts.fetched - fetched_before, gen_tokens=gen_tokens)
+        out, metrics = feeder.take(gen_tokens=rounds.gen_tokens)
         metrics.update({
             "rollout/keep_rate": self.keep_rate,
-            "rollout/partial_in": float(partial_in),
+            "rollout/partial_in": float(rounds.partial_in),
             "rollout/partial_out": float(sum(s.finish_reason == PENDING for g in self._partial for s in g.samples)),
             "rollout/dropped_stale": metrics["rollout/dropped_stale"] + stale_partial,
         })
         if "rollout/gen_tokens" in metrics:  # absent with the generation's other metrics when nothing was sampled
             metrics.update({
-                "rollout/rounds": float(rounds),
-                "rollout/prompts_submitted": float(submitted),
-                "rollout/skipped_prompts": float(skipped),
+                "rollout/rounds": float(rounds.rounds),
+                "rollout/prompts_submitted": float(feeder.admission.submitted),
+                "rollout/skipped_prompts": float(feeder.admission.skipped),
                 "rollout/aborted_rows": float(len(aborted)),
                 "rollout/aborted_tokens": float(aborted_tokens),
             })
         return out, metrics
+
+
+class _Rounds:
+    """The streamed transport of one step (:class:`~dapo_megatron.rollout.sampling.feeder.Transport`):
+    the groups in flight by ``prompt_seed`` (carried partial groups first, resubmitted as it is
+    built), submitted as rows to ``client``; each :meth:`poll` is one round of
+    ``collector.poll_tokens`` tokens per engine, its rows applied to their samples (a multi-turn
+    trajectory's next turns submitted in the same round), and the groups whose every response is
+    settled handed back in submission order. Counts ``rounds``, ``gen_tokens`` and ``partial_in``."""
+
+    def __init__(self, collector: "StreamingCollector", client: RowClient, carried: Sequence[Group]):
+        self.collector, self.client, self.n = collector, client, collector.selector.config.n
+        self.inflight: dict[int, Group] = {}  # prompt_seed -> group, in submission order
+        resubmit = []
+        for g in carried:
+            self.inflight[g.prompt_seed] = g
+            resubmit.extend((g, j) for j, s in enumerate(g.samples) if s.finish_reason == PENDING)
+        if resubmit:
+            client.submit(resubmit)
+        self.partial_in = len(resubmit)
+        self.rounds = self.gen_tokens = 0
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.inflight)
+
+    def submit(self, drawn: Sequence[tuple[Any, int]]) -> None:
+        new = [new_group(record, position, self.n) for record, position in drawn]
+        for g in new:
+            self.inflight[g.prompt_seed] = g
+        self.client.submit([(g, j) for g in new for j in range(self.n)])
+
+    def poll(self) -> list[Group]:
+        c, inflight = self.collector, self.inflight
+        self.rounds += 1
+        continued, finished = [], []
+        for u in self.client.poll(c.poll_tokens):
+            g = inflight[u.key[0]]
+            before = g.samples[u.key[1]].num_context_tokens
+            if extend_sample(g.samples[u.key[1]], u, c.trajectory, c.max_new_tokens):
+                continued.append((g, u.key[1]))
+            if u.finish_reason != "abort":
+                finished.append((u, before))
+            self.gen_tokens += u.num_tokens
+        if c.trajectory.multi_turn:
+            continued = c._share_turns(self.client, inflight, finished)
+        if continued:  # a multi-turn trajectory's next turns, after their context
+            self.client.submit(continued)
+        done = [g for g in inflight.values() if all(s.finish_reason != PENDING for s in g.samples)]
+        for g in done:
+            del inflight[g.prompt_seed]
+        return done

@@ -83,7 +83,7 @@ def test_a_failed_server_leaves_dispatch_and_its_validation_rows_go_to_the_healt
     ctrl = _controller(servers)
     assert _validate(ctrl) == _expected()  # the same responses: seeded per row, not per server
     assert ctrl.health == ["healthy", "down", "healthy"] and "http://b" in ctrl.server_errors[1]
-    assert ctrl._fill.server_failures == 1
+    assert ctrl.steps.fill.server_failures == 1
     first, second = servers.calls
     retried = [(seed, n) for e, seed, n, _ in first if e == 1]
     assert len(retried) == 2 * PARAMS.n  # problems 1 and 4
@@ -133,18 +133,21 @@ def test_a_generation_batch_retries_a_failed_servers_rows_and_continues_aborted_
 
 
 def _async_rollout(ctrl, broadcast):
-    """An AsyncRollout on rank 0 around ``ctrl`` (no trainer): PROMPTS as the validation problems,
-    each graded right when its text's first token id is even."""
-    from dapo_megatron.rollout.async_rollout import AsyncRollout
+    """A BackgroundDriver on rank 0 around ``ctrl`` (no trainer): PROMPTS as the validation problems,
+    each graded right when its text's first token id is even (the rollout's reward pool)."""
+    from dapo_megatron.rollout.background import BackgroundDriver
+    from dapo_megatron.rollout.validation import Validation
 
-    ar = AsyncRollout.__new__(AsyncRollout)
-    ar.controller, ar.parallel = ctrl, SimpleNamespace(broadcast_object=broadcast)
-    ar.cfg = SimpleNamespace(rollout=SimpleNamespace(val_n=PARAMS.n))
-    ar._val_problems = lambda: [SimpleNamespace(prompt_ids=p, data_source="d", ground_truth="", extra_info={})
-                                for p in PROMPTS]
-    ar._val_params = lambda step: PARAMS
-    ar.decode = lambda ids: " ".join(map(str, ids))
-    ar.reward_pool = SimpleNamespace(grade=lambda reqs: [{"acc": int(r[1].split()[0]) % 2 == 0} for r in reqs])
+    rollout = SimpleNamespace(cfg=SimpleNamespace(rollout=SimpleNamespace(val_n=PARAMS.n)),
+                              decode=lambda ids: " ".join(map(str, ids)),
+                              reward_pool=SimpleNamespace(grade=lambda reqs: [{"acc": int(r[1].split()[0]) % 2 == 0}
+                                                                              for r in reqs]))
+    rollout.validation = Validation(rollout)
+    rollout.validation.problems = lambda: [SimpleNamespace(prompt_ids=p, data_source="d", ground_truth="",
+                                                           extra_info={}) for p in PROMPTS]
+    rollout.validation.params = lambda step: PARAMS
+    ar = BackgroundDriver.__new__(BackgroundDriver)
+    ar.controller, ar.parallel, ar.rollout = ctrl, SimpleNamespace(broadcast_object=broadcast), rollout
     return ar
 
 
@@ -181,7 +184,7 @@ def test_async_validate_hands_any_error_of_rank_0_to_every_rank():
 
     ctrl = _controller(_Servers())
     ar = _async_rollout(ctrl, broadcast)
-    ar.reward_pool = SimpleNamespace(grade=lambda reqs: (_ for _ in ()).throw(ValueError("no grader for 'd'")))
+    ar.rollout.reward_pool = SimpleNamespace(grade=lambda reqs: (_ for _ in ()).throw(ValueError("no grader for 'd'")))
     with pytest.raises(RuntimeError, match=r"^ValueError: no grader for 'd'$"):
         ar.validate(2)
     assert sent == [(None, "ValueError: no grader for 'd'")] and ctrl._paused == 0
@@ -202,7 +205,7 @@ def test_validation_finishes_its_rows_on_a_controller_that_stopped_itself():
 def test_a_failed_controller_is_not_checkpointed_and_every_rank_raises():
     """Its last request's prompts were drawn and never offered: a state saved then would skip them
     on resume. The save fails on every rank (a broadcast), before anything is written."""
-    from dapo_megatron.rollout.async_rollout import AsyncRollout
+    from dapo_megatron.rollout.background import BackgroundDriver
 
     ctrl = _controller(_Servers())
     ctrl._error = RuntimeError("every rollout server failed (rollout.server_urls): ...")
@@ -212,7 +215,7 @@ def test_a_failed_controller_is_not_checkpointed_and_every_rank_raises():
         ctrl.state_dict()
     ctrl.resume()
     sent = []
-    ar = AsyncRollout.__new__(AsyncRollout)
+    ar = BackgroundDriver.__new__(BackgroundDriver)
     ar.controller, ar.streams = ctrl, []
     ar.parallel = SimpleNamespace(broadcast_object=lambda obj, group, src: sent.append(obj) or obj)
     with pytest.raises(RuntimeError, match=r"^the rollout controller failed \(every rollout server failed"):
@@ -220,7 +223,7 @@ def test_a_failed_controller_is_not_checkpointed_and_every_rank_raises():
     # only the outcome is broadcast (rank 0 alone writes the state), never the state itself
     assert len(sent) == 1 and sent[0][0] is None and sent[0][1].startswith("the rollout controller failed") \
         and ctrl._paused == 0
-    other = AsyncRollout.__new__(AsyncRollout)
+    other = BackgroundDriver.__new__(BackgroundDriver)
     other.controller, other.streams = None, []
     other.parallel = SimpleNamespace(broadcast_object=lambda obj, group, src: sent[0])
     with pytest.raises(RuntimeError, match=r"^the rollout controller failed \(every rollout server failed"):

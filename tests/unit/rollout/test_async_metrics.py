@@ -3,7 +3,7 @@ against values counted by hand from the version spans."""
 
 import pytest
 
-from dapo_megatron.rollout.async_rollout import partial_metrics
+from dapo_megatron.rollout.steps_ahead import partial_metrics
 from dapo_megatron.rollout.types import Sample
 
 

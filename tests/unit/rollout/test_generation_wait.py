@@ -12,7 +12,7 @@ on a GPU) would end. Two gloo ranks, the key at 0.05 minutes (3 s), generation 4
   rank 1 serves it; ``Rollout.collect`` returns on both with the engine's responses;
 * server mode with one server (the stand-in of ``tests/sglang_standin.py``, answering
   ``/generate`` after 4.5 s): rank 1 drives no server; ``Rollout.collect`` returns on both;
-* async mode on that server: rank 1 waits for rank 0's controller; ``AsyncRollout.collect``
+* async mode on that server: rank 1 waits for rank 0's controller; ``Rollout.collect`` (the background driver's)
   returns on both with the same records.
 """
 
@@ -80,9 +80,8 @@ def _slow_engine():
 def _rollout(cfg, parallel, engine, num_engines, engine_index):
     from dapo_megatron.data.stream import PromptStream
     from dapo_megatron.rewards import RewardPool
-    from dapo_megatron.rollout.async_rollout import AsyncRollout
+    from dapo_megatron.rollout.build import compose_rollout
     from dapo_megatron.rollout.plan.step_data import DistributedGrader
-    from dapo_megatron.rollout.rollout import Rollout
     from dapo_megatron.rollout.sampling.buffer import RolloutBuffer
 
     records = _records()
@@ -94,10 +93,9 @@ def _rollout(cfg, parallel, engine, num_engines, engine_index):
 
     buffer = RolloutBuffer(cfg.buffer, DistributedGrader(pool, parallel), decode)
     stream = PromptStream(records, GEN_BATCH // parallel.dp_size, parallel.dp_rank, parallel.dp_size, seed=3)
-    cls = AsyncRollout if cfg.async_training.enable else Rollout
-    rollout = cls(cfg, parallel, engine=engine, num_engines=num_engines, engine_index=engine_index,
-                  train_data=records, val_data=None, stream=stream, reward_pool=pool, decode=decode, buffer=buffer,
-                  collector=None, prompt_queue=None)
+    rollout = compose_rollout(cfg, parallel, engine=engine, num_engines=num_engines, engine_index=engine_index,
+                              train_data=records, val_data=None, stream=stream, reward_pool=pool, decode=decode,
+                              buffer=buffer, collector=None, prompt_queue=None)
     parallel.wait_for_generation()  # the reward pools started: both ranks enter collect together
     return rollout
 

@@ -332,7 +332,7 @@ def test_the_async_controller_logs_the_trajectory_metrics_of_every_response_a_st
     selector.grade(groups)
     ctrl._add_batch(groups)
     ctrl._close_step()
-    _, trained, metrics = ctrl._ready[-1]
+    _, trained, metrics = ctrl.steps.ready[-1]
     # every response of the batch ends in 9 (acc, 9 % 3 == 0): both groups are all-correct, none is
     # kept, and the metrics still count the 4 responses generated and graded
     assert trained == [] and metrics["tool/responses"] == 4.0 and metrics["tool/acc"] == 4.0
@@ -350,9 +350,9 @@ def test_async_validate_logs_the_trajectory_metrics_of_the_validation_responses(
                              SamplingParams(n=3, max_new_tokens=10, seed=5), silence_timeout_s=1.0, version=4,
                              policy_version=4, generate=servers, trajectory=CountingTwoTurns())
     ar = _async_rollout(ctrl, lambda obj, group, src: obj)
-    ar._val_params = lambda step: SamplingParams(n=3, max_new_tokens=10, seed=5)
+    ar.rollout.validation.params = lambda step: SamplingParams(n=3, max_new_tokens=10, seed=5)
     graded = []
-    ar.reward_pool = SimpleNamespace(grade=lambda reqs: graded.extend(r[1] for r in reqs) or
+    ar.rollout.reward_pool = SimpleNamespace(grade=lambda reqs: graded.extend(r[1] for r in reqs) or
                                      [{"acc": r[1].split()[-1] == "9"} for r in reqs])
     metrics = ar.validate(2)
     # every response is turn 1, the context and turn 2 (graded whole), right: 15 responses of 5 problems
