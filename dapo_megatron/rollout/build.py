@@ -90,7 +90,9 @@ def build_rollout(cfg: DAPOConfig, parallel: ParallelDims, *, tokenizer: Any, hf
     if trajectory.multi_turn:
         trajectory.bind_sandbox(cfg.sandbox)  # a tool trajectory probes its sandbox now, not mid-rollout
     routes = replay_routes_layout(cfg.actor.routing_replay, hf_config)  # routing replay: the one layout of the run
-    engine, num_engines, engine_index = build_training_rollout(cfg, tokenizer, hf_config, parallel, routes)
+    # async_training: rank 0's controller sends every server its rows (the one module reading the key)
+    engine, num_engines, engine_index = build_training_rollout(cfg, tokenizer, hf_config, parallel, routes,
+                                                               one_driver=cfg.async_training.enable)
     if trajectory.stop and hasattr(engine, "set_stop_decoder"):  # the HF engine matches stop strings itself
         engine.set_stop_decoder(lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
     reward_pool = RewardPool(num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s)

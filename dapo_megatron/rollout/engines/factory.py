@@ -165,7 +165,8 @@ def build_engine(spec: EngineSpec, hf_config=None, group=None) -> RolloutEngine:
 
 
 def build_training_rollout(cfg: DAPOConfig, tokenizer, hf_config, parallel,
-                           routes: Optional[RoutesLayout] = None) -> tuple[Any, int, Optional[int]]:
+                           routes: Optional[RoutesLayout] = None, *,
+                           one_driver: bool = False) -> tuple[Any, int, Optional[int]]:
     """The trainer's rollout on this rank: ``(engine, num_engines, engine_index)``, where
     ``engine_index`` is the engine this rank drives (None: it generates nothing); collective in
     server mode.
@@ -177,7 +178,8 @@ def build_training_rollout(cfg: DAPOConfig, tokenizer, hf_config, parallel,
     server: a :class:`~dapo_megatron.rollout.engines.server_sync.ServerRollout` on every rank (rank
     ``e`` drives ``rollout.server_urls[e]``; each pipeline stage's DP-0/TP-0 rank sends it, and at
     EP > 1 each EP owner its own experts). ``routes``: the run's routes layout (routing replay), its
-    ``engine_shape`` recorded by every engine; None: off.
+    ``engine_shape`` recorded by every engine; None: off. ``one_driver``: ``async_training`` (rank 0's
+    controller sends every server its rows; :class:`~dapo_megatron.rollout.engines.server_sync.ServerRollout`).
     """
     rollout = cfg.rollout
     if rollout.mode == "server":
@@ -194,7 +196,7 @@ def build_training_rollout(cfg: DAPOConfig, tokenizer, hf_config, parallel,
             timeout_s=rollout.server_timeout_s, silence_timeout_s=rollout.server_silence_timeout_s,
             bucket_bytes=rollout.update_weights_bucket_megabytes * 2**20,
             eos_token_ids=stop_token_ids(tokenizer, hf_config, cfg.model.hf_path), parallel=parallel,
-            one_driver=cfg.async_training.enable, record_routes=None if routes is None else routes.engine_shape)
+            one_driver=one_driver, record_routes=None if routes is None else routes.engine_shape)
         return servers, servers.num_engines, servers.engine_index
     index = parallel.rollout_index if parallel.is_rollout_leader else None
     if rollout.name == "sglang":
