@@ -51,7 +51,7 @@ def tiny_async_model(smollm2_gguf, out_dir, num_stop_ids: int = 0) -> str:
 
 def forget_weight_update_groups() -> int:
     """Destroy this process's ends of the weight-update groups (``dapo_weights*``) that closed runs
-    left registered; returns how many. A gloo sender's abort (server_sync.ServerWeightSender.abort)
+    left registered; returns how many. A gloo sender's abort (bridge.servers.ServerWeightSender.abort)
     only drops its reference, so torch keeps the name and refuses a group of the same name
     (``_new_process_group_helper``: "The specified group name has already been created"): the
     state a fresh process starts from, for tests that run several trainers in one process."""

@@ -99,7 +99,8 @@ class SyncDigest:
         sums: HF name → the sender's checksum, for the tensors this sync checks.
         sent: every HF name the sender sent, in order.
         errors: structural failures seen while the stream was read (a stale or out-of-order
-            bucket), reported by :meth:`raise_if_failed` on the receiving side.
+            bucket), reported by the receiving engine
+            (:meth:`~dapo_megatron.rollout.engines.engine.RolloutEngine.verify_loaded`).
         seconds: time spent computing and comparing checksums on this rank (the overhead that
             ``benchmarks/bench_sync*.py`` report).
     """

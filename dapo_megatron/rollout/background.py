@@ -169,7 +169,7 @@ class BackgroundDriver:
 
         Raises:
             RuntimeError: on every rank, no server answers ``/health`` (each named), or a
-                server failed during the sync (:func:`~dapo_megatron.rollout.engines.server_sync.sync_servers`
+                server failed during the sync (:func:`~dapo_megatron.bridge.servers.sync_servers`
                 names it); the run stops and resumes from its last checkpoint.
         """
         if self.started and version % self.sync_every:
