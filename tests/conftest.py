@@ -356,29 +356,6 @@ def tiny_llama_with_smollm2_tokenizer_dir(smollm2_gguf: tuple[str, str], out_dir
 
 _CHILD_TMPDIR_ENV = "DAPO_TESTS_CHILD_TMPDIR"  # the session's directory, for nested pytest processes to reuse
 
-# Session fixtures that cost a run or a server start, shared across test files: the files that use
-# one go to the same pytest-xdist worker (below), so it is made once in the whole run.
-SHARED_RUN_FIXTURES = ("first_step", "tiny_async_server")
-
-
-def pytest_collection_modifyitems(config, items):
-    """The README's command runs the suite on 2 pytest-xdist workers with ``--dist loadgroup``
-    (a single process leaves a core idle for most of the run: 111 % CPU over the 28-31 minutes of a
-    serial run). A worker takes whole groups (xdist's ``xdist_group`` mark): by default a test file,
-    so its module fixtures (a reference run, a server) are made once; every file that uses one of
-    :data:`SHARED_RUN_FIXTURES` joins that fixture's group. Serial runs (no ``-n``) ignore the mark.
-    Runs before xdist's own hook (``xdist/remote.py``, ``trylast``), which turns the mark into the
-    ``@group`` suffix of each node id that ``LoadGroupScheduling`` splits on."""
-    group_of_file: dict[str, str] = {}
-    for item in items:
-        path = item.nodeid.split("::")[0]
-        group_of_file.setdefault(path, path)
-        for name in SHARED_RUN_FIXTURES:
-            if name in getattr(item, "fixturenames", ()):
-                group_of_file[path] = name
-    for item in items:
-        item.add_marker(pytest.mark.xdist_group(group_of_file[item.nodeid.split("::")[0]]))
-
 
 def pytest_configure(config):
     """Adopt every orphan of the suite's processes (a killed rank's children), so that
