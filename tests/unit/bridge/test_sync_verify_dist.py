@@ -321,14 +321,21 @@ def _one_error(msg: str, *, tensor: str, version: int, rank: int) -> None:
 @pytest.mark.dist
 def test_a_flipped_bit_in_one_expert_shard_at_ep2_is_caught_in_the_same_sync(verify_results):
     for rank, res in enumerate(verify_results):
-        before, after = res[("ep2_bitflip", False)], res[("ep2_bitflip", True)]
-        assert before["flipped"] and after["flipped"]
-        # unverified (the sync as it was): accepted, serving one wrong expert tensor
-        assert before["error"] is None and before["valid"] and before["version"] == 1
-        assert len(before["differing"]) == 1 and ".mlp.experts." in before["differing"][0]
-        # verified: one error naming that tensor, this engine and the version; not served
-        _one_error(after["error"], tensor=after["differing"][0], version=1, rank=rank)
-        assert not after["valid"] and after["refused"] and after["version"] == 0
+        _expert_flip_caught(res, "ep2_bitflip", rank)
+
+
+def _expert_flip_caught(res: dict, case: str, rank: int) -> str:
+    """The case's unverified sync served one wrong expert tensor; its verified sync raised one error
+    naming that tensor, this engine and the version, and was not served. Returns the tensor's name."""
+    before, after = res[(case, False)], res[(case, True)]
+    assert before["flipped"] and after["flipped"]
+    # unverified (the sync as it was): accepted, serving one wrong expert tensor
+    assert before["error"] is None and before["valid"] and before["version"] == 1
+    assert len(before["differing"]) == 1 and ".mlp.experts." in before["differing"][0]
+    # verified: one error naming that tensor, this engine and the version; not served
+    _one_error(after["error"], tensor=after["differing"][0], version=1, rank=rank)
+    assert not after["valid"] and after["refused"] and after["version"] == 0
+    return before["differing"][0]
 
 
 @pytest.mark.dist
@@ -346,14 +353,8 @@ def test_the_fast_path_at_ep2_views_parameters_and_syncs_bitwise(verify_results)
 @pytest.mark.dist
 def test_a_flipped_bit_in_an_expert_sent_straight_from_its_parameter_is_caught_in_the_same_sync(verify_results):
     for rank, res in enumerate(verify_results):
-        before, after = res[("ep2_direct_bitflip", False)], res[("ep2_direct_bitflip", True)]
-        assert before["flipped"] and after["flipped"]
-        # unverified: accepted, serving one wrong expert tensor, one of the other rank's
-        assert before["error"] is None and before["valid"] and before["version"] == 1
-        assert len(before["differing"]) == 1 and ".mlp.experts." in before["differing"][0]
-        assert before["differing"][0] not in res["experts_mine"]
-        _one_error(after["error"], tensor=after["differing"][0], version=1, rank=rank)
-        assert not after["valid"] and after["refused"] and after["version"] == 0
+        # the wrong tensor is one of the other rank's experts, sent straight from its parameter
+        assert _expert_flip_caught(res, "ep2_direct_bitflip", rank) not in res["experts_mine"]
 
 
 @pytest.mark.dist
