@@ -2,8 +2,7 @@
 
 What generates responses: the engine API and the row protocol (:mod:`.engine`), the transformers
 engine (:mod:`.hf_engine`, its sampling loop :mod:`.hf_batch`), SGLang in process
-(:mod:`.sglang_engine`, :mod:`.sglang_env`, :mod:`.sglang_server_args`) or one server behind HTTP
-(:mod:`.sglang_server_engine`), a rollout-TP group of ranks feeding one engine (:mod:`.engine_group`),
+(:mod:`.sglang_engine`, :mod:`.sglang_env`, :mod:`.sglang_server_args`), a rollout-TP group of ranks feeding one engine (:mod:`.engine_group`),
 server mode as a trainer rank sees it (:mod:`.server_sync`), SGLang's request and response bodies
 (:mod:`.sglang_io`) and the one HTTP row client (:mod:`.row_client`, :mod:`.generate_stream`),
 routing replay's routes (:mod:`.routes`), which engines exist and which ranks feed them

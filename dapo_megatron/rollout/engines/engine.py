@@ -6,8 +6,7 @@ after every training step, and in colocated mode frees its accelerator memory wh
 actor trains (``sleep``) and takes it back for generation (``wake_up``).
 
 Implementations: :class:`dapo_megatron.rollout.engines.hf_engine.HFEngine` (transformers, CPU
-default) and :class:`dapo_megatron.rollout.engines.sglang_engine.SGLangEngine` /
-``SGLangServerEngine`` (GPU).
+default) and :class:`dapo_megatron.rollout.engines.sglang_engine.SGLangEngine` (GPU).
 
 Names follow verl's ``actor_rollout_ref.rollout`` and SGLang's sampling params.
 

@@ -4,9 +4,7 @@
 
 Its users: synchronous server mode (``rollout/engines/server_sync.py`` ``ServerRollout``: batch
 :meth:`RowClient.generate` on the rank's server, the streamed rollout's
-:meth:`~RowClient.submit` / :meth:`~RowClient.poll` / :meth:`~RowClient.abort`), the client of one
-server (``rollout/engines/sglang_server_engine.py`` ``SGLangServerEngine``: non-streamed
-:meth:`RowClient.generate`) and asynchronous training (``rollout/async_rollout.py``
+:meth:`~RowClient.submit` / :meth:`~RowClient.poll` / :meth:`~RowClient.abort`) and asynchronous training (``rollout/async_rollout.py``
 ``RolloutController``: :meth:`RowClient.dispatch` of rows over the healthy servers, with
 mark-down and retry, abort and continue across a weight sync, validation rows).
 
@@ -155,13 +153,11 @@ class RowClient:
         silence_timeout_s: bound on a server's silence during a streamed ``/generate``
             (``rollout.server_silence_timeout_s``): a server that sends no byte for that long fails,
             as one that is unreachable does; no bound on a request's total time.
-        timeout_s: bound on opening a connection, an ``/abort_request``, a ``/health`` probe, and
-            on the whole of a non-streamed ``/generate`` (``rollout.server_timeout_s``).
+        timeout_s: bound on opening a connection, an ``/abort_request`` and a ``/health`` probe
+            (``rollout.server_timeout_s``).
         eos_token_ids: the model's stop tokens (an aborted row that ends on one has finished:
             :func:`~dapo_megatron.rollout.engines.sglang_io.row_outcome`).
         rid_prefix: the prefix of the rows' ``rid``, unique among the servers' clients (``dapo-<rank>``).
-        stream: :meth:`generate` streams its request (bounded by the server's silence); False: one
-            plain ``/generate`` bounded by ``timeout_s`` (the single-server engine's request).
         on_down: called with a server's index when it turns ``"down"`` (outside the client's lock).
         routes_shape: routing replay, ``(L, K, E)`` of the model: the rows (:meth:`submit`,
             :meth:`generate_rows`) ask for ``return_routed_experts`` from their ``routes_start``
@@ -175,14 +171,14 @@ class RowClient:
     time slice."""
 
     def __init__(self, urls: Sequence[str], *, silence_timeout_s: float, timeout_s: float,
-                 eos_token_ids: Sequence[int] = (), rid_prefix: str = "dapo", stream: bool = True,
+                 eos_token_ids: Sequence[int] = (), rid_prefix: str = "dapo",
                  on_down: Optional[Callable[[int], None]] = None,
                  routes_shape: Optional[tuple[int, int, int]] = None):
         self.urls = list(urls)
         self.routes_shape = None if routes_shape is None else tuple(int(x) for x in routes_shape)
         self.silence_timeout_s, self.timeout_s = float(silence_timeout_s), float(timeout_s)
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
-        self.rid_prefix, self.stream, self.on_down = rid_prefix, bool(stream), on_down
+        self.rid_prefix, self.on_down = rid_prefix, on_down
         self.health = ["healthy"] * len(self.urls)
         self.server_errors: list[Optional[str]] = [None] * len(self.urls)  # the last failure of each
         self._lock = threading.Lock()
@@ -253,8 +249,7 @@ class RowClient:
                  routes_shape: Optional[tuple[int, int, int]] = None) -> GenerationOutput:
         """Every prompt ``params.n`` times on server ``server``
         (:func:`~dapo_megatron.rollout.engines.sglang_io.build_generate_request`): one streamed
-        ``/generate``, failed only when the server sends no byte for ``silence_timeout_s``
-        (``stream``), else one plain ``/generate`` bounded by ``timeout_s``. With ``routes_shape``
+        ``/generate``, failed only when the server sends no byte for ``silence_timeout_s``. With ``routes_shape``
         (routing replay) the request asks for ``return_routed_experts`` and every completion
         carries its routes (:func:`~dapo_megatron.rollout.engines.sglang_io.parse_completion`).
 
@@ -266,11 +261,8 @@ class RowClient:
         req = build_generate_request(prompt_ids, params, prompt_seeds)
         if routes_shape is not None:
             req["return_routed_experts"] = True  # meta_info.routed_experts, SGLang's format
-        if self.stream:
-            req["sampling_params"] = [with_progress(sp) for sp in req["sampling_params"]]
-            out = stream_generate(url, req, silence_s=self.silence_timeout_s, connect_timeout_s=self.timeout_s)
-        else:
-            out = http_post(url, "/generate", req, self.timeout_s)
+        req["sampling_params"] = [with_progress(sp) for sp in req["sampling_params"]]
+        out = stream_generate(url, req, silence_s=self.silence_timeout_s, connect_timeout_s=self.timeout_s)
         return parse_generate_output(out, len(prompt_ids), params.n, prompt_lens=[len(p) for p in prompt_ids],
                                      routes_shape=routes_shape)
 

@@ -1,9 +1,8 @@
-"""SGLang rollout engines (GPU): colocated offline ``sglang.Engine`` and a server mode.
+"""The colocated SGLang rollout engine (GPU): an offline ``sglang.Engine`` in the trainer's process.
 
 SGLang is imported lazily (it needs CUDA); everything that does not need it — engine
-arguments, request building, response parsing, bucketing, metadata order, error
-reporting, the memory bookkeeping of sleep / wake, the HTTP client and the weight-update
-process group — is plain python and tested on CPU (``tests/unit/rollout/test_sglang_engine.py``).
+arguments, request building, response parsing, error reporting, the memory bookkeeping of
+sleep / wake — is plain python and tested on CPU (``tests/unit/rollout/test_sglang_engine.py``).
 ``tests/gpu/test_sglang_contract.py`` and ``tests/gpu/full_image_check.sh`` check the real
 engine on a CUDA machine.
 
@@ -60,17 +59,6 @@ release's wheel. Files are those of ``python/sglang/srt/`` in sglang 0.5.11 unle
   tensor is built only ``if enable_deterministic``; ``layers/sampler.py``). Without it
   SGLang samples from its own generator: GPU rollouts are NOT seed-reproducible, and
   ``rollout.deterministic`` is the switch (see :class:`SGLangEngine`).
-* HTTP (``entrypoints/http_server.py``): ``POST /generate`` (same fields) → JSON, errors
-  ``{"error": {"message"}}``; ``POST /init_weights_update_group`` (``master_address,
-  master_port, rank_offset, world_size, group_name, backend``) and ``POST
-  /update_weights_from_distributed`` (``names, dtypes, shapes, group_name, flush_cache``;
-  the server then receives one ``broadcast(src=0)`` per tensor in the order of ``names``) and
-  ``POST /destroy_weights_update_group`` (``group_name``; 0.5.23 ``http_server.py:1420``)
-  → JSON ``{"success", "message"}`` (400 on failure); ``POST /flush_cache`` → PLAIN TEXT
-  ("Cache flushed..." with 200, the failure message with 400); ``POST
-  /release_memory_occupation`` / ``/resume_memory_occupation`` (``{"tags": [...]}``) →
-  JSON ``null``, errors ``{"error": {"message"}}``. Request validation errors are
-  FastAPI's 422 ``{"detail": [...]}``. :func:`~dapo_megatron.platform.http.sglang_error_message` reads all of them.
 
 Logprobs: SGLang returns the logprob of each sampled token under its processed sampling
 distribution (temperature applied; with top-p/top-k, see its ``SGLANG_RETURN_ORIGINAL_LOGPROB``
@@ -103,12 +91,7 @@ from dapo_megatron.rollout.engines.sglang_io import (
     parse_generate_output,
     parse_row_output,
 )
-from dapo_megatron.rollout.engines.sglang_server_args import (  # noqa: F401  (checked here, defined beside the list)
-    MANAGED_ENGINE_ARGS,
-    check_engine_kwargs,
-    colocated_graph_kwargs,
-    engine_argument_names,
-)
+from dapo_megatron.rollout.engines.sglang_server_args import check_engine_kwargs, colocated_graph_kwargs
 
 
 def _import_sglang():
@@ -174,7 +157,7 @@ MEMORY_TAGS = (CUDA_GRAPH, WEIGHTS, KV_CACHE)
 
 
 class SGLangMemory:
-    """Sleep / wake bookkeeping shared by the offline and the server engine.
+    """Sleep / wake bookkeeping of :class:`SGLangEngine`, apart from how SGLang is called.
 
     Keeps the set of released memory tags, releases ``kv_cache`` and ``cuda_graph`` (and
     ``weights`` unless ``keep_weights``) on :meth:`sleep`, resumes only ``weights`` before a
