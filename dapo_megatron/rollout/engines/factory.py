@@ -33,7 +33,7 @@ from dapo_megatron.rollout.engines.hf_engine import HFEngine
 from dapo_megatron.rollout.engines.routes import RoutesLayout
 from dapo_megatron.rollout.engines.server_sync import ServerRollout
 from dapo_megatron.rollout.engines.sglang_engine import SGLangEngine
-from dapo_megatron.rollout.engines.sglang_env import release_allocator_cache
+from dapo_megatron.platform.sglang_env import release_allocator_cache
 
 if TYPE_CHECKING:
     from dapo_megatron.config.run import DAPOConfig

@@ -16,7 +16,7 @@ lower bound; ``cuda_graph`` became a memory tag in 0.5.5, ``enable_weights_cpu_b
 ``enable_deterministic_inference`` / ``sampling_seed`` in 0.5.3), read in the sources of each
 release's wheel. Files are those of ``python/sglang/srt/`` in sglang 0.5.11 unless 0.5.23 is named:
 
-* Processes (``rollout/engines/sglang_env.py``, docs/design.md §6): ``Engine(...)`` spawns its scheduler
+* Processes (``platform/sglang_env.py``, docs/design.md §6): ``Engine(...)`` spawns its scheduler
   and detokenizer processes, which inherit our environment (built without torchrun's
   ``TORCHELASTIC_USE_AGENT_STORE``, with ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1``), changes this
   process (``_set_envs_and_config``) and registers a kill-every-child atexit, which
@@ -81,7 +81,7 @@ from dapo_megatron.bridge.flat_bucket import FlatBucketPacker
 from dapo_megatron.bridge.receiver import ParamSpec, hf_param_specs
 from dapo_megatron.bridge.verify import readback_checksum, readback_shape
 from dapo_megatron.platform import device as rank_device, local_device_index
-from dapo_megatron.rollout.engines import sglang_env
+from dapo_megatron.platform import sglang_env
 from dapo_megatron.rollout.engines.engine import (GenerationOutput, RolloutEngine, RowRequest, RowResult, SamplingParams,
                                                   eos_ids)
 from dapo_megatron.rollout.engines.engine_group import RolloutGroup, sync_flat_buckets
@@ -485,7 +485,7 @@ class SGLangEngine(SGLangMemory, RolloutEngine):
     def shutdown(self) -> None:
         """Stop the engine's own processes (scheduler(s), detokenizer) and wait for them; other
         children of this process (reward graders) live on, unlike with ``Engine.shutdown``, which
-        kills every child (:func:`~dapo_megatron.rollout.engines.sglang_env.shutdown_engine`). Idempotent;
+        kills every child (:func:`~dapo_megatron.platform.sglang_env.shutdown_engine`). Idempotent;
         also run at exit."""
         if getattr(self, "_engine_pids", None) is None:
             return
