@@ -65,14 +65,15 @@ def _run_layout(out_dir, tp, pp):
     from collective_spy import CollectiveSpy, PlacementTracker, place_module, placement_of
     from conftest import tiny_hf_config
     from dapo_megatron.actor.actor import ActorConfig, MegatronActor, OptimConfig
+    from dapo_megatron.actor.dp_split import split_for_dp
+    from dapo_megatron.actor.step_plan import route_step
     from dapo_megatron.bridge import iter_hf_weights
     from dapo_megatron.checkpointing import save_checkpoint
     from dapo_megatron.models import ModelConfig, build_gpt_model
     from dapo_megatron.platform import init_distributed
     from dapo_megatron.rollout.sampling.buffer import BufferConfig, RolloutBuffer, logprob_mismatch_metrics
-    from dapo_megatron.rollout.plan.dp_split import split_for_dp
     from dapo_megatron.rollout.engines.hf_engine import HFEngine
-    from dapo_megatron.rollout.plan.step_data import DistributedGrader, gather_groups, route_step
+    from dapo_megatron.rollout.plan.step_data import DistributedGrader, gather_groups
     from transformers import AutoModelForCausalLM
 
     real_backend, real_device, real_current = pdist.group_backend, pdist.device, torch.cuda.current_device
