@@ -21,7 +21,7 @@ of a :class:`~dapo_megatron.rollout.rollout.Rollout` (the trainer's, built from 
 scripted engine per rank: the prompt stream, each prompt on engine ``position % DP``,
 :func:`~dapo_megatron.rollout.plan.step_data.gather_groups` (int64 records), the trainer's
 selector :class:`~dapo_megatron.rollout.sampling.buffer.RolloutBuffer` grading through
-:class:`~dapo_megatron.rollout.plan.step_data.DistributedGrader` (3 float64 per response
+:class:`~dapo_megatron.rewards.distributed.DistributedGrader` (3 float64 per response
 all-reduced), every group kept), then :func:`~dapo_megatron.actor.step_plan.route_step`
 (the plan once, each response sent once to the rank that trains it), the old-logprob pass's
 micro-batches (:func:`~dapo_megatron.actor.step_plan.old_logprob_micro_batches`), old
@@ -245,7 +245,7 @@ class _BatchEngine:
 def _buffer(args, par, train_batch_size):
     """The trainer's selector over the stand-in grader (every group kept, no overlong shaping)."""
     from dapo_megatron.algorithms.overlong import OverlongConfig
-    from dapo_megatron.rollout.plan.step_data import DistributedGrader
+    from dapo_megatron.rewards.distributed import DistributedGrader
     from dapo_megatron.rollout.sampling.buffer import BufferConfig, RolloutBuffer
 
     cfg = BufferConfig(train_batch_size=train_batch_size, n=args.n, gen_batch_size=args.prompts,

@@ -71,9 +71,10 @@ def _run_layout(out_dir, tp, pp):
     from dapo_megatron.checkpointing import save_checkpoint
     from dapo_megatron.models import ModelConfig, build_gpt_model
     from dapo_megatron.platform import init_distributed
+    from dapo_megatron.rewards.distributed import DistributedGrader
     from dapo_megatron.rollout.sampling.buffer import BufferConfig, RolloutBuffer, logprob_mismatch_metrics
     from dapo_megatron.rollout.engines.hf_engine import HFEngine
-    from dapo_megatron.rollout.plan.step_data import DistributedGrader, gather_groups
+    from dapo_megatron.rollout.plan.step_data import gather_groups
     from transformers import AutoModelForCausalLM
 
     real_backend, real_device, real_current = pdist.group_backend, pdist.device, torch.cuda.current_device

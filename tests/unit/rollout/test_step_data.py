@@ -13,8 +13,9 @@ from dapo_megatron.actor.dp_split import split_for_dp
 from dapo_megatron.actor.step_plan import old_logprob_micro_batches, plan_step
 from dapo_megatron.data.dataset import PromptRecord
 from dapo_megatron.platform import ParallelConfig, spawn
+from dapo_megatron.rewards.distributed import DistributedGrader
 from dapo_megatron.rollout.engines.engine import Completion, completions_to_group
-from dapo_megatron.rollout.plan.step_data import DistributedGrader, gather_groups, send_tokens
+from dapo_megatron.rollout.plan.step_data import gather_groups, send_tokens
 from dapo_megatron.rollout.sampling.buffer import BufferConfig, RolloutBuffer, logprob_mismatch_metrics
 from dapo_megatron.rollout.types import Group, Sample
 
