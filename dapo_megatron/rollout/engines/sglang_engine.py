@@ -16,11 +16,8 @@ lower bound; ``cuda_graph`` became a memory tag in 0.5.5, ``enable_weights_cpu_b
 ``enable_deterministic_inference`` / ``sampling_seed`` in 0.5.3), read in the sources of each
 release's wheel. Files are those of ``python/sglang/srt/`` in sglang 0.5.11 unless 0.5.23 is named:
 
-* Processes (``platform/sglang_env.py``, docs/design.md §6): ``Engine(...)`` spawns its scheduler
-  and detokenizer processes, which inherit our environment (built without torchrun's
-  ``TORCHELASTIC_USE_AGENT_STORE``, with ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1``), changes this
-  process (``_set_envs_and_config``) and registers a kill-every-child atexit, which
-  :class:`SGLangEngine` replaces by a shutdown of the engine's own processes.
+* Processes: what ``Engine(...)`` spawns, inherits and changes, and its kill-every-child atexit
+  that :class:`SGLangEngine` replaces, are :mod:`dapo_megatron.platform.sglang_env`'s.
 * ``Engine(**kwargs)`` builds ``server_args.ServerArgs(**kwargs)``
   (``entrypoints/engine.py``): the colocated engine passes ``model_path, dtype, tp_size,
   mem_fraction_static, enable_memory_saver, base_gpu_id`` (the GPU of this rank: every
@@ -404,13 +401,7 @@ class SGLangEngine(SGLangMemory, RolloutEngine):
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
                  prompt_seeds: Optional[Sequence[int]] = None) -> GenerationOutput:
-        """See :meth:`RolloutEngine.generate`.
-
-        Raises:
-            RuntimeError: aborted rows, or called while asleep.
-            InvalidWeightsError: the weights were released without a backup (or never
-                loaded, ``load_format="dummy"``) and not synced since.
-        """
+        """:meth:`RolloutEngine.generate`; ``RuntimeError`` for aborted rows or while asleep."""
         self._check_can_generate()
         req = build_generate_request(prompt_ids, params, prompt_seeds)
         if self.record_routes is not None:
@@ -426,15 +417,10 @@ class SGLangEngine(SGLangMemory, RolloutEngine):
     verify_readback: bool = True
 
     def _loaded_checksums(self, names: list[str], dtype, readback_elements: Optional[int] = None) -> dict:
-        """SGLang cannot checksum what it loaded: each named tensor is read back with
-        ``Engine.get_weights_by_name(name, truncate_size=rows)`` (sglang ``entrypoints/engine.py``
-        ``Engine.get_weights_by_name`` -> ``model_executor/model_runner.py``
-        ``ModelRunner.get_weights_by_name`` -> the model class's, e.g. ``models/llama.py``: the
-        parameter as ``.float().tolist()``, the stacked ``qkv_proj`` / ``gate_up_proj`` sliced back to
-        the HF tensor, TP shards gathered; None where the model class has none) and checksummed
-        in the sent dtype (:func:`~dapo_megatron.bridge.verify.readback_checksum`): the
-        tensor's head rows within ``readback_elements`` (the digest's, which the sender checksummed
-        alike: ``rollout.check_weight_update_readback_elements``), the whole tensor for None."""
+        """Each named tensor read back with ``Engine.get_weights_by_name(name, truncate_size=rows)``
+        and checksummed in the sent dtype, its head rows within ``readback_elements``
+        (:func:`~dapo_megatron.bridge.verify.readback_checksum`; what SGLang answers and why:
+        docs/design.md §1.1)."""
         if not self.verify_readback:
             return {}
         tracker = self._weight_tracker()
