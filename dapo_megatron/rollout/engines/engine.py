@@ -27,8 +27,6 @@ from dapo_megatron.bridge.receiver import ParamSpec, WeightSyncTracker
 from dapo_megatron.bridge.verify import SyncDigest, Timer, WeightSyncVerifyError, digest_dtype
 from dapo_megatron.rollout.types import Group, Sample
 
-FINISH_REASONS = ("stop", "length")
-
 
 class InvalidWeightsError(RuntimeError):
     """``generate`` was called while the engine's weights are not valid (see

@@ -269,16 +269,12 @@ class RowClient:
     # ---- rows on every server at once (asynchronous training) ---------------------------
     def generate_rows(self, rows: Sequence[tuple], version: int) -> list:
         """Rows ``(server index, input ids, sampling_params)`` (with :attr:`routes_shape`, a fourth
-        item: the row's ``routes_start``), one streamed batched ``/generate`` per server (rows in
-        the order given; with routes, one per server and ``routes_start``), all servers at once,
-        each failed only when its
-        server sends no byte for ``silence_timeout_s``, never on total time; per row, in the
-        order given, its :func:`~dapo_megatron.rollout.engines.sglang_io.parse_versioned_row`
-        (budget its ``max_new_tokens``, stop tokens :attr:`eos_token_ids` and its
-        ``stop_token_ids``; ``version`` where the server reports none; with routes, the row's
-        routes from its ``routes_start`` as a fifth item), or a
-        :class:`ServerFailure` for every row of a server that failed (the other servers' rows
-        are unaffected). Never raises for a server's failure.
+        item: the row's ``routes_start``), one streamed batched ``/generate`` per server (with
+        routes, per server and ``routes_start``), all servers at once; per row, in the order
+        given, its :func:`~dapo_megatron.rollout.engines.sglang_io.parse_versioned_row` (budget its
+        ``max_new_tokens``, stop tokens :attr:`eos_token_ids` and its ``stop_token_ids``;
+        ``version`` where the server reports none), or a :class:`ServerFailure` for every row of a
+        server that failed. Never raises for a server's failure.
         """
         by_server: dict[int, list[int]] = {}
         for k, row in enumerate(rows):
