@@ -313,14 +313,7 @@ class RolloutEngine(abc.ABC):
     :meth:`_param_specs` (parameter list of the receiving model) and one of
     :meth:`_load_bucket` (copy a list of validated full tensors into the engine) or
     :meth:`_load_stream` (consume the whole validated stream). The weight-sync protocol
-    is shared:
-
-    ``update_weights(named_tensors, version)`` validates every tensor (unknown name or
-    wrong shape → error naming it), loads them in size-bounded buckets, and by default
-    (``finish=True``) ends the sync: every engine parameter must have been updated
-    (error naming the ones that were not), then ``weight_version`` becomes ``version``.
-    A sync may also be split over several calls with ``finish=False`` (e.g. one per PP
-    stage) followed by :meth:`finish_weight_update`.
+    (:meth:`update_weights`, :meth:`finish_weight_update`) is shared.
 
     Weight validity (:attr:`weights_valid`): the engine knows whether the weights it would
     generate with are those of :attr:`weight_version`. They are not during a sync (partly

@@ -258,11 +258,7 @@ class SGLangEngine(SGLangMemory, RolloutEngine):
             of each bucket is read by every TP worker, across GPUs).
 
     ``update_weights`` checks names and shapes against the HF model built from the
-    checkpoint's config on the meta device, sends every bucket as one flattened bucket per
-    TP worker, each packed on the GPU of the group rank that worker runs on
-    (:func:`~dapo_megatron.rollout.engines.engine_group.sync_flat_buckets`,
-    ``update_weights_from_tensor(load_format="flattened_bucket", flush_cache=False)``), and
-    flushes the prefix cache once at the end of a complete sync.
+    checkpoint's config on the meta device, then loads as :meth:`_load_stream` says.
 
     Raises:
         ValueError: a bad ``dtype`` or ``engine_kwargs`` key, a group this rank does not lead
