@@ -91,12 +91,6 @@ class SamplingParams:
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"SamplingParams.seed must be an int or None, got {self.seed!r}")
 
-    @property
-    def filters_distribution(self) -> bool:
-        """True when top-p / top-k truncate the distribution, so the rollout logprobs are
-        not those of ``log_softmax(logits / temperature)`` that the actor computes."""
-        return self.top_p < 1.0 or self.top_k > 0
-
 
 class Completion(NamedTuple):
     """One sampled response.
