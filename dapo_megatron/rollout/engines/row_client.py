@@ -289,14 +289,12 @@ class RowClient:
         def one(e):
             ks = by_server[e]
             try:
-                if self.routes_shape is None:
-                    req = build_rows_request([(rows[k][1], rows[k][2]) for k in ks])
-                    return parse(ks, None, stream_generate(self.urls[e], req, silence_s=self.silence_timeout_s,
-                                                           connect_timeout_s=self.timeout_s))
-                # one routed_experts_start_len per request: a request per start, all in flight at once
-                by_start: dict[int, list[int]] = {}
+                # with routes, one routed_experts_start_len per request: a request per start, all in flight
+                # at once; without, one request (start None)
+                by_start: dict[Optional[int], list[int]] = {}
                 for k in ks:
-                    by_start.setdefault(int(rows[k][3]) if len(rows[k]) > 3 else 0, []).append(k)
+                    start = None if self.routes_shape is None else (int(rows[k][3]) if len(rows[k]) > 3 else 0)
+                    by_start.setdefault(start, []).append(k)
                 live = Liveness()
                 streams = {start: StreamedGenerate(self.urls[e], build_rows_request(
                     [(rows[k][1], rows[k][2]) for k in part], routes_start=start), connect_timeout_s=self.timeout_s,
