@@ -17,7 +17,7 @@ lower bound; ``cuda_graph`` became a memory tag in 0.5.5, ``enable_weights_cpu_b
 release's wheel. Files are those of ``python/sglang/srt/`` in sglang 0.5.11 unless 0.5.23 is named:
 
 * Processes: what ``Engine(...)`` spawns, inherits and changes, and its kill-every-child atexit
-  that :class:`SGLangEngine` replaces, are :mod:`dapo_megatron.platform.sglang_env`'s.
+  that :class:`SGLangEngine` replaces, are :mod:`dapo_megatron.platform.sglang_env`'s (docs/design.md §6).
 * ``Engine(**kwargs)`` builds ``server_args.ServerArgs(**kwargs)``
   (``entrypoints/engine.py``): the colocated engine passes ``model_path, dtype, tp_size,
   mem_fraction_static, enable_memory_saver, base_gpu_id`` (the GPU of this rank: every
