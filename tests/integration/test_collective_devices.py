@@ -183,9 +183,12 @@ def test_every_collective_tensor_is_on_its_groups_device(spied, tp, pp):
             assert "dapo_megatron/bridge/weights.py" in sites, sites
             assert any(c[0] == "broadcast" and c[4].startswith("dapo_megatron/actor/actor.py") for c in tensor_calls)
             assert any(c[0] == "batch_isend_irecv" for c in tensor_calls), sites
-        # the step data path over the world: records gathered, grades all-reduced, tokens routed
+        # the step data path over the world: records gathered and tokens routed (step_data), grades
+        # all-reduced (rewards/distributed)
         data_path = {c[0] for c in tensor_calls if c[4].startswith("dapo_megatron/rollout/plan/step_data.py")}
-        assert {"all_gather", "all_reduce", "all_to_all_single"} <= data_path, data_path
+        assert {"all_gather", "all_to_all_single"} <= data_path, data_path
+        assert any(c[0] == "all_reduce" and c[4].startswith("dapo_megatron/rewards/distributed.py")
+                   for c in tensor_calls), sites
         if tp * pp == 1:  # DP=2: the rollout-vs-actor mismatch pooled over DP (a DP group of one skips it)
             assert any(c[0] == "all_reduce" and c[4].startswith("dapo_megatron/rollout/sampling/buffer.py")
                        for c in tensor_calls)
