@@ -10,7 +10,7 @@ Versions: written against sglang 0.5.11 and re-read in 0.5.23 (the Docker image'
 endpoints and request fields used below are unchanged in 0.5.23 (``managers/io_struct.py``, now
 msgspec Structs whose HTTP schema ignores unknown fields, ``utils/msgspec_utils.py:95-100``;
 ``tests/sglang_reference.py`` ``REQUEST_FIELDS`` and the test of every body); ``ServerArgs``
-became a msgspec Struct (``rollout/engines/sglang_server_args.py``) and the default prefill CUDA
+became a msgspec Struct (``platform/sglang_server_args.py``) and the default prefill CUDA
 graph cannot sleep (``colocated_graph_kwargs``). Every API below exists from 0.5.5 on (setup.py's
 lower bound; ``cuda_graph`` became a memory tag in 0.5.5, ``enable_weights_cpu_backup`` /
 ``enable_deterministic_inference`` / ``sampling_seed`` in 0.5.3), read in the sources of each
@@ -88,7 +88,7 @@ from dapo_megatron.rollout.engines.sglang_io import (
     parse_generate_output,
     parse_row_output,
 )
-from dapo_megatron.rollout.engines.sglang_server_args import check_engine_kwargs, colocated_graph_kwargs
+from dapo_megatron.platform.sglang_server_args import check_engine_kwargs, colocated_graph_kwargs
 
 
 def _import_sglang():
@@ -236,7 +236,7 @@ class SGLangEngine(SGLangMemory, RolloutEngine):
             (``rollout.gpu_memory_utilization``).
         enable_memory_saver: needed for ``sleep`` / ``wake_up`` (release / resume memory); with
             it the engine runs without a prefill CUDA graph unless ``engine_kwargs`` choose one
-            (:func:`~dapo_megatron.rollout.engines.sglang_server_args.colocated_graph_kwargs`).
+            (:func:`~dapo_megatron.platform.sglang_server_args.colocated_graph_kwargs`).
         base_gpu_id: first GPU of the engine; None: this rank's GPU,
             :func:`dapo_megatron.platform.local_device_index` (torchrun sets no
             ``CUDA_VISIBLE_DEVICES``: without it every rank's engine would start on GPU 0).
