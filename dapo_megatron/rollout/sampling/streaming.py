@@ -394,11 +394,8 @@ class StreamingCollector:
         })
         if "rollout/gen_tokens" in metrics:  # absent with the generation's other metrics when nothing was sampled
             metrics.update({
-                "rollout/rounds": float(rounds.rounds),
-                "rollout/prompts_submitted": float(feeder.admission.submitted),
-                "rollout/skipped_prompts": float(feeder.admission.skipped),
-                "rollout/aborted_rows": float(len(aborted)),
-                "rollout/aborted_tokens": float(aborted_tokens),
+                "rollout/rounds": float(rounds.rounds), **feeder.admission.skip_metrics(),
+                "rollout/aborted_rows": float(len(aborted)), "rollout/aborted_tokens": float(aborted_tokens),
             })
         return out, metrics
 
