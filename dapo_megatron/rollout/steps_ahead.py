@@ -41,11 +41,10 @@ class Fill:
     def state_dict(self, feeder: StepFeeder) -> dict:
         """This step's counts with the admission's (``num_batches``, ``submitted``, ``skipped``) and
         the selector's tally of it (``GroupSelector.step_state_dict``)."""
-        c, selector = feeder.admission.counts(), feeder.selector
-        return {"version": self.version, "num_batches": c["num_batches"], "resubmitted": self.resubmitted,
+        selector = feeder.selector
+        return {"version": self.version, **feeder.admission.counts(), "resubmitted": self.resubmitted,
                 "reprefilled": self.reprefilled, "retried": self.retried, "server_failures": self.server_failures,
-                "evicted": self.evicted, "submitted": c["submitted"], "skipped": c["skipped"],
-                "surplus": selector.state_dict(), **selector.step_state_dict()}
+                "evicted": self.evicted, "surplus": selector.state_dict(), **selector.step_state_dict()}
 
     @classmethod
     def load(cls, d: dict, feeder: StepFeeder) -> "Fill":
@@ -55,8 +54,7 @@ class Fill:
         f.resubmitted, f.reprefilled = int(d["resubmitted"]), int(d["reprefilled"])
         f.retried, f.server_failures = int(d.get("retried", 0)), int(d.get("server_failures", 0))
         f.evicted = int(d.get("evicted", 0))
-        feeder.admission.load_counts({"num_batches": int(d["num_batches"]), "submitted": d.get("submitted", 0),
-                                      "skipped": d.get("skipped", 0)})
+        feeder.admission.load_counts(d)
         feeder.selector.load_state_dict({"surplus": []})
         feeder.selector.load_step_state(f.version, d)
         return f
@@ -198,8 +196,7 @@ class StepsAhead:
         filled again: it sizes the next requests only.)
 
         Raises:
-            ValueError: the checkpoint's admission (batch or streamed, ``rollout.streaming``) is
-                not this one's (:func:`check_admission`).
+            ValueError: the checkpoint's admission is not this one's (:func:`check_admission`).
         """
         check_admission(state, streamed=self.streamed, queue=self.prompts is not None)
         if self.prompts is not None:
@@ -232,10 +229,9 @@ class StepsAhead:
 
 
 def check_admission(state: dict, *, streamed: bool, queue: bool) -> None:
-    """Raise ``ValueError`` (naming ``rollout.streaming`` or ``buffer.prompt_skip.enable`` and the
-    value to resume with) when the controller state ``state`` (:meth:`StepsAhead.state_dict`) was
-    written by another admission (``streamed``; batch admission from the prompt ``queue``, with
-    prompt skipping, or from every DP rank's stream): each fills its steps from other prompt positions."""
+    """Raise ``ValueError`` naming the key and value to resume with (``rollout.streaming``, or
+    ``buffer.prompt_skip.enable``: batch admission from the prompt ``queue``) when ``state``
+    (:meth:`StepsAhead.state_dict`) was written by another admission, which draws other prompts."""
     a = state.get("admission")
     was_streamed = a is not None and a.get("streamed", True)
     if streamed != was_streamed:

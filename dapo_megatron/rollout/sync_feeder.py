@@ -35,11 +35,8 @@ class SyncFeeder:
     It reads the rollout's ``cfg``, ``parallel``, ``engine``, ``train_data``, ``stream``, ``buffer``,
     ``collector`` / ``prompt_queue`` / ``row_client`` (streamed), ``trajectory`` and
     ``routes_layout``, and owns :attr:`gen_batches_done` (generation batches drawn so far: it
-    numbers the groups and seeds the sampler) and, in batch mode with ``buffer.prompt_skip``,
-    :attr:`skipper`: each batch is then the next ``gen_batch_size`` prompts of the rollout's
-    replicated ``prompt_queue`` (every rank reads the whole stream) that the one skipper lets
-    through, so every rank takes the same decisions, and position ``p`` of the queue seeds its
-    prompt as streamed mode's does.
+    numbers the groups and seeds the sampler) and, batch mode with ``buffer.prompt_skip``, the
+    :attr:`skipper` of the batches drawn from the replicated ``prompt_queue`` (:meth:`_generate_batch`).
     """
 
     def __init__(self, rollout: Any):
@@ -89,11 +86,10 @@ class SyncFeeder:
         return groups
 
     def _generate_batch(self, drawn: Optional[Sequence[tuple[Any, int]]] = None) -> list[Group]:
-        """One generation batch for the buffer, ``buffer.gen_batch_size`` prompts × n: every DP
-        rank's share of the stream's next batch in global order (DP rank, position), position
-        ``g`` of batch ``b`` at ``b * gen_batch_size + g``, so the rollout depends neither on the
-        actor's TP/PP/DP nor on the engines' layout; with the skipper, the ``drawn``
-        ``(record, position)`` pairs of the replicated prompt queue."""
+        """One generation batch for the buffer: every DP rank's share of the stream's next batch in
+        DP order, prompt ``g`` of batch ``b`` at position ``b * gen_batch_size + g`` (so the rollout
+        depends on no layout); with the skipper, the queue's ``drawn`` ``(record, position)`` pairs
+        (every rank reads the whole stream, so every rank's skipper decides alike)."""
         r = self.rollout
         if drawn is None:
             batch = self._global_batch([rec.index for rec in r.stream.next_batch()])

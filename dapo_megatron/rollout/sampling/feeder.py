@@ -113,12 +113,6 @@ class KeepRate:
         self.kept, self.graded = float(state["kept"]), float(state["graded"])
 
 
-def streamed_cap_spent(cfg: Any, submitted: int, skipped: int) -> str:
-    """What a streamed step spent when it hit its cap (``GroupSelector.fail_at_cap``'s ``what``)."""
-    return (f"streaming dynamic sampling after {submitted} prompts (max_num_gen_batches={cfg.max_num_gen_batches} "
-            f"x gen_batch_size={cfg.gen_batch_size}; {skipped} skipped)")
-
-
 def draw_unskipped(prompts: PromptQueue, skipper: PromptSkipper, want: int) -> tuple[list[tuple[Any, int]], int]:
     """The next ``want`` prompts of the queue that ``skipper`` does not skip, in stream order:
     ``([(record, position), ...], skipped)``; each skipped prompt is consumed (it counts as an
@@ -275,7 +269,9 @@ class KeepRateStreaming(_Counts):
         self.keep.count(kept)
 
     def cap_spent(self) -> str:
-        return streamed_cap_spent(self.config, self.submitted, self.skipped)
+        cfg = self.config
+        return (f"streaming dynamic sampling after {self.submitted} prompts (max_num_gen_batches="
+                f"{cfg.max_num_gen_batches} x gen_batch_size={cfg.gen_batch_size}; {self.skipped} skipped)")
 
 
 @dataclass(frozen=True)
