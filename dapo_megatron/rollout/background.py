@@ -62,8 +62,8 @@ class BackgroundDriver:
             and config), ``reward_pool``, ``decode``, ``trajectory``, ``validation`` and
             ``train_params()``).
         sync_every: ``async_training.trigger_parameter_sync_step``, >= 1.
-        partial_rollout: ``rollout.partial_rollout`` (default true here): a sync aborts the rows in flight, which
-            continue after it; false: it waits for the request in flight to finish.
+        partial_rollout: ``rollout.partial_rollout`` (default true here): a sync aborts the rows in
+            flight, which continue after it; false: it waits for the request in flight to finish.
     """
 
     def __init__(self, rollout: Any, *, sync_every: int, partial_rollout: bool):

@@ -77,8 +77,8 @@ def build_rollout(cfg: DAPOConfig, parallel: ParallelDims, *, tokenizer: Any, hf
     """The :class:`Rollout` of this rank for ``cfg.rollout.mode`` / ``tensor_model_parallel_size``:
     its engine (:func:`~dapo_megatron.rollout.engines.factory.build_training_rollout`), its reward
     pool, the dynamic-sampling buffer and, with ``rollout.streaming``, the streamed collector, with
-    it or ``buffer.prompt_skip`` the prompt queue over the replicated stream, and the trajectory hook every generation loop settles its rows with
-    (``rollout.multi_turn``, :func:`~dapo_megatron.rollout.trajectory.build_trajectory`: single-turn
+    it or ``buffer.prompt_skip`` the prompt queue over the replicated stream, and the trajectory
+    hook every generation loop settles its rows with (``rollout.multi_turn``, :func:`~dapo_megatron.rollout.trajectory.build_trajectory`: single-turn
     by default); collective in server mode. Build it after the actor: an SGLang engine sizes
     its KV cache from the GPU memory left free.
 

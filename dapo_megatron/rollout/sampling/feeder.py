@@ -8,10 +8,11 @@ finished groups, **grade** them and **offer** them to the one selector in submis
 and metrics. :class:`StepFeeder` holds that sequence once; it is the only caller of
 ``GroupSelector.offer``. What differs between the modes is a policy or a transport:
 
-* admission policies (this module): :class:`WholeBatches` (``buffer.gen_batch_size`` prompts at a
-  time with nothing in flight, at most ``buffer.max_num_gen_batches`` per step: batch mode and the
-  async controller's default) and :class:`KeepRateStreaming` (as many prompts as the observed keep
-  rate says will fill the step, GRESO-skipped ones not counted: ``rollout.streaming``); the async
+* admission policies (this module): :class:`WholeBatches` (``buffer.gen_batch_size`` prompts, the
+  skipper's survivors with ``buffer.prompt_skip``, at a time with nothing in flight, at most
+  ``buffer.max_num_gen_batches`` per step: batch mode and the async controller's default) and
+  :class:`KeepRateStreaming` (as many prompts as the observed keep rate says will fill the step,
+  GRESO-skipped ones not counted: ``rollout.streaming``); the async
   controller adds the :class:`EtaBound` gate (a request for the step of policy version ``p``
   starts only when the servers hold version ``>= p - η``). A new admission policy is a class with
   the methods of :class:`Admission`, chosen where the rollout is built
