@@ -21,17 +21,17 @@ of a :class:`~dapo_megatron.rollout.rollout.Rollout` (the trainer's, built from 
 scripted engine per rank: the prompt stream, each prompt on engine ``position % DP``,
 :func:`~dapo_megatron.rollout.plan.step_data.gather_groups` (int64 records), the trainer's
 selector :class:`~dapo_megatron.rollout.sampling.buffer.RolloutBuffer` grading through
-:class:`~dapo_megatron.rollout.plan.step_data.DistributedGrader` (3 float64 per response
-all-reduced), every group kept), then :func:`~dapo_megatron.rollout.plan.step_data.route_step`
+:class:`~dapo_megatron.rewards.distributed.DistributedGrader` (3 float64 per response
+all-reduced), every group kept), then :func:`~dapo_megatron.actor.step_plan.route_step`
 (the plan once, each response sent once to the rank that trains it), the old-logprob pass's
-micro-batches (:func:`~dapo_megatron.rollout.plan.step_data.old_logprob_micro_batches`), old
+micro-batches (:func:`~dapo_megatron.actor.step_plan.old_logprob_micro_batches`), old
 logprobs kept where computed, mismatch metrics pooled over DP.
 
 streamed (``rollout.streaming``): one streamed step through the public
 :class:`~dapo_megatron.rollout.sampling.streaming.StreamingCollector` over the trainer's
 selector (:class:`~dapo_megatron.rollout.sampling.buffer.RolloutBuffer`; N = half the prompts,
 ``--poll-tokens`` per round, the rest aborted and carried), on a scripted engine per rank that
-returns the same seeded completions row by row, then :func:`~dapo_megatron.rollout.plan.step_data.route_step`
+returns the same seeded completions row by row, then :func:`~dapo_megatron.actor.step_plan.route_step`
 and the old logprobs as above. before: the client the trainer used before issue 20 (``_RankRows``), which
 all-gathers every finished row's tokens and logprobs to every rank each round; after:
 :class:`~dapo_megatron.rollout.sampling.streaming.EngineClient` (records replicated, tokens
@@ -167,7 +167,7 @@ def _all_gather_objects(obj, group=None):
 def path_before(args, par, records, local_completions):
     """The data path of the trainer at a92c2b1 (see the module docstring)."""
     from dapo_megatron.rollout.sampling.buffer import logprob_mismatch_metrics
-    from dapo_megatron.rollout.plan.dp_split import split_for_dp
+    from dapo_megatron.actor.dp_split import split_for_dp
     from dapo_megatron.rollout.engines.engine import completions_to_group
 
     # _generate_groups: every rank gets every completion
@@ -211,7 +211,7 @@ def _old_logprobs_where_trained(args, par, plan, mine, samples) -> None:
     """The trainer's old-logprob pass on this DP rank's samples, the rollout logprobs standing in
     for the forward (a float32 tensor per sample, as ``compute_logprobs`` returns them): its
     micro-batches, the values kept where computed, the mismatch metrics pooled over DP."""
-    from dapo_megatron.rollout.plan.step_data import old_logprob_micro_batches
+    from dapo_megatron.actor.step_plan import old_logprob_micro_batches
     from dapo_megatron.rollout.sampling.buffer import logprob_mismatch_metrics
 
     micro = old_logprob_micro_batches(plan, mine, par.dp_rank, args.budget, [samples[i] for i in mine])
@@ -245,7 +245,7 @@ class _BatchEngine:
 def _buffer(args, par, train_batch_size):
     """The trainer's selector over the stand-in grader (every group kept, no overlong shaping)."""
     from dapo_megatron.algorithms.overlong import OverlongConfig
-    from dapo_megatron.rollout.plan.step_data import DistributedGrader
+    from dapo_megatron.rewards.distributed import DistributedGrader
     from dapo_megatron.rollout.sampling.buffer import BufferConfig, RolloutBuffer
 
     cfg = BufferConfig(train_batch_size=train_batch_size, n=args.n, gen_batch_size=args.prompts,
@@ -272,7 +272,7 @@ def batch_rollout(args, par, records, engine):
 
 def path_after(args, par, records, rollout):
     """The trainer's data path through the public API (see the module docstring)."""
-    from dapo_megatron.rollout.plan.step_data import route_step
+    from dapo_megatron.actor.step_plan import route_step
 
     batch = rollout.collect(0)
     samples = batch.samples
@@ -367,7 +367,7 @@ def path_streamed(args, par, records, client):
     """One streamed step (:class:`~dapo_megatron.rollout.sampling.streaming.StreamingCollector` over the
     trainer's selector, ``train_batch_size`` = half the prompts, the rest aborted once it has
     them), then the step's plan, the tokens to where they train and the old logprobs there."""
-    from dapo_megatron.rollout.plan.step_data import route_step
+    from dapo_megatron.actor.step_plan import route_step
     from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipConfig, PromptSkipper
     from dapo_megatron.rollout.sampling.streaming import PromptQueue, StreamingCollector
 

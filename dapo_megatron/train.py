@@ -132,7 +132,7 @@ def main(argv=None) -> int:
     # and quiet_third_party has silenced megatron-core's import warnings
     from dapo_megatron.checkpointing import CheckpointError
     from dapo_megatron.platform import destroy_distributed, init_distributed
-    from dapo_megatron.rollout.engines.sglang_env import align_nccl_with_sglang_server
+    from dapo_megatron.platform.sglang_env import align_nccl_with_sglang_server
     from dapo_megatron.run_dir import banner, prepare_run_dir, summary
     from dapo_megatron.trainer import DAPOTrainer
 

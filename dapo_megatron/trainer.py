@@ -37,6 +37,7 @@ import torch
 
 from dapo_megatron.actor import MegatronActor, resolve_old_logprob_plan
 from dapo_megatron.actor.plan import ROLLOUT
+from dapo_megatron.actor.step_plan import old_logprob_micro_batches, route_step
 from dapo_megatron.algorithms import compute_group_advantages
 from dapo_megatron.bridge import load_hf_weights, open_hf_source
 from dapo_megatron.bridge.dist_ckpt import write_model_meta
@@ -48,7 +49,6 @@ from dapo_megatron.data import load_from_config, resolve_data_files
 from dapo_megatron.models import build_gpt_model, load_hf_config
 from dapo_megatron.platform import ParallelDims
 from dapo_megatron.rollout.engines.factory import load_tokenizer
-from dapo_megatron.rollout.plan.step_data import old_logprob_micro_batches, route_step
 from dapo_megatron.rollout.build import build_rollout, check_rollout_fits, prompt_stream
 from dapo_megatron.rollout.sampling.buffer import logprob_mismatch_metrics, split_fresh_stale
 from dapo_megatron.rollout.types import HELD_BY_ALL, Group, Sample
@@ -155,7 +155,7 @@ class DAPOTrainer:
 
     def _route_and_old_logprobs(self, groups: list[Group], samples: list[Sample], metrics: dict[str, float]):
         """The step's plan and each sample's tokens sent to the ranks of the DP rank that trains it
-        (:func:`~dapo_megatron.rollout.plan.step_data.route_step`), the step's
+        (:func:`~dapo_megatron.actor.step_plan.route_step`), the step's
         :class:`~dapo_megatron.actor.plan.OldLogprobPlan` (from its update count) and, as it says,
         ``Sample.old_logprobs`` there: recomputed (and the rollout-vs-actor mismatch metrics), the
         rollout's, or left to the training forward; collective. Returns ``(plan, mine, old)``: the

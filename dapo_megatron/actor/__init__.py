@@ -1,4 +1,5 @@
-"""Megatron actor: vocab-parallel logprobs/entropy, micro-batch packing, DAPO policy updates.
+"""Megatron actor: vocab-parallel logprobs/entropy, the step's DP split into micro-batches
+(:mod:`.dp_split`, :mod:`.step_plan`), micro-batch packing, DAPO policy updates.
 
 Nothing here serves the weight sync to the rollout engine: :mod:`dapo_megatron.bridge`
 reads ``MegatronActor.model_chunks`` for that.

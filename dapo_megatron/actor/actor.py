@@ -369,7 +369,7 @@ class MegatronActor:
 
         Args:
             micro_batches: list of micro-batches (lists of Sample), e.g. a DP rank's share cut by
-                :func:`~dapo_megatron.rollout.plan.dp_split.split_for_dp`.
+                :func:`~dapo_megatron.actor.dp_split.split_for_dp`.
             temperature: the rollout's sampling temperature (logits are divided by it).
             return_entropy: also return per-token entropies.
             own_routing: MoE with routing replay: route these samples with the routers' own choice

@@ -89,7 +89,7 @@ class ActorConfig:
     """passes over the rollout batch (trainer loop)."""
     ppo_max_token_len_per_gpu: int = 16384
     """token budget (prompt + response) of one micro-batch on one GPU: the step's plan cuts each DP
-    rank's share of a mini-batch by it (:func:`~dapo_megatron.rollout.plan.dp_split.split_for_dp`)."""
+    rank's share of a mini-batch by it (:func:`~dapo_megatron.actor.dp_split.split_for_dp`)."""
     clip_ratio_low: float = 0.2
     """eps_low of DAPO's decoupled clip, in [0, 1): the ratio is clipped below at 1 - eps_low (paper: 0.2)."""
     clip_ratio_high: float = 0.28

@@ -1,10 +1,11 @@
-"""Devices, process groups and the CPU compatibility layer for megatron-core.
+"""Devices, process groups, processes (the reaper; the environment of SGLang's processes,
+:mod:`.sglang_env`) and the CPU compatibility layer for megatron-core.
 
 The names below load their submodule on first use (PEP 562), so that a torch-free process can
 import one torch-free submodule of this package (the grader worker imports
 :mod:`.reaper`, ~0 ms, where importing the whole package would load torch, ~1.6 s per worker).
 
-Design: docs/design.md §2 (parallel layouts) and §5 (megatron-core on CPU).
+Design: docs/design.md §2 (parallel layouts), §5 (megatron-core on CPU) and §6 (SGLang's processes).
 """
 
 from __future__ import annotations

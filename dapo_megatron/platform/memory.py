@@ -43,7 +43,7 @@ whose optimizer shards go over ``EDP = world / (ETP × EP × PP)`` instead of DP
   (``pool_configurator.py`` ``_compute_cell_size``); the pool must hold at least one
   sequence of ``data.max_prompt_length + rollout.response_length`` tokens.
   ``F0`` is the memory free when the engine starts: the engine is built after
-  ``torch.cuda.empty_cache()`` on every GPU of its group (``rollout/engines/sglang_env.py``
+  ``torch.cuda.empty_cache()`` on every GPU of its group (``platform/sglang_env.py``
   ``release_allocator_cache``), so the actor's cached-but-free blocks do not shrink it;
   ``allocator_cache_bytes`` (0) is what a caller that skips that step would subtract.
 * overhead: CUDA contexts of the trainer and of SGLang's scheduler, NCCL buffers,
@@ -54,7 +54,7 @@ whose optimizer shards go over ``EDP = world / (ETP × EP × PP)`` instead of DP
   scheduler captured them under the memory saver, i.e. with
   ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1`` in its environment (sglang 0.5.23
   ``model_executor/runner_backend/full_cuda_graph_backend.py:121-124``; the colocated engine sets
-  it unless the user set it, ``rollout/engines/sglang_env.py``); otherwise they stay resident
+  it unless the user set it, ``platform/sglang_env.py``); otherwise they stay resident
   through training and the sync (``cuda_graphs_released=False``: the ``cuda_graphs_resident``
   term). SGLang 0.5.23's default prefill ("breakable") graph cannot be captured under the saver
   (``runner_backend/breakable_cuda_graph_backend.py:84-94``), so colocated engines run without it
@@ -87,7 +87,7 @@ from typing import Any, Optional
 
 from dapo_megatron.config.loader import ConfigError
 from dapo_megatron.models.config import has_qk_norm, has_qkv_bias, mla_layout, moe_layout
-from dapo_megatron.rollout.engines.sglang_env import cuda_graphs_released
+from dapo_megatron.platform.sglang_env import cuda_graphs_released
 
 GB = 10**9
 #: H100 SXM / PCIe "80 GB" as marketed (decimal); the driver reports ~85.0e9 bytes.
@@ -305,7 +305,7 @@ def estimate_memory(
             docstring (``cuda_graph_bytes`` is the part of ``engine_runtime_bytes`` that sleep
             releases only under ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1``).
         cuda_graphs_released: sleep frees the engine's CUDA graphs
-            (:func:`dapo_megatron.rollout.engines.sglang_env.cuda_graphs_released`); False adds them to
+            (:func:`dapo_megatron.platform.sglang_env.cuda_graphs_released`); False adds them to
             the train and sync phases.
         allocator_cache_bytes: the actor's cached-but-free CUDA blocks when the engine starts
             (0: the engine starts after ``empty_cache``).

@@ -3,6 +3,8 @@
 - :func:`compute_score` ``(data_source, solution_str, ground_truth, extra_info=None) -> dict``
   grades one response (``score`` +1/-1, ``acc``, ``pred``).
 - :class:`RewardPool` grades batches in parallel, in order, with a per-item timeout.
+- :class:`~dapo_megatron.rewards.distributed.DistributedGrader` grades each response on the rank
+  that holds it and replicates the grades (it imports torch: not loaded with the package).
 
 Graders by ``data_source``: DAPO math / ``aime*`` (:mod:`.math_dapo`), boxed
 MATH with math-verify (:mod:`.math_boxed`), ``math`` in either form, a box or an

@@ -1,54 +1,17 @@
-"""Asynchronous rollout on separate servers (``async_training.enable``; docs/design.md §3.8).
+"""Asynchronous rollout on separate servers (``async_training.enable``): the rollout thread of
+trainer rank 0, :class:`RolloutController`.
 
-Two pieces:
+It keeps the servers generating while the torchrun world trains, filling the training steps one
+after the other with synchronous server mode's rule (the step feeder run ahead,
+:class:`~dapo_megatron.rollout.steps_ahead.StepsAhead`, gated by η = ``buffer.max_staleness`` at
+admission; its requests: :mod:`~dapo_megatron.rollout.async_requests`), finished steps queued
+oldest first. It speaks HTTP to the servers (the row client,
+:class:`~dapo_megatron.rollout.engines.row_client.RowClient`, whose module docstring says how a
+server goes down and comes back) and calls the reward pool, and NEVER ``torch.distributed``, so it
+cannot race the training collectives of the main thread. The trainer's side, on every rank, is
+:class:`~dapo_megatron.rollout.background.BackgroundDriver`.
 
-* :class:`RolloutController`, on trainer rank 0 only: a thread that keeps the servers
-  generating while the torchrun world trains. It speaks HTTP to the servers and calls the
-  reward pool, and NEVER ``torch.distributed``, so it cannot race the training collectives
-  of the main thread. It fills the training steps one after the other with exactly the rule
-  of synchronous server mode (:meth:`~dapo_megatron.rollout.sampling.buffer.RolloutBuffer.collect`):
-  carried surplus first (dropped when more than η = ``buffer.max_staleness`` versions behind
-  the step's policy), then whole generation batches (``buffer.gen_batch_size`` prompts, the
-  same stream, seeds and group numbering as synchronous mode, dealt round-robin over the
-  servers), graded and kept by the same :class:`RolloutBuffer`, until ``train_batch_size``
-  groups are kept or ``max_num_gen_batches`` batches were generated for the step; the
-  finished step goes to a ready queue, oldest first. With ``rollout.streaming`` it admits
-  keep-rate-sized requests of the prompts that GRESO skipping (``buffer.prompt_skip``) lets
-  through instead of whole batches (synchronous streamed mode's sizing and skipper; the
-  class docstring).
-  Its bookkeeping (the step feeder, the step being filled, the ready queue, their state) is
-  :class:`~dapo_megatron.rollout.steps_ahead.StepsAhead`; its requests, :mod:`~dapo_megatron.rollout.async_requests`.
-* :class:`~dapo_megatron.rollout.background.BackgroundDriver`, on every rank: the trainer's seam
-  (``collect(step)``, ``sync_weights``, ``validate``, ``state_dict``), composed by the
-  :class:`~dapo_megatron.rollout.rollout.Rollout`. Rank 0 takes the oldest ready step
-  (``time/wait_rollout_s``) and broadcasts its records (lengths, grades, versions; no token
-  lists) to the other ranks, which then receive each sample's tokens in the step's plan
-  exactly as in synchronous server mode (:func:`~dapo_megatron.rollout.plan.step_data.send_tokens`,
-  from holder rank 0).
-
-Staleness (η = ``buffer.max_staleness``, integer weight versions; version ``k`` is the actor
-after ``k`` steps, and step ``p + 1`` trains policy version ``p``). The bound is enforced at
-*admission*: a generation batch for the step of policy version ``p`` starts only when the
-servers hold version ``v >= p - η``, so every token of a kept group is at most η versions
-behind the actor that trains on it; only surplus carried past its step can exceed it, and it
-is dropped and counted (``rollout/dropped_stale``), as in synchronous mode. With η = 0 the
-controller starts the batches of step ``p + 1`` only after the sync of version ``p``: the
-same requests as synchronous server mode in the same order, hence the same samples, bit for
-bit (batch admission; streamed admission sends one keep-rate-sized request at a time, which
-synchronous streamed mode's rounds do not). The weights are pushed every ``async_training.trigger_parameter_sync_step`` steps; a
-sync waits for the batch in flight to finish (its tokens then carry one version), pauses
-the controller, syncs, and hands it the new version.
-
-Server health (every state change under the controller's lock; ``RolloutController.health`` per
-server): ``"healthy"`` servers get the rows, dealt round-robin over them; a server whose
-``/generate`` fails (unreachable, reset, an HTTP error, or no byte for
-``silence_timeout_s``) or whose ``/health`` probe fails before a sync becomes ``"down"``:
-it leaves dispatch at once and its rows (the prefix they had before that request, their
-own seed) go to the healthy servers in the next round; the trainer's weight syncs leave it
-out (``members_for_sync``). A down server that answers ``/health`` again is
-``"back"``: it is in the next sync, and only once that sync has put the current weights
-into it does it turn ``"healthy"`` and get work (``resume``). With no healthy server
-left the controller fails, naming every server and its error.
+Design: docs/design.md §3.8 (the controller, staleness, the weight syncs, faults).
 """
 
 from __future__ import annotations
@@ -88,13 +51,8 @@ class RolloutController:
             queue, GRESO's skipper, ``streamed``).
         urls: the servers (health: the module docstring).
         params: sampling parameters (``n = buffer.n``, seed ``trainer.seed``).
-        silence_timeout_s: bound on a server's silence during a streamed ``/generate``
-            (``rollout.server_silence_timeout_s``): a server that sends no byte for that long fails,
-            as one that is unreachable does; no bound on a request's total time.
-        health_timeout_s: bound on one ``/health`` probe and on opening a connection
-            (``rollout.server_timeout_s``).
-        eos_token_ids: the model's stop tokens (an aborted row that ends on one has finished:
-            :func:`~dapo_megatron.rollout.engines.sglang_io.parse_versioned_row`).
+        silence_timeout_s, health_timeout_s, eos_token_ids: the row client's ``silence_timeout_s``,
+            ``timeout_s`` and ``eos_token_ids`` (:class:`~dapo_megatron.rollout.engines.row_client.RowClient`).
         version: the weights the servers hold now (the trainer's step).
         generate: ``(rows, version) -> results`` of :meth:`RowClient.generate_rows
             <dapo_megatron.rollout.engines.row_client.RowClient.generate_rows>`; default:
@@ -203,10 +161,7 @@ class RolloutController:
 
     def members_for_sync(self) -> list[int]:
         """The servers the next weight sync goes to (:meth:`RowClient.members_for_sync
-        <dapo_megatron.rollout.engines.row_client.RowClient.members_for_sync>`: ``GET /health`` of
-        every server, ``health_timeout_s`` each; HTTP only, from the main thread): a healthy server
-        that fails it goes down; a down one that answers is back (synced, then dispatched:
-        :meth:`resume`). Returns their indices (ascending), possibly none."""
+        <dapo_megatron.rollout.engines.row_client.RowClient.members_for_sync>`; from the main thread)."""
         return self.client.members_for_sync()
 
     def take(self, policy_version: int, timeout_s: Optional[float] = None) -> tuple[list[Group], dict]:
@@ -313,22 +268,12 @@ class RolloutController:
 
     def _dispatch(self, pending: list, request: Callable[[Any], tuple[int, list[int], dict]],
                   accept: Callable[[Any, tuple], bool], version: int, stoppable: bool = True) -> int:
-        """Generate rows on the healthy servers until every one is done
-        (:meth:`RowClient.dispatch <dapo_megatron.rollout.engines.row_client.RowClient.dispatch>`,
-        through ``self._generate``); the one dispatch and retry loop of the rollout
-        (:meth:`_generate_batch`) and of validation (:meth:`generate_validation`). Between rounds
-        it waits while a sync holds the servers (:meth:`pause` without wait) and then generates
-        with the version the sync left. ``stoppable``: end at :meth:`stop` between rounds (the
-        thread's rows; validation, from the main thread, finishes its rows on a controller that
-        stopped itself).
-
-        Returns:
-            the rows sent again after their server failed.
-
-        Raises:
-            RuntimeError: no healthy server is left (every server named).
-            _Stopped: :meth:`stop` while rows waited for a sync to end.
-        """
+        """:meth:`RowClient.dispatch <dapo_megatron.rollout.engines.row_client.RowClient.dispatch>`
+        through ``self._generate``, for the rollout (:meth:`_generate_batch`) and validation
+        (:meth:`generate_validation`): between rounds it waits while a sync holds the servers
+        (:meth:`pause` without wait), then generates with the version the sync left.
+        ``stoppable``: raise ``_Stopped`` at :meth:`stop` between rounds (the thread's rows;
+        validation, from the main thread, finishes its rows on a controller that stopped itself)."""
         def between_rounds() -> int:  # wait out a sync (its abort): continue on the new weights
             with self._cv:
                 while any(self._holds) and not self._stop:

@@ -1,23 +1,11 @@
 """The background driver of ``async_training``: the step feeder run ahead of training (docs/design.md §3.8).
 
 A :class:`~dapo_megatron.rollout.rollout.Rollout` composes either the synchronous step source
-(:class:`~dapo_megatron.rollout.sync_feeder.SyncFeeder`) or this driver;
-:func:`~dapo_megatron.rollout.build.compose_rollout` chooses (``async_training.enable``, server mode).
-On trainer rank 0 the driver owns a :class:`~dapo_megatron.rollout.async_rollout.RolloutController`:
-a thread that runs the same step feeder (:mod:`~dapo_megatron.rollout.sampling.feeder`: the selector,
-whole-batch or keep-rate admission, gated by η) over HTTP while the torchrun world trains. On every
-rank it is the trainer's seam, every method a collective:
-
-* :meth:`BackgroundDriver.collect`: rank 0's controller hands over the oldest ready step
-  (``time/wait_rollout_s``); its records (no token lists) are broadcast, the token lists stay on
-  rank 0 (``Sample.holder = 0``) until the step's plan sends them where they train;
-* :meth:`BackgroundDriver.sync_weights`: every ``async_training.trigger_parameter_sync_step``
-  versions (and at start), with the controller paused on rank 0, which then generates with the new
-  version; between those steps nothing is sent and the servers keep their weights;
-* :meth:`BackgroundDriver.validate`: rank 0's controller, paused, generates the validation problems
-  on its healthy servers with synchronous validation's seeds and broadcasts the metrics;
-* :meth:`BackgroundDriver.state_dict`: the controller's ready steps, the step being filled, the batch
-  counter and the prompt streams, taken paused (nothing in flight), written by rank 0.
+(:class:`~dapo_megatron.rollout.sync_feeder.SyncFeeder`) or this driver
+(:func:`~dapo_megatron.rollout.build.compose_rollout` chooses). On trainer rank 0 the driver owns a
+:class:`~dapo_megatron.rollout.async_rollout.RolloutController`, the thread that runs the step
+feeder over HTTP while the torchrun world trains; on every rank it is the trainer's seam
+(:class:`BackgroundDriver`'s methods, each a collective).
 
 The controller reads every DP rank's share of each generation batch, in DP order, from streams of
 its own (the batch synchronous server mode assembles with an all-gather), so the prompts, seeds and
@@ -203,13 +191,10 @@ class BackgroundDriver:
         controller (collective).
 
         With the controller paused (after the batch in flight: every request on the weights of
-        the last sync, and nothing else grades), rank 0 generates the validation problems on
-        the controller's healthy servers (:meth:`RolloutController.generate_validation`: the
-        requests and seeds of synchronous server-mode validation, each bounded by
-        ``rollout.server_silence_timeout_s`` of silence; a server that fails is marked down and its rows
-        go to the healthy ones), grades them with its reward pool and broadcasts the metrics:
-        every rank returns the same dict, equal to synchronous server mode's at the same weights
-        and step, whichever servers are down.
+        the last sync, and nothing else grades), rank 0 generates the validation problems
+        (:meth:`RolloutController.generate_validation`), grades them with its reward pool and
+        broadcasts the metrics: every rank returns the same dict, equal to synchronous server
+        mode's at the same weights and step, whichever servers are down.
 
         Raises:
             RuntimeError: on every rank, no healthy server is left (every server named).

@@ -21,11 +21,11 @@ from dapo_megatron.data import PromptStream
 from dapo_megatron.platform import ParallelDims, device
 from dapo_megatron.platform.memory import check_memory
 from dapo_megatron.rewards import RewardPool
+from dapo_megatron.rewards.distributed import DistributedGrader
 from dapo_megatron.rollout.background import BackgroundDriver
 from dapo_megatron.rollout.engines.factory import build_training_rollout
 from dapo_megatron.rollout.engines.layout import check_rollout_tp_fits_model
 from dapo_megatron.rollout.engines.routes import replay_routes_layout
-from dapo_megatron.rollout.plan.step_data import DistributedGrader
 from dapo_megatron.rollout.rollout import Rollout
 from dapo_megatron.rollout.sampling.buffer import RolloutBuffer
 from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipper

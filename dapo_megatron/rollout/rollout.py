@@ -1,30 +1,10 @@
-"""The rollout of a training run: one object for every engine layout and mode (docs/design.md §2.3).
-
-:func:`~dapo_megatron.rollout.build.build_rollout` builds a :class:`Rollout` for the layout the
-config names, and the trainer talks to that object only:
-
-* colocated, rollout TP = 1: every rank drives its own engine;
-* colocated rollout-TP groups (``rollout.tensor_model_parallel_size`` k > 1): the first rank
-  of each group of k drives the engine, the others only feed its weight sync;
-* separate servers (``rollout.mode: server``): rank ``e`` drives ``rollout.server_urls[e]``,
-  one rank per pipeline stage sends that stage's weights.
-
-A :class:`Rollout` composes one step source: the synchronous one
-(:class:`~dapo_megatron.rollout.sync_feeder.SyncFeeder`: whole generation batches, or streamed with
-``rollout.streaming``) or, with ``async_training``, the background driver
-(:class:`~dapo_megatron.rollout.background.BackgroundDriver`, :meth:`Rollout.run_ahead`) that runs the
-same step feeder ahead of training on rank 0. Its validation is :class:`~dapo_megatron.rollout.validation.Validation`.
-
-Surface (every method is a collective: call it on every rank, in the same order):
-
-* :meth:`Rollout.collect` -> :class:`StepBatch`: the step's kept groups and rollout metrics;
-* :meth:`Rollout.sync_weights`: the actor's weights into the engines, as version ``version``;
-* :meth:`Rollout.wake` / :meth:`Rollout.sleep`: the engines' GPU memory around generation
-  (no-ops for servers); :meth:`Rollout.check_health`: a dead server stops the step, named;
-* :meth:`Rollout.validate`: avg@k / pass@k on the validation set;
-* :meth:`Rollout.state_dict` / :meth:`Rollout.load_state_dict`: everything rollout-side a
-  checkpoint holds (the step source's: prompt stream positions per DP rank, generation-batch
-  counter, buffer surplus, streamed partial groups and prompt queue; or the async controller's).
+"""The rollout of a training run: one object for every engine layout and mode, :class:`Rollout`,
+built by :func:`~dapo_megatron.rollout.build.build_rollout`; the trainer talks to it only, and every
+method of it is a collective (call it on every rank, in the same order). It composes one step
+source: the synchronous one (:class:`~dapo_megatron.rollout.sync_feeder.SyncFeeder`) or, with
+``async_training``, the background driver (:class:`~dapo_megatron.rollout.background.BackgroundDriver`,
+:meth:`Rollout.run_ahead`); its validation is :class:`~dapo_megatron.rollout.validation.Validation`.
+The layouts and the surface: docs/design.md §2.3.
 """
 
 from __future__ import annotations
@@ -39,6 +19,7 @@ from dapo_megatron.bridge import ExportBuffers, iter_hf_weights, unwrap_model
 from dapo_megatron.config.run import DAPOConfig
 from dapo_megatron.data import PromptStream
 from dapo_megatron.platform import ParallelDims, collective_device
+from dapo_megatron.platform.sglang_env import release_allocator_cache
 from dapo_megatron.rewards.pool import RewardPool
 from dapo_megatron.rollout.engines.engine import RolloutEngine, SamplingParams
 from dapo_megatron.rollout.engines.layout import engine_share
@@ -147,17 +128,11 @@ class Rollout:
             self.engine.check_health()
 
     def _free_allocator_cache(self) -> None:
-        """Hand the actor's cached-but-free GPU blocks back to the driver.
-
-        SGLang maps its weights and KV cache outside PyTorch's caching allocator
-        (torch_memory_saver), so blocks the actor freed but the allocator still caches are
-        invisible to it: wait for the actor's last kernels (synchronize), then empty the
-        cache. Called before every wake-up and weight sync of the engine, on every rank; with
-        rollout TP > 1 the group then waits for its slowest rank, because the leader's engine
-        maps memory on every GPU of the group (collective over ``parallel.rollout_group``)."""
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+        """:func:`~dapo_megatron.platform.sglang_env.release_allocator_cache` (SGLang maps its memory
+        outside PyTorch's allocator) before every wake-up and weight sync, then the rollout group waits
+        for its slowest rank: the leader's engine maps memory on every GPU of the group (collective
+        over ``parallel.rollout_group``)."""
+        release_allocator_cache()
         self.parallel.barrier("rollout")
 
     def wake(self) -> None:

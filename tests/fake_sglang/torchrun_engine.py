@@ -38,7 +38,7 @@ BUCKET_BYTES = 2**16
 
 
 def _alive(pid: int) -> bool:
-    from dapo_megatron.rollout.engines.sglang_env import pid_alive
+    from dapo_megatron.platform.sglang_env import pid_alive
 
     return pid_alive(pid)
 

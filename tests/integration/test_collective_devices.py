@@ -65,14 +65,16 @@ def _run_layout(out_dir, tp, pp):
     from collective_spy import CollectiveSpy, PlacementTracker, place_module, placement_of
     from conftest import tiny_hf_config
     from dapo_megatron.actor.actor import ActorConfig, MegatronActor, OptimConfig
+    from dapo_megatron.actor.dp_split import split_for_dp
+    from dapo_megatron.actor.step_plan import route_step
     from dapo_megatron.bridge import iter_hf_weights
     from dapo_megatron.checkpointing import save_checkpoint
     from dapo_megatron.models import ModelConfig, build_gpt_model
     from dapo_megatron.platform import init_distributed
+    from dapo_megatron.rewards.distributed import DistributedGrader
     from dapo_megatron.rollout.sampling.buffer import BufferConfig, RolloutBuffer, logprob_mismatch_metrics
-    from dapo_megatron.rollout.plan.dp_split import split_for_dp
     from dapo_megatron.rollout.engines.hf_engine import HFEngine
-    from dapo_megatron.rollout.plan.step_data import DistributedGrader, gather_groups, route_step
+    from dapo_megatron.rollout.plan.step_data import gather_groups
     from transformers import AutoModelForCausalLM
 
     real_backend, real_device, real_current = pdist.group_backend, pdist.device, torch.cuda.current_device
@@ -181,9 +183,12 @@ def test_every_collective_tensor_is_on_its_groups_device(spied, tp, pp):
             assert "dapo_megatron/bridge/weights.py" in sites, sites
             assert any(c[0] == "broadcast" and c[4].startswith("dapo_megatron/actor/actor.py") for c in tensor_calls)
             assert any(c[0] == "batch_isend_irecv" for c in tensor_calls), sites
-        # the step data path over the world: records gathered, grades all-reduced, tokens routed
+        # the step data path over the world: records gathered and tokens routed (step_data), grades
+        # all-reduced (rewards/distributed)
         data_path = {c[0] for c in tensor_calls if c[4].startswith("dapo_megatron/rollout/plan/step_data.py")}
-        assert {"all_gather", "all_reduce", "all_to_all_single"} <= data_path, data_path
+        assert {"all_gather", "all_to_all_single"} <= data_path, data_path
+        assert any(c[0] == "all_reduce" and c[4].startswith("dapo_megatron/rewards/distributed.py")
+                   for c in tensor_calls), sites
         if tp * pp == 1:  # DP=2: the rollout-vs-actor mismatch pooled over DP (a DP group of one skips it)
             assert any(c[0] == "all_reduce" and c[4].startswith("dapo_megatron/rollout/sampling/buffer.py")
                        for c in tensor_calls)

@@ -27,10 +27,10 @@ import pytest
 
 from dapo_megatron.rollout.engines.row_client import RowClient, ServerFailure
 from dapo_megatron.rollout.engines.engine import SamplingParams, sample_seed
-from dapo_megatron.rollout.engines.generate_stream import StreamedGenerate, stream_generate, wait_streams, with_progress
+from dapo_megatron.rollout.engines.generate_stream import StreamedGenerate, stream_generate, wait_streams
 from dapo_megatron.rollout_server import ServerEngine, parse_generate
 from dapo_megatron.platform.http import http_get, http_post
-from dapo_megatron.rollout.engines.sglang_io import build_sampling_params
+from dapo_megatron.rollout.engines.sglang_io import build_sampling_params, with_progress
 from rollout_server import RolloutServer, save_tiny_model
 
 STEP_DELAY_S = 0.25  # per decode step: 12 tokens take ~3 s

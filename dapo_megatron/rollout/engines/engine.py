@@ -6,8 +6,7 @@ after every training step, and in colocated mode frees its accelerator memory wh
 actor trains (``sleep``) and takes it back for generation (``wake_up``).
 
 Implementations: :class:`dapo_megatron.rollout.engines.hf_engine.HFEngine` (transformers, CPU
-default) and :class:`dapo_megatron.rollout.engines.sglang_engine.SGLangEngine` /
-``SGLangServerEngine`` (GPU).
+default) and :class:`dapo_megatron.rollout.engines.sglang_engine.SGLangEngine` (GPU).
 
 Names follow verl's ``actor_rollout_ref.rollout`` and SGLang's sampling params.
 
@@ -27,8 +26,6 @@ from dapo_megatron.bridge.buckets import iter_buckets
 from dapo_megatron.bridge.receiver import ParamSpec, WeightSyncTracker
 from dapo_megatron.bridge.verify import SyncDigest, Timer, WeightSyncVerifyError, digest_dtype
 from dapo_megatron.rollout.types import Group, Sample
-
-FINISH_REASONS = ("stop", "length")
 
 
 class InvalidWeightsError(RuntimeError):
@@ -93,12 +90,6 @@ class SamplingParams:
         self.stop = stop
         if self.seed is not None and not isinstance(self.seed, int):
             raise ValueError(f"SamplingParams.seed must be an int or None, got {self.seed!r}")
-
-    @property
-    def filters_distribution(self) -> bool:
-        """True when top-p / top-k truncate the distribution, so the rollout logprobs are
-        not those of ``log_softmax(logits / temperature)`` that the actor computes."""
-        return self.top_p < 1.0 or self.top_k > 0
 
 
 class Completion(NamedTuple):
@@ -316,14 +307,7 @@ class RolloutEngine(abc.ABC):
     :meth:`_param_specs` (parameter list of the receiving model) and one of
     :meth:`_load_bucket` (copy a list of validated full tensors into the engine) or
     :meth:`_load_stream` (consume the whole validated stream). The weight-sync protocol
-    is shared:
-
-    ``update_weights(named_tensors, version)`` validates every tensor (unknown name or
-    wrong shape → error naming it), loads them in size-bounded buckets, and by default
-    (``finish=True``) ends the sync: every engine parameter must have been updated
-    (error naming the ones that were not), then ``weight_version`` becomes ``version``.
-    A sync may also be split over several calls with ``finish=False`` (e.g. one per PP
-    stage) followed by :meth:`finish_weight_update`.
+    (:meth:`update_weights`, :meth:`finish_weight_update`) is shared.
 
     Weight validity (:attr:`weights_valid`): the engine knows whether the weights it would
     generate with are those of :attr:`weight_version`. They are not during a sync (partly

@@ -33,7 +33,7 @@ from dapo_megatron.rollout.engines.hf_engine import HFEngine
 from dapo_megatron.rollout.engines.routes import RoutesLayout
 from dapo_megatron.rollout.engines.server_sync import ServerRollout
 from dapo_megatron.rollout.engines.sglang_engine import SGLangEngine
-from dapo_megatron.rollout.engines.sglang_env import release_allocator_cache
+from dapo_megatron.platform.sglang_env import release_allocator_cache
 
 if TYPE_CHECKING:
     from dapo_megatron.config.run import DAPOConfig
@@ -171,15 +171,12 @@ def build_training_rollout(cfg: DAPOConfig, tokenizer, hf_config, parallel,
     ``engine_index`` is the engine this rank drives (None: it generates nothing); collective in
     server mode.
 
-    colocated (``rollout.mode``): ``parallel``'s rollout groups of
-    ``rollout.tensor_model_parallel_size`` ranks; the group's leader builds the engine
-    (:func:`training_engine_spec`; SGLang spans the group's GPUs), the other ranks are
-    :class:`~dapo_megatron.rollout.engines.engine_group.EngineGroupMember` s feeding its weight sync.
-    server: a :class:`~dapo_megatron.rollout.engines.server_sync.ServerRollout` on every rank (rank
-    ``e`` drives ``rollout.server_urls[e]``; each pipeline stage's DP-0/TP-0 rank sends it, and at
-    EP > 1 each EP owner its own experts). ``routes``: the run's routes layout (routing replay), its
-    ``engine_shape`` recorded by every engine; None: off. ``one_driver``: ``async_training`` (rank 0's
-    controller sends every server its rows; :class:`~dapo_megatron.rollout.engines.server_sync.ServerRollout`).
+    colocated (``rollout.mode``): the leader of each of ``parallel``'s rollout groups builds the
+    engine (:func:`training_engine_spec`), the other ranks are
+    :class:`~dapo_megatron.rollout.engines.engine_group.EngineGroupMember` s; server: a
+    :class:`~dapo_megatron.rollout.engines.server_sync.ServerRollout` on every rank (``one_driver``: its
+    argument). ``routes``: the run's routes layout (routing replay), its ``engine_shape`` recorded by
+    every engine; None: off.
     """
     rollout = cfg.rollout
     if rollout.mode == "server":

@@ -27,8 +27,8 @@ The protocol, from sglang 0.5.23 (paths under ``python/sglang/srt/``):
   tokens are the LAST ``len(output_ids)`` of ``completion_tokens``.
 * ``scheduler_components/output_streamer.py:453-468``: a row sends its first token at once,
   then every ``stream_interval`` tokens (the request's ``sampling_params.stream_interval``,
-  else the server's ``--stream-interval``, default 1). :func:`progress_interval` sets it per row
-  so a row sends about :data:`EVENTS_PER_ROW` events: without ``--incremental-streaming-output``
+  else the server's ``--stream-interval``, default 1). :func:`~dapo_megatron.rollout.engines.sglang_io.progress_interval`
+  sets it per row so a row sends about ``sglang_io.EVENTS_PER_ROW`` events: without ``--incremental-streaming-output``
   each event repeats the row's tokens so far, and one per token would cost O(length²) bytes.
 
 ``dapo-rollout-server`` (``dapo_megatron/rollout_server/``) serves the same protocol, so the tests run
@@ -48,7 +48,6 @@ import urllib.parse
 from typing import Any, Optional, Sequence
 
 from dapo_megatron.platform.http import http_get, sglang_error_message
-from dapo_megatron.rollout.engines.sglang_io import EVENTS_PER_ROW, progress_interval, with_progress  # noqa: F401
 
 
 class Liveness:

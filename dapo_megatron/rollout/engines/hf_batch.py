@@ -251,19 +251,12 @@ class RowBatch:
         returns each one's tokens so far (``"abort"``; none for a row not yet admitted). Rows
         not named keep going; a stopped row stays in the running batch, never sampled again,
         until the batch is compacted."""
-        if keys is None:
-            out = [RowResult(r.key, [], [], "abort", version) for r in self.queue]
-            if self.batch is not None:
-                out.extend(RowResult(row.req.key, list(row.tokens), list(row.logprobs), "abort", version,
-                                     self.row_routes(row)) for row in self.batch.rows if row.alive)
-            self.queue, self.batch = [], None
-            return out
-        keys = set(keys)
-        out = [RowResult(r.key, [], [], "abort", version) for r in self.queue if r.key in keys]
-        self.queue = [r for r in self.queue if r.key not in keys]
+        named = (lambda key: True) if keys is None else set(keys).__contains__
+        out = [RowResult(r.key, [], [], "abort", version) for r in self.queue if named(r.key)]
+        self.queue = [r for r in self.queue if not named(r.key)]
         if self.batch is not None:
             for row in self.batch.rows:
-                if row.alive and row.req.key in keys:
+                if row.alive and named(row.req.key):
                     row.alive = False
                     out.append(RowResult(row.req.key, list(row.tokens), list(row.logprobs), "abort",
                                          version, self.row_routes(row)))

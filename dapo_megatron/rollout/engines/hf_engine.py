@@ -107,29 +107,19 @@ class HFEngine(RolloutEngine):
 
     def set_stop_decoder(self, decode) -> None:
         """Give the engine ``decode(ids) -> str`` (the tokenizer's, special tokens kept), which rows
-        with stop strings (``SamplingParams.stop``) need: after every sampled token the text of the
-        row's last few new tokens (4 per character of the longest stop string, + 4: a token of
-        byte-fallback text may hold a quarter of a character) is searched for each stop string, and
-        the first token that completes one ends the row with ``"stop"``, kept. An occurrence that
-        straddles the row's prefix and its first new token is not seen (SGLang's check,
-        ``Req._check_str_based_finish``, decodes the output's tail only, likewise)."""
+        with stop strings (``SamplingParams.stop``) need: the row's new tokens are matched after
+        every sampled token (:meth:`matched_stop_string`)."""
         self.rows.decode = decode
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
                  prompt_seeds: Optional[Sequence[int]] = None) -> GenerationOutput:
-        """Sample ``params.n`` responses per prompt; :mod:`~dapo_megatron.rollout.engines.hf_batch` gives
-        the exact distribution. Returns ``outputs[i][j]`` = j-th :class:`Completion` of prompt i.
-
-        Reproducible: every response has its own ``torch.Generator`` seeded with
-        :func:`~dapo_megatron.rollout.engines.engine.sample_seed` ``(params.seed, prompt_seeds[i], j)``,
-        so a response depends on its prompt, its seed and the weights, not on the rest of
-        the batch (up to the last bits of batched matmuls, which can flip a near-tie).
+        """:meth:`RolloutEngine.generate` as rows (:meth:`submit`, :meth:`poll`), each response with
+        its own ``torch.Generator``: a response does not depend on the rest of the batch (up to the
+        last bits of batched matmuls, which can flip a near-tie).
 
         Raises:
-            ValueError: malformed ``prompt_ids`` (empty prompt, id outside the vocabulary).
-            RuntimeError: the engine is asleep (call ``wake_up()``) or has rows in flight.
-            InvalidWeightsError: a weight sync is unfinished or was aborted.
+            ValueError: malformed ``prompt_ids``. RuntimeError: asleep, or rows in flight.
         """
         self._require_idle("generate")
         validate_prompt_ids(prompt_ids, self.vocab_size)
@@ -141,13 +131,7 @@ class HFEngine(RolloutEngine):
                             done[(i, j)].routes) for j in range(params.n)] for i in range(len(prompt_ids))]
 
     def submit(self, rows: Sequence[RowRequest]) -> None:
-        """Queue rows; they are admitted into the running batch at the next :meth:`poll`
-        (:meth:`RowBatch.submit <dapo_megatron.rollout.engines.hf_batch.RowBatch.submit>`).
-
-        Raises:
-            ValueError: a duplicate key, a token id outside the vocabulary.
-            RuntimeError: the engine is asleep.
-        """
+        """:meth:`RowBatch.submit <dapo_megatron.rollout.engines.hf_batch.RowBatch.submit>`, awake only."""
         if self._asleep:
             raise RuntimeError("HFEngine.submit called while asleep; call wake_up() first")
         self._require_valid_weights()
@@ -159,13 +143,7 @@ class HFEngine(RolloutEngine):
 
     @torch.inference_mode()
     def poll(self, max_tokens: Optional[int] = None) -> list[RowResult]:
-        """Admit the queued rows, sample up to ``max_tokens`` tokens per row (None: until all
-        rows stop) and return the rows that stopped, in the order they stopped (rows stopping
-        at the same token in batch order).
-
-        Raises:
-            RuntimeError: the engine is asleep. InvalidWeightsError: invalid weights.
-        """
+        """:meth:`RowBatch.poll <dapo_megatron.rollout.engines.hf_batch.RowBatch.poll>`, awake only."""
         if self._asleep:
             raise RuntimeError("HFEngine.poll called while asleep; call wake_up() first")
         self._require_valid_weights()
@@ -176,15 +154,11 @@ class HFEngine(RolloutEngine):
         return self.rows.poll(max_tokens, self.weight_version)
 
     def abort(self, keys: Optional[Iterable] = None) -> list[RowResult]:
-        """Stop every queued and running row (only those whose key is in ``keys``, when given);
-        returns each one's tokens so far (``"abort"``; none for a row not yet admitted). Rows
-        not named keep going; a stopped row stays in the running batch, never sampled again,
-        until the batch is compacted."""
+        """:meth:`RowBatch.abort <dapo_megatron.rollout.engines.hf_batch.RowBatch.abort>`."""
         return self.rows.abort(keys, self.weight_version)
 
     def running_rows(self) -> dict:
-        """``{key: (tokens, logprobs)}`` of every row being decoded (admitted, not stopped): what
-        each sampled so far (the engine's own lists: read them, do not keep them)."""
+        """:meth:`RowBatch.running_rows <dapo_megatron.rollout.engines.hf_batch.RowBatch.running_rows>`."""
         return self.rows.running_rows()
 
     @property
@@ -207,11 +181,9 @@ class HFEngine(RolloutEngine):
         return self.eos_token_ids | set(req.params.stop_token_ids)
 
     def matched_stop_string(self, stops: Sequence[str], tokens: Sequence[int]) -> Optional[str]:
-        """The first of ``stops`` found in the text of the last few of ``tokens`` (a row's new
-        tokens; the window and decoder of :meth:`set_stop_decoder`), else None. The one rule of
-        stop strings: the engine ends a row on it, ``dapo-rollout-server`` names the match with it.
-        An earlier occurrence inside the window would have ended the row already, so any
-        occurrence is the last token's."""
+        """:func:`~dapo_megatron.rollout.engines.engine.match_stop_string` with the engine's decoder
+        (:meth:`set_stop_decoder`): the engine ends a row on it, ``dapo-rollout-server`` names the
+        match with it."""
         return match_stop_string(stops, tokens, self.rows.decode)
 
 

@@ -4,9 +4,7 @@
 
 Its users: synchronous server mode (``rollout/engines/server_sync.py`` ``ServerRollout``: batch
 :meth:`RowClient.generate` on the rank's server, the streamed rollout's
-:meth:`~RowClient.submit` / :meth:`~RowClient.poll` / :meth:`~RowClient.abort`), the client of one
-server (``rollout/engines/sglang_server_engine.py`` ``SGLangServerEngine``: non-streamed
-:meth:`RowClient.generate`) and asynchronous training (``rollout/async_rollout.py``
+:meth:`~RowClient.submit` / :meth:`~RowClient.poll` / :meth:`~RowClient.abort`) and asynchronous training (``rollout/async_rollout.py``
 ``RolloutController``: :meth:`RowClient.dispatch` of rows over the healthy servers, with
 mark-down and retry, abort and continue across a weight sync, validation rows).
 
@@ -155,13 +153,11 @@ class RowClient:
         silence_timeout_s: bound on a server's silence during a streamed ``/generate``
             (``rollout.server_silence_timeout_s``): a server that sends no byte for that long fails,
             as one that is unreachable does; no bound on a request's total time.
-        timeout_s: bound on opening a connection, an ``/abort_request``, a ``/health`` probe, and
-            on the whole of a non-streamed ``/generate`` (``rollout.server_timeout_s``).
+        timeout_s: bound on opening a connection, an ``/abort_request`` and a ``/health`` probe
+            (``rollout.server_timeout_s``).
         eos_token_ids: the model's stop tokens (an aborted row that ends on one has finished:
             :func:`~dapo_megatron.rollout.engines.sglang_io.row_outcome`).
         rid_prefix: the prefix of the rows' ``rid``, unique among the servers' clients (``dapo-<rank>``).
-        stream: :meth:`generate` streams its request (bounded by the server's silence); False: one
-            plain ``/generate`` bounded by ``timeout_s`` (the single-server engine's request).
         on_down: called with a server's index when it turns ``"down"`` (outside the client's lock).
         routes_shape: routing replay, ``(L, K, E)`` of the model: the rows (:meth:`submit`,
             :meth:`generate_rows`) ask for ``return_routed_experts`` from their ``routes_start``
@@ -175,14 +171,14 @@ class RowClient:
     time slice."""
 
     def __init__(self, urls: Sequence[str], *, silence_timeout_s: float, timeout_s: float,
-                 eos_token_ids: Sequence[int] = (), rid_prefix: str = "dapo", stream: bool = True,
+                 eos_token_ids: Sequence[int] = (), rid_prefix: str = "dapo",
                  on_down: Optional[Callable[[int], None]] = None,
                  routes_shape: Optional[tuple[int, int, int]] = None):
         self.urls = list(urls)
         self.routes_shape = None if routes_shape is None else tuple(int(x) for x in routes_shape)
         self.silence_timeout_s, self.timeout_s = float(silence_timeout_s), float(timeout_s)
         self.eos_token_ids = frozenset(int(t) for t in eos_token_ids)
-        self.rid_prefix, self.stream, self.on_down = rid_prefix, bool(stream), on_down
+        self.rid_prefix, self.on_down = rid_prefix, on_down
         self.health = ["healthy"] * len(self.urls)
         self.server_errors: list[Optional[str]] = [None] * len(self.urls)  # the last failure of each
         self._lock = threading.Lock()
@@ -253,8 +249,7 @@ class RowClient:
                  routes_shape: Optional[tuple[int, int, int]] = None) -> GenerationOutput:
         """Every prompt ``params.n`` times on server ``server``
         (:func:`~dapo_megatron.rollout.engines.sglang_io.build_generate_request`): one streamed
-        ``/generate``, failed only when the server sends no byte for ``silence_timeout_s``
-        (``stream``), else one plain ``/generate`` bounded by ``timeout_s``. With ``routes_shape``
+        ``/generate``, failed only when the server sends no byte for ``silence_timeout_s``. With ``routes_shape``
         (routing replay) the request asks for ``return_routed_experts`` and every completion
         carries its routes (:func:`~dapo_megatron.rollout.engines.sglang_io.parse_completion`).
 
@@ -266,27 +261,20 @@ class RowClient:
         req = build_generate_request(prompt_ids, params, prompt_seeds)
         if routes_shape is not None:
             req["return_routed_experts"] = True  # meta_info.routed_experts, SGLang's format
-        if self.stream:
-            req["sampling_params"] = [with_progress(sp) for sp in req["sampling_params"]]
-            out = stream_generate(url, req, silence_s=self.silence_timeout_s, connect_timeout_s=self.timeout_s)
-        else:
-            out = http_post(url, "/generate", req, self.timeout_s)
+        req["sampling_params"] = [with_progress(sp) for sp in req["sampling_params"]]
+        out = stream_generate(url, req, silence_s=self.silence_timeout_s, connect_timeout_s=self.timeout_s)
         return parse_generate_output(out, len(prompt_ids), params.n, prompt_lens=[len(p) for p in prompt_ids],
                                      routes_shape=routes_shape)
 
     # ---- rows on every server at once (asynchronous training) ---------------------------
     def generate_rows(self, rows: Sequence[tuple], version: int) -> list:
         """Rows ``(server index, input ids, sampling_params)`` (with :attr:`routes_shape`, a fourth
-        item: the row's ``routes_start``), one streamed batched ``/generate`` per server (rows in
-        the order given; with routes, one per server and ``routes_start``), all servers at once,
-        each failed only when its
-        server sends no byte for ``silence_timeout_s``, never on total time; per row, in the
-        order given, its :func:`~dapo_megatron.rollout.engines.sglang_io.parse_versioned_row`
-        (budget its ``max_new_tokens``, stop tokens :attr:`eos_token_ids` and its
-        ``stop_token_ids``; ``version`` where the server reports none; with routes, the row's
-        routes from its ``routes_start`` as a fifth item), or a
-        :class:`ServerFailure` for every row of a server that failed (the other servers' rows
-        are unaffected). Never raises for a server's failure.
+        item: the row's ``routes_start``), one streamed batched ``/generate`` per server (with
+        routes, per server and ``routes_start``), all servers at once; per row, in the order
+        given, its :func:`~dapo_megatron.rollout.engines.sglang_io.parse_versioned_row` (budget its
+        ``max_new_tokens``, stop tokens :attr:`eos_token_ids` and its ``stop_token_ids``;
+        ``version`` where the server reports none), or a :class:`ServerFailure` for every row of a
+        server that failed. Never raises for a server's failure.
         """
         by_server: dict[int, list[int]] = {}
         for k, row in enumerate(rows):
@@ -301,14 +289,12 @@ class RowClient:
         def one(e):
             ks = by_server[e]
             try:
-                if self.routes_shape is None:
-                    req = build_rows_request([(rows[k][1], rows[k][2]) for k in ks])
-                    return parse(ks, None, stream_generate(self.urls[e], req, silence_s=self.silence_timeout_s,
-                                                           connect_timeout_s=self.timeout_s))
-                # one routed_experts_start_len per request: a request per start, all in flight at once
-                by_start: dict[int, list[int]] = {}
+                # with routes, one routed_experts_start_len per request: a request per start, all in flight
+                # at once; without, one request (start None)
+                by_start: dict[Optional[int], list[int]] = {}
                 for k in ks:
-                    by_start.setdefault(int(rows[k][3]) if len(rows[k]) > 3 else 0, []).append(k)
+                    start = None if self.routes_shape is None else (int(rows[k][3]) if len(rows[k]) > 3 else 0)
+                    by_start.setdefault(start, []).append(k)
                 live = Liveness()
                 streams = {start: StreamedGenerate(self.urls[e], build_rows_request(
                     [(rows[k][1], rows[k][2]) for k in part], routes_start=start), connect_timeout_s=self.timeout_s,

@@ -34,12 +34,9 @@ logger = logging.getLogger("dapo_megatron.rollout")
 
 
 class ServerRollout:
-    """``rollout.mode: server`` as one trainer rank sees it; build it on every rank (collective).
-
-    Rank 0 queries every server (``/server_info``) and the answers are broadcast; the sender of
-    each pipeline stage (its DP-0, TP-0 rank) creates the stage's weight-update group
-    (:func:`connect_servers`); rank ``e`` drives server ``e`` for generation
-    (:func:`~dapo_megatron.rollout.engines.layout.rollout_engines`).
+    """``rollout.mode: server`` as one trainer rank sees it; build it on every rank (collective):
+    rank 0's ``/server_info`` answers are broadcast, each stage's sender creates its weight-update
+    group (:func:`connect_servers`), rank ``e`` drives server ``e`` for generation.
 
     The trainer treats it as its engine: :meth:`generate` on a driving rank, :meth:`sleep` /
     :meth:`wake_up` are nothing (the servers have GPUs of their own), :meth:`check_health`
@@ -53,13 +50,11 @@ class ServerRollout:
         stage, num_stages: this rank's pipeline stage and the PP size.
         is_sender: this rank sends its stage's weights (DP rank 0 and TP rank 0).
         device: the senders' flat buffers (this rank's GPU: NCCL; CPU: gloo).
-        timeout_s: ``rollout.server_timeout_s``; silence_timeout_s:
-            ``rollout.server_silence_timeout_s`` (the bound on a server's silence in a streamed
-            ``/generate``; no bound on its total time).
+        timeout_s, silence_timeout_s, eos_token_ids: the row client's
+            (:class:`~dapo_megatron.rollout.engines.row_client.RowClient`); ``timeout_s`` bounds the
+            sync's HTTP calls too.
         bucket_bytes: ``rollout.update_weights_bucket_megabytes`` in bytes.
         backend: of the weight-update groups; None: NCCL on a CUDA device, else gloo.
-        eos_token_ids: the model's stop tokens (an aborted row that already ends on one has
-            finished: ``"stop"``, :func:`~dapo_megatron.rollout.engines.sglang_io.parse_row_output`).
         one_driver: ``async_training``: rank 0's controller sends the training rows to every
             server, so there may be more servers than ranks
             (:func:`~dapo_megatron.rollout.engines.layout.rollout_engines`).

@@ -1,9 +1,8 @@
-"""SGLang rollout engines (GPU): colocated offline ``sglang.Engine`` and a server mode.
+"""The colocated SGLang rollout engine (GPU): an offline ``sglang.Engine`` in the trainer's process.
 
 SGLang is imported lazily (it needs CUDA); everything that does not need it — engine
-arguments, request building, response parsing, bucketing, metadata order, error
-reporting, the memory bookkeeping of sleep / wake, the HTTP client and the weight-update
-process group — is plain python and tested on CPU (``tests/unit/rollout/test_sglang_engine.py``).
+arguments, request building, response parsing, error reporting, the memory bookkeeping of
+sleep / wake — is plain python and tested on CPU (``tests/unit/rollout/test_sglang_engine.py``).
 ``tests/gpu/test_sglang_contract.py`` and ``tests/gpu/full_image_check.sh`` check the real
 engine on a CUDA machine.
 
@@ -17,11 +16,8 @@ lower bound; ``cuda_graph`` became a memory tag in 0.5.5, ``enable_weights_cpu_b
 ``enable_deterministic_inference`` / ``sampling_seed`` in 0.5.3), read in the sources of each
 release's wheel. Files are those of ``python/sglang/srt/`` in sglang 0.5.11 unless 0.5.23 is named:
 
-* Processes (``rollout/engines/sglang_env.py``, docs/design.md §6): ``Engine(...)`` spawns its scheduler
-  and detokenizer processes, which inherit our environment (built without torchrun's
-  ``TORCHELASTIC_USE_AGENT_STORE``, with ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1``), changes this
-  process (``_set_envs_and_config``) and registers a kill-every-child atexit, which
-  :class:`SGLangEngine` replaces by a shutdown of the engine's own processes.
+* Processes: what ``Engine(...)`` spawns, inherits and changes, and its kill-every-child atexit
+  that :class:`SGLangEngine` replaces, are :mod:`dapo_megatron.platform.sglang_env`'s (docs/design.md §6).
 * ``Engine(**kwargs)`` builds ``server_args.ServerArgs(**kwargs)``
   (``entrypoints/engine.py``): the colocated engine passes ``model_path, dtype, tp_size,
   mem_fraction_static, enable_memory_saver, base_gpu_id`` (the GPU of this rank: every
@@ -60,17 +56,6 @@ release's wheel. Files are those of ``python/sglang/srt/`` in sglang 0.5.11 unle
   tensor is built only ``if enable_deterministic``; ``layers/sampler.py``). Without it
   SGLang samples from its own generator: GPU rollouts are NOT seed-reproducible, and
   ``rollout.deterministic`` is the switch (see :class:`SGLangEngine`).
-* HTTP (``entrypoints/http_server.py``): ``POST /generate`` (same fields) → JSON, errors
-  ``{"error": {"message"}}``; ``POST /init_weights_update_group`` (``master_address,
-  master_port, rank_offset, world_size, group_name, backend``) and ``POST
-  /update_weights_from_distributed`` (``names, dtypes, shapes, group_name, flush_cache``;
-  the server then receives one ``broadcast(src=0)`` per tensor in the order of ``names``) and
-  ``POST /destroy_weights_update_group`` (``group_name``; 0.5.23 ``http_server.py:1420``)
-  → JSON ``{"success", "message"}`` (400 on failure); ``POST /flush_cache`` → PLAIN TEXT
-  ("Cache flushed..." with 200, the failure message with 400); ``POST
-  /release_memory_occupation`` / ``/resume_memory_occupation`` (``{"tags": [...]}``) →
-  JSON ``null``, errors ``{"error": {"message"}}``. Request validation errors are
-  FastAPI's 422 ``{"detail": [...]}``. :func:`~dapo_megatron.platform.http.sglang_error_message` reads all of them.
 
 Logprobs: SGLang returns the logprob of each sampled token under its processed sampling
 distribution (temperature applied; with top-p/top-k, see its ``SGLANG_RETURN_ORIGINAL_LOGPROB``
@@ -93,7 +78,7 @@ from dapo_megatron.bridge.flat_bucket import FlatBucketPacker
 from dapo_megatron.bridge.receiver import ParamSpec, hf_param_specs
 from dapo_megatron.bridge.verify import readback_checksum, readback_shape
 from dapo_megatron.platform import device as rank_device, local_device_index
-from dapo_megatron.rollout.engines import sglang_env
+from dapo_megatron.platform import sglang_env
 from dapo_megatron.rollout.engines.engine import (GenerationOutput, RolloutEngine, RowRequest, RowResult, SamplingParams,
                                                   eos_ids)
 from dapo_megatron.rollout.engines.engine_group import RolloutGroup, sync_flat_buckets
@@ -103,12 +88,7 @@ from dapo_megatron.rollout.engines.sglang_io import (
     parse_generate_output,
     parse_row_output,
 )
-from dapo_megatron.rollout.engines.sglang_server_args import (  # noqa: F401  (checked here, defined beside the list)
-    MANAGED_ENGINE_ARGS,
-    check_engine_kwargs,
-    colocated_graph_kwargs,
-    engine_argument_names,
-)
+from dapo_megatron.rollout.engines.sglang_server_args import check_engine_kwargs, colocated_graph_kwargs
 
 
 def _import_sglang():
@@ -174,7 +154,7 @@ MEMORY_TAGS = (CUDA_GRAPH, WEIGHTS, KV_CACHE)
 
 
 class SGLangMemory:
-    """Sleep / wake bookkeeping shared by the offline and the server engine.
+    """Sleep / wake bookkeeping of :class:`SGLangEngine`, apart from how SGLang is called.
 
     Keeps the set of released memory tags, releases ``kv_cache`` and ``cuda_graph`` (and
     ``weights`` unless ``keep_weights``) on :meth:`sleep`, resumes only ``weights`` before a
@@ -278,11 +258,7 @@ class SGLangEngine(SGLangMemory, RolloutEngine):
             of each bucket is read by every TP worker, across GPUs).
 
     ``update_weights`` checks names and shapes against the HF model built from the
-    checkpoint's config on the meta device, sends every bucket as one flattened bucket per
-    TP worker, each packed on the GPU of the group rank that worker runs on
-    (:func:`~dapo_megatron.rollout.engines.engine_group.sync_flat_buckets`,
-    ``update_weights_from_tensor(load_format="flattened_bucket", flush_cache=False)``), and
-    flushes the prefix cache once at the end of a complete sync.
+    checkpoint's config on the meta device, then loads as :meth:`_load_stream` says.
 
     Raises:
         ValueError: a bad ``dtype`` or ``engine_kwargs`` key, a group this rank does not lead
@@ -421,13 +397,7 @@ class SGLangEngine(SGLangMemory, RolloutEngine):
 
     def generate(self, prompt_ids: list[list[int]], params: SamplingParams,
                  prompt_seeds: Optional[Sequence[int]] = None) -> GenerationOutput:
-        """See :meth:`RolloutEngine.generate`.
-
-        Raises:
-            RuntimeError: aborted rows, or called while asleep.
-            InvalidWeightsError: the weights were released without a backup (or never
-                loaded, ``load_format="dummy"``) and not synced since.
-        """
+        """:meth:`RolloutEngine.generate`; ``RuntimeError`` for aborted rows or while asleep."""
         self._check_can_generate()
         req = build_generate_request(prompt_ids, params, prompt_seeds)
         if self.record_routes is not None:
@@ -443,15 +413,10 @@ class SGLangEngine(SGLangMemory, RolloutEngine):
     verify_readback: bool = True
 
     def _loaded_checksums(self, names: list[str], dtype, readback_elements: Optional[int] = None) -> dict:
-        """SGLang cannot checksum what it loaded: each named tensor is read back with
-        ``Engine.get_weights_by_name(name, truncate_size=rows)`` (sglang ``entrypoints/engine.py``
-        ``Engine.get_weights_by_name`` -> ``model_executor/model_runner.py``
-        ``ModelRunner.get_weights_by_name`` -> the model class's, e.g. ``models/llama.py``: the
-        parameter as ``.float().tolist()``, the stacked ``qkv_proj`` / ``gate_up_proj`` sliced back to
-        the HF tensor, TP shards gathered; None where the model class has none) and checksummed
-        in the sent dtype (:func:`~dapo_megatron.bridge.verify.readback_checksum`): the
-        tensor's head rows within ``readback_elements`` (the digest's, which the sender checksummed
-        alike: ``rollout.check_weight_update_readback_elements``), the whole tensor for None."""
+        """Each named tensor read back with ``Engine.get_weights_by_name(name, truncate_size=rows)``
+        and checksummed in the sent dtype, its head rows within ``readback_elements``
+        (:func:`~dapo_megatron.bridge.verify.readback_checksum`; what SGLang answers and why:
+        docs/design.md §1.1)."""
         if not self.verify_readback:
             return {}
         tracker = self._weight_tracker()
@@ -502,7 +467,7 @@ class SGLangEngine(SGLangMemory, RolloutEngine):
     def shutdown(self) -> None:
         """Stop the engine's own processes (scheduler(s), detokenizer) and wait for them; other
         children of this process (reward graders) live on, unlike with ``Engine.shutdown``, which
-        kills every child (:func:`~dapo_megatron.rollout.engines.sglang_env.shutdown_engine`). Idempotent;
+        kills every child (:func:`~dapo_megatron.platform.sglang_env.shutdown_engine`). Idempotent;
         also run at exit."""
         if getattr(self, "_engine_pids", None) is None:
             return

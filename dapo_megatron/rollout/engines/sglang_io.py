@@ -229,11 +229,7 @@ def parse_row_output(item: Any, row: RowRequest, version: int, eos_token_ids: fr
     """One SGLang output of a row (``build_row_request``) → :class:`RowResult` (:func:`row_outcome`
     with the row's remaining budget and stop tokens: ``eos_token_ids`` and the row's
     ``stop_token_ids``); with ``routes_shape`` its routes from ``row.routes_start`` on
-    (:func:`row_routes`).
-
-    Raises:
-        RuntimeError: a failed request, or a malformed output (see :func:`parse_completion`).
-    """
+    (:func:`row_routes`). Raises as :func:`row_outcome`."""
     ids, logprobs, kind = row_outcome(item, budget=row.budget,
                                       stop_ids=frozenset(row.params.stop_token_ids) | frozenset(eos_token_ids))
     routes = None
@@ -268,9 +264,7 @@ def parse_versioned_row(item: Any, row: int, fallback_version: int, *, budget: i
                         stop_ids: frozenset = frozenset(),
                         routes: Optional[tuple[int, int, int, int, int]] = None) -> tuple:
     """One SGLang output row → ``(token ids, logprobs, finish kind, weight version)``: the ids,
-    logprobs and kind of :func:`row_outcome` (an aborted row that ends on a stop token in
-    ``stop_ids`` is ``"stop"``, one that fills ``budget`` is ``"length"``, the others ``"abort"``:
-    the tokens sampled before the abort); the version is the output's ``meta_info.weight_version``
+    logprobs and kind of :func:`row_outcome`; the version is the output's ``meta_info.weight_version``
     (the weights that sampled it: SGLang reports the version of its last update),
     ``fallback_version`` when the server reports none. With ``routes = (input length,
     routes_start, L, K, E)`` (routing replay) a fifth item: the row's routes (:func:`row_routes`).

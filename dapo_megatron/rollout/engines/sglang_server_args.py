@@ -289,7 +289,7 @@ def colocated_graph_kwargs(engine_kwargs: dict, enable_memory_saver: bool,
     0.5.11's piecewise) CUDA graph by default on CUDA (``model_executor/cuda_graph_config.py:
     119-123,152-154``: ``default_prefill_backend``). That backend refuses the memory saver: with
     ``enable_memory_saver`` and ``SGLANG_MEMORY_SAVER_CUDA_GRAPH=1`` (which the colocated engine
-    sets, :func:`~dapo_megatron.rollout.engines.sglang_env.engine_launch_env`) its ``__init__``
+    sets, :func:`~dapo_megatron.platform.sglang_env.engine_launch_env`) its ``__init__``
     raises ``NotImplementedError("Breakable CUDA graph is not compatible with memory saver mode")``
     (``model_executor/runner_backend/breakable_cuda_graph_backend.py:84-94``; the auto-disable of
     ``arg_groups/cuda_graph_hook.py:136-256`` has no memory-saver rule), so the engine would not
@@ -308,7 +308,7 @@ def colocated_graph_kwargs(engine_kwargs: dict, enable_memory_saver: bool,
     chosen = [k for k in PREFILL_GRAPH_ARGS if k in engine_kwargs]
     if not chosen:
         return {"disable_prefill_cuda_graph": True}
-    from dapo_megatron.rollout.engines.sglang_env import cuda_graphs_released  # sglang_env imports torch; config loading imports this module without it
+    from dapo_megatron.platform.sglang_env import cuda_graphs_released  # sglang_env imports torch; config loading imports this module without it
 
     if engine_kwargs.get("cuda_graph_backend_prefill") == "breakable" and cuda_graphs_released(env):
         raise ValueError("rollout.engine_kwargs.cuda_graph_backend_prefill=breakable: SGLang's breakable CUDA graph "

@@ -12,16 +12,14 @@ TP × PP ranks of that DP rank. In order:
    group (DP rank, position, prompt index; each response's length, finish reason and count of
    context tokens, ``Sample.num_context_tokens``: 0 but for a multi-turn trajectory's).
    Prompt ids and grading inputs come from the dataset, which every rank holds.
-2. :class:`DistributedGrader`, per generation batch: each rank grades the responses it
-   holds in its own reward pool; ``(score, acc)`` are all-reduced, 3 float64 per response.
-   The extracted answer (``pred``, for logs) stays on the holder.
-3. :func:`plan_step`, once per step: the DP split of every mini-batch
-   (:func:`~dapo_megatron.rollout.plan.dp_split.split_for_dp`) from the replicated lengths,
-   reused by every PPO epoch; it fixes the DP rank that trains each sample.
+2. :class:`~dapo_megatron.rewards.distributed.DistributedGrader`, per generation batch: each
+   response graded on the rank that holds it, the grades replicated.
+3. The actor's plan of the step (:mod:`dapo_megatron.actor.step_plan`), from the replicated
+   lengths: the DP rank that trains each sample.
 4. :func:`send_tokens`, once per step: one ``all_to_all_single`` of int32 words (the
    token ids, then the float32 bits of the rollout logprobs, then, for a sample with context
    tokens, its ``response_mask``) from each holder to the ranks of the owning DP rank (3 and 4
-   together: :func:`route_step`).
+   together: :func:`~dapo_megatron.actor.step_plan.route_step`).
 
 The old logprobs are then computed on the ranks that train each sample and stay there; their
 mismatch metrics are pooled over DP as sums
@@ -30,7 +28,6 @@ mismatch metrics are pooled over DP as sums
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -40,7 +37,6 @@ from dapo_megatron.platform import collectives
 from dapo_megatron.platform.distributed import collective_device
 from dapo_megatron.platform.parallel_dims import ParallelDims, dims_or_single
 from dapo_megatron.rollout.engines.routes import num_route_tokens, route_words, routes_from_words, routes_to_words
-from dapo_megatron.rollout.plan.dp_split import split_for_dp
 from dapo_megatron.rollout.types import HELD_BY_ALL, Group, Sample
 
 FINISH_REASONS = ("stop", "length")
@@ -145,135 +141,7 @@ def gather_groups(local: Sequence[tuple[int, int, Group]], *, n: int, max_local:
     return groups
 
 
-# --------------------------------------------------------------------------- 2. grading
-class DistributedGrader:
-    """Grades each response on the rank that holds it; the grades of all are replicated.
-
-    Wraps a :class:`~dapo_megatron.rewards.RewardPool` with the same ``grade`` API, so the
-    replicated rollout buffer sees one grader. A collective over the world: every rank
-    passes the same requests, with ``solution_str`` None where it does not hold the
-    response (exactly one rank holds each).
-    """
-
-    def __init__(self, pool, parallel: Optional[ParallelDims] = None):
-        self.pool = pool
-        self.parallel = dims_or_single(parallel, "DistributedGrader")
-
-    def grade(self, requests: Sequence[tuple]) -> list[dict]:
-        """``{"score", "acc"}`` for every request, plus ``"pred"`` for the ones graded here.
-
-        Raises:
-            RuntimeError: a response held by no rank or by several (its index named).
-        """
-        mine = [i for i, r in enumerate(requests) if r[1] is not None]
-        results = self.pool.grade([requests[i] for i in mine]) if mine else []
-        table = torch.zeros(len(requests), 3, dtype=torch.float64)  # score, acc, graded here
-        for i, res in zip(mine, results):
-            table[i] = torch.tensor([float(res["score"]), 1.0 if res["acc"] else 0.0, 1.0], dtype=torch.float64)
-        if self.parallel.world_size > 1:  # each row is non-zero on one rank only: the sum is that rank's row, exactly
-            self.parallel.wait_for_generation()  # a rank with little to grade waits on gloo, not in the all-reduce
-            dev = collective_device(self.parallel.world_group)
-            table = self.parallel.all_reduce(table.to(dev), "world").cpu()
-        graded = table[:, 2]
-        if len(requests) and not bool((graded == 1).all()):
-            bad = int((graded != 1).nonzero()[0])
-            raise RuntimeError(f"response {bad} of the batch was graded by {int(graded[bad])} ranks; exactly the "
-                               "rank that generated it must hold its text")
-        out = [{"score": score, "acc": acc == 1.0} for score, acc, _ in table.tolist()]
-        for i, res in zip(mine, results):
-            out[i]["pred"] = res.get("pred")
-        return out
-
-
-# --------------------------------------------------------------------------- 3. the plan
-@dataclass(frozen=True)
-class MiniBatchPlan:
-    """One mini-batch of the step: samples ``[start, start + size)`` of the step's flat list.
-
-    Attributes:
-        micro_batches: ``micro_batches[dp_rank][k]`` = the step-global sample indices of
-            micro-batch ``k`` of that DP rank (every DP rank has the same count).
-        global_num_tokens: loss tokens of the whole mini-batch (overlong-filtered samples
-            count 0, a multi-turn sample its model tokens only: ``Sample.num_model_tokens``), the
-            denominator of DAPO's token-mean loss (docs/design.md §3.4).
-        total_tokens: prompt + response tokens of the mini-batch (for throughput).
-    """
-
-    start: int
-    size: int
-    micro_batches: tuple[tuple[tuple[int, ...], ...], ...]
-    global_num_tokens: int
-    total_tokens: int
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """The DP split of every mini-batch of a step, and the DP rank that trains each sample."""
-
-    mini_batches: tuple[MiniBatchPlan, ...]
-    owner: tuple[int, ...]
-
-    def owned(self, dp_rank: int) -> list[int]:
-        """Step-global indices of the samples DP rank ``dp_rank`` trains, ascending."""
-        return [i for i, d in enumerate(self.owner) if d == dp_rank]
-
-
-def plan_step(groups: Sequence[Group], groups_per_mini_batch: int, dp_size: int,
-              max_tokens_per_micro_batch: int, *, share_prompts: bool = False) -> StepPlan:
-    """Cut the step's groups into mini-batches and split each over DP (no communication).
-
-    Mini-batch ``m`` holds groups ``[m * groups_per_mini_batch, (m + 1) * groups_per_mini_batch)``
-    (the last may be smaller); its samples are split with
-    :func:`~dapo_megatron.rollout.plan.dp_split.split_for_dp` from their lengths alone, so every
-    rank computes the same plan, and every PPO epoch reuses it. ``share_prompts``: as there
-    (the actor encodes a prompt once per micro-batch).
-
-    Raises:
-        ValueError: as :func:`~dapo_megatron.rollout.plan.dp_split.split_for_dp`.
-    """
-    samples = [s for g in groups for s in g.samples]
-    owner = [-1] * len(samples)
-    minis, start = [], 0
-    for first in range(0, len(groups), groups_per_mini_batch):
-        mini = [s for g in groups[first:first + groups_per_mini_batch] for s in g.samples]
-        split = split_for_dp(mini, dp_size, max_tokens_per_micro_batch, share_prompts=share_prompts)
-        micro = tuple(tuple(tuple(start + i for i in mb) for mb in rank_mbs) for rank_mbs in split)
-        for dp_rank, rank_mbs in enumerate(micro):
-            for mb in rank_mbs:
-                for i in mb:
-                    owner[i] = dp_rank
-        minis.append(MiniBatchPlan(
-            start=start, size=len(mini), micro_batches=micro,
-            global_num_tokens=sum(s.num_model_tokens for s in mini if not s.loss_mask_zero),
-            total_tokens=sum(s.total_length for s in mini)))
-        start += len(mini)
-    return StepPlan(mini_batches=tuple(minis), owner=tuple(owner))
-
-
-
-def old_logprob_micro_batches(plan: StepPlan, mine: Sequence[int], dp_rank: int, max_tokens_per_micro_batch: int,
-                              local: Sequence[Sample], *, share_prompts: bool = False,
-                              equal_counts: bool = False) -> list[list[int]]:
-    """The micro-batches of this DP rank's old-logprob (forward-only) pass, as indices into
-    ``mine`` (= into ``local``, this rank's samples ``[samples[i] for i in mine]``).
-
-    ``equal_counts=False`` (dense models): ``local`` packed anew by the budget
-    (:func:`~dapo_megatron.rollout.plan.dp_split.split_for_dp` at one rank): the fewest forwards; a
-    dense model's forward has no collective across DP ranks, so counts may differ.
-    ``equal_counts=True`` (``ParallelDims.experts_span_dp``: an MoE whose EP all-to-all reaches
-    other DP shards): the plan's training micro-batches of ``dp_rank``, mini-batch after
-    mini-batch, whose counts :func:`plan_step` makes equal on every DP rank; packing anew could
-    give the ranks different counts, and the rank with more forwards would wait forever in the
-    all-to-all of a forward the others never run.
-
-    Every index of ``range(len(mine))`` appears exactly once.
-    """
-    if not equal_counts:
-        return split_for_dp(local, 1, max_tokens_per_micro_batch, share_prompts=share_prompts)[0]
-    position = {i: j for j, i in enumerate(mine)}
-    return [[position[i] for i in mb] for mini in plan.mini_batches for mb in mini.micro_batches[dp_rank]]
-
-# --------------------------------------------------------------------------- 4. the tokens
+# --------------------------------------------------------------------------- 4. the tokens (2: rewards.distributed, 3: actor.step_plan)
 def send_tokens(samples: Sequence[Sample], destinations: Sequence[Sequence[int]], *,
                 parallel: Optional[ParallelDims] = None, routes: Optional[tuple[int, int, torch.dtype]] = None) -> int:
     """Deliver each sample's token lists from its holder to the ranks of ``destinations[i]``.
@@ -359,25 +227,6 @@ def send_tokens(samples: Sequence[Sample], destinations: Sequence[Sequence[int]]
                                                       n_routes(samples[i]), *routes[:3])
             offset += words[i]
     return 4 * recv.numel()
-
-
-def route_step(groups: Sequence[Group], samples: Sequence[Sample], parallel: ParallelDims, groups_per_mini_batch: int,
-               max_tokens_per_micro_batch: int, *, share_prompts: bool = False,
-               routes: Optional[tuple[int, int, torch.dtype]] = None) -> tuple[StepPlan, list[int]]:
-    """The step's plan (:func:`plan_step`) and every sample's tokens sent to the ranks of the DP
-    rank that trains it (:func:`send_tokens`, with ``Sample.routes`` when ``routes`` is given:
-    routing replay); collective. ``samples``: every sample of
-    ``groups``, group by group. Returns ``(plan, mine)``: the plan and the indices into
-    ``samples`` of this DP rank's samples (:meth:`StepPlan.owned`).
-
-    Raises:
-        ValueError: as :func:`plan_step`.
-    """
-    plan = plan_step(groups, groups_per_mini_batch, parallel.dp_size, max_tokens_per_micro_batch,
-                     share_prompts=share_prompts)
-    ranks_of = [parallel.ranks_of_dp_rank(d) for d in range(parallel.dp_size)]
-    send_tokens(samples, [ranks_of[d] for d in plan.owner], parallel=parallel, routes=routes)
-    return plan, plan.owned(parallel.dp_rank)
 
 
 def gather_preds(samples: Sequence[Sample], *, parallel: Optional[ParallelDims] = None, dst: int = 0) -> None:

@@ -15,9 +15,9 @@ from dapo_megatron.actor.config import ActorConfig
 from dapo_megatron.actor.loss import dapo_loss_func
 from dapo_megatron.actor.micro_batch import MicroBatch, Targets
 from dapo_megatron.actor.plan import ActorPlan, OldLogprobPlan
+from dapo_megatron.actor.step_plan import plan_step
 from dapo_megatron.algorithms.overlong import OverlongConfig, overlong_penalty
 from dapo_megatron.rollout.engines.routes import routes_start_of
-from dapo_megatron.rollout.plan.step_data import plan_step
 from dapo_megatron.rollout.sampling.buffer import BufferConfig, GroupSelector, logprob_mismatch_metrics
 from dapo_megatron.rollout.types import Group, Sample
 

@@ -81,7 +81,7 @@ def _rollout(cfg, parallel, engine, num_engines, engine_index):
     from dapo_megatron.data.stream import PromptStream
     from dapo_megatron.rewards import RewardPool
     from dapo_megatron.rollout.build import compose_rollout
-    from dapo_megatron.rollout.plan.step_data import DistributedGrader
+    from dapo_megatron.rewards.distributed import DistributedGrader
     from dapo_megatron.rollout.sampling.buffer import RolloutBuffer
 
     records = _records()

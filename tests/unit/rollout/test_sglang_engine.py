@@ -1,28 +1,18 @@
 """SGLang engine pieces that need no GPU: request building, response parsing, bucketing,
-metadata order, error reporting, and the server-mode client over a real HTTP round trip
-with a real (gloo) weight-update process group.
-
-The server in the dist test is the stand-in of tests/sglang_standin.py that follows SGLang's
-HTTP contract (the receiving side of ``/update_weights_from_distributed`` allocates each tensor
-from (name, dtype, shape) and receives one ``broadcast(src=0)`` per tensor, in order);
-the client under test is ``SGLangServerEngine``.
+metadata order, error reporting, and the colocated engine at its sglang boundary (the fake
+``sglang`` of tests/fake_sglang).
 """
 
-import base64
 import json
 
 import pytest
 import torch
 
 import sglang_reference
-from sglang_standin import StandIn, free_port
 from dapo_megatron.bridge.buckets import bucket_metadata, dtype_from_name, dtype_name, iter_buckets
-from dapo_megatron.bridge.receiver import ParamSpec
 from dapo_megatron.bridge.servers import distributed_update_request
-from dapo_megatron.platform.http import http_post
-from dapo_megatron.rollout.engines.engine import InvalidWeightsError, SamplingParams
+from dapo_megatron.rollout.engines.engine import SamplingParams
 from dapo_megatron.rollout.engines.sglang_engine import check_result
-from dapo_megatron.rollout.engines.sglang_server_engine import SGLangServerEngine
 from dapo_megatron.rollout.engines.sglang_io import build_generate_request, parse_generate_output
 
 
@@ -141,77 +131,6 @@ def test_distributed_update_request_keeps_bucket_order():
     req = distributed_update_request(bucket_metadata(bucket), "g")
     assert req == {"names": ["b", "a", "c"], "dtypes": ["bfloat16", "float32", "float16"],
                    "shapes": [[2, 3], [4], [1]], "group_name": "g", "flush_cache": False}
-
-
-# ------------------------------------------------------------------ server mode over HTTP + gloo
-
-@pytest.fixture()
-def sglang_standin():
-    server = StandIn()
-    yield server.url
-    server.stop()
-
-
-def server_specs():
-    specs = {"model.embed_tokens.weight": ParamSpec((8, 4), torch.float32),
-             "model.layers.0.mlp.up_proj.weight": ParamSpec((6, 4), torch.bfloat16),
-             "model.norm.weight": ParamSpec((4,), torch.float32)}
-    return specs, {"lm_head.weight": "model.embed_tokens.weight"}
-
-
-@pytest.mark.dist
-@pytest.mark.timeout(120)
-def test_server_engine_http_generate_and_distributed_weight_sync(sglang_standin):
-    eng = SGLangServerEngine(sglang_standin, server_specs(), device="cpu", timeout_s=60, update_bucket_mb=1)
-    out = eng.generate([[10, 11], [20]], SamplingParams(n=2, max_new_tokens=3))
-    assert [c.response_ids for c in out[0]] == [[12, 13, 14]] * 2 and out[1][1].response_ids == [21, 22, 23]
-    assert out[1][1].logprobs == [-2.0] * 3 and out[0][0].finish_reason == "length"
-
-    eng.init_weights_update_group("127.0.0.1", free_port(), world_size=2, group_name="wug", backend="gloo")
-    g = torch.Generator().manual_seed(0)
-    tensors = [("model.norm.weight", torch.randn(4, generator=g)),
-               ("model.embed_tokens.weight", torch.randn(8, 4, generator=g)),
-               ("model.layers.0.mlp.up_proj.weight", torch.randn(6, 4, generator=g).to(torch.bfloat16))]
-    eng.update_weights(tensors, version=5)
-    assert eng.weight_version == 5
-    got = http_post(sglang_standin, "/received", None, timeout=30)
-    assert [r[0] for r in got["received"]] == [n for n, _ in tensors], "same metadata order on both sides"
-    for (name, t), (rname, raw, rshape, rdt, _) in zip(tensors, got["received"]):
-        assert rshape == list(t.shape) and rdt == dtype_name(t.dtype)
-        # bitwise, element by element: a permuted, transposed or re-rounded tensor fails here
-        sent = t.contiguous().view(-1).view(torch.uint8)
-        assert torch.equal(torch.frombuffer(bytearray(base64.b64decode(raw)), dtype=torch.uint8), sent), name
-    assert got["flushes"] == 1
-
-    # checks before anything is sent: unknown name, wrong shape, never-updated parameter
-    with pytest.raises(KeyError, match="model.layers.0.mlp.gate_proj.weight"):
-        eng.update_weights([("model.layers.0.mlp.gate_proj.weight", torch.zeros(6, 4))], version=6)
-    eng.abort_weight_update()
-    with pytest.raises(RuntimeError, match=r"never updated: model\.layers\.0\.mlp\.up_proj\.weight, model\.norm\.weight"):
-        eng.update_weights([("lm_head.weight", torch.zeros(8, 4))], version=6)
-    assert eng.weight_version == 5 and not eng.weights_valid, "an aborted sync leaves mixed weights"
-    with pytest.raises(InvalidWeightsError):
-        eng.generate([[1]], SamplingParams(max_new_tokens=1))
-    eng.update_weights(tensors, version=6)
-    assert eng.weights_valid and got["flushes"] + 1 == http_post(sglang_standin, "/received", None, 30)["flushes"]
-    # SGLang's own message surfaces (no "unknown error"); nothing counts as released
-    with pytest.raises(RuntimeError, match="HTTP 400: release_memory_occupation should be called only when"):
-        eng.sleep()
-    assert not eng.is_asleep and eng.weights_valid
-    eng.sleep(keep_weights=True)
-    eng.wake_up()
-    got = http_post(sglang_standin, "/received", None, timeout=30)
-    assert got["memory"] == [["/release_memory_occupation", ["cuda_graph", "kv_cache"]],
-                             ["/resume_memory_occupation", ["cuda_graph", "kv_cache"]]]
-    assert eng.generate([[1]], SamplingParams(max_new_tokens=1))[0][0].response_ids == [2]
-
-
-def test_server_engine_reports_unreachable_server():
-    eng = SGLangServerEngine(f"http://127.0.0.1:{free_port()}", server_specs(), device="cpu", timeout_s=5)
-    with pytest.raises(RuntimeError, match="unreachable"):
-        eng.generate([[1]], SamplingParams(max_new_tokens=1))
-    with pytest.raises(ValueError, match="base_url"):
-        SGLangServerEngine("localhost:30000", server_specs())
 
 
 # ------------------------------------------------------------------ the offline engine at its sglang boundary
@@ -385,7 +304,7 @@ def test_engine_kwargs_are_checked_against_sglang_arguments(fake_sglang, tiny_mo
     from dataclasses import make_dataclass
 
     from dapo_megatron.config import DAPOConfig, load_config
-    from dapo_megatron.rollout.engines.sglang_engine import MANAGED_ENGINE_ARGS, check_engine_kwargs, engine_argument_names
+    from dapo_megatron.rollout.engines.sglang_server_args import MANAGED_ENGINE_ARGS, check_engine_kwargs, engine_argument_names
     from dapo_megatron.rollout.engines.sglang_server_args import SERVER_ARGS_FIELDS
 
     base = [f"model.hf_path={tiny_model_dir}", "rollout.name=sglang"]

@@ -1,4 +1,4 @@
-"""The step's data path (rollout.plan.step_data): records replicated, grades graded once where held and
+"""The step's data path (rollout.plan.step_data, actor.step_plan): records replicated, grades graded once where held and
 replicated, the per-mini-batch DP plan, tokens delivered exactly to the ranks that train them,
 and the pooled mismatch metrics; on one process and on a 4-process gloo world (TP=2 × DP=2)."""
 
@@ -9,17 +9,13 @@ import random
 import pytest
 import torch
 
+from dapo_megatron.actor.dp_split import split_for_dp
+from dapo_megatron.actor.step_plan import old_logprob_micro_batches, plan_step
 from dapo_megatron.data.dataset import PromptRecord
 from dapo_megatron.platform import ParallelConfig, spawn
+from dapo_megatron.rewards.distributed import DistributedGrader
 from dapo_megatron.rollout.engines.engine import Completion, completions_to_group
-from dapo_megatron.rollout.plan.dp_split import split_for_dp
-from dapo_megatron.rollout.plan.step_data import (
-    DistributedGrader,
-    gather_groups,
-    old_logprob_micro_batches,
-    plan_step,
-    send_tokens,
-)
+from dapo_megatron.rollout.plan.step_data import gather_groups, send_tokens
 from dapo_megatron.rollout.sampling.buffer import BufferConfig, RolloutBuffer, logprob_mismatch_metrics
 from dapo_megatron.rollout.types import Group, Sample
 

@@ -30,7 +30,7 @@ def kill_process_tree(parent_pid, include_parent: bool = True, skip_pid: Optiona
     real one uses psutil; the process tree is read from /proc here, psutil may be missing)."""
     import sys
 
-    from dapo_megatron.rollout.engines.sglang_env import child_pids, pid_alive
+    from dapo_megatron.platform.sglang_env import child_pids, pid_alive
 
     if parent_pid is None:
         parent_pid, include_parent = os.getpid(), False

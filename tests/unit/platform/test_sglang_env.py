@@ -1,4 +1,4 @@
-"""The process environment around SGLang (rollout/engines/sglang_env.py), checked against the fake
+"""The process environment around SGLang (platform/sglang_env.py), checked against the fake
 ``sglang`` of tests/fake_sglang, whose ``_set_envs_and_config`` is sglang 0.5.23's."""
 
 import os
@@ -7,7 +7,7 @@ import sys
 
 from conftest import REPO
 
-from dapo_megatron.rollout.engines import sglang_env
+from dapo_megatron.platform import sglang_env
 
 FAKE = os.path.join(REPO, "tests", "fake_sglang")
 
