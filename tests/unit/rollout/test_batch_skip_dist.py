@@ -66,7 +66,7 @@ def _worker(out_dir: str) -> None:
     from dapo_megatron.platform import ParallelConfig, init_distributed
     from dapo_megatron.rollout.build import compose_rollout, prompt_stream
     from dapo_megatron.rollout.engines.hf_engine import HFEngine
-    from dapo_megatron.rollout.plan.step_data import DistributedGrader
+    from dapo_megatron.rewards.distributed import DistributedGrader
     from dapo_megatron.rollout.sampling.buffer import RolloutBuffer
     from dapo_megatron.rollout.sampling.feeder import PromptQueue
     from unit.rollout.test_hf_engine import tiny_llama
