@@ -11,7 +11,7 @@ run interleaved round after round so that a slow spell of the machine hits every
 - ``A0``: async, η = 0 (``buffer.max_staleness=0``): the controller may not start a group before
   the weights it needs are on the server, so it is S with a thread in between.
 - ``A1``: async, η = 1, no partial rollouts: the servers generate step k + 1 while step k trains.
-- ``A2``: async, η = 2 with partial rollouts (``async_training.partial_rollout=true``): a weight
+- ``A2``: async, η = 2 with partial rollouts (``rollout.partial_rollout=true``): a weight
   sync aborts rows in flight, which continue on the new weights.
 
 Per arm, the median over rounds of each run's median over its steps 2..N (step 1 carries the
@@ -54,9 +54,9 @@ CONFIG = os.path.join(REPO, "examples", "configs", "dapo_smollm2_cpu.yaml")
 
 ARMS = {
     "S": ["async_training.enable=false", "buffer.max_staleness=0"],
-    "A0": ["async_training.enable=true", "buffer.max_staleness=0", "async_training.partial_rollout=false"],
-    "A1": ["async_training.enable=true", "buffer.max_staleness=1", "async_training.partial_rollout=false"],
-    "A2": ["async_training.enable=true", "buffer.max_staleness=2", "async_training.partial_rollout=true"],
+    "A0": ["async_training.enable=true", "buffer.max_staleness=0", "rollout.partial_rollout=false"],
+    "A1": ["async_training.enable=true", "buffer.max_staleness=1", "rollout.partial_rollout=false"],
+    "A2": ["async_training.enable=true", "buffer.max_staleness=2", "rollout.partial_rollout=true"],
 }
 
 

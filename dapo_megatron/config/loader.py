@@ -182,8 +182,11 @@ MOVED_KEYS = {
     "async_training.staleness_threshold": (
         "is verl's staleness as a fraction of a batch; here the bound is buffer.max_staleness, eta in integer "
         "weight versions (the oldest token of a trained sample is at most that many versions behind the actor)"),
+    "async_training.partial_rollout": (
+        "is rollout.partial_rollout, the one key of partial rollouts in every mode (under async_training a weight "
+        "sync interrupts and continues the rows in flight; its default, null, is true there)"),
 }
-"""Keys of other stacks with a different meaning here: the error points to ours."""
+"""Keys of other stacks, or removed here, with a different meaning or home: the error points to ours."""
 
 
 def _unknown_key_error(key: str, valid: dict[str, Any], source: str) -> ConfigError:

@@ -68,9 +68,10 @@ class DAPOConfig:
                 f"buffer.overlong.max_response_length={self.buffer.overlong.max_response_length} must equal "
                 f"rollout.response_length={self.rollout.response_length} (Eq. 13's L_max is the generation budget)"
             )
-        if self.buffer.prompt_skip.enable and not self.rollout.streaming:
-            raise ValueError("buffer.prompt_skip.enable=true needs rollout.streaming=true (prompts are skipped as the "
-                             "streamed rollout draws them)")
+        if self.rollout.partial_rollout and not (self.rollout.streaming or self.async_training.enable):
+            raise ValueError("rollout.partial_rollout=true needs rollout.streaming=true or async_training.enable=true "
+                             "(a synchronous batch step generates every response to its end: none is in flight "
+                             "to continue)")
         if self.actor.ppo_mini_batch_size > self.buffer.train_batch_size:
             raise ValueError(f"actor.ppo_mini_batch_size={self.actor.ppo_mini_batch_size} groups exceeds "
                              f"buffer.train_batch_size={self.buffer.train_batch_size}")
@@ -112,12 +113,6 @@ class DAPOConfig:
             raise ValueError(f"async_training.enable=true needs rollout.mode=server (got rollout.mode="
                              f"{self.rollout.mode!r}): the servers generate while the torchrun world trains; set "
                              "rollout.name=sglang, rollout.mode=server and rollout.server_urls")
-        if self.rollout.partial_rollout:
-            # streamed async admission (docs/design.md §3.8) generates each request to the end; the
-            # rows a weight sync interrupts are continued by async_training.partial_rollout
-            raise ValueError("rollout.partial_rollout=true with async_training.enable=true: the async controller "
-                             "never stops a step with responses in flight; set rollout.partial_rollout=false "
-                             "(async_training.partial_rollout continues the rows a weight sync interrupts)")
         eta = self.buffer.max_staleness
         if a.trigger_parameter_sync_step > eta + 1:
             # between syncs the servers' weights fall behind by up to k - 1 steps: a group sampled
@@ -131,6 +126,13 @@ class DAPOConfig:
             raise ValueError(f"trainer.test_freq={t.test_freq} and trainer.total_training_steps={t.total_training_steps} "
                              f"must be multiples of async_training.trigger_parameter_sync_step={k}: validation runs "
                              "on the servers, which hold the actor's weights only at a sync step")
+
+    @property
+    def partial_rollout(self) -> bool:
+        """``rollout.partial_rollout`` resolved: null is true under ``async_training.enable``
+        (a weight sync interrupts and continues the rows in flight), false otherwise."""
+        p = self.rollout.partial_rollout
+        return self.async_training.enable if p is None else p
 
     def warnings(self) -> list[str]:
         """Settings that run but are likely a mistake, one line each (``dapo-train`` logs them once,

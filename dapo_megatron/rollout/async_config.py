@@ -7,7 +7,9 @@ names the keys; where verl has a key whose meaning differs from ours it is not t
 verl's ``staleness_threshold`` is a fraction of a batch, while the bound here is η in integer
 weight versions, the NeMo-RL / AReaL / TRL meaning, and it is ``buffer.max_staleness`` (the
 bound that synchronous mode already applies to carried work). The loader rejects
-``async_training.staleness_threshold`` with a pointer to it (``config.loader.MOVED_KEYS``).
+``async_training.staleness_threshold`` with a pointer to it (``config.loader.MOVED_KEYS``), and
+verl's ``async_training.partial_rollout`` with a pointer to ``rollout.partial_rollout``, the one key
+of partial rollouts in every mode.
 
 Design: docs/design.md §2.3 (the rollout rooms).
 """
@@ -23,7 +25,9 @@ class AsyncTrainingConfig:
 
     Trainer rank 0 runs a rollout controller in a thread that speaks HTTP only to the servers
     and keeps them generating while the torchrun world trains; each step takes the oldest
-    ``buffer.train_batch_size`` kept groups. The staleness bound η is ``buffer.max_staleness``.
+    ``buffer.train_batch_size`` kept groups. The staleness bound η is ``buffer.max_staleness``;
+    whether a weight sync interrupts the rows in flight is ``rollout.partial_rollout`` (true here
+    by default).
     """
 
     enable: bool = False
@@ -33,12 +37,6 @@ class AsyncTrainingConfig:
     """push the actor's weights into the servers every this many training steps (verl's name),
     >= 1 and <= ``buffer.max_staleness + 1``: the servers' weights are at most that many steps
     behind, and a group may be at most η versions behind the actor that trains on it."""
-
-    partial_rollout: bool = True
-    """a weight sync interrupts the generation in flight (verl's name, AReaL's interruptible
-    generation): the servers abort their rows, the sync runs, and each aborted row continues
-    from its tokens on the new weights (``Sample.versions`` records both spans); false: the sync
-    waits for the generation batch in flight to finish."""
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the bad field."""

@@ -47,7 +47,8 @@ class RolloutController:
         selector, next_batch, policy_version, gen_batches_done, prompts, skipper: the steps it fills
             ahead (:class:`~dapo_megatron.rollout.steps_ahead.StepsAhead`'s arguments: the selector,
             whose reward pool this thread uses, so nothing else may grade while it runs (:meth:`pause`);
-            the next generation batch in synchronous mode's order; streamed: the prompt queue, GRESO's skipper).
+            the next generation batch in synchronous mode's order; streamed or skipping: the prompt
+            queue, GRESO's skipper, ``streamed``).
         urls: the servers (health: the module docstring).
         params: sampling parameters (``n = buffer.n``, seed ``trainer.seed``).
         silence_timeout_s, health_timeout_s, eos_token_ids: the row client's ``silence_timeout_s``,
@@ -67,7 +68,8 @@ class RolloutController:
 
     Admission of new prompts, for the step being filled (:meth:`StepsAhead.admit
     <dapo_megatron.rollout.steps_ahead.StepsAhead.admit>`): whole generation batches from ``next_batch``
-    (``prompts`` None), or keep-rate-sized requests from ``prompts`` with the skipper, gated by η.
+    (``prompts`` None) or of the prompts ``prompts`` has that the skipper lets through, or
+    keep-rate-sized requests from ``prompts`` with the skipper (``streamed``), gated by η.
     """
 
     def __init__(self, selector: GroupSelector, next_batch: Callable[[], Sequence[Any]], urls: Sequence[str],
@@ -75,12 +77,12 @@ class RolloutController:
                  gen_batches_done: int = 0, generate: Optional[Callable] = None, health_timeout_s: float = 60.0,
                  prompts: Optional[PromptQueue] = None, skipper: Optional[PromptSkipper] = None,
                  eos_token_ids: Sequence[int] = (), trajectory: Trajectory = SINGLE_TURN,
-                 routes_shape: Optional[tuple[int, int, int]] = None):
+                 routes_shape: Optional[tuple[int, int, int]] = None, streamed: bool = True):
         self.selector, self.trajectory = selector, trajectory
         # the step feeder run ahead: its admission, the step being filled, the ready steps
         self.steps = StepsAhead(selector, next_batch, policy_version=int(policy_version),
                                 gen_batches_done=gen_batches_done, prompts=prompts, skipper=skipper,
-                                trajectory=trajectory)
+                                trajectory=trajectory, streamed=streamed)
         self.urls = list(urls)
         self.params = params
         # the HTTP row client: dispatch over the healthy servers, mark-down and retry, and their health

@@ -9,10 +9,10 @@ feeder over HTTP while the torchrun world trains; on every rank it is the traine
 
 The controller reads every DP rank's share of each generation batch, in DP order, from streams of
 its own (the batch synchronous server mode assembles with an all-gather), so the prompts, seeds and
-group numbers are those of synchronous server mode at any layout. With ``rollout.streaming`` it
-reads synchronous streamed mode's one stream through a
-:class:`~dapo_megatron.rollout.sampling.feeder.PromptQueue` instead (keep-rate admission, GRESO
-skipping with ``buffer.prompt_skip``); the skipper's history, the keep rate and the queue are in
+group numbers are those of synchronous server mode at any layout. With ``rollout.streaming`` or
+``buffer.prompt_skip`` it reads the synchronous modes' one stream through a
+:class:`~dapo_megatron.rollout.sampling.feeder.PromptQueue` instead (keep-rate or whole-batch
+admission, GRESO skipping); the skipper's history, the keep rate and the queue are in
 :meth:`BackgroundDriver.state_dict`.
 """
 
@@ -50,8 +50,8 @@ class BackgroundDriver:
             and config), ``reward_pool``, ``decode``, ``trajectory``, ``validation`` and
             ``train_params()``).
         sync_every: ``async_training.trigger_parameter_sync_step``, >= 1.
-        partial_rollout: ``async_training.partial_rollout``: a sync aborts the rows in flight, which
-            continue after it; false: it waits for the request in flight to finish.
+        partial_rollout: ``rollout.partial_rollout`` (default true here): a sync aborts the rows in
+            flight, which continue after it; false: it waits for the request in flight to finish.
     """
 
     def __init__(self, rollout: Any, *, sync_every: int, partial_rollout: bool):
@@ -68,7 +68,7 @@ class BackgroundDriver:
             return
         b, d = cfg.buffer, cfg.data
         skipper = None
-        if rollout.prompt_queue is not None:  # streamed: synchronous streamed mode's one stream and queue
+        if rollout.prompt_queue is not None:  # streamed or skipping: the synchronous modes' one stream and queue
             self.streams = [rollout.stream]
             skipper = PromptSkipper(b.prompt_skip, seed=cfg.trainer.seed)
         else:
@@ -89,7 +89,8 @@ class BackgroundDriver:
                                             health_timeout_s=cfg.rollout.server_timeout_s, version=0,
                                             policy_version=0, prompts=rollout.prompt_queue, skipper=skipper,
                                             trajectory=rollout.trajectory,
-                                            routes_shape=getattr(engine, "record_routes", None))
+                                            routes_shape=getattr(engine, "record_routes", None),
+                                            streamed=cfg.rollout.streaming)
 
     @property
     def gen_batches_done(self) -> int:
@@ -266,7 +267,8 @@ class BackgroundDriver:
         if "async_rollout" not in state:
             raise ValueError("async_training.enable=true but the checkpoint was written by a synchronous run; "
                              "resume it with async_training.enable=false")
-        check_admission(state["async_rollout"], streamed=self.rollout.prompt_queue is not None)
+        check_admission(state["async_rollout"], streamed=self.rollout.cfg.rollout.streaming,
+                        queue=self.rollout.prompt_queue is not None)
         if self.controller is None:
             return
         self.controller.load_state_dict(state["async_rollout"])  # first: it refuses the other admission's state

@@ -55,7 +55,8 @@ def check_rollout_fits(cfg: DAPOConfig, parallel: ParallelDims, hf_config: Any) 
 
 def prompt_stream(cfg: DAPOConfig, parallel: ParallelDims, train_data: Any) -> PromptStream:
     """The training prompts this rank reads: its DP rank's share of each generation batch, or,
-    streamed, the whole batch on every rank (the streamed decisions are replicated).
+    streamed or with ``buffer.prompt_skip``, the whole batch on every rank (the streamed and the
+    skipping decisions are replicated).
 
     Raises:
         ValueError: ``buffer.gen_batch_size`` does not divide over the DP ranks; from
@@ -65,7 +66,7 @@ def prompt_stream(cfg: DAPOConfig, parallel: ParallelDims, train_data: Any) -> P
     if b.gen_batch_size % parallel.dp_size:
         raise ValueError(f"buffer.gen_batch_size={b.gen_batch_size} must be divisible by the DP size "
                          f"{parallel.dp_size}")
-    if cfg.rollout.streaming:
+    if cfg.rollout.streaming or b.prompt_skip.enable:
         return PromptStream(train_data, b.gen_batch_size, 0, 1, seed=d.seed, shuffle=d.shuffle)
     return PromptStream(train_data, b.gen_batch_size // parallel.dp_size, parallel.dp_rank, parallel.dp_size,
                         seed=d.seed, shuffle=d.shuffle)
@@ -75,9 +76,9 @@ def build_rollout(cfg: DAPOConfig, parallel: ParallelDims, *, tokenizer: Any, hf
                   val_data: Any, stream: PromptStream) -> Rollout:
     """The :class:`Rollout` of this rank for ``cfg.rollout.mode`` / ``tensor_model_parallel_size``:
     its engine (:func:`~dapo_megatron.rollout.engines.factory.build_training_rollout`), its reward
-    pool, the dynamic-sampling buffer and, with ``rollout.streaming``, the streamed collector and
-    its prompt queue, and the trajectory hook every generation loop settles its rows with
-    (``rollout.multi_turn``, :func:`~dapo_megatron.rollout.trajectory.build_trajectory`: single-turn
+    pool, the dynamic-sampling buffer and, with ``rollout.streaming``, the streamed collector, with
+    it or ``buffer.prompt_skip`` the prompt queue over the replicated stream, and the trajectory
+    hook every generation loop settles its rows with (``rollout.multi_turn``, :func:`~dapo_megatron.rollout.trajectory.build_trajectory`: single-turn
     by default); collective in server mode. Build it after the actor: an SGLang engine sizes
     its KV cache from the GPU memory left free.
 
@@ -104,13 +105,13 @@ def build_rollout(cfg: DAPOConfig, parallel: ParallelDims, *, tokenizer: Any, hf
     b = cfg.buffer
     buffer = RolloutBuffer(b, DistributedGrader(reward_pool, parallel), decode)
     collector = prompt_queue = None
-    if cfg.rollout.streaming:
+    if cfg.rollout.streaming or b.prompt_skip.enable:  # the skipper of batch mode is the step source's
         prompt_queue = PromptQueue(stream.next_batch, b.gen_batch_size, train_data.__getitem__)
-        if not cfg.async_training.enable:  # async: rank 0's controller admits from the queue itself
-            collector = StreamingCollector(buffer, PromptSkipper(b.prompt_skip, seed=cfg.trainer.seed),
-                                           partial_rollout=cfg.rollout.partial_rollout,
-                                           poll_tokens=cfg.rollout.stream_poll_tokens, trajectory=trajectory,
-                                           max_new_tokens=cfg.rollout.response_length)
+    if cfg.rollout.streaming and not cfg.async_training.enable:  # async: rank 0's controller admits itself
+        collector = StreamingCollector(buffer, PromptSkipper(b.prompt_skip, seed=cfg.trainer.seed),
+                                       partial_rollout=cfg.partial_rollout,
+                                       poll_tokens=cfg.rollout.stream_poll_tokens, trajectory=trajectory,
+                                       max_new_tokens=cfg.rollout.response_length)
     return compose_rollout(cfg, parallel, engine=engine, num_engines=num_engines, engine_index=engine_index,
                            train_data=train_data, val_data=val_data, stream=stream, reward_pool=reward_pool,
                            decode=decode, buffer=buffer, collector=collector, prompt_queue=prompt_queue,
@@ -122,10 +123,10 @@ def compose_rollout(cfg: DAPOConfig, parallel: ParallelDims, **parts: Any) -> Ro
     feeder, or with ``async_training.enable`` (server mode; ``config/run.py`` refuses it otherwise)
     the background driver (:class:`~dapo_megatron.rollout.background.BackgroundDriver`: rank 0's
     controller thread runs the step feeder ahead of training; ``trigger_parameter_sync_step``,
-    ``partial_rollout``). A new way of driving the feeder is chosen here."""
+    ``rollout.partial_rollout``). A new way of driving the feeder is chosen here."""
     rollout = Rollout(cfg, parallel, **parts)
     a = cfg.async_training
     if a.enable:  # generation beside training
         rollout.run_ahead(BackgroundDriver(rollout, sync_every=a.trigger_parameter_sync_step,
-                                           partial_rollout=a.partial_rollout))
+                                           partial_rollout=cfg.partial_rollout))
     return rollout

@@ -6,7 +6,7 @@ Design: docs/design.md §2.3 (the rollout rooms).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from dapo_megatron.platform.sglang_server_args import check_engine_kwargs
 from dapo_megatron.tools.calls import ToolCallConfig
@@ -149,12 +149,15 @@ class RolloutConfig:
     batches of ``buffer.gen_batch_size`` prompts (verl's dynamic sampling). Under
     ``async_training``: the controller's streamed admission (keep-rate-sized requests, prompt
     skipping; docs/design.md §3.8)."""
-    partial_rollout: bool = False
-    """with ``streaming``: keep the responses still being generated when the step has its N
-    groups, with their tokens, logprobs and weight versions, and continue them in the next
-    step (slime ``--partial-rollout``); False aborts and discards them. Refused under
-    ``async_training`` (its steps never end with rows in flight; see
-    ``async_training.partial_rollout``)."""
+    partial_rollout: Optional[bool] = None
+    """continue interrupted responses from their tokens, with their logprobs and the weight versions
+    that sampled each span (``Sample.versions``). With ``streaming``: the responses still running
+    when the step has its N groups are kept and continued next step (slime ``--partial-rollout``);
+    false aborts and discards them. Under ``async_training``: a weight sync aborts the rows in
+    flight and continues them on the new weights (verl's name, AReaL's interruptible generation);
+    false: the sync waits for the request in flight. null (default): true under
+    ``async_training.enable``, false otherwise. A synchronous batch step never ends with rows in
+    flight: true needs ``streaming`` or ``async_training``."""
     stream_poll_tokens: int = 16
     """with ``streaming``: tokens each engine samples per round between two keep/stop decisions
     (HF engine; SGLang polls in time slices instead). Not used under ``async_training`` (a
@@ -224,9 +227,6 @@ class RolloutConfig:
             raise ValueError(f"weight_probe_tolerance={self.weight_probe_tolerance} must be >= 0 (0 = by dtype)")
         if self.stream_poll_tokens < 1:
             raise ValueError(f"stream_poll_tokens={self.stream_poll_tokens} must be >= 1")
-        if self.partial_rollout and not self.streaming:
-            raise ValueError("partial_rollout=true needs streaming=true (only a streamed rollout stops with responses "
-                             "in flight)")
         if self.val_max_prompts < 0:
             raise ValueError(f"val_max_prompts={self.val_max_prompts} must be >= 0 (0 = all)")
         if self.name != "sglang" and self.deterministic:

@@ -41,11 +41,10 @@ class Fill:
     def state_dict(self, feeder: StepFeeder) -> dict:
         """This step's counts with the admission's (``num_batches``, ``submitted``, ``skipped``) and
         the selector's tally of it (``GroupSelector.step_state_dict``)."""
-        c, selector = feeder.admission.counts(), feeder.selector
-        return {"version": self.version, "num_batches": c["num_batches"], "resubmitted": self.resubmitted,
+        selector = feeder.selector
+        return {"version": self.version, **feeder.admission.counts(), "resubmitted": self.resubmitted,
                 "reprefilled": self.reprefilled, "retried": self.retried, "server_failures": self.server_failures,
-                "evicted": self.evicted, "submitted": c["submitted"], "skipped": c["skipped"],
-                "surplus": selector.state_dict(), **selector.step_state_dict()}
+                "evicted": self.evicted, "surplus": selector.state_dict(), **selector.step_state_dict()}
 
     @classmethod
     def load(cls, d: dict, feeder: StepFeeder) -> "Fill":
@@ -55,8 +54,7 @@ class Fill:
         f.resubmitted, f.reprefilled = int(d["resubmitted"]), int(d["reprefilled"])
         f.retried, f.server_failures = int(d.get("retried", 0)), int(d.get("server_failures", 0))
         f.evicted = int(d.get("evicted", 0))
-        feeder.admission.load_counts({"num_batches": int(d["num_batches"]), "submitted": d.get("submitted", 0),
-                                      "skipped": d.get("skipped", 0)})
+        feeder.admission.load_counts(d)
         feeder.selector.load_state_dict({"surplus": []})
         feeder.selector.load_step_state(f.version, d)
         return f
@@ -70,8 +68,11 @@ class StepsAhead:
         next_batch: batch admission's next generation batch of records (every DP rank's share).
         policy_version: the policy version of the first step to fill.
         gen_batches_done: generation batches drawn so far (numbers groups, seeds responses).
-        prompts: streamed admission's prompt queue; None: batch admission from ``next_batch``.
+        prompts: the prompt queue of streamed admission, or of batch admission with prompt
+            skipping (``streamed`` false: whole batches of the prompts the skipper lets through);
+            None: batch admission from ``next_batch``.
         skipper: with ``prompts``, GRESO prompt skipping; default a disabled one.
+        streamed: with ``prompts``, keep-rate streaming admission (``rollout.streaming``).
         trajectory: its metrics of the responses a step graded (``tool/*``), multi-turn only.
 
     Raises:
@@ -80,7 +81,8 @@ class StepsAhead:
 
     def __init__(self, selector: GroupSelector, next_batch: Callable[[], Sequence[Any]], *, policy_version: int,
                  gen_batches_done: int = 0, prompts: Optional[PromptQueue] = None,
-                 skipper: Optional[PromptSkipper] = None, trajectory: Trajectory = SINGLE_TURN):
+                 skipper: Optional[PromptSkipper] = None, trajectory: Trajectory = SINGLE_TURN,
+                 streamed: bool = True):
         self.selector, self.cfg, self.trajectory = selector, selector.config, trajectory
         self.next_batch, self.prompts = next_batch, prompts
         if prompts is not None and prompts.batch_size != self.cfg.gen_batch_size:
@@ -88,8 +90,9 @@ class StepsAhead:
                              f"{self.cfg.gen_batch_size} (it numbers the prompts)")
         self.skipper = skipper if skipper is not None else PromptSkipper(PromptSkipConfig(enable=False))
         self.keep_rate = KeepRate()
-        admission = (KeepRateStreaming(self.cfg, prompts, self.skipper, self.keep_rate) if prompts is not None
-                     else WholeBatches(self.cfg, self._draw_batch))
+        self.streamed = prompts is not None and streamed
+        admission = (KeepRateStreaming(self.cfg, prompts, self.skipper, self.keep_rate) if self.streamed
+                     else WholeBatches(self.cfg, self._draw_batch if prompts is None else list, prompts, self.skipper))
         self.feeder = StepFeeder(selector, admission)
         self.eta = EtaBound(self.cfg.max_staleness)
         self.gen_batches_done = int(gen_batches_done)
@@ -155,10 +158,9 @@ class StepsAhead:
         metrics.update({"rollout/retried_rows": float(f.retried), "rollout/server_failures": float(f.server_failures),
                         "rollout/healthy_servers": float(healthy_servers),
                         "rollout/evicted_on_resume": float(f.evicted)})
-        if self.prompts is not None:  # synchronous streamed mode's names
-            a = self.feeder.admission
-            metrics.update({"rollout/keep_rate": self.keep_rate.value, "rollout/prompts_submitted": float(a.submitted),
-                            "rollout/skipped_prompts": float(a.skipped)})
+        if self.prompts is not None:  # the synchronous modes' names
+            metrics.update({**({"rollout/keep_rate": self.keep_rate.value} if self.streamed else {}),
+                            **self.feeder.admission.skip_metrics()})
         self.ready.append((f.version, out, metrics))
         self.fill = Fill(f.version + 1)
         self.feeder.begin(self.fill.version)
@@ -167,13 +169,14 @@ class StepsAhead:
     # ---- state --------------------------------------------------------------------------
     def state_dict(self) -> dict:
         """The ready steps (failed ones left out), the step being filled and the batch counter, and
-        with streamed admission ``admission``: the prompt queue, the keep rate and the skipper's history."""
+        with a prompt queue ``admission``: the queue, the keep rate, the skipper's history and whether
+        the admission is ``streamed``."""
         out = {"gen_batches_done": self.gen_batches_done, "fill": self.fill.state_dict(self.feeder),
                "ready": [{"version": v, "groups": [group_to_dict(g) for g in gs], "metrics": m}
                          for v, gs, m in self.ready if not isinstance(gs, BaseException)]}
         if self.prompts is not None:
             out["admission"] = {"prompts": self.prompts.state_dict(), "keep_rate": self.keep_rate.state_dict(),
-                                "skipper": self.skipper.state_dict()}
+                                "skipper": self.skipper.state_dict(), "streamed": self.streamed}
         return out
 
     def load_state_dict(self, state: dict) -> None:
@@ -193,10 +196,9 @@ class StepsAhead:
         filled again: it sizes the next requests only.)
 
         Raises:
-            ValueError: the checkpoint's admission (batch or streamed, ``rollout.streaming``) is
-                not this one's (:func:`check_admission`).
+            ValueError: the checkpoint's admission is not this one's (:func:`check_admission`).
         """
-        check_admission(state, streamed=self.prompts is not None)
+        check_admission(state, streamed=self.streamed, queue=self.prompts is not None)
         if self.prompts is not None:
             a = state["admission"]
             self.prompts.load_state_dict(a["prompts"])
@@ -226,15 +228,20 @@ class StepsAhead:
                        "were kept for: evicted from the step of policy version %d on", evicted, eta, version)
 
 
-def check_admission(state: dict, *, streamed: bool) -> None:
-    """Raise ``ValueError`` (naming ``rollout.streaming`` and its value to resume with) when the
-    controller state ``state`` (:meth:`StepsAhead.state_dict`) was written by the other
-    admission: batch and streamed steps are filled from different prompt positions."""
-    if streamed != ("admission" in state):
-        was = "true" if "admission" in state else "false"
-        raise ValueError(f"the checkpoint was written with rollout.streaming={was} (the async controller's "
-                         f"{'streamed' if was == 'true' else 'batch'} admission of prompts); resume it with "
-                         f"rollout.streaming={was}")
+def check_admission(state: dict, *, streamed: bool, queue: bool) -> None:
+    """Raise ``ValueError`` naming the key and value to resume with (``rollout.streaming``, or
+    ``buffer.prompt_skip.enable``: batch admission from the prompt ``queue``) when ``state``
+    (:meth:`StepsAhead.state_dict`) was written by another admission, which draws other prompts."""
+    a = state.get("admission")
+    was_streamed = a is not None and a.get("streamed", True)
+    if streamed != was_streamed:
+        key, was = "rollout.streaming", was_streamed
+    elif queue != (a is not None):
+        key, was = "buffer.prompt_skip.enable", a is not None
+    else:
+        return
+    raise ValueError(f"the checkpoint was written with {key}={str(was).lower()} (another admission of prompts by "
+                     f"the async controller, from other prompt positions); resume it with {key}={str(was).lower()}")
 
 
 def partial_metrics(trained: Sequence[Sample], *, resubmitted: int, reprefilled: int,

@@ -17,13 +17,14 @@ lists stay where they were generated (:func:`~dapo_megatron.rollout.plan.step_da
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
 from dapo_megatron.platform import collective_device
 from dapo_megatron.rollout.engines.engine import SamplingParams, completions_to_group
 from dapo_megatron.rollout.plan.step_data import gather_groups, gather_preds, send_tokens
+from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipper
 from dapo_megatron.rollout.trajectory import run_turns
 from dapo_megatron.rollout.types import HELD_BY_ALL, Group
 
@@ -34,12 +35,16 @@ class SyncFeeder:
     It reads the rollout's ``cfg``, ``parallel``, ``engine``, ``train_data``, ``stream``, ``buffer``,
     ``collector`` / ``prompt_queue`` / ``row_client`` (streamed), ``trajectory`` and
     ``routes_layout``, and owns :attr:`gen_batches_done` (generation batches drawn so far: it
-    numbers the groups and seeds the sampler).
+    numbers the groups and seeds the sampler) and, batch mode with ``buffer.prompt_skip``, the
+    :attr:`skipper` of the batches drawn from the replicated ``prompt_queue`` (:meth:`_generate_batch`).
     """
 
     def __init__(self, rollout: Any):
         self.rollout = rollout
         self.gen_batches_done = 0
+        b = rollout.cfg.buffer
+        self.skipper = (PromptSkipper(b.prompt_skip, seed=rollout.cfg.trainer.seed)
+                        if b.prompt_skip.enable and not rollout.cfg.rollout.streaming else None)
 
     # ------------------------------------------------------------------ batch generation
     def _global_batch(self, indices: list[int]) -> list[int]:
@@ -51,18 +56,15 @@ class SyncFeeder:
         mine = torch.tensor(indices, dtype=torch.int64, device=collective_device(parallel.dp_group))
         return torch.cat(parallel.all_gather(mine, "dp")).cpu().tolist()
 
-    def generate_groups(self, records: Sequence[Any], params: SamplingParams, first_group_id: int) -> list[Group]:
-        """Generate ``params.n`` responses for each prompt of the generation batch (every DP
-        rank's ``records``), dealt over the rollout engines, and return the groups: every rank
-        gets the same list of records, ordered by DP rank then prompt position, with consecutive
-        group ids; the token lists only where generated."""
+    def generate_groups(self, batch: Sequence[int], params: SamplingParams, positions: Sequence[int]) -> list[Group]:
+        """Generate ``params.n`` responses for each prompt of the generation batch (``batch``: its
+        dataset indices, the same on every rank), dealt over the rollout engines, and return the
+        groups: every rank gets the same list of records, in ``batch`` order, group ``k`` numbered
+        and seeded by its global position ``positions[k]``; the token lists only where generated."""
         r = self.rollout
-        # the batch in global order (DP rank, position); position g seeds its responses, so the
-        # rollout depends neither on the actor's TP/PP/DP nor on the engines' layout
-        batch = self._global_batch([rec.index for rec in records])
         mine = r.engine_share(len(batch))
         prompts = [r.train_data[batch[g]].prompt_ids for g in mine]
-        outputs = r.engine.generate(prompts, params, [first_group_id + g for g in mine]) if mine else []
+        outputs = r.engine.generate(prompts, params, [positions[g] for g in mine]) if mine else []
         r.parallel.wait_for_generation()  # ranks that generate nothing wait on gloo, not in gather_groups
         local, rows = [], []
         for g, completions in zip(mine, outputs):
@@ -70,26 +72,34 @@ class SyncFeeder:
             local.append((0, g, completions_to_group(  # (0, g): ordered by global position
                 -1, rec.prompt_ids, completions, prompt_index=rec.index, data_source=rec.data_source,
                 ground_truth=rec.ground_truth, extra_info=rec.extra_info)))
-            rows.extend((s, first_group_id + g, j) for j, s in enumerate(local[-1][2].samples))
+            rows.extend((s, positions[g], j) for j, s in enumerate(local[-1][2].samples))
         # each finished row through the trajectory hook; a multi-turn one runs its next turns here
         run_turns(r.engine, rows, params, r.trajectory)
         groups = gather_groups(local, n=params.n, max_local=-(-len(batch) // r.num_engines),
                                record_of=r.train_data.__getitem__, parallel=r.parallel)
         version = r.engine.weight_version  # the same on every rank: the weights of the last sync
         for k, g in enumerate(groups):
-            g.group_id = first_group_id + k
+            g.group_id = positions[k]
             for s in g.samples:
                 s.group_id = g.group_id
                 s.versions = [(0, version)]
         return groups
 
-    def _generate_batch(self) -> list[Group]:
-        """One generation batch for the buffer: ``buffer.gen_batch_size`` prompts × n."""
+    def _generate_batch(self, drawn: Optional[Sequence[tuple[Any, int]]] = None) -> list[Group]:
+        """One generation batch for the buffer: every DP rank's share of the stream's next batch in
+        DP order, prompt ``g`` of batch ``b`` at position ``b * gen_batch_size + g`` (so the rollout
+        depends on no layout); with the skipper, the queue's ``drawn`` ``(record, position)`` pairs
+        (every rank reads the whole stream, so every rank's skipper decides alike)."""
         r = self.rollout
-        records = r.stream.next_batch()
-        first = self.gen_batches_done * r.cfg.buffer.gen_batch_size
-        self.gen_batches_done += 1
-        return self.generate_groups(records, r.train_params(), first)
+        if drawn is None:
+            batch = self._global_batch([rec.index for rec in r.stream.next_batch()])
+            first = self.gen_batches_done * r.cfg.buffer.gen_batch_size
+            self.gen_batches_done += 1
+            positions: Sequence[int] = range(first, first + len(batch))
+        else:
+            batch, positions = [rec.index for rec, _ in drawn], [pos for _, pos in drawn]
+            self.gen_batches_done = r.prompt_queue.fetched
+        return self.generate_groups(batch, r.train_params(), positions)
 
     # ------------------------------------------------------------------ the step source
     def collect(self, step: int) -> tuple[list[Group], dict[str, float]]:
@@ -99,7 +109,8 @@ class SyncFeeder:
         or streamed (:meth:`~dapo_megatron.rollout.sampling.streaming.StreamingCollector.collect`)."""
         r = self.rollout
         if r.collector is None:
-            groups, metrics = r.buffer.collect(self._generate_batch, policy_version=step)
+            groups, metrics = r.buffer.collect(self._generate_batch, policy_version=step, skipper=self.skipper,
+                                               prompts=r.prompt_queue if self.skipper is not None else None)
         else:
             groups, metrics = r.collector.collect(r.row_client, r.prompt_queue, policy_version=step)
             self.gen_batches_done = r.prompt_queue.fetched
@@ -118,7 +129,8 @@ class SyncFeeder:
     def state_dict(self) -> dict[str, Any]:
         """The rollout's part of a checkpoint (the same on every rank; rank 0's is written);
         collective. Keys: ``gen_batches_done``, ``streams`` (one prompt-stream position per DP
-        rank), ``buffer`` and, streamed, ``streaming`` and ``prompt_queue``. Rank 0 receives the
+        rank), ``buffer`` and, streamed, ``streaming`` and ``prompt_queue``; batch mode with the
+        skipper, ``skipper`` (its history) and ``prompt_queue``. Rank 0 receives the
         surplus and partial groups' token lists and the surplus' extracted answers from the
         ranks that generated them."""
         r = self.rollout
@@ -133,8 +145,9 @@ class SyncFeeder:
             "gen_batches_done": self.gen_batches_done,
             "streams": [by_dp[d] for d in range(r.parallel.dp_size)],
             "buffer": r.buffer.state_dict(),
-            **({"streaming": r.collector.state_dict(), "prompt_queue": r.prompt_queue.state_dict()}
-               if r.collector is not None else {}),
+            **({"streaming": r.collector.state_dict()} if r.collector is not None else {}),
+            **({"skipper": self.skipper.state_dict()} if self.skipper is not None else {}),
+            **({"prompt_queue": r.prompt_queue.state_dict()} if r.collector or self.skipper else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -142,7 +155,8 @@ class SyncFeeder:
         surplus' token lists.
 
         Raises:
-            ValueError: a streamed run resumed from a batch run's checkpoint.
+            ValueError: a streamed run resumed from a batch run's checkpoint; a batch run with
+                ``buffer.prompt_skip`` from a checkpoint written without it.
         """
         r = self.rollout
         self.gen_batches_done = state["gen_batches_done"]
@@ -156,5 +170,11 @@ class SyncFeeder:
                 raise ValueError("rollout.streaming=true but the checkpoint was written by a batch (non-streaming) "
                                  "run; resume it with rollout.streaming=false")
             r.collector.load_state_dict(state["streaming"])
+        if self.skipper is not None:
+            if "skipper" not in state:
+                raise ValueError("buffer.prompt_skip.enable=true but the checkpoint was written without prompt "
+                                 "skipping in batch mode; resume it with buffer.prompt_skip.enable=false")
+            self.skipper.load_state_dict(state["skipper"])
+        if r.collector is not None or self.skipper is not None:
             r.prompt_queue.load_state_dict(state["prompt_queue"])
 

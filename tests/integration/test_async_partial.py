@@ -1,5 +1,5 @@
-"""async_training's interruptible weight sync (``async_training.partial_rollout``) on a real
-dapo-rollout-server: the sync's ``/pause_generation`` aborts the rows of a ``/generate`` in
+"""async_training's interruptible weight sync (``rollout.partial_rollout``, its default there) on a
+real dapo-rollout-server: the sync's ``/pause_generation`` aborts the rows of a ``/generate`` in
 flight, they continue after it from their prefix, and each token carries the version that
 sampled it.
 
@@ -28,7 +28,7 @@ from rollout_server import RolloutServer, tiny_async_model
 STEPS, LENGTH = 3, 384
 PARTIAL_CONFIG = [
     f"trainer.total_training_steps={STEPS}", "buffer.max_staleness=1", "async_training.enable=true",
-    "async_training.partial_rollout=true", "buffer.filter_groups=false", "buffer.gen_batch_size=2",
+    "rollout.partial_rollout=true", "buffer.filter_groups=false", "buffer.gen_batch_size=2",
     "buffer.max_num_gen_batches=1", "actor.optim.lr=1e-30", "actor.ppo_max_token_len_per_gpu=4096",
     f"rollout.response_length={LENGTH}", f"buffer.overlong.max_response_length={LENGTH}",
     "buffer.overlong.overlong_buffer_len=64",

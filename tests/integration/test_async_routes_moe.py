@@ -37,7 +37,7 @@ CONFIG = [
     f"trainer.total_training_steps={STEPS}", "trainer.test_freq=-1", "trainer.val_before_train=false",
     "trainer.save_freq=-1", "buffer.train_batch_size=2", "buffer.n=2", "buffer.gen_batch_size=2",
     "buffer.max_num_gen_batches=1", "buffer.on_cap=train_on_kept", "buffer.filter_groups=false",
-    "buffer.max_staleness=1", "async_training.enable=true", "async_training.partial_rollout=true",
+    "buffer.max_staleness=1", "async_training.enable=true", "rollout.partial_rollout=true",
     "actor.ppo_mini_batch_size=1", "actor.ppo_max_token_len_per_gpu=1024", "actor.optim.lr=1e-2",
     "actor.optim.lr_warmup_steps=0", "actor.routing_replay=rollout",
     f"rollout.response_length={LENGTH}", f"buffer.overlong.max_response_length={LENGTH}",

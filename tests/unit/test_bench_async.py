@@ -27,7 +27,7 @@ def test_arm_overrides_load_as_the_arm_they_name(arm, enable, eta, partial, smol
     assert cfg.async_training.enable is enable
     assert cfg.buffer.max_staleness == eta
     if partial is not None:
-        assert cfg.async_training.partial_rollout is partial
+        assert cfg.partial_rollout is partial
 
 
 def _rows(times, gens, steps_s, extra=None):

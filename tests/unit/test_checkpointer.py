@@ -5,9 +5,9 @@ with one message naming the file and the fix.
 One world-of-one process: the tiny GPT + DDP + distributed optimizer + scheduler of
 ``test_checkpointing`` stand in for the actor; the rollout is a real ``Rollout`` (no engine: its
 state is the prompt stream, the selector's surplus, the streamed collector's partial groups and
-keep rate, the GRESO skip history and the prompt queue), put in a known state through the
-components' own operations. Each value is compared with the one the saved objects hold (or
-would produce next), not with what the checkpointer wrote.
+keep rate, the GRESO skip history (streamed, or batch mode's) and the prompt queue), put in a
+known state through the components' own operations. Each value is compared with the one the
+saved objects hold (or would produce next), not with what the checkpointer wrote.
 """
 
 import os
@@ -44,11 +44,11 @@ def _rollout(par, streaming: bool = True):
     records = _records()
     stream = PromptStream(records, GEN_BATCH, 0, 1, seed=3)
     buffer = RolloutBuffer(cfg.buffer, reward_pool=None, decode=None)
-    collector = queue = None
+    queue = PromptQueue(stream.next_batch, GEN_BATCH, records.__getitem__)  # skipping: batch mode's too
+    collector = None
     if streaming:
         collector = StreamingCollector(buffer, PromptSkipper(cfg.buffer.prompt_skip, seed=1), partial_rollout=True,
                                        poll_tokens=2)
-        queue = PromptQueue(stream.next_batch, GEN_BATCH, records.__getitem__)
     return Rollout(cfg, par, engine=None, num_engines=1, engine_index=None, train_data=records, val_data=None,
                    stream=stream, reward_pool=None, decode=None, buffer=buffer, collector=collector,
                    prompt_queue=queue)
@@ -71,19 +71,24 @@ def _put_in_state(r):
     r.stream.next_batch()  # the stream one batch on
     r.prompt_queue.pop()  # the queue: a batch fetched (one more from the stream), three left over
     r.gen_batches_done = r.prompt_queue.fetched
-    sk = r.collector.skipper
+    sk = _skipper(r)
     for k in (1, 1, 1, 4):
         sk.skip(k)
         sk.record(k, zero_variance=k == 1)
     r.buffer.load_state_dict({"surplus": [group_to_dict(_group(0, 6, [(0, 2)], 1.0))]})
-    # the collector's partial groups and keep-rate counts, as a step's end leaves them
-    r.collector.load_state_dict({"partial": [group_to_dict(_group(1, 9, [(0, 1), (1, 2)], -1.0))], "kept": 1.5,
-                                 "graded": 3.25, "skipper": sk.state_dict()})
+    if r.collector is not None:  # the collector's partial groups and keep-rate counts, as a step's end leaves them
+        r.collector.load_state_dict({"partial": [group_to_dict(_group(1, 9, [(0, 1), (1, 2)], -1.0))], "kept": 1.5,
+                                     "graded": 3.25, "skipper": sk.state_dict()})
+
+
+def _skipper(r):
+    """The rollout's GRESO skipper: the streamed collector's, or batch mode's (the step source's)."""
+    return r.collector.skipper if r.collector is not None else r.steps.skipper
 
 
 def _view(r):
     """What the next step would start from (values, not the state dicts the checkpointer wrote)."""
-    sk = r.collector.skipper if r.collector is not None else None
+    sk = _skipper(r)
 
     def samples(groups):
         return [(g.group_id, g.prompt_seed, [(s.response_ids, s.rollout_logprobs, s.versions, s.finish_reason,
@@ -91,10 +96,11 @@ def _view(r):
 
     return {"gen_batches_done": r.gen_batches_done, "next_stream": [x.index for x in r.stream.next_batch()],
             "surplus": samples(r.buffer.surplus),
-            **({"partial": samples(r.collector.partial), "keep_rate": r.collector.keep_rate,
-                "candidates": [k for k in range(NUM_PROMPTS) if sk.is_candidate(k)],
-                "encounters": [sk._encounters.get(k, 0) for k in range(NUM_PROMPTS)],
-                "next_queue": [r.prompt_queue.pop()[1] for _ in range(4)]} if sk is not None else {})}
+            "candidates": [k for k in range(NUM_PROMPTS) if sk.is_candidate(k)],
+            "encounters": [sk._encounters.get(k, 0) for k in range(NUM_PROMPTS)],
+            "next_queue": [r.prompt_queue.pop()[1] for _ in range(4)],
+            **({"partial": samples(r.collector.partial), "keep_rate": r.collector.keep_rate}
+               if r.collector is not None else {})}
 
 
 def _worker(out_path, run_dir):
@@ -120,6 +126,14 @@ def _worker(out_path, run_dir):
     res["params_loaded"], res["probe_loaded"] = _params(ddp), _rng_probe()
     res["loaded_view"] = _view(fresh)
     res["layout"] = torch.load(os.path.join(path, "trainer_state.pt"), weights_only=False)["layout"]
+    # (1b) batch mode with prompt skipping: its skipper and the replicated prompt queue round-trip
+    batch = _rollout(par, streaming=False)
+    _put_in_state(batch)
+    path = ckpt.Checkpointer(run_dir, actor, {"rollout": batch}, parallel=par).save(4, tracking_run_id=None)
+    res["batch_saved_view"] = _view(batch)
+    fresh = _rollout(par, streaming=False)
+    ckpt.Checkpointer(run_dir, actor, {"rollout": fresh}, parallel=par).load(path)
+    res["batch_loaded_view"] = _view(fresh)
 
     # (2) the layout e9128fc wrote: DAPOTrainer.save's dict, flat, through save_checkpoint
     old = _rollout(par)
@@ -175,6 +189,13 @@ def test_every_component_round_trips(res):
     assert all(torch.equal(res["params_saved"][n], res["params_loaded"][n]) for n in res["params_saved"])
     p, q = res["probe_saved"], res["probe_loaded"]
     assert p["random"] == q["random"] and torch.equal(p["torch"], q["torch"])
+
+
+def test_batch_mode_keeps_the_skip_history_and_the_prompt_queue(res):
+    saved, loaded = res["batch_saved_view"], res["batch_loaded_view"]
+    assert saved == loaded and "partial" not in saved
+    assert saved["candidates"] == [1] and saved["encounters"][1] == 3 and saved["encounters"][4] == 1
+    assert saved["next_queue"][:3] == [1, 2, 3] and saved["gen_batches_done"] == 1
 
 
 def test_the_layout_written_by_e9128fc_loads(res):

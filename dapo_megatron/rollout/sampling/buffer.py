@@ -323,16 +323,21 @@ class RolloutBuffer(GroupSelector):
                                  f"responses; buffer.n={cfg.n} requires exactly n per prompt")
         return groups
 
-    def collect(self, generate_batch: Callable[[], list[Group]],
-                policy_version: Optional[int] = None) -> tuple[list[Group], dict[str, float]]:
+    def collect(self, generate_batch: Callable[..., list[Group]], policy_version: Optional[int] = None, *,
+                prompts: Any = None, skipper: Any = None) -> tuple[list[Group], dict[str, float]]:
         """Gather the groups of one training step.
 
         Args:
             generate_batch: returns the ungraded groups (``n`` samples each, at most
-                ``gen_batch_size`` groups) of the next generation batch.
+                ``gen_batch_size`` groups) of the next generation batch; with ``prompts``, of
+                the ``(record, position)`` pairs it is given.
             policy_version: the weights version of the actor that trains on the result
                 (the trainer's step count); surplus more than ``max_staleness`` versions
                 older is dropped. None: no staleness bookkeeping.
+            prompts, skipper: GRESO prompt skipping: each batch is the next ``gen_batch_size``
+                prompts of this prompt queue that the skipper lets through
+                (:class:`~dapo_megatron.rollout.sampling.feeder.WholeBatches`); the metrics add
+                ``rollout/{prompts_submitted, skipped_prompts}``.
 
         Returns:
             ``(groups, metrics)``: exactly ``train_batch_size`` graded groups (fewer only with
@@ -347,11 +352,14 @@ class RolloutBuffer(GroupSelector):
                 so far stay in the surplus).
             ValueError: a generation batch of the wrong shape.
         """
-        feeder = StepFeeder(self, WholeBatches(self.config, lambda: self._check_batch(generate_batch(),
-                                                                                 feeder.admission.num_batches)))
+        feeder = StepFeeder(self, WholeBatches(self.config, lambda *drawn: self._check_batch(
+            generate_batch(*drawn), feeder.admission.num_batches), prompts, skipper))
         feeder.begin(policy_version)
         feeder.fill(Generated())
-        return feeder.take()
+        out, metrics = feeder.take()
+        if prompts is not None and "rollout/gen_tokens" in metrics:  # absent with the others when nothing ran
+            metrics.update(feeder.admission.skip_metrics())
+        return out, metrics
 
 
 GENERATION_METRICS = (

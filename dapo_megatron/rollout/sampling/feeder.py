@@ -8,10 +8,11 @@ finished groups, **grade** them and **offer** them to the one selector in submis
 and metrics. :class:`StepFeeder` holds that sequence once; it is the only caller of
 ``GroupSelector.offer``. What differs between the modes is a policy or a transport:
 
-* admission policies (this module): :class:`WholeBatches` (``buffer.gen_batch_size`` prompts at a
-  time with nothing in flight, at most ``buffer.max_num_gen_batches`` per step: batch mode and the
-  async controller's default) and :class:`KeepRateStreaming` (as many prompts as the observed keep
-  rate says will fill the step, GRESO-skipped ones not counted: ``rollout.streaming``); the async
+* admission policies (this module): :class:`WholeBatches` (``buffer.gen_batch_size`` prompts, the
+  skipper's survivors with ``buffer.prompt_skip``, at a time with nothing in flight, at most
+  ``buffer.max_num_gen_batches`` per step: batch mode and the async controller's default) and
+  :class:`KeepRateStreaming` (as many prompts as the observed keep rate says will fill the step,
+  GRESO-skipped ones not counted: ``rollout.streaming``); the async
   controller adds the :class:`EtaBound` gate (a request for the step of policy version ``p``
   starts only when the servers hold version ``>= p - η``). A new admission policy is a class with
   the methods of :class:`Admission`, chosen where the rollout is built
@@ -113,12 +114,6 @@ class KeepRate:
         self.kept, self.graded = float(state["kept"]), float(state["graded"])
 
 
-def streamed_cap_spent(cfg: Any, submitted: int, skipped: int) -> str:
-    """What a streamed step spent when it hit its cap (``GroupSelector.fail_at_cap``'s ``what``)."""
-    return (f"streaming dynamic sampling after {submitted} prompts (max_num_gen_batches={cfg.max_num_gen_batches} "
-            f"x gen_batch_size={cfg.gen_batch_size}; {skipped} skipped)")
-
-
 def draw_unskipped(prompts: PromptQueue, skipper: PromptSkipper, want: int) -> tuple[list[tuple[Any, int]], int]:
     """The next ``want`` prompts of the queue that ``skipper`` does not skip, in stream order:
     ``([(record, position), ...], skipped)``; each skipped prompt is consumed (it counts as an
@@ -174,6 +169,10 @@ class _Counts:
         self.num_batches = int(state.get("num_batches", 0))
         self.submitted, self.skipped = int(state.get("submitted", 0)), int(state.get("skipped", 0))
 
+    def skip_metrics(self) -> dict[str, float]:
+        """``rollout/{prompts_submitted, skipped_prompts}``: prompts admitted and skipped this step."""
+        return {"rollout/prompts_submitted": float(self.submitted), "rollout/skipped_prompts": float(self.skipped)}
+
 
 class WholeBatches(_Counts):
     """Admission by whole generation batches (verl's dynamic sampling): one batch at a time, with
@@ -184,11 +183,17 @@ class WholeBatches(_Counts):
         draw: ``draw()`` -> the next batch as the transport takes it (batch mode: the generated
             groups of ``buffer.gen_batch_size`` prompts, one collective engine call, so the engine
             keeps sampling whole batches; the async controller: ``(record, position)`` pairs).
-            It may read :attr:`num_batches`: the batch's index in the step.
+            It may read :attr:`num_batches`: the batch's index in the step. With ``prompts``:
+            ``draw(drawn)``, the batch of those ``(record, position)`` pairs.
+        prompts, skipper: GRESO prompt skipping (``buffer.prompt_skip``): each batch is the next
+            ``gen_batch_size`` prompts of the queue (replicated: every rank draws the same) that
+            ``skipper`` lets through (:func:`draw_unskipped`), and every offered group updates its
+            history. None: ``draw()`` reads the batch itself.
     """
 
-    def __init__(self, config: Any, draw: Callable[[], Any]):
-        self.config, self.draw = config, draw
+    def __init__(self, config: Any, draw: Callable[..., Any], prompts: Optional[PromptQueue] = None,
+                 skipper: Optional[PromptSkipper] = None):
+        self.config, self.draw, self.prompts, self.skipper = config, draw, prompts, skipper
 
     def new_step(self) -> None:
         self.load_counts({})
@@ -199,12 +204,19 @@ class WholeBatches(_Counts):
     def admit(self, missing: int, in_flight: int) -> Optional[Any]:
         if in_flight or self.at_cap():
             return None
-        request = self.draw()
+        if self.prompts is None:
+            request = self.draw()
+        else:
+            drawn, skipped = draw_unskipped(self.prompts, self.skipper, self.config.gen_batch_size)
+            self.submitted += len(drawn)
+            self.skipped += skipped
+            request = self.draw(drawn)
         self.num_batches += 1
         return request
 
     def record(self, g: Group, kept: bool, zero_variance: bool) -> None:
-        pass
+        if self.skipper is not None:
+            self.skipper.record(g.samples[0].prompt_index, zero_variance)
 
     def cap_spent(self) -> str:
         return (f"dynamic sampling after max_num_gen_batches={self.config.max_num_gen_batches} "
@@ -258,7 +270,9 @@ class KeepRateStreaming(_Counts):
         self.keep.count(kept)
 
     def cap_spent(self) -> str:
-        return streamed_cap_spent(self.config, self.submitted, self.skipped)
+        cfg = self.config
+        return (f"streaming dynamic sampling after {self.submitted} prompts (max_num_gen_batches="
+                f"{cfg.max_num_gen_batches} x gen_batch_size={cfg.gen_batch_size}; {self.skipped} skipped)")
 
 
 @dataclass(frozen=True)

@@ -1,26 +1,13 @@
 """Streaming dynamic sampling: grade groups as they finish, stop at N kept, carry the rest.
 
-The batch form of dynamic sampling (:meth:`RolloutBuffer.collect`, verl's) generates whole
-generation batches and discards what it does not need. :class:`StreamingCollector` runs the
-rollout of one step in *rounds* instead:
-
-1. carried work first: partial groups aborted at the end of the previous step
-   (``rollout.partial_rollout``) are resubmitted, each unfinished response continued after
-   its prefix; carried surplus groups count as kept. Both are dropped when more than
-   ``buffer.max_staleness`` weight versions behind the actor (counted);
-2. it submits new prompts while ``kept + keep_rate * in_flight < N``: as many as the keep
-   rate observed so far says will yield the missing groups (``ceil(missing / keep_rate)``,
-   at most ``buffer.gen_batch_size`` per round and ``max_num_gen_batches * gen_batch_size``
-   per step; GRESO's adaptive batch size, arXiv 2506.02177 Sec. 4.2, without its 1.25
-   margin: the next round tops up). A prompt that the :class:`~dapo_megatron.rollout.sampling.prompt_skip.PromptSkipper`
-   skips does not count;
-3. every engine advances ``rollout.stream_poll_tokens`` sampled tokens; the groups whose
-   ``n`` responses have all finished are graded and kept or dropped, in submission order;
-4. once N groups are kept it stops: the rows still running are aborted and either
-   discarded (``partial_rollout: false``) or kept, with their tokens, logprobs and the
-   weight versions that sampled them, to be continued next step (``true``). Exactly N groups
-   are returned (fewer only at the cap with ``on_cap="train_on_kept"``); groups kept beyond
-   N are carried as surplus.
+Where batch mode (:meth:`RolloutBuffer.collect`, verl's) generates whole generation batches and
+discards what it does not need, :class:`StreamingCollector` runs a step in *rounds*: carried
+partial groups (``rollout.partial_rollout``) are continued first, new prompts are admitted by the
+keep rate (:class:`~dapo_megatron.rollout.sampling.feeder.KeepRateStreaming`, GRESO-skipped ones
+not counted), every engine samples ``rollout.stream_poll_tokens`` tokens per round, finished groups
+are graded and offered in submission order, and once N are kept the rows still running are
+aborted: discarded, or kept with their tokens, logprobs and versions to continue next step.
+Carried work more than ``buffer.max_staleness`` versions behind is dropped (counted).
 
 Determinism and layout: all decisions are taken on every rank from the same records, so
 they need no communication besides the client's. With the HF engine a round is a fixed
@@ -394,11 +381,8 @@ class StreamingCollector:
         })
         if "rollout/gen_tokens" in metrics:  # absent with the generation's other metrics when nothing was sampled
             metrics.update({
-                "rollout/rounds": float(rounds.rounds),
-                "rollout/prompts_submitted": float(feeder.admission.submitted),
-                "rollout/skipped_prompts": float(feeder.admission.skipped),
-                "rollout/aborted_rows": float(len(aborted)),
-                "rollout/aborted_tokens": float(aborted_tokens),
+                "rollout/rounds": float(rounds.rounds), **feeder.admission.skip_metrics(),
+                "rollout/aborted_rows": float(len(aborted)), "rollout/aborted_tokens": float(aborted_tokens),
             })
         return out, metrics
 

@@ -171,9 +171,7 @@ def test_real_schema_errors_begin_once_with_the_dotted_key():
         ("rollout.name=vllm", "rollout.name='vllm' must be 'hf' or 'sglang'"),
         ("data.max_prompt_length=0", "data.max_prompt_length=0 must be a positive int"),
         ("data.arithmetic.style=poem", "data.arithmetic.style='poem' must be 'plain' or 'word'"),
-        ("rollout.partial_rollout=true", "rollout.partial_rollout=true needs streaming=true"),
         ("rollout.stream_poll_tokens=0", "rollout.stream_poll_tokens=0 must be >= 1"),
-        ("buffer.prompt_skip.enable=true", "buffer.prompt_skip.enable=true needs rollout.streaming=true"),
         ("buffer.prompt_skip.skip_probability=1.0", "buffer.prompt_skip.skip_probability=1.0 must be in [0, 1)"),
         # across sections: 100 steps × 1 epoch × 512/32 mini-batches = 1600 optimizer steps
         ("actor.optim.lr_warmup_steps=1600", "actor.optim.lr_warmup_steps=1600 must be smaller than the run's "

@@ -135,7 +135,6 @@ DOMAINS: dict[str, Case] = {
                                                                           "buffer.overlong.overlong_buffer_len=256"]),
     "buffer.overlong.overlong_buffer_len": Case([0, 30000], 1024),
     "buffer.overlong.penalty_factor": Case([-1], 0.5),
-    "buffer.prompt_skip.enable": Case(["true"], "true", good_ctx=STREAM),
     "buffer.prompt_skip.zero_variance_visits": Case([0], 3),
     "buffer.prompt_skip.skip_probability": Case([1, -0.1], 0.9),
     "buffer.max_staleness": Case([-1], 0),
@@ -215,7 +214,7 @@ FREE: dict[str, str] = {
     "actor.use_packed_seq_params": "bool or null (auto)",
     "trainer.val_before_train": "bool",
     "tracking.use_mlflow": "bool",
-    "async_training.partial_rollout": "bool",
+    "buffer.prompt_skip.enable": "bool: batch, streamed and async admissions skip alike",
     "sandbox.bwrap": "an executable's name or path: found (and probed) when the tool trajectory starts its pool",
     "sandbox.allow_unsandboxed": "bool: honoured only where bwrap cannot run, with a warning",
 }
@@ -347,15 +346,17 @@ def test_async_training_keys_point_to_ours_and_check_their_context():
     assert "\n" not in msg
     with pytest.raises(ConfigError, match=r"^async_training.enable=true needs rollout.mode=server"):
         _load("async_training.enable=true")
-    # streamed admission and prompt skipping run in the async controller; a step never ends with
-    # rows in flight there, so the streamed carry of rows is refused with a pointer to the async one
-    skip = ["rollout.streaming=true", "buffer.prompt_skip.enable=true"]
-    assert _load(*SERVER, "async_training.enable=true", *skip).buffer.prompt_skip.enable
-    with pytest.raises(ConfigError, match=r"^rollout.partial_rollout=true with async_training.enable=true: .*"
-                                          r"async_training.partial_rollout"):
-        _load(*SERVER, "async_training.enable=true", *skip, "rollout.partial_rollout=true")
-    with pytest.raises(ConfigError, match=r"^buffer.prompt_skip.enable=true needs rollout.streaming=true"):
-        _load(*SERVER, "async_training.enable=true", "buffer.prompt_skip.enable=true")
+    # prompt skipping runs in every admission; rollout.partial_rollout is the one key of partial
+    # rollouts, its null default true under async only; the removed async key points to it
+    for skip in (["rollout.streaming=true", "buffer.prompt_skip.enable=true"], ["buffer.prompt_skip.enable=true"]):
+        assert _load(*SERVER, "async_training.enable=true", *skip).buffer.prompt_skip.enable
+    assert [_load(*SERVER, *a, *p).partial_rollout for a in ([], ["async_training.enable=true"])
+            for p in ([], ["rollout.partial_rollout=false"], ["rollout.partial_rollout=true", *STREAM])] == \
+        [False, False, True, True, False, True]
+    with pytest.raises(ConfigError) as err:
+        _load(*SERVER, "async_training.enable=true", "async_training.partial_rollout=false")
+    msg = str(err.value)
+    assert msg.startswith("config key 'async_training.partial_rollout'") and "rollout.partial_rollout" in msg, msg
     with pytest.raises(ConfigError, match=r"^async_training.trigger_parameter_sync_step=2 applies to "):
         _load("async_training.trigger_parameter_sync_step=2")
     # evaluation at sync points only: the servers hold the actor's weights at a sync step

@@ -1,11 +1,16 @@
 """The step feeder's parts that no mode's test reaches alone: the selector's public step state (the
-async controller checkpoints an open step with it), the admission policies' sizing and the η gate."""
+async controller checkpoints an open step with it), the admission policies' sizing, whole batches
+with GRESO skipping (batch mode's and the async controller's) and the η gate."""
 
+import hashlib
 from types import SimpleNamespace
+
+import pytest
 
 from dapo_megatron.rollout.sampling.buffer import BufferConfig, GroupSelector
 from dapo_megatron.rollout.sampling.feeder import EtaBound, KeepRate, KeepRateStreaming, PromptQueue, WholeBatches
 from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipConfig, PromptSkipper
+from dapo_megatron.rollout.steps_ahead import StepsAhead
 from unit.rollout.test_buffer import LastNumberGrader, decode, make_group
 
 
@@ -63,3 +68,76 @@ def test_keep_rate_admission_counts_in_flight_groups_as_expected_keeps():
 def test_eta_bounds_the_weights_a_request_may_sample_with():
     assert EtaBound(1).admits(version=3, policy_version=4) and not EtaBound(0).admits(version=3, policy_version=4)
     assert EtaBound(0).admits(version=4, policy_version=4)
+
+
+def greso_skips(seed, p, k, index, encounter, streak):
+    """GRESO's rule from its definition (``prompt_skip``'s docstring): a prompt whose last ``k`` visits
+    had zero variance is skipped when blake2b's 53-bit uniform of ``skip:{seed}:{index}:{encounter}``
+    is below ``p``."""
+    digest = hashlib.blake2b(f"skip:{seed}:{index}:{encounter}".encode(), digest_size=8).digest()
+    return streak >= k and (int.from_bytes(digest, "little") >> 11) / float(1 << 53) < p
+
+
+def _skipping_queue(num=6, batch=3):
+    records = [SimpleNamespace(index=i) for i in range(num)]
+    fetched = iter(range(10**6))
+    queue = PromptQueue(lambda: records[next(fetched) * batch % num:][:batch], batch, records.__getitem__)
+    skipper = PromptSkipper(PromptSkipConfig(enable=True, zero_variance_visits=1, skip_probability=0.5), seed=7)
+    return queue, skipper
+
+
+def _group_of(index):
+    return SimpleNamespace(samples=[SimpleNamespace(prompt_index=index)])
+
+
+def test_whole_batches_with_a_skipper_admit_whole_batches_of_the_prompts_it_lets_through():
+    queue, skipper = _skipping_queue()
+    admission = WholeBatches(SimpleNamespace(max_num_gen_batches=2, gen_batch_size=3), lambda drawn: drawn, queue,
+                             skipper)
+    admission.new_step()
+    first = admission.admit(2, 0)
+    assert [pos for _, pos in first] == [0, 1, 2]  # no history yet: nothing is skipped
+    zero = {0: True, 1: True, 2: False}  # the outcomes of the first batch: prompts 0 and 1 become candidates
+    for rec, _ in first:
+        admission.record(_group_of(rec.index), kept=not zero[rec.index], zero_variance=zero[rec.index])
+    # the independent replay: positions 3, 4, ... are prompts 3, 4, 5, 0, 1, 2, ... (6 prompts, batches of 3)
+    want, skipped, seen, pos = [], 0, {}, 3
+    while len(want) < 3:
+        i = pos % 6
+        if greso_skips(7, 0.5, 1, i, seen.get(i, 0), int(zero.get(i, False))):
+            skipped += 1
+        else:
+            want.append(pos)
+        seen[i] = seen.get(i, 0) + 1
+        pos += 1
+    second = admission.admit(2, 0)
+    assert [p for _, p in second] == want and [r.index for r, _ in second] == [p % 6 for p in want]
+    assert admission.at_cap() and admission.admit(2, 0) is None
+    assert admission.counts() == {"num_batches": 2, "submitted": 6, "skipped": skipped}
+    assert admission.skip_metrics() == {"rollout/prompts_submitted": 6.0, "rollout/skipped_prompts": float(skipped)}
+
+
+def test_the_async_controllers_batch_admission_skips_and_checkpoints_its_kind():
+    def steps(streamed=False, queue=True):
+        q, sk = _skipping_queue()
+        sk.record(1, zero_variance=True)  # prompt 1 a candidate
+        cfg = BufferConfig(train_batch_size=2, n=2, gen_batch_size=3, max_num_gen_batches=2, max_staleness=1)
+        return StepsAhead(GroupSelector(cfg, LastNumberGrader(), decode), lambda: [], policy_version=0,
+                          prompts=q if queue else None, skipper=sk, streamed=streamed)
+
+    ahead = steps()
+    records, positions = ahead.admit()
+    want = [p for p in range(4) if not greso_skips(7, 0.5, 1, p, 0, int(p == 1))][:3]
+    assert positions == want and [r.index for r in records] == want
+    state = ahead.state_dict()
+    assert state["admission"]["streamed"] is False and state["admission"]["skipper"] == ahead.skipper.state_dict()
+    again = steps()
+    again.load_state_dict(state)
+    assert again.skipper.state_dict() == ahead.skipper.state_dict() and again.prompts.state_dict() == \
+        ahead.prompts.state_dict()
+    with pytest.raises(ValueError, match=r"^the checkpoint was written with rollout.streaming=false .* with "
+                                         r"rollout.streaming=false$"):
+        steps(streamed=True).load_state_dict(state)
+    with pytest.raises(ValueError, match=r"^the checkpoint was written with buffer.prompt_skip.enable=true .* with "
+                                         r"buffer.prompt_skip.enable=true$"):
+        steps(queue=False).load_state_dict(state)
