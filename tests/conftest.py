@@ -196,6 +196,15 @@ def hf_checkpoint_state(model, directory) -> dict:
     return load_file(os.path.join(str(directory), "model.safetensors"))
 
 
+def hf_router_modules(model):
+    """The top-k routers of a transformers MoE model in layer order, the dense layers left out
+    (the product's :func:`~dapo_megatron.rollout.engines.routes.hf_routers_by_layer`, which keeps
+    a None for each): what a test hooks or perturbs. Empty for a dense model."""
+    from dapo_megatron.rollout.engines.routes import hf_routers_by_layer
+
+    return [g for g in hf_routers_by_layer(model) if g is not None]
+
+
 def random_hf_model(hf_config, seed: int = 0):
     """An HF causal LM with random weights, norms and biases perturbed away from 1 / 0
     (so a swapped or dropped norm/bias tensor changes the output)."""

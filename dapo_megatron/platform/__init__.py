@@ -1,5 +1,6 @@
 """Devices, process groups, processes (the reaper; the environment of SGLang's processes,
-:mod:`.sglang_env`) and the CPU compatibility layer for megatron-core.
+:mod:`.sglang_env`, and the ``sglang.Engine`` arguments of the pinned SGLang,
+:mod:`.sglang_server_args`) and the CPU compatibility layer for megatron-core.
 
 The names below load their submodule on first use (PEP 562), so that a torch-free process can
 import one torch-free submodule of this package (the grader worker imports

@@ -58,7 +58,7 @@ whose optimizer shards go over ``EDP = world / (ETP × EP × PP)`` instead of DP
   through training and the sync (``cuda_graphs_released=False``: the ``cuda_graphs_resident``
   term). SGLang 0.5.23's default prefill ("breakable") graph cannot be captured under the saver
   (``runner_backend/breakable_cuda_graph_backend.py:84-94``), so colocated engines run without it
-  (``rollout/engines/sglang_server_args.py`` ``colocated_graph_kwargs``) and the graphs counted
+  (``platform/sglang_server_args.py`` ``colocated_graph_kwargs``) and the graphs counted
   are the decode graphs. Releasing the KV cache flushes it with ``empty_cache`` (0.5.23
   ``managers/scheduler_components/weight_updater.py:351-366``, ``managers/scheduler.py:5518-5534``),
   so the scheduler's cached activations do not outlive ``sleep()`` either;

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from dapo_megatron.rollout.engines.sglang_server_args import check_engine_kwargs
+from dapo_megatron.platform.sglang_server_args import check_engine_kwargs
 from dapo_megatron.tools.calls import ToolCallConfig
 
 

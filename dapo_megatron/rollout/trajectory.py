@@ -9,33 +9,15 @@ several rows with context tokens between them::
     prompt | model tokens (row 1) | tool output (context) | model tokens (row 2) | ...
               response_mask 1        response_mask 0         response_mask 1
 
-Every generation loop (batch :meth:`SyncFeeder.generate_groups
-<dapo_megatron.rollout.sync_feeder.SyncFeeder.generate_groups>`, streamed
-:meth:`StreamingCollector.collect <dapo_megatron.rollout.sampling.streaming.StreamingCollector.collect>`,
-async :meth:`RolloutController._generate_batch
-<dapo_megatron.rollout.async_rollout.RolloutController._generate_batch>`) passes each row that
-finished (``"stop"`` / ``"length"``; an ``"abort"`` is a partial rollout, not a turn) to
-:func:`settle_row`, the one place a row becomes a finished sample or a continued one. There the
-loop's :class:`Trajectory` decides: None, the sample is finished (single-turn, the default:
-exactly what happened before the hook); or context token ids, which are appended with mask 0
-(:meth:`Sample.append_tokens <dapo_megatron.rollout.types.Sample.append_tokens>` ``context=True``)
-and the sample continues: the loop submits a continuation row with its own continued-row
-machinery (the one of partial rollouts: prompt + the response so far as the prefix, the same
-seed, the remaining budget), so the trained token ids are the sampled ids and the appended ids
-exactly, nothing decoded or re-tokenised.
+Every generation loop hands each row that finished to :func:`settle_row`, the one place a row
+becomes a finished sample or a continued one, where the loop's :class:`Trajectory` decides; which
+loops, how a continued row is sent and how ``rollout.response_length`` bounds the whole response
+are docs/design.md §2.3's (trajectories).
 
 Why the hook returns tokens, not a :class:`RowRequest`: the three loops send rows differently
 (engine rows keyed ``(prompt_seed, j)``, HTTP rows keyed by batch position), and each already
 continues a row from its sample; the hook's part is the only thing they do not know (the
 context), so it stays one small interface every loop consults in the same way.
-
-Budget: ``rollout.response_length`` bounds the whole response, context included (the actor's
-sequence length, the engines' ``max_new_tokens`` of a continued row). Context that does not fit
-is cut to the budget left; a sample with no budget left after its context finishes as
-``"length"`` (truncated) without another row.
-
-Selected from the config where the rollout is built (``rollout.multi_turn``,
-:func:`build_trajectory`).
 
 Design: docs/design.md §2.3 (trajectories: where a multi-turn rollout plugs in).
 """

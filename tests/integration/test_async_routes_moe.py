@@ -125,7 +125,7 @@ def run(smollm2_gguf, tmp_path_factory):
     from transformers import AutoTokenizer
 
     from conftest import random_hf_model, smollm2_tokenizer_dir, tiny_moe_config
-    from dapo_megatron.rollout.engines.routes import hf_router_modules
+    from conftest import hf_router_modules
 
     root = tmp_path_factory.mktemp("async_routes_moe")
     tok = AutoTokenizer.from_pretrained(smollm2_tokenizer_dir(smollm2_gguf))

@@ -19,7 +19,7 @@ PROMPTS = [[5, 17, 33, 8, 91], [120, 7, 64]]
 
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
-    from dapo_megatron.rollout.engines.routes import hf_router_modules
+    from conftest import hf_router_modules
 
     d = tmp_path_factory.mktemp("moe_server_model")
     model = random_hf_model(tiny_moe_config("qwen3_moe", eos_token_id=2), seed=4)

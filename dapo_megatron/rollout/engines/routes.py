@@ -229,16 +229,10 @@ def hf_routers_by_layer(model: torch.nn.Module) -> list[Optional[torch.nn.Module
     return out if any(g is not None for g in out) else []
 
 
-def hf_router_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The top-k routers of a transformers MoE model in layer order (:func:`hf_routers_by_layer`
-    without the dense layers). Empty for a dense model."""
-    return [g for g in hf_routers_by_layer(model) if g is not None]
-
-
 class HFRouteRecorder:
     """Records the expert indices of every router call of a transformers MoE model.
 
-    Forward hooks on :func:`hf_router_modules` keep ``router_indices`` (output 2, ``[B · T, K]``
+    Forward hooks on the routers of :func:`hf_routers_by_layer` keep ``router_indices`` (output 2, ``[B · T, K]``
     int64, the experts transformers actually used) of each call; :meth:`take` returns those of
     the last forward as ``[B, T, L, K]``. Works for prefill and decode forwards alike (the
     router sees the ``B · T`` new tokens of the call, row-major). ``L`` is every decoder layer:

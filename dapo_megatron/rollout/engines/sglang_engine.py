@@ -10,7 +10,7 @@ Versions: written against sglang 0.5.11 and re-read in 0.5.23 (the Docker image'
 endpoints and request fields used below are unchanged in 0.5.23 (``managers/io_struct.py``, now
 msgspec Structs whose HTTP schema ignores unknown fields, ``utils/msgspec_utils.py:95-100``;
 ``tests/sglang_reference.py`` ``REQUEST_FIELDS`` and the test of every body); ``ServerArgs``
-became a msgspec Struct (``rollout/engines/sglang_server_args.py``) and the default prefill CUDA
+became a msgspec Struct (``platform/sglang_server_args.py``) and the default prefill CUDA
 graph cannot sleep (``colocated_graph_kwargs``). Every API below exists from 0.5.5 on (setup.py's
 lower bound; ``cuda_graph`` became a memory tag in 0.5.5, ``enable_weights_cpu_backup`` /
 ``enable_deterministic_inference`` / ``sampling_seed`` in 0.5.3), read in the sources of each
@@ -19,9 +19,8 @@ release's wheel. Files are those of ``python/sglang/srt/`` in sglang 0.5.11 unle
 * Processes: what ``Engine(...)`` spawns, inherits and changes, and its kill-every-child atexit
   that :class:`SGLangEngine` replaces, are :mod:`dapo_megatron.platform.sglang_env`'s (docs/design.md §6).
 * ``Engine(**kwargs)`` builds ``server_args.ServerArgs(**kwargs)``
-  (``entrypoints/engine.py``): the colocated engine passes ``model_path, dtype, tp_size,
-  mem_fraction_static, enable_memory_saver, base_gpu_id`` (the GPU of this rank: every
-  rank's engine on its own device), ``enable_deterministic_inference`` and the checked
+  (``entrypoints/engine.py``): the colocated engine passes the arguments it sets itself
+  (:data:`~dapo_megatron.platform.sglang_server_args.MANAGED_ENGINE_ARGS`) and the checked
   ``rollout.engine_kwargs`` (:func:`check_engine_kwargs`).
 * ``Engine.generate(input_ids=[[...]], sampling_params=[{...}], return_logprob=True)`` →
   one dict per row with ``meta_info.output_token_logprobs`` = ``[(logprob, token_id, text)]``
@@ -51,11 +50,9 @@ release's wheel. Files are those of ``python/sglang/srt/`` in sglang 0.5.11 unle
   ``resume`` maps it back WITHOUT its contents unless the engine was launched with
   ``enable_weights_cpu_backup`` (``model_executor/model_runner.py``: the weights region
   is created with ``enable_cpu_backup``). Hence :attr:`RolloutEngine.weights_valid`.
-* Sampling seeds: ``sampling_seed`` is honoured only with
-  ``enable_deterministic_inference`` (``sampling/sampling_batch_info.py``: the seed
-  tensor is built only ``if enable_deterministic``; ``layers/sampler.py``). Without it
-  SGLang samples from its own generator: GPU rollouts are NOT seed-reproducible, and
-  ``rollout.deterministic`` is the switch (see :class:`SGLangEngine`).
+* Sampling seeds: ``sampling_seed`` is honoured only with ``enable_deterministic_inference``
+  (``sampling/sampling_batch_info.py``: the seed tensor is built only ``if enable_deterministic``;
+  ``layers/sampler.py``): :class:`SGLangEngine`'s ``deterministic``.
 
 Logprobs: SGLang returns the logprob of each sampled token under its processed sampling
 distribution (temperature applied; with top-p/top-k, see its ``SGLANG_RETURN_ORIGINAL_LOGPROB``
@@ -88,7 +85,7 @@ from dapo_megatron.rollout.engines.sglang_io import (
     parse_generate_output,
     parse_row_output,
 )
-from dapo_megatron.rollout.engines.sglang_server_args import check_engine_kwargs, colocated_graph_kwargs
+from dapo_megatron.platform.sglang_server_args import check_engine_kwargs, colocated_graph_kwargs
 
 
 def _import_sglang():
@@ -236,7 +233,7 @@ class SGLangEngine(SGLangMemory, RolloutEngine):
             (``rollout.gpu_memory_utilization``).
         enable_memory_saver: needed for ``sleep`` / ``wake_up`` (release / resume memory); with
             it the engine runs without a prefill CUDA graph unless ``engine_kwargs`` choose one
-            (:func:`~dapo_megatron.rollout.engines.sglang_server_args.colocated_graph_kwargs`).
+            (:func:`~dapo_megatron.platform.sglang_server_args.colocated_graph_kwargs`).
         base_gpu_id: first GPU of the engine; None: this rank's GPU,
             :func:`dapo_megatron.platform.local_device_index` (torchrun sets no
             ``CUDA_VISIBLE_DEVICES``: without it every rank's engine would start on GPU 0).

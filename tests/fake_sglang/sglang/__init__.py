@@ -4,7 +4,7 @@ Put ``tests/fake_sglang`` first on ``sys.path`` (only in a subprocess: it shadow
 SGLang). Written from the pinned source (the sglang 0.5.23 wheel's ``sglang/srt/``; first from 0.5.11's):
 
 * ``Engine(**kwargs)`` (``entrypoints/engine.py``): builds ``srt/server_args.py``'s ``ServerArgs``
-  (the pinned fields of ``dapo_megatron.rollout.engines.sglang_server_args``; like 0.5.23's
+  (the pinned fields of ``dapo_megatron.platform.sglang_server_args``; like 0.5.23's
   ``msgspec.Struct`` it refuses an unknown one with ``TypeError: Unexpected keyword argument``),
   registers ``atexit(self.shutdown)``, runs
   ``_set_envs_and_config`` (the same variables, SIGQUIT handler and ``spawn`` start method), and

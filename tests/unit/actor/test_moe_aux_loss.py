@@ -43,7 +43,7 @@ def _samples():
 
 
 def _hf():
-    from dapo_megatron.rollout.engines.routes import hf_router_modules
+    from conftest import hf_router_modules
 
     cfg = tiny_moe_config("qwen3_moe", router_aux_loss_coef=ALPHA)
     model = random_hf_model(cfg, seed=21)
@@ -119,7 +119,7 @@ def _reference(model, groups):
     logits: per micro-batch ``g`` (its samples as one [B, T] batch) and layer, the Switch loss
     ``E Σ_e f_e P_e`` (``f_e`` the share of the top-k choices of the softmax, ``P_e`` its mean) and
     the z-loss ``mean(logsumexp(logits)²)``."""
-    from dapo_megatron.rollout.engines.routes import hf_router_modules
+    from conftest import hf_router_modules
 
     samples = _samples()
     E, k = model.config.num_experts, model.config.num_experts_per_tok

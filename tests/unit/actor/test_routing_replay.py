@@ -64,7 +64,7 @@ def _forcing(model, forced: torch.Tensor) -> list:
     """Forward hooks that force every router of ``model`` to ``forced`` ([T, L, K]): the
     router's probabilities gathered at those experts (renormalised where the model does), as
     megatron-core's REPLAY_FORWARD does; an independent replay on the transformers side."""
-    from dapo_megatron.rollout.engines.routes import hf_router_modules
+    from conftest import hf_router_modules
 
     norm = _norm_topk(model.config)
 
@@ -164,7 +164,7 @@ def _worker(out_dir: str, cases: dict, world: int) -> None:
 @pytest.fixture(scope="module")
 def replay_results(tmp_path_factory):
     from dapo_megatron.rollout.engines.hf_engine import HFEngine
-    from dapo_megatron.rollout.engines.routes import hf_router_modules
+    from conftest import hf_router_modules
 
     out = tmp_path_factory.mktemp("routing_replay")
     cases, refs = {}, {}

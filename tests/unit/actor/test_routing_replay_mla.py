@@ -173,7 +173,7 @@ def test_hf_engine_routes_are_deepseek_routing_with_bias_and_groups(mla_engines,
 
 @pytest.fixture(scope="module")
 def replay_results(tmp_path_factory, mla_engines):
-    from dapo_megatron.rollout.engines.routes import hf_router_modules
+    from conftest import hf_router_modules
 
     out = tmp_path_factory.mktemp("routing_replay_mla")
     cases, actors = {}, {}

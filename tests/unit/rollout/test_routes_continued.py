@@ -25,7 +25,7 @@ N, MAX_NEW, FIRST = 2, 10, 4
 
 
 def _model(seed: int):
-    from dapo_megatron.rollout.engines.routes import hf_router_modules
+    from conftest import hf_router_modules
 
     model = random_hf_model(tiny_moe_config("qwen3_moe"), seed=3)
     torch.manual_seed(seed)

@@ -304,8 +304,8 @@ def test_engine_kwargs_are_checked_against_sglang_arguments(fake_sglang, tiny_mo
     from dataclasses import make_dataclass
 
     from dapo_megatron.config import DAPOConfig, load_config
-    from dapo_megatron.rollout.engines.sglang_server_args import MANAGED_ENGINE_ARGS, check_engine_kwargs, engine_argument_names
-    from dapo_megatron.rollout.engines.sglang_server_args import SERVER_ARGS_FIELDS
+    from dapo_megatron.platform.sglang_server_args import MANAGED_ENGINE_ARGS, check_engine_kwargs, engine_argument_names
+    from dapo_megatron.platform.sglang_server_args import SERVER_ARGS_FIELDS
 
     base = [f"model.hf_path={tiny_model_dir}", "rollout.name=sglang"]
     with pytest.raises(ValueError, match=r"rollout\.engine_kwargs\.load_fromat is not an sglang\.Engine argument"

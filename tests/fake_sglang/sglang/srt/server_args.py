@@ -6,7 +6,7 @@ The real ``ServerArgs`` is a ``msgspec.Struct`` (``server_args.py:551``: ``msgsp
 package reads of it is reproduced here without msgspec (not installed on the CPU machines):
 
 * ``ServerArgs.__struct_fields__``: the field names, as msgspec sets them on every Struct class
-  (the pinned list, ``dapo_megatron.rollout.engines.sglang_server_args.SERVER_ARGS_FIELDS``);
+  (the pinned list, ``dapo_megatron.platform.sglang_server_args.SERVER_ARGS_FIELDS``);
 * ``ServerArgs(**kwargs)``: keyword arguments only (``Engine`` passes them so), and an unknown
   one raises ``TypeError("Unexpected keyword argument 'name'")``, msgspec's message, checked
   against msgspec 0.23 and sglang 0.5.23's ``ServerArgs(model_path="x", no_such_field=1)``;
@@ -16,7 +16,7 @@ package reads of it is reproduced here without msgspec (not installed on the CPU
 
 from __future__ import annotations
 
-from dapo_megatron.rollout.engines.sglang_server_args import SERVER_ARGS_FIELDS
+from dapo_megatron.platform.sglang_server_args import SERVER_ARGS_FIELDS
 
 #: sglang 0.5.23's defaults of the fields the fake engine reads (``ServerArgs(model_path=...)``)
 _DEFAULTS = {"tp_size": 1, "base_gpu_id": 0, "gpu_id_step": 1, "dist_timeout": None, "enable_symm_mem": False,

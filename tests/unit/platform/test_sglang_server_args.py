@@ -1,4 +1,4 @@
-"""The SGLang server-args table (``rollout/engines/sglang_server_args.py``) is sglang 0.5.23's, and
+"""The SGLang server-args table (``platform/sglang_server_args.py``) is sglang 0.5.23's, and
 nothing falls back to an older list silently (issue 34 item 3).
 
 sglang 0.5.23's ``ServerArgs`` is a ``msgspec.Struct`` (``srt/server_args.py:551``), no dataclass:
@@ -16,7 +16,7 @@ import pytest
 
 import sglang_reference
 
-from dapo_megatron.rollout.engines import sglang_server_args as sa
+from dapo_megatron.platform import sglang_server_args as sa
 
 #: only in 0.5.23 (absent from 0.5.11's ServerArgs)
 NEW_IN_0_5_23 = ("cuda_graph_backend_prefill", "disable_prefill_cuda_graph", "cuda_graph_max_bs_decode",

@@ -33,10 +33,10 @@ needs only msgspec, orjson, pybase64, pyzmq and IPython/traitlets besides torch)
     print(sorted(f.name for f in msgspec.structs.fields(s.ServerArgs)))
     PY
 
-then set :data:`SGLANG_VERSION`; ``tests/unit/rollout/test_sglang_server_args.py`` pins fields
+then set :data:`SGLANG_VERSION`; ``tests/unit/platform/test_sglang_server_args.py`` pins fields
 that exist only in the new list and ones it dropped.
 
-Design: docs/design.md §6 (SGLang in the trainer's process).
+Design: docs/design.md §6 (SGLang in the trainer's process); §2.3 says why it is the platform's.
 """
 
 from __future__ import annotations
@@ -226,7 +226,7 @@ def record_field_names(cls) -> frozenset:
         return frozenset(f.name for f in dataclasses.fields(cls))
     raise RuntimeError(f"cannot read the fields of {getattr(cls, '__module__', '?')}."
                        f"{getattr(cls, '__qualname__', cls)!r}: neither a msgspec.Struct nor a dataclass; "
-                       "dapo_megatron/rollout/engines/sglang_server_args.py must learn its new form (the pinned "
+                       "dapo_megatron/platform/sglang_server_args.py must learn its new form (the pinned "
                        f"sglang {SGLANG_VERSION} list would be stale)")
 
 
