@@ -572,8 +572,11 @@ def write_tiny_trainer_run(run_dir: str, steps: tuple[int, ...] = (1, 2)) -> str
 # The step of the README main job, shrunk (2 groups of 4 responses, 16 tokens): what
 # tests/integration/test_trainer_parallel_parity.py and tests/unit/actor/test_shared_prompt.py
 # compare across layouts. A run is ~1 minute of torchrun, so each distinct one runs once a session.
+# MLflow off: these tests read metrics.jsonl, which the tracker writes either way; MLflow's import and
+# its sqlite store's creation cost rank 0 ~3.5 s a launch while the other ranks wait for it (MLflow
+# itself: tests/integration/test_trainer_e2e.py, the README job, and tests/unit/test_tracking.py).
 FIRST_STEP = (
-    "trainer.total_training_steps=1", "trainer.save_freq=-1", "trainer.test_freq=-1",
+    "trainer.total_training_steps=1", "trainer.save_freq=-1", "trainer.test_freq=-1", "tracking.use_mlflow=false",
     "buffer.train_batch_size=2", "buffer.n=4", "buffer.gen_batch_size=4", "buffer.max_num_gen_batches=3",
     "actor.ppo_mini_batch_size=2", "actor.ppo_max_token_len_per_gpu=512", "actor.optim.lr_warmup_steps=0",
     "rollout.response_length=16", "buffer.overlong.max_response_length=16", "buffer.overlong.overlong_buffer_len=4",

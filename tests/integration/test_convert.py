@@ -17,12 +17,29 @@ TO_MEGATRON = os.path.join(REPO, "tools", "convert_hf_to_megatron.py")
 TO_HF = os.path.join(REPO, "tools", "convert_megatron_to_hf.py")
 
 
-def _run(args: list[str], nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
+def _start(args: list[str], nproc: int = 1) -> subprocess.Popen:
+    """The tool ``args`` started (``nproc`` > 1: under torchrun), its output captured (:func:`_wait`)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, *args] if nproc == 1 else \
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO)
+
+
+def _wait(proc: subprocess.Popen, timeout: int = 300) -> subprocess.CompletedProcess:
+    """A :func:`_start` process finished, as ``subprocess.run`` returns it (killed and raising
+    ``TimeoutExpired`` after ``timeout`` seconds, as ``subprocess.run`` does)."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _run(args: list[str], nproc: int = 1, timeout: int = 300) -> subprocess.CompletedProcess:
+    return _wait(_start(args, nproc), timeout)
 
 
 def _load_safetensors_dir(path: str) -> dict:
@@ -87,11 +104,12 @@ def test_moe_round_trip_ep2_torchrun_then_plain_export(tmp_path):
 
 
 def test_bad_inputs_stop_the_tools_with_the_name(tmp_path):
+    """Every input error: one line on stderr, exit status 2, no traceback, nothing written."""
     cfg = tiny_hf_config("qwen2_bias")
     hf = random_hf_model(cfg, seed=4)
     state = {k: v for k, v in hf.state_dict().items() if k != "model.layers.0.self_attn.v_proj.bias"}
     hf.save_pretrained(tmp_path / "hf", state_dict=state)
-    """Every input error: one line on stderr, exit status 2, no traceback, nothing written."""
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
 
     def one_line(out, prog: str, *parts: str) -> str:
         assert out.returncode == 2, out.stderr[-3000:]
@@ -99,24 +117,32 @@ def test_bad_inputs_stop_the_tools_with_the_name(tmp_path):
         assert line.startswith(f"{prog}: error: ") and all(p in line for p in parts), line
         return line
 
-    out = _run([TO_MEGATRON, "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")])
-    one_line(out, "convert_hf_to_megatron", "model.layers.0.self_attn.v_proj.bias")
-    assert not (tmp_path / "ckpt").exists()
-    out = _run([TO_MEGATRON, "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt"), "--tp", "2"])
-    one_line(out, "convert_hf_to_megatron", "torchrun --nproc_per_node=2")
-    line = one_line(_run([TO_MEGATRON, "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt"), "--tp", "0"]),
-                    "convert_hf_to_megatron")
-    assert line == "convert_hf_to_megatron: error: argument --tp: 0 must be >= 1 (see --help)"
-    one_line(_run([TO_MEGATRON, "--hf", str(tmp_path / "nope"), "--out", str(tmp_path / "ckpt")]),
-             "convert_hf_to_megatron", "--hf", "is not a directory")
-    out = _run([TO_HF, "--ckpt", str(tmp_path / "hf"), "--out", str(tmp_path / "x")])
-    one_line(out, "convert_megatron_to_hf", "not a dapo-megatron model checkpoint")
-    one_line(_run([TO_HF, "--ckpt", str(tmp_path / "hf"), "--out", str(tmp_path / "x"), "--pp", "0"]),
-             "convert_megatron_to_hf", "argument --pp: 0 must be >= 1")
-    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
-    one_line(_run([TO_HF, "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "x")]),
-             "convert_megatron_to_hf", "holds no complete checkpoint")
-    assert not (tmp_path / "x").exists()
+    # The three errors found after torch loads (a model built to meet the missing tensor; the
+    # checkpoint checks' modules) take seconds each: they run side by side (none writes anything),
+    # the flag errors (no torch) meanwhile, each checked as before.
+    heavy = [_start([TO_MEGATRON, "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")]),
+             _start([TO_HF, "--ckpt", str(tmp_path / "hf"), "--out", str(tmp_path / "x")]),
+             _start([TO_HF, "--ckpt", str(tmp_path / "run"), "--out", str(tmp_path / "x")])]
+    try:
+        out = _run([TO_MEGATRON, "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt"), "--tp", "2"])
+        one_line(out, "convert_hf_to_megatron", "torchrun --nproc_per_node=2")
+        line = one_line(_run([TO_MEGATRON, "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt"), "--tp",
+                              "0"]), "convert_hf_to_megatron")
+        assert line == "convert_hf_to_megatron: error: argument --tp: 0 must be >= 1 (see --help)"
+        one_line(_run([TO_MEGATRON, "--hf", str(tmp_path / "nope"), "--out", str(tmp_path / "ckpt")]),
+                 "convert_hf_to_megatron", "--hf", "is not a directory")
+        one_line(_run([TO_HF, "--ckpt", str(tmp_path / "hf"), "--out", str(tmp_path / "x"), "--pp", "0"]),
+                 "convert_megatron_to_hf", "argument --pp: 0 must be >= 1")
+        one_line(_wait(heavy[0]), "convert_hf_to_megatron", "model.layers.0.self_attn.v_proj.bias")
+        assert not (tmp_path / "ckpt").exists()
+        one_line(_wait(heavy[1]), "convert_megatron_to_hf", "not a dapo-megatron model checkpoint")
+        one_line(_wait(heavy[2]), "convert_megatron_to_hf", "holds no complete checkpoint")
+        assert not (tmp_path / "x").exists()
+    finally:
+        for proc in heavy:  # a failed check leaves none running
+            if proc.poll() is None:
+                proc.kill()
+            proc.communicate()
 
 
 def _architectures(model_dir) -> list:

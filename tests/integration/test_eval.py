@@ -367,12 +367,22 @@ def test_eval_trainer_checkpoint_reads_the_trained_weights(tiny_llama_with_smoll
     with open(shard, "r+b") as f:
         f.truncate(size // 2)
     line = f"{shard} is truncated: {size // 2} bytes, the checkpoint index .metadata needs {size}\n"
-    proc = subprocess.run([sys.executable, EVAL, "--model", str(run_dir), "--data", arithmetic_file, "--n", "1"],
-                          capture_output=True, text=True, timeout=600, env=env)
+    # both tools side by side (one process each, one per core): they read the checkpoint, write nothing
+    started = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for cmd in (
+        [sys.executable, EVAL, "--model", str(run_dir), "--data", arithmetic_file, "--n", "1"],
+        [sys.executable, os.path.join(REPO, "tools", "convert_megatron_to_hf.py"), "--ckpt", str(run_dir), "--out",
+         str(tmp_path / "x")])]
+    try:
+        outputs = [p.communicate(timeout=600) for p in started]
+        done = [subprocess.CompletedProcess(p.args, p.returncode, *out) for p, out in zip(started, outputs)]
+    finally:
+        for p in started:  # a timed-out tool leaves none running
+            if p.poll() is None:
+                p.kill()
+            p.communicate()
+    proc = done[0]
     assert proc.returncode == 2 and proc.stderr.endswith(f"eval: error: {line}"), proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
-    proc = subprocess.run([sys.executable, os.path.join(REPO, "tools", "convert_megatron_to_hf.py"), "--ckpt",
-                           str(run_dir), "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=600,
-                          env=env)
+    proc = done[1]
     assert (proc.returncode, proc.stderr) == (2, f"convert_megatron_to_hf: error: {line}"), proc.stderr[-3000:]
     assert f"converting its latest checkpoint, {step}" in proc.stdout and not (tmp_path / "x").exists()

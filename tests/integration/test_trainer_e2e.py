@@ -175,11 +175,19 @@ def test_trainer_checkpoint_converts_to_hf(reference_run, smollm2_hf_dir, tmp_pa
     step_dir = os.path.join(reference_run, "checkpoints", "step_3")
     tool = os.path.join(REPO, "tools", "convert_megatron_to_hf.py")
     out, at_tp2 = tmp_path / "hf", tmp_path / "hf_tp2"
-    subprocess.run([sys.executable, tool, "--ckpt", step_dir, "--out", str(out)], check=True, cwd=REPO, env=_env(),
-                   timeout=900)
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", tool,
-                    "--ckpt", step_dir, "--out", str(at_tp2), "--tp", "2"], check=True, cwd=REPO,
-                   env=dict(_env(), OMP_NUM_THREADS="1"), timeout=900)
+    # the two conversions side by side (3 processes on 2 cores): they read the same checkpoint, write apart
+    procs = [subprocess.Popen([sys.executable, tool, "--ckpt", step_dir, "--out", str(out)], cwd=REPO, env=_env()),
+             subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                               tool, "--ckpt", step_dir, "--out", str(at_tp2), "--tp", "2"], cwd=REPO,
+                              env=dict(_env(), OMP_NUM_THREADS="1"))]
+    try:
+        for proc in procs:
+            assert proc.wait(timeout=900) == 0, proc.args
+    finally:
+        for proc in procs:  # a failed or timed-out conversion leaves none running
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
     expected = load_file(str(at_tp2 / "model.safetensors"))
     assert sorted(load_file(str(out / "model.safetensors"))) == sorted(expected)
     trained = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
