@@ -176,17 +176,18 @@ def test_trainer_checkpoint_converts_to_hf(reference_run, smollm2_hf_dir, tmp_pa
     tool = os.path.join(REPO, "tools", "convert_megatron_to_hf.py")
     out, at_tp2 = tmp_path / "hf", tmp_path / "hf_tp2"
     # the two conversions side by side (3 processes on 2 cores): they read the same checkpoint, write apart
-    procs = [subprocess.Popen([sys.executable, tool, "--ckpt", step_dir, "--out", str(out)], cwd=REPO, env=_env()),
+    procs = [subprocess.Popen([sys.executable, tool, "--ckpt", step_dir, "--out", str(out)], cwd=REPO, env=_env(),
+                              start_new_session=True),
              subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                                tool, "--ckpt", step_dir, "--out", str(at_tp2), "--tp", "2"], cwd=REPO,
-                              env=dict(_env(), OMP_NUM_THREADS="1"))]
+                              env=dict(_env(), OMP_NUM_THREADS="1"), start_new_session=True)]
     try:
         for proc in procs:
             assert proc.wait(timeout=900) == 0, proc.args
     finally:
-        for proc in procs:  # a failed or timed-out conversion leaves none running
+        for proc in procs:  # a failed or timed-out conversion leaves none running: torchrun's workers too
             if proc.poll() is None:
-                proc.kill()
+                os.killpg(proc.pid, signal.SIGKILL)  # each in its own session
             proc.wait()
     expected = load_file(str(at_tp2 / "model.safetensors"))
     assert sorted(load_file(str(out / "model.safetensors"))) == sorted(expected)
