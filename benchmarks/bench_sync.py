@@ -9,14 +9,15 @@ the transport floor: a bare ``all_gather_into_tensor`` of the same bytes over th
 TP group (each rank contributing its half, one collective per bucket; ``all_gather`` into
 a list where the backend has no ``all_gather_into_tensor``, as the bridge does on gloo)
 plus one copy into preallocated parameters; no layout conversion, no checks. The last
-line but two is sync ÷ floor (GB/s over GB/s; the median over rounds of each round's ratio, the floor
+ratio is sync ÷ floor (GB/s over GB/s; the median over rounds of each round's ratio, the floor
 measured in the same round), higher is better; the goal is >= 0.9. The sync is
 verified as the trainer verifies it by default (``rollout.check_weight_update``, period
 ``rollout.check_weight_update_period``; ``bridge/verify.py``); the same sync without
-verification, and with every tensor checked (period 1), alternate with it in the same run, and the
-last line is the verification overhead at the default period: the median over rounds of verified ÷
-unverified sync time, the two run back to back in alternating order (goal <= 1.02), next to the
-checksum seconds timed inside the sync.
+verification, and with every tensor checked (period 1), alternate with it in the same run; the
+verification overhead at the default period is the median over rounds of verified ÷ unverified
+sync time, the two run back to back in alternating order (goal <= 1.02), printed with the quartiles
+of the rounds' ratios and the checksum seconds timed inside the sync. The last line states both
+ratios of the run: sync ÷ floor and the verification overhead.
 
     python benchmarks/bench_sync.py [--hidden 512 --layers 8 --bucket-mb 64 --repeats 11]
 """
@@ -175,24 +176,45 @@ def paired_ratio(rounds: list, nbytes: int, floor_bytes: int, floor_arm: int) ->
     return statistics.median((nbytes / r[0]) / (floor_bytes / r[floor_arm]) for r in rounds)
 
 
+def quartiles(values) -> tuple[float, float, float]:
+    """(first quartile, median, third quartile) of ``values`` (``statistics.quantiles``, inclusive)."""
+    values = list(values)
+    if len(values) < 2:
+        return (values[0],) * 3
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
+
+
 def verify_figures(sync_s: float, plain_s: float, full_s: float, inside: dict, args, rounds=None) -> dict:
     """The verification overhead figures: verified ÷ unverified sync time at the default period
     (the median over rounds of each round's ratio, the two syncs run back to back, when ``rounds``
-    holds ``(verified, unverified, ...)`` seconds; else the ratio of the medians) and at period 1, and
-    the checksum seconds timed inside the syncs (rank 0's) ÷ the unverified sync time."""
-    ratio = statistics.median(r[0] / r[1] for r in rounds) if rounds else sync_s / plain_s
-    return {"verify_ratio": ratio, "verify_full_ratio": full_s / plain_s,
+    holds ``(verified, unverified, ...)`` seconds, with the quartiles of those ratios; else the ratio
+    of the medians) and at period 1, and the checksum seconds timed inside the syncs (rank 0's) ÷ the
+    unverified sync time."""
+    spread = quartiles(r[0] / r[1] for r in rounds) if rounds else (sync_s / plain_s,) * 3
+    return {"verify_ratio": spread[1], "verify_quartiles": spread, "rounds": len(rounds or ()),
+            "verify_full_ratio": full_s / plain_s,
             "verify_inside": statistics.median(inside.get(args.verify_period, [0.0])) / plain_s,
             "verify_full_inside": statistics.median(inside.get(1, [0.0])) / plain_s, "plain_s": plain_s}
 
 
 def print_verify(r: dict, args) -> None:
-    """The verification lines; the overhead at the default period last."""
+    """The verification lines, then the last line: sync ÷ floor and the verification overhead at the
+    default period, both measured in this run (:func:`last_line`)."""
+    q1, _, q3 = r["verify_quartiles"]
     print(f"verification, every tensor (period 1): verified / unverified sync time {r['verify_full_ratio']:.3f} "
           f"(checksums timed inside: {100 * r['verify_full_inside']:.1f} % of the unverified sync)")
     print(f"verification overhead at the default period {args.verify_period} (checksums timed inside: "
           f"{100 * r['verify_inside']:.2f} % of the unverified sync): verified / unverified sync time "
-          f"{r['verify_ratio']:.3f}")
+          f"{r['verify_ratio']:.3f} (median of {r['rounds']} rounds' ratios, quartiles {q1:.3f}-{q3:.3f})")
+    print(last_line(r, args))
+
+
+def last_line(r: dict, args) -> str:
+    """The benchmark's last line: both ratios of this run (goals: sync ÷ floor >= 0.9, verified ÷
+    unverified <= 1.02 at the default period)."""
+    return (f"ratio sync/floor {r['floor_ratio']:.3f} (goal >= 0.9); verification overhead at period "
+            f"{args.verify_period}: verified/unverified sync time {r['verify_ratio']:.3f} (goal <= 1.02)")
 
 
 def main(argv=None) -> None:

@@ -14,10 +14,10 @@ bucket; ``all_gather`` into views where the backend lacks it), the non-expert by
 every rank at TP=1) not moved at all, and one copy of every synced byte into preallocated
 parameters; no layout conversion, no checks. A second floor with the bridge's own primitive
 (each expert bucket broadcast from its owner) is measured beside it; the floor is the faster of
-the two (on gloo here the broadcast is). The last line but two is sync ÷ floor (GB/s over GB/s, the
+the two (on gloo here the broadcast is). The ratio is sync ÷ floor (GB/s over GB/s, the
 median over rounds of each round's ratio), higher is better (the sync verified at the default period,
-as in bench_sync.py); the last line is the
-verification overhead, verified ÷ unverified sync time (bench_sync.py's ``print_verify``).
+as in bench_sync.py), next to the verification overhead, verified ÷ unverified sync time
+(bench_sync.py's ``print_verify``); the last line states both (bench_sync.py's ``last_line``).
 
     python benchmarks/bench_sync_moe.py [--hidden 512 --layers 8 --experts 4 --bucket-mb 64 --repeats 11]
 """

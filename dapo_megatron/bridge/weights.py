@@ -7,9 +7,11 @@ Design: docs/design.md §1 step 7 (weight sync).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import re
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -893,6 +895,51 @@ def _read_signature(flat: torch.Tensor, named: list, trailer: tuple[int, int], f
             digest.sums[name] = value
 
 
+_LOAD_TARGETS = threading.local()
+
+
+@contextlib.contextmanager
+def load_targets(targets: Mapping[str, torch.Tensor]):
+    """Within the block (this thread), :func:`iter_hf_weights` may write a received HF tensor straight into
+    ``targets[name]``, the memory its consumer would copy it into, and yield that tensor itself (the
+    consumer's copy of a tensor onto itself is then a no-op: torch's ``copy_`` returns early for the
+    same data). For a consumer that copies each tensor by name into memory of its own in this process
+    (``RolloutEngine.copies_on_load``: the HF engine enters it around its load loop, which drives the
+    generator). Used on CPU at EP > 1 for the expert buckets broadcast without packing: the receiving
+    ranks' broadcasts land in the engine's parameters (one copy of 126 MiB fewer per rank on the MoE
+    benchmark). A target is used only where it has the exported dtype and the tensor's shape, is
+    contiguous, on CPU, and a slot's HF tensors lie back to back in one storage (``gate_up_proj[e]``
+    for an expert's gate and up); else the bucket buffer receives, as without the block."""
+    previous = getattr(_LOAD_TARGETS, "targets", None)
+    _LOAD_TARGETS.targets = targets
+    try:
+        yield
+    finally:
+        _LOAD_TARGETS.targets = previous
+
+
+def _target_region(slot: _Slot, dtype: torch.dtype) -> Optional[tuple[torch.Tensor, list]]:
+    """``(region, named)``: the consumer's memory (:func:`load_targets`) that ``slot``'s HF tensors can be
+    received into as one flat region, and those tensors by name; None where there is none."""
+    targets = getattr(_LOAD_TARGETS, "targets", None)
+    if targets is None:
+        return None
+    named, end = [], None
+    for name, shape in slot.entry.hf:
+        t = targets.get(name)
+        if (t is None or t.dtype != dtype or t.device.type != "cpu" or tuple(t.shape) != tuple(shape)
+                or not t.is_contiguous() or (end is not None and (t.untyped_storage().data_ptr() != named[0][1]
+                                                                 .untyped_storage().data_ptr()
+                                                                 or t.data_ptr() != end))):
+            return None
+        named.append((name, t))
+        end = t.data_ptr() + t.numel() * t.element_size()
+    first = named[0][1]
+    if sum(t.numel() for _, t in named) != slot.numel:
+        return None
+    return first.as_strided((slot.numel,), (1,), first.storage_offset()), named
+
+
 @dataclass
 class _Direct:
     """An expert bucket sent without packing whose broadcasts are in flight (:func:`_start_direct`)."""
@@ -900,7 +947,8 @@ class _Direct:
     bucket: int  # its index in the plan
     flat: torch.Tensor  # the bucket buffer the other ranks receive into
     works: list
-    views: dict[int, list]  # the owner's views of its parameters by slot position (empty elsewhere)
+    views: dict[int, list]  # by slot position: the owner's views of its parameters; elsewhere the consumer's
+    # tensors received into in place (:func:`load_targets`)
 
 
 def _start_direct(flat: torch.Tensor, slots: list[_Slot], params: dict, parallel: ParallelDims, src: int,
@@ -909,9 +957,10 @@ def _start_direct(flat: torch.Tensor, slots: list[_Slot], params: dict, parallel
     """Start one EP-broadcast bucket of :attr:`_Slot.whole` slots sent without packing (collective over
     the EP group: the same asynchronous broadcasts, in slot order, on every rank): the owner (``owner``,
     global rank ``src``) broadcasts each parameter as it is, the other ranks receive it into its slot of
-    ``flat``; then the trailer's words, broadcast into the other ranks' trailers whether or not the sync
-    verifies (``signer`` not None: written first with the owner's checksums of the very parameters it
-    broadcast, taken while they travel; None: unwritten, unread). :func:`_finish_direct` waits for them."""
+    ``flat`` (or straight into its consumer's memory, :func:`load_targets`); then the trailer's words,
+    broadcast into the other ranks' trailers whether or not the sync verifies (``signer`` not None: written
+    first with the owner's checksums of the very parameters it broadcast, taken while they travel; None:
+    unwritten, unread). :func:`_finish_direct` waits for them."""
     group = parallel.group("ep")
     works, views = [], {}
     try:
@@ -923,7 +972,11 @@ def _start_direct(flat: torch.Tensor, slots: list[_Slot], params: dict, parallel
                 views[i] = slot.param_views(param)
                 region = param.view(-1)
             else:
-                region = flat[slot.offset:slot.offset + slot.numel]
+                target = _target_region(slot, flat.dtype)
+                if target is None:
+                    region = flat[slot.offset:slot.offset + slot.numel]
+                else:
+                    region, views[i] = target
             works.append(collectives.broadcast(region, src=src, group=group, async_op=True))
         # the trailer's words travel whether or not this sync verifies (unwritten then), as the packed
         # bucket's trailer room does: the collectives never depend on verification, and a verified sync
@@ -942,8 +995,9 @@ def _start_direct(flat: torch.Tensor, slots: list[_Slot], params: dict, parallel
 
 
 def _finish_direct(sent: _Direct, buffers: ExportBuffers) -> dict[int, list]:
-    """Wait for every broadcast :func:`_start_direct` started; returns the owner's views of its parameters
-    by slot position (empty on the other ranks: their tensors are the bucket buffer's)."""
+    """Wait for every broadcast :func:`_start_direct` started; returns, by slot position, the owner's views
+    of its parameters, and on the other ranks the consumer's tensors received into in place (the others
+    are the bucket buffer's)."""
     try:
         for work in sent.works:
             work.wait()
