@@ -565,6 +565,10 @@ def iter_hf_weights(
             expert bucket of whole unsplit parameters without packing: one broadcast per parameter from
             the owner's parameter into its place in the other EP ranks' bucket buffer (the trailer in a
             broadcast of its own), the owner yielding views of its parameters (the other 126 MiB there).
+            Such a bucket's broadcasts start one bucket ahead (into the second bucket buffer, while the
+            consumer copies the bucket before it; every EP rank at the same point of the plan, only
+            buckets without collectives in between), and where the consumer declared its memory
+            (:func:`load_targets`, the HF engine) the receiving ranks broadcast into it directly.
         digest: verify the sync (:mod:`dapo_megatron.bridge.verify`): each bucket
             gets a trailer of int64 words after its tensors, written by the rank that fills it
             before any broadcast (the version, the bucket's index, the checksum of each HF tensor
