@@ -14,12 +14,12 @@ measured in the same round), higher is better; the goal is >= 0.9. The sync is
 verified as the trainer verifies it by default (``rollout.check_weight_update``, period
 ``rollout.check_weight_update_period``; ``bridge/verify.py``); the same sync without
 verification, and with every tensor checked (period 1), alternate with it in the same run; the
-verification overhead at the default period is the median over rounds of verified ÷ unverified
-sync time, the two run back to back in alternating order (goal <= 1.02), printed with the quartiles
-of the rounds' ratios and the checksum seconds timed inside the sync. The last line states both
+verification overhead at the default period is the median of verified ÷ unverified sync time over
+``--pairs`` pairs per round, each pair run back to back in alternating order (goal <= 1.02), printed
+with the quartiles of those ratios and the checksum seconds timed inside the sync. The last line states both
 ratios of the run: sync ÷ floor and the verification overhead.
 
-    python benchmarks/bench_sync.py [--hidden 512 --layers 8 --bucket-mb 64 --repeats 11]
+    python benchmarks/bench_sync.py [--hidden 512 --layers 8 --bucket-mb 64 --repeats 11 --pairs 3]
 """
 
 from __future__ import annotations
@@ -144,29 +144,37 @@ def _worker(args: argparse.Namespace, out_path: str) -> None:
     # sync and floor alternate, so that load from outside the benchmark hits both alike; the ratios are
     # the medians of each round's (sync against the floor of the same round; the verification overhead:
     # the two syncs run back to back)
-    rounds = interleaved(args.repeats, [sync, lambda: sync(0), floor, lambda: sync(1)])
+    rounds, ratios = interleaved(args.repeats, [sync, lambda: sync(0), floor, lambda: sync(1)], args.pairs)
     sync_s, plain_s, floor_s, full_s = (statistics.median(r[i] for r in rounds) for i in range(4))
     floor_bytes = params.numel() * elem
     if dist.get_rank() == 0:
         torch.save({"sync_GBps": nbytes / sync_s / 1e9, "memcpy_GBps": copy_bytes / copy_s / 1e9,
                     "floor_ratio": paired_ratio(rounds, nbytes, floor_bytes, 2),
                     "floor_GBps": floor_bytes / floor_s / 1e9, "floor_primitive":
-                    primitive, "bytes": nbytes, **verify_figures(sync_s, plain_s, full_s, inside, args, rounds)}, out_path)
+                    primitive, "bytes": nbytes, **verify_figures(sync_s, plain_s, full_s, inside, args, ratios)}, out_path)
 
 
-def interleaved(repeats: int, arms: list) -> list[tuple[float, ...]]:
-    """``repeats`` rounds of :func:`timed` over every arm (zero-argument functions); the seconds of each
-    round in the order of ``arms``. The first two arms (the verified and the unverified sync) run
-    back to back in every round, in alternating order (A B, then B A): what runs before a sync (the
-    floor's buffers evicting the caches, the other sync's memory) then weighs on both alike; the
+def interleaved(repeats: int, arms: list, pairs: int = 1) -> tuple[list[tuple[float, ...]], list[float]]:
+    """``repeats`` rounds of :func:`timed` over every arm (zero-argument functions). Returns the seconds
+    of each round in the order of ``arms`` (the first pair's for the first two arms), and the ratio
+    arm 0 ÷ arm 1 of every pair. The first two arms (the verified and the unverified sync) run back to
+    back ``pairs`` times in every round, in alternating order (A B, then B A, across pairs and rounds):
+    what runs before a sync (the floor's buffers evicting the caches, the other sync's memory) then
+    weighs on both alike, and the overhead's median is taken over ``repeats x pairs`` ratios; the
     other arms follow."""
-    rounds = []
-    for r in range(repeats):
-        order = [0, 1] if r % 2 == 0 else [1, 0]
-        order += list(range(2, len(arms)))
-        seconds = {i: timed(arms[i]) for i in order}
+    rounds, ratios, n = [], [], 0
+    for _ in range(repeats):
+        seconds: dict = {}
+        for p in range(pairs):
+            pair = {i: timed(arms[i]) for i in ([0, 1] if n % 2 == 0 else [1, 0])}
+            n += 1
+            ratios.append(pair[0] / pair[1])
+            if p == 0:
+                seconds.update(pair)
+        for i in range(2, len(arms)):
+            seconds[i] = timed(arms[i])
         rounds.append(tuple(seconds[i] for i in range(len(arms))))
-    return rounds
+    return rounds, ratios
 
 
 def paired_ratio(rounds: list, nbytes: int, floor_bytes: int, floor_arm: int) -> float:
@@ -185,14 +193,13 @@ def quartiles(values) -> tuple[float, float, float]:
     return q1, q2, q3
 
 
-def verify_figures(sync_s: float, plain_s: float, full_s: float, inside: dict, args, rounds=None) -> dict:
+def verify_figures(sync_s: float, plain_s: float, full_s: float, inside: dict, args, ratios=None) -> dict:
     """The verification overhead figures: verified ÷ unverified sync time at the default period
-    (the median over rounds of each round's ratio, the two syncs run back to back, when ``rounds``
-    holds ``(verified, unverified, ...)`` seconds, with the quartiles of those ratios; else the ratio
-    of the medians) and at period 1, and the checksum seconds timed inside the syncs (rank 0's) ÷ the
-    unverified sync time."""
-    spread = quartiles(r[0] / r[1] for r in rounds) if rounds else (sync_s / plain_s,) * 3
-    return {"verify_ratio": spread[1], "verify_quartiles": spread, "rounds": len(rounds or ()),
+    (the median of ``ratios``, each a pair of syncs run back to back (:func:`interleaved`), with their
+    quartiles; else the ratio of the medians) and at period 1, and the checksum seconds timed inside the
+    syncs (rank 0's) ÷ the unverified sync time."""
+    spread = quartiles(ratios) if ratios else (sync_s / plain_s,) * 3
+    return {"verify_ratio": spread[1], "verify_quartiles": spread, "rounds": len(ratios or ()),
             "verify_full_ratio": full_s / plain_s,
             "verify_inside": statistics.median(inside.get(args.verify_period, [0.0])) / plain_s,
             "verify_full_inside": statistics.median(inside.get(1, [0.0])) / plain_s, "plain_s": plain_s}
@@ -206,7 +213,7 @@ def print_verify(r: dict, args) -> None:
           f"(checksums timed inside: {100 * r['verify_full_inside']:.1f} % of the unverified sync)")
     print(f"verification overhead at the default period {args.verify_period} (checksums timed inside: "
           f"{100 * r['verify_inside']:.2f} % of the unverified sync): verified / unverified sync time "
-          f"{r['verify_ratio']:.3f} (median of {r['rounds']} rounds' ratios, quartiles {q1:.3f}-{q3:.3f})")
+          f"{r['verify_ratio']:.3f} (median of {r['rounds']} paired ratios, quartiles {q1:.3f}-{q3:.3f})")
     print(last_line(r, args))
 
 
@@ -223,6 +230,8 @@ def main(argv=None) -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--bucket-mb", type=int, default=64)
     p.add_argument("--repeats", type=int, default=11)
+    p.add_argument("--pairs", type=int, default=3,
+                   help="verified / unverified pairs per round (the overhead is the median of all pairs' ratios)")
     p.add_argument("--verify-period", type=int, default=_default_period(),
                    help="rollout.check_weight_update_period of the verified sync (default: the config's)")
     args = p.parse_args(argv)
