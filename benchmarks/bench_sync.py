@@ -9,16 +9,17 @@ the transport floor: a bare ``all_gather_into_tensor`` of the same bytes over th
 TP group (each rank contributing its half, one collective per bucket; ``all_gather`` into
 a list where the backend has no ``all_gather_into_tensor``, as the bridge does on gloo)
 plus one copy into preallocated parameters; no layout conversion, no checks. The last
-line but two is sync ÷ floor (GB/s over GB/s; the median over rounds of each round's ratio, the floor
+ratio is sync ÷ floor (GB/s over GB/s; the median over rounds of each round's ratio, the floor
 measured in the same round), higher is better; the goal is >= 0.9. The sync is
 verified as the trainer verifies it by default (``rollout.check_weight_update``, period
 ``rollout.check_weight_update_period``; ``bridge/verify.py``); the same sync without
-verification, and with every tensor checked (period 1), alternate with it in the same run, and the
-last line is the verification overhead at the default period: the median over rounds of verified ÷
-unverified sync time, the two run back to back in alternating order (goal <= 1.02), next to the
-checksum seconds timed inside the sync.
+verification, and with every tensor checked (period 1), alternate with it in the same run; the
+verification overhead at the default period is the median of verified ÷ unverified sync time over
+``--pairs`` pairs per round, each pair run back to back in alternating order (goal <= 1.02), printed
+with the quartiles of those ratios and the checksum seconds timed inside the sync. The last line states both
+ratios of the run: sync ÷ floor and the verification overhead.
 
-    python benchmarks/bench_sync.py [--hidden 512 --layers 8 --bucket-mb 64 --repeats 11]
+    python benchmarks/bench_sync.py [--hidden 512 --layers 8 --bucket-mb 64 --repeats 11 --pairs 3]
 """
 
 from __future__ import annotations
@@ -143,29 +144,37 @@ def _worker(args: argparse.Namespace, out_path: str) -> None:
     # sync and floor alternate, so that load from outside the benchmark hits both alike; the ratios are
     # the medians of each round's (sync against the floor of the same round; the verification overhead:
     # the two syncs run back to back)
-    rounds = interleaved(args.repeats, [sync, lambda: sync(0), floor, lambda: sync(1)])
+    rounds, ratios = interleaved(args.repeats, [sync, lambda: sync(0), floor, lambda: sync(1)], args.pairs)
     sync_s, plain_s, floor_s, full_s = (statistics.median(r[i] for r in rounds) for i in range(4))
     floor_bytes = params.numel() * elem
     if dist.get_rank() == 0:
         torch.save({"sync_GBps": nbytes / sync_s / 1e9, "memcpy_GBps": copy_bytes / copy_s / 1e9,
                     "floor_ratio": paired_ratio(rounds, nbytes, floor_bytes, 2),
                     "floor_GBps": floor_bytes / floor_s / 1e9, "floor_primitive":
-                    primitive, "bytes": nbytes, **verify_figures(sync_s, plain_s, full_s, inside, args, rounds)}, out_path)
+                    primitive, "bytes": nbytes, **verify_figures(sync_s, plain_s, full_s, inside, args, ratios)}, out_path)
 
 
-def interleaved(repeats: int, arms: list) -> list[tuple[float, ...]]:
-    """``repeats`` rounds of :func:`timed` over every arm (zero-argument functions); the seconds of each
-    round in the order of ``arms``. The first two arms (the verified and the unverified sync) run
-    back to back in every round, in alternating order (A B, then B A): what runs before a sync (the
-    floor's buffers evicting the caches, the other sync's memory) then weighs on both alike; the
+def interleaved(repeats: int, arms: list, pairs: int = 1) -> tuple[list[tuple[float, ...]], list[float]]:
+    """``repeats`` rounds of :func:`timed` over every arm (zero-argument functions). Returns the seconds
+    of each round in the order of ``arms`` (the first pair's for the first two arms), and the ratio
+    arm 0 ÷ arm 1 of every pair. The first two arms (the verified and the unverified sync) run back to
+    back ``pairs`` times in every round, in alternating order (A B, then B A, across pairs and rounds):
+    what runs before a sync (the floor's buffers evicting the caches, the other sync's memory) then
+    weighs on both alike, and the overhead's median is taken over ``repeats x pairs`` ratios; the
     other arms follow."""
-    rounds = []
-    for r in range(repeats):
-        order = [0, 1] if r % 2 == 0 else [1, 0]
-        order += list(range(2, len(arms)))
-        seconds = {i: timed(arms[i]) for i in order}
+    rounds, ratios, n = [], [], 0
+    for _ in range(repeats):
+        seconds: dict = {}
+        for p in range(pairs):
+            pair = {i: timed(arms[i]) for i in ([0, 1] if n % 2 == 0 else [1, 0])}
+            n += 1
+            ratios.append(pair[0] / pair[1])
+            if p == 0:
+                seconds.update(pair)
+        for i in range(2, len(arms)):
+            seconds[i] = timed(arms[i])
         rounds.append(tuple(seconds[i] for i in range(len(arms))))
-    return rounds
+    return rounds, ratios
 
 
 def paired_ratio(rounds: list, nbytes: int, floor_bytes: int, floor_arm: int) -> float:
@@ -175,24 +184,44 @@ def paired_ratio(rounds: list, nbytes: int, floor_bytes: int, floor_arm: int) ->
     return statistics.median((nbytes / r[0]) / (floor_bytes / r[floor_arm]) for r in rounds)
 
 
-def verify_figures(sync_s: float, plain_s: float, full_s: float, inside: dict, args, rounds=None) -> dict:
+def quartiles(values) -> tuple[float, float, float]:
+    """(first quartile, median, third quartile) of ``values`` (``statistics.quantiles``, inclusive)."""
+    values = list(values)
+    if len(values) < 2:
+        return (values[0],) * 3
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def verify_figures(sync_s: float, plain_s: float, full_s: float, inside: dict, args, ratios=None) -> dict:
     """The verification overhead figures: verified ÷ unverified sync time at the default period
-    (the median over rounds of each round's ratio, the two syncs run back to back, when ``rounds``
-    holds ``(verified, unverified, ...)`` seconds; else the ratio of the medians) and at period 1, and
-    the checksum seconds timed inside the syncs (rank 0's) ÷ the unverified sync time."""
-    ratio = statistics.median(r[0] / r[1] for r in rounds) if rounds else sync_s / plain_s
-    return {"verify_ratio": ratio, "verify_full_ratio": full_s / plain_s,
+    (the median of ``ratios``, each a pair of syncs run back to back (:func:`interleaved`), with their
+    quartiles; else the ratio of the medians) and at period 1, and the checksum seconds timed inside the
+    syncs (rank 0's) ÷ the unverified sync time."""
+    spread = quartiles(ratios) if ratios else (sync_s / plain_s,) * 3
+    return {"verify_ratio": spread[1], "verify_quartiles": spread, "rounds": len(ratios or ()),
+            "verify_full_ratio": full_s / plain_s,
             "verify_inside": statistics.median(inside.get(args.verify_period, [0.0])) / plain_s,
             "verify_full_inside": statistics.median(inside.get(1, [0.0])) / plain_s, "plain_s": plain_s}
 
 
 def print_verify(r: dict, args) -> None:
-    """The verification lines; the overhead at the default period last."""
+    """The verification lines, then the last line: sync ÷ floor and the verification overhead at the
+    default period, both measured in this run (:func:`last_line`)."""
+    q1, _, q3 = r["verify_quartiles"]
     print(f"verification, every tensor (period 1): verified / unverified sync time {r['verify_full_ratio']:.3f} "
           f"(checksums timed inside: {100 * r['verify_full_inside']:.1f} % of the unverified sync)")
     print(f"verification overhead at the default period {args.verify_period} (checksums timed inside: "
           f"{100 * r['verify_inside']:.2f} % of the unverified sync): verified / unverified sync time "
-          f"{r['verify_ratio']:.3f}")
+          f"{r['verify_ratio']:.3f} (median of {r['rounds']} paired ratios, quartiles {q1:.3f}-{q3:.3f})")
+    print(last_line(r, args))
+
+
+def last_line(r: dict, args) -> str:
+    """The benchmark's last line: both ratios of this run (goals: sync ÷ floor >= 0.9, verified ÷
+    unverified <= 1.02 at the default period)."""
+    return (f"ratio sync/floor {r['floor_ratio']:.3f} (goal >= 0.9); verification overhead at period "
+            f"{args.verify_period}: verified/unverified sync time {r['verify_ratio']:.3f} (goal <= 1.02)")
 
 
 def main(argv=None) -> None:
@@ -201,6 +230,8 @@ def main(argv=None) -> None:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--bucket-mb", type=int, default=64)
     p.add_argument("--repeats", type=int, default=11)
+    p.add_argument("--pairs", type=int, default=3,
+                   help="verified / unverified pairs per round (the overhead is the median of all pairs' ratios)")
     p.add_argument("--verify-period", type=int, default=_default_period(),
                    help="rollout.check_weight_update_period of the verified sync (default: the config's)")
     args = p.parse_args(argv)

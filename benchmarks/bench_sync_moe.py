@@ -14,12 +14,12 @@ bucket; ``all_gather`` into views where the backend lacks it), the non-expert by
 every rank at TP=1) not moved at all, and one copy of every synced byte into preallocated
 parameters; no layout conversion, no checks. A second floor with the bridge's own primitive
 (each expert bucket broadcast from its owner) is measured beside it; the floor is the faster of
-the two (on gloo here the broadcast is). The last line but two is sync ÷ floor (GB/s over GB/s, the
+the two (on gloo here the broadcast is). The ratio is sync ÷ floor (GB/s over GB/s, the
 median over rounds of each round's ratio), higher is better (the sync verified at the default period,
-as in bench_sync.py); the last line is the
-verification overhead, verified ÷ unverified sync time (bench_sync.py's ``print_verify``).
+as in bench_sync.py), next to the verification overhead, verified ÷ unverified sync time
+(bench_sync.py's ``print_verify``); the last line states both (bench_sync.py's ``last_line``).
 
-    python benchmarks/bench_sync_moe.py [--hidden 512 --layers 8 --experts 4 --bucket-mb 64 --repeats 11]
+    python benchmarks/bench_sync_moe.py [--hidden 512 --layers 8 --experts 4 --bucket-mb 64 --repeats 11 --pairs 3]
 """
 
 from __future__ import annotations
@@ -111,7 +111,8 @@ def _worker(args: argparse.Namespace, out_path: str) -> None:
     floor_broadcast()
     # sync and floors alternate, so that load from outside the benchmark hits all alike; the ratio is the
     # median of each round's, against the floor whose median is the faster
-    rounds = interleaved(args.repeats, [sync, lambda: sync(0), floor, floor_broadcast, lambda: sync(1)])
+    rounds, ratios = interleaved(args.repeats, [sync, lambda: sync(0), floor, floor_broadcast, lambda: sync(1)],
+                                 args.pairs)
     sync_s, plain_s, floor_s, bcast_s, full_s = (statistics.median(r[i] for r in rounds) for i in range(5))
     floor_bytes = params.numel() * elem
     if dist.get_rank() == 0:
@@ -121,7 +122,7 @@ def _worker(args: argparse.Namespace, out_path: str) -> None:
                     "floor_primitive": primitive,
                     "bytes": nbytes, "expert_bytes": expert_bytes,
                     "experts_here": [list(layer.mlp.local_expert_indices) for layer in actor.decoder.layers][0],
-                    **verify_figures(sync_s, plain_s, full_s, inside, args, rounds)},
+                    **verify_figures(sync_s, plain_s, full_s, inside, args, ratios)},
                    out_path)
 
 
@@ -132,6 +133,8 @@ def main(argv=None) -> None:
     p.add_argument("--experts", type=int, default=4, help="experts per layer (even: EP=2)")
     p.add_argument("--bucket-mb", type=int, default=64)
     p.add_argument("--repeats", type=int, default=11)
+    p.add_argument("--pairs", type=int, default=3,
+                   help="verified / unverified pairs per round (the overhead is the median of all pairs' ratios)")
     p.add_argument("--verify-period", type=int, default=_default_period(),
                    help="rollout.check_weight_update_period of the verified sync (default: the config's)")
     args = p.parse_args(argv)

@@ -7,9 +7,11 @@ Design: docs/design.md §1 step 7 (weight sync).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import re
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -322,7 +324,8 @@ class ExportBuffers:
     over CUDA IPC only once SGLang has dropped its handle (torch's deferred free of IPC-shared
     blocks), a guarantee a reuse by reference count would bypass. The two scratch buffers
     (never handed out) are reused on every device. On CPU at EP > 1 a second bucket buffer
-    (:meth:`ahead`) holds the bucket an EP rank packs ahead of its broadcast turn.
+    holds the bucket an EP rank packs ahead of its broadcast turn (:meth:`ahead`), or the expert
+    bucket whose broadcasts run while the consumer copies the bucket before it (:meth:`other`).
     """
 
     #: how long (s) the references of a bucket's finished collectives may take to go (CPU)
@@ -384,14 +387,23 @@ class ExportBuffers:
         while the bucket buffer is in use (:func:`iter_hf_weights`, CPU)."""
         return self._take(1, like, numel, capacity)
 
+    def other(self, flat: torch.Tensor, like: torch.Tensor, numel: int, capacity: int) -> torch.Tensor:
+        """As :meth:`bucket`, from the buffer that does not hold ``flat`` (a view of either buffer):
+        a bucket received while the consumer still reads ``flat``'s (:func:`iter_hf_weights`, CPU)."""
+        return self._take(1 - self._which(flat), like, numel, capacity)
+
+    def _which(self, flat: Optional[torch.Tensor]) -> int:
+        """1 when ``flat`` views the second buffer, else 0."""
+        if flat is not None and self._bufs[1] is not None and \
+                flat.untyped_storage().data_ptr() == self._bufs[1].untyped_storage().data_ptr():
+            return 1
+        return 0
+
     def settle(self, flat: Optional[torch.Tensor] = None) -> None:
         """Wait (CPU, up to :attr:`collective_grace_s`) until the bucket's finished collectives
         have dropped their references, the caller holding exactly one view of the buffer
         (``flat``, of either buffer; None: the bucket buffer)."""
-        which = 0
-        if flat is not None and self._bufs[1] is not None and \
-                flat.untyped_storage().data_ptr() == self._bufs[1].untyped_storage().data_ptr():
-            which = 1
+        which = self._which(flat)
         buf = self._bufs[which]
         if buf is None or buf.device.type != "cpu" or self._refs[which] is None:
             return
@@ -553,6 +565,10 @@ def iter_hf_weights(
             expert bucket of whole unsplit parameters without packing: one broadcast per parameter from
             the owner's parameter into its place in the other EP ranks' bucket buffer (the trailer in a
             broadcast of its own), the owner yielding views of its parameters (the other 126 MiB there).
+            Such a bucket's broadcasts start one bucket ahead (into the second bucket buffer, while the
+            consumer copies the bucket before it; every EP rank at the same point of the plan, only
+            buckets without collectives in between), and where the consumer declared its memory
+            (:func:`load_targets`, the HF engine) the receiving ranks broadcast into it directly.
         digest: verify the sync (:mod:`dapo_megatron.bridge.verify`): each bucket
             gets a trailer of int64 words after its tensors, written by the rank that fills it
             before any broadcast (the version, the bucket's index, the checksum of each HF tensor
@@ -647,15 +663,42 @@ def iter_hf_weights(
     pack_ahead = cpu and parallel.ep_size > 1 and not expert_owners
     packed: Optional[tuple[int, torch.Tensor]] = None  # (bucket index, its filled buffer)
     previous_ep = False
+
+    def start(k: int, slots: list[_Slot], flat: torch.Tensor) -> _Direct:
+        return _start_direct(flat, slots, params, parallel, parallel.ep_ranks[slots[0].entry.ep_owner], fills(slots),
+                             trailers[k], None if digest is None else _Signer(flat, slots, hf_index[k], digest), k,
+                             buffers)
+
+    def quiet(slots: list[_Slot]) -> bool:  # a bucket without collectives of its own (local at TP = 1)
+        return not ep_broadcast(slots) and not (pp_size > 1 and pp_broadcast) and not any(s.gathered for s in slots)
+
+    def next_direct(pos: int) -> Optional[int]:
+        """The position of the next bucket sent :func:`direct` when only quiet buckets come before it."""
+        for j in range(pos + 1, len(mine)):
+            if direct(mine[j][1]):
+                return j
+            if not quiet(mine[j][1]):
+                return None
+        return None
+
+    # CPU, a bucket sent direct: its broadcasts start before the consumer copies the bucket before it (one
+    # bucket ahead, into the other bucket buffer), so the transport runs while the engine copies; every EP
+    # rank starts them at the same point of the plan (the buckets in between have no collectives).
+    pending: Optional[_Direct] = None
     for pos, (k, slots) in enumerate(mine):
         owner, ep_owner = slots[0].entry.owner, slots[0].entry.ep_owner
         pp_bcast, ep_bcast = pp_size > 1 and pp_broadcast, ep_broadcast(slots)
         views: dict[int, list] = {}
         sent = direct(slots)
-        if packed is not None and packed[0] == k:
+        started: Optional[_Direct] = None
+        if pending is not None and pending.bucket == k:
+            started, pending = pending, None
+            flat = started.flat
+        elif packed is not None and packed[0] == k:
             flat, packed = packed[1], None
         else:
-            flat = buffers.bucket(any_param, sum(trailers[k]), capacity)
+            flat = (buffers.bucket(any_param, sum(trailers[k]), capacity) if pending is None
+                    else buffers.other(pending.flat, any_param, sum(trailers[k]), capacity))
             if fills(slots) and not sent:
                 views = fill(k, slots, flat, param_views and not ep_bcast and not pp_bcast)
         if pack_ahead and ep_bcast and not previous_ep and not fills(slots):
@@ -670,9 +713,8 @@ def iter_hf_weights(
             del own
         previous_ep = ep_bcast
         if sent:
-            views = _send_direct(flat, slots, params, parallel, parallel.ep_ranks[ep_owner], fills(slots),
-                                 trailers[k], None if digest is None else _Signer(flat, slots, hf_index[k], digest), k,
-                                 buffers)
+            views = _finish_direct(started if started is not None else start(k, slots, flat), buffers)
+            del started
         elif ep_bcast:  # the other EP ranks of the stage
             parallel.broadcast(flat, "ep", src=parallel.ep_ranks[ep_owner])
         if pp_bcast:
@@ -681,9 +723,20 @@ def iter_hf_weights(
         named = [item for i, slot in enumerate(slots) for item in (views[i] if i in views else slot.hf_views(flat))]
         if digest is not None:
             _read_signature(flat, named, trailers[k], hf_index[k], k, digest)
+        if pending is None and packed is None and cpu:
+            j = next_direct(pos)
+            if j is not None:  # into the buffer this bucket does not use: the consumer still reads it
+                ahead = buffers.other(flat, any_param, sum(trailers[mine[j][0]]), capacity)
+                pending = start(mine[j][0], mine[j][1], ahead)
+                del ahead
         del flat, views  # from here the consumer's views alone decide whether the buffer is reused
-        for item in named:
-            yield item
+        try:
+            for item in named:
+                yield item
+        except BaseException:
+            if pending is not None:  # its broadcasts may still be running into the other buffer
+                buffers.release()
+            raise
         del named, item
 
 
@@ -846,17 +899,72 @@ def _read_signature(flat: torch.Tensor, named: list, trailer: tuple[int, int], f
             digest.sums[name] = value
 
 
-def _send_direct(flat: torch.Tensor, slots: list[_Slot], params: dict, parallel: ParallelDims, src: int,
-                 owner: bool, trailer: tuple[int, int], signer: Optional[_Signer], bucket: int,
-                 buffers: ExportBuffers) -> dict[int, list]:
-    """One EP-broadcast bucket of :attr:`_Slot.whole` slots sent without packing (collective over the EP
-    group: the same broadcasts, in slot order, on every rank): the owner (``owner``, global rank ``src``)
-    broadcasts each parameter as it is, the other ranks receive it into its slot of ``flat``; then the
-    trailer's words, broadcast into the other ranks' trailers whether or not the sync verifies (``signer``
-    not None: written first with the owner's checksums of the very parameters it broadcast, taken while
-    they travel; None: unwritten, unread). Returns the owner's views of
-    its parameters by slot position (empty on the other ranks: their tensors are ``flat``'s). Every
-    broadcast has finished when this returns."""
+_LOAD_TARGETS = threading.local()
+
+
+@contextlib.contextmanager
+def load_targets(targets: Mapping[str, torch.Tensor]):
+    """Within the block (this thread), :func:`iter_hf_weights` may write a received HF tensor straight into
+    ``targets[name]``, the memory its consumer would copy it into, and yield that tensor itself (the
+    consumer's copy of a tensor onto itself is then a no-op: torch's ``copy_`` returns early for the
+    same data). For a consumer that copies each tensor by name into memory of its own in this process
+    (``RolloutEngine.copies_on_load``: the HF engine enters it around its load loop, which drives the
+    generator). Used on CPU at EP > 1 for the expert buckets broadcast without packing: the receiving
+    ranks' broadcasts land in the engine's parameters (one copy of 126 MiB fewer per rank on the MoE
+    benchmark). A target is used only where it has the exported dtype and the tensor's shape, is
+    contiguous, on CPU, and a slot's HF tensors lie back to back in one storage (``gate_up_proj[e]``
+    for an expert's gate and up); else the bucket buffer receives, as without the block."""
+    previous = getattr(_LOAD_TARGETS, "targets", None)
+    _LOAD_TARGETS.targets = targets
+    try:
+        yield
+    finally:
+        _LOAD_TARGETS.targets = previous
+
+
+def _target_region(slot: _Slot, dtype: torch.dtype) -> Optional[tuple[torch.Tensor, list]]:
+    """``(region, named)``: the consumer's memory (:func:`load_targets`) that ``slot``'s HF tensors can be
+    received into as one flat region, and those tensors by name; None where there is none."""
+    targets = getattr(_LOAD_TARGETS, "targets", None)
+    if targets is None:
+        return None
+    named, end = [], None
+    for name, shape in slot.entry.hf:
+        t = targets.get(name)
+        if (t is None or t.dtype != dtype or t.device.type != "cpu" or tuple(t.shape) != tuple(shape)
+                or not t.is_contiguous() or (end is not None and (t.untyped_storage().data_ptr() != named[0][1]
+                                                                 .untyped_storage().data_ptr()
+                                                                 or t.data_ptr() != end))):
+            return None
+        named.append((name, t))
+        end = t.data_ptr() + t.numel() * t.element_size()
+    first = named[0][1]
+    if sum(t.numel() for _, t in named) != slot.numel:
+        return None
+    return first.as_strided((slot.numel,), (1,), first.storage_offset()), named
+
+
+@dataclass
+class _Direct:
+    """An expert bucket sent without packing whose broadcasts are in flight (:func:`_start_direct`)."""
+
+    bucket: int  # its index in the plan
+    flat: torch.Tensor  # the bucket buffer the other ranks receive into
+    works: list
+    views: dict[int, list]  # by slot position: the owner's views of its parameters; elsewhere the consumer's
+    # tensors received into in place (:func:`load_targets`)
+
+
+def _start_direct(flat: torch.Tensor, slots: list[_Slot], params: dict, parallel: ParallelDims, src: int,
+                  owner: bool, trailer: tuple[int, int], signer: Optional[_Signer], bucket: int,
+                  buffers: ExportBuffers) -> _Direct:
+    """Start one EP-broadcast bucket of :attr:`_Slot.whole` slots sent without packing (collective over
+    the EP group: the same asynchronous broadcasts, in slot order, on every rank): the owner (``owner``,
+    global rank ``src``) broadcasts each parameter as it is, the other ranks receive it into its slot of
+    ``flat`` (or straight into its consumer's memory, :func:`load_targets`); then the trailer's words,
+    broadcast into the other ranks' trailers whether or not the sync verifies (``signer`` not None: written
+    first with the owner's checksums of the very parameters it broadcast, taken while they travel; None:
+    unwritten, unread). :func:`_finish_direct` waits for them."""
     group = parallel.group("ep")
     works, views = [], {}
     try:
@@ -868,7 +976,11 @@ def _send_direct(flat: torch.Tensor, slots: list[_Slot], params: dict, parallel:
                 views[i] = slot.param_views(param)
                 region = param.view(-1)
             else:
-                region = flat[slot.offset:slot.offset + slot.numel]
+                target = _target_region(slot, flat.dtype)
+                if target is None:
+                    region = flat[slot.offset:slot.offset + slot.numel]
+                else:
+                    region, views[i] = target
             works.append(collectives.broadcast(region, src=src, group=group, async_op=True))
         # the trailer's words travel whether or not this sync verifies (unwritten then), as the packed
         # bucket's trailer room does: the collectives never depend on verification, and a verified sync
@@ -880,12 +992,24 @@ def _send_direct(flat: torch.Tensor, slots: list[_Slot], params: dict, parallel:
             signer.write(words, bucket)
         works.append(collectives.broadcast(words, src=src, group=group, async_op=True))
         del words
-        for work in works:
+    except BaseException:
+        buffers.release()  # broadcasts may still be running into the bucket buffer: never hand it out again
+        raise
+    return _Direct(bucket, flat, works, views)
+
+
+def _finish_direct(sent: _Direct, buffers: ExportBuffers) -> dict[int, list]:
+    """Wait for every broadcast :func:`_start_direct` started; returns, by slot position, the owner's views
+    of its parameters, and on the other ranks the consumer's tensors received into in place (the others
+    are the bucket buffer's)."""
+    try:
+        for work in sent.works:
             work.wait()
     except BaseException:
         buffers.release()  # broadcasts may still be running into the bucket buffer: never hand it out again
         raise
-    return views
+    sent.works = []
+    return sent.views
 
 
 def _fill_bucket(flat: torch.Tensor, slots: list[_Slot], params: dict, layout: ModelLayout,

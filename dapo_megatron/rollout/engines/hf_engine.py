@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 
 from dapo_megatron.bridge.receiver import ParamSpec, checkpoint_parameters, specs_from_module
 from dapo_megatron.bridge.verify import Timer, as_sent, checksum_tensor, digest_dtype, read_checksums
+from dapo_megatron.bridge.weights import load_targets
 from dapo_megatron.platform.cpu_compat import native_torch
 from dapo_megatron.rollout.engines.engine import (
     Completion,
@@ -263,8 +264,9 @@ class HFEngine(RolloutEngine):
         dtype = digest_dtype(digest) if digest is not None else None
         self._loaded_sums = {}
         # the stream (and the bridge's generator it drives) names no CUDA device: without cpu_compat's
-        # mode, a few hundred torch calls per sync skip its Python (a no-op off CPU)
-        with native_torch():
+        # mode, a few hundred torch calls per sync skip its Python (a no-op off CPU); the bridge may receive
+        # a tensor straight into its parameter (load_targets: the copy below is then onto itself, a no-op)
+        with native_torch(), load_targets(params):
             for name, tensor in named_tensors:
                 params[name].copy_(tensor)  # casts dtype and moves device (also while asleep on CPU)
                 del tensor  # before the next one is produced

@@ -176,23 +176,28 @@ def _worker(out_dir: str, cases: dict) -> None:
 
     engine, buffers = engine_for(cfg, 62 + rank), ExportBuffers()
     storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    engine_storages = {p.untyped_storage().data_ptr() for p in engine.model.parameters()}
     for version in (2, 3):
-        digest, aliased = SyncDigest(version, 1), set()
+        digest, aliased, in_place = SyncDigest(version, 1), set(), set()
 
         def stream():
             for name, t in iter_hf_weights(model, parallel=par, bucket_bytes=4096, digest=digest, buffers=buffers,
                                            param_views=engine.copies_on_load):
                 if t.untyped_storage().data_ptr() in storages:
                     aliased.add(name)
+                if t.untyped_storage().data_ptr() in engine_storages:
+                    in_place.add(name)
                 yield name, t
                 del t
 
         error = _sync_stream(engine, stream(), version, digest)
         held = dict(checkpoint_parameters(engine.model))
         res[("ep2_views", version)] = {"error": error, "aliased": aliased, "version": engine.weight_version,
+                                       "in_place": in_place,
                                        "differing": sorted(n for n in state if not torch.equal(held[n], state[n]))}
     res["experts_mine"] = sorted(n for n in state if ".experts." in n
                                  and expert_turn(n, cfg.num_experts, par.ep_size) == par.ep_rank)
+    res["experts_all"] = sorted(n for n in state if ".experts." in n)
     # ---- EP = 2, the fast path's expert buckets (each parameter broadcast straight into the receiver's
     # bucket, the trailer apart): one bit flipped in the first parameter this rank receives
     for verify in (False, True):
@@ -348,6 +353,10 @@ def test_the_fast_path_at_ep2_views_parameters_and_syncs_bitwise(verify_results)
             # owner's straight from its parameters (handed out as they are), the others' into the bucket
             assert {"model.embed_tokens.weight", "lm_head.weight", "model.norm.weight"} <= r["aliased"]
             assert res["experts_mine"] and {n for n in r["aliased"] if ".experts." in n} == set(res["experts_mine"])
+            # the other rank's experts were received straight into the engine's fused expert parameters
+            # (bridge.weights.load_targets, entered by the HF engine's load), nothing else
+            theirs = {n for n in res["experts_all"] if n not in res["experts_mine"]}
+            assert theirs and r["in_place"] == theirs
 
 
 @pytest.mark.dist
