@@ -9,18 +9,11 @@ are graded and offered in submission order, and once N are kept the rows still r
 aborted: discarded, or kept with their tokens, logprobs and versions to continue next step.
 Carried work more than ``buffer.max_staleness`` versions behind is dropped (counted).
 
-Determinism and layout: all decisions are taken on every rank from the same records, so
-they need no communication besides the client's. With the HF engine a round is a fixed
-number of sampled tokens and rows are admitted at every poll (continuous batching), so the
-round in which a group finishes depends only on its responses' lengths and on the round it
-was submitted in: the kept groups, the aborted rows and the carried state are the same at
-any TP / PP / DP layout, and a resumed run repeats an uninterrupted one (responses
-themselves are batch-independent up to the last bits of batched matmuls, see
-:class:`~dapo_megatron.rollout.engines.hf_engine.HFEngine`). SGLang cannot stop after a token
-count: its rounds are time slices (``SGLangEngine.poll_timeout_s``), so which groups finish
-first, and hence which are kept, aborted or carried, depends on timing and is not
-reproducible; each response stays seed-exact under ``rollout.deterministic``, continued
-ones included.
+Every rank takes every decision from the same records, with no communication besides the
+client's. With the HF engine a round is a token count, so the kept groups, aborted rows and
+carried state are the same at any layout and on resume; SGLang's rounds are time slices
+(``SGLangEngine.poll_timeout_s``) and are not reproducible, each response staying seed-exact
+under ``rollout.deterministic``.
 
 Design: docs/design.md §3.7 (streaming, partial rollouts).
 """
@@ -98,24 +91,17 @@ its context), coded by position in :meth:`EngineClient.share_turns`' records."""
 
 class EngineClient:
     """:class:`RowClient` over the run's rollout engines; in a distributed run every call is a
-    collective over the world.
-
-    Group ``g`` runs on engine ``g.prompt_seed % num_engines`` (its ``n`` rows share one
-    prefill there), continued rows included, so a partial response is always continued where
-    its tokens are. Each rank passes the engine it drives (colocated: the leader of a rollout
-    group of ``rollout.tensor_model_parallel_size`` ranks; server mode: rank ``e`` drives
-    ``rollout.server_urls[e]``) with its ``engine_index``, or None where it drives none (the
-    other ranks of a rollout group). A round replicates records only: per finished or aborted
-    row ``(prompt_seed, j, new tokens, finish reason, version)``, 5 int64 in one all-gather
-    (:func:`~dapo_megatron.rollout.plan.step_data.all_gather_rows`); the tokens and logprobs stay on
-    the rank that generated them (:attr:`RowUpdate.holder`) until the step's plan sends them,
-    once, to the ranks that train them (:func:`~dapo_megatron.rollout.plan.step_data.send_tokens`).
+    collective over the world. Group ``g`` runs on :meth:`engine_of` (continued rows included, so
+    a partial response continues where its tokens are); a round replicates records only, 5 int64
+    per finished or aborted row, the tokens staying with :attr:`RowUpdate.holder`
+    (docs/design.md §3.7).
 
     Args:
         engine: this rank's engine (asynchronous interface: ``submit`` / ``poll`` / ``abort``).
         params: the rollout's sampling parameters (``n`` ignored: one row per response).
         num_engines: engines of the run.
-        engine_index: the engine this rank drives, or None.
+        engine_index: the engine this rank drives (colocated: a rollout-TP group's leader; server
+            mode: rank ``e`` drives ``rollout.server_urls[e]``), or None.
         parallel: the run's layout (its world group); None: a world of one.
 
     Raises:
@@ -329,19 +315,12 @@ class StreamingCollector:
         """The groups of one training step (module docstring); a collective when the client is.
 
         Returns:
-            ``(groups, metrics)`` as :meth:`~dapo_megatron.rollout.sampling.buffer.RolloutBuffer.collect`,
-            plus ``rollout/{keep_rate, partial_in, partial_out}``, ``rollout/dropped_stale``
-            counting stale partial groups too, and, with the generation's other metrics
-            (absent when no token was sampled and no group graded,
-            :data:`~dapo_megatron.rollout.sampling.buffer.GENERATION_METRICS`), ``rollout/{rounds,
-            prompts_submitted, skipped_prompts, aborted_rows, aborted_tokens}``.
-            ``rollout/gen_tokens`` counts the tokens sampled in this step (the continued part
-            of a partial rollout, not its prefix; aborted tokens included, whether carried or
-            discarded).
-
-        Raises:
-            RuntimeError: the cap was reached with fewer than N kept and ``on_cap="error"``
-                (the kept groups stay in the surplus).
+            ``(groups, metrics)`` as :meth:`~dapo_megatron.rollout.sampling.buffer.RolloutBuffer.collect`
+            (and raising as it does), plus ``rollout/{keep_rate, partial_in, partial_out}``,
+            ``rollout/dropped_stale`` counting stale partial groups too, and, with the generation's
+            other metrics (:data:`~dapo_megatron.rollout.sampling.buffer.GENERATION_METRICS`),
+            ``rollout/{rounds, prompts_submitted, skipped_prompts, aborted_rows, aborted_tokens}``;
+            ``rollout/gen_tokens`` counts the tokens sampled in this step, aborted ones included.
         """
         sel, cfg = self.selector, self.selector.config
         feeder = StepFeeder(sel, KeepRateStreaming(cfg, prompts, self.skipper, self.keep))
