@@ -166,14 +166,9 @@ class GroupSelector:
         return self._step
 
     @property
-    def num_kept(self) -> int:
-        """Groups kept in this step so far (carried surplus included)."""
-        return len(self._current().kept)
-
-    @property
     def missing(self) -> int:
         """Kept groups still needed for ``train_batch_size`` (0 once reached)."""
-        return max(0, self.config.train_batch_size - self.num_kept)
+        return max(0, self.config.train_batch_size - len(self._current().kept))
 
     @property
     def kept(self) -> list[Group]:
@@ -347,20 +342,12 @@ def generation_metrics(graded: Sequence[Sample], gen_tokens: int, trained: Seque
     """Metrics of the step's generation (names in :data:`GENERATION_METRICS`); ``{}`` when
     nothing was generated (``gen_tokens == 0`` and nothing ``graded``).
 
-    Args:
-        graded: the responses generated and graded in this step, before dynamic sampling.
-        gen_tokens: response tokens sampled in this step (a streamed step also counts the
-            continued part of partial rollouts and aborted tokens).
-        trained: the samples of the trained batch (for the over-generation ratio).
-        dropped: groups dropped as all correct, all wrong, other constant.
-
-    Returns:
-        ``rollout/gen_tokens``; ``rollout/gen_tokens_per_kept_token`` = gen_tokens / response
-        tokens of ``trained`` (the over-generation cost of dynamic sampling; carried surplus
-        makes it < 1 at times, averaged over steps it is the true cost); the dropped counts;
-        over ``graded`` (present only when a response was graded: a streamed step may abort
-        all it sampled): ``rollout/gen_{score,acc,reward,overlong_penalty}_mean`` (the
-        policy's unfiltered performance) and ``rollout/gen_response_length_mean``.
+    ``graded``: the responses graded in this step, before dynamic sampling; ``gen_tokens``: the
+    tokens sampled in this step; ``trained``: the trained batch's samples; ``dropped``: the groups
+    dropped per :data:`DROP_REASONS`. ``rollout/gen_tokens_per_kept_token`` = gen_tokens / response
+    tokens of ``trained`` (dynamic sampling's over-generation cost; carried surplus makes it < 1 at
+    times); the ``rollout/gen_*_mean`` (the policy's unfiltered performance) only when a response
+    was graded (a streamed step may abort all it sampled).
     """
     if not gen_tokens and not graded:
         return {}
@@ -383,12 +370,9 @@ def generation_metrics(graded: Sequence[Sample], gen_tokens: int, trained: Seque
 
 
 def trained_batch_metrics(samples: Sequence[Sample]) -> dict[str, float]:
-    """Metrics of the trained batch (the step's kept groups, carried ones included): ``{}``
-    when it is empty, else ``train/{score,acc,reward,overlong_penalty}_mean``,
-    ``train/response_length_{mean,max}`` and ``train/truncation_ratio``. verl's
-    ``critic/score/mean`` and ``response_length/mean`` are over this batch too; with dynamic
-    sampling ``train/acc_mean`` is that of mixed groups only (``rollout/gen_acc_mean`` is the
-    policy's)."""
+    """Metrics of the trained batch (carried groups included; ``{}`` when empty), as verl's
+    ``critic/score/mean``: with dynamic sampling ``train/acc_mean`` is that of mixed groups only
+    (``rollout/gen_acc_mean`` is the policy's)."""
     if not samples:
         return {}
     return {
@@ -443,14 +427,10 @@ def split_fresh_stale(samples: Sequence[Sample], policy_version: int) -> tuple[l
 
 
 def logprob_mismatch_metrics(samples: Sequence[Sample], group=None, older_than: Optional[int] = None) -> dict[str, float]:
-    """Rollout-vs-actor logprob mismatch over all response tokens of ``samples``.
-
-    ``|Sample.rollout_logprobs - Sample.old_logprobs|`` per token (nats), pooled over all
-    model tokens (a multi-turn sample's context tokens, ``response_mask`` 0, have no rollout
-    logprob and are left out). Samples whose ``old_logprobs`` is None (not recomputed, or recomputed on another
-    DP rank) are skipped; samples masked out of the loss (``loss_mask_zero``) are included.
-    With top-p/top-k sampling the rollout logprobs are those of the truncated distribution,
-    so a non-zero mismatch is expected.
+    """Rollout-vs-actor logprob mismatch: ``|Sample.rollout_logprobs - Sample.old_logprobs|`` per
+    model token (nats; context tokens, ``response_mask`` 0, left out), over the samples with
+    ``old_logprobs`` (``loss_mask_zero`` ones included). Top-p/top-k rollout logprobs are those of
+    the truncated distribution, so a non-zero mismatch is expected there.
 
     Args:
         samples: the samples; each DP rank passes its own (with their ``old_logprobs``).
