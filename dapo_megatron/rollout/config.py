@@ -88,42 +88,26 @@ class RolloutConfig:
     bucket at a time, and SGLang receives one flattened bucket per call. A CPU actor keeps one
     bucket of host memory between syncs (``bridge.ExportBuffers``)."""
     check_weight_update: bool = True
-    """verify every weight sync before the engines generate with it (docs/design.md §1 step 7,
-    ``bridge/verify.py``): every bucket carries the sender's version and index (a stale or
-    misordered bucket fails), every sent tensor must have reached the engine, and the tensors of
-    this sync's sample (``check_weight_update_period``) are compared by checksum: the sender's over
-    what it sent, the receiver's over what it loaded (an in-process engine) or what SGLang's
-    ``get_weights_by_name`` returns (colocated SGLang, servers). A difference stops the step with one
-    error naming the tensor, the engine or server and the version; that engine does not generate
-    with it. Observes only: no weight changes."""
+    """verify every weight sync before the engines generate with it (``bridge/verify.py``; what is
+    checked and what each receiver guarantees: docs/design.md §1.1): a failure stops the step with
+    one error naming the tensor, the engine or server and the version. Observes only."""
     check_weight_update_period: int = 32
-    """checksum tensor ``i`` (of the bridge's export order) in the syncs where ``i % period ==
-    version % period``: 1 checks every tensor of every sync, k a rotating 1/k of them, so that every
-    tensor is checked once in any k consecutive syncs (the structural checks and the probe run every
-    sync whatever the period). A checksum is one read of the tensor on each side: on the 2-core CPU
-    box, where a sync moves 0.5-1 GB/s, period 1 costs 15 % (dense) to 32 % (MoE, EP = 2) of the sync
-    time and the default 32 under 2 % (benchmarks/bench_sync.py, bench_sync_moe.py, last lines); on
-    GPUs the read runs at HBM speed, and period 1 is the setting to choose where the sync is slow
-    next to it."""
+    """checksum tensor ``i`` of the export order in the syncs where ``i % period == version %
+    period``: 1 checks every tensor of every sync (its cost: docs/design.md §1.1); the structural
+    checks and the probe run every sync whatever the period."""
     check_weight_update_readback: bool = True
-    """SGLang engines and servers, which cannot checksum what they loaded: read the sample back with
-    ``get_weights_by_name`` (a model class of SGLang without it answers nothing, which fails the
-    check naming this key: set it false there, leaving the structural checks)."""
+    """SGLang engines and servers: read the sample back with ``get_weights_by_name`` (a model class
+    without it fails the check naming this key: set it false there, leaving the structural checks)."""
     check_weight_update_readback_elements: int = 1 << 20
-    """the most elements of one tensor that a readback (``check_weight_update_readback``) reads:
-    the tensor's first rows up to this many elements (``get_weights_by_name``'s ``truncate_size``
-    counts rows), which the sender checksums alike. SGLang answers with the rows as JSON text
-    (~20 bytes a value): a 7B model's embedding read whole is ~10 GB of text per server, so the
-    readback of a large tensor covers its head; 0 reads every tensor whole."""
+    """the most elements of one tensor a readback reads (its first rows, which the sender checksums
+    alike; SGLang answers JSON text, docs/design.md §1.1); 0 reads every tensor whole."""
     weight_probe: bool = True
-    """after every sync, a functional check: the logprobs of a fixed probe sequence under the engine
-    must equal the actor's within ``weight_probe_tolerance`` (a wrong layout or name map that the
-    checksums cannot see, since the sender checksums what it re-laid out). Engines that can score a
-    sequence (the HF engine); the others take part in the actor's forward only."""
+    """after every sync, the logprobs of a fixed probe sequence under the engine must equal the
+    actor's within ``weight_probe_tolerance`` (catches a wrong layout or name map the checksums
+    cannot see). Engines that score a sequence (HF); the others take part in the actor's side."""
     weight_probe_tolerance: float = 0.0
-    """the probe's bound on the mean per-token |logprob difference| (nats) over its 16 scored tokens;
-    0: by the sent dtype (1e-3 for float32, 0.1 for bfloat16 / float16: two implementations rounding
-    activations their own way; a wrong layout moves whole nats)."""
+    """the probe's bound on the mean per-token |logprob difference| (nats); 0: by the sent dtype
+    (1e-3 for float32, 0.1 for bfloat16 / float16)."""
     gpu_memory_utilization: float = 0.5
     """SGLang ``mem_fraction_static`` (GPU only), in (0, 1)."""
     val_n: int = 32

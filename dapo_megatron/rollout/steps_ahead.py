@@ -1,12 +1,10 @@
 """The steps the async controller fills ahead of training: the step feeder, its open step, the ready queue.
 
 :class:`StepsAhead` is the bookkeeping half of :class:`~dapo_megatron.rollout.async_rollout.RolloutController`
-(the other half is the thread, its lock and the servers): the step feeder
-(:mod:`~dapo_megatron.rollout.sampling.feeder`) with the controller's admission (whole generation
-batches from ``next_batch``, or keep-rate streaming from the prompt queue) gated by η
-(:class:`~dapo_megatron.rollout.sampling.feeder.EtaBound`), the counts of the step being filled
-(:class:`Fill`), the finished steps waiting for the trainer, and their checkpoint state. Not
-thread-safe: the controller calls it under its lock.
+(the other half is the thread, its lock and the servers): the step feeder with the controller's
+admission gated by η, the counts of the step being filled (:class:`Fill`), the finished steps
+waiting for the trainer, and their checkpoint state. Not thread-safe: the controller calls it
+under its lock.
 
 Design: docs/design.md §3.8 (asynchronous training on separate servers).
 """
@@ -119,9 +117,8 @@ class StepsAhead:
 
     def admit(self) -> tuple[list[Any], list[int]]:
         """The records of the next request and their positions (seed and group number), by the
-        feeder's admission (the step not done): batch, the next whole generation batch; streamed,
-        ``KeepRate.admission(missing, gen_batch_size, cap - submitted)`` prompts the skipper lets
-        through (nothing in flight: a request is generated and graded before the next)."""
+        feeder's admission (the step not done; nothing in flight: a request is generated and graded
+        before the next)."""
         drawn = self.feeder.admit()
         if self.prompts is not None:
             self.gen_batches_done = self.prompts.fetched
@@ -137,11 +134,9 @@ class StepsAhead:
         self.fill.retried += retried
 
     def close(self, healthy_servers: int) -> bool:
-        """Hand the filled step to :attr:`ready` (exactly N groups, or fewer at the cap), as
-        :meth:`RolloutBuffer.collect` ends a step, and open the next: the feeder's ``begin`` keeps
-        the surplus that is within η of it (the rest is dropped and counted) and halves the keep
-        rate. Returns False when the step failed at its cap (``on_cap="error"``: the error is
-        queued in its place and nothing more is filled)."""
+        """Hand the filled step to :attr:`ready` (as :meth:`RolloutBuffer.collect` ends a step) and
+        open the next (``StepFeeder.begin``). Returns False when the step failed at its cap
+        (``on_cap="error"``: the error is queued in its place and nothing more is filled)."""
         cfg, f, sel = self.cfg, self.fill, self.selector
         if sel.missing and cfg.on_cap == "error":
             try:
@@ -180,20 +175,11 @@ class StepsAhead:
         return out
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict`, evicting what is now too stale.
-
-        Each kept group is checked against the policy version of the step it was kept for
-        (a ready step's, or the open step's for its kept groups and surplus), with η =
-        ``buffer.max_staleness`` of this run (a resume may lower it). The steps before the
-        first one holding a group more than η behind are restored as they were; so is all of
-        it when there is none (the resumed run repeats the uninterrupted one). From that step
-        on, the groups more than η behind their step are evicted, counted in that step's
-        ``rollout/evicted_on_resume``, and the others, in generation order, are carried into
-        it as synchronous mode carries surplus (each is within η of it: it is not newer than
-        the step they were kept for); the step is filled again from there. No group is lost
-        or used twice: every one is trained once or counted as evicted. (Streamed admission
-        keeps the keep rate it had at the save, already halved for the ready steps that are
-        filled again: it sizes the next requests only.)
+        """Restore :meth:`state_dict`, evicting what is now too stale with this run's η
+        (docs/design.md §3.8, State): no group is lost or used twice, every one is trained once or
+        counted in ``rollout/evicted_on_resume``; the others are carried, in generation order, into
+        the first step holding a too-stale group, filled again from there. (Streamed admission keeps
+        the keep rate it had at the save: it sizes the next requests only.)
 
         Raises:
             ValueError: the checkpoint's admission is not this one's (:func:`check_admission`).

@@ -1,18 +1,10 @@
 """The synchronous step source of a :class:`~dapo_megatron.rollout.rollout.Rollout` (docs/design.md §2.3).
 
 :class:`SyncFeeder` fills each training step in the trainer's own time, on every rank: the step
-feeder (:mod:`~dapo_megatron.rollout.sampling.feeder`) with whole generation batches (the engines'
-batch ``generate`` over each batch, dealt over the engines: :meth:`SyncFeeder.generate_groups`) or,
-with ``rollout.streaming``, with keep-rate streaming over the engines' rows
-(:class:`~dapo_megatron.rollout.sampling.streaming.StreamingCollector`). Its other side is the
-background driver of ``async_training`` (:class:`~dapo_megatron.rollout.background.BackgroundDriver`),
-which runs the same feeder ahead of training on rank 0; a :class:`Rollout` composes one of the two.
-
-Prompts: every prompt of a generation batch is dealt over the engines
-(:func:`~dapo_megatron.rollout.engines.layout.engine_share`) and each response is seeded by the
-prompt's global position, so the rollout does not depend on the actor's TP / PP / DP nor on the
-engines' layout. Records (lengths, finish reasons, grades) end up replicated on every rank; token
-lists stay where they were generated (:func:`~dapo_megatron.rollout.plan.step_data.gather_groups`).
+feeder (:mod:`~dapo_megatron.rollout.sampling.feeder`) over whole generation batches
+(:meth:`SyncFeeder.generate_groups`) or, with ``rollout.streaming``, over the engines' rows
+(:class:`~dapo_megatron.rollout.sampling.streaming.StreamingCollector`). The other step source is
+``async_training``'s :class:`~dapo_megatron.rollout.background.BackgroundDriver`.
 """
 
 from __future__ import annotations
@@ -58,9 +50,11 @@ class SyncFeeder:
 
     def generate_groups(self, batch: Sequence[int], params: SamplingParams, positions: Sequence[int]) -> list[Group]:
         """Generate ``params.n`` responses for each prompt of the generation batch (``batch``: its
-        dataset indices, the same on every rank), dealt over the rollout engines, and return the
-        groups: every rank gets the same list of records, in ``batch`` order, group ``k`` numbered
-        and seeded by its global position ``positions[k]``; the token lists only where generated."""
+        dataset indices, the same on every rank), dealt over the rollout engines
+        (:func:`~dapo_megatron.rollout.engines.layout.engine_share`), and return the groups: every
+        rank gets the same records, in ``batch`` order, group ``k`` numbered and seeded by its global
+        position ``positions[k]`` (so no layout changes them); the token lists only where generated
+        (:func:`~dapo_megatron.rollout.plan.step_data.gather_groups`)."""
         r = self.rollout
         mine = r.engine_share(len(batch))
         prompts = [r.train_data[batch[g]].prompt_ids for g in mine]

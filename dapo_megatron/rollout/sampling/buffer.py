@@ -1,37 +1,20 @@
 """Rollout buffer with DAPO dynamic sampling (arXiv 2503.14476, Sec. 3.2, Algorithm 1).
 
-One training step needs exactly ``train_batch_size`` (N) prompt groups of ``n`` (G)
-responses whose accuracies are not all equal: a group where every response is right (or
-every one is wrong) has zero advantage for all its tokens and only dilutes the gradient.
-:class:`GroupSelector` holds that rule once, with the step's keep/drop tally, the group
+:class:`GroupSelector` holds the rule once (keep a group of ``n`` responses iff ``max(metric) -
+min(metric) > 0``, on the raw accuracy by default), with the step's keep/drop tally, the group
 renumbering, the surplus and the metrics; the one step feeder
-(:class:`~dapo_megatron.rollout.sampling.feeder.StepFeeder`) offers it groups, by whole generation
-batches (:meth:`RolloutBuffer.collect`, below), streamed rounds
-(:class:`~dapo_megatron.rollout.sampling.streaming.StreamingCollector`) or ahead of training (the
-async controller). :meth:`RolloutBuffer.collect`
+(:class:`~dapo_megatron.rollout.sampling.feeder.StepFeeder`) offers it groups.
+:meth:`RolloutBuffer.collect` is the batch form: the surplus within ``max_staleness`` first, then
+whole generation batches, graded (``reward = score + soft overlong penalty``, paper Eq. 13) and
+offered until ``train_batch_size`` are kept or ``max_num_gen_batches`` are spent (``on_cap``).
 
-1. starts from the surplus groups kept at earlier steps (used first), dropping those more
-   than ``max_staleness`` weight versions behind the actor (counted),
-2. calls ``generate_batch()`` for one generation batch of ungraded groups at a time,
-3. grades every response through the reward pool (text from ``decode``),
-4. shapes the reward: ``reward = score + soft overlong penalty`` (paper Eq. 13),
-5. keeps a group iff ``max(metric) - min(metric) > 0`` over its responses, on the RAW
-   accuracy by default (not on the length-shaped reward, and not ``std != 0`` on floats),
-6. stops as soon as N groups are kept, returns exactly N and carries the rest over,
-7. after ``max_num_gen_batches`` generation batches without reaching N: raises a
-   ``RuntimeError`` naming the knob (``on_cap="error"``), or returns the < N groups kept
-   so far with ``rollout/hit_cap = 1`` (``on_cap="train_on_kept"``).
-
-Single-process and deterministic: the same generation batches and grades give the same
-output. In a distributed run every rank runs this same logic on the same records: the
-trainer replicates each sample's lengths, finish reason and grades
-(:mod:`~dapo_megatron.rollout.plan.step_data`), while its token lists stay on the rank that
-generated it (``Sample.response_ids`` is None elsewhere) until the step's DP plan sends
-them where they train.
+Deterministic: the same generation batches and grades give the same output. In a distributed run
+every rank runs this logic on the same replicated records
+(:mod:`~dapo_megatron.rollout.plan.step_data`), while token lists stay on the rank that generated
+them (``Sample.response_ids`` is None elsewhere) until the step's DP plan sends them.
 
 Design: docs/design.md §3.3 (dynamic sampling).
 """
-
 from __future__ import annotations
 
 import dataclasses
@@ -57,7 +40,7 @@ class RewardPoolLike(Protocol):
         """``(data_source, solution_str, ground_truth, extra_info)`` per response →
         ``{"score": float, "acc": bool, "pred": str | None}`` per response, same order.
         ``solution_str`` is None for a response this rank does not hold: only a distributed
-        pool (:class:`~dapo_megatron.rollout.plan.step_data.DistributedGrader`) receives those."""
+        pool (:class:`~dapo_megatron.rewards.distributed.DistributedGrader`) receives those."""
 
 
 def group_to_dict(g: Group) -> dict:
@@ -85,26 +68,16 @@ class _Step:
 
 
 class GroupSelector:
-    """DAPO's dynamic-sampling selector: grading, the keep rule, the step's tally, the surplus.
-
-    One selector serves every way of feeding a step (slime's ``filter_hub`` shape), through the
-    step feeder (:class:`~dapo_megatron.rollout.sampling.feeder.StepFeeder`, the one caller of
-    :meth:`offer`): whole generation batches (:meth:`RolloutBuffer.collect`), streamed rounds
-    (:class:`~dapo_megatron.rollout.sampling.streaming.StreamingCollector`) or the async controller.
-    A step is
-    :meth:`begin` (the carried surplus within ``max_staleness`` counts as kept, the stale rest
-    is dropped and counted), then :meth:`grade` + :meth:`offer` per finished group, in
-    generation order, until :attr:`missing` is 0 or the feeder's cap, then :meth:`take` (the
-    first N kept, renumbered ``0..N-1``; the rest becomes the surplus) and :meth:`step_metrics`.
+    """DAPO's dynamic-sampling selector (slime's ``filter_hub`` shape), for every way of feeding a
+    step through the step feeder (the one caller of :meth:`offer`). A step is :meth:`begin`, then
+    :meth:`grade` + :meth:`offer` per finished group in generation order until :attr:`missing` is 0
+    or the feeder's cap, then :meth:`take` and :meth:`step_metrics`.
 
     Args:
-        config: :class:`BufferConfig`, validated: ``load_config`` validates it (with its nested
-            sections) once; a config built in code is validated by its own ``validate()`` first.
-        reward_pool: object with ``grade(requests) -> list[dict]`` (``RewardPool``, or the
-            trainer's ``DistributedGrader``).
+        config: :class:`BufferConfig`, validated (``load_config``, or its own ``validate()``).
+        reward_pool: a :class:`RewardPoolLike`.
         decode: token ids → response text for grading (tokenizer ``decode`` with
-            ``skip_special_tokens=True``); not called for a sample whose ``response_ids``
-            another rank holds (its request carries None, see :class:`RewardPoolLike`).
+            ``skip_special_tokens=True``); not called for a response another rank holds.
     """
 
     def __init__(self, config: BufferConfig, reward_pool: RewardPoolLike, decode: Callable[[list[int]], str]):
@@ -144,8 +117,6 @@ class GroupSelector:
         results = self.reward_pool.grade(requests)
         if len(results) != len(samples):
             raise RuntimeError(f"reward_pool.grade returned {len(results)} results for {len(samples)} requests")
-        # the soft overlong penalty counts the model's tokens only: a multi-turn rollout's context
-        # (tool output) is not the policy's length (Sample.num_model_tokens; R when single-turn)
         lengths = torch.tensor([s.num_model_tokens for s in samples], dtype=torch.long)
         penalty = overlong_penalty(self.config.overlong, lengths).tolist()
         for s, r, p in zip(samples, results, penalty):
@@ -195,14 +166,9 @@ class GroupSelector:
         return self._step
 
     @property
-    def num_kept(self) -> int:
-        """Groups kept in this step so far (carried surplus included)."""
-        return len(self._current().kept)
-
-    @property
     def missing(self) -> int:
         """Kept groups still needed for ``train_batch_size`` (0 once reached)."""
-        return max(0, self.config.train_batch_size - self.num_kept)
+        return max(0, self.config.train_batch_size - len(self._current().kept))
 
     @property
     def kept(self) -> list[Group]:
@@ -307,8 +273,7 @@ class GroupSelector:
 
 class RolloutBuffer(GroupSelector):
     """The selector with the batch form of the step feeder (verl's dynamic sampling: the
-    :class:`~dapo_megatron.rollout.sampling.feeder.WholeBatches` admission): whole generation batches
-    until N groups are kept; see the module docstring. Constructed as :class:`GroupSelector`."""
+    :class:`~dapo_megatron.rollout.sampling.feeder.WholeBatches` admission; module docstring)."""
 
     def _check_batch(self, groups: Any, batch_index: int) -> list[Group]:
         cfg = self.config
@@ -331,25 +296,18 @@ class RolloutBuffer(GroupSelector):
             generate_batch: returns the ungraded groups (``n`` samples each, at most
                 ``gen_batch_size`` groups) of the next generation batch; with ``prompts``, of
                 the ``(record, position)`` pairs it is given.
-            policy_version: the weights version of the actor that trains on the result
-                (the trainer's step count); surplus more than ``max_staleness`` versions
-                older is dropped. None: no staleness bookkeeping.
-            prompts, skipper: GRESO prompt skipping: each batch is the next ``gen_batch_size``
-                prompts of this prompt queue that the skipper lets through
+            policy_version: the actor's weights version (:meth:`GroupSelector.begin`).
+            prompts, skipper: GRESO prompt skipping
                 (:class:`~dapo_megatron.rollout.sampling.feeder.WholeBatches`); the metrics add
                 ``rollout/{prompts_submitted, skipped_prompts}``.
 
         Returns:
-            ``(groups, metrics)``: exactly ``train_batch_size`` graded groups (fewer only with
-            ``on_cap="train_on_kept"`` at the cap, then ``metrics["rollout/hit_cap"] == 1``;
-            possibly 0 — the trainer must skip such a step), surplus from the previous step
-            first, renumbered ``group_id = 0..len-1`` (samples too) so ids are unique per step.
-            ``metrics``: :meth:`GroupSelector.step_metrics`.
+            ``(groups, metrics)``: :meth:`GroupSelector.take` (fewer than ``train_batch_size``,
+            possibly 0, only with ``on_cap="train_on_kept"`` at the cap: the trainer skips an
+            empty step) and :meth:`GroupSelector.step_metrics`.
 
         Raises:
-            RuntimeError: ``max_num_gen_batches`` generation batches did not yield
-                ``train_batch_size`` kept groups and ``on_cap == "error"`` (the groups kept
-                so far stay in the surplus).
+            RuntimeError: the cap under ``on_cap == "error"`` (:meth:`GroupSelector.fail_at_cap`).
             ValueError: a generation batch of the wrong shape.
         """
         feeder = StepFeeder(self, WholeBatches(self.config, lambda *drawn: self._check_batch(
@@ -384,20 +342,12 @@ def generation_metrics(graded: Sequence[Sample], gen_tokens: int, trained: Seque
     """Metrics of the step's generation (names in :data:`GENERATION_METRICS`); ``{}`` when
     nothing was generated (``gen_tokens == 0`` and nothing ``graded``).
 
-    Args:
-        graded: the responses generated and graded in this step, before dynamic sampling.
-        gen_tokens: response tokens sampled in this step (a streamed step also counts the
-            continued part of partial rollouts and aborted tokens).
-        trained: the samples of the trained batch (for the over-generation ratio).
-        dropped: groups dropped as all correct, all wrong, other constant.
-
-    Returns:
-        ``rollout/gen_tokens``; ``rollout/gen_tokens_per_kept_token`` = gen_tokens / response
-        tokens of ``trained`` (the over-generation cost of dynamic sampling; carried surplus
-        makes it < 1 at times, averaged over steps it is the true cost); the dropped counts;
-        over ``graded`` (present only when a response was graded: a streamed step may abort
-        all it sampled): ``rollout/gen_{score,acc,reward,overlong_penalty}_mean`` (the
-        policy's unfiltered performance) and ``rollout/gen_response_length_mean``.
+    ``graded``: the responses graded in this step, before dynamic sampling; ``gen_tokens``: the
+    tokens sampled in this step; ``trained``: the trained batch's samples; ``dropped``: the groups
+    dropped per :data:`DROP_REASONS`. ``rollout/gen_tokens_per_kept_token`` = gen_tokens / response
+    tokens of ``trained`` (dynamic sampling's over-generation cost; carried surplus makes it < 1 at
+    times); the ``rollout/gen_*_mean`` (the policy's unfiltered performance) only when a response
+    was graded (a streamed step may abort all it sampled).
     """
     if not gen_tokens and not graded:
         return {}
@@ -420,12 +370,9 @@ def generation_metrics(graded: Sequence[Sample], gen_tokens: int, trained: Seque
 
 
 def trained_batch_metrics(samples: Sequence[Sample]) -> dict[str, float]:
-    """Metrics of the trained batch (the step's kept groups, carried ones included): ``{}``
-    when it is empty, else ``train/{score,acc,reward,overlong_penalty}_mean``,
-    ``train/response_length_{mean,max}`` and ``train/truncation_ratio``. verl's
-    ``critic/score/mean`` and ``response_length/mean`` are over this batch too; with dynamic
-    sampling ``train/acc_mean`` is that of mixed groups only (``rollout/gen_acc_mean`` is the
-    policy's)."""
+    """Metrics of the trained batch (carried groups included; ``{}`` when empty), as verl's
+    ``critic/score/mean``: with dynamic sampling ``train/acc_mean`` is that of mixed groups only
+    (``rollout/gen_acc_mean`` is the policy's)."""
     if not samples:
         return {}
     return {
@@ -480,14 +427,10 @@ def split_fresh_stale(samples: Sequence[Sample], policy_version: int) -> tuple[l
 
 
 def logprob_mismatch_metrics(samples: Sequence[Sample], group=None, older_than: Optional[int] = None) -> dict[str, float]:
-    """Rollout-vs-actor logprob mismatch over all response tokens of ``samples``.
-
-    ``|Sample.rollout_logprobs - Sample.old_logprobs|`` per token (nats), pooled over all
-    model tokens (a multi-turn sample's context tokens, ``response_mask`` 0, have no rollout
-    logprob and are left out). Samples whose ``old_logprobs`` is None (not recomputed, or recomputed on another
-    DP rank) are skipped; samples masked out of the loss (``loss_mask_zero``) are included.
-    With top-p/top-k sampling the rollout logprobs are those of the truncated distribution,
-    so a non-zero mismatch is expected.
+    """Rollout-vs-actor logprob mismatch: ``|Sample.rollout_logprobs - Sample.old_logprobs|`` per
+    model token (nats; context tokens, ``response_mask`` 0, left out), over the samples with
+    ``old_logprobs`` (``loss_mask_zero`` ones included). Top-p/top-k rollout logprobs are those of
+    the truncated distribution, so a non-zero mismatch is expected there.
 
     Args:
         samples: the samples; each DP rank passes its own (with their ``old_logprobs``).

@@ -27,8 +27,7 @@ wrong, or otherwise constant (e.g. equal shaped rewards of mixed accuracy); logg
 @dataclass
 class BufferConfig:
     """Dynamic-sampling settings (verl ``data`` / ``actor_rollout_ref.rollout`` / ``algorithm.filter_groups``
-    names where they exist).
-    """
+    names where they exist)."""
 
     train_batch_size: int = 512
     """N, prompt groups per training step (verl ``data.train_batch_size``)."""
@@ -56,8 +55,7 @@ class BufferConfig:
     """mask truncated responses (finish_reason "length") out of the loss: sets
     ``Sample.loss_mask_zero`` (they still count for their group's advantage statistics)."""
     prompt_skip: PromptSkipConfig = field(default_factory=PromptSkipConfig)
-    """GRESO prompt skipping before rollout (``rollout/sampling/prompt_skip.py``); needs
-    ``rollout.streaming``."""
+    """GRESO prompt skipping before rollout (``rollout/sampling/prompt_skip.py``), in every mode."""
     max_staleness: int = 1
     """carried work (surplus groups, partial rollouts) whose oldest token was sampled more than
     this many weight versions before the actor that would train on it is dropped and counted

@@ -1,34 +1,15 @@
 """The step feeder: one loop's worth of rules between a prompt stream and the dynamic-sampling selector.
 
-Every way of filling a training step (batch, streamed, asynchronous) is the same sequence:
-**begin** the step (the selector takes in its carried surplus), **admit** new prompts (an
-admission policy decides how many and which), **submit** them to a transport and **poll** it for
-finished groups, **grade** them and **offer** them to the one selector in submission order,
-**carry or abort** what is still running when the step is full, and **take** the step's groups
-and metrics. :class:`StepFeeder` holds that sequence once; it is the only caller of
-``GroupSelector.offer``. What differs between the modes is a policy or a transport:
-
-* admission policies (this module): :class:`WholeBatches` (``buffer.gen_batch_size`` prompts, the
-  skipper's survivors with ``buffer.prompt_skip``, at a time with nothing in flight, at most
-  ``buffer.max_num_gen_batches`` per step: batch mode and the async controller's default) and
-  :class:`KeepRateStreaming` (as many prompts as the observed keep rate says will fill the step,
-  GRESO-skipped ones not counted: ``rollout.streaming``); the async
-  controller adds the :class:`EtaBound` gate (a request for the step of policy version ``p``
-  starts only when the servers hold version ``>= p - η``). A new admission policy is a class with
-  the methods of :class:`Admission`, chosen where the rollout is built
-  (:func:`~dapo_megatron.rollout.build.build_rollout`).
-* transports: :class:`Generated` (the batch engine call already generated the request: poll hands it
-  back), the streamed rounds of
-  :class:`~dapo_megatron.rollout.sampling.streaming.StreamingCollector`, and the async controller's
-  HTTP dispatch (:class:`~dapo_megatron.rollout.async_rollout.RolloutController`, a background driver
-  on rank 0 that runs this same feeder ahead of training).
-
-The prompt-side helpers every admission shares live here too: :class:`PromptQueue` (positions and
-seeds of the streamed prompts), :class:`KeepRate` and :func:`draw_unskipped`.
+Every way of filling a training step (batch, streamed, asynchronous) is the same sequence: begin,
+admit, submit and poll, grade and offer, carry or abort, take (docs/design.md §2.3, with its table
+of the modes' policies and transports). :class:`StepFeeder` holds it once and is the only caller of
+``GroupSelector.offer``. This module holds the admission policies (:class:`WholeBatches`,
+:class:`KeepRateStreaming`, the async controller's :class:`EtaBound` gate; a new one has the methods
+of :class:`Admission`), the batch transport :class:`Generated`, and the prompt-side helpers every
+admission shares: :class:`PromptQueue`, :class:`KeepRate` and :func:`draw_unskipped`.
 
 Design: docs/design.md §2.3 (the rollout rooms) and §3.7 (streaming).
 """
-
 from __future__ import annotations
 
 import math
@@ -42,12 +23,9 @@ from dapo_megatron.rollout.types import Group
 
 @dataclass
 class PromptQueue:
-    """The prompts not yet submitted, in stream order, each with its global position (seed).
-
-    ``next_batch()`` returns the next generation batch of records from the stream; the
-    queue numbers them ``fetched * batch_size + i`` (the batch form's seeding), hands them out
-    one at a time and keeps the rest of a batch for later steps (in the checkpoint).
-    """
+    """The prompts not yet submitted, in stream order, each with its global position (seed):
+    ``next_batch()``'s records numbered ``fetched * batch_size + i`` (the batch form's seeding),
+    handed out one at a time, the rest of a batch kept for later steps (in the checkpoint)."""
 
     next_batch: Callable[[], Sequence[Any]]
     batch_size: int
@@ -76,18 +54,16 @@ class PromptQueue:
 
 @dataclass
 class KeepRate:
-    """The observed keep rate of dynamic sampling, as a feeder sizes its next admission of new
-    prompts: kept / graded groups, both counts halved at every step (:meth:`new_step`), with
-    one kept of one graded as the prior (so the first admission asks for ``missing`` prompts).
-    Plain floats: the same arithmetic on every rank and after a resume (the counts are the
-    whole state)."""
+    """The observed keep rate of dynamic sampling that sizes a feeder's next admission. Plain
+    floats, the counts the whole state: the same arithmetic on every rank and after a resume."""
 
     kept: float = 0.0
     graded: float = 0.0
 
     @property
     def value(self) -> float:
-        """``(kept + 1) / (graded + 1)``, in (0, 1]."""
+        """``(kept + 1) / (graded + 1)``, in (0, 1]: one kept of one graded as the prior, so the
+        first admission asks for ``missing`` prompts."""
         return (self.kept + 1.0) / (self.graded + 1.0)
 
     def new_step(self) -> None:
@@ -175,8 +151,7 @@ class _Counts:
 
 
 class WholeBatches(_Counts):
-    """Admission by whole generation batches (verl's dynamic sampling): one batch at a time, with
-    nothing in flight, at most ``config.max_num_gen_batches`` per step.
+    """Admission by whole generation batches (verl's dynamic sampling; docs/design.md §2.3).
 
     Args:
         config: the :class:`~dapo_megatron.rollout.sampling.config.BufferConfig`.
@@ -185,10 +160,9 @@ class WholeBatches(_Counts):
             keeps sampling whole batches; the async controller: ``(record, position)`` pairs).
             It may read :attr:`num_batches`: the batch's index in the step. With ``prompts``:
             ``draw(drawn)``, the batch of those ``(record, position)`` pairs.
-        prompts, skipper: GRESO prompt skipping (``buffer.prompt_skip``): each batch is the next
-            ``gen_batch_size`` prompts of the queue (replicated: every rank draws the same) that
-            ``skipper`` lets through (:func:`draw_unskipped`), and every offered group updates its
-            history. None: ``draw()`` reads the batch itself.
+        prompts, skipper: GRESO prompt skipping (``buffer.prompt_skip``): each batch is
+            :func:`draw_unskipped` of ``gen_batch_size`` from the replicated queue, and every offered
+            group updates the skipper's history. None: ``draw()`` reads the batch itself.
     """
 
     def __init__(self, config: Any, draw: Callable[..., Any], prompts: Optional[PromptQueue] = None,
@@ -224,11 +198,9 @@ class WholeBatches(_Counts):
 
 
 class KeepRateStreaming(_Counts):
-    """Streamed admission (GRESO's adaptive batch size, arXiv 2506.02177 Sec. 4.2): new prompts while
-    ``missing - keep_rate * in_flight > 0``, ``keep.admission`` of them (at most
-    ``gen_batch_size`` per request and ``max_num_gen_batches * gen_batch_size`` per step), the
-    prompts ``skipper`` skips not counted; every offered group updates the skipper's history and
-    the keep rate, which halves at every step.
+    """Streamed admission (GRESO's adaptive batch size): new prompts while ``missing - keep_rate *
+    in_flight > 0``, :meth:`KeepRate.admission` of them within :attr:`cap`, skipped ones not
+    counted; every offered group updates the skipper's history and the keep rate.
 
     Args:
         config: the :class:`~dapo_megatron.rollout.sampling.config.BufferConfig`.
@@ -323,17 +295,10 @@ class Generated:
 
 
 class StepFeeder:
-    """The step feeder (module docstring): one selector, one admission policy.
-
-    A step is :meth:`begin`, then :meth:`admit` / :meth:`grade` / :meth:`offer` (or :meth:`fill`
-    over a synchronous :class:`Transport`) until :meth:`filled`, then :meth:`take`. The async
-    controller drives the same calls from its thread, one request at a time.
-
-    Args:
-        selector: the :class:`~dapo_megatron.rollout.sampling.buffer.GroupSelector` (grading, the
-            keep rule, the tally, the surplus).
-        admission: the :class:`Admission` policy.
-    """
+    """The step feeder (module docstring) over one
+    :class:`~dapo_megatron.rollout.sampling.buffer.GroupSelector` and one :class:`Admission`: a step
+    is :meth:`begin`, then :meth:`admit` / :meth:`grade` / :meth:`offer` (or :meth:`fill` over a
+    synchronous :class:`Transport`) until :meth:`filled`, then :meth:`take`."""
 
     def __init__(self, selector: Any, admission: Admission):
         self.selector, self.admission = selector, admission
@@ -384,11 +349,7 @@ class StepFeeder:
 
     def take(self, *, gen_tokens: Optional[int] = None) -> tuple[list[Group], dict[str, float]]:
         """End the step: ``(groups, GroupSelector.step_metrics)``, ``num_batches`` from the admission.
-
-        Raises:
-            RuntimeError: fewer than N kept and ``buffer.on_cap == "error"`` (``fail_at_cap``: the
-                kept groups stay in the surplus), naming what the admission spent.
-        """
+        Raises ``GroupSelector.fail_at_cap`` 's error, naming what the admission spent."""
         sel = self.selector
         if sel.missing and sel.config.on_cap == "error":
             sel.fail_at_cap(self.admission.cap_spent())

@@ -1,15 +1,12 @@
 """Pre-rollout prompt skipping after GRESO (Zheng et al. 2025, "Act Only When It Pays:
 Efficient Reinforcement Learning for LLM Reasoning via Selective Rollouts", arXiv 2506.02177).
 
-A group whose responses all get the same accuracy (all right or all wrong) has zero
-advantage and is dropped by dynamic sampling after it was generated. GRESO's observation
-(Sec. 3) is that such zero-variance prompts stay zero-variance across epochs, so they can
-be skipped *before* rollout. The rule here is the paper's probabilistic filter in its plain
-form: a prompt whose groups had zero variance in each of its last ``k`` visits is skipped
-with probability ``p``; with probability ``1 - p`` it is explored again, so a prompt that
-becomes informative (the policy got worse, or better at a hard prompt) is found again and
-its streak reset. (The paper also adapts ``p`` towards a target zero-variance rate per
-easy / hard class; that controller is not implemented.)
+Zero-variance prompts, which dynamic sampling drops after generating them, stay zero-variance
+across epochs (GRESO Sec. 3), so they can be skipped *before* rollout. The rule is the paper's
+probabilistic filter in its plain form: a prompt whose groups had zero variance in each of its last
+``k`` visits is skipped with probability ``p``, explored again otherwise (so one that becomes
+informative is found again and its streak reset). The paper's adaptation of ``p`` towards a target
+zero-variance rate is not implemented.
 
 Every draw is a pure function of ``(seed, prompt index, encounter count)`` (blake2b), so
 the decisions are the same on every rank and after a resume; the per-prompt streaks and
@@ -53,11 +50,10 @@ def _uniform(seed: int, prompt_index: int, encounter: int) -> float:
 
 
 class PromptSkipper:
-    """The skip decisions and per-prompt history (see the module docstring).
+    """The skip decisions and per-prompt history (module docstring).
 
     Args:
-        config: :class:`PromptSkipConfig`, validated (by ``load_config``, once; a config built in
-            code: its ``validate()`` first).
+        config: :class:`PromptSkipConfig`, validated.
         seed: base seed of the draws (``trainer.seed``).
     """
 

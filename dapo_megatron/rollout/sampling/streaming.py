@@ -9,18 +9,11 @@ are graded and offered in submission order, and once N are kept the rows still r
 aborted: discarded, or kept with their tokens, logprobs and versions to continue next step.
 Carried work more than ``buffer.max_staleness`` versions behind is dropped (counted).
 
-Determinism and layout: all decisions are taken on every rank from the same records, so
-they need no communication besides the client's. With the HF engine a round is a fixed
-number of sampled tokens and rows are admitted at every poll (continuous batching), so the
-round in which a group finishes depends only on its responses' lengths and on the round it
-was submitted in: the kept groups, the aborted rows and the carried state are the same at
-any TP / PP / DP layout, and a resumed run repeats an uninterrupted one (responses
-themselves are batch-independent up to the last bits of batched matmuls, see
-:class:`~dapo_megatron.rollout.engines.hf_engine.HFEngine`). SGLang cannot stop after a token
-count: its rounds are time slices (``SGLangEngine.poll_timeout_s``), so which groups finish
-first, and hence which are kept, aborted or carried, depends on timing and is not
-reproducible; each response stays seed-exact under ``rollout.deterministic``, continued
-ones included.
+Every rank takes every decision from the same records, with no communication besides the
+client's. With the HF engine a round is a token count, so the kept groups, aborted rows and
+carried state are the same at any layout and on resume; SGLang's rounds are time slices
+(``SGLangEngine.poll_timeout_s``) and are not reproducible, each response staying seed-exact
+under ``rollout.deterministic``.
 
 Design: docs/design.md §3.7 (streaming, partial rollouts).
 """
@@ -48,19 +41,11 @@ position in the replicated record table."""
 
 
 class RowUpdate(NamedTuple):
-    """What one round did to one row, as every rank sees it.
-
-    Attributes:
-        key: ``(group.prompt_seed, j)``: response ``j`` of the group.
-        num_tokens: new tokens sampled (after what the row held).
-        finish_reason: ``"stop"``, ``"length"`` or ``"abort"`` (partial).
-        version: the engine weights version that sampled them.
-        holder: the global rank that holds the row's tokens (its engine's driving rank),
-            :data:`~dapo_megatron.rollout.types.HELD_BY_ALL` in one process.
-        response_ids, logprobs: the new tokens and their logprobs on the holder, None elsewhere.
-        routes: routing replay: the row's routes on the holder (``RowResult.routes``, from the
-            request's ``routes_start``), None elsewhere or when not recorded.
-    """
+    """What one round did to one row, as every rank sees it: ``key`` ``(group.prompt_seed, j)``,
+    the ``num_tokens`` new tokens, the ``finish_reason`` (one of :data:`ROW_FINISH`), the weights
+    ``version`` that sampled them and the ``holder`` of the row's tokens (its engine's driving rank,
+    :data:`~dapo_megatron.rollout.types.HELD_BY_ALL` in one process). On the holder only (None
+    elsewhere): the new ``response_ids``, ``logprobs`` and ``routes`` (``RowResult.routes``)."""
 
     key: tuple[int, int]
     num_tokens: int
@@ -98,24 +83,17 @@ its context), coded by position in :meth:`EngineClient.share_turns`' records."""
 
 class EngineClient:
     """:class:`RowClient` over the run's rollout engines; in a distributed run every call is a
-    collective over the world.
-
-    Group ``g`` runs on engine ``g.prompt_seed % num_engines`` (its ``n`` rows share one
-    prefill there), continued rows included, so a partial response is always continued where
-    its tokens are. Each rank passes the engine it drives (colocated: the leader of a rollout
-    group of ``rollout.tensor_model_parallel_size`` ranks; server mode: rank ``e`` drives
-    ``rollout.server_urls[e]``) with its ``engine_index``, or None where it drives none (the
-    other ranks of a rollout group). A round replicates records only: per finished or aborted
-    row ``(prompt_seed, j, new tokens, finish reason, version)``, 5 int64 in one all-gather
-    (:func:`~dapo_megatron.rollout.plan.step_data.all_gather_rows`); the tokens and logprobs stay on
-    the rank that generated them (:attr:`RowUpdate.holder`) until the step's plan sends them,
-    once, to the ranks that train them (:func:`~dapo_megatron.rollout.plan.step_data.send_tokens`).
+    collective over the world. Group ``g`` runs on :meth:`engine_of` (continued rows included, so
+    a partial response continues where its tokens are); a round replicates records only, 5 int64
+    per finished or aborted row, the tokens staying with :attr:`RowUpdate.holder`
+    (docs/design.md §3.7).
 
     Args:
         engine: this rank's engine (asynchronous interface: ``submit`` / ``poll`` / ``abort``).
         params: the rollout's sampling parameters (``n`` ignored: one row per response).
         num_engines: engines of the run.
-        engine_index: the engine this rank drives, or None.
+        engine_index: the engine this rank drives (colocated: a rollout-TP group's leader; server
+            mode: rank ``e`` drives ``rollout.server_urls[e]``), or None.
         parallel: the run's layout (its world group); None: a world of one.
 
     Raises:
@@ -216,11 +194,10 @@ def new_group(record: Any, position: int, n: int) -> Group:
 
 def extend_sample(s: Sample, u: RowUpdate, trajectory: Trajectory = SINGLE_TURN,
                   max_new_tokens: Optional[int] = None) -> bool:
-    """Apply one row's update to its sample (:meth:`Sample.append_tokens
-    <dapo_megatron.rollout.types.Sample.append_tokens>`): on the holder the new tokens and logprobs
-    are appended; elsewhere the sample keeps its length only (``num_response_tokens``, the token
-    lists None). The span of the version that sampled them is recorded everywhere. An aborted row
-    leaves the sample ``PENDING`` (a partial rollout); a finished one is settled by ``trajectory``
+    """Apply one row's update to its sample on every rank (:meth:`Sample.append_tokens
+    <dapo_megatron.rollout.types.Sample.append_tokens>`: the tokens on the holder, the length and
+    version span everywhere). An aborted row leaves the sample ``PENDING`` (a partial rollout); a
+    finished one is settled by ``trajectory``
     (:func:`~dapo_megatron.rollout.trajectory.settle_row`, budget ``max_new_tokens``, needed by a
     multi-turn trajectory only). Returns True when the trajectory continues the sample (a
     continuation row must be submitted)."""
@@ -247,18 +224,14 @@ class StreamingCollector:
     engines' rows (:class:`_Rounds`), with the partial groups it carries between steps.
 
     Args:
-        selector: the :class:`~dapo_megatron.rollout.sampling.buffer.GroupSelector` (the trainer's
-            :class:`~dapo_megatron.rollout.sampling.buffer.RolloutBuffer`): grading, the keep rule, the
-            step's tally, the surplus and the batch-size settings.
+        selector: the :class:`~dapo_megatron.rollout.sampling.buffer.GroupSelector`.
         skipper: prompt skipping (a disabled one never skips).
         partial_rollout: keep aborted responses and continue them next step.
         poll_tokens: sampled tokens per engine per round, >= 1.
-        trajectory: the hook that settles each finished row (:mod:`~dapo_megatron.rollout.trajectory`;
-            default single-turn); a continued sample's next row is submitted in the same round.
-            A multi-turn one runs where each row's tokens are; the other ranks take its decisions
+        trajectory: the hook that settles each finished row (default single-turn); a multi-turn one
+            runs where each row's tokens are, the other ranks take its decisions
             (:meth:`RowClient.share_turns`).
-        max_new_tokens: the response budget (``rollout.response_length``) a multi-turn trajectory's
-            context is cut to.
+        max_new_tokens: the response budget (``rollout.response_length``) of a multi-turn trajectory.
     """
 
     def __init__(self, selector: GroupSelector, skipper: PromptSkipper, *, partial_rollout: bool, poll_tokens: int,
@@ -329,19 +302,12 @@ class StreamingCollector:
         """The groups of one training step (module docstring); a collective when the client is.
 
         Returns:
-            ``(groups, metrics)`` as :meth:`~dapo_megatron.rollout.sampling.buffer.RolloutBuffer.collect`,
-            plus ``rollout/{keep_rate, partial_in, partial_out}``, ``rollout/dropped_stale``
-            counting stale partial groups too, and, with the generation's other metrics
-            (absent when no token was sampled and no group graded,
-            :data:`~dapo_megatron.rollout.sampling.buffer.GENERATION_METRICS`), ``rollout/{rounds,
-            prompts_submitted, skipped_prompts, aborted_rows, aborted_tokens}``.
-            ``rollout/gen_tokens`` counts the tokens sampled in this step (the continued part
-            of a partial rollout, not its prefix; aborted tokens included, whether carried or
-            discarded).
-
-        Raises:
-            RuntimeError: the cap was reached with fewer than N kept and ``on_cap="error"``
-                (the kept groups stay in the surplus).
+            ``(groups, metrics)`` as :meth:`~dapo_megatron.rollout.sampling.buffer.RolloutBuffer.collect`
+            (and raising as it does), plus ``rollout/{keep_rate, partial_in, partial_out}``,
+            ``rollout/dropped_stale`` counting stale partial groups too, and, with the generation's
+            other metrics (:data:`~dapo_megatron.rollout.sampling.buffer.GENERATION_METRICS`),
+            ``rollout/{rounds, prompts_submitted, skipped_prompts, aborted_rows, aborted_tokens}``;
+            ``rollout/gen_tokens`` counts the tokens sampled in this step, aborted ones included.
         """
         sel, cfg = self.selector, self.selector.config
         feeder = StepFeeder(sel, KeepRateStreaming(cfg, prompts, self.skipper, self.keep))
@@ -357,19 +323,10 @@ class StreamingCollector:
         feeder.fill(rounds)
         inflight = rounds.inflight
         aborted = client.abort() if inflight else []
-        aborted_tokens, finished = 0, []
-        for u in aborted:
-            s = inflight[u.key[0]].samples[u.key[1]]
-            before = s.num_context_tokens
-            # an abort that ended a turn (EngineClient reads "stop") is settled by the trajectory: its
-            # tool runs now, and a continued sample is carried with its context (partial_rollout)
-            extend_sample(s, u, self.trajectory, self.max_new_tokens)
-            if u.finish_reason != "abort":
-                finished.append((u, before))
-            rounds.gen_tokens += u.num_tokens
-            aborted_tokens += u.num_tokens
-        if self.trajectory.multi_turn:
-            self._share_turns(client, inflight, finished)
+        # an abort that ended a turn (EngineClient reads "stop") is settled by the trajectory: its
+        # tool runs now, and a continued sample is carried with its context (partial_rollout)
+        rounds.apply(aborted)
+        aborted_tokens = sum(u.num_tokens for u in aborted)
         if self.partial_rollout:
             self._partial = list(inflight.values())
         out, metrics = feeder.take(gen_tokens=rounds.gen_tokens)
@@ -390,10 +347,8 @@ class StreamingCollector:
 class _Rounds:
     """The streamed transport of one step (:class:`~dapo_megatron.rollout.sampling.feeder.Transport`):
     the groups in flight by ``prompt_seed`` (carried partial groups first, resubmitted as it is
-    built), submitted as rows to ``client``; each :meth:`poll` is one round of
-    ``collector.poll_tokens`` tokens per engine, its rows applied to their samples (a multi-turn
-    trajectory's next turns submitted in the same round), and the groups whose every response is
-    settled handed back in submission order. Counts ``rounds``, ``gen_tokens`` and ``partial_in``."""
+    built) as rows of ``client``; each :meth:`poll` is one round of ``collector.poll_tokens`` tokens
+    per engine. Counts ``rounds``, ``gen_tokens`` and ``partial_in``."""
 
     def __init__(self, collector: "StreamingCollector", client: RowClient, carried: Sequence[Group]):
         self.collector, self.client, self.n = collector, client, collector.selector.config.n
@@ -417,12 +372,13 @@ class _Rounds:
             self.inflight[g.prompt_seed] = g
         self.client.submit([(g, j) for g in new for j in range(self.n)])
 
-    def poll(self) -> list[Group]:
-        c, inflight = self.collector, self.inflight
-        self.rounds += 1
-        continued, finished = [], []
-        for u in self.client.poll(c.poll_tokens):
-            g = inflight[u.key[0]]
+    def apply(self, updates: Sequence[RowUpdate]) -> list[tuple[Group, int]]:
+        """Apply a round's (or the abort's) rows to their samples (:func:`extend_sample`), counting
+        their tokens; a multi-turn trajectory's decisions are shared (a collective when the client
+        is). Returns the rows the trajectory continues."""
+        c, continued, finished = self.collector, [], []
+        for u in updates:
+            g = self.inflight[u.key[0]]
             before = g.samples[u.key[1]].num_context_tokens
             if extend_sample(g.samples[u.key[1]], u, c.trajectory, c.max_new_tokens):
                 continued.append((g, u.key[1]))
@@ -430,10 +386,15 @@ class _Rounds:
                 finished.append((u, before))
             self.gen_tokens += u.num_tokens
         if c.trajectory.multi_turn:
-            continued = c._share_turns(self.client, inflight, finished)
+            continued = c._share_turns(self.client, self.inflight, finished)
+        return continued
+
+    def poll(self) -> list[Group]:
+        self.rounds += 1
+        continued = self.apply(self.client.poll(self.collector.poll_tokens))
         if continued:  # a multi-turn trajectory's next turns, after their context
             self.client.submit(continued)
-        done = [g for g in inflight.values() if all(s.finish_reason != PENDING for s in g.samples)]
+        done = [g for g in self.inflight.values() if all(s.finish_reason != PENDING for s in g.samples)]
         for g in done:
-            del inflight[g.prompt_seed]
+            del self.inflight[g.prompt_seed]
         return done
