@@ -100,7 +100,7 @@ class SyncDigest:
         sent: every HF name the sender sent, in order.
         errors: structural failures seen while the stream was read (a stale or out-of-order
             bucket), reported by the receiving engine
-            (:meth:`~dapo_megatron.rollout.engines.engine.RolloutEngine.verify_loaded`).
+            (:meth:`~dapo_megatron.bridge.receiver.WeightReceiver.verify_loaded`).
         seconds: time spent computing and comparing checksums on this rank (the overhead that
             ``benchmarks/bench_sync*.py`` report).
     """

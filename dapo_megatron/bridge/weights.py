@@ -560,7 +560,7 @@ def iter_hf_weights(
             :func:`.mapping.hf_row_ranges`: norms, embedding and LM head, ``o_proj``, gate/up and
             ``down_proj`` at TP = 1) is yielded as a VIEW OF THE PARAMETER ITSELF instead of a copy in
             the bucket: for a consumer that copies each tensor before asking for the next and never
-            writes into it or hands it to another process (``RolloutEngine.copies_on_load``). On the
+            writes into it or hands it to another process (``WeightReceiver.copies_on_load``). On the
             CPU MoE benchmark this is 145 of 397 MiB not copied twice. On CPU at EP > 1 it also sends an
             expert bucket of whole unsplit parameters without packing: one broadcast per parameter from
             the owner's parameter into its place in the other EP ranks' bucket buffer (the trailer in a
@@ -908,7 +908,7 @@ def load_targets(targets: Mapping[str, torch.Tensor]):
     ``targets[name]``, the memory its consumer would copy it into, and yield that tensor itself (the
     consumer's copy of a tensor onto itself is then a no-op: torch's ``copy_`` returns early for the
     same data). For a consumer that copies each tensor by name into memory of its own in this process
-    (``RolloutEngine.copies_on_load``: the HF engine enters it around its load loop, which drives the
+    (``WeightReceiver.copies_on_load``: the HF engine enters it around its load loop, which drives the
     generator). Used on CPU at EP > 1 for the expert buckets broadcast without packing: the receiving
     ranks' broadcasts land in the engine's parameters (one copy of 126 MiB fewer per rank on the MoE
     benchmark). A target is used only where it has the exported dtype and the tensor's shape, is

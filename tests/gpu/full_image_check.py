@@ -58,7 +58,8 @@ def check_engines(workdir: str) -> None:
     import torch.distributed as dist
 
     from dapo_megatron.platform import init_distributed, local_device_index
-    from dapo_megatron.rollout.engines.engine import InvalidWeightsError, SamplingParams
+    from dapo_megatron.bridge.receiver import InvalidWeightsError
+    from dapo_megatron.rollout.engines.engine import SamplingParams
     from dapo_megatron.rollout.engines.sglang_engine import SGLangEngine
     from test_sglang_contract import PROMPTS, tiny_checkpoint
 

@@ -98,7 +98,8 @@ def test_generate_logprobs_follow_the_sampling_temperature(engine):
 
 
 def test_update_weights_then_generate_follows_the_new_weights(engine, tmp_path):
-    from dapo_megatron.rollout.engines.engine import InvalidWeightsError, SamplingParams
+    from dapo_megatron.bridge.receiver import InvalidWeightsError
+    from dapo_megatron.rollout.engines.engine import SamplingParams
 
     eng, old = engine
     new = tiny_checkpoint(tmp_path / "new", seed=3)

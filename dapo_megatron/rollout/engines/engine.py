@@ -1,9 +1,10 @@
-"""The rollout-engine interface: sampling parameters, outputs and weight-sync bookkeeping.
+"""The rollout-engine interface: sampling parameters, the row protocol and outputs.
 
 An engine turns chat-templated prompt token ids into sampled responses with the per-token
 logprobs of its sampling distribution, accepts new weights by Hugging Face parameter name
-after every training step, and in colocated mode frees its accelerator memory while the
-actor trains (``sleep``) and takes it back for generation (``wake_up``).
+after every training step (the receiving protocol is the bridge's,
+:class:`~dapo_megatron.bridge.receiver.WeightReceiver`), and in colocated mode frees its
+accelerator memory while the actor trains (``sleep``) and takes it back for generation (``wake_up``).
 
 Implementations: :class:`dapo_megatron.rollout.engines.hf_engine.HFEngine` (transformers, CPU
 default) and :class:`dapo_megatron.rollout.engines.sglang_engine.SGLangEngine` (GPU).
@@ -18,19 +19,12 @@ from __future__ import annotations
 import abc
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Iterable, NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import torch
 
-from dapo_megatron.bridge.buckets import iter_buckets
-from dapo_megatron.bridge.receiver import ParamSpec, WeightSyncTracker
-from dapo_megatron.bridge.verify import SyncDigest, Timer, WeightSyncVerifyError, digest_dtype
+from dapo_megatron.bridge.receiver import WeightReceiver
 from dapo_megatron.rollout.types import Group, Sample
-
-
-class InvalidWeightsError(RuntimeError):
-    """``generate`` was called while the engine's weights are not valid (see
-    :attr:`RolloutEngine.weights_valid`)."""
 
 
 @dataclass
@@ -292,49 +286,17 @@ def completions_to_group(
     return Group(group_id=group_id, samples=samples)
 
 
-def _validated_named_tensor(item: Any) -> tuple[str, torch.Tensor]:
-    if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)
-            and isinstance(item[1], torch.Tensor)):
-        raise ValueError("update_weights: named_tensors must yield (hf_name: str, tensor: torch.Tensor) pairs, "
-                         f"got {type(item).__name__}")
-    return item
-
-
-class RolloutEngine(abc.ABC):
+class RolloutEngine(WeightReceiver):
     """Abstract rollout engine.
 
-    Subclasses implement :meth:`generate`, :meth:`sleep`, :meth:`wake_up`,
-    :meth:`_param_specs` (parameter list of the receiving model) and one of
-    :meth:`_load_bucket` (copy a list of validated full tensors into the engine) or
-    :meth:`_load_stream` (consume the whole validated stream). The weight-sync protocol
-    (:meth:`update_weights`, :meth:`finish_weight_update`) is shared.
-
-    Weight validity (:attr:`weights_valid`): the engine knows whether the weights it would
-    generate with are those of :attr:`weight_version`. They are not during a sync (partly
-    loaded) or after an aborted one, after a :meth:`sleep` that released them without a
-    backup (SGLang's ``release_memory_occupation`` unmaps the memory; ``resume`` maps it
-    back without its contents), and before the first sync of an engine started without
-    real weights (SGLang ``load_format="dummy"``). ``generate`` raises
-    :class:`InvalidWeightsError` while they are invalid; a caller re-syncs
-    (``update_weights``) after a :meth:`wake_up` that left them invalid, or sleeps with
-    ``keep_weights=True`` where the weights must survive.
+    Subclasses implement :meth:`generate`, :meth:`sleep`, :meth:`wake_up`, and the receiving end of
+    a weight sync that :class:`~dapo_megatron.bridge.receiver.WeightReceiver` asks for:
+    ``_param_specs`` (parameter list of the receiving model) and one of ``_load_bucket`` (copy a
+    list of validated full tensors into the engine) or ``_load_stream`` (consume the whole validated
+    stream). The weight-sync protocol (``update_weights``, ``finish_weight_update``, weight validity
+    and version: when the weights are not valid, ``generate`` raises
+    :class:`~dapo_megatron.bridge.receiver.InvalidWeightsError`) is the bridge's, inherited.
     """
-
-    #: bucket size used by ``update_weights`` (bytes); engines may override.
-    update_bucket_bytes: int = 512 * 2**20
-
-    #: True where ``update_weights`` copies each tensor into the engine's own memory in this process
-    #: before asking for the next, and neither writes into it nor hands it to another process: the
-    #: sender may then pass views of the actor's parameters themselves
-    #: (:func:`dapo_megatron.bridge.iter_hf_weights` with ``param_views``). False for engines that
-    #: pack tensors into payloads for other processes (a CUDA-IPC handle of a view would share the
-    #: actor's parameter memory with them).
-    copies_on_load: bool = False
-
-    def __init__(self):
-        self._weight_version = 0
-        self._tracker: Optional[WeightSyncTracker] = None
-        self._weights_valid = True
 
     # ---- generation ---------------------------------------------------------------
     @abc.abstractmethod
@@ -384,6 +346,9 @@ class RolloutEngine(abc.ABC):
         """Rows submitted and not yet returned by :meth:`poll` or :meth:`abort`."""
         return 0
 
+    def _check_can_load(self) -> None:
+        self._require_idle("update_weights")
+
     def _require_idle(self, what: str) -> None:
         if self.num_in_flight:
             raise RuntimeError(f"{type(self).__name__}.{what} with {self.num_in_flight} rows in flight; poll them to "
@@ -400,170 +365,9 @@ class RolloutEngine(abc.ABC):
         """Take memory back before generating. The weights are those of the last sync only
         if :attr:`weights_valid` (check it, and re-sync when it is False)."""
 
-    # ---- weight validity ----------------------------------------------------------
-    @property
-    def weights_valid(self) -> bool:
-        """True when the engine holds the complete weights of :attr:`weight_version`
-        (see the class docstring for when they are not)."""
-        return self._weights_valid
-
-    def _require_valid_weights(self) -> None:
-        """Raise :class:`InvalidWeightsError` unless :attr:`weights_valid` (every ``generate``)."""
-        if not self._weights_valid:
-            raise InvalidWeightsError(
-                f"{type(self).__name__}.generate: the engine's weights are not valid (released by sleep() "
-                "without a backup, or a weight sync is unfinished or was aborted); call update_weights() with "
-                "the full set first")
-
-    # ---- weight sync --------------------------------------------------------------
-    @property
-    def weight_version(self) -> int:
-        """Version of the weights the engine generates with (0 = as loaded)."""
-        return self._weight_version
-
-    @abc.abstractmethod
-    def _param_specs(self) -> tuple[dict[str, ParamSpec], dict[str, str]]:
-        """``(specs, aliases)`` of the engine model, see :class:`WeightSyncTracker`."""
-
-    def _load_bucket(self, bucket: list[tuple[str, torch.Tensor]]) -> None:
-        """Copy validated full tensors (canonical or alias HF names) into the engine; called by
-        the default :meth:`_load_stream` only."""
-        raise NotImplementedError(f"{type(self).__name__} implements neither _load_bucket nor _load_stream")
-
-    def _load_stream(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load a stream of validated full tensors: by default in buckets of
-        ``update_bucket_bytes`` through :meth:`_load_bucket`. Engines that pack buckets
-        themselves (SGLang's flattened buckets, :mod:`dapo_megatron.rollout.engines.engine_group`)
-        override this instead."""
-        for bucket in iter_buckets(named_tensors, self.update_bucket_bytes):
-            self._load_bucket(bucket)
-
-    def _on_sync_finished(self) -> None:
-        """Hook after a complete sync (e.g. flush a prefix cache)."""
-
-    def _weight_tracker(self) -> WeightSyncTracker:
-        if self._tracker is None:
-            specs, aliases = self._param_specs()
-            self._tracker = WeightSyncTracker(specs, aliases)
-        return self._tracker
-
-    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int, *,
-                       finish: bool = True, digest: Optional[SyncDigest] = None) -> None:
-        """Load new weights by HF parameter name.
-
-        Args:
-            named_tensors: ``(hf_name, full_tensor)`` pairs (any dtype: cast to the engine's),
-                consumed lazily and loaded in buckets of ``update_bucket_bytes``.
-            version: weight version (trainer step) these tensors belong to, int >= 0.
-            finish: end the sync after this call (checks that every parameter was updated).
-                With False, more calls for the same version follow, then
-                :meth:`finish_weight_update`.
-            digest: the sender's checksums of this sync (the bridge fills it while the stream is
-                read, :mod:`~dapo_megatron.bridge.verify`): after loading, and before the version is set, the engine
-                compares what it loaded (:meth:`_loaded_checksums`) and fails the sync on any
-                difference, a stale bucket, or a sent tensor it never received.
-
-        Raises:
-            KeyError: a name matches no engine parameter. ValueError: a shape differs.
-            RuntimeError: (at finish) engine parameters never updated; or a partial sync
-                of a different version is in progress. WeightSyncVerifyError: what the engine
-                loaded differs from what was sent (the engine's weights are then invalid).
-            On any error the buckets before the offending tensor are already loaded (as in
-            SGLang): call :meth:`abort_weight_update` and re-send the full set.
-        """
-        self._require_idle("update_weights")
-        tracker = self._weight_tracker()
-        if tracker.in_progress and tracker.version != version:
-            raise RuntimeError(f"update_weights(version={version}) while the sync of version {tracker.version} "
-                               "is unfinished; call finish_weight_update() first")
-        if not tracker.in_progress:
-            tracker.begin(version)
-        self._weights_valid = False  # partly loaded until finish_weight_update()
-
-        def checked():
-            for item in named_tensors:
-                name, tensor = _validated_named_tensor(item)
-                del item
-                tracker.check_and_mark(name, tensor)
-                yield name, tensor
-                del tensor  # before the next is produced: the bridge reuses memory nobody holds
-
-        self._sync_digest = digest  # engines that checksum as they load read it (HFEngine)
-        try:
-            self._load_stream(checked())
-        finally:
-            self._sync_digest = None
-        if digest is not None:
-            error = self.verify_loaded(digest, tracker)
-            if error is not None:
-                self.abort_weight_update()
-                raise WeightSyncVerifyError(error)
-        if finish:
-            self.finish_weight_update()
-
-    _sync_digest: Optional[SyncDigest] = None  # during update_weights: the sync's digest
-
     #: whether :meth:`score` is implemented (the weight probe's engine side)
     supports_score: bool = False
 
     def score(self, ids: Sequence[int], temperature: float = 1.0) -> torch.Tensor:
         """float32 logprobs of ``ids[1:]`` under the engine's weights, each given the ids before it."""
         raise NotImplementedError(f"{type(self).__name__} cannot score a sequence")
-
-    #: names this engine's errors use for itself (e.g. "HFEngine on rank 3")
-    engine_label: str = ""
-
-    def _where(self) -> str:
-        return self.engine_label or type(self).__name__
-
-    def _loaded_checksums(self, names: list[str], dtype: torch.dtype,
-                          readback_elements: Optional[int] = None) -> dict[str, Optional[int]]:
-        """The receiver's checksum (:func:`~dapo_megatron.bridge.verify.checksum`) of each named
-        tensor as the engine holds it now, read as ``dtype`` (the sent dtype); None where the engine
-        does not hold it. Engines that can read their weights override it; the default cannot verify
-        (None for all). ``readback_elements``: the digest's
-        (:attr:`~dapo_megatron.bridge.verify.SyncDigest.readback_elements`): an engine that reads
-        back checksums each tensor's head rows within it, as the sender did; None for the in-process
-        engines, which checksum whole tensors."""
-        raise NotImplementedError(f"{type(self).__name__} cannot read back its weights for verification")
-
-    def verify_loaded(self, digest: SyncDigest, tracker: Optional[WeightSyncTracker] = None) -> Optional[str]:
-        """Compare what the engine loaded with the sender's digest; the first failure's message, or
-        None. Checks, in order: a stale or misordered bucket the bridge saw, a sent tensor the
-        engine's sync never received (``tracker``), then each checksummed tensor."""
-        where = self._where()
-        if digest.errors:
-            return f"{digest.errors[0]} (engine {where})"
-        if tracker is not None and tracker.in_progress:
-            unseen = [n for n in digest.sent if not tracker.updated(n)]
-            if unseen:
-                return (f"weight sync to version {digest.version}: {where} never received {unseen[0]!r} "
-                        f"({len(unseen)} sent tensor(s) in all), which the trainer sent")
-        names = [n for n in digest.sent if n in digest.sums]
-        if not names:
-            return None
-        with Timer(digest):
-            loaded = self._loaded_checksums(names, digest_dtype(digest), digest.readback_elements)
-            for name in names:
-                if name not in loaded:  # the engine cannot compare it (a narrower dtype)
-                    continue
-                error = digest.mismatch(name, loaded[name], where)
-                if error is not None:
-                    return error
-        return None
-
-    def abort_weight_update(self) -> None:
-        """Discard an unfinished sync after an error. The engine's weights are then partly
-        updated: re-send the full set before generating again."""
-        if self._tracker is not None:
-            self._tracker.abort()
-        self._weights_valid = False
-
-    def finish_weight_update(self) -> int:
-        """End the current sync: raise ``RuntimeError`` naming every engine parameter that was
-        never updated; otherwise set and return ``weight_version`` (the weights are valid)."""
-        version = self._weight_tracker().finish()
-        self._on_sync_finished()
-        self._weight_version = version
-        self._weights_valid = True
-        return version

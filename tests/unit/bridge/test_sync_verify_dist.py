@@ -61,7 +61,8 @@ def _sync_stream(engine, stream, version, digest):
 
 
 def _generate_refused(engine) -> bool:
-    from dapo_megatron.rollout.engines.engine import InvalidWeightsError, SamplingParams
+    from dapo_megatron.bridge.receiver import InvalidWeightsError
+    from dapo_megatron.rollout.engines.engine import SamplingParams
 
     try:
         engine.generate([[1, 2, 3]], SamplingParams(n=1, max_new_tokens=1, temperature=1.0))

@@ -345,7 +345,7 @@ def test_sleep_wake_sync_order_and_weight_validity(fake_sglang, tiny_model_dir):
     """The tags and order of release / resume / update / flush handed to sglang.Engine, and
     weights_valid through sleep (weights released: invalid until a sync), sleep(keep_weights)
     and a sync into a sleeping engine."""
-    from dapo_megatron.rollout.engines.engine import InvalidWeightsError
+    from dapo_megatron.bridge.receiver import InvalidWeightsError
     from dapo_megatron.rollout.engines.sglang_engine import SGLangEngine
 
     eng = SGLangEngine(tiny_model_dir, base_gpu_id=0, update_bucket_mb=1)

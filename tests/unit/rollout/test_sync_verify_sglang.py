@@ -32,7 +32,8 @@ def _worker(model_dir: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     from dapo_megatron.bridge import iter_hf_weights
-    from dapo_megatron.rollout.engines.engine import InvalidWeightsError, SamplingParams
+    from dapo_megatron.bridge.receiver import InvalidWeightsError
+    from dapo_megatron.rollout.engines.engine import SamplingParams
     from dapo_megatron.rollout.engines.sglang_engine import SGLangEngine
     from dapo_megatron.bridge.verify import SyncDigest
     from unit.rollout.test_engine_group_sync import _hf_source, _setup
