@@ -26,7 +26,8 @@ from dapo_megatron.rollout.engines.layout import engine_share
 from dapo_megatron.bridge.verify import (SyncDigest, Timer, WeightSyncVerifyError, probe_error, probe_ids,
                                                   probe_tolerance)
 from dapo_megatron.rollout.sampling.buffer import RolloutBuffer
-from dapo_megatron.rollout.sampling.streaming import EngineClient, PromptQueue, StreamingCollector
+from dapo_megatron.rollout.sampling.feeder import PromptQueue
+from dapo_megatron.rollout.sampling.streaming import EngineClient, StreamingCollector
 from dapo_megatron.rollout.sync_feeder import SyncFeeder
 from dapo_megatron.rollout.trajectory import SINGLE_TURN, Trajectory
 from dapo_megatron.rollout.types import Group, Sample

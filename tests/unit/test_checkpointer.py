@@ -36,7 +36,8 @@ def _rollout(par, streaming: bool = True):
     from dapo_megatron.rollout.rollout import Rollout
     from dapo_megatron.rollout.sampling.buffer import RolloutBuffer
     from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipper
-    from dapo_megatron.rollout.sampling.streaming import PromptQueue, StreamingCollector
+    from dapo_megatron.rollout.sampling.streaming import StreamingCollector
+    from dapo_megatron.rollout.sampling.feeder import PromptQueue
 
     cfg = DAPOConfig()  # the model is never loaded: only the buffer and rollout sections are read
     cfg.buffer.gen_batch_size, cfg.buffer.train_batch_size, cfg.buffer.n = GEN_BATCH, 2, 2

@@ -26,8 +26,7 @@ import torch
 
 from dapo_megatron.platform.parallel_dims import ParallelDims, dims_or_single
 from dapo_megatron.rollout.sampling.buffer import GroupSelector, group_from_dict, group_staleness, group_to_dict
-# PromptQueue: its home is the feeder (the prompt side of admission), imported from here by callers
-from dapo_megatron.rollout.sampling.feeder import KeepRate, KeepRateStreaming, PromptQueue, StepFeeder  # noqa: F401
+from dapo_megatron.rollout.sampling.feeder import KeepRate, KeepRateStreaming, PromptQueue, StepFeeder
 from dapo_megatron.rollout.engines.engine import RolloutEngine, RowRequest, RowResult, SamplingParams
 from dapo_megatron.rollout.engines.routes import routes_start_of
 from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipper

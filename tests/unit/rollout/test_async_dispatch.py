@@ -14,7 +14,7 @@ import pytest
 from dapo_megatron.rollout.async_rollout import RolloutController
 from dapo_megatron.rollout.engines.row_client import ServerFailure
 from dapo_megatron.rollout.engines.engine import SamplingParams, sample_seed
-from dapo_megatron.rollout.sampling.buffer import BufferConfig
+from dapo_megatron.rollout.sampling.config import BufferConfig
 
 URLS = ["http://a", "http://b", "http://c"]
 

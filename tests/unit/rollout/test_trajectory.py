@@ -21,9 +21,11 @@ from dapo_megatron.rollout.async_rollout import RolloutController
 from dapo_megatron.rollout.config import MultiTurnConfig
 from dapo_megatron.rollout.engines.engine import SamplingParams, completions_to_group, sample_seed
 from dapo_megatron.rollout.engines.hf_engine import HFEngine
-from dapo_megatron.rollout.sampling.buffer import BufferConfig, RolloutBuffer
+from dapo_megatron.rollout.sampling.buffer import RolloutBuffer
+from dapo_megatron.rollout.sampling.config import BufferConfig
 from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipConfig, PromptSkipper
-from dapo_megatron.rollout.sampling.streaming import EngineClient, PromptQueue, StreamingCollector
+from dapo_megatron.rollout.sampling.streaming import EngineClient, StreamingCollector
+from dapo_megatron.rollout.sampling.feeder import PromptQueue
 from dapo_megatron.rollout.trajectory import SINGLE_TURN, Trajectory, build_trajectory, run_turns, settle_row
 from dapo_megatron.rollout.types import Sample
 from dapo_megatron.algorithms.overlong import OverlongConfig
