@@ -25,7 +25,7 @@ from typing import Any, NamedTuple, Optional, Protocol, Sequence
 import torch
 
 from dapo_megatron.platform.parallel_dims import ParallelDims, dims_or_single
-from dapo_megatron.rollout.sampling.buffer import GroupSelector, group_from_dict, group_staleness, group_to_dict
+from dapo_megatron.rollout.sampling.buffer import GroupSelector, group_from_dict, group_to_dict
 from dapo_megatron.rollout.sampling.feeder import KeepRate, KeepRateStreaming, PromptQueue, StepFeeder
 from dapo_megatron.rollout.engines.engine import RolloutEngine, RowRequest, RowResult, SamplingParams
 from dapo_megatron.rollout.engines.routes import routes_start_of
@@ -311,12 +311,7 @@ class StreamingCollector:
         sel, cfg = self.selector, self.selector.config
         feeder = StepFeeder(sel, KeepRateStreaming(cfg, prompts, self.skipper, self.keep))
         feeder.begin(policy_version)
-        carried, stale_partial = [], 0
-        for g in self._partial:
-            if group_staleness(g, policy_version) > cfg.max_staleness:
-                stale_partial += 1
-            else:
-                carried.append(g)
+        carried, stale_partial = sel.drop_stale(self._partial, policy_version)  # the surplus' rule, for partial groups
         self._partial = []
         rounds = _Rounds(self, client, carried)
         feeder.fill(rounds)
