@@ -90,18 +90,20 @@ class KeepRate:
         self.kept, self.graded = float(state["kept"]), float(state["graded"])
 
 
-def draw_unskipped(prompts: PromptQueue, skipper: PromptSkipper, want: int) -> tuple[list[tuple[Any, int]], int]:
+def draw_unskipped(prompts: PromptQueue, skipper: PromptSkipper, want: int, counts: _Counts) -> list[tuple[Any, int]]:
     """The next ``want`` prompts of the queue that ``skipper`` does not skip, in stream order:
-    ``([(record, position), ...], skipped)``; each skipped prompt is consumed (it counts as an
-    encounter of the skipper and is not offered again until the stream comes back to it)."""
-    drawn, skipped = [], 0
+    ``[(record, position), ...]``, counted in the admission's ``counts.submitted`` (and the skipped
+    ones in ``counts.skipped``); each skipped prompt is consumed (it counts as an encounter of the
+    skipper and is not offered again until the stream comes back to it)."""
+    drawn = []
     while len(drawn) < want:
         record, position = prompts.pop()
         if skipper.skip(record.index):
-            skipped += 1
+            counts.skipped += 1
             continue
         drawn.append((record, position))
-    return drawn, skipped
+    counts.submitted += len(drawn)
+    return drawn
 
 
 # ---------------------------------------------------------------- admission policies
@@ -181,10 +183,7 @@ class WholeBatches(_Counts):
         if self.prompts is None:
             request = self.draw()
         else:
-            drawn, skipped = draw_unskipped(self.prompts, self.skipper, self.config.gen_batch_size)
-            self.submitted += len(drawn)
-            self.skipped += skipped
-            request = self.draw(drawn)
+            request = self.draw(draw_unskipped(self.prompts, self.skipper, self.config.gen_batch_size, self))
         self.num_batches += 1
         return request
 
@@ -229,11 +228,9 @@ class KeepRateStreaming(_Counts):
         if expected <= 0 or self.at_cap():
             return None
         fetched = self.prompts.fetched
-        drawn, skipped = draw_unskipped(self.prompts, self.skipper,
-                                        self.keep.admission(expected, self.config.gen_batch_size,
-                                                            self.cap - self.submitted))
-        self.submitted += len(drawn)
-        self.skipped += skipped
+        drawn = draw_unskipped(self.prompts, self.skipper,
+                               self.keep.admission(expected, self.config.gen_batch_size, self.cap - self.submitted),
+                               self)
         self.num_batches += self.prompts.fetched - fetched  # generation batches drawn from the stream
         return drawn
 
@@ -302,11 +299,6 @@ class StepFeeder:
 
     def __init__(self, selector: Any, admission: Admission):
         self.selector, self.admission = selector, admission
-
-    @property
-    def missing(self) -> int:
-        """Kept groups still needed (``GroupSelector.missing``)."""
-        return self.selector.missing
 
     def begin(self, policy_version: Optional[int]) -> None:
         """Open the step of ``policy_version``: the admission's counters restart, the selector takes
