@@ -110,15 +110,6 @@ class Rollout:
         """The background driver's controller thread (rank 0 under ``async_training``), else None."""
         return self.background.controller if self.background is not None else None
 
-    @property
-    def gen_batches_done(self) -> int:
-        """Generation batches drawn so far (they number the groups and seed the sampler)."""
-        return self.steps.gen_batches_done
-
-    @gen_batches_done.setter
-    def gen_batches_done(self, value: int) -> None:
-        self.steps.gen_batches_done = value
-
     # ------------------------------------------------------------------ the engines
     def check_health(self) -> None:
         """Server mode: every server answers ``/health`` (else the error names it, on every rank).

@@ -71,7 +71,7 @@ def _put_in_state(r):
 
     r.stream.next_batch()  # the stream one batch on
     r.prompt_queue.pop()  # the queue: a batch fetched (one more from the stream), three left over
-    r.gen_batches_done = r.prompt_queue.fetched
+    r.steps.gen_batches_done = r.prompt_queue.fetched
     sk = _skipper(r)
     for k in (1, 1, 1, 4):
         sk.skip(k)
@@ -95,7 +95,7 @@ def _view(r):
         return [(g.group_id, g.prompt_seed, [(s.response_ids, s.rollout_logprobs, s.versions, s.finish_reason,
                                                s.reward, s.acc) for s in g.samples]) for g in groups]
 
-    return {"gen_batches_done": r.gen_batches_done, "next_stream": [x.index for x in r.stream.next_batch()],
+    return {"gen_batches_done": r.steps.gen_batches_done, "next_stream": [x.index for x in r.stream.next_batch()],
             "surplus": samples(r.buffer.surplus),
             "candidates": [k for k in range(NUM_PROMPTS) if sk.is_candidate(k)],
             "encounters": [sk._encounters.get(k, 0) for k in range(NUM_PROMPTS)],
