@@ -44,8 +44,9 @@ class RolloutController:
     """The rollout thread of trainer rank 0 (module docstring). HTTP and the reward pool only.
 
     Args:
-        selector, next_batch, policy_version, gen_batches_done, prompts, skipper: the steps it fills
-            ahead (:class:`~dapo_megatron.rollout.steps_ahead.StepsAhead`'s arguments: the selector,
+        selector, next_batch, policy_version, gen_batches_done, prompts, skipper, streamed: the steps it
+            fills ahead and how it admits their prompts, gated by η
+            (:class:`~dapo_megatron.rollout.steps_ahead.StepsAhead`'s arguments: the selector,
             whose reward pool this thread uses, so nothing else may grade while it runs (:meth:`pause`);
             the next generation batch in synchronous mode's order; streamed or skipping: the prompt
             queue, GRESO's skipper, ``streamed``).
@@ -65,11 +66,6 @@ class RolloutController:
             ``routed_experts_start_len``, :func:`~dapo_megatron.rollout.engines.routes.routes_start_of`),
             kept on the sample per position (:meth:`~dapo_megatron.rollout.types.Sample.append_tokens`);
             None: off.
-
-    Admission of new prompts, for the step being filled (:meth:`StepsAhead.admit
-    <dapo_megatron.rollout.steps_ahead.StepsAhead.admit>`): whole generation batches from ``next_batch``
-    (``prompts`` None) or of the prompts ``prompts`` has that the skipper lets through, or
-    keep-rate-sized requests from ``prompts`` with the skipper (``streamed``), gated by η.
     """
 
     def __init__(self, selector: GroupSelector, next_batch: Callable[[], Sequence[Any]], urls: Sequence[str],
@@ -254,7 +250,7 @@ class RolloutController:
                         self.busy_s += time.perf_counter() - t0
                         if graded is not None:  # in the same critical section as _busy = False: a
                             # pause() returning in between would see the prompts drawn but not their groups
-                            self._add_batch(graded, resubmitted=resubmitted, reprefilled=reprefilled, retried=retried)
+                            self.steps.add(graded, resubmitted=resubmitted, reprefilled=reprefilled, retried=retried)
                         self._busy = False
                         self._cv.notify_all()
         except _Stopped:
@@ -312,11 +308,6 @@ class RolloutController:
         if retried:
             logger.warning("validation: %d rows sent again after their server failed", retried)
         return out
-
-    def _add_batch(self, groups: list[Group], **counts: int) -> None:
-        """Offer a graded request's groups, with its ``counts`` (:meth:`StepsAhead.add
-        <dapo_megatron.rollout.steps_ahead.StepsAhead.add>`); call under the lock."""
-        self.steps.add(groups, **counts)
 
     def _close_step(self) -> None:
         """Hand the filled step to the ready queue and open the next (:meth:`StepsAhead.close

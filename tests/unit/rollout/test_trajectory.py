@@ -332,7 +332,7 @@ def test_the_async_controller_logs_the_trajectory_metrics_of_every_response_a_st
                for g in range(2)]
     groups = ctrl._generate_batch(records, [0, 1], 4)[0]
     selector.grade(groups)
-    ctrl._add_batch(groups)
+    ctrl.steps.add(groups)
     ctrl._close_step()
     _, trained, metrics = ctrl.steps.ready[-1]
     # every response of the batch ends in 9 (acc, 9 % 3 == 0): both groups are all-correct, none is
