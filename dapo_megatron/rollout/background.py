@@ -92,11 +92,6 @@ class BackgroundDriver:
                                             routes_shape=getattr(engine, "record_routes", None),
                                             streamed=cfg.rollout.streaming)
 
-    @property
-    def gen_batches_done(self) -> int:
-        """Generation batches rank 0's controller drew so far (0 on the other ranks)."""
-        return self.controller.steps.gen_batches_done if self.controller is not None else 0
-
     def _broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank, over the gloo generation-wait group: ranks 1..N wait here
         while rank 0's controller generates (a step, validation, the pause before a checkpoint),
