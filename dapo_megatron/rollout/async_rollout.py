@@ -138,27 +138,11 @@ class RolloutController:
                 self._holds.pop()
             self._cv.notify_all()
 
-    # ---- server health ------------------------------------------------------------------
-    @property
-    def health(self) -> list[str]:
-        """Per server ``"healthy"``, ``"down"`` or ``"back"`` (:attr:`RowClient.health
-        <dapo_megatron.rollout.engines.row_client.RowClient.health>`)."""
-        return self.client.health
-
-    @property
-    def server_errors(self) -> list[Optional[str]]:
-        """Per server its last failure (None: none)."""
-        return self.client.server_errors
-
+    # ---- server health (the client's: health, server_errors, members_for_sync) ------------
     def _count_failure(self, e: int) -> None:
         """Server ``e`` went down (the client's ``on_down``): counted for the step being filled."""
         with self._cv:
             self.steps.fill.server_failures += 1
-
-    def members_for_sync(self) -> list[int]:
-        """The servers the next weight sync goes to (:meth:`RowClient.members_for_sync
-        <dapo_megatron.rollout.engines.row_client.RowClient.members_for_sync>`; from the main thread)."""
-        return self.client.members_for_sync()
 
     def take(self, policy_version: int, timeout_s: Optional[float] = None) -> tuple[list[Group], dict]:
         """The oldest ready step (it must be the step of ``policy_version``): its groups and its
@@ -313,5 +297,5 @@ class RolloutController:
         """Hand the filled step to the ready queue and open the next (:meth:`StepsAhead.close
         <dapo_megatron.rollout.steps_ahead.StepsAhead.close>`); a step that failed at its cap stops
         the thread (call under the lock)."""
-        if not self.steps.close(healthy_servers=sum(h == "healthy" for h in self.health)):
+        if not self.steps.close(healthy_servers=sum(h == "healthy" for h in self.client.health)):
             self._stop = True
