@@ -100,7 +100,7 @@ def _view(r):
             "candidates": [k for k in range(NUM_PROMPTS) if sk.is_candidate(k)],
             "encounters": [sk._encounters.get(k, 0) for k in range(NUM_PROMPTS)],
             "next_queue": [r.prompt_queue.pop()[1] for _ in range(4)],
-            **({"partial": samples(r.collector.partial), "keep_rate": r.collector.keep_rate}
+            **({"partial": samples(r.collector.partial), "keep_rate": r.collector.keep.value}
                if r.collector is not None else {})}
 
 

@@ -243,18 +243,13 @@ class StreamingCollector:
         self.partial_rollout, self.poll_tokens = partial_rollout, poll_tokens
         self.trajectory, self.max_new_tokens = trajectory, max_new_tokens
         self._partial: list[Group] = []
-        self.keep = KeepRate()
+        self.keep = KeepRate()  # sizes the admissions (KeepRateStreaming); in state_dict
 
     # ---- state --------------------------------------------------------------------
     @property
     def partial(self) -> list[Group]:
         """Groups aborted at the end of the last step, to be continued (partial_rollout)."""
         return list(self._partial)
-
-    @property
-    def keep_rate(self) -> float:
-        """Kept / graded groups, decayed by half every step, with one kept of one graded as the prior."""
-        return self.keep.value
 
     def state_dict(self) -> dict:
         """The partial groups (whole: the caller gives this rank their tokens first), the keep
@@ -325,7 +320,7 @@ class StreamingCollector:
             self._partial = list(inflight.values())
         out, metrics = feeder.take(gen_tokens=rounds.gen_tokens)
         metrics.update({
-            "rollout/keep_rate": self.keep_rate,
+            "rollout/keep_rate": self.keep.value,
             "rollout/partial_in": float(rounds.partial_in),
             "rollout/partial_out": float(sum(s.finish_reason == PENDING for g in self._partial for s in g.samples)),
             "rollout/dropped_stale": metrics["rollout/dropped_stale"] + stale_partial,
