@@ -79,11 +79,13 @@ class Run:
         from dapo_megatron.data import PromptStream, load_from_config, resolve_data_files
         from dapo_megatron.data.dataset import DataConfig
         from dapo_megatron.rewards import RewardPool
-        from dapo_megatron.rollout.sampling.buffer import BufferConfig, RolloutBuffer
+        from dapo_megatron.rollout.sampling.buffer import RolloutBuffer
+        from dapo_megatron.rollout.sampling.config import BufferConfig
         from dapo_megatron.rollout.engines.engine import SamplingParams
         from dapo_megatron.rollout.engines.hf_engine import HFEngine
         from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipConfig, PromptSkipper
-        from dapo_megatron.rollout.sampling.streaming import PromptQueue, StreamingCollector
+        from dapo_megatron.rollout.sampling.streaming import StreamingCollector
+        from dapo_megatron.rollout.sampling.feeder import PromptQueue
 
         self.args, self.streaming = args, streaming
         self.tokenizer = AutoTokenizer.from_pretrained(hf_dir)

@@ -246,7 +246,8 @@ def _buffer(args, par, train_batch_size):
     """The trainer's selector over the stand-in grader (every group kept, no overlong shaping)."""
     from dapo_megatron.algorithms.overlong import OverlongConfig
     from dapo_megatron.rewards.distributed import DistributedGrader
-    from dapo_megatron.rollout.sampling.buffer import BufferConfig, RolloutBuffer
+    from dapo_megatron.rollout.sampling.buffer import RolloutBuffer
+    from dapo_megatron.rollout.sampling.config import BufferConfig
 
     cfg = BufferConfig(train_batch_size=train_batch_size, n=args.n, gen_batch_size=args.prompts,
                        max_num_gen_batches=1, filter_groups=False, overlong=OverlongConfig(enable=False),
@@ -369,7 +370,8 @@ def path_streamed(args, par, records, client):
     them), then the step's plan, the tokens to where they train and the old logprobs there."""
     from dapo_megatron.actor.step_plan import route_step
     from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipConfig, PromptSkipper
-    from dapo_megatron.rollout.sampling.streaming import PromptQueue, StreamingCollector
+    from dapo_megatron.rollout.sampling.streaming import StreamingCollector
+    from dapo_megatron.rollout.sampling.feeder import PromptQueue
 
     selector = _buffer(args, par, args.prompts // 2)
     collector = StreamingCollector(selector, PromptSkipper(PromptSkipConfig(), seed=0), partial_rollout=True,

@@ -44,8 +44,9 @@ class RolloutController:
     """The rollout thread of trainer rank 0 (module docstring). HTTP and the reward pool only.
 
     Args:
-        selector, next_batch, policy_version, gen_batches_done, prompts, skipper: the steps it fills
-            ahead (:class:`~dapo_megatron.rollout.steps_ahead.StepsAhead`'s arguments: the selector,
+        selector, next_batch, policy_version, gen_batches_done, prompts, skipper, streamed: the steps it
+            fills ahead and how it admits their prompts, gated by η
+            (:class:`~dapo_megatron.rollout.steps_ahead.StepsAhead`'s arguments: the selector,
             whose reward pool this thread uses, so nothing else may grade while it runs (:meth:`pause`);
             the next generation batch in synchronous mode's order; streamed or skipping: the prompt
             queue, GRESO's skipper, ``streamed``).
@@ -65,11 +66,6 @@ class RolloutController:
             ``routed_experts_start_len``, :func:`~dapo_megatron.rollout.engines.routes.routes_start_of`),
             kept on the sample per position (:meth:`~dapo_megatron.rollout.types.Sample.append_tokens`);
             None: off.
-
-    Admission of new prompts, for the step being filled (:meth:`StepsAhead.admit
-    <dapo_megatron.rollout.steps_ahead.StepsAhead.admit>`): whole generation batches from ``next_batch``
-    (``prompts`` None) or of the prompts ``prompts`` has that the skipper lets through, or
-    keep-rate-sized requests from ``prompts`` with the skipper (``streamed``), gated by η.
     """
 
     def __init__(self, selector: GroupSelector, next_batch: Callable[[], Sequence[Any]], urls: Sequence[str],
@@ -142,27 +138,11 @@ class RolloutController:
                 self._holds.pop()
             self._cv.notify_all()
 
-    # ---- server health ------------------------------------------------------------------
-    @property
-    def health(self) -> list[str]:
-        """Per server ``"healthy"``, ``"down"`` or ``"back"`` (:attr:`RowClient.health
-        <dapo_megatron.rollout.engines.row_client.RowClient.health>`)."""
-        return self.client.health
-
-    @property
-    def server_errors(self) -> list[Optional[str]]:
-        """Per server its last failure (None: none)."""
-        return self.client.server_errors
-
+    # ---- server health (the client's: health, server_errors, members_for_sync) ------------
     def _count_failure(self, e: int) -> None:
         """Server ``e`` went down (the client's ``on_down``): counted for the step being filled."""
         with self._cv:
             self.steps.fill.server_failures += 1
-
-    def members_for_sync(self) -> list[int]:
-        """The servers the next weight sync goes to (:meth:`RowClient.members_for_sync
-        <dapo_megatron.rollout.engines.row_client.RowClient.members_for_sync>`; from the main thread)."""
-        return self.client.members_for_sync()
 
     def take(self, policy_version: int, timeout_s: Optional[float] = None) -> tuple[list[Group], dict]:
         """The oldest ready step (it must be the step of ``policy_version``): its groups and its
@@ -254,7 +234,7 @@ class RolloutController:
                         self.busy_s += time.perf_counter() - t0
                         if graded is not None:  # in the same critical section as _busy = False: a
                             # pause() returning in between would see the prompts drawn but not their groups
-                            self._add_batch(graded, resubmitted=resubmitted, reprefilled=reprefilled, retried=retried)
+                            self.steps.add(graded, resubmitted=resubmitted, reprefilled=reprefilled, retried=retried)
                         self._busy = False
                         self._cv.notify_all()
         except _Stopped:
@@ -313,14 +293,9 @@ class RolloutController:
             logger.warning("validation: %d rows sent again after their server failed", retried)
         return out
 
-    def _add_batch(self, groups: list[Group], **counts: int) -> None:
-        """Offer a graded request's groups, with its ``counts`` (:meth:`StepsAhead.add
-        <dapo_megatron.rollout.steps_ahead.StepsAhead.add>`); call under the lock."""
-        self.steps.add(groups, **counts)
-
     def _close_step(self) -> None:
         """Hand the filled step to the ready queue and open the next (:meth:`StepsAhead.close
         <dapo_megatron.rollout.steps_ahead.StepsAhead.close>`); a step that failed at its cap stops
         the thread (call under the lock)."""
-        if not self.steps.close(healthy_servers=sum(h == "healthy" for h in self.health)):
+        if not self.steps.close(healthy_servers=sum(h == "healthy" for h in self.client.health)):
             self._stop = True

@@ -92,11 +92,6 @@ class BackgroundDriver:
                                             routes_shape=getattr(engine, "record_routes", None),
                                             streamed=cfg.rollout.streaming)
 
-    @property
-    def gen_batches_done(self) -> int:
-        """Generation batches rank 0's controller drew so far (0 on the other ranks)."""
-        return self.controller.steps.gen_batches_done if self.controller is not None else 0
-
     def _broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank, over the gloo generation-wait group: ranks 1..N wait here
         while rank 0's controller generates (a step, validation, the pause before a checkpoint),
@@ -150,9 +145,9 @@ class BackgroundDriver:
         into the servers) when it is due (start, or ``version`` a multiple of ``sync_every``), with
         the controller paused on rank 0; 0.0 bytes when not due (the servers keep their weights).
 
-        It goes to the servers that answer ``/health`` now
-        (:meth:`RolloutController.members_for_sync`, broadcast from rank 0): a failed server is
-        left out, and one that is back is in it and gets work only after it
+        It goes to the servers that answer ``/health`` now (rank 0's controller's
+        :meth:`RowClient.members_for_sync <dapo_megatron.rollout.engines.row_client.RowClient.members_for_sync>`,
+        broadcast): a failed server is left out, and one that is back is in it and gets work only after it
         (:meth:`~dapo_megatron.rollout.engines.server_sync.ServerRollout.set_members` re-forms the
         weight-update groups when the set changes).
 
@@ -163,11 +158,11 @@ class BackgroundDriver:
         """
         if self.started and version % self.sync_every:
             return 0.0
-        members = self.controller.members_for_sync() if self.controller is not None else None
+        members = self.controller.client.members_for_sync() if self.controller is not None else None
         if members is not None and not members:
             members = ("no rollout server answers /health for the weight sync of version "
                        f"{version}: " + "; ".join(f"{u}: {e}" for u, e in zip(self.controller.urls,
-                                                                            self.controller.server_errors)))
+                                                                            self.controller.client.server_errors)))
         members = self._broadcast(members)
         if isinstance(members, str):
             raise RuntimeError(members)

@@ -28,8 +28,9 @@ from dapo_megatron.rollout.engines.layout import check_rollout_tp_fits_model
 from dapo_megatron.rollout.engines.routes import replay_routes_layout
 from dapo_megatron.rollout.rollout import Rollout
 from dapo_megatron.rollout.sampling.buffer import RolloutBuffer
+from dapo_megatron.rollout.sampling.feeder import PromptQueue
 from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipper
-from dapo_megatron.rollout.sampling.streaming import PromptQueue, StreamingCollector
+from dapo_megatron.rollout.sampling.streaming import StreamingCollector
 from dapo_megatron.rollout.trajectory import build_trajectory
 
 logger = logging.getLogger("dapo_megatron.rollout")

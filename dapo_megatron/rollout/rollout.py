@@ -26,7 +26,8 @@ from dapo_megatron.rollout.engines.layout import engine_share
 from dapo_megatron.bridge.verify import (SyncDigest, Timer, WeightSyncVerifyError, probe_error, probe_ids,
                                                   probe_tolerance)
 from dapo_megatron.rollout.sampling.buffer import RolloutBuffer
-from dapo_megatron.rollout.sampling.streaming import EngineClient, PromptQueue, StreamingCollector
+from dapo_megatron.rollout.sampling.feeder import PromptQueue
+from dapo_megatron.rollout.sampling.streaming import EngineClient, StreamingCollector
 from dapo_megatron.rollout.sync_feeder import SyncFeeder
 from dapo_megatron.rollout.trajectory import SINGLE_TURN, Trajectory
 from dapo_megatron.rollout.types import Group, Sample
@@ -108,15 +109,6 @@ class Rollout:
     def controller(self) -> Any:
         """The background driver's controller thread (rank 0 under ``async_training``), else None."""
         return self.background.controller if self.background is not None else None
-
-    @property
-    def gen_batches_done(self) -> int:
-        """Generation batches drawn so far (they number the groups and seed the sampler)."""
-        return self.steps.gen_batches_done
-
-    @gen_batches_done.setter
-    def gen_batches_done(self, value: int) -> None:
-        self.steps.gen_batches_done = value
 
     # ------------------------------------------------------------------ the engines
     def check_health(self) -> None:

@@ -113,7 +113,7 @@ def _arm(hf_dir, urls, run_dir, out_path, fault, pids, logs=()):
         out["error"] = str(err)
     finally:
         servers.pause_servers = real_pause  # the next arm of this process gets the real one
-        out["health"], out["server_errors"] = list(ctrl.health), list(ctrl.server_errors)
+        out["health"], out["server_errors"] = list(ctrl.client.health), list(ctrl.client.server_errors)
         trainer.rollout.close()
         out["calls"] = [log_calls(open(path).read()) for path in logs]
         torch.save(out, out_path)

@@ -20,9 +20,10 @@ from dapo_megatron.data import PromptStream
 from dapo_megatron.data.dataset import PromptRecord
 from dapo_megatron.rollout.async_rollout import RolloutController
 from dapo_megatron.rollout.engines.engine import SamplingParams
-from dapo_megatron.rollout.sampling.buffer import BufferConfig, RolloutBuffer
+from dapo_megatron.rollout.sampling.buffer import RolloutBuffer
+from dapo_megatron.rollout.sampling.config import BufferConfig
 from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipConfig, PromptSkipper
-from dapo_megatron.rollout.sampling.streaming import PromptQueue
+from dapo_megatron.rollout.sampling.feeder import PromptQueue
 from integration.test_async_rollout import NUM_STOP_IDS
 from rollout_server import RolloutServer, tiny_async_model
 

@@ -109,7 +109,7 @@ def _arm(hf_dir, urls, run_dir, extra, out_path, fault=None, pid=None):
         out["error"] = str(err)
     finally:
         if ctrl is not None:
-            out["health"], out["server_errors"] = list(ctrl.health), list(ctrl.server_errors)
+            out["health"], out["server_errors"] = list(ctrl.client.health), list(ctrl.client.server_errors)
             out["server_failures"] = ctrl.steps.fill.server_failures
         trainer.rollout.close()
     torch.save(out, f"{out_path}.{trainer.rank}")

@@ -72,7 +72,8 @@ def _run_layout(out_dir, tp, pp):
     from dapo_megatron.models import ModelConfig, build_gpt_model
     from dapo_megatron.platform import init_distributed
     from dapo_megatron.rewards.distributed import DistributedGrader
-    from dapo_megatron.rollout.sampling.buffer import BufferConfig, RolloutBuffer, logprob_mismatch_metrics
+    from dapo_megatron.rollout.sampling.buffer import RolloutBuffer, logprob_mismatch_metrics
+    from dapo_megatron.rollout.sampling.config import BufferConfig
     from dapo_megatron.rollout.engines.hf_engine import HFEngine
     from dapo_megatron.rollout.plan.step_data import gather_groups
     from transformers import AutoModelForCausalLM

@@ -53,7 +53,7 @@ def _trainer(hf_dir, run_dir):
 def _final_state(trainer) -> dict:
     """What the next step would start from: the collector's carried work and skip history."""
     c = trainer.rollout.collector
-    return {"skipper": c.skipper.state_dict(), "keep_rate": c.keep_rate,
+    return {"skipper": c.skipper.state_dict(), "keep_rate": c.keep.value,
             "partial": [(g.prompt_seed, [(s.response_ids, s.rollout_logprobs, s.versions, s.finish_reason)
                                          for s in g.samples]) for g in c.partial],
             "surplus": [g.prompt_seed for g in trainer.rollout.buffer.surplus],

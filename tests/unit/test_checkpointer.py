@@ -36,7 +36,8 @@ def _rollout(par, streaming: bool = True):
     from dapo_megatron.rollout.rollout import Rollout
     from dapo_megatron.rollout.sampling.buffer import RolloutBuffer
     from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipper
-    from dapo_megatron.rollout.sampling.streaming import PromptQueue, StreamingCollector
+    from dapo_megatron.rollout.sampling.streaming import StreamingCollector
+    from dapo_megatron.rollout.sampling.feeder import PromptQueue
 
     cfg = DAPOConfig()  # the model is never loaded: only the buffer and rollout sections are read
     cfg.buffer.gen_batch_size, cfg.buffer.train_batch_size, cfg.buffer.n = GEN_BATCH, 2, 2
@@ -70,7 +71,7 @@ def _put_in_state(r):
 
     r.stream.next_batch()  # the stream one batch on
     r.prompt_queue.pop()  # the queue: a batch fetched (one more from the stream), three left over
-    r.gen_batches_done = r.prompt_queue.fetched
+    r.steps.gen_batches_done = r.prompt_queue.fetched
     sk = _skipper(r)
     for k in (1, 1, 1, 4):
         sk.skip(k)
@@ -94,12 +95,12 @@ def _view(r):
         return [(g.group_id, g.prompt_seed, [(s.response_ids, s.rollout_logprobs, s.versions, s.finish_reason,
                                                s.reward, s.acc) for s in g.samples]) for g in groups]
 
-    return {"gen_batches_done": r.gen_batches_done, "next_stream": [x.index for x in r.stream.next_batch()],
+    return {"gen_batches_done": r.steps.gen_batches_done, "next_stream": [x.index for x in r.stream.next_batch()],
             "surplus": samples(r.buffer.surplus),
             "candidates": [k for k in range(NUM_PROMPTS) if sk.is_candidate(k)],
             "encounters": [sk._encounters.get(k, 0) for k in range(NUM_PROMPTS)],
             "next_queue": [r.prompt_queue.pop()[1] for _ in range(4)],
-            **({"partial": samples(r.collector.partial), "keep_rate": r.collector.keep_rate}
+            **({"partial": samples(r.collector.partial), "keep_rate": r.collector.keep.value}
                if r.collector is not None else {})}
 
 

@@ -27,11 +27,9 @@ import torch.distributed as dist
 from dapo_megatron.algorithms.overlong import overlong_penalty
 from dapo_megatron.platform import collectives
 from dapo_megatron.platform.distributed import collective_device
-from dapo_megatron.rollout.types import HELD_BY_ALL, Group, Sample
-
-# BufferConfig: its home until the config sections went torch-free, imported from here by callers
-from dapo_megatron.rollout.sampling.config import DROP_REASONS, FILTER_METRICS, KEPT, ON_CAP, BufferConfig  # noqa: F401
+from dapo_megatron.rollout.sampling.config import DROP_REASONS, KEPT, BufferConfig
 from dapo_megatron.rollout.sampling.feeder import Generated, StepFeeder, WholeBatches
+from dapo_megatron.rollout.types import HELD_BY_ALL, Group, Sample
 
 class RewardPoolLike(Protocol):
     """What the buffer needs of ``dapo_megatron.rewards.RewardPool``."""

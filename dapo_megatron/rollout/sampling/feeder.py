@@ -4,8 +4,8 @@ Every way of filling a training step (batch, streamed, asynchronous) is the same
 admit, submit and poll, grade and offer, carry or abort, take (docs/design.md §2.3, with its table
 of the modes' policies and transports). :class:`StepFeeder` holds it once and is the only caller of
 ``GroupSelector.offer``. This module holds the admission policies (:class:`WholeBatches`,
-:class:`KeepRateStreaming`, the async controller's :class:`EtaBound` gate; a new one has the methods
-of :class:`Admission`), the batch transport :class:`Generated`, and the prompt-side helpers every
+:class:`KeepRateStreaming`, the async controller's :class:`EtaBound` gate; a new one subclasses
+:class:`Admission`), the batch transport :class:`Generated`, and the prompt-side helpers every
 admission shares: :class:`PromptQueue`, :class:`KeepRate` and :func:`draw_unskipped`.
 
 Design: docs/design.md §2.3 (the rollout rooms) and §3.7 (streaming).
@@ -90,32 +90,34 @@ class KeepRate:
         self.kept, self.graded = float(state["kept"]), float(state["graded"])
 
 
-def draw_unskipped(prompts: PromptQueue, skipper: PromptSkipper, want: int) -> tuple[list[tuple[Any, int]], int]:
+def draw_unskipped(prompts: PromptQueue, skipper: PromptSkipper, want: int, counts: Admission) -> list[tuple[Any, int]]:
     """The next ``want`` prompts of the queue that ``skipper`` does not skip, in stream order:
-    ``([(record, position), ...], skipped)``; each skipped prompt is consumed (it counts as an
-    encounter of the skipper and is not offered again until the stream comes back to it)."""
-    drawn, skipped = [], 0
+    ``[(record, position), ...]``, counted in the admission's ``counts.submitted`` (and the skipped
+    ones in ``counts.skipped``); each skipped prompt is consumed (it counts as an encounter of the
+    skipper and is not offered again until the stream comes back to it)."""
+    drawn = []
     while len(drawn) < want:
         record, position = prompts.pop()
         if skipper.skip(record.index):
-            skipped += 1
+            counts.skipped += 1
             continue
         drawn.append((record, position))
-    return drawn, skipped
+    counts.submitted += len(drawn)
+    return drawn
 
 
 # ---------------------------------------------------------------- admission policies
 class Admission(Protocol):
-    """What :class:`StepFeeder` asks of an admission policy. Counters (``num_batches``: generation
-    batches drawn from the stream this step; ``submitted`` / ``skipped``: prompts admitted / skipped
-    this step) are plain ints, the whole per-step state (:meth:`counts`)."""
+    """What :class:`StepFeeder` asks of an admission policy; a policy subclasses it for its per-step
+    counters (``num_batches``: generation batches drawn from the stream this step; ``submitted`` /
+    ``skipped``: prompts admitted / skipped this step), plain ints, the whole per-step state
+    (:meth:`counts`, their checkpoint form)."""
 
-    num_batches: int
-    submitted: int
-    skipped: int
+    num_batches = submitted = skipped = 0
 
     def new_step(self) -> None:
-        """A step begins: zero the per-step counters (and decay what the policy learns across steps)."""
+        """A step begins: zero the per-step counters (a policy that learns across steps also decays what it learned)."""
+        self.load_counts({})
 
     def admit(self, missing: int, in_flight: int) -> Optional[Any]:
         """The next request for ``missing`` (> 0) kept groups with ``in_flight`` groups running, or
@@ -129,12 +131,6 @@ class Admission(Protocol):
 
     def cap_spent(self) -> str:
         """What the step spent at its cap, for ``GroupSelector.fail_at_cap``."""
-
-
-class _Counts:
-    """The per-step counters of an admission policy (:class:`Admission`) and their checkpoint form."""
-
-    num_batches = submitted = skipped = 0
 
     def counts(self) -> dict[str, int]:
         """``num_batches``, ``submitted``, ``skipped`` (the async controller checkpoints them mid-step)."""
@@ -150,7 +146,7 @@ class _Counts:
         return {"rollout/prompts_submitted": float(self.submitted), "rollout/skipped_prompts": float(self.skipped)}
 
 
-class WholeBatches(_Counts):
+class WholeBatches(Admission):
     """Admission by whole generation batches (verl's dynamic sampling; docs/design.md §2.3).
 
     Args:
@@ -169,9 +165,6 @@ class WholeBatches(_Counts):
                  skipper: Optional[PromptSkipper] = None):
         self.config, self.draw, self.prompts, self.skipper = config, draw, prompts, skipper
 
-    def new_step(self) -> None:
-        self.load_counts({})
-
     def at_cap(self) -> bool:
         return self.num_batches >= self.config.max_num_gen_batches
 
@@ -181,10 +174,7 @@ class WholeBatches(_Counts):
         if self.prompts is None:
             request = self.draw()
         else:
-            drawn, skipped = draw_unskipped(self.prompts, self.skipper, self.config.gen_batch_size)
-            self.submitted += len(drawn)
-            self.skipped += skipped
-            request = self.draw(drawn)
+            request = self.draw(draw_unskipped(self.prompts, self.skipper, self.config.gen_batch_size, self))
         self.num_batches += 1
         return request
 
@@ -197,7 +187,7 @@ class WholeBatches(_Counts):
                 "generation batches")
 
 
-class KeepRateStreaming(_Counts):
+class KeepRateStreaming(Admission):
     """Streamed admission (GRESO's adaptive batch size): new prompts while ``missing - keep_rate *
     in_flight > 0``, :meth:`KeepRate.admission` of them within :attr:`cap`, skipped ones not
     counted; every offered group updates the skipper's history and the keep rate.
@@ -219,7 +209,7 @@ class KeepRateStreaming(_Counts):
 
     def new_step(self) -> None:
         self.keep.new_step()
-        self.load_counts({})
+        super().new_step()
 
     def at_cap(self) -> bool:
         return self.submitted >= self.cap
@@ -229,11 +219,9 @@ class KeepRateStreaming(_Counts):
         if expected <= 0 or self.at_cap():
             return None
         fetched = self.prompts.fetched
-        drawn, skipped = draw_unskipped(self.prompts, self.skipper,
-                                        self.keep.admission(expected, self.config.gen_batch_size,
-                                                            self.cap - self.submitted))
-        self.submitted += len(drawn)
-        self.skipped += skipped
+        drawn = draw_unskipped(self.prompts, self.skipper,
+                               self.keep.admission(expected, self.config.gen_batch_size, self.cap - self.submitted),
+                               self)
         self.num_batches += self.prompts.fetched - fetched  # generation batches drawn from the stream
         return drawn
 
@@ -302,11 +290,6 @@ class StepFeeder:
 
     def __init__(self, selector: Any, admission: Admission):
         self.selector, self.admission = selector, admission
-
-    @property
-    def missing(self) -> int:
-        """Kept groups still needed (``GroupSelector.missing``)."""
-        return self.selector.missing
 
     def begin(self, policy_version: Optional[int]) -> None:
         """Open the step of ``policy_version``: the admission's counters restart, the selector takes

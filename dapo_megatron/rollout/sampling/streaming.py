@@ -25,9 +25,8 @@ from typing import Any, NamedTuple, Optional, Protocol, Sequence
 import torch
 
 from dapo_megatron.platform.parallel_dims import ParallelDims, dims_or_single
-from dapo_megatron.rollout.sampling.buffer import GroupSelector, group_from_dict, group_staleness, group_to_dict
-# PromptQueue: its home is the feeder (the prompt side of admission), imported from here by callers
-from dapo_megatron.rollout.sampling.feeder import KeepRate, KeepRateStreaming, PromptQueue, StepFeeder  # noqa: F401
+from dapo_megatron.rollout.sampling.buffer import GroupSelector, group_from_dict, group_to_dict
+from dapo_megatron.rollout.sampling.feeder import KeepRate, KeepRateStreaming, PromptQueue, StepFeeder
 from dapo_megatron.rollout.engines.engine import RolloutEngine, RowRequest, RowResult, SamplingParams
 from dapo_megatron.rollout.engines.routes import routes_start_of
 from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipper
@@ -244,18 +243,13 @@ class StreamingCollector:
         self.partial_rollout, self.poll_tokens = partial_rollout, poll_tokens
         self.trajectory, self.max_new_tokens = trajectory, max_new_tokens
         self._partial: list[Group] = []
-        self.keep = KeepRate()
+        self.keep = KeepRate()  # sizes the admissions (KeepRateStreaming); in state_dict
 
     # ---- state --------------------------------------------------------------------
     @property
     def partial(self) -> list[Group]:
         """Groups aborted at the end of the last step, to be continued (partial_rollout)."""
         return list(self._partial)
-
-    @property
-    def keep_rate(self) -> float:
-        """Kept / graded groups, decayed by half every step, with one kept of one graded as the prior."""
-        return self.keep.value
 
     def state_dict(self) -> dict:
         """The partial groups (whole: the caller gives this rank their tokens first), the keep
@@ -312,12 +306,7 @@ class StreamingCollector:
         sel, cfg = self.selector, self.selector.config
         feeder = StepFeeder(sel, KeepRateStreaming(cfg, prompts, self.skipper, self.keep))
         feeder.begin(policy_version)
-        carried, stale_partial = [], 0
-        for g in self._partial:
-            if group_staleness(g, policy_version) > cfg.max_staleness:
-                stale_partial += 1
-            else:
-                carried.append(g)
+        carried, stale_partial = sel.drop_stale(self._partial, policy_version)  # the surplus' rule, for partial groups
         self._partial = []
         rounds = _Rounds(self, client, carried)
         feeder.fill(rounds)
@@ -331,7 +320,7 @@ class StreamingCollector:
             self._partial = list(inflight.values())
         out, metrics = feeder.take(gen_tokens=rounds.gen_tokens)
         metrics.update({
-            "rollout/keep_rate": self.keep_rate,
+            "rollout/keep_rate": self.keep.value,
             "rollout/partial_in": float(rounds.partial_in),
             "rollout/partial_out": float(sum(s.finish_reason == PENDING for g in self._partial for s in g.samples)),
             "rollout/dropped_stale": metrics["rollout/dropped_stale"] + stale_partial,

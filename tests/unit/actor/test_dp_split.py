@@ -8,7 +8,8 @@ from hypothesis import given, settings, strategies as st
 
 from dapo_megatron.actor.dp_split import split_for_dp
 from dapo_megatron.algorithms.overlong import OverlongConfig
-from dapo_megatron.rollout.sampling.buffer import BufferConfig, RolloutBuffer
+from dapo_megatron.rollout.sampling.buffer import RolloutBuffer
+from dapo_megatron.rollout.sampling.config import BufferConfig
 from dapo_megatron.rollout.types import Group, Sample
 
 

@@ -18,7 +18,8 @@ from dapo_megatron.actor.plan import ActorPlan, OldLogprobPlan
 from dapo_megatron.actor.step_plan import plan_step
 from dapo_megatron.algorithms.overlong import OverlongConfig, overlong_penalty
 from dapo_megatron.rollout.engines.routes import routes_start_of
-from dapo_megatron.rollout.sampling.buffer import BufferConfig, GroupSelector, logprob_mismatch_metrics
+from dapo_megatron.rollout.sampling.buffer import GroupSelector, logprob_mismatch_metrics
+from dapo_megatron.rollout.sampling.config import BufferConfig
 from dapo_megatron.rollout.types import Group, Sample
 
 V = 16

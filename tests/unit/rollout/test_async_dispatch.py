@@ -14,7 +14,7 @@ import pytest
 from dapo_megatron.rollout.async_rollout import RolloutController
 from dapo_megatron.rollout.engines.row_client import ServerFailure
 from dapo_megatron.rollout.engines.engine import SamplingParams, sample_seed
-from dapo_megatron.rollout.sampling.buffer import BufferConfig
+from dapo_megatron.rollout.sampling.config import BufferConfig
 
 URLS = ["http://a", "http://b", "http://c"]
 
@@ -82,7 +82,7 @@ def test_a_failed_server_leaves_dispatch_and_its_validation_rows_go_to_the_healt
     servers = _Servers(dead={1})
     ctrl = _controller(servers)
     assert _validate(ctrl) == _expected()  # the same responses: seeded per row, not per server
-    assert ctrl.health == ["healthy", "down", "healthy"] and "http://b" in ctrl.server_errors[1]
+    assert ctrl.client.health == ["healthy", "down", "healthy"] and "http://b" in ctrl.client.server_errors[1]
     assert ctrl.steps.fill.server_failures == 1
     first, second = servers.calls
     retried = [(seed, n) for e, seed, n, _ in first if e == 1]
@@ -100,7 +100,7 @@ def test_no_healthy_server_fails_naming_every_server():
     with pytest.raises(RuntimeError, match="every rollout server failed") as err:
         _validate(ctrl)
     assert all(u in str(err.value) for u in URLS)
-    assert ctrl.health == ["down"] * 3
+    assert ctrl.client.health == ["down"] * 3
 
 
 def test_validation_needs_the_controller_paused():
@@ -165,7 +165,7 @@ def test_async_validate_broadcasts_rank_0s_metrics_or_its_error_and_resumes_the_
     metrics = _async_rollout(ctrl, broadcast).validate(2)
     accs = [[1.0 if t[0] % 2 == 0 else 0.0 for t in problem] for problem in _expected()]
     assert metrics == compute_val_metrics(["d"] * len(PROMPTS), accs, k=PARAMS.n) and sent == [(metrics, None)]  # the metrics, no error
-    assert ctrl._paused == 0 and ctrl.health[1] == "down"
+    assert ctrl._paused == 0 and ctrl.client.health[1] == "down"
     sent.clear()
     ctrl = _controller(_Servers(dead={0, 1, 2}))
     with pytest.raises(RuntimeError, match="every rollout server failed"):

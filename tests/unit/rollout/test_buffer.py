@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from dapo_megatron.algorithms.overlong import OverlongConfig
-from dapo_megatron.rollout.sampling.buffer import GENERATION_METRICS, BufferConfig, RolloutBuffer, logprob_mismatch_metrics
+from dapo_megatron.rollout.sampling.buffer import GENERATION_METRICS, RolloutBuffer, logprob_mismatch_metrics
+from dapo_megatron.rollout.sampling.config import BufferConfig
 from dapo_megatron.rollout.types import Group, Sample
 
 GT = "7"

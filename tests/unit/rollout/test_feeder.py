@@ -7,7 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from dapo_megatron.rollout.sampling.buffer import BufferConfig, GroupSelector
+from dapo_megatron.rollout.sampling.buffer import GroupSelector
+from dapo_megatron.rollout.sampling.config import BufferConfig
 from dapo_megatron.rollout.sampling.feeder import EtaBound, KeepRate, KeepRateStreaming, PromptQueue, WholeBatches
 from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipConfig, PromptSkipper
 from dapo_megatron.rollout.steps_ahead import StepsAhead

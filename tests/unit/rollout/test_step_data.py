@@ -16,7 +16,8 @@ from dapo_megatron.platform import ParallelConfig, spawn
 from dapo_megatron.rewards.distributed import DistributedGrader
 from dapo_megatron.rollout.engines.engine import Completion, completions_to_group
 from dapo_megatron.rollout.plan.step_data import gather_groups, send_tokens
-from dapo_megatron.rollout.sampling.buffer import BufferConfig, RolloutBuffer, logprob_mismatch_metrics
+from dapo_megatron.rollout.sampling.buffer import RolloutBuffer, logprob_mismatch_metrics
+from dapo_megatron.rollout.sampling.config import BufferConfig
 from dapo_megatron.rollout.types import Group, Sample
 
 N = 3  # responses per prompt

@@ -12,11 +12,13 @@ import torch
 
 from dapo_megatron.algorithms.overlong import OverlongConfig
 from dapo_megatron.data.dataset import PromptRecord
-from dapo_megatron.rollout.sampling.buffer import BufferConfig, RolloutBuffer
+from dapo_megatron.rollout.sampling.buffer import RolloutBuffer
+from dapo_megatron.rollout.sampling.config import BufferConfig
 from dapo_megatron.rollout.engines.engine import SamplingParams
 from dapo_megatron.rollout.engines.hf_engine import HFEngine
 from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipConfig, PromptSkipper
-from dapo_megatron.rollout.sampling.streaming import PENDING, EngineClient, PromptQueue, StreamingCollector
+from dapo_megatron.rollout.sampling.streaming import PENDING, EngineClient, StreamingCollector
+from dapo_megatron.rollout.sampling.feeder import PromptQueue
 from unit.rollout.test_hf_engine import tiny_llama
 
 N_PROMPTS, BATCH = 24, 6

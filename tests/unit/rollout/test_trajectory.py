@@ -21,9 +21,11 @@ from dapo_megatron.rollout.async_rollout import RolloutController
 from dapo_megatron.rollout.config import MultiTurnConfig
 from dapo_megatron.rollout.engines.engine import SamplingParams, completions_to_group, sample_seed
 from dapo_megatron.rollout.engines.hf_engine import HFEngine
-from dapo_megatron.rollout.sampling.buffer import BufferConfig, RolloutBuffer
+from dapo_megatron.rollout.sampling.buffer import RolloutBuffer
+from dapo_megatron.rollout.sampling.config import BufferConfig
 from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipConfig, PromptSkipper
-from dapo_megatron.rollout.sampling.streaming import EngineClient, PromptQueue, StreamingCollector
+from dapo_megatron.rollout.sampling.streaming import EngineClient, StreamingCollector
+from dapo_megatron.rollout.sampling.feeder import PromptQueue
 from dapo_megatron.rollout.trajectory import SINGLE_TURN, Trajectory, build_trajectory, run_turns, settle_row
 from dapo_megatron.rollout.types import Sample
 from dapo_megatron.algorithms.overlong import OverlongConfig
@@ -330,7 +332,7 @@ def test_the_async_controller_logs_the_trajectory_metrics_of_every_response_a_st
                for g in range(2)]
     groups = ctrl._generate_batch(records, [0, 1], 4)[0]
     selector.grade(groups)
-    ctrl._add_batch(groups)
+    ctrl.steps.add(groups)
     ctrl._close_step()
     _, trained, metrics = ctrl.steps.ready[-1]
     # every response of the batch ends in 9 (acc, 9 % 3 == 0): both groups are all-correct, none is

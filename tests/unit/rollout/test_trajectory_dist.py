@@ -44,7 +44,7 @@ def _record(groups, metrics):
 
 
 def _collect(engine, trajectory, grader, client):
-    from dapo_megatron.rollout.sampling.streaming import PromptQueue
+    from dapo_megatron.rollout.sampling.feeder import PromptQueue
     from unit.rollout.test_streaming import BATCH, RECORDS, Stream
     from unit.rollout.test_trajectory import _collector
 
