@@ -149,7 +149,8 @@ class SyncFeeder:
         surplus' token lists.
 
         Raises:
-            ValueError: a streamed run resumed from a batch run's checkpoint; a batch run with
+            ValueError: a streamed run resumed from a batch run's checkpoint, or a batch run from a
+                streamed one holding partial groups; a batch run with
                 ``buffer.prompt_skip`` from a checkpoint written without it.
         """
         r = self.rollout
@@ -159,6 +160,10 @@ class SyncFeeder:
         for g in r.buffer.surplus:  # every rank read the surplus' token lists from the checkpoint
             for s in g.samples:
                 s.holder = HELD_BY_ALL
+        partial = state.get("streaming", {}).get("partial", [])
+        if r.collector is None and partial:  # a batch step has no partial groups to continue: they would be lost
+            raise ValueError(f"rollout.streaming=false but the checkpoint was written by a streamed run holding "
+                             f"{len(partial)} partial group(s) to continue; resume it with rollout.streaming=true")
         if r.collector is not None:
             if "streaming" not in state:
                 raise ValueError("rollout.streaming=true but the checkpoint was written by a batch (non-streaming) "

@@ -159,6 +159,12 @@ def _worker(out_path, run_dir):
                                      {"step": 6, **_rollout(par, streaming=False).state_dict(), "mlflow_run_id": None})
     res["batch_into_streamed"] = error(lambda: ckpt.Checkpointer(run_dir, actor, {"rollout": _rollout(par)}).load(
         batch_dir))
+    streamed = _rollout(par)
+    _put_in_state(streamed)  # one partial group to continue
+    streamed_dir = ckpt.save_checkpoint(run_dir, 7, [ddp], opt, sched,
+                                        {"step": 7, **streamed.state_dict(), "mlflow_run_id": None})
+    res["streamed_into_batch"] = error(lambda: ckpt.Checkpointer(
+        run_dir, actor, {"rollout": _rollout(par, streaming=False)}).load(streamed_dir))
     for name, state in (("unknown_layout", {"layout": 9, "step": 5, "components": {}}),
                         ("no_rollout", {"layout": 2, "step": 5, "tracking_run_id": None, "components": {"x": {}}}),
                         ("not_a_state", ["step", 5])):
@@ -206,6 +212,8 @@ def test_the_layout_written_by_e9128fc_loads(res):
 
 @pytest.mark.parametrize("case,needles", [
     ("batch_into_streamed", ("step_6/trainer_state.pt", "rollout.streaming=false", "trainer.resume_mode")),
+    ("streamed_into_batch", ("step_7/trainer_state.pt", "1 partial group(s)", "rollout.streaming=true",
+                             "trainer.resume_mode")),
     ("unknown_layout", ("step_unknown_layout/trainer_state.pt", "layout 9", "trainer.resume_mode=disable")),
     ("no_rollout", ("step_no_rollout/trainer_state.pt", "no 'rollout' state", "trainer.resume_mode=disable")),
     ("not_a_state", ("step_not_a_state/trainer_state.pt", "no trainer state", "trainer.resume_mode=disable")),
