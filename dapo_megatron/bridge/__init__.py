@@ -1,8 +1,9 @@
 """Megatron ⇄ HF weights: one mapping table (:mod:`.mapping`), TP/PP gather/scatter,
 bucketed streaming (:func:`iter_hf_weights`) and model-only distributed checkpoints; the weight
 sync into the engines: its buckets (:mod:`.buckets`, SGLang's flattened form :mod:`.flat_bucket`),
-the verification of every sync (:mod:`.verify`), what a receiving model holds and the tracker that
-checks a sync against it (:mod:`.receiver`), and the sync into separate servers (:mod:`.servers`).
+the verification of every sync (:mod:`.verify`), what a receiving model holds, the tracker that
+checks a sync against it and the receiving protocol every rollout engine inherits (:mod:`.receiver`
+``WeightReceiver``), and the sync into separate servers (:mod:`.servers`).
 The submodules of the sync are imported by name (not re-exported here).
 
 Design: docs/design.md §1 step 7 (weight sync).

@@ -131,7 +131,7 @@ class Rollout:
         """Give the engine its memory back before generating, with valid weights.
 
         A wake-up that leaves the weights invalid (released by ``sleep`` without a backup
-        and not synced since, see ``RolloutEngine.weights_valid``) is followed by a full
+        and not synced since, see ``WeightReceiver.weights_valid``) is followed by a full
         re-sync of the last synced actor and version, so no rollout ever samples from garbage.
         Every rank re-syncs when any engine needs it (the sync gathers over the model-parallel
         group). Nothing under the background driver: the servers have their own memory and their

@@ -154,25 +154,27 @@ class SyncFeeder:
                 ``buffer.prompt_skip`` from a checkpoint written without it.
         """
         r = self.rollout
+        partial = state.get("streaming", {}).get("partial", [])
+        # every refusal before any state changes: a refused checkpoint leaves this rollout as it was
+        if r.collector is None and partial:  # a batch step has no partial groups to continue: they would be lost
+            raise ValueError(f"rollout.streaming=false but the checkpoint was written by a streamed run holding "
+                             f"{len(partial)} partial group(s) to continue; resume it with rollout.streaming=true")
+        if r.collector is not None and "streaming" not in state:
+            raise ValueError("rollout.streaming=true but the checkpoint was written by a batch (non-streaming) "
+                             "run; resume it with rollout.streaming=false")
+        if self.skipper is not None and "skipper" not in state:
+            raise ValueError("buffer.prompt_skip.enable=true but the checkpoint was written without batch mode's "
+                             "prompt skipping; resume it with buffer.prompt_skip.enable=false"
+                             + (", or with rollout.streaming=true as it was written" if "streaming" in state else ""))
         self.gen_batches_done = state["gen_batches_done"]
         r.stream.load_state_dict(state["streams"][r.parallel.dp_rank])
         r.buffer.load_state_dict(state["buffer"])
         for g in r.buffer.surplus:  # every rank read the surplus' token lists from the checkpoint
             for s in g.samples:
                 s.holder = HELD_BY_ALL
-        partial = state.get("streaming", {}).get("partial", [])
-        if r.collector is None and partial:  # a batch step has no partial groups to continue: they would be lost
-            raise ValueError(f"rollout.streaming=false but the checkpoint was written by a streamed run holding "
-                             f"{len(partial)} partial group(s) to continue; resume it with rollout.streaming=true")
         if r.collector is not None:
-            if "streaming" not in state:
-                raise ValueError("rollout.streaming=true but the checkpoint was written by a batch (non-streaming) "
-                                 "run; resume it with rollout.streaming=false")
             r.collector.load_state_dict(state["streaming"])
         if self.skipper is not None:
-            if "skipper" not in state:
-                raise ValueError("buffer.prompt_skip.enable=true but the checkpoint was written without prompt "
-                                 "skipping in batch mode; resume it with buffer.prompt_skip.enable=false")
             self.skipper.load_state_dict(state["skipper"])
         if r.collector is not None or self.skipper is not None:
             r.prompt_queue.load_state_dict(state["prompt_queue"])

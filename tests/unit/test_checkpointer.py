@@ -29,7 +29,7 @@ def _records():
                          extra_info={"index": k}) for k in range(NUM_PROMPTS)]
 
 
-def _rollout(par, streaming: bool = True):
+def _rollout(par, streaming: bool = True, prompt_skip: bool = True):
     """A real Rollout without an engine (engine_index None): everything it checkpoints."""
     from dapo_megatron.config import DAPOConfig
     from dapo_megatron.data.stream import PromptStream
@@ -41,18 +41,18 @@ def _rollout(par, streaming: bool = True):
 
     cfg = DAPOConfig()  # the model is never loaded: only the buffer and rollout sections are read
     cfg.buffer.gen_batch_size, cfg.buffer.train_batch_size, cfg.buffer.n = GEN_BATCH, 2, 2
-    cfg.buffer.prompt_skip.enable, cfg.rollout.streaming = True, streaming
+    cfg.buffer.prompt_skip.enable, cfg.rollout.streaming = prompt_skip, streaming
     records = _records()
     stream = PromptStream(records, GEN_BATCH, 0, 1, seed=3)
     buffer = RolloutBuffer(cfg.buffer, reward_pool=None, decode=None)
-    queue = PromptQueue(stream.next_batch, GEN_BATCH, records.__getitem__)  # skipping: batch mode's too
+    queue = PromptQueue(stream.next_batch, GEN_BATCH, records.__getitem__)  # streamed, or batch mode with skipping
     collector = None
     if streaming:
         collector = StreamingCollector(buffer, PromptSkipper(cfg.buffer.prompt_skip, seed=1), partial_rollout=True,
                                        poll_tokens=2)
     return Rollout(cfg, par, engine=None, num_engines=1, engine_index=None, train_data=records, val_data=None,
                    stream=stream, reward_pool=None, decode=None, buffer=buffer, collector=collector,
-                   prompt_queue=queue)
+                   prompt_queue=queue if streaming or prompt_skip else None)  # as build_rollout
 
 
 def _group(gid, seed, versions, reward):
@@ -163,8 +163,18 @@ def _worker(out_path, run_dir):
     _put_in_state(streamed)  # one partial group to continue
     streamed_dir = ckpt.save_checkpoint(run_dir, 7, [ddp], opt, sched,
                                         {"step": 7, **streamed.state_dict(), "mlflow_run_id": None})
+    # into a batch run without skipping, which would drop the partial group (with skipping the skipper's
+    # refusal would answer first); without partial groups nothing is lost and the same switch loads
     res["streamed_into_batch"] = error(lambda: ckpt.Checkpointer(
-        run_dir, actor, {"rollout": _rollout(par, streaming=False)}).load(streamed_dir))
+        run_dir, actor, {"rollout": _rollout(par, streaming=False, prompt_skip=False)}).load(streamed_dir))
+    no_partial = _rollout(par)
+    no_partial.stream.next_batch()
+    no_partial_dir = ckpt.save_checkpoint(run_dir, 8, [ddp], opt, sched,
+                                          {"step": 8, **no_partial.state_dict(), "mlflow_run_id": None})
+    as_batch = _rollout(par, streaming=False, prompt_skip=False)
+    res["no_partial_into_batch"] = (ckpt.Checkpointer(run_dir, actor, {"rollout": as_batch}).load(no_partial_dir).step,
+                                    [x.index for x in as_batch.stream.next_batch()],
+                                    [x.index for x in no_partial.stream.next_batch()])
     for name, state in (("unknown_layout", {"layout": 9, "step": 5, "components": {}}),
                         ("no_rollout", {"layout": 2, "step": 5, "tracking_run_id": None, "components": {"x": {}}}),
                         ("not_a_state", ["step", 5])):
@@ -208,6 +218,11 @@ def test_batch_mode_keeps_the_skip_history_and_the_prompt_queue(res):
 def test_the_layout_written_by_e9128fc_loads(res):
     assert res["old_restored"] == (5, "run-old")
     assert res["old_loaded_view"] == res["old_saved_view"]
+
+
+def test_a_streamed_checkpoint_without_partial_groups_resumes_as_a_batch_run(res):
+    step, restored_next, saved_next = res["no_partial_into_batch"]
+    assert step == 8 and restored_next == saved_next  # the stream goes on where the streamed run left it
 
 
 @pytest.mark.parametrize("case,needles", [

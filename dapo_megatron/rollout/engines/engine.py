@@ -174,7 +174,7 @@ class RowResult(NamedTuple):
         finish_reason: ``"stop"``, ``"length"`` (the whole response reached
             ``max_new_tokens``) or ``"abort"`` (stopped by :meth:`RolloutEngine.abort`: a
             partial response, to be continued or discarded).
-        version: the engine's :attr:`RolloutEngine.weight_version` that sampled them.
+        version: the engine's :attr:`~dapo_megatron.bridge.receiver.WeightReceiver.weight_version` that sampled them.
         routes: as :attr:`Completion.routes`, over ``prompt + prefix + response_ids`` from
             position ``RowRequest.routes_start`` on; None when not recorded.
     """

@@ -49,7 +49,7 @@ release's wheel. Files are those of ``python/sglang/srt/`` in sglang 0.5.11 unle
   ``release_memory_occupation``: ``memory_saver_adapter.pause("weights")``);
   ``resume`` maps it back WITHOUT its contents unless the engine was launched with
   ``enable_weights_cpu_backup`` (``model_executor/model_runner.py``: the weights region
-  is created with ``enable_cpu_backup``). Hence :attr:`RolloutEngine.weights_valid`.
+  is created with ``enable_cpu_backup``). Hence :attr:`~dapo_megatron.bridge.receiver.WeightReceiver.weights_valid`.
 * Sampling seeds: ``sampling_seed`` is honoured only with ``enable_deterministic_inference``
   (``sampling/sampling_batch_info.py``: the seed tensor is built only ``if enable_deterministic``;
   ``layers/sampler.py``): :class:`SGLangEngine`'s ``deterministic``.

@@ -12,6 +12,7 @@ Design: docs/design.md §2.3 (the rollout rooms) and §3.7 (streaming).
 """
 from __future__ import annotations
 
+import abc
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol, Sequence
@@ -107,7 +108,7 @@ def draw_unskipped(prompts: PromptQueue, skipper: PromptSkipper, want: int, coun
 
 
 # ---------------------------------------------------------------- admission policies
-class Admission(Protocol):
+class Admission(abc.ABC):
     """What :class:`StepFeeder` asks of an admission policy; a policy subclasses it for its per-step
     counters (``num_batches``: generation batches drawn from the stream this step; ``submitted`` /
     ``skipped``: prompts admitted / skipped this step), plain ints, the whole per-step state
@@ -119,16 +120,20 @@ class Admission(Protocol):
         """A step begins: zero the per-step counters (a policy that learns across steps also decays what it learned)."""
         self.load_counts({})
 
+    @abc.abstractmethod
     def admit(self, missing: int, in_flight: int) -> Optional[Any]:
         """The next request for ``missing`` (> 0) kept groups with ``in_flight`` groups running, or
         None when none may start now (at the cap, or what runs is expected to fill the step)."""
 
+    @abc.abstractmethod
     def at_cap(self) -> bool:
         """The step's admissions are spent (``buffer.max_num_gen_batches``)."""
 
+    @abc.abstractmethod
     def record(self, g: Group, kept: bool, zero_variance: bool) -> None:
         """A graded group of this step was offered (kept or not; ``zero_variance`` on ``buffer.filter_metric``)."""
 
+    @abc.abstractmethod
     def cap_spent(self) -> str:
         """What the step spent at its cap, for ``GroupSelector.fail_at_cap``."""
 

@@ -9,7 +9,7 @@ import pytest
 
 from dapo_megatron.rollout.sampling.buffer import GroupSelector
 from dapo_megatron.rollout.sampling.config import BufferConfig
-from dapo_megatron.rollout.sampling.feeder import EtaBound, KeepRate, KeepRateStreaming, PromptQueue, WholeBatches
+from dapo_megatron.rollout.sampling.feeder import Admission, EtaBound, KeepRate, KeepRateStreaming, PromptQueue, WholeBatches
 from dapo_megatron.rollout.sampling.prompt_skip import PromptSkipConfig, PromptSkipper
 from dapo_megatron.rollout.steps_ahead import StepsAhead
 from unit.rollout.test_buffer import LastNumberGrader, decode, make_group
@@ -142,3 +142,25 @@ def test_the_async_controllers_batch_admission_skips_and_checkpoints_its_kind():
     with pytest.raises(ValueError, match=r"^the checkpoint was written with buffer.prompt_skip.enable=true .* with "
                                          r"buffer.prompt_skip.enable=true$"):
         steps(queue=False).load_state_dict(state)
+
+
+def test_a_new_admission_policy_must_define_every_decision():
+    """``Admission`` holds the counters; a policy that leaves out a decision (here ``at_cap``) is
+    refused when built, not read as None by the feeder (a step that never reaches its cap)."""
+
+    class NoCap(Admission):
+        def admit(self, missing, in_flight):
+            return None
+
+        def record(self, g, kept, zero_variance):
+            pass
+
+        def cap_spent(self):
+            return "nothing"
+
+    with pytest.raises(TypeError, match="at_cap"):
+        NoCap()
+    policy = type("WithCap", (NoCap,), {"at_cap": lambda self: True})()
+    policy.submitted, policy.skipped, policy.num_batches = 3, 1, 2
+    policy.new_step()  # the counters restart with the step
+    assert policy.counts() == {"num_batches": 0, "submitted": 0, "skipped": 0}
