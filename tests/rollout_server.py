@@ -6,21 +6,16 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
+from dapo_megatron.platform.distributed import free_port
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # the async tests' model stops at about one token in three (tiny_async_model's num_stop_ids)
 ASYNC_NUM_STOP_IDS = 16384
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def save_tiny_model(out_dir, family: str = "qwen2_bias", seed: int = 1, **overrides) -> str:

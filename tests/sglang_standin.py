@@ -36,18 +36,13 @@ import base64
 import hashlib
 import json
 import multiprocessing as mp
-import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from dapo_megatron.platform.distributed import free_port
 
 
 def _raw(t: torch.Tensor, digest: bool = False) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -31,11 +32,28 @@ own timeouts, e.g. ``rollout.server_silence_timeout_s``). Gloo fails the wait at
 process dies (its socket closes), so the bound only matters for a peer that hangs forever."""
 
 
+_issued_ports: set[int] = set()
+_issued_lock = threading.Lock()
+
+
 def free_port() -> int:
-    """An unused TCP port on 127.0.0.1 (for single-process and test worlds)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """An unused TCP port on 127.0.0.1 (for single-process and test worlds), never one this process
+    handed out before: the kernel may give a port it just gave again once its socket is closed, and
+    two listeners started at once on such a port collide (the second fails to bind, and its clients
+    reach the first: three rollout servers started together were seen to get two the same).
+
+    Raises:
+        RuntimeError: 100 ports in a row were ones handed out before.
+    """
+    with _issued_lock:
+        for _ in range(100):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            if port not in _issued_ports:
+                _issued_ports.add(port)
+                return port
+    raise RuntimeError("free_port: the kernel gave 100 ports this process had handed out already")
 
 
 def local_device_index() -> int:

@@ -3,7 +3,6 @@ token-mean invariance to micro-batching and DP (docs/design.md §3.4)."""
 
 import math
 import os
-import socket
 import tempfile
 
 import pytest
@@ -13,6 +12,7 @@ from hypothesis import strategies as st
 
 from dapo_megatron.algorithms import agg_loss, compute_policy_loss
 from dapo_megatron.algorithms.policy_loss import rollout_correction
+from dapo_megatron.platform.distributed import free_port
 
 # ---------------------------------------------------------------------------
 # Hand-computed example (ratios chosen to hit every branch), old_log_prob = 0
@@ -299,12 +299,6 @@ def test_token_mean_invariant_to_uneven_micro_batches(kw):
     assert _rel_err(naive, full) > 1e-2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _dp_worker(rank, world_size, port, out_dir, lengths_per_rank):
     import torch.distributed as dist
 
@@ -342,7 +336,7 @@ def test_token_mean_invariant_across_two_dp_ranks():
     lengths_per_rank = [[1, 2, 1], [15, 12]]  # rank 0: short responses, rank 1: long ones
     lengths = [n for r in lengths_per_rank for n in r]
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_dp_worker, args=(2, _free_port(), out_dir, lengths_per_rank), nprocs=2, join=True)
+        mp.spawn(_dp_worker, args=(2, free_port(), out_dir, lengths_per_rank), nprocs=2, join=True)
         result = torch.load(os.path.join(out_dir, "dp.pt"))
     tokens, old, adv, mask = _minibatch(lengths)
     assert result["n_global"] == sum(lengths)

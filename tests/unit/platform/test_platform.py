@@ -369,3 +369,38 @@ def test_collective_device_follows_the_group_backend(monkeypatch):
     assert pdist.collective_device() == torch.device("cuda", 2)
     monkeypatch.setattr(pdist, "group_backend", lambda group=None: "gloo")
     assert pdist.collective_device() == torch.device("cpu")
+
+
+def test_free_port_never_hands_out_a_port_twice(monkeypatch):
+    """The kernel may give a just-closed port again (three rollout servers started together got two
+    the same): ``free_port`` skips the ports it handed out before."""
+    import socket
+
+    from dapo_megatron.platform import distributed
+
+    given = iter([47001, 47001, 47002, 47001, 47002, 47003])  # what the kernel binds, in order
+
+    class Kernel:
+        def __init__(self, *args):
+            self.port = None
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def bind(self, address):
+            assert address == ("127.0.0.1", 0)
+            self.port = next(given)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(distributed, "_issued_ports", set())
+    monkeypatch.setattr(socket, "socket", Kernel)
+    assert [distributed.free_port() for _ in range(3)] == [47001, 47002, 47003]
+    monkeypatch.setattr(distributed, "_issued_ports", {47001})
+    given = iter([47001] * 100)
+    with pytest.raises(RuntimeError, match="100 ports"):
+        distributed.free_port()
